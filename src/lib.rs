@@ -1,0 +1,3 @@
+pub mod api {
+    tonic::include_proto!("v1beta1");
+}
