@@ -1,3 +1,18 @@
+//! gpu-node-agent: one privileged host agent that replaces the NVIDIA GPU Operator on a
+//! Kubernetes node. See DESIGN.md for the architecture; each module's docs say what it owns.
+
+/// The kubelet device plugin API, v1beta1, generated from the vendored proto.
 pub mod api {
+    #![allow(clippy::all, missing_docs)]
     tonic::include_proto!("v1beta1");
 }
+
+pub mod agent;
+pub mod cli;
+pub mod config;
+pub mod host;
+pub mod logging;
+pub mod nvml;
+pub mod plan;
+pub mod plugin;
+pub mod status;

@@ -1,1 +1,134 @@
-fn main(){}
+//! The `gpu-node-agent` binary: parses the command line and runs one command.
+
+use std::process::ExitCode;
+
+use clap::Parser;
+
+use gpu_node_agent::agent::{self, plan_device_plugin, summary};
+use gpu_node_agent::cli::{Cli, Command, ConfigCommand};
+use gpu_node_agent::config::Config;
+use gpu_node_agent::host::HostRoot;
+use gpu_node_agent::nvml::Gpus;
+use gpu_node_agent::status::{STATUS_FILE, Status, now_unix};
+use gpu_node_agent::{logging, plan};
+
+/// Exit code when NVML cannot be loaded or initialised (EX_UNAVAILABLE).
+const EXIT_NO_NVML: u8 = 69;
+/// Exit code when there is no status to show (LSB "program is not running").
+const EXIT_NO_STATUS: u8 = 3;
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let root = HostRoot::new(&cli.global.root);
+    if let Command::Version = cli.command {
+        println!("gpu-node-agent {}", env!("CARGO_PKG_VERSION"));
+        return ExitCode::SUCCESS;
+    }
+    // Config first: an invalid config exits before anything is touched.
+    let (config, files) = match Config::load(root.path(), cli.global.config.as_deref()) {
+        Ok(loaded) => loaded,
+        Err(e) => {
+            eprintln!("gpu-node-agent: invalid configuration: {e}");
+            return exit(e.exit_code());
+        }
+    };
+    match cli.command {
+        Command::Version => ExitCode::SUCCESS,
+        Command::Config { command: ConfigCommand::Check } => {
+            if files.is_empty() {
+                println!("# no config files found: defaults apply");
+            }
+            for file in &files {
+                println!("# read {file}");
+            }
+            match toml::to_string_pretty(&config) {
+                Ok(text) => {
+                    println!("{text}");
+                    ExitCode::SUCCESS
+                }
+                Err(e) => {
+                    eprintln!("gpu-node-agent: cannot print the effective config: {e}");
+                    ExitCode::FAILURE
+                }
+            }
+        }
+        Command::Status { json } => status(&config, &root, json),
+        Command::Plan { json } => {
+            logging::init(&config.log);
+            let gpus = match Gpus::open(&agent::nvml_library(&config, &root)) {
+                Ok(gpus) => gpus,
+                Err(e) => {
+                    eprintln!("gpu-node-agent: {e}");
+                    return ExitCode::from(EXIT_NO_NVML);
+                }
+            };
+            match plan_device_plugin(&gpus, &config, &root) {
+                Ok(p) if json => {
+                    println!("{}", plan::to_json(&p));
+                    ExitCode::SUCCESS
+                }
+                Ok(p) => {
+                    print!("{}", plan::render(&p, &config));
+                    ExitCode::SUCCESS
+                }
+                Err(e) => {
+                    eprintln!("gpu-node-agent: {e}");
+                    exit(e.exit_code())
+                }
+            }
+        }
+        Command::Run { once } => {
+            logging::init(&config.log);
+            tracing::info!("gpu-node-agent {} starting (root {}, config {})", env!("CARGO_PKG_VERSION"), root.path().display(),
+                if files.is_empty() { "defaults".to_string() } else { files.join(", ") });
+            let runtime = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
+                Ok(rt) => rt,
+                Err(e) => {
+                    eprintln!("gpu-node-agent: cannot start the async runtime: {e}");
+                    return ExitCode::FAILURE;
+                }
+            };
+            match runtime.block_on(agent::run(config, root, once)) {
+                Ok(code) => exit(code),
+                Err(e) => {
+                    tracing::error!("{e}");
+                    eprintln!("gpu-node-agent: {e}");
+                    let _ = summary;
+                    exit(e.exit_code())
+                }
+            }
+        }
+    }
+}
+
+fn status(config: &Config, root: &HostRoot, json: bool) -> ExitCode {
+    let path = root.join(&config.agent.run_dir).join(STATUS_FILE);
+    let text = match std::fs::read_to_string(&path) {
+        Ok(text) => text,
+        Err(e) => {
+            eprintln!(
+                "gpu-node-agent: no status at {} ({e}): is the agent running? (systemctl status gpu-node-agent)",
+                path.display()
+            );
+            return ExitCode::from(EXIT_NO_STATUS);
+        }
+    };
+    if json {
+        print!("{text}");
+        return ExitCode::SUCCESS;
+    }
+    match Status::parse(&text) {
+        Ok(status) => {
+            print!("{}", status.render(now_unix()));
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("gpu-node-agent: {} is not a status file this version understands: {e}", path.display());
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn exit(code: i32) -> ExitCode {
+    ExitCode::from(u8::try_from(code).unwrap_or(1))
+}

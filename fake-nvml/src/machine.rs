@@ -1,0 +1,268 @@
+//! The machine file: a TOML description of the simulated host (`FAKE_NVML_MACHINE`).
+//!
+//! Parsing rejects unknown keys and checks every cross-field rule (model known, MIG only on
+//! MIG models, unique UUIDs and bus ids, NVLink only on NVLink models). Pre-existing MIG
+//! devices are checked when the initial state is built from the machine
+//! ([`crate::state::State::from_machine`]).
+
+use std::collections::HashSet;
+
+use serde::Deserialize;
+
+use crate::ids::{BusId, default_gpu_uuid};
+use crate::models::{GpuModel, MODELS, model_by_key};
+
+/// The raw TOML document.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct MachineFile {
+    driver_version: String,
+    cuda_driver_version: i32,
+    nvml_version: Option<String>,
+    #[serde(default)]
+    gpu: Vec<GpuEntry>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct GpuEntry {
+    model: String,
+    uuid: Option<String>,
+    pci_bus_id: Option<String>,
+    numa_node: Option<u32>,
+    minor: Option<u32>,
+    #[serde(default)]
+    mig_mode: bool,
+    pcie_switch: Option<String>,
+    #[serde(default)]
+    nvlink_peers: Vec<String>,
+    #[serde(default)]
+    mig_device: Vec<MigDeviceEntry>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct MigDeviceEntry {
+    profile: String,
+    placement: Option<u32>,
+}
+
+/// A validated machine description.
+#[derive(Debug)]
+pub struct Machine {
+    /// `nvmlSystemGetDriverVersion`.
+    pub driver_version: String,
+    /// `nvmlSystemGetCudaDriverVersion(_v2)`, e.g. 12040.
+    pub cuda_driver_version: i32,
+    /// `nvmlSystemGetNVMLVersion`.
+    pub nvml_version: String,
+    /// The GPUs, in NVML index order.
+    pub gpus: Vec<GpuSpec>,
+}
+
+/// One GPU of the machine.
+#[derive(Debug)]
+pub struct GpuSpec {
+    /// Model and its tables.
+    pub model: &'static GpuModel,
+    /// `GPU-...` UUID.
+    pub uuid: String,
+    /// PCI address.
+    pub bus_id: BusId,
+    /// NUMA node, if the GPU has an affinity.
+    pub numa_node: Option<u32>,
+    /// `/dev/nvidia<minor>`.
+    pub minor: u32,
+    /// Initial MIG mode (current = pending).
+    pub mig_mode: bool,
+    /// PCIe switch name, for topology.
+    pub pcie_switch: Option<String>,
+    /// Remote end of each active NVLink, link 0 first.
+    pub nvlink_peers: Vec<BusId>,
+    /// MIG devices that exist when the state is first built.
+    pub mig_devices: Vec<MigDeviceSpec>,
+}
+
+/// A pre-existing MIG device from the machine file.
+#[derive(Debug, Clone)]
+pub struct MigDeviceSpec {
+    /// GPU-instance profile name (`3g.20gb`) or compute-instance form (`1c.3g.20gb`).
+    pub profile: String,
+    /// Start memory slice of the GPU instance, if given.
+    pub placement: Option<u32>,
+}
+
+impl Machine {
+    /// Parses and validates a machine file. The error is one line meant for stderr.
+    pub fn parse(text: &str) -> Result<Machine, String> {
+        let raw: MachineFile = toml::from_str(text).map_err(|e| one_line(&e.to_string()))?;
+        if raw.driver_version.trim().is_empty() {
+            return Err("driver_version must not be empty".into());
+        }
+        if raw.cuda_driver_version <= 0 {
+            return Err(format!(
+                "cuda_driver_version = {} is not valid: expected NVML's integer form, e.g. 12040",
+                raw.cuda_driver_version
+            ));
+        }
+        let nvml_version = raw
+            .nvml_version
+            .unwrap_or_else(|| format!("12.{}", raw.driver_version));
+        let mut gpus = Vec::with_capacity(raw.gpu.len());
+        let mut uuids = HashSet::new();
+        let mut buses = HashSet::new();
+        for (index, entry) in raw.gpu.into_iter().enumerate() {
+            let gpu = gpu_spec(index, entry).map_err(|e| format!("gpu[{index}]: {e}"))?;
+            if !uuids.insert(gpu.uuid.clone()) {
+                return Err(format!("gpu[{index}]: uuid {} is used twice", gpu.uuid));
+            }
+            if !buses.insert(gpu.bus_id) {
+                return Err(format!("gpu[{index}]: pci_bus_id {} is used twice", gpu.bus_id));
+            }
+            gpus.push(gpu);
+        }
+        Ok(Machine {
+            driver_version: raw.driver_version,
+            cuda_driver_version: raw.cuda_driver_version,
+            nvml_version,
+            gpus,
+        })
+    }
+
+    /// Index of the GPU with this bus id.
+    pub fn gpu_by_bus_id(&self, bus: &BusId) -> Option<usize> {
+        self.gpus.iter().position(|g| g.bus_id == *bus)
+    }
+}
+
+fn one_line(s: &str) -> String {
+    s.split_whitespace().collect::<Vec<_>>().join(" ")
+}
+
+fn gpu_spec(index: usize, e: GpuEntry) -> Result<GpuSpec, String> {
+    let model = model_by_key(&e.model).ok_or_else(|| {
+        let known: Vec<&str> = MODELS.iter().map(|m| m.key).collect();
+        format!("unknown model {:?}; known models: {}", e.model, known.join(", "))
+    })?;
+    let uuid = match e.uuid {
+        Some(u) => {
+            if !u.starts_with("GPU-") || u.len() > 80 || u.chars().any(char::is_whitespace) {
+                return Err(format!(
+                    "uuid {u:?} is not valid: expected GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx"
+                ));
+            }
+            u
+        }
+        None => default_gpu_uuid(model.key, index),
+    };
+    let bus_id = match e.pci_bus_id {
+        Some(s) => BusId::parse(&s).ok_or_else(|| {
+            format!("pci_bus_id {s:?} is not valid: expected e.g. \"00000000:07:00.0\"")
+        })?,
+        None => BusId {
+            domain: 0,
+            bus: u8::try_from(0x10 + index)
+                .map_err(|_| "too many GPUs for default pci_bus_id values".to_string())?,
+            device: 0,
+            function: 0,
+        },
+    };
+    if e.mig_mode && !model.has_mig() {
+        return Err(format!("mig_mode = true but model {} has no MIG", model.key));
+    }
+    if !e.mig_device.is_empty() && !e.mig_mode {
+        return Err("mig_device entries need mig_mode = true".into());
+    }
+    if !e.nvlink_peers.is_empty() && model.nvlink_links == 0 {
+        return Err(format!("nvlink_peers given but model {} has no NVLink", model.key));
+    }
+    if e.nvlink_peers.len() > model.nvlink_links as usize {
+        return Err(format!(
+            "{} nvlink_peers but model {} has only {} NVLink links",
+            e.nvlink_peers.len(),
+            model.key,
+            model.nvlink_links
+        ));
+    }
+    let nvlink_peers = e
+        .nvlink_peers
+        .iter()
+        .map(|s| {
+            let b = BusId::parse(s).ok_or_else(|| format!("nvlink_peers entry {s:?} is not a PCI bus id"))?;
+            if b == bus_id {
+                return Err(format!("nvlink_peers entry {s:?} is the GPU itself"));
+            }
+            Ok(b)
+        })
+        .collect::<Result<Vec<_>, String>>()?;
+    let mig_devices = e
+        .mig_device
+        .into_iter()
+        .map(|m| MigDeviceSpec {
+            profile: m.profile,
+            placement: m.placement,
+        })
+        .collect();
+    Ok(GpuSpec {
+        model,
+        uuid,
+        bus_id,
+        numa_node: e.numa_node,
+        minor: e.minor.unwrap_or(u32::try_from(index).unwrap_or(u32::MAX)),
+        mig_mode: e.mig_mode,
+        pcie_switch: e.pcie_switch,
+        nvlink_peers,
+        mig_devices,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_are_filled() {
+        let m = Machine::parse(
+            r#"
+            driver_version = "550.54.15"
+            cuda_driver_version = 12040
+            [[gpu]]
+            model = "T4"
+            [[gpu]]
+            model = "T4"
+            "#,
+        )
+        .unwrap();
+        assert_eq!(m.nvml_version, "12.550.54.15");
+        assert_eq!(m.gpus[1].bus_id.to_string(), "00000000:11:00.0");
+        assert_eq!(m.gpus[1].minor, 1);
+        assert_eq!(m.gpus[0].uuid, default_gpu_uuid("T4", 0));
+        assert!(m.gpus[0].numa_node.is_none());
+    }
+
+    #[test]
+    fn unknown_keys_and_bad_values_are_rejected() {
+        let base = "driver_version = \"550.54.15\"\ncuda_driver_version = 12040\n";
+        let cases = [
+            ("color = 1\n", "unknown field"),
+            ("[[gpu]]\nmodel = \"T4\"\nfoo = 1\n", "unknown field"),
+            ("[[gpu]]\nmodel = \"V100\"\n", "unknown model"),
+            ("[[gpu]]\nmodel = \"T4\"\nmig_mode = true\n", "has no MIG"),
+            ("[[gpu]]\nmodel = \"T4\"\nnvlink_peers = [\"0000:12:00.0\"]\n", "no NVLink"),
+            (
+                "[[gpu]]\nmodel = \"A100-SXM4-40GB\"\n[[gpu.mig_device]]\nprofile = \"1g.5gb\"\n",
+                "need mig_mode",
+            ),
+            (
+                "[[gpu]]\nmodel = \"T4\"\npci_bus_id = \"0000:07:00.0\"\n[[gpu]]\nmodel = \"T4\"\npci_bus_id = \"00000000:07:00.0\"\n",
+                "used twice",
+            ),
+        ];
+        for (extra, want) in cases {
+            let err = Machine::parse(&format!("{base}{extra}")).unwrap_err();
+            assert!(err.contains(want), "{extra:?}: {err}");
+            assert!(!err.contains('\n'));
+        }
+        assert!(Machine::parse("cuda_driver_version = 12040\n").is_err());
+    }
+}

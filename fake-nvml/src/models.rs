@@ -1,0 +1,425 @@
+//! The GPU models the fake knows, with their MIG profile tables.
+//!
+//! GPU-instance tables are the hardware tables from `nvidia-smi mig -lgip/-lgipp` (see
+//! `test-peers.md` §1.6): hardware profile ids (19/20/15/14/9/5/0), NVML profile *indices*
+//! (0/7/9/1/2/3/4), instance counts, engine counts, memory and placements in memory slices.
+//! Compute-instance profiles are derived from the GPU instance they live in (see
+//! [`ci_profiles`]).
+
+use nvml_wrapper_sys::bindings::{
+    NVML_DEVICE_ARCH_AMPERE, NVML_DEVICE_ARCH_HOPPER, NVML_DEVICE_ARCH_TURING,
+    nvmlBrandType_enum_NVML_BRAND_NVIDIA, nvmlBrandType_enum_NVML_BRAND_TESLA,
+};
+
+/// Number of memory slices on every MIG-capable model here.
+pub const MEMORY_SLICES: u32 = 8;
+/// Number of compute slices (GPCs usable by MIG) on every MIG-capable model here.
+pub const COMPUTE_SLICES: u32 = 7;
+/// Largest MIG device count (`nvmlDeviceGetMaxMigDeviceCount`) on MIG-capable models.
+pub const MAX_MIG_DEVICES: u32 = 7;
+
+/// One GPU model the machine file can name.
+#[derive(Debug)]
+pub struct GpuModel {
+    /// The key used in the machine file (`model = "..."`).
+    pub key: &'static str,
+    /// What `nvmlDeviceGetName` reports.
+    pub name: &'static str,
+    /// PCI device id (the high half of `pciDeviceId`; the low half is 0x10DE).
+    pub pci_device_id: u16,
+    /// `pciSubSystemId` as NVML reports it (subsystem id << 16 | subsystem vendor).
+    pub pci_subsystem_id: u32,
+    /// Total framebuffer in MiB.
+    pub memory_mib: u64,
+    /// CUDA compute capability (major, minor).
+    pub compute_capability: (i32, i32),
+    /// `nvmlDeviceArchitecture_t`.
+    pub architecture: u32,
+    /// `nvmlBrandType_t`.
+    pub brand: u32,
+    /// Streaming multiprocessors of the whole GPU.
+    pub sm_count: u32,
+    /// Copy engines, decoders, encoders, JPEG decoders and OFAs of the whole GPU.
+    pub engines: Engines,
+    /// NVLink links the part has; 0 means no NVLink (calls answer NOT_SUPPORTED).
+    pub nvlink_links: u32,
+    /// Idle power draw reported by `nvmlDeviceGetPowerUsage`, in milliwatts.
+    pub idle_power_mw: u32,
+    /// GPU-instance profiles; empty when the model has no MIG.
+    pub gi_profiles: &'static [GiProfile],
+}
+
+impl GpuModel {
+    /// Whether the model supports MIG at all.
+    pub fn has_mig(&self) -> bool {
+        !self.gi_profiles.is_empty()
+    }
+
+    /// GPU-instance profile by hardware profile id (what creation calls take).
+    pub fn gi_profile_by_id(&self, id: u32) -> Option<&'static GiProfile> {
+        self.gi_profiles.iter().find(|p| p.id == id)
+    }
+
+    /// GPU-instance profile by NVML profile index (`NVML_GPU_INSTANCE_PROFILE_*`).
+    pub fn gi_profile_by_index(&self, index: u32) -> Option<&'static GiProfile> {
+        self.gi_profiles.iter().find(|p| p.index == index)
+    }
+
+    /// GPU-instance profile by its name, e.g. `3g.20gb`.
+    pub fn gi_profile_by_name(&self, name: &str) -> Option<&'static GiProfile> {
+        self.gi_profiles.iter().find(|p| p.name == name)
+    }
+}
+
+/// Engine counts of a GPU, GPU instance or compute instance.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Engines {
+    /// Copy engines.
+    pub ce: u32,
+    /// Video decoders.
+    pub dec: u32,
+    /// Video encoders.
+    pub enc: u32,
+    /// JPEG decoders.
+    pub jpeg: u32,
+    /// Optical flow accelerators.
+    pub ofa: u32,
+}
+
+/// One GPU-instance profile of a model.
+#[derive(Debug)]
+pub struct GiProfile {
+    /// NVML profile index (`NVML_GPU_INSTANCE_PROFILE_1_SLICE` = 0, ...).
+    pub index: u32,
+    /// Hardware profile id (what `nvmlDeviceCreateGpuInstance` takes).
+    pub id: u32,
+    /// Profile name without the `MIG ` prefix, e.g. `1g.5gb`.
+    pub name: &'static str,
+    /// How many instances of this profile fit on an empty GPU.
+    pub instance_count: u32,
+    /// Compute slices (the `Ng` in the name).
+    pub slices: u32,
+    /// Streaming multiprocessors.
+    pub sm: u32,
+    /// Engine counts.
+    pub engines: Engines,
+    /// Memory in MiB as NVML reports `memorySizeMB`.
+    pub memory_mib: u64,
+    /// Memory slices the instance occupies (the placement `size`).
+    pub mem_size: u32,
+    /// Valid placement starts, in memory slices.
+    pub starts: &'static [u32],
+}
+
+/// One compute-instance profile inside a GPU instance of a given profile.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CiProfile {
+    /// NVML compute-instance profile index; also the profile id NVML reports.
+    pub index: u32,
+    /// Compute slices the compute instance uses.
+    pub slices: u32,
+    /// How many fit into an empty GPU instance.
+    pub instance_count: u32,
+    /// Streaming multiprocessors.
+    pub sm: u32,
+    /// Valid placement starts, in compute slices of the GPU instance.
+    pub starts: Vec<u32>,
+    /// Name without the `MIG ` prefix: `1c.3g.20gb`, or the GI name for the full-size one.
+    pub name: String,
+}
+
+const fn eng(ce: u32, dec: u32, enc: u32, jpeg: u32, ofa: u32) -> Engines {
+    Engines {
+        ce,
+        dec,
+        enc,
+        jpeg,
+        ofa,
+    }
+}
+
+const ONE_SLICE_STARTS: &[u32] = &[0, 1, 2, 3, 4, 5, 6];
+const TWO_SLICE_STARTS: &[u32] = &[0, 2, 4];
+const DOUBLE_MEM_ONE_SLICE_STARTS: &[u32] = &[0, 2, 4, 6];
+const HALF_STARTS: &[u32] = &[0, 4];
+const ZERO_START: &[u32] = &[0];
+
+#[allow(clippy::too_many_arguments)]
+const fn gi(
+    index: u32,
+    id: u32,
+    name: &'static str,
+    instance_count: u32,
+    slices: u32,
+    sm: u32,
+    engines: Engines,
+    memory_mib: u64,
+    mem_size: u32,
+    starts: &'static [u32],
+) -> GiProfile {
+    GiProfile {
+        index,
+        id,
+        name,
+        instance_count,
+        slices,
+        sm,
+        engines,
+        memory_mib,
+        mem_size,
+        starts,
+    }
+}
+
+/// A100-SXM4-40GB, memory sizes as older drivers report them (4.75/9.62/19.50/39.25 GiB).
+static A100_40GB_PROFILES: [GiProfile; 7] = [
+    gi(0, 19, "1g.5gb", 7, 1, 14, eng(1, 0, 0, 0, 0), 4864, 1, ONE_SLICE_STARTS),
+    gi(7, 20, "1g.5gb+me", 1, 1, 14, eng(1, 1, 0, 1, 1), 4864, 1, ONE_SLICE_STARTS),
+    gi(9, 15, "1g.10gb", 4, 1, 14, eng(1, 1, 0, 0, 0), 9856, 2, DOUBLE_MEM_ONE_SLICE_STARTS),
+    gi(1, 14, "2g.10gb", 3, 2, 28, eng(2, 1, 0, 0, 0), 9856, 2, TWO_SLICE_STARTS),
+    gi(2, 9, "3g.20gb", 2, 3, 42, eng(3, 2, 0, 0, 0), 19968, 4, HALF_STARTS),
+    gi(3, 5, "4g.20gb", 1, 4, 56, eng(4, 2, 0, 0, 0), 19968, 4, ZERO_START),
+    gi(4, 0, "7g.40gb", 1, 7, 98, eng(7, 5, 0, 1, 1), 40192, 8, ZERO_START),
+];
+
+/// A100-SXM4-80GB: same ids, counts, SMs and placements as the 40GB part; memory and the
+/// 1g.10gb decoder count as a real A100-80GB listing shows them.
+static A100_80GB_PROFILES: [GiProfile; 7] = [
+    gi(0, 19, "1g.10gb", 7, 1, 14, eng(1, 0, 0, 0, 0), 9728, 1, ONE_SLICE_STARTS),
+    gi(7, 20, "1g.10gb+me", 1, 1, 14, eng(1, 1, 0, 1, 1), 9728, 1, ONE_SLICE_STARTS),
+    gi(9, 15, "1g.20gb", 4, 1, 14, eng(1, 1, 0, 0, 0), 19968, 2, DOUBLE_MEM_ONE_SLICE_STARTS),
+    gi(1, 14, "2g.20gb", 3, 2, 28, eng(2, 1, 0, 0, 0), 19968, 2, TWO_SLICE_STARTS),
+    gi(2, 9, "3g.40gb", 2, 3, 42, eng(3, 2, 0, 0, 0), 40192, 4, HALF_STARTS),
+    gi(3, 5, "4g.40gb", 1, 4, 56, eng(4, 2, 0, 0, 0), 40192, 4, ZERO_START),
+    gi(4, 0, "7g.80gb", 1, 7, 98, eng(7, 5, 0, 1, 1), 81152, 8, ZERO_START),
+];
+
+/// H100 80GB HBM3 (SXM5), the hardware table (not go-nvml's mock table).
+static H100_80GB_PROFILES: [GiProfile; 7] = [
+    gi(0, 19, "1g.10gb", 7, 1, 16, eng(1, 1, 0, 1, 0), 9984, 1, ONE_SLICE_STARTS),
+    gi(7, 20, "1g.10gb+me", 1, 1, 16, eng(1, 1, 0, 1, 1), 9984, 1, ONE_SLICE_STARTS),
+    gi(9, 15, "1g.20gb", 4, 1, 26, eng(1, 1, 0, 1, 0), 20096, 2, DOUBLE_MEM_ONE_SLICE_STARTS),
+    gi(1, 14, "2g.20gb", 3, 2, 32, eng(2, 2, 0, 2, 0), 20096, 2, TWO_SLICE_STARTS),
+    gi(2, 9, "3g.40gb", 2, 3, 60, eng(3, 3, 0, 3, 0), 40448, 4, HALF_STARTS),
+    gi(3, 5, "4g.40gb", 1, 4, 64, eng(4, 4, 0, 4, 0), 40448, 4, ZERO_START),
+    gi(4, 0, "7g.80gb", 1, 7, 132, eng(8, 7, 0, 7, 1), 81152, 8, ZERO_START),
+];
+
+/// Every model the fake simulates.
+pub static MODELS: [GpuModel; 4] = [
+    GpuModel {
+        key: "A100-SXM4-40GB",
+        name: "NVIDIA A100-SXM4-40GB",
+        pci_device_id: 0x20B0,
+        pci_subsystem_id: 0x134F_10DE,
+        memory_mib: 40960,
+        compute_capability: (8, 0),
+        architecture: NVML_DEVICE_ARCH_AMPERE,
+        brand: nvmlBrandType_enum_NVML_BRAND_NVIDIA,
+        sm_count: 108,
+        engines: eng(7, 5, 0, 1, 1),
+        nvlink_links: 12,
+        idle_power_mw: 54_000,
+        gi_profiles: &A100_40GB_PROFILES,
+    },
+    GpuModel {
+        key: "A100-SXM4-80GB",
+        name: "NVIDIA A100-SXM4-80GB",
+        pci_device_id: 0x20B2,
+        pci_subsystem_id: 0x147F_10DE,
+        memory_mib: 81920,
+        compute_capability: (8, 0),
+        architecture: NVML_DEVICE_ARCH_AMPERE,
+        brand: nvmlBrandType_enum_NVML_BRAND_NVIDIA,
+        sm_count: 108,
+        engines: eng(7, 5, 0, 1, 1),
+        nvlink_links: 12,
+        idle_power_mw: 62_000,
+        gi_profiles: &A100_80GB_PROFILES,
+    },
+    GpuModel {
+        key: "H100-80GB-HBM3",
+        name: "NVIDIA H100 80GB HBM3",
+        pci_device_id: 0x2330,
+        pci_subsystem_id: 0x16C1_10DE,
+        memory_mib: 81559,
+        compute_capability: (9, 0),
+        architecture: NVML_DEVICE_ARCH_HOPPER,
+        brand: nvmlBrandType_enum_NVML_BRAND_NVIDIA,
+        sm_count: 132,
+        engines: eng(8, 7, 0, 7, 1),
+        nvlink_links: 18,
+        idle_power_mw: 71_000,
+        gi_profiles: &H100_80GB_PROFILES,
+    },
+    GpuModel {
+        key: "T4",
+        name: "Tesla T4",
+        pci_device_id: 0x1EB8,
+        pci_subsystem_id: 0x12A2_10DE,
+        memory_mib: 15360,
+        compute_capability: (7, 5),
+        architecture: NVML_DEVICE_ARCH_TURING,
+        brand: nvmlBrandType_enum_NVML_BRAND_TESLA,
+        sm_count: 40,
+        engines: eng(3, 2, 1, 0, 0),
+        nvlink_links: 0,
+        idle_power_mw: 14_000,
+        gi_profiles: &[],
+    },
+];
+
+/// Looks a model up by its machine-file key.
+pub fn model_by_key(key: &str) -> Option<&'static GpuModel> {
+    MODELS.iter().find(|m| m.key == key)
+}
+
+/// NVML compute-instance profile index for a compute instance of `slices` compute slices
+/// (`NVML_COMPUTE_INSTANCE_PROFILE_1_SLICE` = 0, `2_SLICE` = 1, `3_SLICE` = 2, `4_SLICE` = 3,
+/// `7_SLICE` = 4).
+fn ci_index_for_slices(slices: u32) -> Option<u32> {
+    match slices {
+        1 => Some(0),
+        2 => Some(1),
+        3 => Some(2),
+        4 => Some(3),
+        7 => Some(4),
+        _ => None,
+    }
+}
+
+/// Compute-instance profiles available inside a GPU instance of profile `gi`.
+///
+/// The sizes follow `nvidia-smi mig -lcip` on A100: a 1g GI offers only the full CI; 2g offers
+/// 1c and 2g; 3g offers 1c, 2c, 3g; 4g offers 1c, 2c, 4g; 7g offers 1c, 2c, 3c, 4c, 7g.
+/// Placements of a `k`-slice CI start at multiples of `k` and must fit inside the GI.
+/// SMs are the GI's SMs scaled by `k / n` (exact on A100; an approximation on H100, whose
+/// GPCs are uneven). Shared engines are the GI's, so they are not stored per CI profile.
+pub fn ci_profiles(gi: &GiProfile) -> Vec<CiProfile> {
+    let n = gi.slices;
+    let sizes: &[u32] = match n {
+        1 => &[1],
+        2 => &[1, 2],
+        3 => &[1, 2, 3],
+        4 => &[1, 2, 4],
+        _ => &[1, 2, 3, 4, 7],
+    };
+    sizes
+        .iter()
+        .filter_map(|&k| {
+            let index = ci_index_for_slices(k)?;
+            let starts: Vec<u32> = (0..n).step_by(k as usize).filter(|s| s + k <= n).collect();
+            let name = if k == n {
+                gi.name.to_string()
+            } else {
+                format!("{k}c.{}", gi.name)
+            };
+            Some(CiProfile {
+                index,
+                slices: k,
+                instance_count: u32::try_from(starts.len()).unwrap_or(u32::MAX),
+                sm: gi.sm * k / n,
+                starts,
+                name,
+            })
+        })
+        .collect()
+}
+
+/// Compute-instance profile by NVML index inside a GPU instance of profile `gi`.
+pub fn ci_profile_by_index(gi: &GiProfile, index: u32) -> Option<CiProfile> {
+    ci_profiles(gi).into_iter().find(|c| c.index == index)
+}
+
+/// The GPU-instance id the fake assigns to an instance at `start` occupying `mem_size`
+/// memory slices.
+///
+/// Real drivers assign ids from a fixed table keyed by placement, not by creation order
+/// (H100: 1g placements 0..6 were ids 7..13). The fake uses a binary-tree numbering of the
+/// 8 memory slices: size 8 -> 0; size 4 at 0/4 -> 1/2; size 2 at 0/2/4/6 -> 3..6;
+/// size 1 at 0..7 -> 7..14. Two instances that can coexist never overlap, so they never share
+/// an id.
+pub fn gi_id_for(start: u32, mem_size: u32) -> u32 {
+    match mem_size {
+        8 => 0,
+        4 => 1 + start / 4,
+        2 => 3 + start / 2,
+        _ => 7 + start,
+    }
+}
+
+/// The compute-instance id the fake assigns inside a GPU instance with `gi_slices` compute
+/// slices, for a CI of `slices` at `start`.
+///
+/// Ids enumerate every (size, start) pair the GI offers, largest size first, then by start:
+/// the full-size CI is always id 0 (as on hardware), then e.g. on a 3g GI: 2c@0 -> 1,
+/// 1c@0/1/2 -> 2/3/4. Coexisting CIs never share an id.
+pub fn ci_id_for(gi: &GiProfile, slices: u32, start: u32) -> u32 {
+    let mut profiles = ci_profiles(gi);
+    profiles.sort_by(|a, b| b.slices.cmp(&a.slices));
+    let mut id = 0;
+    for p in &profiles {
+        for &s in &p.starts {
+            if p.slices == slices && s == start {
+                return id;
+            }
+            id += 1;
+        }
+    }
+    id
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_model_key_is_unique_and_findable() {
+        for m in &MODELS {
+            assert_eq!(model_by_key(m.key).map(|x| x.key), Some(m.key));
+        }
+    }
+
+    #[test]
+    fn gi_tables_are_consistent() {
+        for m in MODELS.iter().filter(|m| m.has_mig()) {
+            for p in m.gi_profiles {
+                assert_eq!(m.gi_profile_by_id(p.id).map(|x| x.index), Some(p.index));
+                for &s in p.starts {
+                    assert!(s + p.mem_size <= MEMORY_SLICES, "{} {}", m.key, p.name);
+                    // compute slices [start, start + slices) stay inside 0..7
+                    assert!(s + p.slices <= COMPUTE_SLICES, "{} {}", m.key, p.name);
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn gi_ids_match_h100_observation() {
+        let ids: Vec<u32> = (0..7).map(|s| gi_id_for(s, 1)).collect();
+        assert_eq!(ids, vec![7, 8, 9, 10, 11, 12, 13]);
+        assert_eq!(gi_id_for(0, 8), 0);
+        assert_eq!(gi_id_for(4, 4), 2);
+        assert_eq!(gi_id_for(6, 2), 6);
+    }
+
+    #[test]
+    fn ci_profiles_follow_lcip() {
+        let a100 = model_by_key("A100-SXM4-40GB").unwrap();
+        let g3 = a100.gi_profile_by_name("3g.20gb").unwrap();
+        let cis = ci_profiles(g3);
+        let summary: Vec<(u32, u32, u32, u32)> = cis
+            .iter()
+            .map(|c| (c.index, c.slices, c.instance_count, c.sm))
+            .collect();
+        assert_eq!(summary, vec![(0, 1, 3, 14), (1, 2, 1, 28), (2, 3, 1, 42)]);
+        assert_eq!(cis[0].name, "1c.3g.20gb");
+        assert_eq!(cis[2].name, "3g.20gb");
+        let g4 = a100.gi_profile_by_name("4g.20gb").unwrap();
+        let idx: Vec<u32> = ci_profiles(g4).iter().map(|c| c.index).collect();
+        assert_eq!(idx, vec![0, 1, 3]);
+        assert_eq!(ci_id_for(g3, 3, 0), 0);
+        assert_eq!(ci_id_for(g3, 2, 0), 1);
+        assert_eq!(ci_id_for(g3, 1, 2), 4);
+    }
+}

@@ -1,0 +1,467 @@
+//! The reconcile loop: stages in order (this release has the device-plugin stage; driver,
+//! runtime and MIG stages slot in before it), health events, periodic resync, status reporting,
+//! and a clean stop on SIGTERM.
+
+use std::collections::BTreeSet;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Instant;
+
+use tokio::signal::unix::{SignalKind, signal};
+use tokio::sync::{mpsc, watch};
+
+use crate::config::Config;
+use crate::host::{HostRoot, hostname};
+use crate::nvml::{GpuError, Gpus, HealthEvent, Inventory};
+use crate::plugin::allocate::AllocateOptions;
+use crate::plugin::devnodes::DeviceNodes;
+use crate::plugin::health::{HealthPolicy, HealthTracker};
+use crate::plugin::manager::{Command, PluginManager, PluginStatus};
+use crate::plugin::preferred::{SharedPolicy, Topology};
+use crate::plugin::resources::{Health, Resource};
+use crate::plugin::server::{PluginContext, PluginStats};
+use crate::plugin::strategy::{StrategyError, build_resources, mig_plugin_devices, whole_gpu};
+use crate::status::{GpuStatus, MigStatus, STATUS_VERSION, StageState, StageStatus, Status, now_unix};
+
+/// Stage names as they appear in status and logs.
+pub const STAGE_DEVICE_PLUGIN: &str = "device-plugin";
+
+/// Why the agent stopped with an error.
+#[derive(Debug, thiserror::Error)]
+pub enum AgentError {
+    #[error("{0}")]
+    Nvml(#[from] GpuError),
+    #[error("{0}")]
+    Strategy(#[from] StrategyError),
+    #[error("cannot install signal handlers: {0}")]
+    Signals(std::io::Error),
+    #[error("cannot start the NVML health watcher thread: {0}")]
+    HealthThread(std::io::Error),
+}
+
+impl AgentError {
+    /// Exit code: 69 (EX_UNAVAILABLE) when NVML is missing, 1 otherwise.
+    pub fn exit_code(&self) -> i32 {
+        match self {
+            AgentError::Nvml(_) => 69,
+            _ => 1,
+        }
+    }
+}
+
+/// The health policy the config describes.
+pub fn health_policy(config: &Config) -> HealthPolicy {
+    let h = &config.health;
+    HealthPolicy {
+        enabled: h.enabled,
+        ignored_xids: h.ignored_xids.iter().map(|x| u64::from(*x)).collect(),
+        critical_xids: h.critical_xids.iter().map(|x| u64::from(*x)).collect(),
+        recovery_after: (!h.recovery_after.is_zero()).then_some(h.recovery_after),
+    }
+}
+
+/// The Allocate options the config describes, with host paths under the root.
+pub fn allocate_options(config: &Config) -> AllocateOptions {
+    let dp = &config.device_plugin;
+    AllocateOptions {
+        strategies: dp.device_list_strategy.as_slice().to_vec(),
+        id_strategy: dp.device_id_strategy,
+        pass_device_specs: dp.pass_device_specs,
+        cdi_annotation_prefix: dp.cdi_annotation_prefix.clone(),
+        cdi_kind: dp.cdi_kind.clone(),
+        // Device specs name paths on the host as the container runtime sees them: the real
+        // dev_root, not our --root prefix (which only exists for building images and tests).
+        dev_root: dp.dev_root.clone(),
+        host_mounts_driver_dir: dp.host_mounts_driver_dir.clone(),
+        host_mounts_container_dir: dp.host_mounts_container_dir.clone(),
+        fail_requests_greater_than_one: false,
+    }
+}
+
+/// The NVML library to load: a soname as-is, a path under the root.
+pub fn nvml_library(config: &Config, root: &HostRoot) -> PathBuf {
+    config.nvml.library_path(root.path())
+}
+
+/// Everything `plan` prints and the daemon applies for the device plugin.
+#[derive(Debug, Clone)]
+pub struct DevicePluginPlan {
+    pub inventory: Inventory,
+    pub resources: Vec<Resource>,
+}
+
+/// Reads the inventory and computes the resources to advertise (no side effects).
+pub fn plan_device_plugin(gpus: &Gpus, config: &Config, root: &HostRoot) -> Result<DevicePluginPlan, AgentError> {
+    let inventory = gpus.inventory(&root.join("/sys"))?;
+    let resources = build_resources(&inventory, config.device_plugin.mig_strategy)?;
+    Ok(DevicePluginPlan { inventory, resources })
+}
+
+struct Stage {
+    status: StageStatus,
+}
+
+impl Stage {
+    fn new(name: &str) -> Stage {
+        Stage {
+            status: StageStatus { name: name.into(), state: StageState::Pending, since: now_unix(), error: None, detail: None },
+        }
+    }
+
+    fn set(&mut self, state: StageState, error: Option<String>, detail: Option<String>) {
+        if self.status.state != state {
+            self.status.since = now_unix();
+            tracing::info!(stage = %self.status.name, "stage {} is now {:?}", self.status.name, state);
+        }
+        self.status.state = state;
+        self.status.error = error;
+        self.status.detail = detail;
+    }
+}
+
+/// The running agent's state.
+struct Agent {
+    config: Config,
+    root: HostRoot,
+    once: bool,
+    node: String,
+    gpus: Option<Gpus>,
+    inventory: Option<Inventory>,
+    tracker: HealthTracker,
+    stage: Stage,
+    plugin_status: PluginStatus,
+    commands: Option<mpsc::Sender<Command>>,
+    health_tx: mpsc::UnboundedSender<HealthEvent>,
+    health_stop: Option<Arc<AtomicBool>>,
+    watched: BTreeSet<String>,
+    base_ctx: PluginContext,
+    last_status: Option<Status>,
+}
+
+/// Runs the agent until SIGTERM/SIGINT (or one pass with `once`). Returns the process exit code.
+pub async fn run(config: Config, root: HostRoot, once: bool) -> Result<i32, AgentError> {
+    let mut sigterm = signal(SignalKind::terminate()).map_err(AgentError::Signals)?;
+    let mut sigint = signal(SignalKind::interrupt()).map_err(AgentError::Signals)?;
+    let mut sighup = signal(SignalKind::hangup()).map_err(AgentError::Signals)?;
+
+    let (health_tx, mut health_rx) = mpsc::unbounded_channel();
+    let base_ctx = PluginContext {
+        allocate: allocate_options(&config),
+        nodes: DeviceNodes::gather(&root.join(&config.device_plugin.dev_root), &root.join("/proc")),
+        topology: Topology::new(),
+        shared_policy: SharedPolicy::Distributed,
+    };
+    let mut agent = Agent {
+        tracker: HealthTracker::new(health_policy(&config)),
+        node: hostname(&root),
+        stage: Stage::new(STAGE_DEVICE_PLUGIN),
+        config,
+        root,
+        once,
+        gpus: None,
+        inventory: None,
+        plugin_status: PluginStatus::default(),
+        commands: None,
+        health_tx,
+        health_stop: None,
+        watched: BTreeSet::new(),
+        base_ctx,
+        last_status: None,
+    };
+
+    // The plugin manager serves and registers; it runs for the whole life of the daemon.
+    let stats = Arc::new(PluginStats::default());
+    let (mut plugin_rx, manager_task) = if once || !agent.config.device_plugin.enabled {
+        let (_tx, rx) = watch::channel(PluginStatus::default());
+        (rx, None)
+    } else {
+        let dir = agent.root.join(&agent.config.kubelet.device_plugin_dir);
+        let (manager, status_rx) =
+            PluginManager::new(dir, agent.config.kubelet.register_timeout, Arc::new(agent.base_ctx.clone()), stats);
+        let (tx, rx) = mpsc::channel(16);
+        agent.commands = Some(tx);
+        (status_rx, Some(tokio::spawn(manager.run(rx))))
+    };
+
+    // NVML: fatal when fail_on_init_error, else retried in the loop below.
+    if let Err(e) = agent.open_nvml() {
+        if agent.config.nvml.fail_on_init_error || once {
+            agent.stage.set(StageState::Failed, Some(e.to_string()), None);
+            agent.write_status("stopped");
+            return Err(e);
+        }
+        tracing::error!("{e}; running with no devices and retrying every {:?} ([nvml] fail_on_init_error = false)", agent.config.nvml.retry_interval);
+    }
+    agent.reconcile().await;
+
+    if once {
+        agent.write_status("once");
+        return Ok(if agent.stage.status.state == StageState::Failed { 1 } else { 0 });
+    }
+
+    let mut resync = tokio::time::interval_at(
+        tokio::time::Instant::now() + agent.config.agent.resync_interval,
+        agent.config.agent.resync_interval,
+    );
+    let mut nvml_retry = tokio::time::interval(agent.config.nvml.retry_interval);
+    nvml_retry.tick().await;
+    loop {
+        let expiry = agent.tracker.next_expiry();
+        tokio::select! {
+            _ = sigterm.recv() => { tracing::info!("SIGTERM: stopping"); break; }
+            _ = sigint.recv() => { tracing::info!("SIGINT: stopping"); break; }
+            _ = sighup.recv() => { tracing::info!("SIGHUP: re-reading the inventory"); agent.reconcile().await; }
+            Some(event) = health_rx.recv() => {
+                let mut changed = agent.tracker.on_event(&event, Instant::now());
+                // Drain what else is queued so a burst gives one update.
+                while let Ok(event) = health_rx.try_recv() {
+                    changed |= agent.tracker.on_event(&event, Instant::now());
+                }
+                if changed { agent.push_resources().await; }
+            }
+            () = sleep_until(expiry) => {
+                if agent.tracker.expire(Instant::now()) { agent.push_resources().await; }
+            }
+            _ = resync.tick() => agent.reconcile().await,
+            _ = nvml_retry.tick(), if agent.gpus.is_none() => {
+                match agent.open_nvml() {
+                    Ok(()) => agent.reconcile().await,
+                    Err(e) => tracing::warn!("NVML still unavailable: {e}"),
+                }
+            }
+            Ok(()) = plugin_rx.changed() => {
+                agent.plugin_status = plugin_rx.borrow_and_update().clone();
+                agent.update_stage();
+                agent.write_status("running");
+            }
+        }
+    }
+
+    // Stop: the manager stops every server and removes its sockets when its channel closes.
+    agent.commands = None;
+    if let Some(task) = manager_task {
+        let _ = task.await;
+    }
+    if let Some(stop) = agent.health_stop.take() {
+        stop.store(true, Ordering::Relaxed);
+    }
+    agent.plugin_status = plugin_rx.borrow().clone();
+    agent.write_status("stopped");
+    Ok(0)
+}
+
+async fn sleep_until(at: Option<Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(at.into()).await,
+        None => std::future::pending().await,
+    }
+}
+
+impl Agent {
+    fn open_nvml(&mut self) -> Result<(), AgentError> {
+        let library = nvml_library(&self.config, &self.root);
+        match Gpus::open(&library) {
+            Ok(gpus) => {
+                tracing::info!("NVML loaded from {}", library.display());
+                self.gpus = Some(gpus);
+                Ok(())
+            }
+            Err(e) => {
+                self.stage.set(StageState::Failed, Some(e.to_string()), None);
+                self.write_status("running");
+                Err(e.into())
+            }
+        }
+    }
+
+    /// One pass over the stages: re-read the inventory and advertise what it gives.
+    async fn reconcile(&mut self) {
+        let Some(gpus) = self.gpus.clone() else { return };
+        if !self.config.device_plugin.enabled {
+            self.stage.set(StageState::Disabled, None, Some("[device_plugin] enabled = false".into()));
+            self.write_status("running");
+            return;
+        }
+        match plan_device_plugin(&gpus, &self.config, &self.root) {
+            Ok(plan) => {
+                if self.inventory.as_ref() != Some(&plan.inventory) {
+                    tracing::info!(
+                        "inventory: driver {}, CUDA {}, {} GPU(s); advertising {}",
+                        plan.inventory.driver_version,
+                        plan.inventory.cuda_driver_version,
+                        plan.inventory.gpus.len(),
+                        plan.resources.iter().map(|r| format!("{} ×{}", r.name, r.devices.len())).collect::<Vec<_>>().join(", ")
+                    );
+                    self.base_ctx.topology = gpus.topology(&plan.inventory);
+                    self.inventory = Some(plan.inventory);
+                    self.watch_health(&gpus);
+                }
+                self.push_resources().await;
+            }
+            Err(e) => {
+                tracing::error!("device plugin stage failed: {e}");
+                self.stage.set(StageState::Failed, Some(e.to_string()), None);
+                if let Some(tx) = &self.commands {
+                    let _ = tx.send(Command::Set { resources: Vec::new(), ctx: Arc::new(self.base_ctx.clone()) }).await;
+                }
+                self.write_status("running");
+            }
+        }
+    }
+
+    /// (Re)starts the NVML health watcher when the set of GPUs changed.
+    fn watch_health(&mut self, gpus: &Gpus) {
+        if self.once {
+            return;
+        }
+        let uuids: BTreeSet<String> = self.inventory.iter().flat_map(|i| i.gpus.iter().map(|g| g.uuid.clone())).collect();
+        if uuids == self.watched && self.health_stop.is_some() {
+            return;
+        }
+        if let Some(stop) = self.health_stop.take() {
+            stop.store(true, Ordering::Relaxed);
+        }
+        let stop = Arc::new(AtomicBool::new(false));
+        let interval = self.config.health.lost_check_interval;
+        match gpus.watch_health(uuids.iter().cloned().collect(), interval, self.health_tx.clone(), stop.clone()) {
+            Ok(_) => {
+                self.health_stop = Some(stop);
+                self.watched = uuids;
+            }
+            Err(e) => tracing::error!("{}", AgentError::HealthThread(e)),
+        }
+    }
+
+    /// The resources from the current inventory with current health applied.
+    fn resources(&self) -> Result<Vec<Resource>, StrategyError> {
+        let Some(inventory) = &self.inventory else { return Ok(Vec::new()) };
+        let mut resources = build_resources(inventory, self.config.device_plugin.mig_strategy)?;
+        for resource in &mut resources {
+            for device in resource.devices.values_mut() {
+                device.health = self.tracker.health(device);
+            }
+        }
+        Ok(resources)
+    }
+
+    async fn push_resources(&mut self) {
+        let resources = match self.resources() {
+            Ok(r) => r,
+            Err(e) => {
+                self.stage.set(StageState::Failed, Some(e.to_string()), None);
+                self.write_status("running");
+                return;
+            }
+        };
+        if self.once {
+            let detail = summary(&resources);
+            self.stage.set(StageState::Skipped, None, Some(format!("run --once does not serve the kubelet; would advertise {detail}")));
+        } else if let Some(tx) = &self.commands {
+            let _ = tx.send(Command::Set { resources, ctx: Arc::new(self.base_ctx.clone()) }).await;
+        }
+        self.update_stage();
+        self.write_status("running");
+    }
+
+    /// The device-plugin stage state from what the manager reports.
+    fn update_stage(&mut self) {
+        if self.once || self.gpus.is_none() || self.stage.status.state == StageState::Disabled {
+            return;
+        }
+        if let Err(e) = self.resources() {
+            self.stage.set(StageState::Failed, Some(e.to_string()), None);
+            return;
+        }
+        let p = &self.plugin_status;
+        let errors: Vec<String> = p.resources.iter().filter_map(|r| r.error.clone()).collect();
+        let registered = p.resources.iter().filter(|r| r.registered).count();
+        let devices: usize = p.resources.iter().map(|r| r.devices).sum();
+        let detail = format!("{registered}/{} resource(s) registered, {devices} device(s)", p.resources.len());
+        if !p.kubelet_present {
+            let dir = self.config.kubelet.device_plugin_dir.display();
+            self.stage.set(StageState::Pending, Some(format!("waiting for the kubelet ({dir}/kubelet.sock)")), Some(detail));
+        } else if !errors.is_empty() {
+            self.stage.set(StageState::Pending, Some(errors.join("; ")), Some(detail));
+        } else if registered == p.resources.len() {
+            self.stage.set(StageState::Ok, None, Some(detail));
+        } else {
+            self.stage.set(StageState::Pending, None, Some(detail));
+        }
+    }
+
+    fn write_status(&mut self, state: &str) {
+        let gpus = self
+            .inventory
+            .iter()
+            .flat_map(|i| i.gpus.iter())
+            .map(|g| {
+                let reason = self.tracker.reason(&whole_gpu(g));
+                let mig_devices = mig_plugin_devices(g)
+                    .filter_map(|d| {
+                        let reason = self.tracker.reason(&d);
+                        let mig = d.mig?;
+                        Some(MigStatus {
+                            uuid: d.uuid,
+                            profile: mig.profile,
+                            gi_id: mig.gi_id,
+                            ci_id: mig.ci_id,
+                            health: health_word(&reason).into(),
+                            reason,
+                        })
+                    })
+                    .collect();
+                GpuStatus {
+                    index: g.index,
+                    uuid: g.uuid.clone(),
+                    name: g.name.clone(),
+                    memory_mib: g.memory_mib,
+                    pci_bus_id: g.pci_bus_id.clone(),
+                    health: health_word(&reason).into(),
+                    reason,
+                    mig_enabled: g.mig.map(|m| m.current),
+                    mig_devices,
+                }
+            })
+            .collect();
+        let mut status = Status {
+            version: STATUS_VERSION,
+            agent_version: env!("CARGO_PKG_VERSION").into(),
+            node: self.node.clone(),
+            pid: std::process::id(),
+            state: state.into(),
+            updated: 0,
+            driver_version: self.inventory.as_ref().map(|i| i.driver_version.clone()),
+            cuda_driver_version: self.inventory.as_ref().map(|i| i.cuda_driver_version.clone()),
+            stages: vec![self.stage.status.clone()],
+            gpus,
+            kubelet_present: self.plugin_status.kubelet_present,
+            resources: self.plugin_status.resources.clone(),
+        };
+        // Skip the write when nothing but the timestamp would change.
+        if self.last_status.as_ref() == Some(&status) {
+            return;
+        }
+        self.last_status = Some(status.clone());
+        status.updated = now_unix();
+        let run_dir = self.root.join(&self.config.agent.run_dir);
+        if let Err(e) = status.write(&run_dir) {
+            tracing::warn!("cannot write status: {e}");
+        }
+    }
+}
+
+/// `nvidia.com/gpu ×8, nvidia.com/mig-1g.5gb ×7`.
+pub fn summary(resources: &[Resource]) -> String {
+    if resources.is_empty() {
+        return "no resources".into();
+    }
+    resources.iter().map(|r| format!("{} ×{}", r.name, r.devices.len())).collect::<Vec<_>>().join(", ")
+}
+
+fn health_word(reason: &Option<String>) -> &'static str {
+    match reason {
+        Some(_) => Health::Unhealthy.as_str(),
+        None => Health::Healthy.as_str(),
+    }
+}

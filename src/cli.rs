@@ -1,0 +1,63 @@
+//! Command-line interface (clap). Parsing only; `main.rs` runs the commands.
+
+use std::path::PathBuf;
+
+use clap::{Args, Parser, Subcommand};
+
+/// One host agent that replaces the NVIDIA GPU Operator on a Kubernetes node: it advertises the
+/// node's GPUs to the kubelet (device plugin) and reports what it did.
+#[derive(Debug, Parser)]
+#[command(name = "gpu-node-agent", version, propagate_version = true)]
+pub struct Cli {
+    #[command(flatten)]
+    pub global: GlobalArgs,
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct GlobalArgs {
+    /// Main config file; drop-ins are read from `config.d/` beside it. Default:
+    /// /etc/gpu-node-agent/config.toml under --root (optional there; required when given here).
+    #[arg(long, global = true, value_name = "FILE")]
+    pub config: Option<PathBuf>,
+    /// Prefix for every host path the agent reads or writes (building a node image, tests).
+    #[arg(long, global = true, value_name = "DIR", default_value = "/")]
+    pub root: PathBuf,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Run the agent: reconcile every stage, serve the kubelet device plugin, keep it in step.
+    Run {
+        /// Reconcile every stage once and exit (for cloud-init, before the kubelet joins):
+        /// 0 when every stage succeeded, 1 when one failed.
+        #[arg(long)]
+        once: bool,
+    },
+    /// Print the GPU inventory and what the agent would advertise, changing nothing.
+    Plan {
+        /// Print JSON instead of text.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Show the running agent's status: stages, GPUs and their health, resources advertised.
+    Status {
+        /// Print the raw status.json.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Config file commands.
+    Config {
+        #[command(subcommand)]
+        command: ConfigCommand,
+    },
+    /// Print the version.
+    Version,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum ConfigCommand {
+    /// Validate the config files and print the effective config; exit 64 if invalid.
+    Check,
+}

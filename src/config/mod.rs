@@ -1,0 +1,1119 @@
+//! The agent's configuration: typed sections with documented defaults, read from
+//! `/etc/gpu-node-agent/config.toml` and then `config.d/*.toml` beside it, merged key by key,
+//! and validated so that every error names the file, the line and the dotted key.
+//!
+//! Parsing is pure: [`Config::from_sources`] takes `(name, text)` pairs. Only [`Config::load`]
+//! touches the filesystem, and it reads every default path through the `--root` prefix
+//! ([`rooted`]).
+//!
+//! Adding a section: a struct with `#[serde(default, deny_unknown_fields)]`, a `Default` impl
+//! built from `DEFAULT_*` consts, a `validate` method returning [`Check`]s keyed by dotted
+//! names, a field on [`Config`] and a call in [`Config::validate`], and its keys in
+//! `config/gpu-node-agent.toml` (a test keeps that file complete).
+
+mod error;
+mod merge;
+mod values;
+
+use std::fs;
+use std::io;
+use std::path::{Component, Path, PathBuf};
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+pub use error::{ConfigError, EXIT_CONFIG, Location};
+pub use values::{
+    DeviceIdStrategy, DeviceListStrategies, DeviceListStrategy, LogFormat, MigStrategy, ParseDurationError,
+    ParseEnumError, format_duration, parse_duration,
+};
+
+use merge::{KeyPath, Merged};
+
+/// The main config file, as a host path (read under `--root`).
+pub const DEFAULT_CONFIG_PATH: &str = "/etc/gpu-node-agent/config.toml";
+/// Directory of drop-in files, next to the main file.
+pub const DROP_IN_DIR: &str = "config.d";
+
+/// `log.level`: the default tracing filter.
+pub const DEFAULT_LOG_LEVEL: &str = "info";
+/// `log.format`: journald when stderr is the journal, text otherwise.
+pub const DEFAULT_LOG_FORMAT: LogFormat = LogFormat::Auto;
+
+/// `agent.state_dir`: driver cache, backups, applied digests, in-progress journal.
+pub const DEFAULT_STATE_DIR: &str = "/var/lib/gpu-node-agent";
+/// `agent.run_dir`: `status.json` and other runtime files.
+pub const DEFAULT_RUN_DIR: &str = "/run/gpu-node-agent";
+/// `agent.resync_interval`: full reconcile even without events.
+pub const DEFAULT_RESYNC_INTERVAL: Duration = Duration::from_secs(60);
+
+/// `nvml.library`: a soname, found by the dynamic loader.
+pub const DEFAULT_NVML_LIBRARY: &str = "libnvidia-ml.so.1";
+/// `nvml.fail_on_init_error`: exit non-zero when NVML cannot be loaded or initialised.
+pub const DEFAULT_NVML_FAIL_ON_INIT_ERROR: bool = true;
+/// `nvml.retry_interval`: NVML init retry period when not failing on init errors.
+pub const DEFAULT_NVML_RETRY_INTERVAL: Duration = Duration::from_secs(30);
+
+/// `kubelet.device_plugin_dir`: where `kubelet.sock` is and plugin sockets go.
+pub const DEFAULT_DEVICE_PLUGIN_DIR: &str = "/var/lib/kubelet/device-plugins";
+/// `kubelet.register_timeout`: limit on one `Register` call.
+pub const DEFAULT_REGISTER_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// `device_plugin.enabled`: serve the kubelet device plugin.
+pub const DEFAULT_DEVICE_PLUGIN_ENABLED: bool = true;
+/// `device_plugin.mig_strategy`.
+pub const DEFAULT_MIG_STRATEGY: MigStrategy = MigStrategy::None;
+/// `device_plugin.device_list_strategy`.
+pub const DEFAULT_DEVICE_LIST_STRATEGY: &[DeviceListStrategy] = &[DeviceListStrategy::Envvar];
+/// `device_plugin.device_id_strategy`.
+pub const DEFAULT_DEVICE_ID_STRATEGY: DeviceIdStrategy = DeviceIdStrategy::Uuid;
+/// `device_plugin.pass_device_specs`: add `/dev/nvidia*` device specs to `Allocate` responses.
+pub const DEFAULT_PASS_DEVICE_SPECS: bool = false;
+/// `device_plugin.cdi_annotation_prefix`: annotation key prefix of the `cdi-annotations`
+/// strategy.
+pub const DEFAULT_CDI_ANNOTATION_PREFIX: &str = "cdi.k8s.io/";
+/// `device_plugin.cdi_kind`: CDI `vendor/class` of the devices.
+pub const DEFAULT_CDI_KIND: &str = "k8s.device-plugin.nvidia.com/gpu";
+/// `device_plugin.driver_root`: where the driver's files are on the host.
+pub const DEFAULT_DRIVER_ROOT: &str = "/";
+/// `device_plugin.dev_root`: host root of `/dev/nvidia*` for device specs.
+pub const DEFAULT_DEV_ROOT: &str = "/";
+/// `device_plugin.host_mounts_driver_dir`: host dir with the driver's `lib64/` and `bin/`.
+pub const DEFAULT_HOST_MOUNTS_DRIVER_DIR: &str = "/usr/local/nvidia";
+/// `device_plugin.host_mounts_container_dir`: where that dir is mounted in the container.
+pub const DEFAULT_HOST_MOUNTS_CONTAINER_DIR: &str = "/usr/local/nvidia";
+
+/// `health.enabled`: watch Xid events and lost GPUs.
+pub const DEFAULT_HEALTH_ENABLED: bool = true;
+/// `health.ignored_xids`: application errors that do not make a GPU unhealthy (NVIDIA's
+/// device-plugin list).
+pub const DEFAULT_IGNORED_XIDS: &[u32] = &[13, 31, 43, 45, 68, 109];
+/// `health.critical_xids`: always critical, even when listed in `ignored_xids`.
+pub const DEFAULT_CRITICAL_XIDS: &[u32] = &[];
+/// `health.recovery_after`: quiet time before an Xid-unhealthy GPU is healthy again.
+pub const DEFAULT_RECOVERY_AFTER: Duration = Duration::from_secs(5 * 60);
+/// `health.lost_check_interval`: probe period for a lost GPU.
+pub const DEFAULT_LOST_CHECK_INTERVAL: Duration = Duration::from_secs(5);
+
+/// One config file's text, with the name messages use for it (its path as the user knows it).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Source {
+    /// Path as shown to the user, e.g. `/etc/gpu-node-agent/config.d/10-mig.toml`.
+    pub name: String,
+    /// The file's contents.
+    pub text: String,
+}
+
+impl Source {
+    /// A source from a name and text.
+    pub fn new(name: impl Into<String>, text: impl Into<String>) -> Self {
+        Source {
+            name: name.into(),
+            text: text.into(),
+        }
+    }
+}
+
+/// The whole configuration. Build it with [`Config::load`] or [`Config::from_sources`], which
+/// validate; deserializing it directly skips validation.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct Config {
+    /// `[log]`
+    pub log: LogConfig,
+    /// `[agent]`
+    pub agent: AgentConfig,
+    /// `[nvml]`
+    pub nvml: NvmlConfig,
+    /// `[kubelet]`
+    pub kubelet: KubeletConfig,
+    /// `[device_plugin]`
+    pub device_plugin: DevicePluginConfig,
+    /// `[health]`
+    pub health: HealthConfig,
+}
+
+/// `[log]`: logging. `RUST_LOG` overrides `level` at runtime.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct LogConfig {
+    /// A level (`error`, `warn`, `info`, `debug`, `trace`, `off`) or a tracing filter such as
+    /// `info,gpu_node_agent=debug`.
+    pub level: String,
+    /// Output format.
+    pub format: LogFormat,
+}
+
+impl Default for LogConfig {
+    fn default() -> Self {
+        LogConfig {
+            level: DEFAULT_LOG_LEVEL.to_owned(),
+            format: DEFAULT_LOG_FORMAT,
+        }
+    }
+}
+
+/// `[agent]`: the daemon's own files and loop.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct AgentConfig {
+    /// Persistent state (host path).
+    pub state_dir: PathBuf,
+    /// Runtime files such as `status.json` (host path).
+    pub run_dir: PathBuf,
+    /// Period of the full reconcile that runs even without events.
+    #[serde(with = "values::duration")]
+    pub resync_interval: Duration,
+}
+
+impl Default for AgentConfig {
+    fn default() -> Self {
+        AgentConfig {
+            state_dir: DEFAULT_STATE_DIR.into(),
+            run_dir: DEFAULT_RUN_DIR.into(),
+            resync_interval: DEFAULT_RESYNC_INTERVAL,
+        }
+    }
+}
+
+/// `[nvml]`: loading and initialising NVML.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct NvmlConfig {
+    /// A soname without '/' (searched by the dynamic loader, not root-prefixed) or an
+    /// absolute host path (root-prefixed). Resolve with [`NvmlConfig::library_path`].
+    pub library: PathBuf,
+    /// When NVML is missing or fails to initialise: exit non-zero (`true`), or run with no
+    /// devices and retry every `retry_interval` (`false`).
+    pub fail_on_init_error: bool,
+    /// NVML init retry period when `fail_on_init_error` is false.
+    #[serde(with = "values::duration")]
+    pub retry_interval: Duration,
+}
+
+impl Default for NvmlConfig {
+    fn default() -> Self {
+        NvmlConfig {
+            library: DEFAULT_NVML_LIBRARY.into(),
+            fail_on_init_error: DEFAULT_NVML_FAIL_ON_INIT_ERROR,
+            retry_interval: DEFAULT_NVML_RETRY_INTERVAL,
+        }
+    }
+}
+
+impl NvmlConfig {
+    /// What to hand the dynamic loader: a soname unchanged, an absolute path under `root`.
+    pub fn library_path(&self, root: &Path) -> PathBuf {
+        if self.library.is_absolute() {
+            rooted(root, &self.library)
+        } else {
+            self.library.clone()
+        }
+    }
+}
+
+/// `[kubelet]`: talking to the kubelet's device-plugin API.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct KubeletConfig {
+    /// Directory with `kubelet.sock`, where plugin sockets are created (host path).
+    pub device_plugin_dir: PathBuf,
+    /// Limit on one `Register` call.
+    #[serde(with = "values::duration")]
+    pub register_timeout: Duration,
+}
+
+impl Default for KubeletConfig {
+    fn default() -> Self {
+        KubeletConfig {
+            device_plugin_dir: DEFAULT_DEVICE_PLUGIN_DIR.into(),
+            register_timeout: DEFAULT_REGISTER_TIMEOUT,
+        }
+    }
+}
+
+/// `[device_plugin]`: what is advertised to the kubelet and how devices reach containers.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct DevicePluginConfig {
+    /// Serve the device plugin.
+    pub enabled: bool,
+    /// How MIG devices are advertised.
+    pub mig_strategy: MigStrategy,
+    /// How allocated devices are passed to containers; non-empty, no duplicates,
+    /// `host-mounts` not combined with a `cdi-*` strategy.
+    pub device_list_strategy: DeviceListStrategies,
+    /// How devices are named in responses.
+    pub device_id_strategy: DeviceIdStrategy,
+    /// Add `/dev/nvidia*` device specs to `Allocate` responses.
+    pub pass_device_specs: bool,
+    /// Annotation key prefix for `cdi-annotations`; ends with '/'.
+    pub cdi_annotation_prefix: String,
+    /// CDI device kind, `<vendor>/<class>`.
+    pub cdi_kind: String,
+    /// Where the driver's files are on the host (host path).
+    pub driver_root: PathBuf,
+    /// Host root of `/dev/nvidia*` for device specs (host path).
+    pub dev_root: PathBuf,
+    /// `host-mounts`: host dir with the driver's `lib64/` and `bin/` (host path; GKE:
+    /// `/home/kubernetes/bin/nvidia`).
+    pub host_mounts_driver_dir: PathBuf,
+    /// `host-mounts`: where that dir is mounted in the container.
+    pub host_mounts_container_dir: PathBuf,
+}
+
+impl Default for DevicePluginConfig {
+    fn default() -> Self {
+        DevicePluginConfig {
+            enabled: DEFAULT_DEVICE_PLUGIN_ENABLED,
+            mig_strategy: DEFAULT_MIG_STRATEGY,
+            device_list_strategy: DeviceListStrategies(DEFAULT_DEVICE_LIST_STRATEGY.to_vec()),
+            device_id_strategy: DEFAULT_DEVICE_ID_STRATEGY,
+            pass_device_specs: DEFAULT_PASS_DEVICE_SPECS,
+            cdi_annotation_prefix: DEFAULT_CDI_ANNOTATION_PREFIX.to_owned(),
+            cdi_kind: DEFAULT_CDI_KIND.to_owned(),
+            driver_root: DEFAULT_DRIVER_ROOT.into(),
+            dev_root: DEFAULT_DEV_ROOT.into(),
+            host_mounts_driver_dir: DEFAULT_HOST_MOUNTS_DRIVER_DIR.into(),
+            host_mounts_container_dir: DEFAULT_HOST_MOUNTS_CONTAINER_DIR.into(),
+        }
+    }
+}
+
+/// `[health]`: Xid events and lost GPUs.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct HealthConfig {
+    /// Watch health at all; when false every GPU is advertised healthy.
+    pub enabled: bool,
+    /// Xids that do not make a GPU unhealthy.
+    pub ignored_xids: Vec<u32>,
+    /// Xids that are always critical, even when also in `ignored_xids`.
+    pub critical_xids: Vec<u32>,
+    /// Quiet time (no new critical Xid, NVML answering) after which an Xid-unhealthy GPU is
+    /// advertised healthy again; zero means never.
+    #[serde(with = "values::duration")]
+    pub recovery_after: Duration,
+    /// Probe period for a lost GPU.
+    #[serde(with = "values::duration")]
+    pub lost_check_interval: Duration,
+}
+
+impl Default for HealthConfig {
+    fn default() -> Self {
+        HealthConfig {
+            enabled: DEFAULT_HEALTH_ENABLED,
+            ignored_xids: DEFAULT_IGNORED_XIDS.to_vec(),
+            critical_xids: DEFAULT_CRITICAL_XIDS.to_vec(),
+            recovery_after: DEFAULT_RECOVERY_AFTER,
+            lost_check_interval: DEFAULT_LOST_CHECK_INTERVAL,
+        }
+    }
+}
+
+/// Joins an absolute host path under the root prefix: `rooted("/tmp/r", "/etc/x")` is
+/// `/tmp/r/etc/x`, and with root `/` the path is returned unchanged. A relative path is joined
+/// under the root too. `..` components are kept: this maps trusted config paths, it is not a
+/// confinement boundary.
+pub fn rooted(root: &Path, path: &Path) -> PathBuf {
+    if root == Path::new("/") || root.as_os_str().is_empty() {
+        return path.to_path_buf();
+    }
+    let rel: PathBuf = path
+        .components()
+        .filter(|c| !matches!(c, Component::RootDir | Component::Prefix(_)))
+        .collect();
+    if rel.as_os_str().is_empty() {
+        root.to_path_buf()
+    } else {
+        root.join(rel)
+    }
+}
+
+// === impl Config ===
+
+impl Config {
+    /// Merges and validates config texts given in order (main file first, then drop-ins in
+    /// name order). Later sources override earlier ones key by key: tables merge recursively,
+    /// a scalar or an array replaces. No sources gives the defaults. Pure: reads no files.
+    pub fn from_sources(sources: &[Source]) -> Result<Config, ConfigError> {
+        let mut merged = Merged::default();
+        for source in sources {
+            merged.add(&source.name, &source.text)?;
+        }
+        let config: Config =
+            serde_path_to_error::deserialize(merged.to_value()).map_err(|e| deserialize_error(&merged, e))?;
+        config.validate().map_err(|invalid| invalid.resolve(&merged, &config))?;
+        Ok(config)
+    }
+
+    /// Reads the main file and its drop-ins and returns the config with the names of the files
+    /// read, in order.
+    ///
+    /// The main file is `explicit` as given (a real path, not prefixed), or
+    /// [`DEFAULT_CONFIG_PATH`] under `root`; a missing default file means defaults, a missing
+    /// explicit one is an error. Drop-ins are the `*.toml` files in [`DROP_IN_DIR`] next to the
+    /// main file, in byte order of their names; hidden files, other names and directories are
+    /// skipped, and a missing directory is fine.
+    pub fn load(root: &Path, explicit: Option<&Path>) -> Result<(Config, Vec<String>), ConfigError> {
+        let main = match explicit {
+            Some(path) => path.to_path_buf(),
+            None => rooted(root, Path::new(DEFAULT_CONFIG_PATH)),
+        };
+        let mut sources = Vec::new();
+        match read(&main) {
+            Ok(source) => sources.push(source),
+            Err(ConfigError::ReadFile { source, .. })
+                if explicit.is_none() && source.kind() == io::ErrorKind::NotFound => {}
+            Err(e) => return Err(e),
+        }
+        let dir = main.parent().unwrap_or(Path::new("")).join(DROP_IN_DIR);
+        for path in drop_ins(&dir)? {
+            sources.push(read(&path)?);
+        }
+        let config = Config::from_sources(&sources)?;
+        Ok((config, sources.into_iter().map(|s| s.name).collect()))
+    }
+
+    /// Checks the rules serde cannot: paths, ranges, formats, and rules across keys.
+    fn validate(&self) -> Check {
+        self.log.validate()?;
+        self.agent.validate()?;
+        self.nvml.validate()?;
+        self.kubelet.validate()?;
+        self.device_plugin.validate()?;
+        self.health.validate()?;
+        Ok(())
+    }
+}
+
+fn read(path: &Path) -> Result<Source, ConfigError> {
+    let text = fs::read_to_string(path).map_err(|source| ConfigError::ReadFile {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    Ok(Source::new(path.display().to_string(), text))
+}
+
+/// The drop-in files of `dir`, sorted by name.
+fn drop_ins(dir: &Path) -> Result<Vec<PathBuf>, ConfigError> {
+    let read_dir_error = |source| ConfigError::ReadDir {
+        path: dir.to_path_buf(),
+        source,
+    };
+    let entries = match fs::read_dir(dir) {
+        Ok(entries) => entries,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(e) => return Err(read_dir_error(e)),
+    };
+    let mut files = Vec::new();
+    for entry in entries {
+        let entry = entry.map_err(read_dir_error)?;
+        let name = entry.file_name();
+        let name = name.as_encoded_bytes();
+        if name.starts_with(b".") || !name.ends_with(b".toml") {
+            continue;
+        }
+        let path = entry.path();
+        // Follows symlinks; a dangling one is left for `read` to report.
+        if fs::metadata(&path).is_ok_and(|m| m.is_dir()) {
+            continue;
+        }
+        files.push(path);
+    }
+    files.sort_by(|a, b| a.file_name().cmp(&b.file_name()));
+    Ok(files)
+}
+
+// === validation ===
+
+/// A rule broken by the key at `key`; [`Invalid::resolve`] adds where that key was set and
+/// its value.
+#[derive(Debug)]
+struct Invalid {
+    key: KeyPath,
+    reason: String,
+}
+
+/// The result of one validation rule.
+type Check = Result<(), Invalid>;
+
+fn invalid(key: &str, reason: impl Into<String>) -> Invalid {
+    Invalid {
+        key: KeyPath::dotted(key),
+        reason: reason.into(),
+    }
+}
+
+impl Invalid {
+    fn resolve(self, merged: &Merged, config: &Config) -> ConfigError {
+        // A key no file set is shown with its effective (default) value.
+        let value = merged.value(&self.key).or_else(|| {
+            toml::Value::try_from(config)
+                .ok()
+                .and_then(|v| merge::value_in(&v, &self.key))
+        });
+        ConfigError::InvalidValue {
+            at: merged.origin(&self.key, true).cloned(),
+            key: self.key.to_string(),
+            value: value.map_or_else(|| "?".to_owned(), |v| v.to_string()),
+            reason: self.reason,
+        }
+    }
+}
+
+fn absolute_path(key: &str, path: &Path) -> Check {
+    if path.is_absolute() {
+        Ok(())
+    } else {
+        Err(invalid(key, "expected an absolute path"))
+    }
+}
+
+fn positive(key: &str, d: Duration) -> Check {
+    if d.is_zero() {
+        Err(invalid(key, "expected a duration greater than 0s"))
+    } else {
+        Ok(())
+    }
+}
+
+impl LogConfig {
+    fn validate(&self) -> Check {
+        values::check_log_filter(&self.level).map_err(|reason| invalid("log.level", reason))
+    }
+}
+
+impl AgentConfig {
+    fn validate(&self) -> Check {
+        absolute_path("agent.state_dir", &self.state_dir)?;
+        absolute_path("agent.run_dir", &self.run_dir)?;
+        positive("agent.resync_interval", self.resync_interval)
+    }
+}
+
+impl NvmlConfig {
+    fn validate(&self) -> Check {
+        let lib = self.library.as_os_str().as_encoded_bytes();
+        if lib.is_empty() || (lib.contains(&b'/') && !self.library.is_absolute()) {
+            return Err(invalid(
+                "nvml.library",
+                "expected a library soname such as \"libnvidia-ml.so.1\" or an absolute path",
+            ));
+        }
+        positive("nvml.retry_interval", self.retry_interval)
+    }
+}
+
+impl KubeletConfig {
+    fn validate(&self) -> Check {
+        absolute_path("kubelet.device_plugin_dir", &self.device_plugin_dir)?;
+        positive("kubelet.register_timeout", self.register_timeout)
+    }
+}
+
+impl DevicePluginConfig {
+    fn validate(&self) -> Check {
+        const KEY: &str = "device_plugin.device_list_strategy";
+        let strategies = self.device_list_strategy.as_slice();
+        if strategies.is_empty() {
+            return Err(invalid(
+                KEY,
+                format!("expected at least one of {}", DeviceListStrategy::expected()),
+            ));
+        }
+        for (i, s) in strategies.iter().enumerate() {
+            if strategies[..i].contains(s) {
+                return Err(invalid(KEY, format!("{s} is listed twice")));
+            }
+        }
+        if self.device_list_strategy.contains(DeviceListStrategy::HostMounts)
+            && let Some(cdi) = strategies.iter().find(|s| s.is_cdi())
+        {
+            return Err(invalid(KEY, format!("host-mounts cannot be combined with {cdi}")));
+        }
+
+        let prefix = &self.cdi_annotation_prefix;
+        let prefix_ok = prefix.strip_suffix('/').is_some_and(values::is_dns_subdomain);
+        if !prefix_ok {
+            return Err(invalid(
+                "device_plugin.cdi_annotation_prefix",
+                "expected a DNS name followed by '/', e.g. \"cdi.k8s.io/\"",
+            ));
+        }
+        values::check_cdi_kind(&self.cdi_kind).map_err(|reason| invalid("device_plugin.cdi_kind", reason))?;
+
+        absolute_path("device_plugin.driver_root", &self.driver_root)?;
+        absolute_path("device_plugin.dev_root", &self.dev_root)?;
+        absolute_path("device_plugin.host_mounts_driver_dir", &self.host_mounts_driver_dir)?;
+        absolute_path(
+            "device_plugin.host_mounts_container_dir",
+            &self.host_mounts_container_dir,
+        )
+    }
+}
+
+impl HealthConfig {
+    fn validate(&self) -> Check {
+        // Xids are u32 by type; recovery_after = 0s means never recover.
+        positive("health.lost_check_interval", self.lost_check_interval)
+    }
+}
+
+// === deserialization errors ===
+
+/// Turns a serde error at some path of the merged tree into a message naming the file, line,
+/// key and value.
+fn deserialize_error(merged: &Merged, err: serde_path_to_error::Error<toml::de::Error>) -> ConfigError {
+    let key = KeyPath::from_serde(err.path());
+    let at = merged.origin(&key, false).cloned();
+    let message = err.inner().message();
+    // serde's `unknown_field` message: "unknown field `x`, expected one of `a`, `b`" (or
+    // "expected `a`", "expected `a` or `b`", "there are no fields"); the allowed keys are the
+    // back-quoted words after the first.
+    if let Some(rest) = message.strip_prefix("unknown field `") {
+        let allowed: Vec<&str> = rest.split('`').skip(2).step_by(2).collect();
+        let expected = match allowed.as_slice() {
+            [] => "no keys are allowed here".to_owned(),
+            [one] => format!("expected {one}"),
+            many => format!("expected one of {}", many.join(", ")),
+        };
+        return ConfigError::UnknownKey {
+            at,
+            key: key.to_string(),
+            expected,
+        };
+    }
+    ConfigError::InvalidValue {
+        at,
+        key: key.to_string(),
+        value: merged.value(&key).map_or_else(|| "?".to_owned(), |v| v.to_string()),
+        reason: tidy_reason(message),
+    }
+}
+
+/// Rewrites serde's "invalid type: string \"x\", expected a boolean" as "expected a boolean"
+/// (the message shows the value already) and spells Rust type names the way a config author
+/// reads them.
+fn tidy_reason(message: &str) -> String {
+    let expected = ["invalid type: ", "invalid value: ", "invalid length "]
+        .iter()
+        .any(|p| message.starts_with(p))
+        .then(|| message.split_once(", expected "))
+        .flatten()
+        .map(|(_, expected)| expected);
+    let Some(expected) = expected else {
+        return message.to_owned();
+    };
+    let spelled = match expected {
+        "u8" => "an integer in 0..=255".to_owned(),
+        "u16" => "an integer in 0..=65535".to_owned(),
+        "u32" => "an integer in 0..=4294967295".to_owned(),
+        "u64" | "usize" => "a non-negative integer".to_owned(),
+        "i8" | "i16" | "i32" | "i64" | "isize" => "an integer".to_owned(),
+        "a sequence" => "an array".to_owned(),
+        "a map" => "a table".to_owned(),
+        "path string" => "a path (a string)".to_owned(),
+        other if other.starts_with("struct ") => "a table".to_owned(),
+        other => other.to_owned(),
+    };
+    format!("expected {spelled}")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const EXAMPLE: &str = include_str!("../../config/gpu-node-agent.toml");
+
+    fn parse(files: &[(&str, &str)]) -> Result<Config, ConfigError> {
+        let sources: Vec<Source> = files.iter().map(|(n, t)| Source::new(*n, *t)).collect();
+        Config::from_sources(&sources)
+    }
+
+    fn err(files: &[(&str, &str)]) -> String {
+        parse(files).expect_err("config accepted").to_string()
+    }
+
+    #[test]
+    fn defaults() {
+        let config = parse(&[]).unwrap();
+        assert_eq!(config, Config::default());
+        assert_eq!(parse(&[("c.toml", "")]).unwrap(), Config::default());
+        assert_eq!(config.log.level, "info");
+        assert_eq!(config.agent.resync_interval, Duration::from_secs(60));
+        assert_eq!(config.nvml.library, Path::new("libnvidia-ml.so.1"));
+        assert_eq!(
+            config.device_plugin.device_list_strategy.as_slice(),
+            &[DeviceListStrategy::Envvar]
+        );
+        assert_eq!(config.health.ignored_xids, [13, 31, 43, 45, 68, 109]);
+        assert_eq!(config.health.recovery_after, Duration::from_secs(300));
+    }
+
+    #[test]
+    fn example_file_is_the_defaults() {
+        let config = parse(&[("config/gpu-node-agent.toml", EXAMPLE)]).unwrap();
+        assert_eq!(config, Config::default());
+    }
+
+    /// Every key of the config is set in the example file, so a new key cannot go
+    /// undocumented.
+    #[test]
+    fn example_file_sets_every_key() {
+        fn keys(prefix: &str, v: &toml::Value, out: &mut Vec<String>) {
+            if let toml::Value::Table(t) = v {
+                for (k, v) in t {
+                    let key = format!("{prefix}{k}");
+                    keys(&format!("{key}."), v, out);
+                    out.push(key);
+                }
+            }
+        }
+        let mut want = Vec::new();
+        keys("", &toml::Value::try_from(Config::default()).unwrap(), &mut want);
+        let mut have = Vec::new();
+        keys("", &toml::from_str::<toml::Value>(EXAMPLE).unwrap(), &mut have);
+        want.sort();
+        have.sort();
+        assert_eq!(have, want);
+    }
+
+    #[test]
+    fn later_sources_override_earlier() {
+        let config = parse(&[
+            ("main.toml", "[device_plugin]\nmig_strategy = \"single\"\n"),
+            ("10-a.toml", "[device_plugin]\nmig_strategy = \"mixed\"\n"),
+            ("20-b.toml", "device_plugin.mig_strategy = \"none\"\n"),
+        ])
+        .unwrap();
+        assert_eq!(config.device_plugin.mig_strategy, MigStrategy::None);
+    }
+
+    #[test]
+    fn tables_merge_across_files() {
+        let config = parse(&[
+            (
+                "main.toml",
+                "log = { level = \"debug\" }\n[device_plugin]\nmig_strategy = \"mixed\"\n",
+            ),
+            (
+                "10-a.toml",
+                "[log]\nformat = \"text\"\n[device_plugin]\npass_device_specs = true\n",
+            ),
+        ])
+        .unwrap();
+        assert_eq!(config.log.level, "debug");
+        assert_eq!(config.log.format, LogFormat::Text);
+        assert_eq!(config.device_plugin.mig_strategy, MigStrategy::Mixed);
+        assert!(config.device_plugin.pass_device_specs);
+    }
+
+    #[test]
+    fn arrays_replace() {
+        let config = parse(&[
+            ("main.toml", "[health]\nignored_xids = [1, 2, 3]\n"),
+            ("10-a.toml", "[health]\nignored_xids = [4]\n"),
+        ])
+        .unwrap();
+        assert_eq!(config.health.ignored_xids, [4]);
+    }
+
+    #[test]
+    fn unknown_keys_name_file_line_and_key() {
+        assert_eq!(
+            err(&[("main.toml", "# top\n\nbogus = 1\n")]),
+            "main.toml:3: unknown key bogus: expected one of log, agent, nvml, kubelet, \
+             device_plugin, health"
+        );
+        assert_eq!(
+            err(&[("main.toml", "[log]\nlevel = \"info\"\nformt = \"text\"\n")]),
+            "main.toml:3: unknown key log.formt: expected one of level, format"
+        );
+        assert_eq!(
+            err(&[
+                ("main.toml", "[device_plugin]\nenabled = true\n"),
+                (
+                    "/etc/gpu-node-agent/config.d/10-x.toml",
+                    "[device_plugin]\n\nmig_stratgy = \"mixed\"\n"
+                ),
+            ]),
+            "/etc/gpu-node-agent/config.d/10-x.toml:3: unknown key device_plugin.mig_stratgy: \
+             expected one of enabled, mig_strategy, device_list_strategy, device_id_strategy, \
+             pass_device_specs, cdi_annotation_prefix, cdi_kind, driver_root, dev_root, \
+             host_mounts_driver_dir, host_mounts_container_dir"
+        );
+        // A section name typo is reported at its header.
+        let e = err(&[("main.toml", "[log]\n[helth]\nenabled = false\n")]);
+        assert!(e.starts_with("main.toml:2: unknown key helth: "), "{e}");
+    }
+
+    #[test]
+    fn bad_enum_value() {
+        let e = parse(&[(
+            "/etc/gpu-node-agent/config.d/10-mig.toml",
+            "# MIG\n[device_plugin]\nmig_strategy = \"mixd\"\n",
+        )])
+        .unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "/etc/gpu-node-agent/config.d/10-mig.toml:3: device_plugin.mig_strategy = \"mixd\" \
+             is not valid: expected one of none, single, mixed"
+        );
+        assert_eq!(e.exit_code(), 64);
+        assert_eq!(e.key(), Some("device_plugin.mig_strategy"));
+        assert_eq!(e.location().map(|l| l.line), Some(3));
+
+        assert_eq!(
+            err(&[("c.toml", "[log]\nformat = 1\n")]),
+            "c.toml:2: log.format = 1 is not valid: expected one of auto, journald, text"
+        );
+    }
+
+    #[test]
+    fn wrong_types() {
+        assert_eq!(
+            err(&[("c.toml", "[health]\nenabled = \"yes\"\n")]),
+            "c.toml:2: health.enabled = \"yes\" is not valid: expected a boolean"
+        );
+        assert_eq!(
+            err(&[("c.toml", "[log]\nlevel = \"debug\"\n"), ("d.toml", "log = 5\n")]),
+            "d.toml:1: log = 5 is not valid: expected a table"
+        );
+    }
+
+    #[test]
+    fn xids_out_of_range() {
+        assert_eq!(
+            err(&[("c.toml", "[health]\nignored_xids = [\n  13,\n  -1,\n]\n")]),
+            "c.toml:4: health.ignored_xids[1] = -1 is not valid: expected an integer in \
+             0..=4294967295"
+        );
+        let e = err(&[("c.toml", "health.critical_xids = [4294967296]\n")]);
+        assert!(
+            e.starts_with("c.toml:1: health.critical_xids[0] = 4294967296 is not valid"),
+            "{e}"
+        );
+        let config = parse(&[("c.toml", "health.critical_xids = [0, 4294967295]\n")]).unwrap();
+        assert_eq!(config.health.critical_xids, [0, u32::MAX]);
+    }
+
+    #[test]
+    fn durations() {
+        let config = parse(&[(
+            "c.toml",
+            "[agent]\nresync_interval = \"1h30m\"\n[health]\nrecovery_after = \"0s\"\n\
+             lost_check_interval = \"500ms\"\n",
+        )])
+        .unwrap();
+        assert_eq!(config.agent.resync_interval, Duration::from_secs(5400));
+        assert_eq!(config.health.recovery_after, Duration::ZERO);
+        assert_eq!(config.health.lost_check_interval, Duration::from_millis(500));
+
+        assert_eq!(
+            err(&[("c.toml", "[agent]\nresync_interval = \"5 minutes\"\n")]),
+            "c.toml:2: agent.resync_interval = \"5 minutes\" is not valid: expected a duration \
+             such as \"500ms\", \"5s\", \"2m\", \"1h\" or \"1h30m\""
+        );
+        let e = err(&[("c.toml", "[nvml]\nretry_interval = 30\n")]);
+        assert!(
+            e.starts_with("c.toml:2: nvml.retry_interval = 30 is not valid: expected a duration"),
+            "{e}"
+        );
+        assert_eq!(
+            err(&[("c.toml", "[kubelet]\nregister_timeout = \"0s\"\n")]),
+            "c.toml:2: kubelet.register_timeout = \"0s\" is not valid: expected a duration \
+             greater than 0s"
+        );
+    }
+
+    #[test]
+    fn relative_paths_rejected() {
+        assert_eq!(
+            err(&[("c.toml", "[agent]\nstate_dir = \"var/lib/gpu-node-agent\"\n")]),
+            "c.toml:2: agent.state_dir = \"var/lib/gpu-node-agent\" is not valid: expected an \
+             absolute path"
+        );
+        for key in [
+            "kubelet.device_plugin_dir",
+            "device_plugin.driver_root",
+            "device_plugin.host_mounts_driver_dir",
+        ] {
+            let e = err(&[("c.toml", &format!("{key} = \"relative\"\n"))]);
+            assert_eq!(
+                e,
+                format!("c.toml:1: {key} = \"relative\" is not valid: expected an absolute path")
+            );
+        }
+    }
+
+    #[test]
+    fn nvml_library_soname_or_absolute() {
+        let config = parse(&[("c.toml", "nvml.library = \"libnvidia-ml.so\"\n")]).unwrap();
+        assert_eq!(
+            config.nvml.library_path(Path::new("/tmp/r")),
+            Path::new("libnvidia-ml.so")
+        );
+        let config = parse(&[("c.toml", "nvml.library = \"/usr/lib/libnvidia-ml.so.1\"\n")]).unwrap();
+        assert_eq!(
+            config.nvml.library_path(Path::new("/tmp/r")),
+            Path::new("/tmp/r/usr/lib/libnvidia-ml.so.1")
+        );
+        for bad in ["lib/libnvidia-ml.so.1", ""] {
+            let e = err(&[("c.toml", &format!("nvml.library = {bad:?}\n"))]);
+            assert!(
+                e.starts_with(&format!("c.toml:1: nvml.library = {bad:?} is not valid: ")),
+                "{e}"
+            );
+        }
+    }
+
+    #[test]
+    fn device_list_strategy_string_or_list() {
+        use DeviceListStrategy::*;
+        let one = parse(&[("c.toml", "device_plugin.device_list_strategy = \"cdi-cri\"\n")]).unwrap();
+        assert_eq!(one.device_plugin.device_list_strategy.as_slice(), &[CdiCri]);
+        let many = parse(&[(
+            "c.toml",
+            "device_plugin.device_list_strategy = [\"envvar\", \"volume-mounts\", \
+             \"cdi-annotations\"]\n",
+        )])
+        .unwrap();
+        assert_eq!(
+            many.device_plugin.device_list_strategy.as_slice(),
+            &[Envvar, VolumeMounts, CdiAnnotations]
+        );
+        let mounts = parse(&[(
+            "c.toml",
+            "device_plugin.device_list_strategy = [\"host-mounts\", \"envvar\"]\n",
+        )])
+        .unwrap();
+        assert!(mounts.device_plugin.device_list_strategy.contains(HostMounts));
+
+        assert_eq!(
+            err(&[(
+                "c.toml",
+                "[device_plugin]\ndevice_list_strategy = [\"envvar\",\n  \"bogus\"]\n"
+            )]),
+            "c.toml:3: device_plugin.device_list_strategy[1] = \"bogus\" is not valid: expected \
+             one of envvar, volume-mounts, cdi-annotations, cdi-cri, host-mounts"
+        );
+        let e = err(&[("c.toml", "device_plugin.device_list_strategy = 1\n")]);
+        assert!(
+            e.starts_with(
+                "c.toml:1: device_plugin.device_list_strategy = 1 is not valid: expected a \
+                 strategy or an array of strategies"
+            ),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn device_list_strategy_rules() {
+        assert_eq!(
+            err(&[("c.toml", "[device_plugin]\ndevice_list_strategy = []\n")]),
+            "c.toml:2: device_plugin.device_list_strategy = [] is not valid: expected at least \
+             one of envvar, volume-mounts, cdi-annotations, cdi-cri, host-mounts"
+        );
+        assert_eq!(
+            err(&[(
+                "c.toml",
+                "[device_plugin]\ndevice_list_strategy = [\"envvar\", \"envvar\"]\n"
+            )]),
+            "c.toml:2: device_plugin.device_list_strategy = [\"envvar\", \"envvar\"] is not \
+             valid: envvar is listed twice"
+        );
+        // The rule breaks in the drop-in that set the key, and the message points there.
+        assert_eq!(
+            err(&[
+                ("main.toml", "[device_plugin]\ndevice_list_strategy = \"host-mounts\"\n"),
+                (
+                    "10-cdi.toml",
+                    "\n[device_plugin]\ndevice_list_strategy = [\"host-mounts\", \"cdi-cri\"]\n"
+                ),
+            ]),
+            "10-cdi.toml:3: device_plugin.device_list_strategy = [\"host-mounts\", \"cdi-cri\"] \
+             is not valid: host-mounts cannot be combined with cdi-cri"
+        );
+    }
+
+    #[test]
+    fn cdi_settings() {
+        assert_eq!(
+            err(&[("c.toml", "device_plugin.cdi_annotation_prefix = \"cdi.k8s.io\"\n")]),
+            "c.toml:1: device_plugin.cdi_annotation_prefix = \"cdi.k8s.io\" is not valid: \
+             expected a DNS name followed by '/', e.g. \"cdi.k8s.io/\""
+        );
+        let e = err(&[("c.toml", "device_plugin.cdi_kind = \"gpu\"\n")]);
+        assert!(
+            e.starts_with("c.toml:1: device_plugin.cdi_kind = \"gpu\" is not valid: expected"),
+            "{e}"
+        );
+        let config = parse(&[("c.toml", "device_plugin.cdi_kind = \"nvidia.com/gpu\"\n")]);
+        assert_eq!(config.unwrap().device_plugin.cdi_kind, "nvidia.com/gpu");
+    }
+
+    #[test]
+    fn log_level() {
+        let config = parse(&[("c.toml", "log.level = \"info,gpu_node_agent::plugin=trace\"\n")]);
+        assert_eq!(config.unwrap().log.level, "info,gpu_node_agent::plugin=trace");
+        let e = err(&[("c.toml", "[log]\nlevel = \"verbose\"\n")]);
+        assert!(
+            e.starts_with("c.toml:2: log.level = \"verbose\" is not valid: \"verbose\": expected a level"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn syntax_errors_name_file_and_line() {
+        let e = parse(&[("ok.toml", ""), ("bad.toml", "[log]\nlevel = \n")]).unwrap_err();
+        assert!(matches!(e, ConfigError::Syntax { .. }));
+        let text = e.to_string();
+        assert!(text.starts_with("bad.toml:2: TOML syntax error: "), "{text}");
+        assert_eq!(e.exit_code(), 64);
+
+        let e = err(&[("dup.toml", "[log]\nlevel = \"info\"\nlevel = \"debug\"\n")]);
+        assert!(e.starts_with("dup.toml:3: TOML syntax error: "), "{e}");
+    }
+
+    #[test]
+    fn effective_config_round_trips() {
+        let config = parse(&[(
+            "c.toml",
+            "[device_plugin]\ndevice_list_strategy = \"cdi-cri\"\nmig_strategy = \"mixed\"\n\
+             [health]\nrecovery_after = \"90s\"\n",
+        )])
+        .unwrap();
+        let text = toml::to_string(&config).unwrap();
+        assert_eq!(parse(&[("effective", &text)]).unwrap(), config);
+        let json = serde_json::to_value(&config).unwrap();
+        assert_eq!(json["device_plugin"]["device_list_strategy"][0], "cdi-cri");
+        assert_eq!(json["health"]["recovery_after"], "90s");
+    }
+
+    #[test]
+    fn rooted_paths() {
+        let p = Path::new("/etc/gpu-node-agent/config.toml");
+        assert_eq!(rooted(Path::new("/"), p), p);
+        assert_eq!(
+            rooted(Path::new("/tmp/r"), p),
+            Path::new("/tmp/r/etc/gpu-node-agent/config.toml")
+        );
+        assert_eq!(rooted(Path::new("/tmp/r"), Path::new("/")), Path::new("/tmp/r"));
+    }
+
+    // === load ===
+
+    fn write(path: &Path, text: &str) {
+        fs::create_dir_all(path.parent().unwrap()).unwrap();
+        fs::write(path, text).unwrap();
+    }
+
+    #[test]
+    fn load_without_files_gives_defaults() {
+        let root = tempfile::tempdir().unwrap();
+        let (config, files) = Config::load(root.path(), None).unwrap();
+        assert_eq!(config, Config::default());
+        assert!(files.is_empty());
+    }
+
+    #[test]
+    fn load_explicit_missing_file_is_an_error() {
+        let root = tempfile::tempdir().unwrap();
+        let path = root.path().join("nope.toml");
+        let e = Config::load(Path::new("/"), Some(&path)).unwrap_err();
+        assert!(matches!(e, ConfigError::ReadFile { .. }));
+        let text = e.to_string();
+        assert!(
+            text.starts_with(&format!("{}: cannot read config file: ", path.display())),
+            "{text}"
+        );
+        assert!(text.contains("No such file"), "{text}");
+        assert_eq!(e.exit_code(), 64);
+    }
+
+    #[test]
+    fn load_reads_main_and_drop_ins_in_name_order() {
+        let root = tempfile::tempdir().unwrap();
+        let etc = root.path().join("etc/gpu-node-agent");
+        let d = etc.join("config.d");
+        write(
+            &etc.join("config.toml"),
+            "[device_plugin]\nmig_strategy = \"single\"\npass_device_specs = true\n",
+        );
+        // Written in reverse order so directory order cannot pass for name order.
+        write(&d.join("20-b.toml"), "[device_plugin]\nmig_strategy = \"mixed\"\n");
+        write(
+            &d.join("10-a.toml"),
+            "[device_plugin]\nmig_strategy = \"none\"\n[log]\nformat = \"text\"\n",
+        );
+        write(&d.join("30-c.toml.bak"), "this is not toml");
+        write(&d.join("README"), "this is not toml");
+        write(&d.join(".40-hidden.toml"), "this is not toml");
+        fs::create_dir_all(d.join("50-dir.toml")).unwrap();
+
+        let (config, files) = Config::load(root.path(), None).unwrap();
+        assert_eq!(config.device_plugin.mig_strategy, MigStrategy::Mixed);
+        assert!(config.device_plugin.pass_device_specs);
+        assert_eq!(config.log.format, LogFormat::Text);
+        let shown = |p: PathBuf| p.display().to_string();
+        assert_eq!(
+            files,
+            [
+                shown(etc.join("config.toml")),
+                shown(d.join("10-a.toml")),
+                shown(d.join("20-b.toml")),
+            ]
+        );
+    }
+
+    #[test]
+    fn load_drop_ins_without_main_file() {
+        let root = tempfile::tempdir().unwrap();
+        let d = root.path().join("etc/gpu-node-agent/config.d");
+        write(&d.join("10-a.toml"), "health.enabled = false\n");
+        let (config, files) = Config::load(root.path(), None).unwrap();
+        assert!(!config.health.enabled);
+        assert_eq!(files.len(), 1);
+    }
+
+    #[test]
+    fn load_explicit_path_is_not_rooted_and_brings_its_drop_ins() {
+        let dir = tempfile::tempdir().unwrap();
+        let main = dir.path().join("custom/agent.toml");
+        write(&main, "log.level = \"debug\"\n");
+        write(&dir.path().join("custom/config.d/10-a.toml"), "log.format = \"text\"\n");
+        // A root that does not contain the file: the explicit path is used as given.
+        let elsewhere = tempfile::tempdir().unwrap();
+        let (config, files) = Config::load(elsewhere.path(), Some(&main)).unwrap();
+        assert_eq!(config.log.level, "debug");
+        assert_eq!(config.log.format, LogFormat::Text);
+        assert_eq!(files.len(), 2);
+    }
+
+    #[test]
+    fn load_errors_name_the_drop_in() {
+        let root = tempfile::tempdir().unwrap();
+        let d = root.path().join("etc/gpu-node-agent/config.d");
+        let bad = d.join("10-mig.toml");
+        write(&bad, "[device_plugin]\nmig_strategy = \"mixd\"\n");
+        let e = Config::load(root.path(), None).unwrap_err().to_string();
+        assert!(
+            e.starts_with(&format!(
+                "{}:2: device_plugin.mig_strategy = \"mixd\" is not valid",
+                bad.display()
+            )),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn load_unreadable_main_file_is_an_error() {
+        let root = tempfile::tempdir().unwrap();
+        // A directory where the main file should be: reading it fails even as root.
+        fs::create_dir_all(root.path().join("etc/gpu-node-agent/config.toml")).unwrap();
+        let e = Config::load(root.path(), None).unwrap_err();
+        assert!(matches!(e, ConfigError::ReadFile { .. }), "{e}");
+        assert!(e.to_string().contains("config.toml: cannot read config file: "), "{e}");
+    }
+}

@@ -1,0 +1,115 @@
+//! The node's OS surface: the root prefix every host path goes through, and atomic file writes.
+//! Later stages add kernel, PCI, command and systemd access here.
+
+use std::fs::{self, File, OpenOptions};
+use std::io::{self, Write};
+use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+
+/// The prefix under which every host path is resolved (`--root`, `/` on a real node).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HostRoot(PathBuf);
+
+impl HostRoot {
+    pub fn new(root: impl Into<PathBuf>) -> HostRoot {
+        HostRoot(root.into())
+    }
+
+    /// The root itself.
+    pub fn path(&self) -> &Path {
+        &self.0
+    }
+
+    /// Resolves an absolute host path under the root: `/etc/x` with root `/tmp/r` is
+    /// `/tmp/r/etc/x`. A relative path is taken relative to the root as well.
+    pub fn join(&self, host_path: impl AsRef<Path>) -> PathBuf {
+        let p = host_path.as_ref();
+        let relative = p.strip_prefix("/").unwrap_or(p);
+        if self.0 == Path::new("/") { Path::new("/").join(relative) } else { self.0.join(relative) }
+    }
+
+    /// Whether this is the real root (`/`), where services may be restarted and so on.
+    pub fn is_real(&self) -> bool {
+        self.0 == Path::new("/")
+    }
+}
+
+/// Why a file could not be written.
+#[derive(Debug, thiserror::Error)]
+#[error("cannot {action} {path}: {source}")]
+pub struct WriteError {
+    pub action: &'static str,
+    pub path: PathBuf,
+    pub source: io::Error,
+}
+
+/// Writes `bytes` to `path` atomically: a temp file in the same directory, fsync, rename over the
+/// target, fsync of the directory. Readers see the old or the new content, never a mix. The
+/// parent directory is created if missing. An existing file's mode is kept; a new one gets `mode`.
+pub fn write_atomic(path: &Path, bytes: &[u8], mode: u32) -> Result<(), WriteError> {
+    let err = |action: &'static str, p: &Path| {
+        let p = p.to_path_buf();
+        move |source| WriteError { action, path: p, source }
+    };
+    let dir = path.parent().unwrap_or(Path::new("."));
+    fs::create_dir_all(dir).map_err(err("create directory", dir))?;
+    let mode = fs::metadata(path).map(|m| m.permissions().mode() & 0o7777).unwrap_or(mode);
+    let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+    let tmp = dir.join(format!(".{name}.tmp-{}", std::process::id()));
+    let write = || -> io::Result<()> {
+        let mut file = OpenOptions::new().write(true).create(true).truncate(true).mode(mode).open(&tmp)?;
+        file.write_all(bytes)?;
+        file.set_permissions(fs::Permissions::from_mode(mode))?;
+        file.sync_all()
+    };
+    if let Err(source) = write() {
+        let _ = fs::remove_file(&tmp);
+        return Err(WriteError { action: "write", path: tmp, source });
+    }
+    fs::rename(&tmp, path).map_err(|source| {
+        let _ = fs::remove_file(&tmp);
+        WriteError { action: "rename into place", path: path.to_path_buf(), source }
+    })?;
+    if let Ok(d) = File::open(dir) {
+        let _ = d.sync_all();
+    }
+    Ok(())
+}
+
+/// The node's name for logs and status: `/etc/hostname` under the root, else the kernel's.
+pub fn hostname(root: &HostRoot) -> String {
+    if !root.is_real()
+        && let Ok(text) = fs::read_to_string(root.join("/etc/hostname"))
+        && !text.trim().is_empty()
+    {
+        return text.trim().to_string();
+    }
+    nix::unistd::gethostname().ok().and_then(|h| h.into_string().ok()).unwrap_or_else(|| "localhost".into())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn join_prefixes_absolute_paths() {
+        assert_eq!(HostRoot::new("/").join("/etc/x"), PathBuf::from("/etc/x"));
+        assert_eq!(HostRoot::new("/tmp/r").join("/etc/x"), PathBuf::from("/tmp/r/etc/x"));
+        assert_eq!(HostRoot::new("/tmp/r").join("etc/x"), PathBuf::from("/tmp/r/etc/x"));
+    }
+
+    #[test]
+    fn write_atomic_replaces_and_keeps_mode() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("sub/status.json");
+        write_atomic(&path, b"one", 0o640).expect("first write");
+        assert_eq!(fs::read(&path).expect("read"), b"one");
+        assert_eq!(fs::metadata(&path).expect("meta").permissions().mode() & 0o777, 0o640);
+        fs::set_permissions(&path, fs::Permissions::from_mode(0o600)).expect("chmod");
+        write_atomic(&path, b"two", 0o644).expect("second write");
+        assert_eq!(fs::read(&path).expect("read"), b"two");
+        assert_eq!(fs::metadata(&path).expect("meta").permissions().mode() & 0o777, 0o600);
+        let leftovers: Vec<_> = fs::read_dir(path.parent().expect("parent")).expect("ls").collect();
+        assert_eq!(leftovers.len(), 1, "no temp files left behind");
+    }
+}

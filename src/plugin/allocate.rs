@@ -1,0 +1,699 @@
+//! `Allocate`: turn the device IDs the kubelet picked for one container into the
+//! `ContainerAllocateResponse` NVIDIA's k8s-device-plugin would return, so the NVIDIA Container
+//! Toolkit (or a CDI-aware runtime) injects the same GPUs into the same images.
+//!
+//! The function is pure apart from the random UUID in the CDI annotation key; the host facts it
+//! needs (which device nodes exist) come in as [`DeviceNodes`].
+
+use std::collections::BTreeSet;
+use std::path::{Path, PathBuf};
+
+use crate::api::{CdiDevice, ContainerAllocateRequest, ContainerAllocateResponse, DeviceSpec, Mount};
+use crate::plugin::devnodes::DeviceNodes;
+use crate::plugin::resources::{PluginDevice, Resource};
+
+/// The environment variable the NVIDIA Container Toolkit reads.
+pub const VISIBLE_DEVICES_ENV: &str = "NVIDIA_VISIBLE_DEVICES";
+/// Container directory of the `volume-mounts` strategy; also the env value that points there.
+pub const VOLUME_MOUNTS_DIR: &str = "/var/run/nvidia-container-devices";
+/// Stem of the CDI annotation key after the prefix; a fresh UUID follows per response.
+pub const CDI_ANNOTATION_KEY_STEM: &str = "nvidia-device-plugin_";
+/// Separator between a device UUID and its replica number in time-slicing/MPS IDs.
+pub const REPLICA_SEPARATOR: &str = "::";
+
+/// The strategies are the config's types: `[device_plugin] device_list_strategy` and
+/// `device_id_strategy` (see the config module for what each does).
+pub use crate::config::{DeviceIdStrategy, DeviceListStrategy};
+
+/// Settings that shape the response; see the module docs of each field's NVIDIA equivalent.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AllocateOptions {
+    /// Strategies to apply together. Empty means NVIDIA's default, `[Envvar]`.
+    pub strategies: Vec<DeviceListStrategy>,
+    pub id_strategy: DeviceIdStrategy,
+    /// Also return device specs for the device nodes (NVIDIA's `passDeviceSpecs`, for the static
+    /// CPU manager). Ignored when every strategy is a CDI one; implied by `HostMounts`.
+    pub pass_device_specs: bool,
+    /// Prefix of the CDI annotation key, normally `cdi.k8s.io/`.
+    pub cdi_annotation_prefix: String,
+    /// Fully qualified CDI kind, normally `k8s.device-plugin.nvidia.com/gpu`.
+    pub cdi_kind: String,
+    /// Host prefix for device node host paths (`/` = none), NVIDIA's `nvidiaDevRoot`.
+    pub dev_root: PathBuf,
+    /// `HostMounts`: host directory holding the driver's user-space (`lib64/`, `bin/`).
+    pub host_mounts_driver_dir: PathBuf,
+    /// `HostMounts`: where that directory appears in the container.
+    pub host_mounts_container_dir: PathBuf,
+    /// For shared (replica) resources: refuse requests for more than one ID.
+    pub fail_requests_greater_than_one: bool,
+}
+
+impl Default for AllocateOptions {
+    /// NVIDIA's defaults; the host-mounts directories follow GKE's installer layout.
+    fn default() -> Self {
+        AllocateOptions {
+            strategies: vec![DeviceListStrategy::Envvar],
+            id_strategy: DeviceIdStrategy::Uuid,
+            pass_device_specs: false,
+            cdi_annotation_prefix: "cdi.k8s.io/".to_string(),
+            cdi_kind: "k8s.device-plugin.nvidia.com/gpu".to_string(),
+            dev_root: PathBuf::from("/"),
+            host_mounts_driver_dir: PathBuf::from("/home/kubernetes/bin/nvidia"),
+            host_mounts_container_dir: PathBuf::from("/usr/local/nvidia"),
+            fail_requests_greater_than_one: false,
+        }
+    }
+}
+
+/// Why an allocation request was refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum AllocateError {
+    /// The container request carried no device IDs (the kubelet never sends that).
+    #[error("invalid allocation request for '{resource}': no device IDs requested")]
+    EmptyRequest { resource: String },
+    /// A requested ID is not one this resource advertises.
+    #[error("invalid allocation request for '{resource}': unknown device: {id}")]
+    UnknownDevice { id: String, resource: String },
+    /// `fail_requests_greater_than_one` and a multi-ID request for replicas (NVIDIA's text).
+    #[error("invalid request: maximum request size for shared resources is 1; found {found}")]
+    SharedRequestTooLarge { found: usize },
+    /// The driver's `mig-minors` table has no entry for a capability a MIG device needs.
+    #[error("MIG device {device}: capability {key:?} not found in /proc/driver/nvidia-caps/mig-minors")]
+    MissingMigCapability { key: String, device: String },
+}
+
+/// Splits a replica ID `<uuid>::<n>` into its parts; `None` for a plain device ID.
+pub fn split_replica_id(id: &str) -> Option<(&str, &str)> {
+    id.split_once(REPLICA_SEPARATOR)
+}
+
+/// Whether `id` names a time-slicing/MPS replica (`<uuid>::<n>`).
+pub fn is_replica_id(id: &str) -> bool {
+    split_replica_id(id).is_some()
+}
+
+/// Builds the response for one container request.
+///
+/// - Validation (NVIDIA's order): every ID must be a key of `resource.devices` (replica IDs are
+///   keys too), else [`AllocateError::UnknownDevice`]; then, with
+///   `fail_requests_greater_than_one`, a request of more than one ID containing any replica
+///   ID is [`AllocateError::SharedRequestTooLarge`]. Unhealthy devices are not refused: the
+///   kubelet only hands out healthy ones, and a re-admission of a running pod must not fail.
+/// - IDs are mapped per `id_strategy` (replicas to their device's UUID or index), deduplicated
+///   in request order; every strategy below uses the mapped list.
+/// - `envvar`: `NVIDIA_VISIBLE_DEVICES=<id>,<id>`.
+/// - `volume-mounts`: `NVIDIA_VISIBLE_DEVICES=/var/run/nvidia-container-devices` (wins over
+///   `envvar`) and a read-write `/dev/null` mount at `/var/run/nvidia-container-devices/<id>`
+///   per ID, as NVIDIA does.
+/// - `cdi-annotations`: one annotation `<prefix>nvidia-device-plugin_<uuid v4>` whose value is
+///   the comma-separated qualified names `<kind>=<id>,<kind>=<id>`.
+/// - `cdi-cri`: one `cdi_devices` entry `<kind>=<id>` per ID.
+/// - `host-mounts`: see [`host_mounts`].
+/// - If every strategy is a CDI one, no envs, mounts or device specs are returned at all (the
+///   CDI spec carries them).
+/// - Device specs (`pass_device_specs` or `host-mounts`): see [`device_specs`].
+pub fn allocate(
+    resource: &Resource,
+    req: &ContainerAllocateRequest,
+    opts: &AllocateOptions,
+    nodes: &DeviceNodes,
+) -> Result<ContainerAllocateResponse, AllocateError> {
+    let ids = &req.devices_ids;
+    if ids.is_empty() {
+        return Err(AllocateError::EmptyRequest {
+            resource: resource.name.clone(),
+        });
+    }
+    let mut requested = Vec::with_capacity(ids.len());
+    for id in ids {
+        let device = resource.devices.get(id).ok_or_else(|| AllocateError::UnknownDevice {
+            id: id.clone(),
+            resource: resource.name.clone(),
+        })?;
+        requested.push(device);
+    }
+    if opts.fail_requests_greater_than_one && ids.len() > 1 && ids.iter().any(|id| is_replica_id(id)) {
+        return Err(AllocateError::SharedRequestTooLarge { found: ids.len() });
+    }
+
+    // Distinct devices in request order; replicas of one GPU collapse to it.
+    let mut seen = BTreeSet::new();
+    let devices: Vec<&PluginDevice> = requested.into_iter().filter(|d| seen.insert(d.uuid.as_str())).collect();
+    let visible: Vec<&str> = devices
+        .iter()
+        .map(|d| match opts.id_strategy {
+            DeviceIdStrategy::Uuid => d.uuid.as_str(),
+            DeviceIdStrategy::Index => d.index.as_str(),
+        })
+        .collect();
+
+    let default_strategies = [DeviceListStrategy::Envvar];
+    let strategies: &[DeviceListStrategy] = if opts.strategies.is_empty() {
+        &default_strategies
+    } else {
+        &opts.strategies
+    };
+    let has = |s: DeviceListStrategy| strategies.contains(&s);
+    let all_cdi = strategies.iter().all(|s| s.is_cdi());
+
+    let mut resp = ContainerAllocateResponse::default();
+
+    if !all_cdi {
+        if has(DeviceListStrategy::VolumeMounts) {
+            resp.envs
+                .insert(VISIBLE_DEVICES_ENV.to_string(), VOLUME_MOUNTS_DIR.to_string());
+            resp.mounts.extend(visible.iter().map(|id| Mount {
+                container_path: format!("{VOLUME_MOUNTS_DIR}/{id}"),
+                host_path: "/dev/null".to_string(),
+                read_only: false,
+            }));
+        } else if has(DeviceListStrategy::Envvar) || has(DeviceListStrategy::HostMounts) {
+            resp.envs.insert(VISIBLE_DEVICES_ENV.to_string(), visible.join(","));
+        }
+        if has(DeviceListStrategy::HostMounts) {
+            let (mount, envs) = host_mounts(opts);
+            resp.mounts.push(mount);
+            resp.envs.extend(envs);
+        }
+        if opts.pass_device_specs || has(DeviceListStrategy::HostMounts) {
+            resp.devices = device_specs(&devices, &opts.dev_root, nodes)?;
+        }
+    }
+
+    let qualified: Vec<String> = visible.iter().map(|id| format!("{}={id}", opts.cdi_kind)).collect();
+    if has(DeviceListStrategy::CdiAnnotations) {
+        let key = format!(
+            "{}{CDI_ANNOTATION_KEY_STEM}{}",
+            opts.cdi_annotation_prefix,
+            uuid::Uuid::new_v4()
+        );
+        resp.annotations.insert(key, qualified.join(","));
+    }
+    if has(DeviceListStrategy::CdiCri) {
+        resp.cdi_devices = qualified.into_iter().map(|name| CdiDevice { name }).collect();
+    }
+    Ok(resp)
+}
+
+/// What the `host-mounts` strategy adds besides device specs: the host driver directory mounted
+/// read-only at the container directory, and envs `NVIDIA_VISIBLE_DEVICES` (set by the caller;
+/// harmless without a hook, and tools read it) and `LD_LIBRARY_PATH=<container_dir>/lib64` so
+/// `libcuda.so.1` resolves without `ldconfig` in the image.
+///
+/// `PATH` is deliberately not set: an env from the device plugin replaces the image's value
+/// wholesale, and the image's `PATH` is not known here; images that want `nvidia-smi` add
+/// `<container_dir>/bin` themselves (CUDA base images already do). `LD_LIBRARY_PATH` has the
+/// same clobbering property; CUDA base images set it to exactly the GKE directories, so setting
+/// it costs them nothing, but an image with its own `LD_LIBRARY_PATH` loses it.
+pub fn host_mounts(opts: &AllocateOptions) -> (Mount, Vec<(String, String)>) {
+    let container_dir = opts.host_mounts_container_dir.to_string_lossy().into_owned();
+    let mount = Mount {
+        container_path: container_dir.clone(),
+        host_path: opts.host_mounts_driver_dir.to_string_lossy().into_owned(),
+        read_only: true,
+    };
+    let lib64 = format!("{}/lib64", container_dir.trim_end_matches('/'));
+    (mount, vec![("LD_LIBRARY_PATH".to_string(), lib64)])
+}
+
+/// Device specs for `devices`, deduplicated by container path, permissions `rw`, host path =
+/// `dev_root` + container path:
+/// - the control nodes that exist on the host (`nodes.control`, in its order);
+/// - per device `/dev/nvidia<minor>` (for MIG devices the parent GPU's minor);
+/// - per MIG device the capability nodes `/dev/nvidia-caps/nvidia-cap<N>` of its GPU instance
+///   (`gpu<minor>/gi<gi>/access`) and compute instance (`gpu<minor>/gi<gi>/ci<ci>/access`),
+///   `N` from the driver's `mig-minors` table — the table keys GPUs by their device minor.
+///   A missing entry is [`AllocateError::MissingMigCapability`]: without it CUDA cannot open
+///   the instance.
+pub fn device_specs(
+    devices: &[&PluginDevice],
+    dev_root: &Path,
+    nodes: &DeviceNodes,
+) -> Result<Vec<DeviceSpec>, AllocateError> {
+    let mut paths: Vec<String> = nodes.control.clone();
+    for device in devices {
+        paths.push(format!("/dev/nvidia{}", device.minor));
+        if let Some(mig) = &device.mig {
+            let gi_key = format!("gpu{}/gi{}/access", device.minor, mig.gi_id);
+            let ci_key = format!("gpu{}/gi{}/ci{}/access", device.minor, mig.gi_id, mig.ci_id);
+            for key in [gi_key, ci_key] {
+                let minor = nodes
+                    .mig_minors
+                    .get(&key)
+                    .ok_or_else(|| AllocateError::MissingMigCapability {
+                        key: key.clone(),
+                        device: device.uuid.clone(),
+                    })?;
+                paths.push(format!("/dev/nvidia-caps/nvidia-cap{minor}"));
+            }
+        }
+    }
+    let mut seen = BTreeSet::new();
+    Ok(paths
+        .into_iter()
+        .filter(|p| seen.insert(p.clone()))
+        .map(|path| DeviceSpec {
+            host_path: host_path(dev_root, &path),
+            container_path: path,
+            permissions: "rw".to_string(),
+        })
+        .collect())
+}
+
+/// `dev_root` joined with an absolute container path; `/` or empty means no prefix.
+fn host_path(dev_root: &Path, path: &str) -> String {
+    if dev_root.as_os_str().is_empty() || dev_root == Path::new("/") {
+        return path.to_string();
+    }
+    dev_root
+        .join(path.trim_start_matches('/'))
+        .to_string_lossy()
+        .into_owned()
+}
+
+/// The envs of a response as a sorted map, for logs and tests.
+pub fn sorted_envs(resp: &ContainerAllocateResponse) -> Vec<(&str, &str)> {
+    let mut envs: Vec<(&str, &str)> = resp.envs.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+    envs.sort();
+    envs
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::plugin::resources::{Health, MigInfo};
+    use std::collections::BTreeMap;
+
+    const G0: &str = "GPU-00000000-0000-0000-0000-000000000000";
+    const G1: &str = "GPU-11111111-1111-1111-1111-111111111111";
+    const M0: &str = "MIG-aaaaaaaa-aaaa-aaaa-aaaa-aaaaaaaaaaaa";
+    const M1: &str = "MIG-bbbbbbbb-bbbb-bbbb-bbbb-bbbbbbbbbbbb";
+
+    fn gpu(uuid: &str, index: u32) -> PluginDevice {
+        PluginDevice {
+            uuid: uuid.into(),
+            index: index.to_string(),
+            minor: index,
+            numa_node: Some(0),
+            mig: None,
+            health: Health::Healthy,
+        }
+    }
+
+    fn mig(uuid: &str, mig_index: u32, gi: u32) -> PluginDevice {
+        PluginDevice {
+            uuid: uuid.into(),
+            index: format!("1:{mig_index}"),
+            minor: 1,
+            numa_node: Some(0),
+            mig: Some(MigInfo {
+                parent_uuid: G1.into(),
+                parent_index: 1,
+                gi_id: gi,
+                ci_id: 0,
+                profile: "3g.20gb".into(),
+            }),
+            health: Health::Healthy,
+        }
+    }
+
+    fn gpus() -> Resource {
+        Resource {
+            name: "nvidia.com/gpu".into(),
+            devices: [(G0.into(), gpu(G0, 0)), (G1.into(), gpu(G1, 1))].into(),
+        }
+    }
+
+    fn migs() -> Resource {
+        Resource {
+            name: "nvidia.com/mig-3g.20gb".into(),
+            devices: [(M0.into(), mig(M0, 0, 1)), (M1.into(), mig(M1, 1, 2))].into(),
+        }
+    }
+
+    fn replicas() -> Resource {
+        let mut devices = BTreeMap::new();
+        for (uuid, index) in [(G0, 0), (G1, 1)] {
+            for n in 0..2 {
+                devices.insert(format!("{uuid}::{n}"), gpu(uuid, index));
+            }
+        }
+        Resource {
+            name: "nvidia.com/gpu.shared".into(),
+            devices,
+        }
+    }
+
+    fn nodes() -> DeviceNodes {
+        DeviceNodes {
+            control: vec!["/dev/nvidiactl".into(), "/dev/nvidia-uvm".into()],
+            mig_minors: [
+                ("config".into(), 1),
+                ("monitor".into(), 2),
+                ("gpu1/gi1/access".into(), 12),
+                ("gpu1/gi1/ci0/access".into(), 13),
+                ("gpu1/gi2/access".into(), 21),
+                ("gpu1/gi2/ci0/access".into(), 22),
+            ]
+            .into(),
+        }
+    }
+
+    fn req(ids: &[&str]) -> ContainerAllocateRequest {
+        ContainerAllocateRequest {
+            devices_ids: ids.iter().map(|s| s.to_string()).collect(),
+        }
+    }
+
+    fn opts(strategies: &[DeviceListStrategy]) -> AllocateOptions {
+        AllocateOptions {
+            strategies: strategies.to_vec(),
+            ..AllocateOptions::default()
+        }
+    }
+
+    fn index_opts(strategies: &[DeviceListStrategy]) -> AllocateOptions {
+        AllocateOptions {
+            id_strategy: DeviceIdStrategy::Index,
+            ..opts(strategies)
+        }
+    }
+
+    fn spec_paths(resp: &ContainerAllocateResponse) -> Vec<(&str, &str)> {
+        resp.devices
+            .iter()
+            .map(|d| {
+                assert_eq!(d.permissions, "rw");
+                (d.container_path.as_str(), d.host_path.as_str())
+            })
+            .collect()
+    }
+
+    use DeviceListStrategy::*;
+
+    #[test]
+    fn envvar_uuid_and_index() {
+        let r = allocate(&gpus(), &req(&[G1, G0]), &opts(&[Envvar]), &nodes()).unwrap();
+        assert_eq!(sorted_envs(&r), [(VISIBLE_DEVICES_ENV, format!("{G1},{G0}").as_str())]);
+        assert!(r.mounts.is_empty() && r.devices.is_empty());
+        assert!(r.annotations.is_empty() && r.cdi_devices.is_empty());
+
+        let r = allocate(&gpus(), &req(&[G0, G1]), &index_opts(&[Envvar]), &nodes()).unwrap();
+        assert_eq!(sorted_envs(&r), [(VISIBLE_DEVICES_ENV, "0,1")]);
+    }
+
+    #[test]
+    fn envvar_mig_uuid_and_index() {
+        let r = allocate(&migs(), &req(&[M0]), &opts(&[Envvar]), &nodes()).unwrap();
+        assert_eq!(sorted_envs(&r), [(VISIBLE_DEVICES_ENV, M0)]);
+        let r = allocate(&migs(), &req(&[M0, M1]), &index_opts(&[Envvar]), &nodes()).unwrap();
+        assert_eq!(sorted_envs(&r), [(VISIBLE_DEVICES_ENV, "1:0,1:1")]);
+        assert!(r.devices.is_empty());
+    }
+
+    #[test]
+    fn empty_strategy_list_means_envvar() {
+        let r = allocate(&gpus(), &req(&[G0]), &opts(&[]), &nodes()).unwrap();
+        assert_eq!(sorted_envs(&r), [(VISIBLE_DEVICES_ENV, G0)]);
+    }
+
+    #[test]
+    fn volume_mounts_for_gpus_and_migs() {
+        let r = allocate(&gpus(), &req(&[G0, G1]), &opts(&[VolumeMounts]), &nodes()).unwrap();
+        assert_eq!(sorted_envs(&r), [(VISIBLE_DEVICES_ENV, VOLUME_MOUNTS_DIR)]);
+        assert_eq!(
+            r.mounts,
+            [G0, G1].map(|id| Mount {
+                container_path: format!("/var/run/nvidia-container-devices/{id}"),
+                host_path: "/dev/null".into(),
+                read_only: false,
+            })
+        );
+
+        let r = allocate(&migs(), &req(&[M1]), &index_opts(&[VolumeMounts]), &nodes()).unwrap();
+        assert_eq!(r.mounts.len(), 1);
+        assert_eq!(r.mounts[0].container_path, "/var/run/nvidia-container-devices/1:1");
+        assert!(r.devices.is_empty());
+    }
+
+    #[test]
+    fn volume_mounts_overwrite_envvar_in_either_order() {
+        for strategies in [[Envvar, VolumeMounts], [VolumeMounts, Envvar]] {
+            let r = allocate(&gpus(), &req(&[G0]), &opts(&strategies), &nodes()).unwrap();
+            assert_eq!(sorted_envs(&r), [(VISIBLE_DEVICES_ENV, VOLUME_MOUNTS_DIR)]);
+            assert_eq!(r.mounts.len(), 1);
+        }
+    }
+
+    #[test]
+    fn cdi_annotations() {
+        let r = allocate(&gpus(), &req(&[G0, G1]), &opts(&[CdiAnnotations]), &nodes()).unwrap();
+        assert_eq!(r.annotations.len(), 1);
+        let (key, value) = r.annotations.iter().next().unwrap();
+        let uuid = key.strip_prefix("cdi.k8s.io/nvidia-device-plugin_").expect(key);
+        assert!(uuid::Uuid::parse_str(uuid).is_ok(), "{key}");
+        assert_eq!(
+            value,
+            &format!("k8s.device-plugin.nvidia.com/gpu={G0},k8s.device-plugin.nvidia.com/gpu={G1}")
+        );
+        // All-CDI: nothing else.
+        assert!(r.envs.is_empty() && r.mounts.is_empty() && r.devices.is_empty());
+        assert!(r.cdi_devices.is_empty());
+
+        // Fresh key per response; custom prefix; index names for MIG.
+        let o = AllocateOptions {
+            cdi_annotation_prefix: "example.com/".into(),
+            ..index_opts(&[CdiAnnotations])
+        };
+        let a = allocate(&migs(), &req(&[M0, M1]), &o, &nodes()).unwrap();
+        let b = allocate(&migs(), &req(&[M0, M1]), &o, &nodes()).unwrap();
+        let ka = a.annotations.keys().next().unwrap();
+        assert!(ka.starts_with("example.com/nvidia-device-plugin_"));
+        assert_ne!(ka, b.annotations.keys().next().unwrap());
+        assert_eq!(
+            a.annotations.values().next().unwrap(),
+            "k8s.device-plugin.nvidia.com/gpu=1:0,k8s.device-plugin.nvidia.com/gpu=1:1"
+        );
+    }
+
+    #[test]
+    fn cdi_cri() {
+        let o = AllocateOptions {
+            pass_device_specs: true,
+            ..opts(&[CdiCri])
+        };
+        let r = allocate(&migs(), &req(&[M1, M0]), &o, &nodes()).unwrap();
+        let names: Vec<_> = r.cdi_devices.iter().map(|d| d.name.as_str()).collect();
+        assert_eq!(
+            names,
+            [
+                format!("k8s.device-plugin.nvidia.com/gpu={M1}"),
+                format!("k8s.device-plugin.nvidia.com/gpu={M0}")
+            ]
+        );
+        assert!(r.envs.is_empty() && r.mounts.is_empty() && r.devices.is_empty());
+        assert!(r.annotations.is_empty());
+
+        let r = allocate(&gpus(), &req(&[G1]), &index_opts(&[CdiCri, CdiAnnotations]), &nodes()).unwrap();
+        assert_eq!(r.cdi_devices[0].name, "k8s.device-plugin.nvidia.com/gpu=1");
+        assert_eq!(r.annotations.len(), 1);
+        assert!(r.envs.is_empty());
+    }
+
+    #[test]
+    fn cdi_mixed_with_envvar_keeps_envs_and_specs() {
+        let o = AllocateOptions {
+            pass_device_specs: true,
+            ..opts(&[Envvar, CdiCri])
+        };
+        let r = allocate(&gpus(), &req(&[G0]), &o, &nodes()).unwrap();
+        assert_eq!(sorted_envs(&r), [(VISIBLE_DEVICES_ENV, G0)]);
+        assert_eq!(r.cdi_devices.len(), 1);
+        assert!(!r.devices.is_empty());
+    }
+
+    #[test]
+    fn device_specs_for_gpus() {
+        let o = AllocateOptions {
+            pass_device_specs: true,
+            ..opts(&[Envvar])
+        };
+        let r = allocate(&gpus(), &req(&[G1, G0]), &o, &nodes()).unwrap();
+        assert_eq!(
+            spec_paths(&r),
+            [
+                ("/dev/nvidiactl", "/dev/nvidiactl"),
+                ("/dev/nvidia-uvm", "/dev/nvidia-uvm"),
+                ("/dev/nvidia1", "/dev/nvidia1"),
+                ("/dev/nvidia0", "/dev/nvidia0"),
+            ]
+        );
+
+        // A dev root prefixes host paths only.
+        let o = AllocateOptions {
+            dev_root: "/run/nvidia/driver".into(),
+            ..o
+        };
+        let r = allocate(&gpus(), &req(&[G0]), &o, &nodes()).unwrap();
+        assert_eq!(
+            spec_paths(&r),
+            [
+                ("/dev/nvidiactl", "/run/nvidia/driver/dev/nvidiactl"),
+                ("/dev/nvidia-uvm", "/run/nvidia/driver/dev/nvidia-uvm"),
+                ("/dev/nvidia0", "/run/nvidia/driver/dev/nvidia0"),
+            ]
+        );
+    }
+
+    #[test]
+    fn device_specs_for_migs_include_caps_and_dedupe_parent() {
+        let o = AllocateOptions {
+            pass_device_specs: true,
+            ..index_opts(&[VolumeMounts])
+        };
+        let r = allocate(&migs(), &req(&[M0, M1]), &o, &nodes()).unwrap();
+        let containers: Vec<_> = spec_paths(&r).into_iter().map(|(c, _)| c).collect();
+        assert_eq!(
+            containers,
+            [
+                "/dev/nvidiactl",
+                "/dev/nvidia-uvm",
+                "/dev/nvidia1",
+                "/dev/nvidia-caps/nvidia-cap12",
+                "/dev/nvidia-caps/nvidia-cap13",
+                "/dev/nvidia-caps/nvidia-cap21",
+                "/dev/nvidia-caps/nvidia-cap22",
+            ]
+        );
+    }
+
+    #[test]
+    fn missing_mig_capability() {
+        let o = AllocateOptions {
+            pass_device_specs: true,
+            ..opts(&[Envvar])
+        };
+        let mut n = nodes();
+        n.mig_minors.remove("gpu1/gi2/ci0/access");
+        let err = allocate(&migs(), &req(&[M1]), &o, &n).unwrap_err();
+        assert_eq!(
+            err,
+            AllocateError::MissingMigCapability {
+                key: "gpu1/gi2/ci0/access".into(),
+                device: M1.into()
+            }
+        );
+        let text = err.to_string();
+        assert!(text.contains("gpu1/gi2/ci0/access") && text.contains(M1), "{text}");
+
+        // Without device specs the table is not consulted.
+        assert!(allocate(&migs(), &req(&[M1]), &opts(&[Envvar]), &n).is_ok());
+    }
+
+    #[test]
+    fn unknown_id() {
+        let err = allocate(&gpus(), &req(&[G0, "GPU-nope"]), &opts(&[Envvar]), &nodes()).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "invalid allocation request for 'nvidia.com/gpu': unknown device: GPU-nope"
+        );
+        // A replica ID is not a key of a non-shared resource.
+        let err = allocate(&gpus(), &req(&[&format!("{G0}::0")]), &opts(&[Envvar]), &nodes()).unwrap_err();
+        assert!(matches!(err, AllocateError::UnknownDevice { .. }));
+        // Nor is a MIG ID a key of the full-GPU resource.
+        assert!(allocate(&gpus(), &req(&[M0]), &opts(&[Envvar]), &nodes()).is_err());
+
+        let err = allocate(&gpus(), &req(&[]), &opts(&[Envvar]), &nodes()).unwrap_err();
+        assert!(matches!(err, AllocateError::EmptyRequest { .. }));
+    }
+
+    #[test]
+    fn replicas_map_to_devices_and_dedupe() {
+        let ids = [format!("{G1}::1"), format!("{G0}::0"), format!("{G1}::0")];
+        let ids: Vec<&str> = ids.iter().map(String::as_str).collect();
+        let r = allocate(&replicas(), &req(&ids), &opts(&[Envvar]), &nodes()).unwrap();
+        assert_eq!(sorted_envs(&r), [(VISIBLE_DEVICES_ENV, format!("{G1},{G0}").as_str())]);
+        let r = allocate(&replicas(), &req(&ids), &index_opts(&[CdiCri]), &nodes()).unwrap();
+        assert_eq!(r.cdi_devices.len(), 2);
+        assert_eq!(r.cdi_devices[0].name, "k8s.device-plugin.nvidia.com/gpu=1");
+    }
+
+    #[test]
+    fn shared_request_limit() {
+        let o = AllocateOptions {
+            fail_requests_greater_than_one: true,
+            ..opts(&[Envvar])
+        };
+        let two = [format!("{G0}::0"), format!("{G0}::1")];
+        let two: Vec<&str> = two.iter().map(String::as_str).collect();
+        let err = allocate(&replicas(), &req(&two), &o, &nodes()).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "invalid request: maximum request size for shared resources is 1; found 2"
+        );
+        assert!(allocate(&replicas(), &req(&two[..1]), &o, &nodes()).is_ok());
+        // Unknown IDs are reported first, as NVIDIA does.
+        let err = allocate(&replicas(), &req(&[two[0], "x::1"]), &o, &nodes()).unwrap_err();
+        assert!(matches!(err, AllocateError::UnknownDevice { .. }));
+        // Not shared: no limit.
+        assert!(allocate(&gpus(), &req(&[G0, G1]), &o, &nodes()).is_ok());
+    }
+
+    #[test]
+    fn unhealthy_devices_are_still_allocated() {
+        let mut res = gpus();
+        res.devices.get_mut(G0).unwrap().health = Health::Unhealthy;
+        assert!(allocate(&res, &req(&[G0]), &opts(&[Envvar]), &nodes()).is_ok());
+    }
+
+    #[test]
+    fn host_mounts_strategy() {
+        let o = index_opts(&[HostMounts]);
+        let r = allocate(&migs(), &req(&[M0]), &o, &nodes()).unwrap();
+        assert_eq!(
+            sorted_envs(&r),
+            [
+                ("LD_LIBRARY_PATH", "/usr/local/nvidia/lib64"),
+                (VISIBLE_DEVICES_ENV, "1:0"),
+            ]
+        );
+        assert_eq!(
+            r.mounts,
+            [Mount {
+                container_path: "/usr/local/nvidia".into(),
+                host_path: "/home/kubernetes/bin/nvidia".into(),
+                read_only: true,
+            }]
+        );
+        let containers: Vec<_> = spec_paths(&r).into_iter().map(|(c, _)| c).collect();
+        assert_eq!(
+            containers,
+            [
+                "/dev/nvidiactl",
+                "/dev/nvidia-uvm",
+                "/dev/nvidia1",
+                "/dev/nvidia-caps/nvidia-cap12",
+                "/dev/nvidia-caps/nvidia-cap13",
+            ]
+        );
+
+        // Whole GPUs, custom dirs, combined with volume-mounts (which keeps its env value).
+        let o = AllocateOptions {
+            host_mounts_driver_dir: "/opt/nvidia/driver".into(),
+            host_mounts_container_dir: "/nvidia/".into(),
+            dev_root: "/host".into(),
+            ..opts(&[HostMounts, VolumeMounts])
+        };
+        let r = allocate(&gpus(), &req(&[G0]), &o, &nodes()).unwrap();
+        assert_eq!(
+            sorted_envs(&r),
+            [
+                ("LD_LIBRARY_PATH", "/nvidia/lib64"),
+                (VISIBLE_DEVICES_ENV, VOLUME_MOUNTS_DIR),
+            ]
+        );
+        assert_eq!(r.mounts.len(), 2);
+        assert_eq!(r.mounts[1].host_path, "/opt/nvidia/driver");
+        assert_eq!(spec_paths(&r).last(), Some(&("/dev/nvidia0", "/host/dev/nvidia0")));
+    }
+}

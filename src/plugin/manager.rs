@@ -1,0 +1,336 @@
+//! Keeps the advertised resources in step with the kubelet: serves one socket per resource,
+//! registers each, re-registers when the kubelet restarts (its `kubelet.sock` is recreated or our
+//! sockets are deleted), and swaps resources in and out without restarting the process.
+
+use std::collections::BTreeMap;
+use std::os::fd::{AsFd, AsRawFd, RawFd};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime};
+
+use nix::sys::inotify::{AddWatchFlags, InitFlags, Inotify};
+use serde::{Deserialize, Serialize};
+use tokio::io::unix::AsyncFd;
+use tokio::sync::{mpsc, watch};
+
+use super::resources::{Health, Resource};
+use super::server::{PluginContext, PluginStats, ServedPlugin, file_id, register};
+
+/// The kubelet's registration socket name inside the device-plugin directory.
+pub const KUBELET_SOCKET: &str = "kubelet.sock";
+
+const RETRY_MIN: Duration = Duration::from_millis(500);
+const RETRY_MAX: Duration = Duration::from_secs(30);
+
+/// What the agent asks of the manager.
+#[derive(Debug)]
+pub enum Command {
+    /// Advertise exactly these resources (health already applied) with this context.
+    Set { resources: Vec<Resource>, ctx: Arc<PluginContext> },
+}
+
+/// The device plugin's state, for status.json and `gpu-node-agent status`.
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct PluginStatus {
+    /// Whether `kubelet.sock` exists.
+    pub kubelet_present: bool,
+    pub resources: Vec<ResourceStatus>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ResourceStatus {
+    pub name: String,
+    pub socket: String,
+    pub registered: bool,
+    /// Unix seconds of the last successful registration.
+    pub registered_at: Option<u64>,
+    pub devices: usize,
+    pub healthy: usize,
+    pub error: Option<String>,
+}
+
+struct Entry {
+    plugin: ServedPlugin,
+    registered_at: Option<SystemTime>,
+    error: Option<String>,
+}
+
+/// Runs the plugin side until `commands` closes, then stops every server and removes its socket.
+pub struct PluginManager {
+    dir: PathBuf,
+    register_timeout: Duration,
+    desired: Vec<Resource>,
+    ctx: watch::Sender<Arc<PluginContext>>,
+    served: BTreeMap<String, Entry>,
+    kubelet_id: Option<(u64, u64)>,
+    retry_delay: Duration,
+    retry_at: Option<Instant>,
+    stats: Arc<PluginStats>,
+    status: watch::Sender<PluginStatus>,
+}
+
+impl PluginManager {
+    pub fn new(
+        dir: PathBuf,
+        register_timeout: Duration,
+        ctx: Arc<PluginContext>,
+        stats: Arc<PluginStats>,
+    ) -> (PluginManager, watch::Receiver<PluginStatus>) {
+        let (status, status_rx) = watch::channel(PluginStatus::default());
+        let (ctx, _) = watch::channel(ctx);
+        let manager = PluginManager {
+            dir,
+            register_timeout,
+            desired: Vec::new(),
+            ctx,
+            served: BTreeMap::new(),
+            kubelet_id: None,
+            retry_delay: RETRY_MIN,
+            retry_at: None,
+            stats,
+            status,
+        };
+        (manager, status_rx)
+    }
+
+    pub async fn run(mut self, mut commands: mpsc::Receiver<Command>) {
+        let mut watch = DirWatch::new(&self.dir);
+        loop {
+            self.sync().await;
+            let retry = self.retry_at;
+            tokio::select! {
+                cmd = commands.recv() => match cmd {
+                    Some(Command::Set { resources, ctx }) => {
+                        self.desired = resources;
+                        self.ctx.send_replace(ctx);
+                    }
+                    None => break,
+                },
+                () = watch.changed() => {}
+                () = sleep_until(retry) => {}
+            }
+        }
+        for (name, entry) in std::mem::take(&mut self.served) {
+            tracing::info!(resource = %name, "stopping device plugin server, removing {}", entry.plugin.socket.display());
+            entry.plugin.stop().await;
+        }
+        self.publish();
+    }
+
+    fn kubelet_socket(&self) -> PathBuf {
+        self.dir.join(KUBELET_SOCKET)
+    }
+
+    /// One pass: make what is served and registered match what is desired and what the kubelet
+    /// needs. Cheap when nothing changed (a few stat calls).
+    async fn sync(&mut self) {
+        // Resources no longer wanted: stop them and remove their sockets.
+        let wanted: Vec<String> = self.desired.iter().map(|r| r.name.clone()).collect();
+        let gone: Vec<String> = self.served.keys().filter(|n| !wanted.contains(n)).cloned().collect();
+        for name in gone {
+            if let Some(entry) = self.served.remove(&name) {
+                tracing::info!(resource = %name, "resource no longer advertised: stopping its server");
+                entry.plugin.stop().await;
+            }
+        }
+
+        let kubelet = file_id(&self.kubelet_socket()).filter(|_| is_socket(&self.kubelet_socket()));
+        if kubelet.is_none() {
+            if self.kubelet_id.take().is_some() {
+                tracing::warn!("kubelet socket {} is gone: waiting for the kubelet to come back", self.kubelet_socket().display());
+            }
+            for entry in self.served.values_mut() {
+                entry.registered_at = None;
+            }
+            self.retry_at = None;
+            self.publish();
+            return;
+        }
+        if kubelet != self.kubelet_id {
+            if self.kubelet_id.is_some() {
+                tracing::info!("kubelet restarted ({} was recreated): registering again", self.kubelet_socket().display());
+            } else {
+                tracing::info!("kubelet found at {}", self.kubelet_socket().display());
+            }
+            self.kubelet_id = kubelet;
+            for entry in self.served.values_mut() {
+                entry.registered_at = None;
+            }
+            self.retry_delay = RETRY_MIN;
+            self.retry_at = None;
+        }
+
+        // Serve every desired resource; a socket the kubelet deleted means serve anew.
+        for resource in self.desired.clone() {
+            let name = resource.name.clone();
+            let intact = self.served.get(&name).map(|e| e.plugin.socket_intact());
+            match intact {
+                Some(true) => {
+                    if let Some(entry) = self.served.get(&name) {
+                        entry.plugin.update(resource);
+                    }
+                }
+                Some(false) | None => {
+                    if let Some(old) = self.served.remove(&name) {
+                        tracing::info!(resource = %name, "socket {} was removed (kubelet restart?): serving anew", old.plugin.socket.display());
+                        old.plugin.stop().await;
+                    }
+                    match ServedPlugin::start(&self.dir, resource, self.ctx.subscribe(), self.stats.clone()) {
+                        Ok(plugin) => {
+                            self.served.insert(name, Entry { plugin, registered_at: None, error: None });
+                        }
+                        Err(e) => {
+                            let msg = format!("cannot serve {name} in {}: {e}", self.dir.display());
+                            tracing::error!("{msg}");
+                            self.schedule_retry();
+                        }
+                    }
+                }
+            }
+        }
+
+        // Register what is not registered yet with this kubelet.
+        let mut failed = false;
+        let kubelet_socket = self.kubelet_socket();
+        for (name, entry) in self.served.iter_mut().filter(|(_, e)| e.registered_at.is_none()) {
+            let endpoint = entry.plugin.socket.file_name().map(|f| f.to_string_lossy().into_owned()).unwrap_or_default();
+            match register(&kubelet_socket, &endpoint, name, self.register_timeout).await {
+                Ok(()) => {
+                    tracing::info!(resource = %name, socket = %entry.plugin.socket.display(), "registered with the kubelet");
+                    entry.registered_at = Some(SystemTime::now());
+                    entry.error = None;
+                }
+                Err(e) => {
+                    tracing::warn!(resource = %name, "registration failed, will retry: {e}");
+                    entry.error = Some(e.to_string());
+                    failed = true;
+                }
+            }
+        }
+        if failed {
+            self.schedule_retry();
+        } else {
+            self.retry_delay = RETRY_MIN;
+            self.retry_at = None;
+        }
+        self.publish();
+    }
+
+    fn schedule_retry(&mut self) {
+        self.retry_at = Some(Instant::now() + self.retry_delay);
+        self.retry_delay = (self.retry_delay * 2).min(RETRY_MAX);
+    }
+
+    fn publish(&self) {
+        let resources = self
+            .served
+            .iter()
+            .map(|(name, e)| {
+                let resource = e.plugin.resource();
+                ResourceStatus {
+                    name: name.clone(),
+                    socket: e.plugin.socket.display().to_string(),
+                    registered: e.registered_at.is_some(),
+                    registered_at: e.registered_at.and_then(|t| t.duration_since(SystemTime::UNIX_EPOCH).ok()).map(|d| d.as_secs()),
+                    devices: resource.devices.len(),
+                    healthy: resource.devices.values().filter(|d| d.health == Health::Healthy).count(),
+                    error: e.error.clone(),
+                }
+            })
+            .collect();
+        let status = PluginStatus { kubelet_present: self.kubelet_id.is_some(), resources };
+        self.status.send_if_modified(|s| {
+            let changed = *s != status;
+            *s = status;
+            changed
+        });
+    }
+}
+
+async fn sleep_until(at: Option<Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(at.into()).await,
+        None => std::future::pending().await,
+    }
+}
+
+fn is_socket(path: &Path) -> bool {
+    use std::os::unix::fs::FileTypeExt;
+    std::fs::symlink_metadata(path).is_ok_and(|m| m.file_type().is_socket())
+}
+
+struct InotifyFd(Inotify);
+
+impl AsRawFd for InotifyFd {
+    fn as_raw_fd(&self) -> RawFd {
+        self.0.as_fd().as_raw_fd()
+    }
+}
+
+/// Wakes the manager when something changes in the device-plugin directory: inotify when it
+/// can (no idle CPU), polling when inotify is unavailable (e.g. `fs.inotify.max_user_instances`
+/// exhausted) or the directory does not exist yet.
+struct DirWatch {
+    dir: PathBuf,
+    inotify: Option<AsyncFd<InotifyFd>>,
+    watching: bool,
+}
+
+const POLL_NO_INOTIFY: Duration = Duration::from_millis(250);
+const POLL_NO_DIR: Duration = Duration::from_millis(500);
+
+impl DirWatch {
+    fn new(dir: &Path) -> DirWatch {
+        let inotify = Inotify::init(InitFlags::IN_NONBLOCK | InitFlags::IN_CLOEXEC)
+            .map_err(|e| tracing::warn!("inotify unavailable ({e}); polling {} instead", dir.display()))
+            .ok()
+            .and_then(|i| {
+                // SAFETY: the Inotify owns its fd, keeps it open until dropped, and the AsyncFd
+                // owns the Inotify, so the fd stays valid and the same for the AsyncFd's life.
+                unsafe { AsyncFd::register_with_interest(InotifyFd(i), tokio::io::Interest::READABLE) }.ok()
+            });
+        DirWatch { dir: dir.to_path_buf(), inotify, watching: false }
+    }
+
+    async fn changed(&mut self) {
+        let Some(fd) = &self.inotify else {
+            return tokio::time::sleep(POLL_NO_INOTIFY).await;
+        };
+        if !self.watching {
+            let flags = AddWatchFlags::IN_CREATE
+                | AddWatchFlags::IN_DELETE
+                | AddWatchFlags::IN_MOVED_TO
+                | AddWatchFlags::IN_MOVED_FROM
+                | AddWatchFlags::IN_DELETE_SELF
+                | AddWatchFlags::IN_MOVE_SELF;
+            match fd.get_ref().0.add_watch(&self.dir, flags) {
+                Ok(_) => {
+                    self.watching = true;
+                    return; // the directory appeared: let the caller look
+                }
+                Err(_) => return tokio::time::sleep(POLL_NO_DIR).await,
+            }
+        }
+        match fd.readable().await {
+            Ok(mut guard) => {
+                match guard.get_inner().0.read_events() {
+                    Ok(events) => {
+                        if events.iter().any(|e| {
+                            e.mask.intersects(AddWatchFlags::IN_IGNORED | AddWatchFlags::IN_DELETE_SELF | AddWatchFlags::IN_MOVE_SELF)
+                        }) {
+                            self.watching = false;
+                        }
+                    }
+                    Err(nix::errno::Errno::EAGAIN) => guard.clear_ready(),
+                    Err(e) => {
+                        tracing::warn!("reading inotify events failed ({e}); polling instead");
+                        self.inotify = None;
+                    }
+                }
+            }
+            Err(_) => {
+                self.inotify = None;
+            }
+        }
+    }
+}

@@ -1,0 +1,224 @@
+//! From the NVML inventory to the kubelet resources, by MIG strategy (pure).
+//!
+//! The rules are NVIDIA's device plugin's, so resource names and device IDs match what
+//! existing pod specs request:
+//! - `none`: every GPU is a `nvidia.com/gpu`, MIG-enabled ones included (as whole GPUs);
+//! - `single`: MIG devices are advertised as `nvidia.com/gpu`; all GPUs must agree on MIG being
+//!   enabled, every MIG-enabled GPU must have MIG devices, and all of them one profile;
+//! - `mixed`: one resource per MIG profile, `nvidia.com/mig-<profile>` with `+` written as `.`;
+//!   GPUs without MIG stay `nvidia.com/gpu`. Unlike NVIDIA's plugin, compute-instance profiles
+//!   (`1c.3g.20gb`) are advertised too, as `nvidia.com/mig-1c.3g.20gb`, instead of failing.
+
+use std::collections::BTreeMap;
+
+use super::resources::{Health, MigInfo, PluginDevice, Resource};
+pub use crate::config::MigStrategy;
+use crate::nvml::{GpuInfo, Inventory};
+
+/// The resource every whole GPU (and MIG device under `single`) is advertised as.
+pub const GPU_RESOURCE: &str = "nvidia.com/gpu";
+
+/// Why the inventory cannot be advertised with the chosen strategy.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum StrategyError {
+    #[error(
+        "mig_strategy = \"single\" needs every GPU in the same MIG mode, but MIG is enabled on {enabled} and disabled on {disabled}"
+    )]
+    MixedMigModes { enabled: String, disabled: String },
+    #[error("mig_strategy = \"single\": GPU {gpu} has MIG enabled but no MIG devices")]
+    NoMigDevices { gpu: String },
+    #[error("mig_strategy = \"single\" needs one MIG profile on every GPU, found {profiles}")]
+    MixedProfiles { profiles: String },
+}
+
+/// Builds the resources to advertise. Every device starts healthy; health is applied later.
+pub fn build_resources(inventory: &Inventory, strategy: MigStrategy) -> Result<Vec<Resource>, StrategyError> {
+    let mut resources: BTreeMap<String, Resource> = BTreeMap::new();
+    let mut add = |name: String, device: PluginDevice| {
+        resources
+            .entry(name.clone())
+            .or_insert_with(|| Resource { name, devices: BTreeMap::new() })
+            .devices
+            .insert(device.uuid.clone(), device);
+    };
+    let mig_on = |g: &GpuInfo| g.mig.is_some_and(|m| m.current);
+    match strategy {
+        MigStrategy::None => {
+            for gpu in &inventory.gpus {
+                add(GPU_RESOURCE.into(), whole_gpu(gpu));
+            }
+        }
+        MigStrategy::Single => {
+            let (on, off): (Vec<&GpuInfo>, Vec<&GpuInfo>) = inventory.gpus.iter().partition(|g| mig_on(g));
+            if !on.is_empty() && !off.is_empty() {
+                return Err(StrategyError::MixedMigModes { enabled: list(&on), disabled: list(&off) });
+            }
+            if let Some(gpu) = on.iter().find(|g| g.mig_devices.is_empty()) {
+                return Err(StrategyError::NoMigDevices { gpu: gpu.to_string() });
+            }
+            let profiles: std::collections::BTreeSet<&str> =
+                on.iter().flat_map(|g| g.mig_devices.iter().map(|m| m.profile.as_str())).collect();
+            if profiles.len() > 1 {
+                let profiles = profiles.into_iter().collect::<Vec<_>>().join(", ");
+                return Err(StrategyError::MixedProfiles { profiles });
+            }
+            for gpu in &inventory.gpus {
+                if mig_on(gpu) {
+                    for device in mig_plugin_devices(gpu) {
+                        add(GPU_RESOURCE.into(), device);
+                    }
+                } else {
+                    add(GPU_RESOURCE.into(), whole_gpu(gpu));
+                }
+            }
+        }
+        MigStrategy::Mixed => {
+            for gpu in &inventory.gpus {
+                if !mig_on(gpu) {
+                    add(GPU_RESOURCE.into(), whole_gpu(gpu));
+                    continue;
+                }
+                if gpu.mig_devices.is_empty() {
+                    tracing::warn!("{gpu} has MIG enabled but no MIG devices: nothing to advertise for it");
+                }
+                for device in mig_plugin_devices(gpu) {
+                    let profile = device.mig.as_ref().map(|m| m.profile.replace('+', ".")).unwrap_or_default();
+                    add(format!("nvidia.com/mig-{profile}"), device);
+                }
+            }
+        }
+    }
+    Ok(resources.into_values().collect())
+}
+
+fn list(gpus: &[&GpuInfo]) -> String {
+    gpus.iter().map(|g| format!("GPU {}", g.index)).collect::<Vec<_>>().join(", ")
+}
+
+/// A whole GPU as a device.
+pub fn whole_gpu(gpu: &GpuInfo) -> PluginDevice {
+    PluginDevice {
+        uuid: gpu.uuid.clone(),
+        index: gpu.index.to_string(),
+        minor: gpu.minor,
+        numa_node: gpu.numa_node,
+        mig: None,
+        health: Health::Healthy,
+    }
+}
+
+/// The MIG devices that exist on a GPU, as devices.
+pub fn mig_plugin_devices(gpu: &GpuInfo) -> impl Iterator<Item = PluginDevice> + '_ {
+    gpu.mig_devices.iter().map(move |m| PluginDevice {
+        uuid: m.uuid.clone(),
+        index: format!("{}:{}", gpu.index, m.index),
+        minor: gpu.minor,
+        numa_node: gpu.numa_node,
+        mig: Some(MigInfo {
+            parent_uuid: gpu.uuid.clone(),
+            parent_index: gpu.index,
+            gi_id: m.gi_id,
+            ci_id: m.ci_id,
+            profile: m.profile.clone(),
+        }),
+        health: Health::Healthy,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::nvml::{MigDeviceInfo, MigState};
+
+    fn gpu(index: u32, mig: Option<bool>, profiles: &[&str]) -> GpuInfo {
+        GpuInfo {
+            index,
+            uuid: format!("GPU-{index}"),
+            name: "NVIDIA A100-SXM4-40GB".into(),
+            memory_mib: 40960,
+            pci_bus_id: format!("00000000:{:02X}:00.0", 0x10 + index),
+            pci_device_id: 0x20b0,
+            minor: index,
+            numa_node: Some(i64::from(index / 4)),
+            compute_capability: Some((8, 0)),
+            mig: mig.map(|on| MigState { current: on, pending: on }),
+            mig_devices: profiles
+                .iter()
+                .enumerate()
+                .map(|(i, p)| MigDeviceInfo {
+                    index: i as u32,
+                    uuid: format!("MIG-{index}-{i}"),
+                    gi_id: i as u32 + 1,
+                    ci_id: 0,
+                    profile: (*p).into(),
+                    memory_mib: 4864,
+                })
+                .collect(),
+        }
+    }
+
+    fn inv(gpus: Vec<GpuInfo>) -> Inventory {
+        Inventory { driver_version: "550.54.15".into(), cuda_driver_version: "12.4".into(), gpus }
+    }
+
+    fn names(r: &[Resource]) -> Vec<(&str, usize)> {
+        r.iter().map(|r| (r.name.as_str(), r.devices.len())).collect()
+    }
+
+    #[test]
+    fn none_advertises_whole_gpus_even_with_mig() {
+        let r = build_resources(&inv(vec![gpu(0, Some(true), &["1g.5gb"]), gpu(1, None, &[])]), MigStrategy::None)
+            .expect("ok");
+        assert_eq!(names(&r), vec![("nvidia.com/gpu", 2)]);
+        assert_eq!(r[0].devices["GPU-0"].index, "0");
+    }
+
+    #[test]
+    fn single_advertises_mig_devices_as_gpu() {
+        let r = build_resources(
+            &inv(vec![gpu(0, Some(true), &["1g.5gb", "1g.5gb"]), gpu(1, Some(true), &["1g.5gb"])]),
+            MigStrategy::Single,
+        )
+        .expect("ok");
+        assert_eq!(names(&r), vec![("nvidia.com/gpu", 3)]);
+        let d = &r[0].devices["MIG-0-1"];
+        assert_eq!(d.index, "0:1");
+        assert_eq!(d.physical_uuid(), "GPU-0");
+    }
+
+    #[test]
+    fn single_rejects_mixed_modes_profiles_and_empty_gpus() {
+        let e = build_resources(&inv(vec![gpu(0, Some(true), &["1g.5gb"]), gpu(1, Some(false), &[])]), MigStrategy::Single)
+            .expect_err("mixed modes");
+        assert!(e.to_string().contains("enabled on GPU 0 and disabled on GPU 1"), "{e}");
+        let e = build_resources(&inv(vec![gpu(0, Some(true), &["1g.5gb", "2g.10gb"])]), MigStrategy::Single)
+            .expect_err("two profiles");
+        assert!(e.to_string().contains("1g.5gb, 2g.10gb"), "{e}");
+        let e = build_resources(&inv(vec![gpu(0, Some(true), &[])]), MigStrategy::Single).expect_err("empty");
+        assert!(e.to_string().contains("GPU 0"), "{e}");
+    }
+
+    #[test]
+    fn single_without_mig_is_whole_gpus() {
+        let r = build_resources(&inv(vec![gpu(0, None, &[]), gpu(1, Some(false), &[])]), MigStrategy::Single).expect("ok");
+        assert_eq!(names(&r), vec![("nvidia.com/gpu", 2)]);
+    }
+
+    #[test]
+    fn mixed_has_one_resource_per_profile() {
+        let r = build_resources(
+            &inv(vec![gpu(0, Some(true), &["3g.20gb", "1g.5gb+me", "1c.3g.20gb"]), gpu(1, None, &[])]),
+            MigStrategy::Mixed,
+        )
+        .expect("ok");
+        assert_eq!(
+            names(&r),
+            vec![
+                ("nvidia.com/gpu", 1),
+                ("nvidia.com/mig-1c.3g.20gb", 1),
+                ("nvidia.com/mig-1g.5gb.me", 1),
+                ("nvidia.com/mig-3g.20gb", 1)
+            ]
+        );
+    }
+}

@@ -1,0 +1,245 @@
+//! A simulated GPU node for integration tests: a temp root with the fake NVML library installed
+//! where the real one would be, a fake-NVML machine file and state dir, the agent's config, and
+//! helpers to run the real `gpu-node-agent` binary against it.
+
+#![allow(dead_code)]
+
+use std::fs;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use tempfile::TempDir;
+
+/// Where the test node's NVML library lives (a symlink to the fake), as on Debian/Ubuntu.
+pub const NVML_PATH: &str = "/usr/lib/x86_64-linux-gnu/libnvidia-ml.so.1";
+pub const PLUGIN_DIR: &str = "/var/lib/kubelet/device-plugins";
+
+pub const DGX_A100: &str = r#"
+driver_version = "550.54.15"
+cuda_driver_version = 12040
+"#;
+
+/// `n` GPUs of `model`, uuids `GPU-<model tag>-<i>`, NUMA node `i / (n/2)`.
+pub fn machine(model: &str, n: u32) -> String {
+    let mut m = DGX_A100.to_string();
+    for i in 0..n {
+        m.push_str(&format!(
+            "\n[[gpu]]\nmodel = \"{model}\"\nuuid = \"{}\"\nnuma_node = {}\n",
+            gpu_uuid(i),
+            i / (n / 2).max(1)
+        ));
+    }
+    m
+}
+
+/// The uuid `machine()` gives GPU `i`.
+pub fn gpu_uuid(i: u32) -> String {
+    format!("GPU-{i:08x}-1111-2222-3333-444455556666")
+}
+
+/// The fake NVML library the test binary was built with (a dev-dependency, so cargo builds its
+/// cdylib into the same `deps` directory as this test executable).
+pub fn fake_nvml_library() -> PathBuf {
+    let exe = std::env::current_exe().expect("test executable path");
+    let deps = exe.parent().expect("deps dir");
+    for dir in [deps.to_path_buf(), deps.parent().expect("profile dir").to_path_buf()] {
+        let lib = dir.join("libfake_nvml.so");
+        if lib.exists() {
+            return lib;
+        }
+    }
+    panic!("libfake_nvml.so not found next to {}: build the workspace (cargo build --workspace)", exe.display());
+}
+
+pub struct Node {
+    pub tmp: TempDir,
+    pub root: PathBuf,
+    pub state: PathBuf,
+    pub machine: PathBuf,
+}
+
+impl Node {
+    /// A node whose GPUs are described by `machine` and whose agent config is `config`.
+    pub fn new(machine: &str, config: &str) -> Node {
+        let tmp = tempfile::Builder::new().prefix("gna").tempdir().expect("tempdir");
+        let root = tmp.path().join("r");
+        let state = tmp.path().join("nvml-state");
+        let machine_path = tmp.path().join("machine.toml");
+        fs::write(&machine_path, machine).expect("write machine");
+        let nvml = root.join(NVML_PATH.trim_start_matches('/'));
+        fs::create_dir_all(nvml.parent().expect("lib dir")).expect("mkdir lib");
+        std::os::unix::fs::symlink(fake_nvml_library(), &nvml).expect("install fake NVML");
+        fs::create_dir_all(root.join("etc")).expect("mkdir etc");
+        fs::write(root.join("etc/hostname"), "gpu-node-1\n").expect("hostname");
+        let node = Node { tmp, root, state, machine: machine_path };
+        node.write_config(config);
+        node
+    }
+
+    pub fn config_path(&self) -> PathBuf {
+        self.root.join("etc/gpu-node-agent/config.toml")
+    }
+
+    /// Writes the main config: `[nvml] library` pointing at the installed fake, plus `extra`.
+    pub fn write_config(&self, extra: &str) {
+        let path = self.config_path();
+        fs::create_dir_all(path.parent().expect("etc dir")).expect("mkdir config dir");
+        let text = if extra.contains("[nvml]") {
+            extra.to_string()
+        } else {
+            format!("[nvml]\nlibrary = \"{NVML_PATH}\"\n\n[health]\nlost_check_interval = \"100ms\"\n{extra}")
+        };
+        fs::write(path, text).expect("write config");
+    }
+
+    pub fn plugin_dir(&self) -> PathBuf {
+        self.root.join(PLUGIN_DIR.trim_start_matches('/'))
+    }
+
+    pub fn status_path(&self) -> PathBuf {
+        self.root.join("run/gpu-node-agent/status.json")
+    }
+
+    /// The agent binary with this node's root and fake NVML environment.
+    pub fn command(&self, args: &[&str]) -> Command {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_gpu-node-agent"));
+        cmd.arg("--root").arg(&self.root).args(args);
+        cmd.env("FAKE_NVML_MACHINE", &self.machine)
+            .env("FAKE_NVML_STATE_DIR", &self.state)
+            .env("RUST_LOG", "info,gpu_node_agent=debug")
+            .env_remove("JOURNAL_STREAM");
+        cmd
+    }
+
+    pub fn run(&self, args: &[&str]) -> Output {
+        self.command(args).output().expect("run gpu-node-agent")
+    }
+
+    /// Starts `gpu-node-agent run`; its log goes to a file shown when a test fails.
+    pub fn spawn(&self) -> Agent {
+        let log = self.tmp.path().join(format!("agent-{}.log", Instant::now().elapsed().as_nanos()));
+        let file = fs::File::create(&log).expect("log file");
+        let child = self
+            .command(&["run"])
+            .stdout(Stdio::null())
+            .stderr(file)
+            .spawn()
+            .expect("spawn gpu-node-agent");
+        Agent { child: Some(child), log }
+    }
+
+    /// Appends a line to a fake-NVML injection file (`xid`, `processes`, `lost`).
+    pub fn inject(&self, file: &str, line: &str) {
+        fs::create_dir_all(&self.state).expect("state dir");
+        let mut f = fs::OpenOptions::new().create(true).append(true).open(self.state.join(file)).expect("open injection file");
+        writeln!(f, "{line}").expect("inject");
+    }
+
+    /// Replaces an injection file's content (for the "current set" files `lost`, `processes`).
+    pub fn set_injection(&self, file: &str, content: &str) {
+        fs::create_dir_all(&self.state).expect("state dir");
+        fs::write(self.state.join(file), content).expect("write injection file");
+    }
+
+    pub fn sockets(&self) -> Vec<String> {
+        let mut names: Vec<String> = fs::read_dir(self.plugin_dir())
+            .map(|d| d.filter_map(|e| e.ok()).map(|e| e.file_name().to_string_lossy().into_owned()).collect())
+            .unwrap_or_default();
+        names.sort();
+        names
+    }
+
+    pub fn status_json(&self) -> serde_json::Value {
+        let text = fs::read_to_string(self.status_path()).expect("status.json");
+        serde_json::from_str(&text).expect("status.json parses")
+    }
+
+    /// Polls status.json until `pred` holds.
+    pub fn wait_status(&self, timeout: Duration, pred: impl Fn(&serde_json::Value) -> bool) -> serde_json::Value {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Ok(text) = fs::read_to_string(self.status_path())
+                && let Ok(v) = serde_json::from_str::<serde_json::Value>(&text)
+                && pred(&v)
+            {
+                return v;
+            }
+            if Instant::now() > deadline {
+                let text = fs::read_to_string(self.status_path()).unwrap_or_default();
+                panic!("status.json did not reach the expected state in {timeout:?}; last:\n{text}");
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+/// A running agent: SIGTERM on `stop`, SIGKILL on drop.
+pub struct Agent {
+    child: Option<Child>,
+    pub log: PathBuf,
+}
+
+impl Agent {
+    pub fn pid(&self) -> i32 {
+        self.child.as_ref().map(|c| c.id() as i32).unwrap_or(0)
+    }
+
+    pub fn log_text(&self) -> String {
+        fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// SIGTERM, then waits for exit; returns the exit code.
+    pub fn stop(mut self) -> i32 {
+        let mut child = self.child.take().expect("running agent");
+        nix::sys::signal::kill(nix::unistd::Pid::from_raw(child.id() as i32), nix::sys::signal::Signal::SIGTERM)
+            .expect("SIGTERM");
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            if let Some(status) = child.try_wait().expect("wait") {
+                return status.code().unwrap_or(-1);
+            }
+            if Instant::now() > deadline {
+                let _ = child.kill();
+                panic!("agent did not exit within 10 s of SIGTERM; log:\n{}", self.log_text());
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    /// Whether the process is still running.
+    pub fn running(&mut self) -> bool {
+        self.child.as_mut().is_some_and(|c| c.try_wait().ok().flatten().is_none())
+    }
+}
+
+impl Drop for Agent {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+            if std::thread::panicking() {
+                eprintln!("---- agent log ({}) ----\n{}", self.log.display(), self.log_text());
+            }
+        }
+    }
+}
+
+/// Reads a device list into (id, health, numa) triples, sorted by id.
+pub fn summary(devices: &[test_kubelet::api::Device]) -> Vec<(String, String, Option<i64>)> {
+    let mut v: Vec<_> = devices
+        .iter()
+        .map(|d| (d.id.clone(), d.health.clone(), d.topology.as_ref().and_then(|t| t.nodes.first()).map(|n| n.id)))
+        .collect();
+    v.sort();
+    v
+}
+
+pub fn healthy(devices: &[test_kubelet::api::Device], id: &str) -> Option<bool> {
+    devices.iter().find(|d| d.id == id).map(|d| d.health == "Healthy")
+}
+
+pub fn path_str(p: &Path) -> String {
+    p.display().to_string()
+}
