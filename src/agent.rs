@@ -136,6 +136,10 @@ struct Agent {
     health_stop: Option<Arc<AtomicBool>>,
     watched: BTreeSet<String>,
     base_ctx: PluginContext,
+    /// Names of the resources last handed to the plugin manager.
+    desired: Vec<String>,
+    /// Why the device-plugin stage cannot advertise what it should (inventory or strategy).
+    plan_error: Option<String>,
     last_status: Option<Status>,
 }
 
@@ -167,6 +171,8 @@ pub async fn run(config: Config, root: HostRoot, once: bool) -> Result<i32, Agen
         health_stop: None,
         watched: BTreeSet::new(),
         base_ctx,
+        desired: Vec::new(),
+        plan_error: None,
         last_status: None,
     };
 
@@ -283,31 +289,30 @@ impl Agent {
             self.write_status("running");
             return;
         }
-        match plan_device_plugin(&gpus, &self.config, &self.root) {
-            Ok(plan) => {
-                if self.inventory.as_ref() != Some(&plan.inventory) {
+        match gpus.inventory(&self.root.join("/sys")) {
+            Ok(inventory) => {
+                if self.inventory.as_ref() != Some(&inventory) {
                     tracing::info!(
-                        "inventory: driver {}, CUDA {}, {} GPU(s); advertising {}",
-                        plan.inventory.driver_version,
-                        plan.inventory.cuda_driver_version,
-                        plan.inventory.gpus.len(),
-                        plan.resources.iter().map(|r| format!("{} ×{}", r.name, r.devices.len())).collect::<Vec<_>>().join(", ")
+                        "inventory: driver {}, CUDA {}, {} GPU(s)",
+                        inventory.driver_version,
+                        inventory.cuda_driver_version,
+                        inventory.gpus.len(),
                     );
-                    self.base_ctx.topology = gpus.topology(&plan.inventory);
-                    self.inventory = Some(plan.inventory);
+                    self.base_ctx.topology = gpus.topology(&inventory);
+                    self.inventory = Some(inventory);
                     self.watch_health(&gpus);
                 }
-                self.push_resources().await;
             }
             Err(e) => {
-                tracing::error!("device plugin stage failed: {e}");
-                self.stage.set(StageState::Failed, Some(e.to_string()), None);
-                if let Some(tx) = &self.commands {
-                    let _ = tx.send(Command::Set { resources: Vec::new(), ctx: Arc::new(self.base_ctx.clone()) }).await;
-                }
+                // Keep advertising the last good inventory (health marks what broke); say why.
+                tracing::error!("cannot read the GPU inventory: {e}");
+                self.plan_error = Some(e.to_string());
+                self.update_stage();
                 self.write_status("running");
+                return;
             }
         }
+        self.push_resources().await;
     }
 
     /// (Re)starts the NVML health watcher when the set of GPUs changed.
@@ -347,17 +352,28 @@ impl Agent {
 
     async fn push_resources(&mut self) {
         let resources = match self.resources() {
-            Ok(r) => r,
+            Ok(r) => {
+                self.plan_error = None;
+                r
+            }
             Err(e) => {
-                self.stage.set(StageState::Failed, Some(e.to_string()), None);
-                self.write_status("running");
-                return;
+                // Nothing consistent to advertise: withdraw everything and say why.
+                tracing::error!("device plugin stage failed: {e}");
+                self.plan_error = Some(e.to_string());
+                Vec::new()
             }
         };
         if self.once {
-            let detail = summary(&resources);
-            self.stage.set(StageState::Skipped, None, Some(format!("run --once does not serve the kubelet; would advertise {detail}")));
+            if self.plan_error.is_none() {
+                let detail = summary(&resources);
+                let detail = format!("run --once does not serve the kubelet; would advertise {detail}");
+                self.stage.set(StageState::Skipped, None, Some(detail));
+            }
         } else if let Some(tx) = &self.commands {
+            if self.plan_error.is_none() {
+                tracing::info!("advertising {}", summary(&resources));
+            }
+            self.desired = resources.iter().map(|r| r.name.clone()).collect();
             let _ = tx.send(Command::Set { resources, ctx: Arc::new(self.base_ctx.clone()) }).await;
         }
         self.update_stage();
@@ -366,24 +382,28 @@ impl Agent {
 
     /// The device-plugin stage state from what the manager reports.
     fn update_stage(&mut self) {
-        if self.once || self.gpus.is_none() || self.stage.status.state == StageState::Disabled {
+        if let Some(e) = &self.plan_error {
+            self.stage.set(StageState::Failed, Some(e.clone()), None);
             return;
         }
-        if let Err(e) = self.resources() {
-            self.stage.set(StageState::Failed, Some(e.to_string()), None);
+        if self.once || self.gpus.is_none() || self.stage.status.state == StageState::Disabled {
             return;
         }
         let p = &self.plugin_status;
         let errors: Vec<String> = p.resources.iter().filter_map(|r| r.error.clone()).collect();
-        let registered = p.resources.iter().filter(|r| r.registered).count();
+        let registered = self
+            .desired
+            .iter()
+            .filter(|name| p.resources.iter().any(|r| &r.name == *name && r.registered))
+            .count();
         let devices: usize = p.resources.iter().map(|r| r.devices).sum();
-        let detail = format!("{registered}/{} resource(s) registered, {devices} device(s)", p.resources.len());
+        let detail = format!("{registered}/{} resource(s) registered, {devices} device(s)", self.desired.len());
         if !p.kubelet_present {
             let dir = self.config.kubelet.device_plugin_dir.display();
             self.stage.set(StageState::Pending, Some(format!("waiting for the kubelet ({dir}/kubelet.sock)")), Some(detail));
         } else if !errors.is_empty() {
             self.stage.set(StageState::Pending, Some(errors.join("; ")), Some(detail));
-        } else if registered == p.resources.len() {
+        } else if registered == self.desired.len() {
             self.stage.set(StageState::Ok, None, Some(detail));
         } else {
             self.stage.set(StageState::Pending, None, Some(detail));

@@ -233,7 +233,7 @@ async fn preferred_allocation_keeps_to_one_numa_node_and_honours_must_include() 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kubelet_restart_reregisters_within_a_second() {
     let node = Node::new(&machine("A100-SXM4-40GB", 2), "");
-    let mut kubelet = start_kubelet(&node).await;
+    let kubelet = start_kubelet(&node).await;
     let agent = node.spawn();
     kubelet.wait_for_registration(GPU, T).await.expect("first registration");
     kubelet.wait_for_devices(GPU, T, |d| d.len() == 2).await.expect("devices");
@@ -297,6 +297,7 @@ async fn xid_on_a_mig_device_affects_only_that_device() {
     let kubelet = start_kubelet(&node).await;
     let agent = node.spawn();
     let r = "nvidia.com/mig-2g.20gb";
+    kubelet.wait_for_devices("nvidia.com/mig-3g.40gb", T, |d| d.len() == 1).await.expect("3g device");
     let devices = kubelet.wait_for_devices(r, T, |d| d.len() == 2).await.expect("two 2g devices");
     let (sick, fine) = (devices[0].id.clone(), devices[1].id.clone());
     node.inject("xid", &format!("{sick} 94"));

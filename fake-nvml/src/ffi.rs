@@ -18,15 +18,12 @@ use std::thread::sleep;
 use std::time::{Duration, Instant};
 
 use nvml_wrapper_sys::bindings::{
-    nvmlComputeInstance_t, nvmlComputeInstanceInfo_t, nvmlComputeInstancePlacement_t,
-    nvmlComputeInstanceProfileInfo_t, nvmlComputeInstanceProfileInfo_v2_t,
-    nvmlComputeInstanceProfileInfo_v3_t, nvmlDevice_t, nvmlDeviceArchitecture_t,
-    nvmlDeviceAttributes_t, nvmlEnableState_t, nvmlEventData_t, nvmlEventSet_t,
-    nvmlGpuInstance_t, nvmlGpuInstanceInfo_t, nvmlGpuInstancePlacement_t,
-    nvmlGpuInstanceProfileInfo_t, nvmlGpuInstanceProfileInfo_v2_t,
-    nvmlGpuInstanceProfileInfo_v3_t, nvmlGpuTopologyLevel_t, nvmlMemory_t, nvmlMemory_v2_t,
-    nvmlPciInfo_t, nvmlProcessInfo_t, nvmlReturn_t, nvmlTemperatureSensors_t,
-    nvmlUtilization_t,
+    nvmlComputeInstance_t, nvmlComputeInstanceInfo_t, nvmlComputeInstancePlacement_t, nvmlComputeInstanceProfileInfo_t,
+    nvmlComputeInstanceProfileInfo_v2_t, nvmlComputeInstanceProfileInfo_v3_t, nvmlDevice_t, nvmlDeviceArchitecture_t,
+    nvmlDeviceAttributes_t, nvmlEnableState_t, nvmlEventData_t, nvmlEventSet_t, nvmlGpuInstance_t,
+    nvmlGpuInstanceInfo_t, nvmlGpuInstancePlacement_t, nvmlGpuInstanceProfileInfo_t, nvmlGpuInstanceProfileInfo_v2_t,
+    nvmlGpuInstanceProfileInfo_v3_t, nvmlGpuTopologyLevel_t, nvmlMemory_t, nvmlMemory_v2_t, nvmlPciInfo_t,
+    nvmlProcessInfo_t, nvmlReturn_t, nvmlTemperatureSensors_t, nvmlUtilization_t,
 };
 
 use crate::error::{NvmlError, NvmlResult, SUCCESS, error_string};
@@ -58,7 +55,11 @@ fn run(f: impl FnOnce(&mut Cx<'_>) -> NvmlResult<()>) -> nvmlReturn_t {
 }
 
 fn nonnull<T>(p: *const T) -> NvmlResult<()> {
-    if p.is_null() { Err(NvmlError::InvalidArgument) } else { Ok(()) }
+    if p.is_null() {
+        Err(NvmlError::InvalidArgument)
+    } else {
+        Ok(())
+    }
 }
 
 /// Writes `v` through `p` (checked for NULL).
@@ -87,7 +88,9 @@ unsafe fn put_str(buf: *mut c_char, len: c_uint, s: &str) -> NvmlResult<()> {
 unsafe fn get_str<'a>(p: *const c_char) -> NvmlResult<&'a str> {
     nonnull(p)?;
     // SAFETY: non-NULL and NUL-terminated per the contract.
-    unsafe { CStr::from_ptr(p) }.to_str().map_err(|_| NvmlError::InvalidArgument)
+    unsafe { CStr::from_ptr(p) }
+        .to_str()
+        .map_err(|_| NvmlError::InvalidArgument)
 }
 
 /// Reads the leading `version` word of a versioned struct.
@@ -243,7 +246,10 @@ pub unsafe extern "C" fn nvmlDeviceGetHandleByUUID(uuid: *const c_char, device: 
 }
 
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlDeviceGetHandleByPciBusId_v2(bus: *const c_char, device: *mut nvmlDevice_t) -> nvmlReturn_t {
+pub unsafe extern "C" fn nvmlDeviceGetHandleByPciBusId_v2(
+    bus: *const c_char,
+    device: *mut nvmlDevice_t,
+) -> nvmlReturn_t {
     run(|cx| {
         let bus = unsafe { get_str(bus) }?;
         nonnull(device)?;
@@ -276,7 +282,11 @@ pub unsafe extern "C" fn nvmlDeviceGetName(device: nvmlDevice_t, name: *mut c_ch
 }
 
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlDeviceGetSerial(device: nvmlDevice_t, serial: *mut c_char, length: c_uint) -> nvmlReturn_t {
+pub unsafe extern "C" fn nvmlDeviceGetSerial(
+    device: nvmlDevice_t,
+    serial: *mut c_char,
+    length: c_uint,
+) -> nvmlReturn_t {
     run(|cx| {
         let g = cx.dev(addr(device))?.gpu();
         let s = crate::ids::serial_for(&cx.lib.state.gpus[g].uuid);
@@ -306,12 +316,24 @@ pub unsafe extern "C" fn nvmlDeviceGetMemoryInfo(device: nvmlDevice_t, memory: *
         let d = cx.dev(addr(device))?;
         nonnull(memory)?;
         let (total, used) = cx.memory(d);
-        unsafe { put(memory, nvmlMemory_t { total, free: total - used.min(total), used }) }
+        unsafe {
+            put(
+                memory,
+                nvmlMemory_t {
+                    total,
+                    free: total - used.min(total),
+                    used,
+                },
+            )
+        }
     })
 }
 
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlDeviceGetMemoryInfo_v2(device: nvmlDevice_t, memory: *mut nvmlMemory_v2_t) -> nvmlReturn_t {
+pub unsafe extern "C" fn nvmlDeviceGetMemoryInfo_v2(
+    device: nvmlDevice_t,
+    memory: *mut nvmlMemory_v2_t,
+) -> nvmlReturn_t {
     run(|cx| {
         let d = cx.dev(addr(device))?;
         let version = unsafe { version_of(memory.cast()) }?;
@@ -365,7 +387,10 @@ pub unsafe extern "C" fn nvmlDeviceGetCudaComputeCapability(
 }
 
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlDeviceGetArchitecture(device: nvmlDevice_t, arch: *mut nvmlDeviceArchitecture_t) -> nvmlReturn_t {
+pub unsafe extern "C" fn nvmlDeviceGetArchitecture(
+    device: nvmlDevice_t,
+    arch: *mut nvmlDeviceArchitecture_t,
+) -> nvmlReturn_t {
     run(|cx| {
         let g = cx.dev(addr(device))?.gpu();
         unsafe { put(arch, cx.lib.machine.gpus[g].model.architecture) }
@@ -380,8 +405,23 @@ pub unsafe extern "C" fn nvmlDeviceGetBrand(device: nvmlDevice_t, brand: *mut c_
     })
 }
 
+/// `nvmlDeviceGetNumaNodeId`: the machine file's `numa_node` (a MIG handle answers with its
+/// parent's); NOT_SUPPORTED when the GPU has none.
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlDeviceGetAttributes_v2(device: nvmlDevice_t, attributes: *mut nvmlDeviceAttributes_t) -> nvmlReturn_t {
+pub unsafe extern "C" fn nvmlDeviceGetNumaNodeId(device: nvmlDevice_t, node: *mut c_uint) -> nvmlReturn_t {
+    run(|cx| {
+        let g = cx.dev(addr(device))?.gpu();
+        nonnull(node)?;
+        let numa = cx.lib.machine.gpus[g].numa_node.ok_or(NvmlError::NotSupported)?;
+        unsafe { put(node, numa) }
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceGetAttributes_v2(
+    device: nvmlDevice_t,
+    attributes: *mut nvmlDeviceAttributes_t,
+) -> nvmlReturn_t {
     run(|cx| {
         let d = cx.dev(addr(device))?;
         unsafe { put(attributes, cx.attributes(d)) }
@@ -389,7 +429,10 @@ pub unsafe extern "C" fn nvmlDeviceGetAttributes_v2(device: nvmlDevice_t, attrib
 }
 
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlDeviceGetAttributes(device: nvmlDevice_t, attributes: *mut nvmlDeviceAttributes_t) -> nvmlReturn_t {
+pub unsafe extern "C" fn nvmlDeviceGetAttributes(
+    device: nvmlDevice_t,
+    attributes: *mut nvmlDeviceAttributes_t,
+) -> nvmlReturn_t {
     unsafe { nvmlDeviceGetAttributes_v2(device, attributes) }
 }
 
@@ -422,7 +465,10 @@ pub unsafe extern "C" fn nvmlDeviceGetPowerUsage(device: nvmlDevice_t, power: *m
 }
 
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlDeviceGetTotalEnergyConsumption(device: nvmlDevice_t, energy: *mut c_ulonglong) -> nvmlReturn_t {
+pub unsafe extern "C" fn nvmlDeviceGetTotalEnergyConsumption(
+    device: nvmlDevice_t,
+    energy: *mut c_ulonglong,
+) -> nvmlReturn_t {
     run(|cx| {
         let g = physical_or_not_supported(cx, device)?;
         nonnull(energy)?;
@@ -432,7 +478,10 @@ pub unsafe extern "C" fn nvmlDeviceGetTotalEnergyConsumption(device: nvmlDevice_
 }
 
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlDeviceGetUtilizationRates(device: nvmlDevice_t, utilization: *mut nvmlUtilization_t) -> nvmlReturn_t {
+pub unsafe extern "C" fn nvmlDeviceGetUtilizationRates(
+    device: nvmlDevice_t,
+    utilization: *mut nvmlUtilization_t,
+) -> nvmlReturn_t {
     run(|cx| {
         let g = physical_or_not_supported(cx, device)?;
         nonnull(utilization)?;
@@ -468,7 +517,11 @@ fn nvlink_gpu(cx: &mut Cx<'_>, device: nvmlDevice_t, link: c_uint) -> NvmlResult
 }
 
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlDeviceGetNvLinkState(device: nvmlDevice_t, link: c_uint, is_active: *mut nvmlEnableState_t) -> nvmlReturn_t {
+pub unsafe extern "C" fn nvmlDeviceGetNvLinkState(
+    device: nvmlDevice_t,
+    link: c_uint,
+    is_active: *mut nvmlEnableState_t,
+) -> nvmlReturn_t {
     run(|cx| {
         let g = nvlink_gpu(cx, device, link)?;
         let active = (link as usize) < cx.lib.machine.gpus[g].nvlink_peers.len();
@@ -477,7 +530,11 @@ pub unsafe extern "C" fn nvmlDeviceGetNvLinkState(device: nvmlDevice_t, link: c_
 }
 
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlDeviceGetNvLinkRemotePciInfo_v2(device: nvmlDevice_t, link: c_uint, pci: *mut nvmlPciInfo_t) -> nvmlReturn_t {
+pub unsafe extern "C" fn nvmlDeviceGetNvLinkRemotePciInfo_v2(
+    device: nvmlDevice_t,
+    link: c_uint,
+    pci: *mut nvmlPciInfo_t,
+) -> nvmlReturn_t {
     run(|cx| {
         let g = nvlink_gpu(cx, device, link)?;
         let info = cx.nvlink_remote(g, link as usize).ok_or(NvmlError::NotSupported)?;
@@ -486,7 +543,11 @@ pub unsafe extern "C" fn nvmlDeviceGetNvLinkRemotePciInfo_v2(device: nvmlDevice_
 }
 
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlDeviceGetNvLinkRemotePciInfo(device: nvmlDevice_t, link: c_uint, pci: *mut nvmlPciInfo_t) -> nvmlReturn_t {
+pub unsafe extern "C" fn nvmlDeviceGetNvLinkRemotePciInfo(
+    device: nvmlDevice_t,
+    link: c_uint,
+    pci: *mut nvmlPciInfo_t,
+) -> nvmlReturn_t {
     unsafe { nvmlDeviceGetNvLinkRemotePciInfo_v2(device, link, pci) }
 }
 
@@ -546,7 +607,11 @@ pub unsafe extern "C" fn nvmlDeviceGetComputeRunningProcesses_v2(
 // === MIG mode ===
 
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlDeviceGetMigMode(device: nvmlDevice_t, current: *mut c_uint, pending: *mut c_uint) -> nvmlReturn_t {
+pub unsafe extern "C" fn nvmlDeviceGetMigMode(
+    device: nvmlDevice_t,
+    current: *mut c_uint,
+    pending: *mut c_uint,
+) -> nvmlReturn_t {
     run(|cx| {
         let g = cx.gpu(addr(device))?;
         nonnull(current)?;
@@ -558,7 +623,11 @@ pub unsafe extern "C" fn nvmlDeviceGetMigMode(device: nvmlDevice_t, current: *mu
 }
 
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlDeviceSetMigMode(device: nvmlDevice_t, mode: c_uint, activation_status: *mut nvmlReturn_t) -> nvmlReturn_t {
+pub unsafe extern "C" fn nvmlDeviceSetMigMode(
+    device: nvmlDevice_t,
+    mode: c_uint,
+    activation_status: *mut nvmlReturn_t,
+) -> nvmlReturn_t {
     run(|cx| {
         let g = cx.gpu(addr(device))?;
         nonnull(activation_status)?;
@@ -686,7 +755,10 @@ pub unsafe extern "C" fn nvmlDeviceGetGpuInstancePossiblePlacements_v2(
         let list: Vec<nvmlGpuInstancePlacement_t> = p
             .starts
             .iter()
-            .map(|&start| nvmlGpuInstancePlacement_t { start, size: p.mem_size })
+            .map(|&start| nvmlGpuInstancePlacement_t {
+                start,
+                size: p.mem_size,
+            })
             .collect();
         unsafe { put_array(&list, placements, count) }
     })
@@ -757,7 +829,11 @@ pub unsafe extern "C" fn nvmlDeviceGetGpuInstances(
 }
 
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlDeviceGetGpuInstanceById(device: nvmlDevice_t, id: c_uint, gpu_instance: *mut nvmlGpuInstance_t) -> nvmlReturn_t {
+pub unsafe extern "C" fn nvmlDeviceGetGpuInstanceById(
+    device: nvmlDevice_t,
+    id: c_uint,
+    gpu_instance: *mut nvmlGpuInstance_t,
+) -> nvmlReturn_t {
     run(|cx| {
         let g = cx.gpu(addr(device))?;
         nonnull(gpu_instance)?;
@@ -767,7 +843,10 @@ pub unsafe extern "C" fn nvmlDeviceGetGpuInstanceById(device: nvmlDevice_t, id: 
 }
 
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlGpuInstanceGetInfo(gpu_instance: nvmlGpuInstance_t, info: *mut nvmlGpuInstanceInfo_t) -> nvmlReturn_t {
+pub unsafe extern "C" fn nvmlGpuInstanceGetInfo(
+    gpu_instance: nvmlGpuInstance_t,
+    info: *mut nvmlGpuInstanceInfo_t,
+) -> nvmlReturn_t {
     run(|cx| {
         let (g, gi) = cx.gi(addr(gpu_instance))?;
         nonnull(info)?;
@@ -778,7 +857,10 @@ pub unsafe extern "C" fn nvmlGpuInstanceGetInfo(gpu_instance: nvmlGpuInstance_t,
             device,
             id: s.id,
             profileId: s.profile_id,
-            placement: nvmlGpuInstancePlacement_t { start: s.start, size: p.mem_size },
+            placement: nvmlGpuInstancePlacement_t {
+                start: s.start,
+                size: p.mem_size,
+            },
         };
         unsafe { put(info, v) }
     })
@@ -1047,7 +1129,11 @@ pub unsafe extern "C" fn nvmlDeviceGetMaxMigDeviceCount(device: nvmlDevice_t, co
 }
 
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlDeviceGetMigDeviceHandleByIndex(device: nvmlDevice_t, index: c_uint, mig_device: *mut nvmlDevice_t) -> nvmlReturn_t {
+pub unsafe extern "C" fn nvmlDeviceGetMigDeviceHandleByIndex(
+    device: nvmlDevice_t,
+    index: c_uint,
+    mig_device: *mut nvmlDevice_t,
+) -> nvmlReturn_t {
     run(|cx| {
         let g = cx.gpu(addr(device))?;
         nonnull(mig_device)?;
@@ -1057,7 +1143,10 @@ pub unsafe extern "C" fn nvmlDeviceGetMigDeviceHandleByIndex(device: nvmlDevice_
 }
 
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlDeviceGetDeviceHandleFromMigDeviceHandle(mig_device: nvmlDevice_t, device: *mut nvmlDevice_t) -> nvmlReturn_t {
+pub unsafe extern "C" fn nvmlDeviceGetDeviceHandleFromMigDeviceHandle(
+    mig_device: nvmlDevice_t,
+    device: *mut nvmlDevice_t,
+) -> nvmlReturn_t {
     run(|cx| match cx.dev(addr(mig_device))? {
         Dev::Mig { gpu, .. } => {
             nonnull(device)?;
@@ -1085,7 +1174,10 @@ pub unsafe extern "C" fn nvmlEventSetFree(set: nvmlEventSet_t) -> nvmlReturn_t {
 }
 
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlDeviceGetSupportedEventTypes(device: nvmlDevice_t, event_types: *mut c_ulonglong) -> nvmlReturn_t {
+pub unsafe extern "C" fn nvmlDeviceGetSupportedEventTypes(
+    device: nvmlDevice_t,
+    event_types: *mut c_ulonglong,
+) -> nvmlReturn_t {
     run(|cx| {
         let g = physical_or_not_supported(cx, device)?;
         unsafe { put(event_types, cx.supported_events(g)) }
@@ -1093,7 +1185,11 @@ pub unsafe extern "C" fn nvmlDeviceGetSupportedEventTypes(device: nvmlDevice_t, 
 }
 
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlDeviceRegisterEvents(device: nvmlDevice_t, event_types: c_ulonglong, set: nvmlEventSet_t) -> nvmlReturn_t {
+pub unsafe extern "C" fn nvmlDeviceRegisterEvents(
+    device: nvmlDevice_t,
+    event_types: c_ulonglong,
+    set: nvmlEventSet_t,
+) -> nvmlReturn_t {
     run(|cx| {
         let g = physical_or_not_supported(cx, device)?;
         cx.register(g, event_types, addr(set))
@@ -1103,7 +1199,11 @@ pub unsafe extern "C" fn nvmlDeviceRegisterEvents(device: nvmlDevice_t, event_ty
 /// Waits without holding the lock: one poll, then sleeps of [`WAIT_POLL`] until an event,
 /// a lost GPU, or the timeout.
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlEventSetWait_v2(set: nvmlEventSet_t, data: *mut nvmlEventData_t, timeoutms: c_uint) -> nvmlReturn_t {
+pub unsafe extern "C" fn nvmlEventSetWait_v2(
+    set: nvmlEventSet_t,
+    data: *mut nvmlEventData_t,
+    timeoutms: c_uint,
+) -> nvmlReturn_t {
     let deadline = Instant::now() + Duration::from_millis(u64::from(timeoutms));
     loop {
         let mut got = None;
@@ -1128,6 +1228,10 @@ pub unsafe extern "C" fn nvmlEventSetWait_v2(set: nvmlEventSet_t, data: *mut nvm
 }
 
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlEventSetWait(set: nvmlEventSet_t, data: *mut nvmlEventData_t, timeoutms: c_uint) -> nvmlReturn_t {
+pub unsafe extern "C" fn nvmlEventSetWait(
+    set: nvmlEventSet_t,
+    data: *mut nvmlEventData_t,
+    timeoutms: c_uint,
+) -> nvmlReturn_t {
     unsafe { nvmlEventSetWait_v2(set, data, timeoutms) }
 }

@@ -15,6 +15,7 @@ use std::fs::{self, OpenOptions};
 use std::io::{self, Read, Seek, SeekFrom, Write};
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{LazyLock, Mutex};
 use std::time::{Duration, SystemTime};
 
@@ -190,6 +191,11 @@ impl XidLog {
         }
     }
 
+    /// Path of the file.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
     /// Offset just past the last complete line consumed.
     pub fn consumed(&self) -> u64 {
         self.read_len
@@ -270,6 +276,11 @@ impl Injections {
         }
     }
 
+    /// Path of the `processes` file.
+    pub fn processes_path(&self) -> &Path {
+        &self.processes.path
+    }
+
     /// The current `processes` lines.
     pub fn processes(&mut self) -> &[ProcessLine] {
         self.processes.refresh(parse_processes)
@@ -304,12 +315,13 @@ pub(crate) fn write_atomic(path: &Path, bytes: &[u8]) -> io::Result<()> {
     let name = path
         .file_name()
         .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, "path has no file name"))?;
-    let tmp = path.with_file_name(format!(".{}.tmp.{}", name.to_string_lossy(), std::process::id()));
-    {
-        let mut f = fs::File::create(&tmp)?;
-        f.write_all(bytes)?;
-        f.sync_all()?;
-    }
+    // Unique per process and call, so concurrent writers never share a temporary file.
+    static WRITES: AtomicU64 = AtomicU64::new(0);
+    let n = WRITES.fetch_add(1, Ordering::Relaxed);
+    let tmp = path.with_file_name(format!(".{}.tmp.{}.{n}", name.to_string_lossy(), std::process::id()));
+    // No fsync: the rename alone guarantees readers see the old or the new content, and a
+    // test double does not need to survive power loss.
+    fs::write(&tmp, bytes)?;
     fs::rename(&tmp, path)
 }
 
@@ -341,7 +353,10 @@ mod tests {
             .unwrap();
         log.refresh();
         assert_eq!(log.lines.len(), 2);
-        assert_eq!((log.lines[1].uuid.as_str(), log.lines[1].xid, log.lines[1].line_no), ("GPU-b", 48, 3));
+        assert_eq!(
+            (log.lines[1].uuid.as_str(), log.lines[1].xid, log.lines[1].line_no),
+            ("GPU-b", 48, 3)
+        );
         fs::write(dir.path().join(XID_FILE), "GPU-c 1\n").unwrap();
         log.refresh();
         assert_eq!(log.generation, 1);

@@ -105,9 +105,7 @@ impl Machine {
                 raw.cuda_driver_version
             ));
         }
-        let nvml_version = raw
-            .nvml_version
-            .unwrap_or_else(|| format!("12.{}", raw.driver_version));
+        let nvml_version = raw.nvml_version.unwrap_or_else(|| format!("12.{}", raw.driver_version));
         let mut gpus = Vec::with_capacity(raw.gpu.len());
         let mut uuids = HashSet::new();
         let mut buses = HashSet::new();
@@ -156,13 +154,11 @@ fn gpu_spec(index: usize, e: GpuEntry) -> Result<GpuSpec, String> {
         None => default_gpu_uuid(model.key, index),
     };
     let bus_id = match e.pci_bus_id {
-        Some(s) => BusId::parse(&s).ok_or_else(|| {
-            format!("pci_bus_id {s:?} is not valid: expected e.g. \"00000000:07:00.0\"")
-        })?,
+        Some(s) => BusId::parse(&s)
+            .ok_or_else(|| format!("pci_bus_id {s:?} is not valid: expected e.g. \"00000000:07:00.0\""))?,
         None => BusId {
             domain: 0,
-            bus: u8::try_from(0x10 + index)
-                .map_err(|_| "too many GPUs for default pci_bus_id values".to_string())?,
+            bus: u8::try_from(0x10 + index).map_err(|_| "too many GPUs for default pci_bus_id values".to_string())?,
             device: 0,
             function: 0,
         },
@@ -248,7 +244,10 @@ mod tests {
             ("[[gpu]]\nmodel = \"T4\"\nfoo = 1\n", "unknown field"),
             ("[[gpu]]\nmodel = \"V100\"\n", "unknown model"),
             ("[[gpu]]\nmodel = \"T4\"\nmig_mode = true\n", "has no MIG"),
-            ("[[gpu]]\nmodel = \"T4\"\nnvlink_peers = [\"0000:12:00.0\"]\n", "no NVLink"),
+            (
+                "[[gpu]]\nmodel = \"T4\"\nnvlink_peers = [\"0000:12:00.0\"]\n",
+                "no NVLink",
+            ),
             (
                 "[[gpu]]\nmodel = \"A100-SXM4-40GB\"\n[[gpu.mig_device]]\nprofile = \"1g.5gb\"\n",
                 "need mig_mode",

@@ -7,8 +7,8 @@
 //! [`ci_profiles`]).
 
 use nvml_wrapper_sys::bindings::{
-    NVML_DEVICE_ARCH_AMPERE, NVML_DEVICE_ARCH_HOPPER, NVML_DEVICE_ARCH_TURING,
-    nvmlBrandType_enum_NVML_BRAND_NVIDIA, nvmlBrandType_enum_NVML_BRAND_TESLA,
+    NVML_DEVICE_ARCH_AMPERE, NVML_DEVICE_ARCH_HOPPER, NVML_DEVICE_ARCH_TURING, nvmlBrandType_enum_NVML_BRAND_NVIDIA,
+    nvmlBrandType_enum_NVML_BRAND_TESLA,
 };
 
 /// Number of memory slices on every MIG-capable model here.
@@ -174,9 +174,42 @@ const fn gi(
 /// A100-SXM4-40GB, memory sizes as older drivers report them (4.75/9.62/19.50/39.25 GiB).
 static A100_40GB_PROFILES: [GiProfile; 7] = [
     gi(0, 19, "1g.5gb", 7, 1, 14, eng(1, 0, 0, 0, 0), 4864, 1, ONE_SLICE_STARTS),
-    gi(7, 20, "1g.5gb+me", 1, 1, 14, eng(1, 1, 0, 1, 1), 4864, 1, ONE_SLICE_STARTS),
-    gi(9, 15, "1g.10gb", 4, 1, 14, eng(1, 1, 0, 0, 0), 9856, 2, DOUBLE_MEM_ONE_SLICE_STARTS),
-    gi(1, 14, "2g.10gb", 3, 2, 28, eng(2, 1, 0, 0, 0), 9856, 2, TWO_SLICE_STARTS),
+    gi(
+        7,
+        20,
+        "1g.5gb+me",
+        1,
+        1,
+        14,
+        eng(1, 1, 0, 1, 1),
+        4864,
+        1,
+        ONE_SLICE_STARTS,
+    ),
+    gi(
+        9,
+        15,
+        "1g.10gb",
+        4,
+        1,
+        14,
+        eng(1, 1, 0, 0, 0),
+        9856,
+        2,
+        DOUBLE_MEM_ONE_SLICE_STARTS,
+    ),
+    gi(
+        1,
+        14,
+        "2g.10gb",
+        3,
+        2,
+        28,
+        eng(2, 1, 0, 0, 0),
+        9856,
+        2,
+        TWO_SLICE_STARTS,
+    ),
     gi(2, 9, "3g.20gb", 2, 3, 42, eng(3, 2, 0, 0, 0), 19968, 4, HALF_STARTS),
     gi(3, 5, "4g.20gb", 1, 4, 56, eng(4, 2, 0, 0, 0), 19968, 4, ZERO_START),
     gi(4, 0, "7g.40gb", 1, 7, 98, eng(7, 5, 0, 1, 1), 40192, 8, ZERO_START),
@@ -185,10 +218,54 @@ static A100_40GB_PROFILES: [GiProfile; 7] = [
 /// A100-SXM4-80GB: same ids, counts, SMs and placements as the 40GB part; memory and the
 /// 1g.10gb decoder count as a real A100-80GB listing shows them.
 static A100_80GB_PROFILES: [GiProfile; 7] = [
-    gi(0, 19, "1g.10gb", 7, 1, 14, eng(1, 0, 0, 0, 0), 9728, 1, ONE_SLICE_STARTS),
-    gi(7, 20, "1g.10gb+me", 1, 1, 14, eng(1, 1, 0, 1, 1), 9728, 1, ONE_SLICE_STARTS),
-    gi(9, 15, "1g.20gb", 4, 1, 14, eng(1, 1, 0, 0, 0), 19968, 2, DOUBLE_MEM_ONE_SLICE_STARTS),
-    gi(1, 14, "2g.20gb", 3, 2, 28, eng(2, 1, 0, 0, 0), 19968, 2, TWO_SLICE_STARTS),
+    gi(
+        0,
+        19,
+        "1g.10gb",
+        7,
+        1,
+        14,
+        eng(1, 0, 0, 0, 0),
+        9728,
+        1,
+        ONE_SLICE_STARTS,
+    ),
+    gi(
+        7,
+        20,
+        "1g.10gb+me",
+        1,
+        1,
+        14,
+        eng(1, 1, 0, 1, 1),
+        9728,
+        1,
+        ONE_SLICE_STARTS,
+    ),
+    gi(
+        9,
+        15,
+        "1g.20gb",
+        4,
+        1,
+        14,
+        eng(1, 1, 0, 0, 0),
+        19968,
+        2,
+        DOUBLE_MEM_ONE_SLICE_STARTS,
+    ),
+    gi(
+        1,
+        14,
+        "2g.20gb",
+        3,
+        2,
+        28,
+        eng(2, 1, 0, 0, 0),
+        19968,
+        2,
+        TWO_SLICE_STARTS,
+    ),
     gi(2, 9, "3g.40gb", 2, 3, 42, eng(3, 2, 0, 0, 0), 40192, 4, HALF_STARTS),
     gi(3, 5, "4g.40gb", 1, 4, 56, eng(4, 2, 0, 0, 0), 40192, 4, ZERO_START),
     gi(4, 0, "7g.80gb", 1, 7, 98, eng(7, 5, 0, 1, 1), 81152, 8, ZERO_START),
@@ -196,10 +273,54 @@ static A100_80GB_PROFILES: [GiProfile; 7] = [
 
 /// H100 80GB HBM3 (SXM5), the hardware table (not go-nvml's mock table).
 static H100_80GB_PROFILES: [GiProfile; 7] = [
-    gi(0, 19, "1g.10gb", 7, 1, 16, eng(1, 1, 0, 1, 0), 9984, 1, ONE_SLICE_STARTS),
-    gi(7, 20, "1g.10gb+me", 1, 1, 16, eng(1, 1, 0, 1, 1), 9984, 1, ONE_SLICE_STARTS),
-    gi(9, 15, "1g.20gb", 4, 1, 26, eng(1, 1, 0, 1, 0), 20096, 2, DOUBLE_MEM_ONE_SLICE_STARTS),
-    gi(1, 14, "2g.20gb", 3, 2, 32, eng(2, 2, 0, 2, 0), 20096, 2, TWO_SLICE_STARTS),
+    gi(
+        0,
+        19,
+        "1g.10gb",
+        7,
+        1,
+        16,
+        eng(1, 1, 0, 1, 0),
+        9984,
+        1,
+        ONE_SLICE_STARTS,
+    ),
+    gi(
+        7,
+        20,
+        "1g.10gb+me",
+        1,
+        1,
+        16,
+        eng(1, 1, 0, 1, 1),
+        9984,
+        1,
+        ONE_SLICE_STARTS,
+    ),
+    gi(
+        9,
+        15,
+        "1g.20gb",
+        4,
+        1,
+        26,
+        eng(1, 1, 0, 1, 0),
+        20096,
+        2,
+        DOUBLE_MEM_ONE_SLICE_STARTS,
+    ),
+    gi(
+        1,
+        14,
+        "2g.20gb",
+        3,
+        2,
+        32,
+        eng(2, 2, 0, 2, 0),
+        20096,
+        2,
+        TWO_SLICE_STARTS,
+    ),
     gi(2, 9, "3g.40gb", 2, 3, 60, eng(3, 3, 0, 3, 0), 40448, 4, HALF_STARTS),
     gi(3, 5, "4g.40gb", 1, 4, 64, eng(4, 4, 0, 4, 0), 40448, 4, ZERO_START),
     gi(4, 0, "7g.80gb", 1, 7, 132, eng(8, 7, 0, 7, 1), 81152, 8, ZERO_START),
@@ -356,7 +477,7 @@ pub fn gi_id_for(start: u32, mem_size: u32) -> u32 {
 /// 1c@0/1/2 -> 2/3/4. Coexisting CIs never share an id.
 pub fn ci_id_for(gi: &GiProfile, slices: u32, start: u32) -> u32 {
     let mut profiles = ci_profiles(gi);
-    profiles.sort_by(|a, b| b.slices.cmp(&a.slices));
+    profiles.sort_by_key(|p| std::cmp::Reverse(p.slices));
     let mut id = 0;
     for p in &profiles {
         for &s in &p.starts {

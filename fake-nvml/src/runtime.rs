@@ -7,9 +7,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{LazyLock, Mutex, MutexGuard};
 use std::time::Instant;
 
-use nvml_wrapper_sys::bindings::{
-    nvmlDeviceAttributes_t, nvmlEventData_t, nvmlGpuInstancePlacement_t, nvmlPciInfo_t,
-};
+use nvml_wrapper_sys::bindings::{nvmlDeviceAttributes_t, nvmlEventData_t, nvmlGpuInstancePlacement_t, nvmlPciInfo_t};
 
 use crate::error::{NvmlError, NvmlResult};
 use crate::ids::{BusId, mig_uuid};
@@ -139,7 +137,9 @@ impl Lib {
         let machine = Machine::parse(&text).map_err(|e| format!("machine file {}: {e}", machine_path.display()))?;
         let initial =
             State::from_machine(&machine).map_err(|e| format!("machine file {}: {e}", machine_path.display()))?;
-        let state_dir = std::env::var_os(ENV_STATE_DIR).filter(|v| !v.is_empty()).map(PathBuf::from);
+        let state_dir = std::env::var_os(ENV_STATE_DIR)
+            .filter(|v| !v.is_empty())
+            .map(PathBuf::from);
         let mut lib = Lib {
             machine,
             state: initial,
@@ -147,8 +147,7 @@ impl Lib {
             inj: None,
         };
         if let Some(dir) = state_dir {
-            std::fs::create_dir_all(&dir)
-                .map_err(|e| format!("cannot create state dir {}: {e}", dir.display()))?;
+            std::fs::create_dir_all(&dir).map_err(|e| format!("cannot create state dir {}: {e}", dir.display()))?;
             if let Some(saved) = load_state(&dir, &lib.machine) {
                 lib.state = saved;
             }
@@ -189,7 +188,10 @@ fn load_state(dir: &Path, machine: &Machine) -> Option<State> {
             Some(s)
         }
         Err(e) => {
-            note(format!("{} ignored ({e}); starting from the machine file", path.display()));
+            note(format!(
+                "{} ignored ({e}); starting from the machine file",
+                path.display()
+            ));
             None
         }
     }
@@ -430,8 +432,8 @@ impl Cx<'_> {
 
     /// Currently running processes whose UUID matches a GPU or an existing MIG device.
     pub fn processes(&mut self) -> Vec<Proc> {
-        let lines = match self.lib.inj.as_mut() {
-            Some(inj) => inj.processes().to_vec(),
+        let (lines, path) = match self.lib.inj.as_mut() {
+            Some(inj) => (inj.processes().to_vec(), inj.processes_path().to_path_buf()),
             None => return Vec::new(),
         };
         let mut out = Vec::with_capacity(lines.len());
@@ -451,7 +453,11 @@ impl Cx<'_> {
                     used_mib: l.used_mib,
                 });
             } else {
-                note(format!("processes: unknown UUID {} ignored (for now)", l.uuid));
+                note(format!(
+                    "{}: unknown UUID {} ignored while it matches no device",
+                    path.display(),
+                    l.uuid
+                ));
             }
         }
         out
@@ -543,7 +549,11 @@ impl Cx<'_> {
         let model = self.lib.spec(d.gpu()).model;
         match d {
             Dev::Gpu(_) => {
-                let slices = if model.has_mig() { crate::models::COMPUTE_SLICES } else { 0 };
+                let slices = if model.has_mig() {
+                    crate::models::COMPUTE_SLICES
+                } else {
+                    0
+                };
                 nvmlDeviceAttributes_t {
                     multiprocessorCount: model.sm_count,
                     sharedCopyEngineCount: model.engines.ce,
@@ -590,7 +600,7 @@ impl Cx<'_> {
     pub fn utilization(&mut self, g: usize) -> (u32, u32) {
         let n = self.processes_of(Dev::Gpu(g)).len() as u32;
         let (total, used) = self.memory(Dev::Gpu(g));
-        let mem = if total == 0 { 0 } else { (used * 100 / total) as u32 };
+        let mem = (used * 100).checked_div(total).unwrap_or(0) as u32;
         ((30 * n).min(100), mem.min(100))
     }
 
@@ -660,13 +670,21 @@ pub fn fill_chars(dst: &mut [c_char], s: &str) {
 impl Cx<'_> {
     fn mig_model(&self, g: usize) -> NvmlResult<&'static crate::models::GpuModel> {
         let model = self.lib.spec(g).model;
-        if model.has_mig() { Ok(model) } else { Err(NvmlError::NotSupported) }
+        if model.has_mig() {
+            Ok(model)
+        } else {
+            Err(NvmlError::NotSupported)
+        }
     }
 
     /// NOT_SUPPORTED unless the model has MIG and MIG is currently enabled.
     fn mig_enabled_model(&self, g: usize) -> NvmlResult<&'static crate::models::GpuModel> {
         let model = self.mig_model(g)?;
-        if self.lib.state.gpus[g].mig_current { Ok(model) } else { Err(NvmlError::NotSupported) }
+        if self.lib.state.gpus[g].mig_current {
+            Ok(model)
+        } else {
+            Err(NvmlError::NotSupported)
+        }
     }
 
     /// (current, pending) MIG mode.
@@ -720,7 +738,9 @@ impl Cx<'_> {
 
     /// GPU-instance profile by hardware id (INVALID_ARGUMENT when unknown).
     pub fn gi_profile_by_id(&self, g: usize, id: u32) -> NvmlResult<&'static GiProfile> {
-        self.mig_model(g)?.gi_profile_by_id(id).ok_or(NvmlError::InvalidArgument)
+        self.mig_model(g)?
+            .gi_profile_by_id(id)
+            .ok_or(NvmlError::InvalidArgument)
     }
 
     /// Profile of an existing GPU instance.
@@ -738,7 +758,12 @@ impl Cx<'_> {
     }
 
     /// Creates a GPU instance; returns its handle.
-    pub fn create_gi(&mut self, g: usize, profile_id: u32, placement: Option<nvmlGpuInstancePlacement_t>) -> NvmlResult<usize> {
+    pub fn create_gi(
+        &mut self,
+        g: usize,
+        profile_id: u32,
+        placement: Option<nvmlGpuInstancePlacement_t>,
+    ) -> NvmlResult<usize> {
         let model = self.mig_enabled_model(g)?;
         let p = model.gi_profile_by_id(profile_id).ok_or(NvmlError::InvalidArgument)?;
         let start = match placement {
@@ -779,7 +804,11 @@ impl Cx<'_> {
 
     /// Destroys a GPU instance (IN_USE with compute instances or processes).
     pub fn destroy_gi(&mut self, g: usize, gi: usize) -> NvmlResult<()> {
-        if self.processes().iter().any(|p| p.gpu == g && p.mig.is_some_and(|(pg, _)| pg == gi)) {
+        if self
+            .processes()
+            .iter()
+            .any(|p| p.gpu == g && p.mig.is_some_and(|(pg, _)| pg == gi))
+        {
             return Err(NvmlError::InUse);
         }
         let serial = self.lib.state.gpus[g].gpu_instances[gi].serial;
@@ -961,7 +990,10 @@ impl Cx<'_> {
         set.regs
             .entry(uuid)
             .and_modify(|r| r.mask |= types)
-            .or_insert(Registration { mask: types, xid_from: from });
+            .or_insert(Registration {
+                mask: types,
+                xid_from: from,
+            });
         Ok(())
     }
 
@@ -983,7 +1015,11 @@ impl Cx<'_> {
                 ci: q.ci,
             }));
         }
-        let registered: Vec<String> = self.sets.get(&addr).map(|s| s.regs.keys().cloned().collect()).unwrap_or_default();
+        let registered: Vec<String> = self
+            .sets
+            .get(&addr)
+            .map(|s| s.regs.keys().cloned().collect())
+            .unwrap_or_default();
         for uuid in registered {
             if let Some(g) = self.gpu_by_uuid(&uuid) {
                 self.check_lost(g)?;
@@ -997,6 +1033,7 @@ impl Cx<'_> {
         let Some(inj) = self.lib.inj.as_mut() else { return };
         inj.xid.refresh();
         let (generation, consumed) = (inj.xid.generation, inj.xid.consumed());
+        let path = inj.xid.path().to_path_buf();
         let lines = {
             let Some(set) = self.sets.get_mut(&addr) else { return };
             if set.generation != generation {
@@ -1017,7 +1054,12 @@ impl Cx<'_> {
                 let (gi_id, ci_id) = self.mig_ids(g, gi, ci);
                 Some((self.lib.state.gpus[g].uuid.clone(), gi_id, ci_id))
             } else {
-                note(format!("xid:{}: unknown UUID {} ignored", line.line_no, line.uuid));
+                note(format!(
+                    "{}:{}: unknown UUID {} ignored",
+                    path.display(),
+                    line.line_no,
+                    line.uuid
+                ));
                 None
             };
             let Some((gpu_uuid, gi, ci)) = target else { continue };

@@ -7,9 +7,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::{NvmlError, NvmlResult};
 use crate::machine::{GpuSpec, Machine};
-use crate::models::{
-    COMPUTE_SLICES, GiProfile, GpuModel, ci_id_for, ci_profile_by_index, ci_profiles, gi_id_for,
-};
+use crate::models::{COMPUTE_SLICES, GiProfile, GpuModel, ci_id_for, ci_profile_by_index, ci_profiles, gi_id_for};
 
 /// Version of the `state.json` layout.
 pub const STATE_FORMAT: u32 = 1;
@@ -85,8 +83,7 @@ impl State {
                 mig_pending: spec.mig_mode,
                 gpu_instances: Vec::new(),
             };
-            build_mig_devices(spec, &mut gpu, &mut state.next_serial)
-                .map_err(|e| format!("gpu[{i}]: {e}"))?;
+            build_mig_devices(spec, &mut gpu, &mut state.next_serial).map_err(|e| format!("gpu[{i}]: {e}"))?;
             state.gpus.push(gpu);
         }
         Ok(state)
@@ -102,6 +99,17 @@ impl State {
         let theirs: Vec<&str> = machine.gpus.iter().map(|g| g.uuid.as_str()).collect();
         if ours != theirs {
             return Err("GPU UUIDs differ from the machine file".into());
+        }
+        let mut serials = std::collections::HashSet::new();
+        let all = self
+            .gpus
+            .iter()
+            .flat_map(|g| &g.gpu_instances)
+            .flat_map(|gi| std::iter::once(gi.serial).chain(gi.compute_instances.iter().map(|c| c.serial)));
+        for serial in all {
+            if !serials.insert(serial) {
+                return Err(format!("serial {serial} is used twice"));
+            }
         }
         for (gpu, spec) in self.gpus.iter().zip(&machine.gpus) {
             let model = spec.model;
@@ -225,12 +233,12 @@ pub fn parse_mig_profile(model: &GpuModel, name: &str) -> Result<(&'static GiPro
     if let Some(p) = model.gi_profile_by_name(name) {
         return Ok((p, p.slices));
     }
-    if let Some((c, rest)) = name.split_once("c.") {
-        if let (Ok(k), Some(p)) = (c.parse::<u32>(), model.gi_profile_by_name(rest)) {
-            if k < p.slices && ci_profiles(p).iter().any(|ci| ci.slices == k) {
-                return Ok((p, k));
-            }
-        }
+    if let Some((c, rest)) = name.split_once("c.")
+        && let (Ok(k), Some(p)) = (c.parse::<u32>(), model.gi_profile_by_name(rest))
+        && k < p.slices
+        && ci_profiles(p).iter().any(|ci| ci.slices == k)
+    {
+        return Ok((p, k));
     }
     let names: Vec<&str> = model.gi_profiles.iter().map(|p| p.name).collect();
     Err(format!(
@@ -245,7 +253,11 @@ impl GpuState {
     fn memory_mask(&self, model: &GpuModel) -> u32 {
         self.gpu_instances
             .iter()
-            .filter_map(|gi| model.gi_profile_by_id(gi.profile_id).map(|p| mask(gi.start, p.mem_size)))
+            .filter_map(|gi| {
+                model
+                    .gi_profile_by_id(gi.profile_id)
+                    .map(|p| mask(gi.start, p.mem_size))
+            })
             .fold(0, |a, b| a | b)
     }
 
@@ -368,7 +380,11 @@ impl GpuInstance {
         if !p.starts.contains(&start) {
             return Err(NvmlError::InvalidArgument);
         }
-        let same = self.compute_instances.iter().filter(|c| c.profile_index == index).count();
+        let same = self
+            .compute_instances
+            .iter()
+            .filter(|c| c.profile_index == index)
+            .count();
         if same >= p.instance_count as usize || self.ci_mask(gi) & mask(start, p.slices) != 0 {
             return Err(NvmlError::InsufficientResources);
         }
@@ -470,7 +486,10 @@ mod tests {
         // 2g@2 + 3g@0 overlap
         let mut g = empty();
         g.create_gi(a100(), 14, Some(2), 1).unwrap();
-        assert_eq!(g.create_gi(a100(), 9, Some(0), 2), Err(NvmlError::InsufficientResources));
+        assert_eq!(
+            g.create_gi(a100(), 9, Some(0), 2),
+            Err(NvmlError::InsufficientResources)
+        );
         // 4x 1g.10gb + 1g.5gb impossible
         let mut g = empty();
         for s in 0..4 {
@@ -515,6 +534,21 @@ mod tests {
         let slots: Vec<u32> = g.mig_slots().iter().map(|s| s.0).collect();
         assert_eq!(slots, vec![4, 5, 6]);
         assert_eq!(g.destroy_gi(1), Err(NvmlError::InUse));
+    }
+
+    #[test]
+    fn example_machines_build() {
+        let examples = [
+            include_str!("../machines/dgx-a100.toml"),
+            include_str!("../machines/h100-mig.toml"),
+            include_str!("../machines/t4.toml"),
+            include_str!("../machines/a100-mig-single.toml"),
+        ];
+        for text in examples {
+            let m = Machine::parse(text).unwrap();
+            let s = State::from_machine(&m).unwrap();
+            s.check_against(&m).unwrap();
+        }
     }
 
     #[test]

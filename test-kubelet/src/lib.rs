@@ -108,9 +108,14 @@ impl RegistrationRecord {
 #[derive(Debug, Clone)]
 pub enum Event {
     /// A kubelet instance started serving `socket`.
-    Serving { socket: PathBuf, at: Instant },
+    Serving {
+        socket: PathBuf,
+        at: Instant,
+    },
     /// The kubelet stopped (or is restarting); every plugin connection was dropped.
-    Stopped { at: Instant },
+    Stopped {
+        at: Instant,
+    },
     Registration(RegistrationRecord),
     /// A `ListAndWatch` message (the full device list).
     Devices {
@@ -125,7 +130,10 @@ pub enum Event {
         reason: String,
     },
     /// A protocol violation by a plugin (see [`TestKubelet::violations`]).
-    Violation { at: Instant, message: String },
+    Violation {
+        at: Instant,
+        message: String,
+    },
 }
 
 /// Errors of the `wait_for_*` methods.
@@ -154,50 +162,47 @@ enum PluginClient {
     Raw { socket: PathBuf, authority: String },
 }
 
-const METHOD_PREFIX: &str = "/v1beta1.DevicePlugin/";
+/// The HTTP/2 `:path` of a DevicePlugin method.
+fn method_path(method: &str) -> String {
+    format!("/v1beta1.DevicePlugin/{method}")
+}
 
 impl PluginClient {
     async fn dial(socket: &Path, legacy: bool) -> Result<PluginClient, String> {
         if legacy {
+            // Calls open their own connections; check now that one can be opened, as the
+            // kubelet's blocking dial does.
+            UnixStream::connect(socket).await.map_err(|e| e.to_string())?;
             return Ok(PluginClient::Raw {
                 socket: socket.to_path_buf(),
                 authority: socket.to_string_lossy().into_owned(),
             });
         }
-        let channel = unix_channel(socket)
-            .await
-            .map_err(|e| error_chain(&e))?;
+        let channel = unix_channel(socket).await.map_err(|e| error_chain(&e))?;
         Ok(PluginClient::Tonic(DevicePluginClient::new(channel)))
-    }
-
-    async fn unary<Req, Resp>(&self, method: &str, req: Req) -> Result<Resp, Status>
-    where
-        Req: Message,
-        Resp: Message + Default,
-    {
-        match self {
-            PluginClient::Raw { socket, authority } => {
-                rawh2::unary(socket, authority, &format!("{METHOD_PREFIX}{method}"), &req).await
-            }
-            PluginClient::Tonic(_) => unreachable!("tonic calls are typed"),
-        }
     }
 
     async fn options(&self) -> Result<api::DevicePluginOptions, Status> {
         match self {
-            PluginClient::Tonic(c) => Ok(c
-                .clone()
-                .get_device_plugin_options(api::Empty {})
-                .await?
-                .into_inner()),
-            raw => raw.unary("GetDevicePluginOptions", api::Empty {}).await,
+            PluginClient::Tonic(c) => Ok(c.clone().get_device_plugin_options(api::Empty {}).await?.into_inner()),
+            PluginClient::Raw { socket, authority } => {
+                rawh2::unary(
+                    socket,
+                    authority,
+                    &method_path("GetDevicePluginOptions"),
+                    &api::Empty {},
+                )
+                .await
+            }
         }
     }
 
     async fn allocate(&self, req: api::AllocateRequest) -> Result<api::AllocateResponse, Status> {
         match self {
             PluginClient::Tonic(c) => Ok(c.clone().allocate(req).await?.into_inner()),
-            raw => raw.unary("Allocate", req).await,
+            PluginClient::Raw { socket, authority } => {
+                rawh2::unary(socket, authority, &method_path("Allocate"), &req).await
+            }
         }
     }
 
@@ -207,17 +212,18 @@ impl PluginClient {
     ) -> Result<api::PreferredAllocationResponse, Status> {
         match self {
             PluginClient::Tonic(c) => Ok(c.clone().get_preferred_allocation(req).await?.into_inner()),
-            raw => raw.unary("GetPreferredAllocation", req).await,
+            PluginClient::Raw { socket, authority } => {
+                rawh2::unary(socket, authority, &method_path("GetPreferredAllocation"), &req).await
+            }
         }
     }
 
-    async fn pre_start(
-        &self,
-        req: api::PreStartContainerRequest,
-    ) -> Result<api::PreStartContainerResponse, Status> {
+    async fn pre_start(&self, req: api::PreStartContainerRequest) -> Result<api::PreStartContainerResponse, Status> {
         match self {
             PluginClient::Tonic(c) => Ok(c.clone().pre_start_container(req).await?.into_inner()),
-            raw => raw.unary("PreStartContainer", req).await,
+            PluginClient::Raw { socket, authority } => {
+                rawh2::unary(socket, authority, &method_path("PreStartContainer"), &req).await
+            }
         }
     }
 
@@ -231,14 +237,12 @@ impl PluginClient {
                 }
             }
             PluginClient::Raw { socket, authority } => {
-                let path = format!("{METHOD_PREFIX}ListAndWatch");
-                let mut call = rawh2::RawCall::start(socket, authority, &path, &[])
+                let mut call = rawh2::RawCall::start(socket, authority, &method_path("ListAndWatch"), &[])
                     .await
                     .map_err(|e| Status::unavailable(format!("dialing {}: {e}", socket.display())))?;
                 while let Some(bytes) = call.message().await? {
-                    let msg = api::ListAndWatchResponse::decode(bytes.as_slice()).map_err(|e| {
-                        Status::internal(format!("decoding a ListAndWatch message: {e}"))
-                    })?;
+                    let msg = api::ListAndWatchResponse::decode(bytes.as_slice())
+                        .map_err(|e| Status::internal(format!("decoding a ListAndWatch message: {e}")))?;
                     on_list(msg.devices);
                 }
             }
@@ -368,20 +372,27 @@ impl Inner {
         let socket = self.dir.join(&req.endpoint);
         let legacy = self.opts.legacy_authority;
         let dial = async {
-            let client = PluginClient::dial(&socket, legacy).await?;
+            let client = PluginClient::dial(&socket, legacy).await.map_err(|e| {
+                format!(
+                    "cannot connect to {}: {e} (a plugin must be serving its socket before it \
+                     calls Register)",
+                    socket.display()
+                )
+            })?;
             let options = client.options().await.map_err(|s| {
-                format!("GetDevicePluginOptions failed: {} ({:?})", s.message(), s.code())
+                format!(
+                    "GetDevicePluginOptions on {} failed: {} ({:?})",
+                    socket.display(),
+                    s.message(),
+                    s.code()
+                )
             })?;
             Ok::<_, String>((client, options))
         };
         let (client, plugin_options) = match tokio::time::timeout(self.opts.dial_timeout, dial).await {
             Ok(Ok(v)) => v,
             Ok(Err(e)) => {
-                let msg = format!(
-                    "failed to dial device plugin: dial-back to {} failed: {e} (a plugin must \
-                     serve its socket before it calls Register)",
-                    socket.display()
-                );
+                let msg = format!("failed to dial device plugin: dial-back failed: {e}");
                 return Err(self.record_rejection(instance, rec, &msg));
             }
             Err(_) => {
@@ -550,10 +561,7 @@ struct RegistrationSvc {
 
 #[tonic::async_trait]
 impl Registration for RegistrationSvc {
-    async fn register(
-        &self,
-        request: Request<api::RegisterRequest>,
-    ) -> Result<Response<api::Empty>, Status> {
+    async fn register(&self, request: Request<api::RegisterRequest>) -> Result<Response<api::Empty>, Status> {
         let mut cancel = self.cancel.clone();
         let work = self.inner.clone().register(self.instance, request.into_inner());
         tokio::select! {
@@ -574,7 +582,7 @@ struct Server {
 /// The kubelet stand-in. Dropping it stops it like [`TestKubelet::stop`].
 pub struct TestKubelet {
     inner: Arc<Inner>,
-    server: Option<Server>,
+    server: Mutex<Option<Server>>,
 }
 
 impl TestKubelet {
@@ -591,20 +599,27 @@ impl TestKubelet {
             changed,
             events,
         });
-        let mut kubelet = TestKubelet {
+        let kubelet = TestKubelet {
             inner,
-            server: None,
+            server: Mutex::new(None),
         };
         kubelet.serve()?;
         Ok(kubelet)
     }
 
-    fn serve(&mut self) -> io::Result<()> {
+    fn server(&self) -> MutexGuard<'_, Option<Server>> {
+        self.server.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn serve(&self) -> io::Result<()> {
+        let mut server = self.server();
+        if server.is_some() {
+            drop(server);
+            self.halt("kubelet restarted");
+            server = self.server();
+        }
         let dir = &self.inner.dir;
-        std::fs::DirBuilder::new()
-            .recursive(true)
-            .mode(0o750)
-            .create(dir)?;
+        std::fs::DirBuilder::new().recursive(true).mode(0o750).create(dir)?;
         cleanup_plugin_directory(dir)?;
         let socket = self.socket_path();
         let listener = UnixListener::bind(&socket)?;
@@ -641,7 +656,8 @@ impl TestKubelet {
                 }
             }
         });
-        self.server = Some(Server { accept, cancel });
+        *server = Some(Server { accept, cancel });
+        drop(server);
         self.inner.notify(Event::Serving {
             socket,
             at: Instant::now(),
@@ -650,8 +666,8 @@ impl TestKubelet {
     }
 
     /// Stops serving and drops every plugin connection and stream.
-    fn halt(&mut self, reason: &str) {
-        let Some(server) = self.server.take() else {
+    fn halt(&self, reason: &str) {
+        let Some(server) = self.server().take() else {
             return;
         };
         let _ = server.cancel.send(true);
@@ -703,11 +719,7 @@ impl TestKubelet {
 
     /// Waits for the next accepted registration of `resource`: the earliest one not yet
     /// returned by this method and not from before the last [`restart`](Self::restart).
-    pub async fn wait_for_registration(
-        &self,
-        resource: &str,
-        timeout: Duration,
-    ) -> Result<RegistrationRecord, Error> {
+    pub async fn wait_for_registration(&self, resource: &str, timeout: Duration) -> Result<RegistrationRecord, Error> {
         self.wait_registration(resource, timeout, None).await
     }
 
@@ -735,16 +747,14 @@ impl TestKubelet {
                 let mut st = self.inner.lock();
                 let from = match since {
                     Some(_) => 0,
-                    None => st
-                        .wait_cursor
-                        .get(resource)
-                        .copied()
-                        .unwrap_or(0)
-                        .max(st.wait_floor),
+                    None => st.wait_cursor.get(resource).copied().unwrap_or(0).max(st.wait_floor),
                 };
-                let found = st.registrations.iter().enumerate().skip(from).find(|(_, r)| {
-                    r.resource == resource && r.is_accepted() && since.is_none_or(|s| r.at >= s)
-                });
+                let found = st
+                    .registrations
+                    .iter()
+                    .enumerate()
+                    .skip(from)
+                    .find(|(_, r)| r.resource == resource && r.is_accepted() && since.is_none_or(|s| r.at >= s));
                 if let Some((i, r)) = found {
                     let r = r.clone();
                     if since.is_none() {
@@ -810,30 +820,25 @@ impl TestKubelet {
         let mut rx = self.inner.changed.subscribe();
         let mut checked: Option<usize> = None;
         loop {
-            {
+            // Copy the candidates out: `pred` runs without the lock held.
+            let candidates: Vec<Vec<api::Device>> = {
                 let st = self.inner.lock();
                 let ups: &[Update] = st.updates.get(resource).map(|u| &u[..]).unwrap_or(&[]);
-                match checked {
+                let c = match checked {
                     None => {
-                        let open = st
-                            .endpoints
-                            .get(resource)
-                            .filter(|e| e.connected)
-                            .map(|e| e.stream);
-                        if let Some(u) = ups.last()
-                            && Some(u.stream) == open
-                            && pred(&u.devices)
-                        {
-                            return Ok(u.devices.clone());
-                        }
+                        let open = st.endpoints.get(resource).filter(|e| e.connected).map(|e| e.stream);
+                        ups.last()
+                            .filter(|u| Some(u.stream) == open)
+                            .map(|u| vec![u.devices.clone()])
+                            .unwrap_or_default()
                     }
-                    Some(n) => {
-                        if let Some(u) = ups[n..].iter().find(|u| pred(&u.devices)) {
-                            return Ok(u.devices.clone());
-                        }
-                    }
-                }
+                    Some(n) => ups[n..].iter().map(|u| u.devices.clone()).collect(),
+                };
                 checked = Some(ups.len());
+                c
+            };
+            if let Some(found) = candidates.into_iter().find(|d| pred(d)) {
+                return Ok(found);
             }
             if tokio::time::timeout_at(deadline, rx.changed()).await.is_err() {
                 let latest = match self.devices(resource) {
@@ -842,7 +847,11 @@ impl TestKubelet {
                 };
                 return Err(Error::Timeout(format!(
                     "no matching device list for {resource} within {timeout:?} (stream {}; {latest})",
-                    if self.is_connected(resource) { "open" } else { "not open" }
+                    if self.is_connected(resource) {
+                        "open"
+                    } else {
+                        "not open"
+                    }
                 )));
             }
         }
@@ -881,11 +890,7 @@ impl TestKubelet {
     /// Whether `resource` is registered with this kubelet instance and its ListAndWatch
     /// stream is open.
     pub fn is_connected(&self, resource: &str) -> bool {
-        self.inner
-            .lock()
-            .endpoints
-            .get(resource)
-            .is_some_and(|e| e.connected)
+        self.inner.lock().endpoints.get(resource).is_some_and(|e| e.connected)
     }
 
     /// Why the stream of `resource` closed, if it is registered and closed.
@@ -1012,13 +1017,13 @@ impl TestKubelet {
     /// the new kubelet's `CleanupPluginDirectory` does, deletes every socket in the
     /// directory (the old `kubelet.sock` and the plugins' sockets) and serves a new
     /// `kubelet.sock`. Plugins must re-register; earlier records stay.
-    pub async fn restart(&mut self) -> io::Result<()> {
+    pub async fn restart(&self) -> io::Result<()> {
         self.restart_with_downtime(Duration::ZERO).await
     }
 
     /// [`restart`](Self::restart) with `downtime` between the old kubelet dying (its
     /// `kubelet.sock` stays, refusing connections) and the new one cleaning up and serving.
-    pub async fn restart_with_downtime(&mut self, downtime: Duration) -> io::Result<()> {
+    pub async fn restart_with_downtime(&self, downtime: Duration) -> io::Result<()> {
         self.halt("kubelet restarted");
         {
             let mut st = self.inner.lock();
@@ -1032,7 +1037,7 @@ impl TestKubelet {
 
     /// Stops serving, drops every plugin connection and stream and removes `kubelet.sock`;
     /// the plugins' sockets are left alone.
-    pub async fn stop(mut self) {
+    pub async fn stop(self) {
         self.halt("kubelet stopped");
         let _ = std::fs::remove_file(self.socket_path());
     }
@@ -1040,7 +1045,7 @@ impl TestKubelet {
 
 impl Drop for TestKubelet {
     fn drop(&mut self) {
-        if self.server.is_some() {
+        if self.server().is_some() {
             self.halt("kubelet stopped");
             let _ = std::fs::remove_file(self.socket_path());
         }
@@ -1084,12 +1089,7 @@ pub fn summarize(devices: &[api::Device]) -> String {
 /// NUMA node IDs of a device, e.g. `0` or `0,1`; `-` if none.
 pub fn numa_nodes(device: &api::Device) -> String {
     match &device.topology {
-        Some(t) if !t.nodes.is_empty() => t
-            .nodes
-            .iter()
-            .map(|n| n.id.to_string())
-            .collect::<Vec<_>>()
-            .join(","),
+        Some(t) if !t.nodes.is_empty() => t.nodes.iter().map(|n| n.id.to_string()).collect::<Vec<_>>().join(","),
         _ => "-".to_string(),
     }
 }
@@ -1112,7 +1112,12 @@ mod tests {
         let long = "G".repeat(64);
         let v = list_violations(
             "r/x",
-            &[dev(&long, "Healthy"), dev("a", "healthy"), dev("a", "Healthy"), dev("", "Healthy")],
+            &[
+                dev(&long, "Healthy"),
+                dev("a", "healthy"),
+                dev("a", "Healthy"),
+                dev("", "Healthy"),
+            ],
         );
         assert_eq!(v.len(), 4, "{v:?}");
         assert!(v[0].contains("64 characters"));

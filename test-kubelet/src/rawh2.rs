@@ -127,9 +127,7 @@ impl Frame {
         }
         let len = u32::from_be_bytes([0, buf[0], buf[1], buf[2]]) as usize;
         if len > max_len {
-            return Err(format!(
-                "FRAME_SIZE_ERROR: frame of {len} bytes exceeds {max_len}"
-            ));
+            return Err(format!("FRAME_SIZE_ERROR: frame of {len} bytes exceeds {max_len}"));
         }
         if buf.len() < 9 + len {
             return Ok(None);
@@ -165,10 +163,7 @@ impl Frame {
 }
 
 /// Reads one frame; `Ok(None)` on a clean end of stream before the frame's first byte.
-pub async fn read_frame<R: AsyncRead + Unpin>(
-    r: &mut R,
-    max_len: usize,
-) -> io::Result<Option<Frame>> {
+pub async fn read_frame<R: AsyncRead + Unpin>(r: &mut R, max_len: usize) -> io::Result<Option<Frame>> {
     let mut head = [0u8; 9];
     if r.read(&mut head[..1]).await? == 0 {
         return Ok(None);
@@ -363,10 +358,7 @@ pub fn reset_status(code: u32) -> Status {
     } else {
         Status::new(
             Code::Unavailable,
-            format!(
-                "plugin reset the stream: {} (0x{code:x})",
-                reason_name(code)
-            ),
+            format!("plugin reset the stream: {} (0x{code:x})", reason_name(code)),
         )
     }
 }
@@ -394,12 +386,7 @@ pub struct RawCall {
 impl RawCall {
     /// Connects to `socket`, sends the preface, SETTINGS, the request headers with the given
     /// `:authority` and `:path` (`/v1beta1.DevicePlugin/<Method>`) and the request message.
-    pub async fn start(
-        socket: &Path,
-        authority: &str,
-        path: &str,
-        request: &[u8],
-    ) -> io::Result<RawCall> {
+    pub async fn start(socket: &Path, authority: &str, path: &str, request: &[u8]) -> io::Result<RawCall> {
         let stream = UnixStream::connect(socket).await?;
         let mut call = RawCall {
             io: BufReader::new(stream),
@@ -418,15 +405,7 @@ impl RawCall {
             goaway: None,
         };
         let mut out = PREFACE.to_vec();
-        out.extend(
-            Frame::new(
-                kind::SETTINGS,
-                0,
-                0,
-                settings_payload(&[(setting::ENABLE_PUSH, 0)]),
-            )
-            .encode(),
-        );
+        out.extend(Frame::new(kind::SETTINGS, 0, 0, settings_payload(&[(setting::ENABLE_PUSH, 0)])).encode());
         let block = encode_header_block([
             (":method", "POST"),
             (":scheme", "http"),
@@ -488,8 +467,7 @@ impl RawCall {
             self.conn_send_window -= n as i64;
             self.stream_send_window -= n as i64;
             let flags = if last { flag::END_STREAM } else { 0 };
-            self.send(Frame::new(kind::DATA, flags, STREAM, chunk))
-                .await?;
+            self.send(Frame::new(kind::DATA, flags, STREAM, chunk)).await?;
             self.end_sent = last;
         }
         Ok(())
@@ -497,9 +475,7 @@ impl RawCall {
 
     async fn step(&mut self) {
         if let Err(e) = self.flush_pending().await {
-            self.finish(Err(Status::unavailable(format!(
-                "writing to plugin: {e}"
-            ))));
+            self.finish(Err(Status::unavailable(format!("writing to plugin: {e}"))));
             return;
         }
         let frame = match read_frame(&mut self.io, DEFAULT_MAX_FRAME_SIZE).await {
@@ -515,9 +491,7 @@ impl RawCall {
                 return;
             }
             Err(e) => {
-                self.finish(Err(Status::unavailable(format!(
-                    "reading from plugin: {e}"
-                ))));
+                self.finish(Err(Status::unavailable(format!("reading from plugin: {e}"))));
                 return;
             }
         };
@@ -547,9 +521,7 @@ impl RawCall {
                             self.stream_send_window += new - self.peer_initial_window;
                             self.peer_initial_window = new;
                         }
-                        setting::MAX_FRAME_SIZE => {
-                            self.peer_max_frame = (value as usize).clamp(16_384, (1 << 24) - 1)
-                        }
+                        setting::MAX_FRAME_SIZE => self.peer_max_frame = (value as usize).clamp(16_384, (1 << 24) - 1),
                         // We never index headers, so the peer's table size does not matter.
                         _ => {}
                     }
@@ -567,8 +539,7 @@ impl RawCall {
                 if frame.payload.len() != 4 {
                     return Err(proto("FRAME_SIZE_ERROR: WINDOW_UPDATE".into()));
                 }
-                let inc = (u32::from_be_bytes(frame.payload[..4].try_into().unwrap())
-                    & 0x7fff_ffff) as i64;
+                let inc = (u32::from_be_bytes(frame.payload[..4].try_into().unwrap()) & 0x7fff_ffff) as i64;
                 match frame.stream_id {
                     0 => self.conn_send_window += inc,
                     STREAM => self.stream_send_window += inc,
@@ -639,9 +610,7 @@ impl RawCall {
                     }
                 }
                 if end_stream {
-                    return Err(Status::internal(
-                        "plugin ended the stream without grpc-status trailers",
-                    ));
+                    return Err(Status::internal("plugin ended the stream without grpc-status trailers"));
                 }
             }
             kind::PUSH_PROMISE => return Err(proto("PUSH_PROMISE although push is disabled".into())),
@@ -655,38 +624,27 @@ impl RawCall {
             .hpack
             .decode(block)
             .map_err(|e| Status::internal(format!("HTTP/2 error from plugin: {e}")))?;
-        let get = |name: &str| {
-            headers
-                .iter()
-                .find(|(n, _)| n == name)
-                .map(|(_, v)| v.as_str())
-        };
+        let get = |name: &str| headers.iter().find(|(n, _)| n == name).map(|(_, v)| v.as_str());
         if !self.got_headers {
             self.got_headers = true;
             match get(":status") {
                 Some("200") => {}
                 Some(other) => {
-                    return Err(Status::unknown(format!(
-                        "plugin answered HTTP status {other}"
-                    )));
+                    return Err(Status::unknown(format!("plugin answered HTTP status {other}")));
                 }
                 None => return Err(Status::internal("plugin response lacks :status")),
             }
             if let Some(ct) = get("content-type")
                 && !ct.starts_with("application/grpc")
             {
-                return Err(Status::unknown(format!(
-                    "plugin answered content-type {ct}"
-                )));
+                return Err(Status::unknown(format!("plugin answered content-type {ct}")));
             }
             if !end_stream {
                 return Ok(());
             }
             // Trailers-only response: the status is in this block.
         } else if !end_stream {
-            return Err(Status::internal(
-                "plugin sent a second header block without END_STREAM",
-            ));
+            return Err(Status::internal("plugin sent a second header block without END_STREAM"));
         }
         let message = get("grpc-message").map(percent_decode).unwrap_or_default();
         match get("grpc-status").map(|s| s.trim().parse::<i32>()) {
@@ -707,12 +665,7 @@ impl RawCall {
 }
 
 /// A unary gRPC call over [`RawCall`].
-pub async fn unary<Req, Resp>(
-    socket: &Path,
-    authority: &str,
-    path: &str,
-    request: &Req,
-) -> Result<Resp, Status>
+pub async fn unary<Req, Resp>(socket: &Path, authority: &str, path: &str, request: &Req) -> Result<Resp, Status>
 where
     Req: prost::Message,
     Resp: prost::Message + Default,
@@ -729,8 +682,7 @@ where
             "plugin returned more than one message for a unary call",
         ));
     }
-    Resp::decode(first.as_slice())
-        .map_err(|e| Status::internal(format!("decoding the plugin's response: {e}")))
+    Resp::decode(first.as_slice()).map_err(|e| Status::internal(format!("decoding the plugin's response: {e}")))
 }
 
 #[cfg(test)]
@@ -820,8 +772,7 @@ mod tests {
     fn decoder_handles_huffman_and_dynamic_table() {
         // RFC 7541 C.4.1 and C.4.2 (requests with Huffman coding, sharing a dynamic table).
         let first = [
-            0x82, 0x86, 0x84, 0x41, 0x8c, 0xf1, 0xe3, 0xc2, 0xe5, 0xf2, 0x3a, 0x6b, 0xa0, 0xab,
-            0x90, 0xf4, 0xff,
+            0x82, 0x86, 0x84, 0x41, 0x8c, 0xf1, 0xe3, 0xc2, 0xe5, 0xf2, 0x3a, 0x6b, 0xa0, 0xab, 0x90, 0xf4, 0xff,
         ];
         let second = [0x82, 0x86, 0x84, 0xbe, 0x58, 0x86, 0xa8, 0xeb, 0x10, 0x64, 0x9c, 0xbf];
         let mut d = HeaderDecoder::new();
@@ -849,10 +800,16 @@ mod tests {
 
     #[test]
     fn settings_and_percent_decoding() {
-        let p = settings_payload(&[(setting::INITIAL_WINDOW_SIZE, 1 << 20), (setting::MAX_FRAME_SIZE, 16384)]);
+        let p = settings_payload(&[
+            (setting::INITIAL_WINDOW_SIZE, 1 << 20),
+            (setting::MAX_FRAME_SIZE, 16384),
+        ]);
         assert_eq!(
             parse_settings(&p).unwrap(),
-            vec![(setting::INITIAL_WINDOW_SIZE, 1 << 20), (setting::MAX_FRAME_SIZE, 16384)]
+            vec![
+                (setting::INITIAL_WINDOW_SIZE, 1 << 20),
+                (setting::MAX_FRAME_SIZE, 16384)
+            ]
         );
         assert!(parse_settings(&p[..5]).is_err());
         assert_eq!(percent_decode("no%20such%20device%3A%20x"), "no such device: x");
@@ -866,5 +823,159 @@ mod tests {
         assert!(s.message().contains("PROTOCOL_ERROR"));
         assert!(s.message().contains("before 1.26"));
         assert!(reset_status(8).message().contains("CANCEL"));
+    }
+
+    /// A scripted HTTP/2 server: reads the client's request, checks it, then sends `reply`
+    /// and returns the frames the client sent back afterwards.
+    async fn scripted(reply: Vec<Frame>) -> (Result<Vec<Vec<u8>>, Status>, Vec<Frame>) {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("p.sock");
+        let listener = tokio::net::UnixListener::bind(&path).unwrap();
+        let server = tokio::spawn(async move {
+            let (mut conn, _) = listener.accept().await.unwrap();
+            let mut preface = [0u8; 24];
+            conn.read_exact(&mut preface).await.unwrap();
+            assert_eq!(&preface, PREFACE);
+            let mut dec = HeaderDecoder::new();
+            loop {
+                let f = read_frame(&mut conn, 1 << 20).await.unwrap().unwrap();
+                if f.kind == kind::HEADERS {
+                    let h = dec.decode(f.body().unwrap()).unwrap();
+                    assert!(h.contains(&(":authority".into(), "/some/plugin.sock".into())));
+                    assert!(h.contains(&(":path".into(), "/v1beta1.DevicePlugin/X".into())));
+                    assert!(h.contains(&("te".into(), "trailers".into())));
+                }
+                if f.kind == kind::DATA && f.has(flag::END_STREAM) {
+                    assert_eq!(f.payload, grpc_frame(b"req"));
+                    break;
+                }
+            }
+            for f in reply {
+                conn.write_all(&f.encode()).await.unwrap();
+            }
+            let mut back = Vec::new();
+            while let Ok(Some(f)) = read_frame(&mut conn, 1 << 20).await {
+                back.push(f);
+            }
+            back
+        });
+        let result = async {
+            let mut call = RawCall::start(&path, "/some/plugin.sock", "/v1beta1.DevicePlugin/X", b"req")
+                .await
+                .unwrap();
+            let mut msgs = Vec::new();
+            while let Some(m) = call.message().await? {
+                msgs.push(m);
+            }
+            Ok(msgs)
+        }
+        .await;
+        let back = server.await.unwrap();
+        (result, back)
+    }
+
+    fn headers(list: &[(&str, &str)], flags: u8) -> Frame {
+        Frame::new(
+            kind::HEADERS,
+            flags | flag::END_HEADERS,
+            1,
+            encode_header_block(list.iter().copied()),
+        )
+    }
+
+    #[tokio::test]
+    async fn raw_call_full_exchange() {
+        let mut two = grpc_frame(b"one");
+        two.extend(grpc_frame(b"two"));
+        let mut padded = vec![3u8];
+        padded.extend_from_slice(&two[..4]);
+        padded.extend_from_slice(&[0, 0, 0]);
+        let reply = vec![
+            Frame::new(
+                kind::SETTINGS,
+                0,
+                0,
+                settings_payload(&[(setting::MAX_FRAME_SIZE, 32768)]),
+            ),
+            Frame::new(kind::PING, 0, 0, b"pingpong".to_vec()),
+            headers(&[(":status", "200"), ("content-type", "application/grpc")], 0),
+            Frame::new(kind::DATA, flag::PADDED, 1, padded),
+            Frame::new(kind::DATA, 0, 1, two[4..].to_vec()),
+            Frame::new(kind::PRIORITY, 0, 1, vec![0; 5]),
+            headers(&[("grpc-status", "0")], flag::END_STREAM),
+        ];
+        let (result, back) = scripted(reply).await;
+        assert_eq!(result.unwrap(), vec![b"one".to_vec(), b"two".to_vec()]);
+        let kinds: Vec<(u8, u8)> = back.iter().map(|f| (f.kind, f.flags)).collect();
+        assert!(kinds.contains(&(kind::SETTINGS, flag::ACK)), "{kinds:?}");
+        let pong = back.iter().find(|f| f.kind == kind::PING).unwrap();
+        assert!(pong.has(flag::ACK));
+        assert_eq!(pong.payload, b"pingpong");
+        // Both DATA frames were credited back on the connection.
+        let credited: u32 = back
+            .iter()
+            .filter(|f| f.kind == kind::WINDOW_UPDATE && f.stream_id == 0)
+            .map(|f| u32::from_be_bytes(f.payload[..4].try_into().unwrap()))
+            .sum();
+        assert_eq!(credited as usize, 8 + (two.len() - 4));
+    }
+
+    #[tokio::test]
+    async fn raw_call_error_status_in_trailers_only_response() {
+        let reply = vec![headers(
+            &[
+                (":status", "200"),
+                ("content-type", "application/grpc"),
+                ("grpc-status", "5"),
+                ("grpc-message", "no%20such%20device"),
+            ],
+            flag::END_STREAM,
+        )];
+        let err = scripted(reply).await.0.unwrap_err();
+        assert_eq!(err.code(), Code::NotFound);
+        assert_eq!(err.message(), "no such device");
+    }
+
+    #[tokio::test]
+    async fn raw_call_goaway_and_missing_status() {
+        let mut goaway = 0u32.to_be_bytes().to_vec();
+        goaway.extend(0xbu32.to_be_bytes());
+        goaway.extend(b"calm down");
+        let err = scripted(vec![Frame::new(kind::GOAWAY, 0, 0, goaway)])
+            .await
+            .0
+            .unwrap_err();
+        assert!(err.message().contains("GOAWAY ENHANCE_YOUR_CALM"), "{}", err.message());
+
+        let reply = vec![
+            headers(&[(":status", "200"), ("content-type", "application/grpc")], 0),
+            headers(&[("x", "y")], flag::END_STREAM),
+        ];
+        let err = scripted(reply).await.0.unwrap_err();
+        assert!(err.message().contains("lack grpc-status"), "{}", err.message());
+
+        let reply = vec![headers(&[(":status", "404")], flag::END_STREAM)];
+        let err = scripted(reply).await.0.unwrap_err();
+        assert!(err.message().contains("HTTP status 404"), "{}", err.message());
+
+        // Connection closed mid-call.
+        let reply = vec![headers(&[(":status", "200"), ("content-type", "application/grpc")], 0)];
+        let err = scripted(reply).await.0.unwrap_err();
+        assert!(err.message().contains("closed the connection"), "{}", err.message());
+    }
+
+    #[tokio::test]
+    async fn raw_call_reset_stream() {
+        let reply = vec![Frame::new(
+            kind::RST_STREAM,
+            0,
+            1,
+            PROTOCOL_ERROR.to_be_bytes().to_vec(),
+        )];
+        let err = scripted(reply).await.0.unwrap_err();
+        assert_eq!(
+            err.message(),
+            "plugin reset the stream: PROTOCOL_ERROR (the :authority kubelets before 1.26 send was rejected)"
+        );
     }
 }

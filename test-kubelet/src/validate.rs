@@ -26,9 +26,8 @@ pub fn check_extended_resource_name(name: &str) -> Result<(), String> {
         ));
     }
     let quota = format!("requests.{name}");
-    check_qualified_name(&quota).map_err(|why| {
-        format!("resource name {name:?} is not an extended resource name: {why}")
-    })
+    check_qualified_name(&quota)
+        .map_err(|why| format!("resource name {name:?} is not an extended resource name: {why}"))
 }
 
 fn check_qualified_name(value: &str) -> Result<(), String> {
@@ -48,9 +47,7 @@ fn check_qualified_name(value: &str) -> Result<(), String> {
         return Err("the name part must be non-empty".into());
     }
     if name.len() > 63 {
-        return Err(format!(
-            "the name part {name:?} is longer than 63 characters"
-        ));
+        return Err(format!("the name part {name:?} is longer than 63 characters"));
     }
     let b = name.as_bytes();
     let alnum = |c: u8| c.is_ascii_alphanumeric();
@@ -59,10 +56,7 @@ fn check_qualified_name(value: &str) -> Result<(), String> {
             "the name part {name:?} must start and end with an alphanumeric character"
         ));
     }
-    if let Some(c) = b
-        .iter()
-        .find(|&&c| !(alnum(c) || c == b'-' || c == b'_' || c == b'.'))
-    {
+    if let Some(c) = b.iter().find(|&&c| !(alnum(c) || c == b'-' || c == b'_' || c == b'.')) {
         return Err(format!(
             "the name part {name:?} contains {:?}; allowed are alphanumerics, '-', '_' and '.'",
             *c as char

@@ -2,12 +2,12 @@
 
 mod common;
 
-use std::os::unix::fs::{FileTypeExt, MetadataExt};
+use std::os::unix::fs::FileTypeExt;
 use std::time::Duration;
 
 use common::{FakePlugin, RESOURCE, device, register, two_gpus};
 use test_kubelet::api::DevicePluginOptions;
-use test_kubelet::{KubeletOptions, Outcome, TestKubelet};
+use test_kubelet::{Event, KubeletOptions, Outcome, TestKubelet};
 use tonic::Code;
 
 const T: Duration = Duration::from_secs(5);
@@ -19,7 +19,7 @@ fn opts_with_preferred() -> DevicePluginOptions {
     }
 }
 
-#[tokio::test]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn register_list_and_allocate() {
     let dir = tempfile::tempdir().unwrap();
     let kubelet = TestKubelet::start(dir.path(), KubeletOptions::default()).await.unwrap();
@@ -63,7 +63,10 @@ async fn register_list_and_allocate() {
     assert_eq!(resp.envs.get("VISIBLE_DEVICES").map(String::as_str), Some("GPU-0"));
     assert_eq!(resp.devices[0].host_path, "/dev/GPU-0");
     assert_eq!(resp.cdi_devices[0].name, "example.com/gpu=GPU-0");
-    assert_eq!(plugin.allocations.lock().unwrap().clone(), vec![vec!["GPU-0".to_string()]]);
+    assert_eq!(
+        plugin.allocations.lock().unwrap().clone(),
+        vec![vec!["GPU-0".to_string()]]
+    );
 
     // The plugin's error comes back as the gRPC status.
     let err = kubelet.allocate(RESOURCE, &["GPU-9"]).await.unwrap_err();
@@ -101,7 +104,11 @@ async fn register_before_serving_is_rejected() {
         .await
         .unwrap_err();
     assert_eq!(err.code(), Code::Unknown);
-    assert!(err.message().contains("failed to dial device plugin"), "{}", err.message());
+    assert!(
+        err.message().contains("failed to dial device plugin"),
+        "{}",
+        err.message()
+    );
     assert!(err.message().contains("missing.sock"), "{}", err.message());
 
     // Socket bound but nobody serving it: the dial-back times out.
@@ -109,13 +116,20 @@ async fn register_before_serving_is_rejected() {
     let err = register(&kubelet.socket_path(), "v1beta1", RESOURCE, "bound.sock", None)
         .await
         .unwrap_err();
-    assert!(err.message().contains("failed to dial device plugin"), "{}", err.message());
+    assert!(
+        err.message().contains("failed to dial device plugin"),
+        "{}",
+        err.message()
+    );
 
     let recs = kubelet.registrations();
     assert_eq!(recs.len(), 2);
     assert!(recs.iter().all(|r| !r.is_accepted() && r.plugin_options.is_none()));
     assert!(!kubelet.is_connected(RESOURCE));
-    let err = kubelet.wait_for_registration(RESOURCE, Duration::from_millis(100)).await.unwrap_err();
+    let err = kubelet
+        .wait_for_registration(RESOURCE, Duration::from_millis(100))
+        .await
+        .unwrap_err();
     assert!(err.to_string().contains("rejected"), "{err}");
 
     // Allocate for a resource that never registered fails.
@@ -144,7 +158,11 @@ async fn bad_requests_are_rejected() {
     for (version, resource, endpoint, why) in cases {
         let err = register(&sock, version, resource, endpoint, None).await.unwrap_err();
         assert_eq!(err.code(), Code::Unknown);
-        assert!(err.message().contains(why), "{version} {resource} {endpoint}: {}", err.message());
+        assert!(
+            err.message().contains(why),
+            "{version} {resource} {endpoint}: {}",
+            err.message()
+        );
     }
     let recs = kubelet.registrations();
     assert_eq!(recs.len(), cases.len());
@@ -165,13 +183,21 @@ async fn bad_requests_are_rejected() {
     )
     .await
     .unwrap();
-    let plugin = FakePlugin::serve(&dir2.path().join("gpu.sock"), DevicePluginOptions::default(), two_gpus()).await;
+    let plugin = FakePlugin::serve(
+        &dir2.path().join("gpu.sock"),
+        DevicePluginOptions::default(),
+        two_gpus(),
+    )
+    .await;
     let err = plugin.register(&kubelet.socket_path(), RESOURCE).await.unwrap_err();
     assert_eq!(err.message(), "node is draining");
-    assert_eq!(kubelet.registrations()[0].outcome, Outcome::Rejected("node is draining".into()));
+    assert_eq!(
+        kubelet.registrations()[0].outcome,
+        Outcome::Rejected("node is draining".into())
+    );
 }
 
-#[tokio::test]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn restart_removes_sockets_and_recreates_kubelet_sock() {
     let dir = tempfile::tempdir().unwrap();
     let checkpoint = dir.path().join("kubelet_internal_checkpoint");
@@ -179,7 +205,7 @@ async fn restart_removes_sockets_and_recreates_kubelet_sock() {
     // A stale socket from before the kubelet started is removed on start.
     let stale = dir.path().join("stale.sock");
     drop(std::os::unix::net::UnixListener::bind(&stale).unwrap());
-    let mut kubelet = TestKubelet::start(dir.path(), KubeletOptions::default()).await.unwrap();
+    let kubelet = TestKubelet::start(dir.path(), KubeletOptions::default()).await.unwrap();
     assert!(!stale.exists());
     assert!(checkpoint.exists());
 
@@ -188,22 +214,51 @@ async fn restart_removes_sockets_and_recreates_kubelet_sock() {
     plugin.register(&kubelet.socket_path(), RESOURCE).await.unwrap();
     kubelet.wait_for_registration(RESOURCE, T).await.unwrap();
     kubelet.wait_for_devices(RESOURCE, T, |d| !d.is_empty()).await.unwrap();
-    let old_ino = std::fs::metadata(kubelet.socket_path()).unwrap().ino();
+    let mut events = kubelet.subscribe();
 
     kubelet.restart().await.unwrap();
     assert!(!plugin_sock.exists(), "plugin socket survived the restart");
     assert!(checkpoint.exists());
     let meta = std::fs::metadata(kubelet.socket_path()).unwrap();
     assert!(meta.file_type().is_socket());
-    assert_ne!(meta.ino(), old_ino, "kubelet.sock was not recreated");
+    // The old instance stopped, its stream was dropped, and a new one serves kubelet.sock.
+    let mut seen = Vec::new();
+    while let Ok(ev) = events.try_recv() {
+        seen.push(match ev {
+            Event::Disconnected { resource, reason, .. } => format!("disconnected {resource}: {reason}"),
+            Event::Stopped { .. } => "stopped".into(),
+            Event::Serving { socket, .. } => format!("serving {}", socket.display()),
+            other => format!("{other:?}"),
+        });
+    }
+    assert_eq!(
+        seen,
+        vec![
+            format!("disconnected {RESOURCE}: kubelet restarted"),
+            "stopped".to_string(),
+            format!("serving {}", kubelet.socket_path().display()),
+        ]
+    );
+    // A plugin can connect to the new kubelet.sock.
+    assert!(std::os::unix::net::UnixStream::connect(kubelet.socket_path()).is_ok());
     assert!(!kubelet.is_connected(RESOURCE));
     assert!(kubelet.resources().is_empty());
     assert_eq!(kubelet.registrations().len(), 1, "records survive a restart");
     assert!(kubelet.allocate(RESOURCE, &["GPU-0"]).await.is_err());
     // No re-registration yet.
-    assert!(kubelet.wait_for_registration(RESOURCE, Duration::from_millis(200)).await.is_err());
+    assert!(
+        kubelet
+            .wait_for_registration(RESOURCE, Duration::from_millis(200))
+            .await
+            .is_err()
+    );
     // Nor does the old list count as a list from the current stream.
-    assert!(kubelet.wait_for_devices(RESOURCE, Duration::from_millis(200), |_| true).await.is_err());
+    assert!(
+        kubelet
+            .wait_for_devices(RESOURCE, Duration::from_millis(200), |_| true)
+            .await
+            .is_err()
+    );
 
     // The plugin notices, serves a fresh socket and registers again.
     drop(plugin);
@@ -284,7 +339,10 @@ async fn violations_are_recorded() {
     assert!(v.iter().any(|m| m.contains("64 characters")), "{v:?}");
     assert!(v.iter().any(|m| m.contains("RegisterRequest.options")), "{v:?}");
     // preferred_allocation follows GetDevicePluginOptions, not RegisterRequest.options.
-    let err = kubelet.preferred_allocation(RESOURCE, &[&long], &[], 1).await.unwrap_err();
+    let err = kubelet
+        .preferred_allocation(RESOURCE, &[&long], &[], 1)
+        .await
+        .unwrap_err();
     assert_eq!(err.code(), Code::FailedPrecondition);
     drop(plugin);
 }

@@ -41,12 +41,14 @@ async fn strict_connection(mut conn: UnixStream, seen: Arc<Mutex<Vec<String>>>) 
     let mut preface = [0u8; 24];
     conn.read_exact(&mut preface).await?;
     assert_eq!(&preface[..], rawh2::PREFACE);
-    conn.write_all(&Frame::new(kind::SETTINGS, 0, 0, Vec::new()).encode()).await?;
+    conn.write_all(&Frame::new(kind::SETTINGS, 0, 0, Vec::new()).encode())
+        .await?;
     let mut decoder = HeaderDecoder::new();
     while let Some(frame) = rawh2::read_frame(&mut conn, rawh2::DEFAULT_MAX_FRAME_SIZE).await? {
         match frame.kind {
             kind::SETTINGS if !frame.has(flag::ACK) => {
-                conn.write_all(&Frame::new(kind::SETTINGS, flag::ACK, 0, Vec::new()).encode()).await?;
+                conn.write_all(&Frame::new(kind::SETTINGS, flag::ACK, 0, Vec::new()).encode())
+                    .await?;
             }
             kind::HEADERS => {
                 let headers = decoder.decode(frame.body().unwrap()).unwrap();
@@ -61,7 +63,8 @@ async fn strict_connection(mut conn: UnixStream, seen: Arc<Mutex<Vec<String>>>) 
                     "expected an authority stock h2 rejects, got {authority:?}"
                 );
                 let rst = rawh2::PROTOCOL_ERROR.to_be_bytes().to_vec();
-                conn.write_all(&Frame::new(kind::RST_STREAM, 0, frame.stream_id, rst).encode()).await?;
+                conn.write_all(&Frame::new(kind::RST_STREAM, 0, frame.stream_id, rst).encode())
+                    .await?;
             }
             _ => {}
         }
@@ -77,12 +80,19 @@ async fn legacy_authority_is_rejected_by_stock_h2_behaviour() {
     let kubelet = TestKubelet::start(dir.path(), legacy()).await.unwrap();
     let socket = dir.path().join("gpu.sock");
     let seen = Arc::new(Mutex::new(Vec::new()));
-    let server = tokio::spawn(strict_h2_plugin(UnixListener::bind(&socket).unwrap(), Arc::clone(&seen)));
+    let server = tokio::spawn(strict_h2_plugin(
+        UnixListener::bind(&socket).unwrap(),
+        Arc::clone(&seen),
+    ));
 
     let err = common::register(&kubelet.socket_path(), "v1beta1", RESOURCE, "gpu.sock", None)
         .await
         .unwrap_err();
-    assert!(err.message().contains("failed to dial device plugin"), "{}", err.message());
+    assert!(
+        err.message().contains("failed to dial device plugin"),
+        "{}",
+        err.message()
+    );
     assert!(
         err.message().contains(
             "plugin reset the stream: PROTOCOL_ERROR (the :authority kubelets before 1.26 send was rejected)"
@@ -92,7 +102,10 @@ async fn legacy_authority_is_rejected_by_stock_h2_behaviour() {
     );
     assert!(!kubelet.registrations()[0].is_accepted());
     assert!(!kubelet.is_connected(RESOURCE));
-    assert_eq!(seen.lock().unwrap().clone(), vec![socket.to_string_lossy().into_owned()]);
+    assert_eq!(
+        seen.lock().unwrap().clone(),
+        vec![socket.to_string_lossy().into_owned()]
+    );
     server.abort();
 }
 
@@ -180,11 +193,14 @@ async fn raw_client_talks_to_tonic() {
     // A big request and response (> 64 KiB each way).
     let ids: Vec<String> = many.iter().map(|d| d.id.clone()).collect();
     let req = api::AllocateRequest {
-        container_requests: vec![api::ContainerAllocateRequest { devices_ids: ids.clone() }],
+        container_requests: vec![api::ContainerAllocateRequest {
+            devices_ids: ids.clone(),
+        }],
     };
     assert!(req.encoded_len() > 100_000);
-    let resp: api::AllocateResponse =
-        rawh2::unary(&sock, "localhost", "/v1beta1.DevicePlugin/Allocate", &req).await.unwrap();
+    let resp: api::AllocateResponse = rawh2::unary(&sock, "localhost", "/v1beta1.DevicePlugin/Allocate", &req)
+        .await
+        .unwrap();
     assert_eq!(resp.container_responses[0].devices.len(), 2000);
     assert_eq!(resp.container_responses[0].envs["VISIBLE_DEVICES"], ids.join(","));
 
@@ -207,7 +223,9 @@ async fn raw_client_talks_to_tonic() {
 /// the client sent: a plugin that accepts the legacy authority.
 async fn authority_rewriting_proxy(listener: UnixListener, upstream: PathBuf, seen: Arc<Mutex<Vec<String>>>) {
     loop {
-        let Ok((client, _)) = listener.accept().await else { return };
+        let Ok((client, _)) = listener.accept().await else {
+            return;
+        };
         let upstream = upstream.clone();
         let seen = Arc::clone(&seen);
         tokio::spawn(async move {
@@ -240,7 +258,12 @@ async fn proxy_connection(client: UnixStream, upstream: &Path, seen: Arc<Mutex<V
                 }
             }
             let flags = frame.flags & !(flag::PADDED | flag::PRIORITY);
-            Frame::new(kind::HEADERS, flags, frame.stream_id, rawh2::encode_header_block(rewritten))
+            Frame::new(
+                kind::HEADERS,
+                flags,
+                frame.stream_id,
+                rawh2::encode_header_block(rewritten),
+            )
         } else {
             frame
         };
@@ -253,7 +276,7 @@ async fn proxy_connection(client: UnixStream, upstream: &Path, seen: Arc<Mutex<V
 
 /// Legacy mode end to end: dial-back, ListAndWatch and Allocate all go out with the socket
 /// path as `:authority`, and work against a plugin that accepts it.
-#[tokio::test]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn legacy_mode_works_against_a_plugin_that_accepts_the_path_authority() {
     let dir = tempfile::tempdir().unwrap();
     let backend = tempfile::tempdir().unwrap();
@@ -282,7 +305,10 @@ async fn legacy_mode_works_against_a_plugin_that_accepts_the_path_authority() {
         .wait_for_devices(RESOURCE, T, |d| d[0].health == "Unhealthy")
         .await
         .unwrap();
-    let preferred = kubelet.preferred_allocation(RESOURCE, &["GPU-1"], &[], 1).await.unwrap();
+    let preferred = kubelet
+        .preferred_allocation(RESOURCE, &["GPU-1"], &[], 1)
+        .await
+        .unwrap();
     assert_eq!(preferred, vec!["GPU-1".to_string()]);
     let resp = kubelet.allocate(RESOURCE, &["GPU-1"]).await.unwrap();
     assert_eq!(resp.envs["VISIBLE_DEVICES"], "GPU-1");

@@ -82,16 +82,21 @@ impl Node {
         self.root.join("etc/gpu-node-agent/config.toml")
     }
 
-    /// Writes the main config: `[nvml] library` pointing at the installed fake, plus `extra`.
+    /// Writes the main config (`[nvml] library` pointing at the installed fake, a fast lost-GPU
+    /// probe) and, when `extra` is not empty, the drop-in `config.d/50-test.toml` with `extra`,
+    /// which overrides the main file key by key.
     pub fn write_config(&self, extra: &str) {
         let path = self.config_path();
-        fs::create_dir_all(path.parent().expect("etc dir")).expect("mkdir config dir");
-        let text = if extra.contains("[nvml]") {
-            extra.to_string()
+        let dir = path.parent().expect("etc dir");
+        fs::create_dir_all(dir.join("config.d")).expect("mkdir config dir");
+        let main = format!("[nvml]\nlibrary = \"{NVML_PATH}\"\n\n[health]\nlost_check_interval = \"100ms\"\n");
+        fs::write(&path, main).expect("write config");
+        let dropin = dir.join("config.d/50-test.toml");
+        if extra.is_empty() {
+            let _ = fs::remove_file(dropin);
         } else {
-            format!("[nvml]\nlibrary = \"{NVML_PATH}\"\n\n[health]\nlost_check_interval = \"100ms\"\n{extra}")
-        };
-        fs::write(path, text).expect("write config");
+            fs::write(dropin, extra).expect("write drop-in");
+        }
     }
 
     pub fn plugin_dir(&self) -> PathBuf {

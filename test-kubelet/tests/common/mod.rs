@@ -44,21 +44,14 @@ type ListStream = Pin<Box<dyn Stream<Item = Result<api::ListAndWatchResponse, St
 
 #[tonic::async_trait]
 impl DevicePlugin for Plugin {
-    async fn get_device_plugin_options(
-        &self,
-        _: Request<api::Empty>,
-    ) -> Result<Response<DevicePluginOptions>, Status> {
+    async fn get_device_plugin_options(&self, _: Request<api::Empty>) -> Result<Response<DevicePluginOptions>, Status> {
         Ok(Response::new(self.options))
     }
 
     type ListAndWatchStream = ListStream;
 
-    async fn list_and_watch(
-        &self,
-        _: Request<api::Empty>,
-    ) -> Result<Response<ListStream>, Status> {
-        let stream = WatchStream::new(self.devices.clone())
-            .map(|devices| Ok(api::ListAndWatchResponse { devices }));
+    async fn list_and_watch(&self, _: Request<api::Empty>) -> Result<Response<ListStream>, Status> {
+        let stream = WatchStream::new(self.devices.clone()).map(|devices| Ok(api::ListAndWatchResponse { devices }));
         Ok(Response::new(Box::pin(stream)))
     }
 
@@ -85,15 +78,10 @@ impl DevicePlugin for Plugin {
                 api::ContainerPreferredAllocationResponse { device_i_ds: ids }
             })
             .collect();
-        Ok(Response::new(api::PreferredAllocationResponse {
-            container_responses,
-        }))
+        Ok(Response::new(api::PreferredAllocationResponse { container_responses }))
     }
 
-    async fn allocate(
-        &self,
-        req: Request<api::AllocateRequest>,
-    ) -> Result<Response<api::AllocateResponse>, Status> {
+    async fn allocate(&self, req: Request<api::AllocateRequest>) -> Result<Response<api::AllocateResponse>, Status> {
         let known = self.known.lock().unwrap().clone();
         let mut container_responses = Vec::new();
         for c in req.into_inner().container_requests {
@@ -104,8 +92,7 @@ impl DevicePlugin for Plugin {
             }
             self.allocations.lock().unwrap().push(c.devices_ids.clone());
             let mut r = api::ContainerAllocateResponse::default();
-            r.envs
-                .insert("VISIBLE_DEVICES".into(), c.devices_ids.join(","));
+            r.envs.insert("VISIBLE_DEVICES".into(), c.devices_ids.join(","));
             r.devices = c
                 .devices_ids
                 .iter()
@@ -124,9 +111,7 @@ impl DevicePlugin for Plugin {
                 .collect();
             container_responses.push(r);
         }
-        Ok(Response::new(api::AllocateResponse {
-            container_responses,
-        }))
+        Ok(Response::new(api::AllocateResponse { container_responses }))
     }
 
     async fn pre_start_container(
@@ -193,10 +178,7 @@ impl FakePlugin {
 
     /// Sends a new device list on every open ListAndWatch stream.
     pub fn set_devices(&self, devices: Vec<Device>) {
-        self.known
-            .lock()
-            .unwrap()
-            .extend(devices.iter().map(|d| d.id.clone()));
+        self.known.lock().unwrap().extend(devices.iter().map(|d| d.id.clone()));
         self.devices.send_replace(devices);
     }
 
