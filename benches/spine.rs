@@ -52,7 +52,9 @@ async fn main() {
     let mut starts = Vec::new();
     for _ in 0..10 {
         let node = Node::new(&machine("A100-SXM4-40GB", 8), "[log]\nlevel = \"warn\"\n");
-        let kubelet = TestKubelet::start(&node.plugin_dir(), KubeletOptions::default()).await.expect("kubelet");
+        let kubelet = TestKubelet::start(&node.plugin_dir(), KubeletOptions::default())
+            .await
+            .expect("kubelet");
         let spawned = Instant::now();
         let agent = node.spawn();
         let reg = kubelet.wait_for_registration(GPU, T).await.expect("registered");
@@ -69,10 +71,18 @@ async fn main() {
     });
 
     // 2..4 on one long-lived agent.
-    let node = Node::new(&machine("A100-SXM4-40GB", 8), "[log]\nlevel = \"warn\"\n[health]\nrecovery_after = \"0s\"\n");
-    let kubelet = TestKubelet::start(&node.plugin_dir(), KubeletOptions::default()).await.expect("kubelet");
+    let node = Node::new(
+        &machine("A100-SXM4-40GB", 8),
+        "[log]\nlevel = \"warn\"\n[health]\nrecovery_after = \"0s\"\n",
+    );
+    let kubelet = TestKubelet::start(&node.plugin_dir(), KubeletOptions::default())
+        .await
+        .expect("kubelet");
     let agent = node.spawn();
-    kubelet.wait_for_devices(GPU, T, |d| d.len() == 8).await.expect("devices");
+    kubelet
+        .wait_for_devices(GPU, T, |d| d.len() == 8)
+        .await
+        .expect("devices");
 
     // 2. Allocate vs an empty call (GetDevicePluginOptions) over the same Unix socket connection.
     let id = gpu_uuid(0);
@@ -119,7 +129,10 @@ async fn main() {
         let before = kubelet.updates(GPU).len();
         let t = Instant::now();
         node.inject("xid", &format!("{uuid} 79"));
-        kubelet.wait_for_devices(GPU, T, |d| healthy(d, &uuid) == Some(false)).await.expect("unhealthy");
+        kubelet
+            .wait_for_devices(GPU, T, |d| healthy(d, &uuid) == Some(false))
+            .await
+            .expect("unhealthy");
         let at = kubelet.updates(GPU)[before..]
             .iter()
             .find(|(_, d)| healthy(d, &uuid) == Some(false))
@@ -139,11 +152,22 @@ async fn main() {
     tokio::time::sleep(Duration::from_secs(3)).await;
     let rss = rss_kib(agent.pid()).unwrap_or(0);
     let mib = rss as f64 / 1024.0;
-    rows.push(Row { what: "idle RSS (8 GPUs registered), MiB", value: format!("{mib:.1}"), budget: "≤ 15 MiB", ok: mib <= 15.0 });
+    rows.push(Row {
+        what: "idle RSS (8 GPUs registered), MiB",
+        value: format!("{mib:.1}"),
+        budget: "≤ 15 MiB",
+        ok: mib <= 15.0,
+    });
     agent.stop();
 
-    println!("\n{:<56} {:>16}  {:<10} {}", "measurement", "value", "budget", "");
+    println!("\n{:<56} {:>16}  {:<10}", "measurement", "value", "budget");
     for r in &rows {
-        println!("{:<56} {:>16}  {:<10} {}", r.what, r.value, r.budget, if r.ok { "ok" } else { "OVER" });
+        println!(
+            "{:<56} {:>16}  {:<10} {}",
+            r.what,
+            r.value,
+            r.budget,
+            if r.ok { "ok" } else { "OVER" }
+        );
     }
 }

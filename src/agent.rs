@@ -105,7 +105,13 @@ struct Stage {
 impl Stage {
     fn new(name: &str) -> Stage {
         Stage {
-            status: StageStatus { name: name.into(), state: StageState::Pending, since: now_unix(), error: None, detail: None },
+            status: StageStatus {
+                name: name.into(),
+                state: StageState::Pending,
+                since: now_unix(),
+                error: None,
+                detail: None,
+            },
         }
     }
 
@@ -183,8 +189,12 @@ pub async fn run(config: Config, root: HostRoot, once: bool) -> Result<i32, Agen
         (rx, None)
     } else {
         let dir = agent.root.join(&agent.config.kubelet.device_plugin_dir);
-        let (manager, status_rx) =
-            PluginManager::new(dir, agent.config.kubelet.register_timeout, Arc::new(agent.base_ctx.clone()), stats);
+        let (manager, status_rx) = PluginManager::new(
+            dir,
+            agent.config.kubelet.register_timeout,
+            Arc::new(agent.base_ctx.clone()),
+            stats,
+        );
         let (tx, rx) = mpsc::channel(16);
         agent.commands = Some(tx);
         (status_rx, Some(tokio::spawn(manager.run(rx))))
@@ -197,13 +207,20 @@ pub async fn run(config: Config, root: HostRoot, once: bool) -> Result<i32, Agen
             agent.write_status("stopped");
             return Err(e);
         }
-        tracing::error!("{e}; running with no devices and retrying every {:?} ([nvml] fail_on_init_error = false)", agent.config.nvml.retry_interval);
+        tracing::error!(
+            "{e}; running with no devices and retrying every {:?} ([nvml] fail_on_init_error = false)",
+            agent.config.nvml.retry_interval
+        );
     }
     agent.reconcile().await;
 
     if once {
         agent.write_status("once");
-        return Ok(if agent.stage.status.state == StageState::Failed { 1 } else { 0 });
+        return Ok(if agent.stage.status.state == StageState::Failed {
+            1
+        } else {
+            0
+        });
     }
 
     let mut resync = tokio::time::interval_at(
@@ -285,7 +302,11 @@ impl Agent {
     async fn reconcile(&mut self) {
         let Some(gpus) = self.gpus.clone() else { return };
         if !self.config.device_plugin.enabled {
-            self.stage.set(StageState::Disabled, None, Some("[device_plugin] enabled = false".into()));
+            self.stage.set(
+                StageState::Disabled,
+                None,
+                Some("[device_plugin] enabled = false".into()),
+            );
             self.write_status("running");
             return;
         }
@@ -320,7 +341,11 @@ impl Agent {
         if self.once {
             return;
         }
-        let uuids: BTreeSet<String> = self.inventory.iter().flat_map(|i| i.gpus.iter().map(|g| g.uuid.clone())).collect();
+        let uuids: BTreeSet<String> = self
+            .inventory
+            .iter()
+            .flat_map(|i| i.gpus.iter().map(|g| g.uuid.clone()))
+            .collect();
         if uuids == self.watched && self.health_stop.is_some() {
             return;
         }
@@ -329,7 +354,12 @@ impl Agent {
         }
         let stop = Arc::new(AtomicBool::new(false));
         let interval = self.config.health.lost_check_interval;
-        match gpus.watch_health(uuids.iter().cloned().collect(), interval, self.health_tx.clone(), stop.clone()) {
+        match gpus.watch_health(
+            uuids.iter().cloned().collect(),
+            interval,
+            self.health_tx.clone(),
+            stop.clone(),
+        ) {
             Ok(_) => {
                 self.health_stop = Some(stop);
                 self.watched = uuids;
@@ -340,7 +370,9 @@ impl Agent {
 
     /// The resources from the current inventory with current health applied.
     fn resources(&self) -> Result<Vec<Resource>, StrategyError> {
-        let Some(inventory) = &self.inventory else { return Ok(Vec::new()) };
+        let Some(inventory) = &self.inventory else {
+            return Ok(Vec::new());
+        };
         let mut resources = build_resources(inventory, self.config.device_plugin.mig_strategy)?;
         for resource in &mut resources {
             for device in resource.devices.values_mut() {
@@ -374,7 +406,12 @@ impl Agent {
                 tracing::info!("advertising {}", summary(&resources));
             }
             self.desired = resources.iter().map(|r| r.name.clone()).collect();
-            let _ = tx.send(Command::Set { resources, ctx: Arc::new(self.base_ctx.clone()) }).await;
+            let _ = tx
+                .send(Command::Set {
+                    resources,
+                    ctx: Arc::new(self.base_ctx.clone()),
+                })
+                .await;
         }
         self.update_stage();
         self.write_status("running");
@@ -397,12 +434,20 @@ impl Agent {
             .filter(|name| p.resources.iter().any(|r| &r.name == *name && r.registered))
             .count();
         let devices: usize = p.resources.iter().map(|r| r.devices).sum();
-        let detail = format!("{registered}/{} resource(s) registered, {devices} device(s)", self.desired.len());
+        let detail = format!(
+            "{registered}/{} resource(s) registered, {devices} device(s)",
+            self.desired.len()
+        );
         if !p.kubelet_present {
             let dir = self.config.kubelet.device_plugin_dir.display();
-            self.stage.set(StageState::Pending, Some(format!("waiting for the kubelet ({dir}/kubelet.sock)")), Some(detail));
+            self.stage.set(
+                StageState::Pending,
+                Some(format!("waiting for the kubelet ({dir}/kubelet.sock)")),
+                Some(detail),
+            );
         } else if !errors.is_empty() {
-            self.stage.set(StageState::Pending, Some(errors.join("; ")), Some(detail));
+            self.stage
+                .set(StageState::Pending, Some(errors.join("; ")), Some(detail));
         } else if registered == self.desired.len() {
             self.stage.set(StageState::Ok, None, Some(detail));
         } else {
@@ -476,7 +521,11 @@ pub fn summary(resources: &[Resource]) -> String {
     if resources.is_empty() {
         return "no resources".into();
     }
-    resources.iter().map(|r| format!("{} ×{}", r.name, r.devices.len())).collect::<Vec<_>>().join(", ")
+    resources
+        .iter()
+        .map(|r| format!("{} ×{}", r.name, r.devices.len()))
+        .collect::<Vec<_>>()
+        .join(", ")
 }
 
 fn health_word(reason: &Option<String>) -> &'static str {

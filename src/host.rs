@@ -25,7 +25,11 @@ impl HostRoot {
     pub fn join(&self, host_path: impl AsRef<Path>) -> PathBuf {
         let p = host_path.as_ref();
         let relative = p.strip_prefix("/").unwrap_or(p);
-        if self.0 == Path::new("/") { Path::new("/").join(relative) } else { self.0.join(relative) }
+        if self.0 == Path::new("/") {
+            Path::new("/").join(relative)
+        } else {
+            self.0.join(relative)
+        }
     }
 
     /// Whether this is the real root (`/`), where services may be restarted and so on.
@@ -49,26 +53,48 @@ pub struct WriteError {
 pub fn write_atomic(path: &Path, bytes: &[u8], mode: u32) -> Result<(), WriteError> {
     let err = |action: &'static str, p: &Path| {
         let p = p.to_path_buf();
-        move |source| WriteError { action, path: p, source }
+        move |source| WriteError {
+            action,
+            path: p,
+            source,
+        }
     };
     let dir = path.parent().unwrap_or(Path::new("."));
     fs::create_dir_all(dir).map_err(err("create directory", dir))?;
-    let mode = fs::metadata(path).map(|m| m.permissions().mode() & 0o7777).unwrap_or(mode);
-    let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+    let mode = fs::metadata(path)
+        .map(|m| m.permissions().mode() & 0o7777)
+        .unwrap_or(mode);
+    let name = path
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
     let tmp = dir.join(format!(".{name}.tmp-{}", std::process::id()));
     let write = || -> io::Result<()> {
-        let mut file = OpenOptions::new().write(true).create(true).truncate(true).mode(mode).open(&tmp)?;
+        let mut file = OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .mode(mode)
+            .open(&tmp)?;
         file.write_all(bytes)?;
         file.set_permissions(fs::Permissions::from_mode(mode))?;
         file.sync_all()
     };
     if let Err(source) = write() {
         let _ = fs::remove_file(&tmp);
-        return Err(WriteError { action: "write", path: tmp, source });
+        return Err(WriteError {
+            action: "write",
+            path: tmp,
+            source,
+        });
     }
     fs::rename(&tmp, path).map_err(|source| {
         let _ = fs::remove_file(&tmp);
-        WriteError { action: "rename into place", path: path.to_path_buf(), source }
+        WriteError {
+            action: "rename into place",
+            path: path.to_path_buf(),
+            source,
+        }
     })?;
     if let Ok(d) = File::open(dir) {
         let _ = d.sync_all();
@@ -84,7 +110,10 @@ pub fn hostname(root: &HostRoot) -> String {
     {
         return text.trim().to_string();
     }
-    nix::unistd::gethostname().ok().and_then(|h| h.into_string().ok()).unwrap_or_else(|| "localhost".into())
+    nix::unistd::gethostname()
+        .ok()
+        .and_then(|h| h.into_string().ok())
+        .unwrap_or_else(|| "localhost".into())
 }
 
 #[cfg(test)]

@@ -12,7 +12,10 @@ use crate::config::{LogConfig, LogFormat};
 pub fn init(config: &LogConfig) {
     let filter = match std::env::var("RUST_LOG") {
         Ok(directive) if !directive.trim().is_empty() => EnvFilter::try_new(&directive).unwrap_or_else(|e| {
-            eprintln!("gpu-node-agent: RUST_LOG={directive:?} is not valid ({e}); using [log] level {:?}", config.level);
+            eprintln!(
+                "gpu-node-agent: RUST_LOG={directive:?} is not valid ({e}); using [log] level {:?}",
+                config.level
+            );
             EnvFilter::new(&config.level)
         }),
         _ => EnvFilter::new(&config.level),
@@ -26,12 +29,16 @@ pub fn init(config: &LogConfig) {
     if journald {
         match tracing_journald::layer() {
             Ok(layer) => {
-                registry.with(layer.with_syslog_identifier("gpu-node-agent".into())).init();
+                registry
+                    .with(layer.with_syslog_identifier("gpu-node-agent".into()))
+                    .init();
                 return;
             }
             Err(e) => eprintln!("gpu-node-agent: journald is not reachable ({e}); logging to stderr"),
         }
     }
-    let text = tracing_subscriber::fmt::layer().with_writer(std::io::stderr).with_target(false);
+    let text = tracing_subscriber::fmt::layer()
+        .with_writer(std::io::stderr)
+        .with_target(false);
     registry.with(text).init();
 }

@@ -34,7 +34,9 @@ fn main() -> ExitCode {
     };
     match cli.command {
         Command::Version => ExitCode::SUCCESS,
-        Command::Config { command: ConfigCommand::Check } => {
+        Command::Config {
+            command: ConfigCommand::Check,
+        } => {
             if files.is_empty() {
                 println!("# no config files found: defaults apply");
             }
@@ -79,8 +81,16 @@ fn main() -> ExitCode {
         }
         Command::Run { once } => {
             logging::init(&config.log);
-            tracing::info!("gpu-node-agent {} starting (root {}, config {})", env!("CARGO_PKG_VERSION"), root.path().display(),
-                if files.is_empty() { "defaults".to_string() } else { files.join(", ") });
+            tracing::info!(
+                "gpu-node-agent {} starting (root {}, config {})",
+                env!("CARGO_PKG_VERSION"),
+                root.path().display(),
+                if files.is_empty() {
+                    "defaults".to_string()
+                } else {
+                    files.join(", ")
+                }
+            );
             let runtime = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
                 Ok(rt) => rt,
                 Err(e) => {
@@ -123,7 +133,10 @@ fn status(config: &Config, root: &HostRoot, json: bool) -> ExitCode {
             ExitCode::SUCCESS
         }
         Err(e) => {
-            eprintln!("gpu-node-agent: {} is not a status file this version understands: {e}", path.display());
+            eprintln!(
+                "gpu-node-agent: {} is not a status file this version understands: {e}",
+                path.display()
+            );
             ExitCode::FAILURE
         }
     }

@@ -31,22 +31,35 @@ const MAX_NVLINKS: u32 = 18;
 /// Why NVML could not be used.
 #[derive(Debug, thiserror::Error)]
 pub enum GpuError {
-    #[error("cannot load the NVML library {library}: {source} (is the NVIDIA driver installed? [nvml] library names the file)")]
+    #[error(
+        "cannot load the NVML library {library}: {source} (is the NVIDIA driver installed? [nvml] library names the file)"
+    )]
     Load { library: String, source: NvmlError },
     #[error("NVML call {call} failed: {source}")]
     Call { call: String, source: NvmlError },
     #[error("NVML call {call} failed for GPU {gpu}: {source}")]
-    Device { call: String, gpu: String, source: NvmlError },
+    Device {
+        call: String,
+        gpu: String,
+        source: NvmlError,
+    },
 }
 
 impl GpuError {
     fn call(call: &str) -> impl FnOnce(NvmlError) -> GpuError + '_ {
-        move |source| GpuError::Call { call: call.to_string(), source }
+        move |source| GpuError::Call {
+            call: call.to_string(),
+            source,
+        }
     }
 }
 
 fn dev_err<'a>(call: &'a str, gpu: &'a str) -> impl FnOnce(NvmlError) -> GpuError + 'a {
-    move |source| GpuError::Device { call: call.to_string(), gpu: gpu.to_string(), source }
+    move |source| GpuError::Device {
+        call: call.to_string(),
+        gpu: gpu.to_string(),
+        source,
+    }
 }
 
 /// Everything the agent knows about the node's GPUs at one moment.
@@ -123,7 +136,10 @@ impl Gpus {
         let nvml = Nvml::builder()
             .lib_path(OsStr::new(library.as_os_str()))
             .init()
-            .map_err(|source| GpuError::Load { library: library.display().to_string(), source })?;
+            .map_err(|source| GpuError::Load {
+                library: library.display().to_string(),
+                source,
+            })?;
         Ok(Gpus { nvml: Arc::new(nvml) })
     }
 
@@ -131,7 +147,9 @@ impl Gpus {
     /// read first (as NVIDIA's plugin does); NVML's own NUMA id is the fallback.
     pub fn inventory(&self, sysfs: &Path) -> Result<Inventory, GpuError> {
         let nvml = &self.nvml;
-        let driver_version = nvml.sys_driver_version().map_err(GpuError::call("nvmlSystemGetDriverVersion"))?;
+        let driver_version = nvml
+            .sys_driver_version()
+            .map_err(GpuError::call("nvmlSystemGetDriverVersion"))?;
         let cuda = nvml
             .sys_cuda_driver_version()
             .map_err(GpuError::call("nvmlSystemGetCudaDriverVersion_v2"))?;
@@ -140,27 +158,44 @@ impl Gpus {
         let mut gpus = Vec::with_capacity(count as usize);
         for index in 0..count {
             let gpu = format!("index {index}");
-            let device = nvml.device_by_index(index).map_err(dev_err("nvmlDeviceGetHandleByIndex_v2", &gpu))?;
+            let device = nvml
+                .device_by_index(index)
+                .map_err(dev_err("nvmlDeviceGetHandleByIndex_v2", &gpu))?;
             gpus.push(self.gpu_info(index, &device, sysfs)?);
         }
-        Ok(Inventory { driver_version, cuda_driver_version, gpus })
+        Ok(Inventory {
+            driver_version,
+            cuda_driver_version,
+            gpus,
+        })
     }
 
     fn gpu_info(&self, index: u32, device: &Device<'_>, sysfs: &Path) -> Result<GpuInfo, GpuError> {
         let at = format!("index {index}");
         let uuid = device.uuid().map_err(dev_err("nvmlDeviceGetUUID", &at))?;
         let name = device.name().map_err(dev_err("nvmlDeviceGetName", &uuid))?;
-        let memory = device.memory_info().map_err(dev_err("nvmlDeviceGetMemoryInfo_v2", &uuid))?;
+        let memory = device
+            .memory_info()
+            .map_err(dev_err("nvmlDeviceGetMemoryInfo_v2", &uuid))?;
         let pci = device.pci_info().map_err(dev_err("nvmlDeviceGetPciInfo_v3", &uuid))?;
-        let minor = device.minor_number().map_err(dev_err("nvmlDeviceGetMinorNumber", &uuid))?;
+        let minor = device
+            .minor_number()
+            .map_err(dev_err("nvmlDeviceGetMinorNumber", &uuid))?;
         let numa_node = numa_from_sysfs(sysfs, &pci.bus_id).or_else(|| device.numa_node_id().ok().map(i64::from));
         let compute_capability = device.cuda_compute_capability().ok().map(|c| (c.major, c.minor));
         let mig = match device.mig_mode() {
-            Ok(mode) => Some(MigState { current: mode.current == 1, pending: mode.pending == 1 }),
+            Ok(mode) => Some(MigState {
+                current: mode.current == 1,
+                pending: mode.pending == 1,
+            }),
             Err(NvmlError::NotSupported) => None,
             Err(source) => return Err(dev_err("nvmlDeviceGetMigMode", &uuid)(source)),
         };
-        let mig_devices = if mig.is_some_and(|m| m.current) { self.mig_devices(device, &uuid)? } else { Vec::new() };
+        let mig_devices = if mig.is_some_and(|m| m.current) {
+            self.mig_devices(device, &uuid)?
+        } else {
+            Vec::new()
+        };
         Ok(GpuInfo {
             index,
             uuid,
@@ -177,7 +212,9 @@ impl Gpus {
     }
 
     fn mig_devices(&self, parent: &Device<'_>, parent_uuid: &str) -> Result<Vec<MigDeviceInfo>, GpuError> {
-        let max = parent.mig_device_count().map_err(dev_err("nvmlDeviceGetMaxMigDeviceCount", parent_uuid))?;
+        let max = parent
+            .mig_device_count()
+            .map_err(dev_err("nvmlDeviceGetMaxMigDeviceCount", parent_uuid))?;
         let mut found = Vec::new();
         for slot in 0..max {
             let mig = match parent.mig_device_by_index(slot) {
@@ -188,10 +225,22 @@ impl Gpus {
             };
             let uuid = mig.uuid().map_err(dev_err("nvmlDeviceGetUUID", parent_uuid))?;
             let memory_mib = mig.memory_info().map(|m| m.total / (1024 * 1024)).unwrap_or(0);
-            let raw = RawMig { nvml: &self.nvml, parent, mig: &mig, uuid: &uuid };
+            let raw = RawMig {
+                nvml: &self.nvml,
+                parent,
+                mig: &mig,
+                uuid: &uuid,
+            };
             let (gi_id, ci_id) = raw.instance_ids()?;
             let profile = raw.profile_name(gi_id, ci_id)?;
-            found.push(MigDeviceInfo { index: slot, uuid, gi_id, ci_id, profile, memory_mib });
+            found.push(MigDeviceInfo {
+                index: slot,
+                uuid,
+                gi_id,
+                ci_id,
+                profile,
+                memory_mib,
+            });
         }
         Ok(found)
     }
@@ -204,8 +253,11 @@ impl Gpus {
             .iter()
             .map(|g| (g.uuid.clone(), self.nvml.device_by_uuid(g.uuid.as_str()).ok()))
             .collect();
-        let bus_ids: BTreeMap<String, String> =
-            inventory.gpus.iter().map(|g| (normalise_bus_id(&g.pci_bus_id), g.uuid.clone())).collect();
+        let bus_ids: BTreeMap<String, String> = inventory
+            .gpus
+            .iter()
+            .map(|g| (normalise_bus_id(&g.pci_bus_id), g.uuid.clone()))
+            .collect();
         let mut nvlinks: BTreeMap<(String, String), u32> = BTreeMap::new();
         for (uuid, device) in &devices {
             let Some(device) = device else { continue };
@@ -216,7 +268,9 @@ impl Gpus {
                     Ok(false) => continue,
                     Err(_) => break,
                 }
-                let Ok(remote) = wrapper.remote_pci_info() else { continue };
+                let Ok(remote) = wrapper.remote_pci_info() else {
+                    continue;
+                };
                 if let Some(peer) = bus_ids.get(&normalise_bus_id(&remote.bus_id)) {
                     *nvlinks.entry((uuid.clone(), peer.clone())).or_default() += 1;
                 }
@@ -309,7 +363,11 @@ impl Gpus {
                     let now = self.answers(uuid);
                     if now != *was {
                         *was = now;
-                        let event = if now { HealthEvent::Answering { uuid: uuid.to_string() } } else { HealthEvent::Lost { uuid: uuid.to_string() } };
+                        let event = if now {
+                            HealthEvent::Answering { uuid: uuid.to_string() }
+                        } else {
+                            HealthEvent::Lost { uuid: uuid.to_string() }
+                        };
                         let _ = sink.send(event);
                     }
                 }
@@ -318,9 +376,15 @@ impl Gpus {
     }
 
     fn register_xid_events(&self, uuids: &[String]) -> Result<nvml_wrapper::EventSet<'_>, GpuError> {
-        let mut set = self.nvml.create_event_set().map_err(GpuError::call("nvmlEventSetCreate"))?;
+        let mut set = self
+            .nvml
+            .create_event_set()
+            .map_err(GpuError::call("nvmlEventSetCreate"))?;
         for uuid in uuids {
-            let device = self.nvml.device_by_uuid(uuid.as_str()).map_err(dev_err("nvmlDeviceGetHandleByUUID", uuid))?;
+            let device = self
+                .nvml
+                .device_by_uuid(uuid.as_str())
+                .map_err(dev_err("nvmlDeviceGetHandleByUUID", uuid))?;
             let supported = device
                 .supported_event_types()
                 .map_err(dev_err("nvmlDeviceGetSupportedEventTypes", uuid))?;
@@ -329,9 +393,11 @@ impl Gpus {
                 tracing::warn!(gpu = %uuid, "GPU does not report Xid events; its health comes from NVML answering only");
                 continue;
             }
-            set = device
-                .register_events(wanted, set)
-                .map_err(|e| GpuError::Device { call: "nvmlDeviceRegisterEvents".into(), gpu: uuid.clone(), source: e.error })?;
+            set = device.register_events(wanted, set).map_err(|e| GpuError::Device {
+                call: "nvmlDeviceRegisterEvents".into(),
+                gpu: uuid.clone(),
+                source: e.error,
+            })?;
         }
         Ok(set)
     }
@@ -344,7 +410,12 @@ impl Gpus {
         // while the library is initialised (we hold the Nvml). `Device::new` only stores it.
         let device = unsafe { Device::new(data.device, &self.nvml) };
         let uuid = device.uuid().ok()?;
-        Some(HealthEvent::Xid { uuid, xid: data.eventData, gi_id: data.gpuInstanceId, ci_id: data.computeInstanceId })
+        Some(HealthEvent::Xid {
+            uuid,
+            xid: data.eventData,
+            gi_id: data.gpuInstanceId,
+            ci_id: data.computeInstanceId,
+        })
     }
 }
 
@@ -353,7 +424,12 @@ impl Gpus {
 pub enum HealthEvent {
     /// A critical Xid on the GPU `uuid`; `gi_id`/`ci_id` are [`NO_INSTANCE`] unless NVML
     /// attributed it to a MIG device.
-    Xid { uuid: String, xid: u64, gi_id: u32, ci_id: u32 },
+    Xid {
+        uuid: String,
+        xid: u64,
+        gi_id: u32,
+        ci_id: u32,
+    },
     /// NVML stopped answering for the GPU (fallen off the bus, GPU_IS_LOST).
     Lost { uuid: String },
     /// NVML answers for a GPU again after it was lost.
@@ -381,7 +457,11 @@ impl RawMig<'_> {
         if rc == sys::nvmlReturn_enum_NVML_SUCCESS {
             Ok(())
         } else {
-            Err(GpuError::Device { call: name.into(), gpu: self.uuid.into(), source: NvmlError::from(rc) })
+            Err(GpuError::Device {
+                call: name.into(),
+                gpu: self.uuid.into(),
+                source: NvmlError::from(rc),
+            })
         }
     }
 
@@ -405,8 +485,14 @@ impl RawMig<'_> {
         let lib = self.nvml.lib();
         let by_id = self.sym(&lib.nvmlDeviceGetGpuInstanceById, "nvmlDeviceGetGpuInstanceById")?;
         let gi_info = self.sym(&lib.nvmlGpuInstanceGetInfo, "nvmlGpuInstanceGetInfo")?;
-        let gi_profile = self.sym(&lib.nvmlDeviceGetGpuInstanceProfileInfoV, "nvmlDeviceGetGpuInstanceProfileInfoV")?;
-        let ci_by_id = self.sym(&lib.nvmlGpuInstanceGetComputeInstanceById, "nvmlGpuInstanceGetComputeInstanceById")?;
+        let gi_profile = self.sym(
+            &lib.nvmlDeviceGetGpuInstanceProfileInfoV,
+            "nvmlDeviceGetGpuInstanceProfileInfoV",
+        )?;
+        let ci_by_id = self.sym(
+            &lib.nvmlGpuInstanceGetComputeInstanceById,
+            "nvmlGpuInstanceGetComputeInstanceById",
+        )?;
         let ci_info = self.sym(&lib.nvmlComputeInstanceGetInfo_v2, "nvmlComputeInstanceGetInfo_v2")?;
         let ci_profile = self.sym(
             &lib.nvmlGpuInstanceGetComputeInstanceProfileInfoV,
@@ -417,7 +503,10 @@ impl RawMig<'_> {
         // as NVML requires for the V variants.
         unsafe {
             let mut gi: sys::nvmlGpuInstance_t = std::ptr::null_mut();
-            self.check(by_id(self.parent.handle(), gi_id, &mut gi), "nvmlDeviceGetGpuInstanceById")?;
+            self.check(
+                by_id(self.parent.handle(), gi_id, &mut gi),
+                "nvmlDeviceGetGpuInstanceById",
+            )?;
             let mut info: sys::nvmlGpuInstanceInfo_t = std::mem::zeroed();
             self.check(gi_info(gi, &mut info), "nvmlGpuInstanceGetInfo")?;
             let gi_name = self.find_profile_name("nvmlDeviceGetGpuInstanceProfileInfoV", info.profileId, |idx| {
@@ -431,13 +520,17 @@ impl RawMig<'_> {
             let mut cinfo: sys::nvmlComputeInstanceInfo_t = std::mem::zeroed();
             self.check(ci_info(ci, &mut cinfo), "nvmlComputeInstanceGetInfo_v2")?;
             let mut gi_slices = 0;
-            let ci_name = self.find_profile_name("nvmlGpuInstanceGetComputeInstanceProfileInfoV", cinfo.profileId, |idx| {
-                let mut p: sys::nvmlComputeInstanceProfileInfo_v2_t = std::mem::zeroed();
-                p.version = struct_version(std::mem::size_of::<sys::nvmlComputeInstanceProfileInfo_v2_t>(), 2);
-                let rc = ci_profile(gi, idx, sys::NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED, &mut p);
-                gi_slices = gi_slices.max(p.sliceCount);
-                (rc, p.id, p.sliceCount, c_name(&p.name))
-            })?;
+            let ci_name = self.find_profile_name(
+                "nvmlGpuInstanceGetComputeInstanceProfileInfoV",
+                cinfo.profileId,
+                |idx| {
+                    let mut p: sys::nvmlComputeInstanceProfileInfo_v2_t = std::mem::zeroed();
+                    p.version = struct_version(std::mem::size_of::<sys::nvmlComputeInstanceProfileInfo_v2_t>(), 2);
+                    let rc = ci_profile(gi, idx, sys::NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED, &mut p);
+                    gi_slices = gi_slices.max(p.sliceCount);
+                    (rc, p.id, p.sliceCount, c_name(&p.name))
+                },
+            )?;
             // The compute instance spanning the whole GPU instance is the GPU instance's profile.
             let name = if ci_name.1 >= gi_name.1 { gi_name.0 } else { ci_name.0 };
             Ok(name.trim_start_matches("MIG ").to_string())
@@ -461,7 +554,11 @@ impl RawMig<'_> {
                 other => self.check(other, call)?,
             }
         }
-        Err(GpuError::Device { call: format!("{call} (profile id {want})"), gpu: self.uuid.into(), source: NvmlError::NotFound })
+        Err(GpuError::Device {
+            call: format!("{call} (profile id {want})"),
+            gpu: self.uuid.into(),
+            source: NvmlError::NotFound,
+        })
     }
 }
 
@@ -502,7 +599,10 @@ pub fn normalise_bus_id(bus_id: &str) -> String {
 /// NUMA node of a PCI device from `<sysfs>/bus/pci/devices/<bus id>/numa_node`; negative or
 /// missing means none.
 fn numa_from_sysfs(sysfs: &Path, bus_id: &str) -> Option<i64> {
-    let path = sysfs.join("bus/pci/devices").join(normalise_bus_id(bus_id)).join("numa_node");
+    let path = sysfs
+        .join("bus/pci/devices")
+        .join(normalise_bus_id(bus_id))
+        .join("numa_node");
     let text = std::fs::read_to_string(path).ok()?;
     text.trim().parse::<i64>().ok().filter(|n| *n >= 0)
 }

@@ -35,22 +35,47 @@ pub fn to_json(plan: &DevicePluginPlan) -> String {
         .map(|r| ResourceJson {
             name: &r.name,
             socket: r.socket_name(),
-            devices: r.devices.iter().map(|(id, d)| DeviceJson { id, index: &d.index, numa_node: d.numa_node }).collect(),
+            devices: r
+                .devices
+                .iter()
+                .map(|(id, d)| DeviceJson {
+                    id,
+                    index: &d.index,
+                    numa_node: d.numa_node,
+                })
+                .collect(),
         })
         .collect();
-    serde_json::to_string_pretty(&PlanJson { inventory: &plan.inventory, resources }).unwrap_or_default()
+    serde_json::to_string_pretty(&PlanJson {
+        inventory: &plan.inventory,
+        resources,
+    })
+    .unwrap_or_default()
 }
 
 pub fn render(plan: &DevicePluginPlan, config: &Config) -> String {
     let inv = &plan.inventory;
     let mut out = String::new();
-    let _ = writeln!(out, "NVIDIA driver {}, CUDA {}, {} GPU(s)\n", inv.driver_version, inv.cuda_driver_version, inv.gpus.len());
-    let _ = writeln!(out, "GPU  UUID                                      NAME                      MEMORY     PCI               NUMA  MIG");
+    let _ = writeln!(
+        out,
+        "NVIDIA driver {}, CUDA {}, {} GPU(s)\n",
+        inv.driver_version,
+        inv.cuda_driver_version,
+        inv.gpus.len()
+    );
+    let _ = writeln!(
+        out,
+        "GPU  UUID                                      NAME                      MEMORY     PCI               NUMA  MIG"
+    );
     for g in &inv.gpus {
         let mig = match g.mig {
             None => "n/a".to_string(),
             Some(m) if m.current == m.pending => (if m.current { "enabled" } else { "disabled" }).to_string(),
-            Some(m) => format!("{} (pending {})", if m.current { "enabled" } else { "disabled" }, if m.pending { "enabled" } else { "disabled" }),
+            Some(m) => format!(
+                "{} (pending {})",
+                if m.current { "enabled" } else { "disabled" },
+                if m.pending { "enabled" } else { "disabled" }
+            ),
         };
         let numa = g.numa_node.map(|n| n.to_string()).unwrap_or_else(|| "-".into());
         let _ = writeln!(
@@ -59,16 +84,37 @@ pub fn render(plan: &DevicePluginPlan, config: &Config) -> String {
             g.index, g.uuid, g.name, g.memory_mib, g.pci_bus_id, numa, mig
         );
         for m in &g.mig_devices {
-            let _ = writeln!(out, "  └ {:<40} {:<12} gi {} ci {} ({} MiB)", m.uuid, m.profile, m.gi_id, m.ci_id, m.memory_mib);
+            let _ = writeln!(
+                out,
+                "  └ {:<40} {:<12} gi {} ci {} ({} MiB)",
+                m.uuid, m.profile, m.gi_id, m.ci_id, m.memory_mib
+            );
         }
     }
-    let _ = writeln!(out, "\nWould advertise (mig_strategy = {}, device_list_strategy = {}):", config.device_plugin.mig_strategy.as_str(),
-        config.device_plugin.device_list_strategy.as_slice().iter().map(|s| s.as_str()).collect::<Vec<_>>().join(","));
+    let _ = writeln!(
+        out,
+        "\nWould advertise (mig_strategy = {}, device_list_strategy = {}):",
+        config.device_plugin.mig_strategy.as_str(),
+        config
+            .device_plugin
+            .device_list_strategy
+            .as_slice()
+            .iter()
+            .map(|s| s.as_str())
+            .collect::<Vec<_>>()
+            .join(",")
+    );
     if plan.resources.is_empty() {
         let _ = writeln!(out, "  nothing");
     }
     for r in &plan.resources {
-        let _ = writeln!(out, "  {} ({} device(s), socket {})", r.name, r.devices.len(), r.socket_name());
+        let _ = writeln!(
+            out,
+            "  {} ({} device(s), socket {})",
+            r.name,
+            r.devices.len(),
+            r.socket_name()
+        );
         for (id, d) in &r.devices {
             let _ = writeln!(out, "    {id}  index {}", d.index);
         }

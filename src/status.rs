@@ -82,7 +82,10 @@ pub struct Status {
 }
 
 pub fn now_unix() -> u64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
 }
 
 impl Status {
@@ -117,10 +120,18 @@ impl Status {
         let _ = writeln!(out, "\nSTAGE            STATE     SINCE        DETAIL");
         for s in &self.stages {
             let state = format!("{:?}", s.state).to_lowercase();
-            let detail = s.error.as_deref().map(|e| format!("error: {e}")).or_else(|| s.detail.clone()).unwrap_or_default();
+            let detail = s
+                .error
+                .as_deref()
+                .map(|e| format!("error: {e}"))
+                .or_else(|| s.detail.clone())
+                .unwrap_or_default();
             let _ = writeln!(out, "{:<16} {:<9} {:<12} {}", s.name, state, age(s.since), detail);
         }
-        let _ = writeln!(out, "\nGPU  UUID                                      NAME                      MEMORY     HEALTH");
+        let _ = writeln!(
+            out,
+            "\nGPU  UUID                                      NAME                      MEMORY     HEALTH"
+        );
         if self.gpus.is_empty() {
             let _ = writeln!(out, "(none)");
         }
@@ -137,11 +148,22 @@ impl Status {
             );
             for m in &g.mig_devices {
                 let reason = m.reason.as_deref().map(|r| format!(" ({r})")).unwrap_or_default();
-                let _ = writeln!(out, "  └ {:<40} {:<25} gi {} ci {} {}{}", m.uuid, m.profile, m.gi_id, m.ci_id, m.health, reason);
+                let _ = writeln!(
+                    out,
+                    "  └ {:<40} {:<25} gi {} ci {} {}{}",
+                    m.uuid, m.profile, m.gi_id, m.ci_id, m.health, reason
+                );
             }
         }
-        let kubelet = if self.kubelet_present { "kubelet present" } else { "kubelet not found" };
-        let _ = writeln!(out, "\nRESOURCE                    DEVICES  HEALTHY  REGISTERED   ({kubelet})");
+        let kubelet = if self.kubelet_present {
+            "kubelet present"
+        } else {
+            "kubelet not found"
+        };
+        let _ = writeln!(
+            out,
+            "\nRESOURCE                    DEVICES  HEALTHY  REGISTERED   ({kubelet})"
+        );
         if self.resources.is_empty() {
             let _ = writeln!(out, "(none)");
         }

@@ -49,12 +49,18 @@ fn config_check_prints_the_effective_config_with_drop_ins_applied() {
 
 #[test]
 fn no_nvml_is_a_clear_error_with_exit_69() {
-    let node = Node::new(&machine("T4", 1), "[nvml]\nlibrary = \"/usr/lib/nope/libnvidia-ml.so.1\"\n");
+    let node = Node::new(
+        &machine("T4", 1),
+        "[nvml]\nlibrary = \"/usr/lib/nope/libnvidia-ml.so.1\"\n",
+    );
     for args in [&["run"][..], &["plan"]] {
         let out = node.run(args);
         assert_eq!(out.status.code(), Some(69), "{args:?}: {}", text(&out.stderr));
         let err = text(&out.stderr);
-        assert!(err.contains("libnvidia-ml.so.1") && err.contains("NVIDIA driver"), "{args:?}: {err}");
+        assert!(
+            err.contains("libnvidia-ml.so.1") && err.contains("NVIDIA driver"),
+            "{args:?}: {err}"
+        );
     }
     assert!(!node.plugin_dir().join("nvidia-gpu.sock").exists());
 }
@@ -67,7 +73,13 @@ fn no_nvml_with_fail_on_init_error_false_keeps_running_without_devices() {
     );
     let mut agent = node.spawn();
     let status = node.wait_status(Duration::from_secs(10), |s| s["stages"][0]["state"] == "failed");
-    assert!(status["stages"][0]["error"].as_str().unwrap_or_default().contains("libnvidia-ml"), "{status}");
+    assert!(
+        status["stages"][0]["error"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("libnvidia-ml"),
+        "{status}"
+    );
     assert!(status["resources"].as_array().is_some_and(Vec::is_empty));
     std::thread::sleep(Duration::from_millis(300));
     assert!(agent.running(), "the agent keeps running and retries");
@@ -90,12 +102,18 @@ fn plan_prints_inventory_and_resources_and_changes_nothing() {
     assert!(stdout.contains("driver 550.54.15, CUDA 12.4, 2 GPU(s)"), "{stdout}");
     assert!(stdout.contains("NVIDIA A100-SXM4-40GB"), "{stdout}");
     assert!(stdout.contains(&gpu_uuid(1)), "{stdout}");
-    assert!(stdout.contains("nvidia.com/gpu (2 device(s), socket nvidia-gpu.sock)"), "{stdout}");
+    assert!(
+        stdout.contains("nvidia.com/gpu (2 device(s), socket nvidia-gpu.sock)"),
+        "{stdout}"
+    );
     let out = node.run(&["plan", "--json"]);
     let plan: serde_json::Value = serde_json::from_slice(&out.stdout).expect("plan --json parses");
     assert_eq!(plan["resources"][0]["name"], "nvidia.com/gpu");
     assert_eq!(plan["inventory"]["gpus"][0]["memory_mib"], 40960);
-    assert!(!node.plugin_dir().exists() && !node.status_path().exists(), "plan changes nothing");
+    assert!(
+        !node.plugin_dir().exists() && !node.status_path().exists(),
+        "plan changes nothing"
+    );
 }
 
 #[test]
@@ -103,7 +121,11 @@ fn status_without_a_running_agent_says_so() {
     let node = Node::new(&machine("T4", 1), "");
     let out = node.run(&["status"]);
     assert_eq!(out.status.code(), Some(3));
-    assert!(text(&out.stderr).contains("is the agent running?"), "{}", text(&out.stderr));
+    assert!(
+        text(&out.stderr).contains("is the agent running?"),
+        "{}",
+        text(&out.stderr)
+    );
 }
 
 #[test]
@@ -114,11 +136,20 @@ fn run_once_reports_what_it_would_advertise_and_exits_zero() {
     let status = node.status_json();
     assert_eq!(status["state"], "once");
     assert_eq!(status["stages"][0]["state"], "skipped");
-    assert!(status["stages"][0]["detail"].as_str().unwrap_or_default().contains("nvidia.com/gpu ×2"), "{status}");
+    assert!(
+        status["stages"][0]["detail"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("nvidia.com/gpu ×2"),
+        "{status}"
+    );
     let out = node.run(&["status"]);
     assert_eq!(out.status.code(), Some(0));
     let view = text(&out.stdout);
-    assert!(view.contains("device-plugin") && view.contains("NVIDIA A100-SXM4-40GB"), "{view}");
+    assert!(
+        view.contains("device-plugin") && view.contains("NVIDIA A100-SXM4-40GB"),
+        "{view}"
+    );
 }
 
 #[test]

@@ -11,7 +11,9 @@ const T: Duration = Duration::from_secs(10);
 const GPU: &str = "nvidia.com/gpu";
 
 async fn start_kubelet(node: &Node) -> TestKubelet {
-    TestKubelet::start(&node.plugin_dir(), KubeletOptions::default()).await.expect("start test kubelet")
+    TestKubelet::start(&node.plugin_dir(), KubeletOptions::default())
+        .await
+        .expect("start test kubelet")
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -25,8 +27,13 @@ async fn registers_eight_a100s_with_numa_topology() {
     let options = reg.plugin_options.expect("dial-back options");
     assert!(options.get_preferred_allocation_available);
     assert!(!options.pre_start_required);
-    let devices = kubelet.wait_for_devices(GPU, T, |d| d.len() == 8).await.expect("8 devices");
-    let expected: Vec<_> = (0..8).map(|i| (gpu_uuid(i), "Healthy".to_string(), Some(i64::from(i / 4)))).collect();
+    let devices = kubelet
+        .wait_for_devices(GPU, T, |d| d.len() == 8)
+        .await
+        .expect("8 devices");
+    let expected: Vec<_> = (0..8)
+        .map(|i| (gpu_uuid(i), "Healthy".to_string(), Some(i64::from(i / 4))))
+        .collect();
     assert_eq!(summary(&devices), expected);
     assert!(kubelet.violations().is_empty(), "{:?}", kubelet.violations());
     let status = node.wait_status(T, |s| s["stages"][0]["state"] == "ok");
@@ -39,10 +46,16 @@ async fn registers_eight_a100s_with_numa_topology() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn t4_without_mig_is_one_gpu_in_every_strategy() {
     for strategy in ["none", "single", "mixed"] {
-        let node = Node::new(&machine("T4", 1), &format!("[device_plugin]\nmig_strategy = \"{strategy}\"\n"));
+        let node = Node::new(
+            &machine("T4", 1),
+            &format!("[device_plugin]\nmig_strategy = \"{strategy}\"\n"),
+        );
         let kubelet = start_kubelet(&node).await;
         let agent = node.spawn();
-        let devices = kubelet.wait_for_devices(GPU, T, |d| d.len() == 1).await.expect("one T4");
+        let devices = kubelet
+            .wait_for_devices(GPU, T, |d| d.len() == 1)
+            .await
+            .expect("one T4");
         assert_eq!(devices[0].id, gpu_uuid(0));
         assert_eq!(kubelet.resources(), vec![GPU.to_string()], "strategy {strategy}");
         assert_eq!(agent.stop(), 0);
@@ -85,17 +98,26 @@ async fn h100_mig_devices_in_each_strategy() {
     let node = Node::new(H100_MIG, "[device_plugin]\nmig_strategy = \"mixed\"\n");
     let kubelet = start_kubelet(&node).await;
     let agent = node.spawn();
-    for (resource, count, numa) in
-        [("nvidia.com/mig-3g.40gb", 1, 0), ("nvidia.com/mig-2g.20gb", 2, 0), ("nvidia.com/mig-1g.10gb", 2, 1)]
-    {
+    for (resource, count, numa) in [
+        ("nvidia.com/mig-3g.40gb", 1, 0),
+        ("nvidia.com/mig-2g.20gb", 2, 0),
+        ("nvidia.com/mig-1g.10gb", 2, 1),
+    ] {
         kubelet.wait_for_registration(resource, T).await.expect(resource);
-        let devices = kubelet.wait_for_devices(resource, T, |d| d.len() == count).await.expect(resource);
+        let devices = kubelet
+            .wait_for_devices(resource, T, |d| d.len() == count)
+            .await
+            .expect(resource);
         for d in &devices {
             assert!(d.id.starts_with("MIG-"), "{resource}: {}", d.id);
             assert_eq!(summary(std::slice::from_ref(d))[0].2, Some(numa), "{resource}");
         }
     }
-    assert!(node.sockets().contains(&"nvidia-mig-3g.40gb.sock".to_string()), "{:?}", node.sockets());
+    assert!(
+        node.sockets().contains(&"nvidia-mig-3g.40gb.sock".to_string()),
+        "{:?}",
+        node.sockets()
+    );
     assert!(!kubelet.resources().contains(&GPU.to_string()));
     assert_eq!(agent.stop(), 0);
 
@@ -103,7 +125,10 @@ async fn h100_mig_devices_in_each_strategy() {
     let node = Node::new(H100_MIG, "[device_plugin]\nmig_strategy = \"none\"\n");
     let kubelet = start_kubelet(&node).await;
     let agent = node.spawn();
-    let devices = kubelet.wait_for_devices(GPU, T, |d| d.len() == 2).await.expect("two whole H100s");
+    let devices = kubelet
+        .wait_for_devices(GPU, T, |d| d.len() == 2)
+        .await
+        .expect("two whole H100s");
     assert!(devices.iter().all(|d| d.id.starts_with("GPU-")));
     assert_eq!(agent.stop(), 0);
 
@@ -113,7 +138,10 @@ async fn h100_mig_devices_in_each_strategy() {
     let agent = node.spawn();
     let status = node.wait_status(T, |s| s["stages"][0]["state"] == "failed");
     let error = status["stages"][0]["error"].as_str().unwrap_or_default().to_string();
-    assert!(error.contains("one MIG profile") && error.contains("1g.10gb"), "{error}");
+    assert!(
+        error.contains("one MIG profile") && error.contains("1g.10gb"),
+        "{error}"
+    );
     assert!(kubelet.registrations().is_empty());
     assert_eq!(agent.stop(), 0);
 }
@@ -122,15 +150,24 @@ async fn h100_mig_devices_in_each_strategy() {
 async fn single_strategy_advertises_uniform_mig_devices_as_gpus() {
     let mut m = common::DGX_A100.to_string();
     for i in 0..2 {
-        m.push_str(&format!("\n[[gpu]]\nmodel = \"A100-SXM4-40GB\"\nuuid = \"{}\"\nmig_mode = true\n", gpu_uuid(i)));
+        m.push_str(&format!(
+            "\n[[gpu]]\nmodel = \"A100-SXM4-40GB\"\nuuid = \"{}\"\nmig_mode = true\n",
+            gpu_uuid(i)
+        ));
         for _ in 0..7 {
             m.push_str("[[gpu.mig_device]]\nprofile = \"1g.5gb\"\n");
         }
     }
-    let node = Node::new(&m, "[device_plugin]\nmig_strategy = \"single\"\ndevice_id_strategy = \"index\"\n");
+    let node = Node::new(
+        &m,
+        "[device_plugin]\nmig_strategy = \"single\"\ndevice_id_strategy = \"index\"\n",
+    );
     let kubelet = start_kubelet(&node).await;
     let agent = node.spawn();
-    let devices = kubelet.wait_for_devices(GPU, T, |d| d.len() == 14).await.expect("14 MIG devices");
+    let devices = kubelet
+        .wait_for_devices(GPU, T, |d| d.len() == 14)
+        .await
+        .expect("14 MIG devices");
     assert!(devices.iter().all(|d| d.id.starts_with("MIG-")));
     // index ids name the MIG device as <gpu>:<mig>.
     let one = devices[0].id.clone();
@@ -144,12 +181,21 @@ async fn single_strategy_advertises_uniform_mig_devices_as_gpus() {
 async fn allocate_strategies_match_nvidias_plugin() {
     let cases: &[(&str, &str)] = &[
         ("envvar", "[device_plugin]\ndevice_list_strategy = \"envvar\"\n"),
-        ("volume-mounts", "[device_plugin]\ndevice_list_strategy = \"volume-mounts\"\n"),
-        ("cdi-annotations", "[device_plugin]\ndevice_list_strategy = \"cdi-annotations\"\n"),
+        (
+            "volume-mounts",
+            "[device_plugin]\ndevice_list_strategy = \"volume-mounts\"\n",
+        ),
+        (
+            "cdi-annotations",
+            "[device_plugin]\ndevice_list_strategy = \"cdi-annotations\"\n",
+        ),
         ("cdi-cri", "[device_plugin]\ndevice_list_strategy = \"cdi-cri\"\n"),
         ("index", "[device_plugin]\ndevice_id_strategy = \"index\"\n"),
         ("specs", "[device_plugin]\npass_device_specs = true\n"),
-        ("host-mounts", "[device_plugin]\ndevice_list_strategy = \"host-mounts\"\nhost_mounts_driver_dir = \"/home/kubernetes/bin/nvidia\"\n"),
+        (
+            "host-mounts",
+            "[device_plugin]\ndevice_list_strategy = \"host-mounts\"\nhost_mounts_driver_dir = \"/home/kubernetes/bin/nvidia\"\n",
+        ),
     ];
     let (a, b) = (gpu_uuid(0), gpu_uuid(1));
     for (case, config) in cases {
@@ -162,7 +208,10 @@ async fn allocate_strategies_match_nvidias_plugin() {
         let kubelet = start_kubelet(&node).await;
         let agent = node.spawn();
         kubelet.wait_for_devices(GPU, T, |d| d.len() == 2).await.expect(case);
-        let resp = kubelet.allocate(GPU, &[&a, &b]).await.unwrap_or_else(|e| panic!("{case}: {e}"));
+        let resp = kubelet
+            .allocate(GPU, &[&a, &b])
+            .await
+            .unwrap_or_else(|e| panic!("{case}: {e}"));
         let env = |k: &str| resp.envs.get(k).cloned();
         match *case {
             "envvar" => {
@@ -170,8 +219,15 @@ async fn allocate_strategies_match_nvidias_plugin() {
                 assert!(resp.mounts.is_empty() && resp.devices.is_empty());
             }
             "volume-mounts" => {
-                assert_eq!(env("NVIDIA_VISIBLE_DEVICES").as_deref(), Some("/var/run/nvidia-container-devices"));
-                let mounts: Vec<_> = resp.mounts.iter().map(|m| (m.host_path.as_str(), m.container_path.clone())).collect();
+                assert_eq!(
+                    env("NVIDIA_VISIBLE_DEVICES").as_deref(),
+                    Some("/var/run/nvidia-container-devices")
+                );
+                let mounts: Vec<_> = resp
+                    .mounts
+                    .iter()
+                    .map(|m| (m.host_path.as_str(), m.container_path.clone()))
+                    .collect();
                 assert_eq!(
                     mounts,
                     vec![
@@ -184,32 +240,62 @@ async fn allocate_strategies_match_nvidias_plugin() {
                 assert!(resp.envs.is_empty(), "{case}: no env with only CDI strategies");
                 let (key, value) = resp.annotations.iter().next().expect("one annotation");
                 assert!(key.starts_with("cdi.k8s.io/nvidia-device-plugin_"), "{key}");
-                assert_eq!(value, &format!("k8s.device-plugin.nvidia.com/gpu={a},k8s.device-plugin.nvidia.com/gpu={b}"));
+                assert_eq!(
+                    value,
+                    &format!("k8s.device-plugin.nvidia.com/gpu={a},k8s.device-plugin.nvidia.com/gpu={b}")
+                );
             }
             "cdi-cri" => {
                 let names: Vec<_> = resp.cdi_devices.iter().map(|d| d.name.clone()).collect();
-                assert_eq!(names, vec![format!("k8s.device-plugin.nvidia.com/gpu={a}"), format!("k8s.device-plugin.nvidia.com/gpu={b}")]);
+                assert_eq!(
+                    names,
+                    vec![
+                        format!("k8s.device-plugin.nvidia.com/gpu={a}"),
+                        format!("k8s.device-plugin.nvidia.com/gpu={b}")
+                    ]
+                );
                 assert!(resp.envs.is_empty() && resp.annotations.is_empty());
             }
             "index" => assert_eq!(env("NVIDIA_VISIBLE_DEVICES").as_deref(), Some("0,1")),
             "specs" => {
                 let paths: Vec<_> = resp.devices.iter().map(|d| d.container_path.as_str()).collect();
-                assert_eq!(paths, vec!["/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia0", "/dev/nvidia1"]);
-                assert!(resp.devices.iter().all(|d| d.permissions == "rw" && d.host_path == d.container_path));
+                assert_eq!(
+                    paths,
+                    vec!["/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia0", "/dev/nvidia1"]
+                );
+                assert!(
+                    resp.devices
+                        .iter()
+                        .all(|d| d.permissions == "rw" && d.host_path == d.container_path)
+                );
             }
             "host-mounts" => {
                 let paths: Vec<_> = resp.devices.iter().map(|d| d.container_path.as_str()).collect();
-                assert!(paths.contains(&"/dev/nvidia0") && paths.contains(&"/dev/nvidiactl"), "{paths:?}");
-                let mount = resp.mounts.iter().find(|m| m.host_path == "/home/kubernetes/bin/nvidia").expect("driver mount");
+                assert!(
+                    paths.contains(&"/dev/nvidia0") && paths.contains(&"/dev/nvidiactl"),
+                    "{paths:?}"
+                );
+                let mount = resp
+                    .mounts
+                    .iter()
+                    .find(|m| m.host_path == "/home/kubernetes/bin/nvidia")
+                    .expect("driver mount");
                 assert_eq!(mount.container_path, "/usr/local/nvidia");
                 assert!(mount.read_only);
             }
             _ => unreachable!(),
         }
         // An unknown device is refused with InvalidArgument naming it.
-        let err = kubelet.allocate(GPU, &["GPU-does-not-exist"]).await.expect_err("unknown id");
+        let err = kubelet
+            .allocate(GPU, &["GPU-does-not-exist"])
+            .await
+            .expect_err("unknown id");
         assert_eq!(err.code(), tonic::Code::InvalidArgument, "{case}");
-        assert!(err.message().contains("GPU-does-not-exist"), "{case}: {}", err.message());
+        assert!(
+            err.message().contains("GPU-does-not-exist"),
+            "{case}: {}",
+            err.message()
+        );
         assert_eq!(agent.stop(), 0);
     }
 }
@@ -219,11 +305,17 @@ async fn preferred_allocation_keeps_to_one_numa_node_and_honours_must_include() 
     let node = Node::new(&machine("A100-SXM4-40GB", 8), "");
     let kubelet = start_kubelet(&node).await;
     let agent = node.spawn();
-    kubelet.wait_for_devices(GPU, T, |d| d.len() == 8).await.expect("8 devices");
+    kubelet
+        .wait_for_devices(GPU, T, |d| d.len() == 8)
+        .await
+        .expect("8 devices");
     let all: Vec<String> = (0..8).map(gpu_uuid).collect();
     let all_refs: Vec<&str> = all.iter().map(String::as_str).collect();
     // Must include GPU 5 (NUMA node 1): the other three come from NUMA node 1 too.
-    let picked = kubelet.preferred_allocation(GPU, &all_refs, &[&all[5]], 4).await.expect("preferred");
+    let picked = kubelet
+        .preferred_allocation(GPU, &all_refs, &[&all[5]], 4)
+        .await
+        .expect("preferred");
     let mut picked_sorted = picked.clone();
     picked_sorted.sort();
     assert_eq!(picked_sorted, all[4..8].to_vec(), "picked {picked:?}");
@@ -236,14 +328,23 @@ async fn kubelet_restart_reregisters_within_a_second() {
     let kubelet = start_kubelet(&node).await;
     let agent = node.spawn();
     kubelet.wait_for_registration(GPU, T).await.expect("first registration");
-    kubelet.wait_for_devices(GPU, T, |d| d.len() == 2).await.expect("devices");
+    kubelet
+        .wait_for_devices(GPU, T, |d| d.len() == 2)
+        .await
+        .expect("devices");
     let restarted = Instant::now();
     kubelet.restart().await.expect("restart kubelet");
-    let reg = kubelet.wait_for_registration_since(GPU, restarted, T).await.expect("re-registration");
+    let reg = kubelet
+        .wait_for_registration_since(GPU, restarted, T)
+        .await
+        .expect("re-registration");
     let took = reg.at.duration_since(restarted);
     assert!(took < Duration::from_secs(1), "re-registered after {took:?}");
     assert_eq!(reg.kubelet_instance, 2);
-    kubelet.wait_for_devices(GPU, T, |d| d.len() == 2).await.expect("devices after restart");
+    kubelet
+        .wait_for_devices(GPU, T, |d| d.len() == 2)
+        .await
+        .expect("devices after restart");
     assert!(kubelet.is_connected(GPU));
     assert_eq!(agent.stop(), 0);
 }
@@ -253,22 +354,40 @@ async fn kubelet_absent_at_start_then_registers_when_it_appears() {
     let node = Node::new(&machine("T4", 1), "");
     let mut agent = node.spawn();
     let status = node.wait_status(T, |s| s["stages"][0]["state"] == "pending");
-    assert!(status["stages"][0]["error"].as_str().unwrap_or_default().contains("waiting for the kubelet"), "{status}");
+    assert!(
+        status["stages"][0]["error"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("waiting for the kubelet"),
+        "{status}"
+    );
     tokio::time::sleep(Duration::from_millis(300)).await;
     assert!(agent.running(), "agent must wait for the kubelet, not exit");
     let kubelet = start_kubelet(&node).await;
-    kubelet.wait_for_registration(GPU, T).await.expect("registration once the kubelet is up");
-    kubelet.wait_for_devices(GPU, T, |d| d.len() == 1).await.expect("device");
+    kubelet
+        .wait_for_registration(GPU, T)
+        .await
+        .expect("registration once the kubelet is up");
+    kubelet
+        .wait_for_devices(GPU, T, |d| d.len() == 1)
+        .await
+        .expect("device");
     node.wait_status(T, |s| s["stages"][0]["state"] == "ok");
     assert_eq!(agent.stop(), 0);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn xid_makes_only_that_gpu_unhealthy_and_it_recovers() {
-    let node = Node::new(&machine("A100-SXM4-40GB", 4), "[health]\nrecovery_after = \"2s\"\nlost_check_interval = \"100ms\"\n");
+    let node = Node::new(
+        &machine("A100-SXM4-40GB", 4),
+        "[health]\nrecovery_after = \"2s\"\nlost_check_interval = \"100ms\"\n",
+    );
     let kubelet = start_kubelet(&node).await;
     let agent = node.spawn();
-    kubelet.wait_for_devices(GPU, T, |d| d.len() == 4).await.expect("devices");
+    kubelet
+        .wait_for_devices(GPU, T, |d| d.len() == 4)
+        .await
+        .expect("devices");
     // Xid 13 is an application error (ignored by default); Xid 79 (fallen off the bus) is critical.
     node.inject("xid", &format!("{} 13", gpu_uuid(0)));
     node.inject("xid", &format!("{} 79", gpu_uuid(1)));
@@ -280,31 +399,55 @@ async fn xid_makes_only_that_gpu_unhealthy_and_it_recovers() {
         assert_eq!(healthy(&devices, &gpu_uuid(i)), Some(true), "GPU {i} must stay healthy");
     }
     let status = node.wait_status(T, |s| s["gpus"][1]["health"] == "Unhealthy");
-    assert!(status["gpus"][1]["reason"].as_str().unwrap_or_default().contains("Xid 79"), "{status}");
+    assert!(
+        status["gpus"][1]["reason"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("Xid 79"),
+        "{status}"
+    );
     // No further Xid for recovery_after: healthy again.
     let unhealthy_at = Instant::now();
     kubelet
         .wait_for_devices(GPU, T, |d| healthy(d, &gpu_uuid(1)) == Some(true))
         .await
         .expect("GPU 1 healthy again");
-    assert!(unhealthy_at.elapsed() >= Duration::from_millis(1500), "recovered too early");
+    assert!(
+        unhealthy_at.elapsed() >= Duration::from_millis(1500),
+        "recovered too early"
+    );
     assert_eq!(agent.stop(), 0);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn xid_on_a_mig_device_affects_only_that_device() {
-    let node = Node::new(H100_MIG, "[device_plugin]\nmig_strategy = \"mixed\"\n[health]\nrecovery_after = \"0s\"\n");
+    let node = Node::new(
+        H100_MIG,
+        "[device_plugin]\nmig_strategy = \"mixed\"\n[health]\nrecovery_after = \"0s\"\n",
+    );
     let kubelet = start_kubelet(&node).await;
     let agent = node.spawn();
     let r = "nvidia.com/mig-2g.20gb";
-    kubelet.wait_for_devices("nvidia.com/mig-3g.40gb", T, |d| d.len() == 1).await.expect("3g device");
-    let devices = kubelet.wait_for_devices(r, T, |d| d.len() == 2).await.expect("two 2g devices");
+    kubelet
+        .wait_for_devices("nvidia.com/mig-3g.40gb", T, |d| d.len() == 1)
+        .await
+        .expect("3g device");
+    let devices = kubelet
+        .wait_for_devices(r, T, |d| d.len() == 2)
+        .await
+        .expect("two 2g devices");
     let (sick, fine) = (devices[0].id.clone(), devices[1].id.clone());
     node.inject("xid", &format!("{sick} 94"));
-    let devices = kubelet.wait_for_devices(r, T, |d| healthy(d, &sick) == Some(false)).await.expect("MIG unhealthy");
+    let devices = kubelet
+        .wait_for_devices(r, T, |d| healthy(d, &sick) == Some(false))
+        .await
+        .expect("MIG unhealthy");
     assert_eq!(healthy(&devices, &fine), Some(true));
     let other = kubelet.devices("nvidia.com/mig-3g.40gb").expect("3g list");
-    assert!(other.iter().all(|d| d.health == "Healthy"), "the 3g device on the same GPU stays healthy");
+    assert!(
+        other.iter().all(|d| d.health == "Healthy"),
+        "the 3g device on the same GPU stays healthy"
+    );
     assert_eq!(agent.stop(), 0);
 }
 
@@ -313,14 +456,29 @@ async fn lost_gpu_is_unhealthy_until_nvml_answers_again() {
     let node = Node::new(&machine("A100-SXM4-40GB", 2), "");
     let kubelet = start_kubelet(&node).await;
     let agent = node.spawn();
-    kubelet.wait_for_devices(GPU, T, |d| d.len() == 2).await.expect("devices");
+    kubelet
+        .wait_for_devices(GPU, T, |d| d.len() == 2)
+        .await
+        .expect("devices");
     node.set_injection("lost", &format!("{}\n", gpu_uuid(0)));
-    let devices = kubelet.wait_for_devices(GPU, T, |d| healthy(d, &gpu_uuid(0)) == Some(false)).await.expect("lost");
+    let devices = kubelet
+        .wait_for_devices(GPU, T, |d| healthy(d, &gpu_uuid(0)) == Some(false))
+        .await
+        .expect("lost");
     assert_eq!(healthy(&devices, &gpu_uuid(1)), Some(true));
     let status = node.wait_status(T, |s| s["gpus"][0]["health"] == "Unhealthy");
-    assert!(status["gpus"][0]["reason"].as_str().unwrap_or_default().contains("lost"), "{status}");
+    assert!(
+        status["gpus"][0]["reason"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("lost"),
+        "{status}"
+    );
     node.set_injection("lost", "");
-    kubelet.wait_for_devices(GPU, T, |d| healthy(d, &gpu_uuid(0)) == Some(true)).await.expect("back");
+    kubelet
+        .wait_for_devices(GPU, T, |d| healthy(d, &gpu_uuid(0)) == Some(true))
+        .await
+        .expect("back");
     assert_eq!(agent.stop(), 0);
 }
 
@@ -329,25 +487,52 @@ async fn sigterm_stops_serving_and_removes_own_sockets() {
     let node = Node::new(H100_MIG, "[device_plugin]\nmig_strategy = \"mixed\"\n");
     let kubelet = start_kubelet(&node).await;
     let agent = node.spawn();
-    kubelet.wait_for_registration("nvidia.com/mig-1g.10gb", T).await.expect("registered");
-    kubelet.wait_for_registration("nvidia.com/mig-3g.40gb", T).await.expect("registered");
+    kubelet
+        .wait_for_registration("nvidia.com/mig-1g.10gb", T)
+        .await
+        .expect("registered");
+    kubelet
+        .wait_for_registration("nvidia.com/mig-3g.40gb", T)
+        .await
+        .expect("registered");
     assert!(node.sockets().len() >= 4, "{:?}", node.sockets());
     assert_eq!(agent.stop(), 0);
-    assert_eq!(node.sockets(), vec!["kubelet.sock".to_string()], "only the kubelet's socket is left");
-    kubelet.wait_for_disconnect("nvidia.com/mig-1g.10gb", T).await.expect("stream closed");
+    assert_eq!(
+        node.sockets(),
+        vec!["kubelet.sock".to_string()],
+        "only the kubelet's socket is left"
+    );
+    kubelet
+        .wait_for_disconnect("nvidia.com/mig-1g.10gb", T)
+        .await
+        .expect("stream closed");
     assert_eq!(node.status_json()["state"], "stopped");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn legacy_kubelet_authority_is_tolerated() {
     let node = Node::new(&machine("T4", 1), "");
-    let opts = KubeletOptions { legacy_authority: true, ..KubeletOptions::default() };
-    let kubelet = TestKubelet::start(&node.plugin_dir(), opts).await.expect("legacy kubelet");
+    let opts = KubeletOptions {
+        legacy_authority: true,
+        ..KubeletOptions::default()
+    };
+    let kubelet = TestKubelet::start(&node.plugin_dir(), opts)
+        .await
+        .expect("legacy kubelet");
     let agent = node.spawn();
-    let reg = kubelet.wait_for_registration(GPU, T).await.expect("a pre-1.26 kubelet registers us");
+    let reg = kubelet
+        .wait_for_registration(GPU, T)
+        .await
+        .expect("a pre-1.26 kubelet registers us");
     assert!(reg.plugin_options.is_some());
-    kubelet.wait_for_devices(GPU, T, |d| d.len() == 1).await.expect("ListAndWatch with the legacy authority");
-    let resp = kubelet.allocate(GPU, &[&gpu_uuid(0)]).await.expect("Allocate with the legacy authority");
+    kubelet
+        .wait_for_devices(GPU, T, |d| d.len() == 1)
+        .await
+        .expect("ListAndWatch with the legacy authority");
+    let resp = kubelet
+        .allocate(GPU, &[&gpu_uuid(0)])
+        .await
+        .expect("Allocate with the legacy authority");
     assert_eq!(resp.envs["NVIDIA_VISIBLE_DEVICES"], gpu_uuid(0));
     assert_eq!(agent.stop(), 0);
 }

@@ -61,7 +61,10 @@ pub struct HealthTracker {
 
 impl HealthTracker {
     pub fn new(policy: HealthPolicy) -> HealthTracker {
-        HealthTracker { policy, gpus: BTreeMap::new() }
+        HealthTracker {
+            policy,
+            gpus: BTreeMap::new(),
+        }
     }
 
     pub fn policy(&self) -> &HealthPolicy {
@@ -71,7 +74,12 @@ impl HealthTracker {
     /// Records an event; returns whether any device's health may have changed.
     pub fn on_event(&mut self, event: &HealthEvent, now: Instant) -> bool {
         match event {
-            HealthEvent::Xid { uuid, xid, gi_id, ci_id } => {
+            HealthEvent::Xid {
+                uuid,
+                xid,
+                gi_id,
+                ci_id,
+            } => {
                 if !self.policy.is_critical(*xid) {
                     tracing::info!(gpu = %uuid, xid, "Xid {xid} on {uuid} is in [health] ignored_xids: health unchanged");
                     return false;
@@ -103,7 +111,9 @@ impl HealthTracker {
 
     /// Forgets Xids older than the recovery time; returns whether anything recovered.
     pub fn expire(&mut self, now: Instant) -> bool {
-        let Some(after) = self.policy.recovery_after else { return false };
+        let Some(after) = self.policy.recovery_after else {
+            return false;
+        };
         let old = |m: &XidMark| now.saturating_duration_since(m.at) >= after;
         let mut changed = false;
         for (uuid, gpu) in &mut self.gpus {
@@ -169,7 +179,14 @@ mod tests {
     }
 
     fn gpu(uuid: &str) -> PluginDevice {
-        PluginDevice { uuid: uuid.into(), index: "0".into(), minor: 0, numa_node: None, mig: None, health: Health::Healthy }
+        PluginDevice {
+            uuid: uuid.into(),
+            index: "0".into(),
+            minor: 0,
+            numa_node: None,
+            mig: None,
+            health: Health::Healthy,
+        }
     }
 
     fn mig(uuid: &str, parent: &str, gi: u32, ci: u32) -> PluginDevice {
@@ -178,13 +195,24 @@ mod tests {
             index: "0:0".into(),
             minor: 0,
             numa_node: None,
-            mig: Some(MigInfo { parent_uuid: parent.into(), parent_index: 0, gi_id: gi, ci_id: ci, profile: "1g.5gb".into() }),
+            mig: Some(MigInfo {
+                parent_uuid: parent.into(),
+                parent_index: 0,
+                gi_id: gi,
+                ci_id: ci,
+                profile: "1g.5gb".into(),
+            }),
             health: Health::Healthy,
         }
     }
 
     fn xid(uuid: &str, xid: u64, gi: u32, ci: u32) -> HealthEvent {
-        HealthEvent::Xid { uuid: uuid.into(), xid, gi_id: gi, ci_id: ci }
+        HealthEvent::Xid {
+            uuid: uuid.into(),
+            xid,
+            gi_id: gi,
+            ci_id: ci,
+        }
     }
 
     #[test]

@@ -26,7 +26,10 @@ const RETRY_MAX: Duration = Duration::from_secs(30);
 #[derive(Debug)]
 pub enum Command {
     /// Advertise exactly these resources (health already applied) with this context.
-    Set { resources: Vec<Resource>, ctx: Arc<PluginContext> },
+    Set {
+        resources: Vec<Resource>,
+        ctx: Arc<PluginContext>,
+    },
 }
 
 /// The device plugin's state, for status.json and `gpu-node-agent status`.
@@ -137,7 +140,10 @@ impl PluginManager {
         let kubelet = file_id(&self.kubelet_socket()).filter(|_| is_socket(&self.kubelet_socket()));
         if kubelet.is_none() {
             if self.kubelet_id.take().is_some() {
-                tracing::warn!("kubelet socket {} is gone: waiting for the kubelet to come back", self.kubelet_socket().display());
+                tracing::warn!(
+                    "kubelet socket {} is gone: waiting for the kubelet to come back",
+                    self.kubelet_socket().display()
+                );
             }
             for entry in self.served.values_mut() {
                 entry.registered_at = None;
@@ -148,7 +154,10 @@ impl PluginManager {
         }
         if kubelet != self.kubelet_id {
             if self.kubelet_id.is_some() {
-                tracing::info!("kubelet restarted ({} was recreated): registering again", self.kubelet_socket().display());
+                tracing::info!(
+                    "kubelet restarted ({} was recreated): registering again",
+                    self.kubelet_socket().display()
+                );
             } else {
                 tracing::info!("kubelet found at {}", self.kubelet_socket().display());
             }
@@ -177,7 +186,14 @@ impl PluginManager {
                     }
                     match ServedPlugin::start(&self.dir, resource, self.ctx.subscribe(), self.stats.clone()) {
                         Ok(plugin) => {
-                            self.served.insert(name, Entry { plugin, registered_at: None, error: None });
+                            self.served.insert(
+                                name,
+                                Entry {
+                                    plugin,
+                                    registered_at: None,
+                                    error: None,
+                                },
+                            );
                         }
                         Err(e) => {
                             let msg = format!("cannot serve {name} in {}: {e}", self.dir.display());
@@ -193,7 +209,12 @@ impl PluginManager {
         let mut failed = false;
         let kubelet_socket = self.kubelet_socket();
         for (name, entry) in self.served.iter_mut().filter(|(_, e)| e.registered_at.is_none()) {
-            let endpoint = entry.plugin.socket.file_name().map(|f| f.to_string_lossy().into_owned()).unwrap_or_default();
+            let endpoint = entry
+                .plugin
+                .socket
+                .file_name()
+                .map(|f| f.to_string_lossy().into_owned())
+                .unwrap_or_default();
             match register(&kubelet_socket, &endpoint, name, self.register_timeout).await {
                 Ok(()) => {
                     tracing::info!(resource = %name, socket = %entry.plugin.socket.display(), "registered with the kubelet");
@@ -231,14 +252,24 @@ impl PluginManager {
                     name: name.clone(),
                     socket: e.plugin.socket.display().to_string(),
                     registered: e.registered_at.is_some(),
-                    registered_at: e.registered_at.and_then(|t| t.duration_since(SystemTime::UNIX_EPOCH).ok()).map(|d| d.as_secs()),
+                    registered_at: e
+                        .registered_at
+                        .and_then(|t| t.duration_since(SystemTime::UNIX_EPOCH).ok())
+                        .map(|d| d.as_secs()),
                     devices: resource.devices.len(),
-                    healthy: resource.devices.values().filter(|d| d.health == Health::Healthy).count(),
+                    healthy: resource
+                        .devices
+                        .values()
+                        .filter(|d| d.health == Health::Healthy)
+                        .count(),
                     error: e.error.clone(),
                 }
             })
             .collect();
-        let status = PluginStatus { kubelet_present: self.kubelet_id.is_some(), resources };
+        let status = PluginStatus {
+            kubelet_present: self.kubelet_id.is_some(),
+            resources,
+        };
         self.status.send_if_modified(|s| {
             let changed = *s != status;
             *s = status;
@@ -289,7 +320,11 @@ impl DirWatch {
                 // owns the Inotify, so the fd stays valid and the same for the AsyncFd's life.
                 unsafe { AsyncFd::register_with_interest(InotifyFd(i), tokio::io::Interest::READABLE) }.ok()
             });
-        DirWatch { dir: dir.to_path_buf(), inotify, watching: false }
+        DirWatch {
+            dir: dir.to_path_buf(),
+            inotify,
+            watching: false,
+        }
     }
 
     async fn changed(&mut self) {
@@ -312,22 +347,22 @@ impl DirWatch {
             }
         }
         match fd.readable().await {
-            Ok(mut guard) => {
-                match guard.get_inner().0.read_events() {
-                    Ok(events) => {
-                        if events.iter().any(|e| {
-                            e.mask.intersects(AddWatchFlags::IN_IGNORED | AddWatchFlags::IN_DELETE_SELF | AddWatchFlags::IN_MOVE_SELF)
-                        }) {
-                            self.watching = false;
-                        }
-                    }
-                    Err(nix::errno::Errno::EAGAIN) => guard.clear_ready(),
-                    Err(e) => {
-                        tracing::warn!("reading inotify events failed ({e}); polling instead");
-                        self.inotify = None;
+            Ok(mut guard) => match guard.get_inner().0.read_events() {
+                Ok(events) => {
+                    if events.iter().any(|e| {
+                        e.mask.intersects(
+                            AddWatchFlags::IN_IGNORED | AddWatchFlags::IN_DELETE_SELF | AddWatchFlags::IN_MOVE_SELF,
+                        )
+                    }) {
+                        self.watching = false;
                     }
                 }
-            }
+                Err(nix::errno::Errno::EAGAIN) => guard.clear_ready(),
+                Err(e) => {
+                    tracing::warn!("reading inotify events failed ({e}); polling instead");
+                    self.inotify = None;
+                }
+            },
             Err(_) => {
                 self.inotify = None;
             }

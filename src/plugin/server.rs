@@ -46,7 +46,10 @@ pub struct PluginStats {
 /// The options this agent registers with and returns from `GetDevicePluginOptions` (the kubelet
 /// uses the latter; both agree).
 pub fn plugin_options() -> api::DevicePluginOptions {
-    api::DevicePluginOptions { pre_start_required: false, get_preferred_allocation_available: true }
+    api::DevicePluginOptions {
+        pre_start_required: false,
+        get_preferred_allocation_available: true,
+    }
 }
 
 struct DevicePluginService {
@@ -65,7 +68,9 @@ pub fn list_response(resource: &Resource) -> api::ListAndWatchResponse {
         .map(|(id, d)| api::Device {
             id: id.clone(),
             health: d.health.as_str().to_string(),
-            topology: d.numa_node.map(|n| api::TopologyInfo { nodes: vec![api::NumaNode { id: n }] }),
+            topology: d.numa_node.map(|n| api::TopologyInfo {
+                nodes: vec![api::NumaNode { id: n }],
+            }),
         })
         .collect();
     api::ListAndWatchResponse { devices }
@@ -73,7 +78,10 @@ pub fn list_response(resource: &Resource) -> api::ListAndWatchResponse {
 
 #[tonic::async_trait]
 impl DevicePlugin for DevicePluginService {
-    async fn get_device_plugin_options(&self, _: Request<api::Empty>) -> Result<Response<api::DevicePluginOptions>, Status> {
+    async fn get_device_plugin_options(
+        &self,
+        _: Request<api::Empty>,
+    ) -> Result<Response<api::DevicePluginOptions>, Status> {
         Ok(Response::new(plugin_options()))
     }
 
@@ -93,8 +101,9 @@ impl DevicePlugin for DevicePluginService {
         let ctx = self.ctx.borrow().clone();
         let mut container_responses = Vec::new();
         for req in request.into_inner().container_requests {
-            let size = usize::try_from(req.allocation_size)
-                .map_err(|_| Status::invalid_argument(format!("allocation_size {} is negative", req.allocation_size)))?;
+            let size = usize::try_from(req.allocation_size).map_err(|_| {
+                Status::invalid_argument(format!("allocation_size {} is negative", req.allocation_size))
+            })?;
             let ids = preferred_allocation(
                 &resource,
                 &req.available_device_i_ds,
@@ -109,7 +118,10 @@ impl DevicePlugin for DevicePluginService {
         Ok(Response::new(api::PreferredAllocationResponse { container_responses }))
     }
 
-    async fn allocate(&self, request: Request<api::AllocateRequest>) -> Result<Response<api::AllocateResponse>, Status> {
+    async fn allocate(
+        &self,
+        request: Request<api::AllocateRequest>,
+    ) -> Result<Response<api::AllocateResponse>, Status> {
         let resource = self.devices.borrow().clone();
         let ctx = self.ctx.borrow().clone();
         let mut container_responses = Vec::new();
@@ -166,7 +178,11 @@ impl ServedPlugin {
         let name = resource.name.clone();
         let (devices, devices_rx) = watch::channel(Arc::new(resource));
         let (shutdown, shutdown_rx) = oneshot::channel::<()>();
-        let service = DevicePluginService { devices: devices_rx, ctx, stats };
+        let service = DevicePluginService {
+            devices: devices_rx,
+            ctx,
+            stats,
+        };
         let incoming = UnixListenerStream::new(listener);
         let path = socket.clone();
         let task = tokio::spawn(async move {
@@ -180,7 +196,13 @@ impl ServedPlugin {
                 tracing::error!(resource = %name, "device plugin server on {} stopped: {e}", path.display());
             }
         });
-        Ok(ServedPlugin { socket, socket_id, devices, shutdown: Some(shutdown), task })
+        Ok(ServedPlugin {
+            socket,
+            socket_id,
+            devices,
+            shutdown: Some(shutdown),
+            task,
+        })
     }
 
     /// Publishes a new device list; `ListAndWatch` streams send it only if it differs.
@@ -207,7 +229,13 @@ impl ServedPlugin {
 
     /// Stops serving (open `ListAndWatch` streams end) and removes our socket if it is still ours.
     pub async fn stop(self) {
-        let ServedPlugin { socket, socket_id, devices, shutdown, mut task } = self;
+        let ServedPlugin {
+            socket,
+            socket_id,
+            devices,
+            shutdown,
+            mut task,
+        } = self;
         if let Some(tx) = shutdown {
             let _ = tx.send(());
         }
@@ -233,17 +261,33 @@ pub fn file_id(path: &Path) -> Option<(u64, u64)> {
 #[derive(Debug, thiserror::Error)]
 pub enum RegisterError {
     #[error("cannot connect to the kubelet at {socket}: {source}")]
-    Connect { socket: String, source: tonic::transport::Error },
+    Connect {
+        socket: String,
+        source: tonic::transport::Error,
+    },
     #[error("the kubelet at {socket} refused to register {resource}: {status}")]
-    Refused { socket: String, resource: String, status: String },
+    Refused {
+        socket: String,
+        resource: String,
+        status: String,
+    },
     #[error("the kubelet at {socket} did not answer Register for {resource} within {timeout:?}")]
-    Timeout { socket: String, resource: String, timeout: Duration },
+    Timeout {
+        socket: String,
+        resource: String,
+        timeout: Duration,
+    },
 }
 
 /// Calls `Register` on the kubelet socket for one resource served at `endpoint` (a file name in
 /// the kubelet's device-plugin directory). The kubelet dials back and calls
 /// `GetDevicePluginOptions` before answering, so the server must be serving already.
-pub async fn register(kubelet_socket: &Path, endpoint: &str, resource: &str, timeout: Duration) -> Result<(), RegisterError> {
+pub async fn register(
+    kubelet_socket: &Path,
+    endpoint: &str,
+    resource: &str,
+    timeout: Duration,
+) -> Result<(), RegisterError> {
     let socket = kubelet_socket.display().to_string();
     let path = kubelet_socket.to_path_buf();
     let call = async {
@@ -256,21 +300,31 @@ pub async fn register(kubelet_socket: &Path, endpoint: &str, resource: &str, tim
                 async move { Ok::<_, std::io::Error>(TokioIo::new(UnixStream::connect(path).await?)) }
             }))
             .await
-            .map_err(|source| RegisterError::Connect { socket: socket.clone(), source })?;
+            .map_err(|source| RegisterError::Connect {
+                socket: socket.clone(),
+                source,
+            })?;
         let request = api::RegisterRequest {
             version: API_VERSION.into(),
             endpoint: endpoint.into(),
             resource_name: resource.into(),
             options: Some(plugin_options()),
         };
-        RegistrationClient::new(channel).register(request).await.map_err(|status| RegisterError::Refused {
-            socket: socket.clone(),
-            resource: resource.into(),
-            status: status.message().to_string(),
-        })?;
+        RegistrationClient::new(channel)
+            .register(request)
+            .await
+            .map_err(|status| RegisterError::Refused {
+                socket: socket.clone(),
+                resource: resource.into(),
+                status: status.message().to_string(),
+            })?;
         Ok(())
     };
     tokio::time::timeout(timeout, call).await.unwrap_or_else(|_| {
-        Err(RegisterError::Timeout { socket: kubelet_socket.display().to_string(), resource: resource.into(), timeout })
+        Err(RegisterError::Timeout {
+            socket: kubelet_socket.display().to_string(),
+            resource: resource.into(),
+            timeout,
+        })
     })
 }

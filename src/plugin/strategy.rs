@@ -37,7 +37,10 @@ pub fn build_resources(inventory: &Inventory, strategy: MigStrategy) -> Result<V
     let mut add = |name: String, device: PluginDevice| {
         resources
             .entry(name.clone())
-            .or_insert_with(|| Resource { name, devices: BTreeMap::new() })
+            .or_insert_with(|| Resource {
+                name,
+                devices: BTreeMap::new(),
+            })
             .devices
             .insert(device.uuid.clone(), device);
     };
@@ -51,13 +54,18 @@ pub fn build_resources(inventory: &Inventory, strategy: MigStrategy) -> Result<V
         MigStrategy::Single => {
             let (on, off): (Vec<&GpuInfo>, Vec<&GpuInfo>) = inventory.gpus.iter().partition(|g| mig_on(g));
             if !on.is_empty() && !off.is_empty() {
-                return Err(StrategyError::MixedMigModes { enabled: list(&on), disabled: list(&off) });
+                return Err(StrategyError::MixedMigModes {
+                    enabled: list(&on),
+                    disabled: list(&off),
+                });
             }
             if let Some(gpu) = on.iter().find(|g| g.mig_devices.is_empty()) {
                 return Err(StrategyError::NoMigDevices { gpu: gpu.to_string() });
             }
-            let profiles: std::collections::BTreeSet<&str> =
-                on.iter().flat_map(|g| g.mig_devices.iter().map(|m| m.profile.as_str())).collect();
+            let profiles: std::collections::BTreeSet<&str> = on
+                .iter()
+                .flat_map(|g| g.mig_devices.iter().map(|m| m.profile.as_str()))
+                .collect();
             if profiles.len() > 1 {
                 let profiles = profiles.into_iter().collect::<Vec<_>>().join(", ");
                 return Err(StrategyError::MixedProfiles { profiles });
@@ -82,7 +90,11 @@ pub fn build_resources(inventory: &Inventory, strategy: MigStrategy) -> Result<V
                     tracing::warn!("{gpu} has MIG enabled but no MIG devices: nothing to advertise for it");
                 }
                 for device in mig_plugin_devices(gpu) {
-                    let profile = device.mig.as_ref().map(|m| m.profile.replace('+', ".")).unwrap_or_default();
+                    let profile = device
+                        .mig
+                        .as_ref()
+                        .map(|m| m.profile.replace('+', "."))
+                        .unwrap_or_default();
                     add(format!("nvidia.com/mig-{profile}"), device);
                 }
             }
@@ -92,7 +104,10 @@ pub fn build_resources(inventory: &Inventory, strategy: MigStrategy) -> Result<V
 }
 
 fn list(gpus: &[&GpuInfo]) -> String {
-    gpus.iter().map(|g| format!("GPU {}", g.index)).collect::<Vec<_>>().join(", ")
+    gpus.iter()
+        .map(|g| format!("GPU {}", g.index))
+        .collect::<Vec<_>>()
+        .join(", ")
 }
 
 /// A whole GPU as a device.
@@ -141,7 +156,10 @@ mod tests {
             minor: index,
             numa_node: Some(i64::from(index / 4)),
             compute_capability: Some((8, 0)),
-            mig: mig.map(|on| MigState { current: on, pending: on }),
+            mig: mig.map(|on| MigState {
+                current: on,
+                pending: on,
+            }),
             mig_devices: profiles
                 .iter()
                 .enumerate()
@@ -158,7 +176,11 @@ mod tests {
     }
 
     fn inv(gpus: Vec<GpuInfo>) -> Inventory {
-        Inventory { driver_version: "550.54.15".into(), cuda_driver_version: "12.4".into(), gpus }
+        Inventory {
+            driver_version: "550.54.15".into(),
+            cuda_driver_version: "12.4".into(),
+            gpus,
+        }
     }
 
     fn names(r: &[Resource]) -> Vec<(&str, usize)> {
@@ -167,8 +189,11 @@ mod tests {
 
     #[test]
     fn none_advertises_whole_gpus_even_with_mig() {
-        let r = build_resources(&inv(vec![gpu(0, Some(true), &["1g.5gb"]), gpu(1, None, &[])]), MigStrategy::None)
-            .expect("ok");
+        let r = build_resources(
+            &inv(vec![gpu(0, Some(true), &["1g.5gb"]), gpu(1, None, &[])]),
+            MigStrategy::None,
+        )
+        .expect("ok");
         assert_eq!(names(&r), vec![("nvidia.com/gpu", 2)]);
         assert_eq!(r[0].devices["GPU-0"].index, "0");
     }
@@ -176,7 +201,10 @@ mod tests {
     #[test]
     fn single_advertises_mig_devices_as_gpu() {
         let r = build_resources(
-            &inv(vec![gpu(0, Some(true), &["1g.5gb", "1g.5gb"]), gpu(1, Some(true), &["1g.5gb"])]),
+            &inv(vec![
+                gpu(0, Some(true), &["1g.5gb", "1g.5gb"]),
+                gpu(1, Some(true), &["1g.5gb"]),
+            ]),
             MigStrategy::Single,
         )
         .expect("ok");
@@ -188,11 +216,17 @@ mod tests {
 
     #[test]
     fn single_rejects_mixed_modes_profiles_and_empty_gpus() {
-        let e = build_resources(&inv(vec![gpu(0, Some(true), &["1g.5gb"]), gpu(1, Some(false), &[])]), MigStrategy::Single)
-            .expect_err("mixed modes");
+        let e = build_resources(
+            &inv(vec![gpu(0, Some(true), &["1g.5gb"]), gpu(1, Some(false), &[])]),
+            MigStrategy::Single,
+        )
+        .expect_err("mixed modes");
         assert!(e.to_string().contains("enabled on GPU 0 and disabled on GPU 1"), "{e}");
-        let e = build_resources(&inv(vec![gpu(0, Some(true), &["1g.5gb", "2g.10gb"])]), MigStrategy::Single)
-            .expect_err("two profiles");
+        let e = build_resources(
+            &inv(vec![gpu(0, Some(true), &["1g.5gb", "2g.10gb"])]),
+            MigStrategy::Single,
+        )
+        .expect_err("two profiles");
         assert!(e.to_string().contains("1g.5gb, 2g.10gb"), "{e}");
         let e = build_resources(&inv(vec![gpu(0, Some(true), &[])]), MigStrategy::Single).expect_err("empty");
         assert!(e.to_string().contains("GPU 0"), "{e}");
@@ -200,14 +234,21 @@ mod tests {
 
     #[test]
     fn single_without_mig_is_whole_gpus() {
-        let r = build_resources(&inv(vec![gpu(0, None, &[]), gpu(1, Some(false), &[])]), MigStrategy::Single).expect("ok");
+        let r = build_resources(
+            &inv(vec![gpu(0, None, &[]), gpu(1, Some(false), &[])]),
+            MigStrategy::Single,
+        )
+        .expect("ok");
         assert_eq!(names(&r), vec![("nvidia.com/gpu", 2)]);
     }
 
     #[test]
     fn mixed_has_one_resource_per_profile() {
         let r = build_resources(
-            &inv(vec![gpu(0, Some(true), &["3g.20gb", "1g.5gb+me", "1c.3g.20gb"]), gpu(1, None, &[])]),
+            &inv(vec![
+                gpu(0, Some(true), &["3g.20gb", "1g.5gb+me", "1c.3g.20gb"]),
+                gpu(1, None, &[]),
+            ]),
             MigStrategy::Mixed,
         )
         .expect("ok");

@@ -50,7 +50,10 @@ pub fn fake_nvml_library() -> PathBuf {
             return lib;
         }
     }
-    panic!("libfake_nvml.so not found next to {}: build the workspace (cargo build --workspace)", exe.display());
+    panic!(
+        "libfake_nvml.so not found next to {}: build the workspace (cargo build --workspace)",
+        exe.display()
+    );
 }
 
 pub struct Node {
@@ -73,7 +76,12 @@ impl Node {
         std::os::unix::fs::symlink(fake_nvml_library(), &nvml).expect("install fake NVML");
         fs::create_dir_all(root.join("etc")).expect("mkdir etc");
         fs::write(root.join("etc/hostname"), "gpu-node-1\n").expect("hostname");
-        let node = Node { tmp, root, state, machine: machine_path };
+        let node = Node {
+            tmp,
+            root,
+            state,
+            machine: machine_path,
+        };
         node.write_config(config);
         node
     }
@@ -124,7 +132,10 @@ impl Node {
 
     /// Starts `gpu-node-agent run`; its log goes to a file shown when a test fails.
     pub fn spawn(&self) -> Agent {
-        let log = self.tmp.path().join(format!("agent-{}.log", Instant::now().elapsed().as_nanos()));
+        let log = self
+            .tmp
+            .path()
+            .join(format!("agent-{}.log", Instant::now().elapsed().as_nanos()));
         let file = fs::File::create(&log).expect("log file");
         let child = self
             .command(&["run"])
@@ -132,13 +143,20 @@ impl Node {
             .stderr(file)
             .spawn()
             .expect("spawn gpu-node-agent");
-        Agent { child: Some(child), log }
+        Agent {
+            child: Some(child),
+            log,
+        }
     }
 
     /// Appends a line to a fake-NVML injection file (`xid`, `processes`, `lost`).
     pub fn inject(&self, file: &str, line: &str) {
         fs::create_dir_all(&self.state).expect("state dir");
-        let mut f = fs::OpenOptions::new().create(true).append(true).open(self.state.join(file)).expect("open injection file");
+        let mut f = fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.state.join(file))
+            .expect("open injection file");
         writeln!(f, "{line}").expect("inject");
     }
 
@@ -150,7 +168,11 @@ impl Node {
 
     pub fn sockets(&self) -> Vec<String> {
         let mut names: Vec<String> = fs::read_dir(self.plugin_dir())
-            .map(|d| d.filter_map(|e| e.ok()).map(|e| e.file_name().to_string_lossy().into_owned()).collect())
+            .map(|d| {
+                d.filter_map(|e| e.ok())
+                    .map(|e| e.file_name().to_string_lossy().into_owned())
+                    .collect()
+            })
             .unwrap_or_default();
         names.sort();
         names
@@ -198,8 +220,11 @@ impl Agent {
     /// SIGTERM, then waits for exit; returns the exit code.
     pub fn stop(mut self) -> i32 {
         let mut child = self.child.take().expect("running agent");
-        nix::sys::signal::kill(nix::unistd::Pid::from_raw(child.id() as i32), nix::sys::signal::Signal::SIGTERM)
-            .expect("SIGTERM");
+        nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(child.id() as i32),
+            nix::sys::signal::Signal::SIGTERM,
+        )
+        .expect("SIGTERM");
         let deadline = Instant::now() + Duration::from_secs(10);
         loop {
             if let Some(status) = child.try_wait().expect("wait") {
@@ -215,7 +240,9 @@ impl Agent {
 
     /// Whether the process is still running.
     pub fn running(&mut self) -> bool {
-        self.child.as_mut().is_some_and(|c| c.try_wait().ok().flatten().is_none())
+        self.child
+            .as_mut()
+            .is_some_and(|c| c.try_wait().ok().flatten().is_none())
     }
 }
 
@@ -235,7 +262,13 @@ impl Drop for Agent {
 pub fn summary(devices: &[test_kubelet::api::Device]) -> Vec<(String, String, Option<i64>)> {
     let mut v: Vec<_> = devices
         .iter()
-        .map(|d| (d.id.clone(), d.health.clone(), d.topology.as_ref().and_then(|t| t.nodes.first()).map(|n| n.id)))
+        .map(|d| {
+            (
+                d.id.clone(),
+                d.health.clone(),
+                d.topology.as_ref().and_then(|t| t.nodes.first()).map(|n| n.id),
+            )
+        })
         .collect();
     v.sort();
     v
