@@ -115,9 +115,16 @@ pub fn render(plan: &DevicePluginPlan, config: &Config) -> String {
             r.devices.len(),
             r.socket_name()
         );
-        for (id, d) in &r.devices {
+        let mut devices: Vec<_> = r.devices.iter().collect();
+        devices.sort_by_key(|(_, d)| index_key(&d.index));
+        for (id, d) in devices {
             let _ = writeln!(out, "    {id}  index {}", d.index);
         }
     }
     out
+}
+
+/// Sorts `"2"` before `"10"` and `"1:0"` before `"1:1"`.
+fn index_key(index: &str) -> Vec<u32> {
+    index.split(':').map(|p| p.parse().unwrap_or(u32::MAX)).collect()
 }
