@@ -536,3 +536,46 @@ async fn legacy_kubelet_authority_is_tolerated() {
     assert_eq!(resp.envs["NVIDIA_VISIBLE_DEVICES"], gpu_uuid(0));
     assert_eq!(agent.stop(), 0);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn preferred_allocation_follows_nvlink_read_through_nvml_before_numa() {
+    // GPUs 0,1 on NUMA node 0 and 2,3 on node 1, but NVLink joins 0-2 and 1-3 (two links each):
+    // a pair for a job that must include GPU 0 is 0+2, across NUMA nodes, not 0+1.
+    let bus = |i: u32| format!("00000000:{:02X}:00.0", 0x10 + i);
+    let mut m = common::DGX_A100.to_string();
+    for (i, peer) in [(0u32, 2u32), (1, 3), (2, 0), (3, 1)] {
+        m.push_str(&format!(
+            "\n[[gpu]]\nmodel = \"A100-SXM4-40GB\"\nuuid = \"{}\"\npci_bus_id = \"{}\"\nnuma_node = {}\nnvlink_peers = [\"{}\", \"{}\"]\n",
+            gpu_uuid(i),
+            bus(i),
+            i / 2,
+            bus(peer),
+            bus(peer)
+        ));
+    }
+    let node = Node::new(&m, "");
+    let kubelet = start_kubelet(&node).await;
+    let agent = node.spawn();
+    kubelet
+        .wait_for_devices(GPU, T, |d| d.len() == 4)
+        .await
+        .expect("4 devices");
+    let all: Vec<String> = (0..4).map(gpu_uuid).collect();
+    let refs: Vec<&str> = all.iter().map(String::as_str).collect();
+    let mut picked = kubelet
+        .preferred_allocation(GPU, &refs, &[&all[0]], 2)
+        .await
+        .expect("preferred");
+    picked.sort();
+    assert_eq!(picked, vec![all[0].clone(), all[2].clone()]);
+    let mut picked = kubelet
+        .preferred_allocation(GPU, &refs, &[], 2)
+        .await
+        .expect("preferred");
+    picked.sort();
+    assert!(
+        picked == vec![all[0].clone(), all[2].clone()] || picked == vec![all[1].clone(), all[3].clone()],
+        "{picked:?}"
+    );
+    assert_eq!(agent.stop(), 0);
+}

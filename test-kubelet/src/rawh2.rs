@@ -853,6 +853,7 @@ mod tests {
             for f in reply {
                 conn.write_all(&f.encode()).await.unwrap();
             }
+            conn.shutdown().await.unwrap();
             let mut back = Vec::new();
             while let Ok(Some(f)) = read_frame(&mut conn, 1 << 20).await {
                 back.push(f);
