@@ -4,7 +4,7 @@
 use std::fs::{self, File, OpenOptions};
 use std::io::{self, Write};
 use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
-use std::path::{Path, PathBuf};
+use std::path::{Component, Path, PathBuf};
 
 /// The prefix under which every host path is resolved (`--root`, `/` on a real node).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -21,20 +21,33 @@ impl HostRoot {
     }
 
     /// Resolves an absolute host path under the root: `/etc/x` with root `/tmp/r` is
-    /// `/tmp/r/etc/x`. A relative path is taken relative to the root as well.
+    /// `/tmp/r/etc/x`.
     pub fn join(&self, host_path: impl AsRef<Path>) -> PathBuf {
-        let p = host_path.as_ref();
-        let relative = p.strip_prefix("/").unwrap_or(p);
-        if self.0 == Path::new("/") {
-            Path::new("/").join(relative)
-        } else {
-            self.0.join(relative)
-        }
+        rooted(&self.0, host_path.as_ref())
     }
 
     /// Whether this is the real root (`/`), where services may be restarted and so on.
     pub fn is_real(&self) -> bool {
         self.0 == Path::new("/")
+    }
+}
+
+/// Joins an absolute host path under the root prefix: `rooted("/tmp/r", "/etc/x")` is
+/// `/tmp/r/etc/x`, and with root `/` the path is returned unchanged. A relative path is joined
+/// under the root too. `..` components are kept: this maps trusted config paths, it is not a
+/// confinement boundary.
+pub fn rooted(root: &Path, path: &Path) -> PathBuf {
+    if root == Path::new("/") || root.as_os_str().is_empty() {
+        return path.to_path_buf();
+    }
+    let rel: PathBuf = path
+        .components()
+        .filter(|c| !matches!(c, Component::RootDir | Component::Prefix(_)))
+        .collect();
+    if rel.as_os_str().is_empty() {
+        root.to_path_buf()
+    } else {
+        root.join(rel)
     }
 }
 
@@ -125,6 +138,7 @@ mod tests {
         assert_eq!(HostRoot::new("/").join("/etc/x"), PathBuf::from("/etc/x"));
         assert_eq!(HostRoot::new("/tmp/r").join("/etc/x"), PathBuf::from("/tmp/r/etc/x"));
         assert_eq!(HostRoot::new("/tmp/r").join("etc/x"), PathBuf::from("/tmp/r/etc/x"));
+        assert_eq!(HostRoot::new("/tmp/r").join("/"), PathBuf::from("/tmp/r"));
     }
 
     #[test]

@@ -15,9 +15,10 @@ mod error;
 mod merge;
 mod values;
 
+use crate::host::rooted;
 use std::fs;
 use std::io;
-use std::path::{Component, Path, PathBuf};
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
@@ -308,25 +309,6 @@ impl Default for HealthConfig {
             recovery_after: DEFAULT_RECOVERY_AFTER,
             lost_check_interval: DEFAULT_LOST_CHECK_INTERVAL,
         }
-    }
-}
-
-/// Joins an absolute host path under the root prefix: `rooted("/tmp/r", "/etc/x")` is
-/// `/tmp/r/etc/x`, and with root `/` the path is returned unchanged. A relative path is joined
-/// under the root too. `..` components are kept: this maps trusted config paths, it is not a
-/// confinement boundary.
-pub fn rooted(root: &Path, path: &Path) -> PathBuf {
-    if root == Path::new("/") || root.as_os_str().is_empty() {
-        return path.to_path_buf();
-    }
-    let rel: PathBuf = path
-        .components()
-        .filter(|c| !matches!(c, Component::RootDir | Component::Prefix(_)))
-        .collect();
-    if rel.as_os_str().is_empty() {
-        root.to_path_buf()
-    } else {
-        root.join(rel)
     }
 }
 
