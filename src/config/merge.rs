@@ -32,6 +32,12 @@ impl KeyPath {
         KeyPath(dotted.split('.').map(|k| Seg::Key(k.to_owned())).collect())
     }
 
+    /// This path with one more table key, which may contain dots (a user-chosen name).
+    pub(crate) fn key(mut self, key: &str) -> Self {
+        self.0.push(Seg::Key(key.to_owned()));
+        self
+    }
+
     /// The path serde_path_to_error recorded for a deserialization error. Enum-variant and
     /// unknown segments carry no key and are skipped.
     pub(crate) fn from_serde(path: &serde_path_to_error::Path) -> Self {

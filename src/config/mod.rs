@@ -16,6 +16,7 @@ mod merge;
 mod values;
 
 use crate::host::rooted;
+use std::collections::BTreeMap;
 use std::fs;
 use std::io;
 use std::path::{Path, PathBuf};
@@ -308,6 +309,48 @@ pub struct DevicePluginConfig {
     pub host_mounts_driver_dir: PathBuf,
     /// `host-mounts`: where that dir is mounted in the container.
     pub host_mounts_container_dir: PathBuf,
+    /// Profile applied when the Node has no `nvidia.com/device-plugin.config` label; empty:
+    /// none (the keys above apply as they are).
+    pub default_profile: String,
+    /// Named profiles a Node label selects (`[device_plugin.profiles.<name>]`): each overrides
+    /// some of the keys above. Labels only name profiles; what they do is defined here.
+    pub profiles: BTreeMap<String, DevicePluginProfile>,
+}
+
+/// `[device_plugin.profiles.<name>]`: overrides of `[device_plugin]` keys, selected by name.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct DevicePluginProfile {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub mig_strategy: Option<MigStrategy>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub device_list_strategy: Option<DeviceListStrategies>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub device_id_strategy: Option<DeviceIdStrategy>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub pass_device_specs: Option<bool>,
+}
+
+impl DevicePluginConfig {
+    /// The effective `[device_plugin]` keys with the profile `name` applied; `None` when no
+    /// such profile is defined.
+    pub fn with_profile(&self, name: &str) -> Option<DevicePluginConfig> {
+        let p = self.profiles.get(name)?;
+        let mut out = self.clone();
+        if let Some(v) = p.mig_strategy {
+            out.mig_strategy = v;
+        }
+        if let Some(v) = &p.device_list_strategy {
+            out.device_list_strategy = v.clone();
+        }
+        if let Some(v) = p.device_id_strategy {
+            out.device_id_strategy = v;
+        }
+        if let Some(v) = p.pass_device_specs {
+            out.pass_device_specs = v;
+        }
+        Some(out)
+    }
 }
 
 impl Default for DevicePluginConfig {
@@ -324,6 +367,8 @@ impl Default for DevicePluginConfig {
             dev_root: DEFAULT_DEV_ROOT.into(),
             host_mounts_driver_dir: DEFAULT_HOST_MOUNTS_DRIVER_DIR.into(),
             host_mounts_container_dir: DEFAULT_HOST_MOUNTS_CONTAINER_DIR.into(),
+            default_profile: String::new(),
+            profiles: BTreeMap::new(),
         }
     }
 }
@@ -642,23 +687,25 @@ impl KubeletConfig {
 
 impl DevicePluginConfig {
     fn validate(&self) -> Check {
-        const KEY: &str = "device_plugin.device_list_strategy";
-        let strategies = self.device_list_strategy.as_slice();
-        if strategies.is_empty() {
-            return Err(invalid(
-                KEY,
-                format!("expected at least one of {}", DeviceListStrategy::expected()),
-            ));
-        }
-        for (i, s) in strategies.iter().enumerate() {
-            if strategies[..i].contains(s) {
-                return Err(invalid(KEY, format!("{s} is listed twice")));
+        check_strategies(
+            KeyPath::dotted("device_plugin.device_list_strategy"),
+            &self.device_list_strategy,
+        )?;
+        for (name, profile) in &self.profiles {
+            let at = KeyPath::dotted("device_plugin.profiles").key(name);
+            values::check_label_value(name).map_err(|reason| Invalid {
+                key: at.clone(),
+                reason: format!("a profile name is selected by a label value: {reason}"),
+            })?;
+            if let Some(strategies) = &profile.device_list_strategy {
+                check_strategies(at.key("device_list_strategy"), strategies)?;
             }
         }
-        if self.device_list_strategy.contains(DeviceListStrategy::HostMounts)
-            && let Some(cdi) = strategies.iter().find(|s| s.is_cdi())
-        {
-            return Err(invalid(KEY, format!("host-mounts cannot be combined with {cdi}")));
+        if !self.default_profile.is_empty() && !self.profiles.contains_key(&self.default_profile) {
+            return Err(invalid(
+                "device_plugin.default_profile",
+                "names no profile defined under [device_plugin.profiles]",
+            ));
         }
 
         let prefix = &self.cdi_annotation_prefix;
@@ -691,14 +738,20 @@ impl KubernetesConfig {
         }
         absolute_path("kubernetes.in_cluster_dir", &self.in_cluster_dir)?;
         if !self.node_name.is_empty() && !values::is_dns_subdomain(&self.node_name) {
-            return Err(invalid("kubernetes.node_name", "expected a DNS subdomain name, as Node names are"));
+            return Err(invalid(
+                "kubernetes.node_name",
+                "expected a DNS subdomain name, as Node names are",
+            ));
         }
         positive("kubernetes.poll_interval", self.poll_interval)?;
         positive("kubernetes.watch_timeout", self.watch_timeout)?;
         positive("kubernetes.request_timeout", self.request_timeout)?;
         positive("kubernetes.backoff_min", self.backoff_min)?;
         if self.backoff_max < self.backoff_min {
-            return Err(invalid("kubernetes.backoff_max", "expected at least kubernetes.backoff_min"));
+            return Err(invalid(
+                "kubernetes.backoff_max",
+                "expected at least kubernetes.backoff_min",
+            ));
         }
         Ok(())
     }
@@ -723,9 +776,15 @@ impl LabelsConfig {
         ] {
             values::check_label_key(value).map_err(|reason| invalid(key, reason))?;
         }
-        let prefix_ok = self.feature_prefix.strip_suffix('/').is_some_and(values::is_dns_subdomain);
+        let prefix_ok = self
+            .feature_prefix
+            .strip_suffix('/')
+            .is_some_and(values::is_dns_subdomain);
         if !prefix_ok {
-            return Err(invalid("labels.feature_prefix", "expected a DNS name followed by '/', e.g. \"nvidia.com/\""));
+            return Err(invalid(
+                "labels.feature_prefix",
+                "expected a DNS name followed by '/', e.g. \"nvidia.com/\"",
+            ));
         }
         Ok(())
     }
@@ -736,6 +795,32 @@ impl HealthConfig {
         // Xids are u32 by type; recovery_after = 0s means never recover.
         positive("health.lost_check_interval", self.lost_check_interval)
     }
+}
+
+/// `device_list_strategy` rules: non-empty, no duplicates, host-mounts not with CDI.
+fn check_strategies(key: KeyPath, strategies: &DeviceListStrategies) -> Check {
+    let at = |reason: String| Invalid {
+        key: key.clone(),
+        reason,
+    };
+    let list = strategies.as_slice();
+    if list.is_empty() {
+        return Err(at(format!(
+            "expected at least one of {}",
+            DeviceListStrategy::expected()
+        )));
+    }
+    for (i, s) in list.iter().enumerate() {
+        if list[..i].contains(s) {
+            return Err(at(format!("{s} is listed twice")));
+        }
+    }
+    if strategies.contains(DeviceListStrategy::HostMounts)
+        && let Some(cdi) = list.iter().find(|s| s.is_cdi())
+    {
+        return Err(at(format!("host-mounts cannot be combined with {cdi}")));
+    }
+    Ok(())
 }
 
 // === deserialization errors ===
@@ -919,7 +1004,7 @@ mod tests {
             "/etc/gpu-node-agent/config.d/10-x.toml:3: unknown key device_plugin.mig_stratgy: \
              expected one of enabled, mig_strategy, device_list_strategy, device_id_strategy, \
              pass_device_specs, cdi_annotation_prefix, cdi_kind, driver_root, dev_root, \
-             host_mounts_driver_dir, host_mounts_container_dir"
+             host_mounts_driver_dir, host_mounts_container_dir, default_profile, profiles"
         );
         // A section name typo is reported at its header.
         let e = err(&[("main.toml", "[log]\n[helth]\nenabled = false\n")]);
@@ -1293,5 +1378,42 @@ mod tests {
         let e = Config::load(root.path(), None).unwrap_err();
         assert!(matches!(e, ConfigError::ReadFile { .. }), "{e}");
         assert!(e.to_string().contains("config.toml: cannot read config file: "), "{e}");
+    }
+    #[test]
+    fn device_plugin_profiles_override_keys_and_are_validated() {
+        let config = parse(&[(
+            "main.toml",
+            "[device_plugin]\ndefault_profile = \"mig-mixed\"\n\n[device_plugin.profiles.mig-mixed]\nmig_strategy = \"mixed\"\n\n[device_plugin.profiles.\"cdi.only\"]\ndevice_list_strategy = \"cdi-cri\"\n",
+        )])
+        .unwrap();
+        let mixed = config.device_plugin.with_profile("mig-mixed").expect("profile");
+        assert_eq!(mixed.mig_strategy, MigStrategy::Mixed);
+        assert_eq!(mixed.device_list_strategy, config.device_plugin.device_list_strategy);
+        let cdi = config.device_plugin.with_profile("cdi.only").expect("dotted name");
+        assert_eq!(cdi.device_list_strategy.as_slice(), [DeviceListStrategy::CdiCri]);
+        assert!(config.device_plugin.with_profile("nope").is_none());
+
+        assert_eq!(
+            err(&[("main.toml", "[device_plugin]\ndefault_profile = \"x\"\n")]),
+            "main.toml:2: device_plugin.default_profile = \"x\" is not valid: names no profile defined under [device_plugin.profiles]"
+        );
+        let e = err(&[(
+            "main.toml",
+            "[device_plugin.profiles.\"a.b\"]\ndevice_list_strategy = []\n",
+        )]);
+        assert!(
+            e.starts_with("main.toml:2: device_plugin.profiles.\"a.b\".device_list_strategy"),
+            "{e}"
+        );
+        let e = err(&[(
+            "main.toml",
+            "[device_plugin.profiles.\"-bad\"]\nmig_strategy = \"mixed\"\n",
+        )]);
+        assert!(e.contains("label value"), "{e}");
+        let e = err(&[("main.toml", "[device_plugin.profiles.p]\nmig_stratgy = \"mixed\"\n")]);
+        assert!(
+            e.starts_with("main.toml:2: unknown key device_plugin.profiles.p.mig_stratgy"),
+            "{e}"
+        );
     }
 }
