@@ -2,7 +2,7 @@
 //! runtime and MIG stages slot in before it), health events, periodic resync, status reporting,
 //! and a clean stop on SIGTERM.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -11,7 +11,11 @@ use std::time::Instant;
 use tokio::signal::unix::{SignalKind, signal};
 use tokio::sync::{mpsc, watch};
 
-use crate::config::Config;
+use crate::cluster::{self, LabelsView, Link};
+use crate::config::{Config, DevicePluginConfig};
+use crate::kube::EventType;
+use crate::labels::gfd::{FeatureInputs, feature_labels};
+use crate::desired::{Desired, ProfileOutcome, ProfileState, Selection, choose_profile};
 use crate::host::{HostRoot, hostname};
 use crate::nvml::{GpuError, Gpus, HealthEvent, Inventory};
 use crate::plugin::allocate::AllocateOptions;
@@ -22,7 +26,7 @@ use crate::plugin::preferred::{SharedPolicy, Topology};
 use crate::plugin::resources::{Health, Resource};
 use crate::plugin::server::{PluginContext, PluginStats};
 use crate::plugin::strategy::{StrategyError, build_resources, mig_plugin_devices, whole_gpu};
-use crate::status::{GpuStatus, MigStatus, STATUS_VERSION, StageState, StageStatus, Status, now_unix};
+use crate::status::{DesiredStatus, GpuStatus, MigStatus, STATUS_VERSION, StageState, StageStatus, Status, now_unix};
 
 /// Stage names as they appear in status and logs.
 pub const STAGE_DEVICE_PLUGIN: &str = "device-plugin";
@@ -62,8 +66,7 @@ pub fn health_policy(config: &Config) -> HealthPolicy {
 }
 
 /// The Allocate options the config describes, with host paths under the root.
-pub fn allocate_options(config: &Config) -> AllocateOptions {
-    let dp = &config.device_plugin;
+pub fn allocate_options(dp: &DevicePluginConfig) -> AllocateOptions {
     AllocateOptions {
         strategies: dp.device_list_strategy.as_slice().to_vec(),
         id_strategy: dp.device_id_strategy,
@@ -94,7 +97,8 @@ pub struct DevicePluginPlan {
 /// Reads the inventory and computes the resources to advertise (no side effects).
 pub fn plan_device_plugin(gpus: &Gpus, config: &Config, root: &HostRoot) -> Result<DevicePluginPlan, AgentError> {
     let inventory = gpus.inventory(&root.join("/sys"))?;
-    let resources = build_resources(&inventory, config.device_plugin.mig_strategy)?;
+    let (dp, _) = choose_profile(&config.device_plugin, &Selection::Unset, None, &config.labels.device_plugin_config);
+    let resources = build_resources(&inventory, dp.mig_strategy)?;
     Ok(DevicePluginPlan { inventory, resources })
 }
 
@@ -147,6 +151,18 @@ struct Agent {
     /// Why the device-plugin stage cannot advertise what it should (inventory or strategy).
     plan_error: Option<String>,
     last_status: Option<Status>,
+    /// The effective `[device_plugin]` settings: the config with the selected profile applied.
+    dp: DevicePluginConfig,
+    /// How the device plugin profile was chosen, for labels, Events and status.
+    profile: ProfileOutcome,
+    /// The cluster link (labels in, labels and Events out); none under `run --once`.
+    link: Option<Link>,
+    /// The labels last read from the link.
+    view: LabelsView,
+    /// What those labels ask for.
+    desired_sel: Desired,
+    /// The machine's DMI product name, for the `gpu.machine` label.
+    machine: Option<String>,
 }
 
 /// Runs the agent until SIGTERM/SIGINT (or one pass with `once`). Returns the process exit code.
@@ -156,8 +172,10 @@ pub async fn run(config: Config, root: HostRoot, once: bool) -> Result<i32, Agen
     let mut sighup = signal(SignalKind::hangup()).map_err(AgentError::Signals)?;
 
     let (health_tx, mut health_rx) = mpsc::unbounded_channel();
+    let (dp, profile) =
+        choose_profile(&config.device_plugin, &Selection::Unset, None, &config.labels.device_plugin_config);
     let base_ctx = PluginContext {
-        allocate: allocate_options(&config),
+        allocate: allocate_options(&dp),
         nodes: DeviceNodes::gather(&root.join(&config.device_plugin.dev_root), &root.join("/proc")),
         topology: Topology::new(),
         shared_policy: SharedPolicy::Distributed,
@@ -180,7 +198,43 @@ pub async fn run(config: Config, root: HostRoot, once: bool) -> Result<i32, Agen
         desired: Vec::new(),
         plan_error: None,
         last_status: None,
+        dp,
+        profile,
+        link: None,
+        view: LabelsView {
+            source: crate::desired::Source::None,
+            detail: String::new(),
+            labels: BTreeMap::new(),
+            connected: false,
+            error: None,
+        },
+        desired_sel: Desired::none(),
+        machine: None,
     };
+    agent.machine = std::fs::read_to_string(agent.root.join("/sys/class/dmi/id/product_name"))
+        .ok()
+        .map(|s| s.trim().to_string())
+        .filter(|s| !s.is_empty());
+
+    // The cluster link: the desired state comes from it before the first reconcile.
+    let mut view_rx = None;
+    if !once {
+        let link = cluster::start(&agent.config, &agent.root);
+        let rx = link.view.clone();
+        agent.view = rx.borrow().clone();
+        agent.desired_sel = Desired::from_labels(&agent.view.labels, &agent.config.labels);
+        let (dp, outcome) = choose_profile(
+            &agent.config.device_plugin,
+            &agent.desired_sel.device_plugin_config,
+            None,
+            &agent.config.labels.device_plugin_config,
+        );
+        agent.base_ctx.allocate = allocate_options(&dp);
+        agent.dp = dp;
+        agent.profile = outcome;
+        agent.link = Some(link);
+        view_rx = Some(rx);
+    }
 
     // The plugin manager serves and registers; it runs for the whole life of the daemon.
     let stats = Arc::new(PluginStats::default());
@@ -253,6 +307,12 @@ pub async fn run(config: Config, root: HostRoot, once: bool) -> Result<i32, Agen
                     Err(e) => tracing::warn!("NVML still unavailable: {e}"),
                 }
             }
+            Ok(view) = next_view(&mut view_rx) => {
+                agent.view = view;
+                agent.desired_sel = Desired::from_labels(&agent.view.labels, &agent.config.labels);
+                let desired = agent.desired_sel.clone();
+                agent.apply_desired(&desired).await;
+            }
             Ok(()) = plugin_rx.changed() => {
                 agent.plugin_status = plugin_rx.borrow_and_update().clone();
                 agent.update_stage();
@@ -272,6 +332,17 @@ pub async fn run(config: Config, root: HostRoot, once: bool) -> Result<i32, Agen
     agent.plugin_status = plugin_rx.borrow().clone();
     agent.write_status("stopped");
     Ok(0)
+}
+
+/// The next labels view, or never when there is no link.
+async fn next_view(rx: &mut Option<watch::Receiver<LabelsView>>) -> Result<LabelsView, watch::error::RecvError> {
+    match rx {
+        Some(rx) => {
+            rx.changed().await?;
+            Ok(rx.borrow_and_update().clone())
+        }
+        None => std::future::pending().await,
+    }
 }
 
 async fn sleep_until(at: Option<Instant>) {
@@ -336,6 +407,31 @@ impl Agent {
         self.push_resources().await;
     }
 
+    /// Applies what the labels ask for: the device plugin profile (a changed profile swaps the
+    /// advertised resources in place). A label naming nothing changes nothing and is reported.
+    async fn apply_desired(&mut self, desired: &Desired) {
+        let key = &self.config.labels.device_plugin_config;
+        let (dp, outcome) =
+            choose_profile(&self.config.device_plugin, &desired.device_plugin_config, self.profile.applied.as_deref(), key);
+        if outcome != self.profile {
+            match (&outcome.state, &outcome.reason) {
+                (ProfileState::Failed, Some(reason)) => tracing::warn!("device plugin profile: {reason}"),
+                _ => tracing::info!(
+                    "device plugin profile: {}",
+                    outcome.applied.as_deref().unwrap_or("none (the [device_plugin] keys as configured)")
+                ),
+            }
+            self.profile = outcome;
+        }
+        if dp != self.dp {
+            self.dp = dp;
+            self.base_ctx.allocate = allocate_options(&self.dp);
+            self.push_resources().await;
+        } else {
+            self.write_status("running");
+        }
+    }
+
     /// (Re)starts the NVML health watcher when the set of GPUs changed.
     fn watch_health(&mut self, gpus: &Gpus) {
         if self.once {
@@ -373,7 +469,7 @@ impl Agent {
         let Some(inventory) = &self.inventory else {
             return Ok(Vec::new());
         };
-        let mut resources = build_resources(inventory, self.config.device_plugin.mig_strategy)?;
+        let mut resources = build_resources(inventory, self.dp.mig_strategy)?;
         for resource in &mut resources {
             for device in resource.devices.values_mut() {
                 device.health = self.tracker.health(device);
@@ -502,16 +598,113 @@ impl Agent {
             gpus,
             kubelet_present: self.plugin_status.kubelet_present,
             resources: self.plugin_status.resources.clone(),
+            desired: self.link.as_ref().map(|_| DesiredStatus {
+                source: self.view.source,
+                detail: self.view.detail.clone(),
+                connected: self.view.connected,
+                error: self.view.error.clone(),
+                mig_config: self.desired_sel.mig_config.clone(),
+                device_plugin_config: self.desired_sel.device_plugin_config.clone(),
+                profile: self.profile.clone(),
+            }),
+            labels: self.wanted_labels().unwrap_or_default(),
         };
         // Skip the write when nothing but the timestamp would change.
         if self.last_status.as_ref() == Some(&status) {
             return;
         }
+        self.publish(&status);
         self.last_status = Some(status.clone());
         status.updated = now_unix();
         let run_dir = self.root.join(&self.config.agent.run_dir);
         if let Err(e) = status.write(&run_dir) {
             tracing::warn!("cannot write status: {e}");
+        }
+    }
+}
+
+impl Agent {
+    /// The labels the agent wants on its Node: the GPU feature labels and the profile state.
+    /// `None` before the first inventory (nothing is known yet, so nothing is reported).
+    fn wanted_labels(&self) -> Option<BTreeMap<String, String>> {
+        let inventory = self.inventory.as_ref()?;
+        let keys = &self.config.labels;
+        let mut labels = if keys.report_features {
+            feature_labels(&FeatureInputs {
+                inventory,
+                mig_strategy: self.dp.mig_strategy,
+                prefix: &keys.feature_prefix,
+                machine: self.machine.as_deref(),
+                replicas: 1,
+                sharing_strategy: "none",
+                renamed: false,
+            })
+        } else {
+            BTreeMap::new()
+        };
+        if let Some(state) = self.profile.state.as_str() {
+            labels.insert(keys.device_plugin_config_state.clone(), state.to_string());
+        }
+        Some(labels)
+    }
+
+    /// Sends what changed to the cluster: the wanted labels, and Events for state transitions
+    /// (device plugin stage, profile, GPU health) compared with the last published status.
+    fn publish(&self, status: &Status) {
+        let Some(link) = &self.link else { return };
+        if let Some(labels) = self.wanted_labels() {
+            link.report(labels);
+        }
+        let before = self.last_status.as_ref();
+        let stage = &status.stages[0];
+        let stage_before = before.map(|b| &b.stages[0].state);
+        if stage_before != Some(&stage.state) {
+            match stage.state {
+                StageState::Ok => link.event(
+                    EventType::Normal,
+                    "DevicePluginReady",
+                    format!("gpu-node-agent device plugin: {}", stage.detail.as_deref().unwrap_or("ready")),
+                ),
+                StageState::Failed => link.event(
+                    EventType::Warning,
+                    "DevicePluginFailed",
+                    format!("gpu-node-agent device plugin: {}", stage.error.as_deref().unwrap_or("failed")),
+                ),
+                _ => {}
+            }
+        }
+        let profile_before = before.and_then(|b| b.desired.as_ref()).map(|d| &d.profile);
+        if let Some(d) = &status.desired
+            && profile_before != Some(&d.profile)
+        {
+            match d.profile.state {
+                ProfileState::Success => link.event(
+                    EventType::Normal,
+                    "DevicePluginProfileApplied",
+                    format!("device plugin profile {} applied", d.profile.applied.as_deref().unwrap_or("-")),
+                ),
+                ProfileState::Failed => link.event(
+                    EventType::Warning,
+                    "DevicePluginProfileRejected",
+                    d.profile.reason.clone().unwrap_or_default(),
+                ),
+                ProfileState::None if profile_before.is_some_and(|p| p.state != ProfileState::None) => link.event(
+                    EventType::Normal,
+                    "DevicePluginProfileCleared",
+                    "no device plugin profile selected: the [device_plugin] keys apply as configured".into(),
+                ),
+                ProfileState::None => {}
+            }
+        }
+        for gpu in &status.gpus {
+            let was = before.and_then(|b| b.gpus.iter().find(|g| g.uuid == gpu.uuid)).map(|g| g.health.as_str());
+            if was.unwrap_or(Health::Healthy.as_str()) != gpu.health {
+                let what = format!("GPU {} ({})", gpu.index, gpu.uuid);
+                match &gpu.reason {
+                    Some(reason) => link.event(EventType::Warning, "GpuUnhealthy", format!("{what} is unhealthy: {reason}")),
+                    None => link.event(EventType::Normal, "GpuHealthy", format!("{what} is healthy again")),
+                }
+            }
         }
     }
 }

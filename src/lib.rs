@@ -9,8 +9,12 @@ pub mod api {
 
 pub mod agent;
 pub mod cli;
+pub mod cluster;
 pub mod config;
+pub mod desired;
 pub mod host;
+pub mod kube;
+pub mod labels;
 pub mod logging;
 pub mod nvml;
 pub mod plan;

@@ -109,6 +109,44 @@ pub struct MigDeviceInfo {
     /// Profile name without NVML's `MIG ` prefix, e.g. `1g.5gb` or `1c.3g.20gb`.
     pub profile: String,
     pub memory_mib: u64,
+    /// The device's MIG attributes (`nvmlDeviceGetAttributes_v2` on the MIG handle); `None`
+    /// when NVML would not give them.
+    pub attributes: Option<MigAttributes>,
+}
+
+/// What NVML says a MIG device has: its share of the GPU, as GPU Feature Discovery labels it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct MigAttributes {
+    /// Streaming multiprocessors of the compute instance.
+    pub multiprocessors: u32,
+    /// Compute slices of the GPU instance.
+    pub gpu_instance_slices: u32,
+    /// Compute slices of the compute instance.
+    pub compute_instance_slices: u32,
+    /// Engines shared by the GPU instance's compute instances.
+    pub copy_engines: u32,
+    pub decoders: u32,
+    pub encoders: u32,
+    pub jpeg: u32,
+    pub ofa: u32,
+    /// The GPU instance's memory in MiB (NVML's `memorySizeMB`).
+    pub memory_mib: u64,
+}
+
+impl From<nvml_wrapper::struct_wrappers::device::DeviceAttributes> for MigAttributes {
+    fn from(a: nvml_wrapper::struct_wrappers::device::DeviceAttributes) -> MigAttributes {
+        MigAttributes {
+            multiprocessors: a.multiprocessor_count,
+            gpu_instance_slices: a.gpu_instance_slice_count,
+            compute_instance_slices: a.compute_instance_slice_count,
+            copy_engines: a.shared_copy_engine_count,
+            decoders: a.shared_decoder_count,
+            encoders: a.shared_encoder_count,
+            jpeg: a.shared_jpeg_count,
+            ofa: a.shared_ofa_count,
+            memory_mib: a.memory_size_mb,
+        }
+    }
 }
 
 impl fmt::Display for GpuInfo {
@@ -233,6 +271,13 @@ impl Gpus {
             };
             let (gi_id, ci_id) = raw.instance_ids()?;
             let profile = raw.profile_name(gi_id, ci_id)?;
+            let attributes = match mig.attributes() {
+                Ok(a) => Some(MigAttributes::from(a)),
+                Err(err) => {
+                    tracing::debug!(mig = %uuid, "nvmlDeviceGetAttributes_v2 failed: {err}; no MIG attribute labels");
+                    None
+                }
+            };
             found.push(MigDeviceInfo {
                 index: slot,
                 uuid,
@@ -240,6 +285,7 @@ impl Gpus {
                 ci_id,
                 profile,
                 memory_mib,
+                attributes,
             });
         }
         Ok(found)

@@ -5,7 +5,11 @@ use std::fmt::Write as _;
 use std::path::Path;
 use std::time::{SystemTime, UNIX_EPOCH};
 
+use std::collections::BTreeMap;
+
 use serde::{Deserialize, Serialize};
+
+use crate::desired::{ProfileOutcome, ProfileState, Selection, Source};
 
 use crate::host::{WriteError, write_atomic};
 pub use crate::plugin::manager::ResourceStatus;
@@ -79,6 +83,23 @@ pub struct Status {
     pub gpus: Vec<GpuStatus>,
     pub kubelet_present: bool,
     pub resources: Vec<ResourceStatus>,
+    /// Where the desired state comes from and what it asks for.
+    #[serde(default)]
+    pub desired: Option<DesiredStatus>,
+    /// The labels the agent reports on its Node (also shown when there is no Node).
+    #[serde(default)]
+    pub labels: BTreeMap<String, String>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct DesiredStatus {
+    pub source: Source,
+    pub detail: String,
+    pub connected: bool,
+    pub error: Option<String>,
+    pub mig_config: Selection,
+    pub device_plugin_config: Selection,
+    pub profile: ProfileOutcome,
 }
 
 pub fn now_unix() -> u64 {
@@ -153,6 +174,37 @@ impl Status {
                     "  └ {:<40} {:<25} gi {} ci {} {}{}",
                     m.uuid, m.profile, m.gi_id, m.ci_id, m.health, reason
                 );
+            }
+        }
+        if let Some(d) = &self.desired {
+            let link = match (d.connected, &d.error) {
+                (_, Some(e)) => format!("error: {e}"),
+                (true, None) => "connected".to_string(),
+                (false, None) => "connecting".to_string(),
+            };
+            let source = match d.source {
+                Source::Node => "node labels",
+                Source::File => "labels file",
+                Source::None => "none",
+            };
+            let _ = writeln!(out, "\nDESIRED STATE from {source}: {} ({link})", d.detail);
+            let show = |s: &Selection| match s {
+                Selection::Unset => "(not set)".to_string(),
+                Selection::Name { name } => name.clone(),
+                Selection::Invalid { value, reason } => format!("{value:?} (invalid: {reason})"),
+            };
+            let state = match d.profile.state {
+                ProfileState::None => "default".to_string(),
+                ProfileState::Success => format!("success, applied {}", d.profile.applied.as_deref().unwrap_or("-")),
+                ProfileState::Failed => format!("failed: {}", d.profile.reason.as_deref().unwrap_or("?")),
+            };
+            let _ = writeln!(out, "  device plugin profile  {}  [{state}]", show(&d.device_plugin_config));
+            let _ = writeln!(out, "  MIG layout             {}  [not acted on: MIG layouts come with the MIG stage]", show(&d.mig_config));
+        }
+        if !self.labels.is_empty() {
+            let _ = writeln!(out, "\nREPORTED LABELS ({})", self.labels.len());
+            for (k, v) in &self.labels {
+                let _ = writeln!(out, "  {k}={v}");
             }
         }
         let kubelet = if self.kubelet_present {
@@ -233,6 +285,8 @@ mod tests {
                 healthy: 7,
                 error: None,
             }],
+            desired: None,
+            labels: BTreeMap::new(),
         }
     }
 

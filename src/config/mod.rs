@@ -27,7 +27,7 @@ use serde::{Deserialize, Serialize};
 pub use error::{ConfigError, EXIT_CONFIG, Location};
 pub use values::{
     DeviceIdStrategy, DeviceListStrategies, DeviceListStrategy, LogFormat, MigStrategy, ParseDurationError,
-    ParseEnumError, format_duration, parse_duration,
+    ParseEnumError, check_label_key, check_label_value, format_duration, parse_duration,
 };
 
 use merge::{KeyPath, Merged};

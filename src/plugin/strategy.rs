@@ -170,6 +170,7 @@ mod tests {
                     ci_id: 0,
                     profile: (*p).into(),
                     memory_mib: 4864,
+                    attributes: None,
                 })
                 .collect(),
         }

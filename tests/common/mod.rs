@@ -122,7 +122,12 @@ impl Node {
         cmd.env("FAKE_NVML_MACHINE", &self.machine)
             .env("FAKE_NVML_STATE_DIR", &self.state)
             .env("RUST_LOG", "info,gpu_node_agent=debug")
-            .env_remove("JOURNAL_STREAM");
+            .env_remove("JOURNAL_STREAM")
+            // The host's own cluster settings must not leak into a simulated node.
+            .env_remove("KUBECONFIG")
+            .env_remove("KUBERNETES_SERVICE_HOST")
+            .env_remove("KUBERNETES_SERVICE_PORT")
+            .env_remove("NODE_NAME");
         cmd
     }
 
@@ -147,6 +152,14 @@ impl Node {
             child: Some(child),
             log,
         }
+    }
+
+    /// Where a kubeadm node keeps the kubelet's kubeconfig (`/etc/kubernetes`, under the root):
+    /// a kubeconfig written there as `kubelet.conf` is found by the agent's default search.
+    pub fn kubeconfig_dir(&self) -> PathBuf {
+        let dir = self.root.join("etc/kubernetes");
+        fs::create_dir_all(&dir).expect("mkdir /etc/kubernetes");
+        dir
     }
 
     /// Appends a line to a fake-NVML injection file (`xid`, `processes`, `lost`).

@@ -1,0 +1,295 @@
+//! The agent's link to whatever tells it what to do and hears what it did: its Node through the
+//! API server (labels read by watch or poll; state and feature labels, and Events, written
+//! back), a labels file for hosts outside Kubernetes, or nothing (the config's defaults).
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::time::{Duration, SystemTime};
+
+use serde::{Deserialize, Serialize};
+use tokio::sync::{mpsc, watch};
+
+use crate::config::Config;
+use crate::desired::{Source, parse_labels_file};
+use crate::host::HostRoot;
+use crate::kube::{self, Backoff, EventType, KubeClient, NodeEvent, NodeView};
+use crate::labels::report::{OwnedLabels, label_patch};
+
+/// How often the labels file is checked for changes (one `stat`).
+const LABELS_FILE_CHECK: Duration = Duration::from_secs(1);
+
+/// The labels the desired state is read from, and the state of the link.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LabelsView {
+    pub source: Source,
+    /// Where from, for a person: `node gpu-1 (kubeconfig /etc/kubernetes/kubelet.conf)`, a
+    /// file path, or why there is no source.
+    pub detail: String,
+    pub labels: BTreeMap<String, String>,
+    /// The source answers (the API server is reachable, the file is readable).
+    pub connected: bool,
+    /// The last error talking to the source.
+    pub error: Option<String>,
+}
+
+/// The running link.
+pub struct Link {
+    pub view: watch::Receiver<LabelsView>,
+    /// Labels the agent wants on its Node; `None` when there is no Node to write to.
+    report: Option<watch::Sender<BTreeMap<String, String>>>,
+    events: Option<mpsc::UnboundedSender<(EventType, String, String)>>,
+}
+
+impl Link {
+    /// Asks for these labels on the Node (sent only when they differ from what is there).
+    pub fn report(&self, labels: BTreeMap<String, String>) {
+        if let Some(tx) = &self.report {
+            tx.send_if_modified(|current| {
+                let changed = *current != labels;
+                *current = labels;
+                changed
+            });
+        }
+    }
+
+    /// Posts a Kubernetes Event on the Node (best effort; dropped without a Node).
+    pub fn event(&self, kind: EventType, reason: &str, message: String) {
+        if let Some(tx) = &self.events {
+            let _ = tx.send((kind, reason.to_string(), message));
+        }
+    }
+
+    /// Whether reported labels reach a Node.
+    pub fn has_node(&self) -> bool {
+        self.report.is_some()
+    }
+}
+
+/// Starts the link the config asks for. Never fails: without a source the agent runs on its
+/// config and the view says why.
+pub fn start(config: &Config, root: &HostRoot) -> Link {
+    let k = &config.kubernetes;
+    let client = if k.enabled {
+        match kube::discover(k, root) {
+            Ok(Some(credentials)) => match KubeClient::new(credentials, k) {
+                Ok(client) => Some(client),
+                Err(e) => {
+                    tracing::error!("cannot build the Kubernetes API client: {e}");
+                    return none_link(format!("cannot build the Kubernetes API client: {e}"));
+                }
+            },
+            Ok(None) => None,
+            Err(e) => {
+                tracing::error!("Kubernetes credentials: {e}");
+                if config.desired.labels_file.as_os_str().is_empty() {
+                    return none_link(format!("Kubernetes credentials: {e}"));
+                }
+                None
+            }
+        }
+    } else {
+        None
+    };
+    let node_name = kube::node_name(k, root);
+
+    let (view, report, events) = if !config.desired.labels_file.as_os_str().is_empty() {
+        let path = root.join(&config.desired.labels_file);
+        let (tx, rx) = watch::channel(LabelsView {
+            source: Source::File,
+            detail: config.desired.labels_file.display().to_string(),
+            labels: BTreeMap::new(),
+            connected: false,
+            error: None,
+        });
+        tokio::spawn(watch_labels_file(path, config.desired.labels_file.display().to_string(), tx));
+        match &client {
+            // Desired state from the file; what the agent did still goes to the Node.
+            Some(client) => {
+                let (node_rx, _task) = kube::spawn_node_watcher(client.clone(), node_name.clone(), k);
+                let (report, events) = start_reporter(client.clone(), node_name, node_rx, config, root);
+                (rx, Some(report), Some(events))
+            }
+            None => (rx, None, None),
+        }
+    } else if let Some(client) = client {
+        let (node_rx, _task) = kube::spawn_node_watcher(client.clone(), node_name.clone(), k);
+        let detail = format!("node {node_name} ({})", client.credentials().summary());
+        let (tx, rx) = watch::channel(node_labels_view(&node_rx.borrow(), &detail));
+        tokio::spawn(forward_node_view(node_rx.clone(), detail, tx));
+        let (report, events) = start_reporter(client, node_name, node_rx, config, root);
+        (rx, Some(report), Some(events))
+    } else {
+        let why = if k.enabled {
+            "no Kubernetes credentials found (no [kubernetes] kubeconfig, $KUBECONFIG, kubelet kubeconfig or \
+             in-cluster service account) and no [desired] labels_file: running on the config's defaults"
+        } else {
+            "[kubernetes] enabled = false and no [desired] labels_file: running on the config's defaults"
+        };
+        tracing::warn!("{why}");
+        return none_link(why.to_string());
+    };
+    Link { view, report, events }
+}
+
+fn none_link(why: String) -> Link {
+    let (tx, rx) = watch::channel(LabelsView {
+        source: Source::None,
+        detail: why,
+        labels: BTreeMap::new(),
+        connected: false,
+        error: None,
+    });
+    // Keep the sender alive so `changed()` pends instead of failing.
+    std::mem::forget(tx);
+    Link { view: rx, report: None, events: None }
+}
+
+fn node_labels_view(node: &NodeView, detail: &str) -> LabelsView {
+    LabelsView {
+        source: Source::Node,
+        detail: detail.to_string(),
+        labels: node.node.as_ref().map(|n| n.labels.clone()).unwrap_or_default(),
+        connected: node.connected,
+        error: node.error.clone(),
+    }
+}
+
+async fn forward_node_view(mut node_rx: watch::Receiver<NodeView>, detail: String, tx: watch::Sender<LabelsView>) {
+    while node_rx.changed().await.is_ok() {
+        let view = node_labels_view(&node_rx.borrow_and_update(), &detail);
+        tx.send_if_modified(|current| {
+            let changed = *current != view;
+            *current = view;
+            changed
+        });
+    }
+}
+
+/// Re-reads the labels file whenever its size, mtime or inode change.
+async fn watch_labels_file(path: PathBuf, shown: String, tx: watch::Sender<LabelsView>) {
+    use std::os::unix::fs::MetadataExt;
+    let mut seen: Option<(u64, u64, SystemTime)> = None;
+    let mut first = true;
+    loop {
+        let stamp = std::fs::metadata(&path).ok().map(|m| (m.ino(), m.len(), m.modified().unwrap_or(SystemTime::UNIX_EPOCH)));
+        if stamp != seen || first {
+            first = false;
+            seen = stamp;
+            let update = match std::fs::read_to_string(&path) {
+                Ok(text) => match parse_labels_file(&shown, &text) {
+                    Ok(labels) => Ok(labels),
+                    Err(e) => Err(e.to_string()),
+                },
+                Err(e) => Err(format!("cannot read the labels file {shown}: {e}")),
+            };
+            tx.send_modify(|view| match update {
+                Ok(labels) => {
+                    tracing::info!("labels file {shown}: {} label(s)", labels.len());
+                    view.labels = labels;
+                    view.connected = true;
+                    view.error = None;
+                }
+                Err(e) => {
+                    // Keep the last good labels: a half-written file must not undo anything.
+                    tracing::warn!("{e}; keeping the labels read before");
+                    view.connected = false;
+                    view.error = Some(e);
+                }
+            });
+        }
+        if tx.is_closed() {
+            return;
+        }
+        tokio::time::sleep(LABELS_FILE_CHECK).await;
+    }
+}
+
+/// Writes the wanted labels to the Node whenever they, or the Node's own labels, change, and
+/// posts Events. Sends nothing when the Node already carries the wanted labels.
+fn start_reporter(
+    client: KubeClient,
+    node_name: String,
+    node_rx: watch::Receiver<NodeView>,
+    config: &Config,
+    root: &HostRoot,
+) -> (watch::Sender<BTreeMap<String, String>>, mpsc::UnboundedSender<(EventType, String, String)>) {
+    let (report_tx, report_rx) = watch::channel(BTreeMap::new());
+    let (event_tx, event_rx) = mpsc::unbounded_channel();
+    let owned = OwnedLabels::load(&root.join(&config.agent.state_dir));
+    let backoff = Backoff::new(config.kubernetes.backoff_min, config.kubernetes.backoff_max);
+    tokio::spawn(report_labels(client.clone(), node_name.clone(), node_rx.clone(), report_rx, owned, backoff));
+    if config.kubernetes.events {
+        tokio::spawn(post_events(client, node_name, node_rx, event_rx));
+    }
+    (report_tx, event_tx)
+}
+
+async fn report_labels(
+    client: KubeClient,
+    node_name: String,
+    mut node_rx: watch::Receiver<NodeView>,
+    mut wanted_rx: watch::Receiver<BTreeMap<String, String>>,
+    mut owned: OwnedLabels,
+    mut backoff: Backoff,
+) {
+    // Nothing is written before the agent has said what it wants once.
+    if wanted_rx.changed().await.is_err() {
+        return;
+    }
+    loop {
+        let wanted = wanted_rx.borrow_and_update().clone();
+        let current = node_rx.borrow_and_update().node.as_ref().map(|n| n.labels.clone());
+        let mut retry_in = None;
+        if let Some(current) = current {
+            let patch = label_patch(&current, &wanted, owned.keys());
+            if !patch.is_empty() {
+                // Record the union first: a crash after the patch still knows every key written.
+                let mut union = owned.keys().clone();
+                union.extend(wanted.keys().cloned());
+                if let Err(e) = owned.set(union) {
+                    tracing::warn!("cannot record owned labels: {e}");
+                }
+                match client.patch_node_metadata(&node_name, &patch, &BTreeMap::new()).await {
+                    Ok(_) => {
+                        tracing::info!("node {node_name}: wrote {} label change(s)", patch.len());
+                        backoff.reset();
+                        if let Err(e) = owned.set(wanted.keys().cloned().collect()) {
+                            tracing::warn!("cannot record owned labels: {e}");
+                        }
+                    }
+                    Err(e) => {
+                        let delay = backoff.next_with(e.retry_after());
+                        tracing::warn!("node {node_name}: cannot write labels ({e}); retrying in {delay:?}");
+                        retry_in = Some(delay);
+                    }
+                }
+            }
+        }
+        let retry = async {
+            match retry_in {
+                Some(d) => tokio::time::sleep(d).await,
+                None => std::future::pending().await,
+            }
+        };
+        tokio::select! {
+            r = wanted_rx.changed() => if r.is_err() { return },
+            r = node_rx.changed() => if r.is_err() { return },
+            () = retry => {}
+        }
+    }
+}
+
+async fn post_events(
+    client: KubeClient,
+    node_name: String,
+    node_rx: watch::Receiver<NodeView>,
+    mut events: mpsc::UnboundedReceiver<(EventType, String, String)>,
+) {
+    while let Some((event_type, reason, message)) = events.recv().await {
+        let node_uid = node_rx.borrow().node.as_ref().map(|n| n.uid.clone()).unwrap_or_default();
+        let event = NodeEvent { node_name: node_name.clone(), node_uid, event_type, reason, message };
+        if let Err(e) = client.create_event(&event).await {
+            tracing::warn!("cannot post the Event {} on the node: {e}", event.reason);
+        }
+    }
+}

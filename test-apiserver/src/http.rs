@@ -1,0 +1,567 @@
+//! The HTTPS listener, per-connection handling and the request handler.
+
+use std::collections::HashMap;
+use std::convert::Infallible;
+use std::io;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http_body_util::combinators::UnsyncBoxBody;
+use http_body_util::{BodyExt as _, Full, StreamBody};
+use hyper::body::{Frame, Incoming};
+use hyper::header::{AUTHORIZATION, CONTENT_TYPE, HeaderValue};
+use hyper::{Method, Request, Response};
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use hyper_util::server::conn::auto;
+use serde_json::{Value, json};
+use tokio::net::TcpListener;
+use tokio::sync::mpsc;
+use tokio_rustls::TlsAcceptor;
+
+use crate::patch::{self, PatchType};
+use crate::selector::{EVENT_FIELDS, FieldSelector, Filter, LabelSelector, NODE_FIELDS};
+use crate::status::{ApiError, go_quote};
+use crate::store::{WatchFrom, new_uid};
+use crate::tls::CertIdentity;
+use crate::{Failure, RequestRecord, State};
+
+pub(crate) type Body = UnsyncBoxBody<Bytes, Infallible>;
+
+/// Accepts connections until shutdown. While the server is down, connections are reset at once.
+pub(crate) async fn serve(state: Arc<State>, listener: TcpListener, acceptor: TlsAcceptor) {
+    let mut shutdown = state.shutdown.subscribe();
+    loop {
+        let accepted = tokio::select! {
+            accepted = listener.accept() => accepted,
+            _ = shutdown.wait_for(|s| *s) => return,
+        };
+        let tcp = match accepted {
+            Ok((tcp, _)) => tcp,
+            Err(_) => {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+                continue;
+            }
+        };
+        if *state.down.borrow() {
+            reset(tcp);
+            continue;
+        }
+        let _ = tcp.set_nodelay(true);
+        tokio::spawn(connection(state.clone(), acceptor.clone(), tcp));
+    }
+}
+
+/// Closes with RST rather than FIN, as near to "connection refused" as an accepted socket gets.
+fn reset(tcp: tokio::net::TcpStream) {
+    let _ = tcp.set_zero_linger();
+    drop(tcp);
+}
+
+async fn connection(state: Arc<State>, acceptor: TlsAcceptor, tcp: tokio::net::TcpStream) {
+    // Going down bumps `cuts`; a connection ends at the first bump after it started, even if the
+    // server is already up again by the time this task looks.
+    let mut cuts = state.cuts.subscribe();
+    let started = *cuts.borrow_and_update();
+    let mut shutdown = state.shutdown.subscribe();
+    if *state.down.borrow() {
+        reset(tcp);
+        return;
+    }
+    let serve = async {
+        let Ok(Ok(tls)) = tokio::time::timeout(Duration::from_secs(10), acceptor.accept(tcp)).await else {
+            return;
+        };
+        let identity = tls
+            .get_ref()
+            .1
+            .peer_certificates()
+            .and_then(|chain| state.pki.authenticate(chain));
+        let conn = Arc::new(identity);
+        let state = state.clone();
+        let service = hyper::service::service_fn(move |req| handle(state.clone(), conn.clone(), req));
+        let builder = auto::Builder::new(TokioExecutor::new());
+        let _ = builder.serve_connection(TokioIo::new(tls), service).await;
+    };
+    tokio::select! {
+        _ = serve => {}
+        _ = cuts.wait_for(|c| *c != started) => {}
+        _ = shutdown.wait_for(|s| *s) => {}
+    }
+}
+
+/// What a request addresses.
+#[derive(Clone, Debug, PartialEq, Eq)]
+enum Target {
+    Version,
+    Nodes,
+    Node(String),
+    Events(Option<String>),
+    Event(String, String),
+    Unknown,
+}
+
+struct Route {
+    target: Target,
+    /// The Kubernetes verb (`get`, `list`, `watch`, `patch`, ...), or the lower-cased method.
+    verb: String,
+    resource: &'static str,
+    /// A watch through `/api/v1/watch/...`.
+    watch_path: bool,
+}
+
+pub(crate) fn percent_decode(s: &str) -> String {
+    let b = s.as_bytes();
+    let hex = |c: u8| char::from(c).to_digit(16).map(|d| d as u8);
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        match b[i] {
+            b'+' => out.push(b' '),
+            b'%' if i + 2 < b.len() => match (hex(b[i + 1]), hex(b[i + 2])) {
+                (Some(hi), Some(lo)) => {
+                    out.push(hi << 4 | lo);
+                    i += 2;
+                }
+                _ => out.push(b'%'),
+            },
+            c => out.push(c),
+        }
+        i += 1;
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+fn parse_query(q: &str) -> HashMap<String, String> {
+    q.split('&')
+        .filter(|kv| !kv.is_empty())
+        .map(|kv| {
+            let (k, v) = kv.split_once('=').unwrap_or((kv, ""));
+            (percent_decode(k), percent_decode(v))
+        })
+        .collect()
+}
+
+/// Go's `strconv.ParseBool`.
+fn parse_bool(query: &HashMap<String, String>, key: &str) -> Result<bool, ApiError> {
+    match query.get(key).map(String::as_str) {
+        None | Some("") => Ok(false),
+        Some("1" | "t" | "T" | "true" | "TRUE" | "True") => Ok(true),
+        Some("0" | "f" | "F" | "false" | "FALSE" | "False") => Ok(false),
+        Some(other) => Err(ApiError::bad_request(format!(
+            "{key}: strconv.ParseBool: parsing {other:?}: invalid syntax"
+        ))),
+    }
+}
+
+fn route(method: &Method, path: &str, query: &HashMap<String, String>) -> Route {
+    let segments: Vec<String> = path
+        .trim_end_matches('/')
+        .split('/')
+        .skip(1)
+        .map(percent_decode)
+        .collect();
+    let segs: Vec<&str> = segments.iter().map(String::as_str).collect();
+    let (target, watch_path) = match segs.as_slice() {
+        ["version"] => (Target::Version, false),
+        ["api", "v1", "nodes"] => (Target::Nodes, false),
+        ["api", "v1", "nodes", name] => (Target::Node((*name).to_owned()), false),
+        ["api", "v1", "watch", "nodes"] => (Target::Nodes, true),
+        ["api", "v1", "watch", "nodes", name] => (Target::Node((*name).to_owned()), true),
+        ["api", "v1", "events"] => (Target::Events(None), false),
+        ["api", "v1", "namespaces", ns, "events"] => (Target::Events(Some((*ns).to_owned())), false),
+        ["api", "v1", "namespaces", ns, "events", name] => (Target::Event((*ns).to_owned(), (*name).to_owned()), false),
+        _ => (Target::Unknown, false),
+    };
+    let watch = watch_path
+        || matches!(
+            query.get("watch").map(String::as_str),
+            Some("1" | "t" | "T" | "true" | "TRUE" | "True")
+        );
+    let collection = matches!(target, Target::Nodes | Target::Events(_));
+    let verb = match *method {
+        Method::GET if watch_path || (collection && watch) => "watch",
+        Method::GET if collection => "list",
+        Method::GET => "get",
+        Method::POST => "create",
+        Method::PUT => "update",
+        Method::PATCH => "patch",
+        Method::DELETE if collection => "deletecollection",
+        Method::DELETE => "delete",
+        _ => "",
+    };
+    let verb = if verb.is_empty() {
+        method.as_str().to_ascii_lowercase()
+    } else {
+        verb.to_owned()
+    };
+    let resource = match target {
+        Target::Nodes | Target::Node(_) => "nodes",
+        Target::Events(_) | Target::Event(..) => "events",
+        Target::Version | Target::Unknown => "",
+    };
+    Route {
+        target,
+        verb,
+        resource,
+        watch_path,
+    }
+}
+
+fn base_response(code: u16) -> hyper::http::response::Builder {
+    Response::builder()
+        .status(code)
+        .header(CONTENT_TYPE, "application/json")
+        .header("Cache-Control", "no-cache, private")
+        .header("Audit-Id", new_uid())
+}
+
+fn json_response(code: u16, v: &Value) -> Response<Body> {
+    let body = serde_json::to_vec(v).unwrap_or_default();
+    base_response(code)
+        .body(Full::new(Bytes::from(body)).boxed_unsync())
+        .expect("response")
+}
+
+fn error_response(e: &ApiError) -> Response<Body> {
+    let mut resp = json_response(e.code, &e.to_status());
+    if let Some(secs) = e.retry_after {
+        resp.headers_mut().insert("Retry-After", HeaderValue::from(secs));
+    }
+    resp
+}
+
+/// A watch body: one line per message until the sender goes, or the deadline passes.
+fn stream_response(rx: mpsc::UnboundedReceiver<Bytes>, timeout: Option<Duration>) -> Response<Body> {
+    let deadline = timeout.map(|t| tokio::time::Instant::now() + t);
+    let stream = futures_util::stream::unfold(rx, move |mut rx| async move {
+        let next = match deadline {
+            Some(deadline) => tokio::time::timeout_at(deadline, rx.recv()).await.ok().flatten(),
+            None => rx.recv().await,
+        };
+        next.map(|line| (Ok::<_, Infallible>(Frame::data(line)), rx))
+    });
+    base_response(200)
+        .body(StreamBody::new(stream).boxed_unsync())
+        .expect("response")
+}
+
+fn forbidden(route: &Route, user: &str, path: &str) -> ApiError {
+    let (name, namespace) = match &route.target {
+        Target::Node(n) => (Some(n.as_str()), None),
+        Target::Event(ns, n) => (Some(n.as_str()), Some(ns.as_str())),
+        Target::Events(ns) => (None, ns.as_deref()),
+        _ => (None, None),
+    };
+    if route.resource.is_empty() {
+        return ApiError::forbidden(
+            format!(
+                "forbidden: User {} cannot {} path {}",
+                go_quote(user),
+                route.verb,
+                go_quote(path)
+            ),
+            json!({}),
+        );
+    }
+    let subject = match name {
+        Some(n) => format!("{} {}", route.resource, go_quote(n)),
+        None => route.resource.to_owned(),
+    };
+    let scope = match namespace {
+        Some(ns) => format!("in the namespace {}", go_quote(ns)),
+        None => "at the cluster scope".to_owned(),
+    };
+    let mut details = json!({"kind": route.resource});
+    if let Some(n) = name {
+        details["name"] = Value::String(n.to_owned());
+    }
+    ApiError::forbidden(
+        format!(
+            "{subject} is forbidden: User {} cannot {} resource {} in API group \"\" {scope}",
+            go_quote(user),
+            route.verb,
+            go_quote(route.resource)
+        ),
+        details,
+    )
+}
+
+/// Who sent the request: the client certificate wins (x509 comes first in kube-apiserver's
+/// authenticator chain), then a known bearer token.
+fn authenticate(state: &State, cert: &Option<CertIdentity>, authorization: Option<&str>) -> Option<String> {
+    if let Some(id) = cert {
+        return Some(id.user.clone());
+    }
+    let header = authorization?.trim();
+    let (scheme, token) = header.split_once(' ')?;
+    if !scheme.eq_ignore_ascii_case("bearer") {
+        return None;
+    }
+    state.tokens.lock().expect("tokens").get(token.trim()).cloned()
+}
+
+enum Outcome {
+    Respond(Response<Body>),
+    Disconnect,
+}
+
+async fn handle(
+    state: Arc<State>,
+    cert: Arc<Option<CertIdentity>>,
+    req: Request<Incoming>,
+) -> Result<Response<Body>, io::Error> {
+    let at = Instant::now();
+    let (parts, body) = req.into_parts();
+    let body = body.collect().await.map_err(io::Error::other)?.to_bytes();
+    let path = parts.uri.path().to_owned();
+    let raw_query = parts.uri.query().unwrap_or_default().to_owned();
+    let query = parse_query(&raw_query);
+    let route = route(&parts.method, &path, &query);
+    let header = |name| parts.headers.get(name).and_then(|v: &HeaderValue| v.to_str().ok());
+    let content_type = header(CONTENT_TYPE).map(str::to_owned);
+    let user = authenticate(&state, &cert, header(AUTHORIZATION));
+    let mut record = RequestRecord {
+        at,
+        method: parts.method.as_str().to_owned(),
+        path: path.clone(),
+        query: raw_query,
+        user: user.clone(),
+        status: 0,
+        watch: route.verb == "watch",
+        verb: route.verb.clone(),
+        content_type: content_type.clone(),
+        body: String::from_utf8_lossy(&body).into_owned(),
+    };
+    let outcome = process(
+        &state,
+        &route,
+        user.as_deref(),
+        &path,
+        &query,
+        content_type.as_deref(),
+        &body,
+    )
+    .await;
+    let result = match outcome {
+        Outcome::Respond(resp) => {
+            record.status = resp.status().as_u16();
+            Ok(resp)
+        }
+        Outcome::Disconnect => Err(io::Error::other("test-apiserver: injected disconnect")),
+    };
+    state.log.lock().expect("log").push(record);
+    state.touch();
+    result
+}
+
+async fn process(
+    state: &State,
+    route: &Route,
+    user: Option<&str>,
+    path: &str,
+    query: &HashMap<String, String>,
+    content_type: Option<&str>,
+    body: &[u8],
+) -> Outcome {
+    let Some(user) = user else {
+        return Outcome::Respond(error_response(&ApiError::unauthorized()));
+    };
+    let mut fault = state.take_fault(&route.verb, route.resource);
+    if let Some(Failure::Delay(d)) = fault {
+        tokio::time::sleep(d).await;
+        fault = None;
+    }
+    let injected = match fault {
+        None | Some(Failure::Delay(_)) => None,
+        Some(Failure::Disconnect) => return Outcome::Disconnect,
+        Some(Failure::TooManyRequests { retry_after_secs }) => Some(ApiError::too_many_requests(retry_after_secs)),
+        Some(Failure::Unauthorized) => Some(ApiError::unauthorized()),
+        Some(Failure::Forbidden) => Some(forbidden(route, user, path)),
+        Some(Failure::Internal) => Some(ApiError::internal("injected failure")),
+        Some(Failure::Unavailable) => Some(ApiError::unavailable()),
+        Some(Failure::Timeout) => Some(ApiError::timeout()),
+    };
+    if let Some(e) = injected {
+        return Outcome::Respond(error_response(&e));
+    }
+    if state.is_forbidden(user, &route.verb, route.resource) {
+        return Outcome::Respond(error_response(&forbidden(route, user, path)));
+    }
+    let resp = match dispatch(state, route, query, content_type, body) {
+        Ok(resp) => resp,
+        Err(e) => error_response(&e),
+    };
+    Outcome::Respond(resp)
+}
+
+fn filter(query: &HashMap<String, String>, fields: &[&str], name: Option<&str>) -> Result<Filter, ApiError> {
+    let mut field_selector = query.get("fieldSelector").cloned().unwrap_or_default();
+    if let Some(name) = name {
+        // `/api/v1/watch/nodes/NAME` is a watch with `metadata.name=NAME`.
+        if !field_selector.is_empty() {
+            field_selector.push(',');
+        }
+        field_selector.push_str(&format!("metadata.name={name}"));
+    }
+    Ok(Filter {
+        fields: FieldSelector::parse(&field_selector, fields).map_err(ApiError::bad_request)?,
+        labels: LabelSelector::parse(query.get("labelSelector").map(String::as_str).unwrap_or_default())
+            .map_err(ApiError::bad_request)?,
+    })
+}
+
+fn parse_body(body: &[u8]) -> Result<Value, ApiError> {
+    serde_json::from_slice(body).map_err(|e| ApiError::bad_request(format!("error decoding request body: {e}")))
+}
+
+fn dispatch(
+    state: &State,
+    route: &Route,
+    query: &HashMap<String, String>,
+    content_type: Option<&str>,
+    body: &[u8],
+) -> Result<Response<Body>, ApiError> {
+    let verb = route.verb.as_str();
+    let patch_type = || PatchType::from_content_type(content_type).ok_or_else(PatchType::unsupported);
+    let resp = match (&route.target, verb) {
+        (Target::Version, "get") => json_response(
+            200,
+            &json!({
+                "major": "1", "minor": "31", "gitVersion": "v1.31.0", "gitCommit": "test-apiserver",
+                "gitTreeState": "clean", "buildDate": "2024-08-13T07:28:49Z", "goVersion": "go1.22.5",
+                "compiler": "gc", "platform": "linux/amd64",
+            }),
+        ),
+        (Target::Nodes | Target::Node(_), "watch") => {
+            let name = match &route.target {
+                Target::Node(n) if route.watch_path => Some(n.as_str()),
+                _ => None,
+            };
+            return watch(state, query, filter(query, NODE_FIELDS, name)?);
+        }
+        (Target::Nodes, "list") => json_response(200, &state.store().node_list(&filter(query, NODE_FIELDS, None)?)),
+        (Target::Node(name), "get") => match state.store().node(name) {
+            Some(node) => json_response(200, node),
+            None => return Err(ApiError::not_found("nodes", name)),
+        },
+        (Target::Node(name), "patch") => {
+            let kind = patch_type()?;
+            let updated = {
+                let mut store = state.store();
+                let current = store.node(name).ok_or_else(|| ApiError::not_found("nodes", name))?;
+                let patched = patch::apply(current, kind, body)?;
+                store.update_node(name, patched)?
+            };
+            state.touch();
+            json_response(200, &updated)
+        }
+        (Target::Node(name), "update") => {
+            let new = parse_body(body)?;
+            let updated = state.store().update_node(name, new)?;
+            state.touch();
+            json_response(200, &updated)
+        }
+        (Target::Events(_), "watch") => return Err(ApiError::method_not_allowed()),
+        (Target::Events(ns), "list") => json_response(
+            200,
+            &state
+                .store()
+                .event_list(ns.as_deref(), &filter(query, EVENT_FIELDS, None)?),
+        ),
+        (Target::Events(Some(ns)), "create") => {
+            let created = state.store().create_event(ns, parse_body(body)?)?;
+            state.touch();
+            json_response(201, &created)
+        }
+        (Target::Event(ns, name), "get") => match state.store().event(ns, name) {
+            Some(ev) => json_response(200, ev),
+            None => return Err(ApiError::not_found("events", name)),
+        },
+        (Target::Event(ns, name), "patch") => {
+            let kind = patch_type()?;
+            let updated = {
+                let mut store = state.store();
+                let current = store
+                    .event(ns, name)
+                    .ok_or_else(|| ApiError::not_found("events", name))?;
+                let patched = patch::apply(current, kind, body)?;
+                store.update_event(ns, name, patched)?
+            };
+            state.touch();
+            json_response(200, &updated)
+        }
+        (Target::Event(ns, name), "update") => {
+            let updated = state.store().update_event(ns, name, parse_body(body)?)?;
+            state.touch();
+            json_response(200, &updated)
+        }
+        (Target::Unknown, _) => return Err(ApiError::no_route()),
+        _ => return Err(ApiError::method_not_allowed()),
+    };
+    Ok(resp)
+}
+
+fn watch(state: &State, query: &HashMap<String, String>, filter: Filter) -> Result<Response<Body>, ApiError> {
+    let bookmarks = parse_bool(query, "allowWatchBookmarks")?;
+    let send_initial_events = parse_bool(query, "sendInitialEvents")?;
+    let timeout = match query.get("timeoutSeconds").map(String::as_str) {
+        None | Some("") => None,
+        Some(s) => {
+            let secs: u64 = s
+                .parse()
+                .map_err(|_| ApiError::bad_request(format!("timeoutSeconds: invalid value {s:?}")))?;
+            (secs > 0).then(|| Duration::from_secs(secs))
+        }
+    };
+    let from = match query.get("resourceVersion").map(String::as_str) {
+        None | Some("" | "0") => WatchFrom::Now,
+        Some(s) => WatchFrom::After(
+            s.parse()
+                .map_err(|_| ApiError::bad_request(format!("invalid resource version: {s:?}")))?,
+        ),
+    };
+    let rx = match state.store().watch(filter, from, bookmarks, send_initial_events) {
+        Ok(rx) => rx,
+        Err(expired) => {
+            // HTTP 200, then one ERROR event carrying the 410 Status, then the end.
+            let (tx, rx) = mpsc::unbounded_channel();
+            let mut line =
+                serde_json::to_vec(&json!({"type": "ERROR", "object": expired.to_status()})).unwrap_or_default();
+            line.push(b'\n');
+            let _ = tx.send(Bytes::from(line));
+            rx
+        }
+    };
+    Ok(stream_response(rx, timeout))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn query_decoding() {
+        let q = parse_query("watch=1&fieldSelector=metadata.name%3Dgpu-1&labelSelector=a+in+(x%2Cy)&x");
+        assert_eq!(q["fieldSelector"], "metadata.name=gpu-1");
+        assert_eq!(q["labelSelector"], "a in (x,y)");
+        assert_eq!(q["x"], "");
+        assert_eq!(percent_decode("100%"), "100%");
+        assert_eq!(percent_decode("%zz"), "%zz");
+    }
+
+    #[test]
+    fn routes() {
+        let q = parse_query("watch=true");
+        assert_eq!(route(&Method::GET, "/api/v1/nodes", &q).verb, "watch");
+        assert_eq!(route(&Method::GET, "/api/v1/nodes", &HashMap::new()).verb, "list");
+        assert_eq!(route(&Method::GET, "/api/v1/nodes/a", &HashMap::new()).verb, "get");
+        assert_eq!(
+            route(&Method::GET, "/api/v1/watch/nodes/a", &HashMap::new()).verb,
+            "watch"
+        );
+        let r = route(&Method::POST, "/api/v1/namespaces/default/events", &HashMap::new());
+        assert_eq!((r.verb.as_str(), r.resource), ("create", "events"));
+        assert_eq!(route(&Method::GET, "/apis/x", &HashMap::new()).target, Target::Unknown);
+    }
+}

@@ -1,0 +1,527 @@
+//! Objects, the global resourceVersion counter, the watch history and the open watches.
+
+use std::collections::{BTreeMap, VecDeque};
+
+use bytes::Bytes;
+use serde_json::{Map, Value, json};
+use tokio::sync::mpsc;
+
+use crate::selector::Filter;
+use crate::status::{ApiError, Cause};
+use crate::time::now_rfc3339;
+use crate::validate;
+
+/// One recorded change to a Node. A deletion keeps the last state (with the deletion RV) in `obj`.
+#[derive(Clone, Debug)]
+struct Change {
+    rv: u64,
+    old: Option<Value>,
+    obj: Value,
+    deleted: bool,
+}
+
+/// An open watch: lines (`{"type":..,"object":..}\n`) go to the response body.
+struct Watcher {
+    tx: mpsc::UnboundedSender<Bytes>,
+    filter: Filter,
+    bookmarks: bool,
+}
+
+/// Where a new watch starts.
+pub(crate) enum WatchFrom {
+    /// RV absent or "0": synthetic ADDED for what exists now.
+    Now,
+    /// Changes after this RV, from the history.
+    After(u64),
+}
+
+pub(crate) struct Store {
+    rv: u64,
+    /// A watch from an RV below this is expired (410).
+    floor: u64,
+    nodes: BTreeMap<String, Value>,
+    events: Vec<Value>,
+    history: VecDeque<Change>,
+    history_limit: usize,
+    watchers: Vec<Watcher>,
+}
+
+pub(crate) fn new_uid() -> String {
+    let mut rng = fastrand::Rng::new();
+    let hex = |n: usize, rng: &mut fastrand::Rng| -> String {
+        (0..n)
+            .map(|_| char::from_digit(rng.u32(0..16), 16).unwrap_or('0'))
+            .collect()
+    };
+    format!(
+        "{}-{}-4{}-{}{}-{}",
+        hex(8, &mut rng),
+        hex(4, &mut rng),
+        hex(3, &mut rng),
+        ['8', '9', 'a', 'b'][rng.usize(0..4)],
+        hex(3, &mut rng),
+        hex(12, &mut rng)
+    )
+}
+
+fn generated_suffix() -> String {
+    const ALPHABET: &[u8] = b"bcdfghjklmnpqrstvwxz2456789";
+    (0..5)
+        .map(|_| char::from(ALPHABET[fastrand::usize(..ALPHABET.len())]))
+        .collect()
+}
+
+fn meta(obj: &Value) -> &Map<String, Value> {
+    static EMPTY: std::sync::OnceLock<Map<String, Value>> = std::sync::OnceLock::new();
+    obj.get("metadata")
+        .and_then(Value::as_object)
+        .unwrap_or_else(|| EMPTY.get_or_init(Map::new))
+}
+
+fn meta_str<'a>(obj: &'a Value, field: &str) -> &'a str {
+    meta(obj).get(field).and_then(Value::as_str).unwrap_or_default()
+}
+
+/// The object as a list item: list responses leave out `kind` and `apiVersion`.
+fn list_item(obj: &Value) -> Value {
+    let mut item = obj.clone();
+    if let Some(m) = item.as_object_mut() {
+        m.remove("kind");
+        m.remove("apiVersion");
+    }
+    item
+}
+
+fn watch_line(kind: &str, obj: &Value) -> Bytes {
+    let mut line = serde_json::to_vec(&json!({"type": kind, "object": obj})).unwrap_or_default();
+    line.push(b'\n');
+    Bytes::from(line)
+}
+
+fn bookmark_line(rv: u64, initial_events_end: bool) -> Bytes {
+    let mut metadata = json!({"resourceVersion": rv.to_string()});
+    if initial_events_end {
+        metadata["annotations"] = json!({"k8s.io/initial-events-end": "true"});
+    }
+    watch_line(
+        "BOOKMARK",
+        &json!({"kind": "Node", "apiVersion": "v1", "metadata": metadata}),
+    )
+}
+
+/// What a watcher with `filter` sees of `change`, if anything.
+fn event_for<'a>(filter: &Filter, change: &'a Change) -> Option<(&'static str, &'a Value)> {
+    let new_matches = !change.deleted && filter.matches(&change.obj);
+    let old_matches = change.old.as_ref().is_some_and(|o| filter.matches(o));
+    match (old_matches, new_matches) {
+        (false, true) => Some(("ADDED", &change.obj)),
+        (true, true) => Some(("MODIFIED", &change.obj)),
+        (true, false) => Some(("DELETED", &change.obj)),
+        (false, false) => None,
+    }
+}
+
+/// Checks the shape of an incoming object and puts the server-owned fields back from `current`.
+/// Preconditions (`resourceVersion`, `uid`) are checked first, as the API server does.
+fn prepare_update(resource: &str, kind: &str, name: &str, current: &Value, mut new: Value) -> Result<Value, ApiError> {
+    let Some(obj) = new.as_object_mut() else {
+        return Err(ApiError::bad_request(format!("the {kind} must be a JSON object")));
+    };
+    let meta = obj.entry("metadata").or_insert_with(|| json!({}));
+    if meta.is_null() {
+        *meta = json!({});
+    }
+    let Some(meta) = meta.as_object_mut() else {
+        return Err(ApiError::bad_request("metadata must be a JSON object"));
+    };
+    match meta.get("resourceVersion") {
+        None | Some(Value::Null) => {}
+        Some(Value::String(rv)) if rv.is_empty() || rv == meta_str(current, "resourceVersion") => {}
+        Some(Value::String(_)) => return Err(ApiError::modified(resource, name)),
+        Some(_) => return Err(ApiError::bad_request("metadata.resourceVersion must be a string")),
+    }
+    if let Some(uid) = meta.get("uid").and_then(Value::as_str) {
+        let current_uid = meta_str(current, "uid");
+        if !uid.is_empty() && uid != current_uid {
+            return Err(ApiError::conflict(
+                resource,
+                name,
+                &format!("Precondition failed: UID in precondition: {uid}, UID in object meta: {current_uid}"),
+            ));
+        }
+    }
+    if let Some(n) = meta.get("name").and_then(Value::as_str)
+        && !n.is_empty()
+        && n != name
+    {
+        return Err(ApiError::bad_request(format!(
+            "the name of the object ({n}) does not match the name on the URL ({name})"
+        )));
+    }
+    for field in ["name", "namespace", "uid", "resourceVersion", "creationTimestamp"] {
+        match meta_field(current, field) {
+            Some(v) => meta.insert(field.to_owned(), v.clone()),
+            None => meta.remove(field),
+        };
+    }
+    for field in ["labels", "annotations"] {
+        match meta.get(field) {
+            None => {}
+            Some(Value::Null) => {
+                meta.remove(field);
+            }
+            Some(Value::Object(m)) => {
+                if let Some((k, v)) = m.iter().find(|(_, v)| !v.is_string()) {
+                    return Err(ApiError::bad_request(format!(
+                        "json: cannot unmarshal {} into Go struct field ObjectMeta.metadata.{field} of type string \
+                         (key {k:?})",
+                        json_type(v)
+                    )));
+                }
+                if m.is_empty() {
+                    meta.remove(field);
+                }
+            }
+            Some(other) => {
+                return Err(ApiError::bad_request(format!(
+                    "json: cannot unmarshal {} into Go struct field ObjectMeta.metadata.{field} of type map[string]string",
+                    json_type(other)
+                )));
+            }
+        }
+    }
+    obj.insert("kind".into(), Value::String(kind.into()));
+    obj.insert("apiVersion".into(), Value::String("v1".into()));
+    Ok(new)
+}
+
+fn meta_field<'a>(obj: &'a Value, field: &str) -> Option<&'a Value> {
+    meta(obj).get(field)
+}
+
+fn json_type(v: &Value) -> &'static str {
+    match v {
+        Value::Null => "null",
+        Value::Bool(_) => "bool",
+        Value::Number(_) => "number",
+        Value::String(_) => "string",
+        Value::Array(_) => "array",
+        Value::Object(_) => "object",
+    }
+}
+
+fn validate_meta(kind: &str, name: &str, obj: &Value) -> Result<(), ApiError> {
+    let mut causes: Vec<Cause> = Vec::new();
+    if let Some(Value::Object(labels)) = meta_field(obj, "labels") {
+        causes.extend(validate::labels(labels));
+    }
+    if let Some(Value::Object(annotations)) = meta_field(obj, "annotations") {
+        causes.extend(validate::annotations(annotations));
+    }
+    if causes.is_empty() {
+        Ok(())
+    } else {
+        Err(ApiError::invalid(kind, name, causes))
+    }
+}
+
+impl Store {
+    pub fn new(history_limit: usize) -> Store {
+        Store {
+            rv: 1000,
+            floor: 0,
+            nodes: BTreeMap::new(),
+            events: Vec::new(),
+            history: VecDeque::new(),
+            history_limit: history_limit.max(1),
+            watchers: Vec::new(),
+        }
+    }
+
+    pub fn rv(&self) -> u64 {
+        self.rv
+    }
+
+    fn next_rv(&mut self) -> u64 {
+        self.rv += 1;
+        self.rv
+    }
+
+    fn record(&mut self, change: Change) {
+        self.watchers.retain(|w| match event_for(&w.filter, &change) {
+            Some((kind, obj)) => w.tx.send(watch_line(kind, obj)).is_ok(),
+            None => !w.tx.is_closed(),
+        });
+        self.history.push_back(change);
+        while self.history.len() > self.history_limit {
+            if let Some(dropped) = self.history.pop_front() {
+                self.floor = self.floor.max(dropped.rv);
+            }
+        }
+    }
+
+    // ----- nodes -----
+
+    pub fn node(&self, name: &str) -> Option<&Value> {
+        self.nodes.get(name)
+    }
+
+    /// Creates a node from a full object (`metadata.name` required); fills uid, RV, timestamp.
+    pub fn create_node(&mut self, mut obj: Value) -> Result<Value, ApiError> {
+        let name = obj
+            .pointer("/metadata/name")
+            .and_then(Value::as_str)
+            .unwrap_or_default()
+            .to_owned();
+        if name.is_empty() {
+            return Err(ApiError::invalid(
+                "Node",
+                "",
+                vec![Cause::required("metadata.name", "name is required")],
+            ));
+        }
+        if self.nodes.contains_key(&name) {
+            return Err(ApiError::already_exists("nodes", &name));
+        }
+        let template = json!({"metadata": {
+            "name": name,
+            "uid": new_uid(),
+            "resourceVersion": "0",
+            "creationTimestamp": now_rfc3339(),
+        }});
+        if let Some(m) = obj.get_mut("metadata").and_then(Value::as_object_mut) {
+            m.remove("resourceVersion");
+            m.remove("uid");
+            m.remove("creationTimestamp");
+        }
+        let mut obj = prepare_update("nodes", "Node", &name, &template, obj)?;
+        validate_meta("Node", &name, &obj)?;
+        let rv = self.next_rv();
+        obj["metadata"]["resourceVersion"] = Value::String(rv.to_string());
+        if obj.get("spec").is_none() {
+            obj["spec"] = json!({});
+        }
+        if obj.get("status").is_none() {
+            obj["status"] = json!({});
+        }
+        self.nodes.insert(name, obj.clone());
+        self.record(Change {
+            rv,
+            old: None,
+            obj: obj.clone(),
+            deleted: false,
+        });
+        Ok(obj)
+    }
+
+    /// Replaces a node with `new` (as after a patch or PUT): preconditions, validation, and a
+    /// new RV plus a MODIFIED event only when something changed.
+    pub fn update_node(&mut self, name: &str, new: Value) -> Result<Value, ApiError> {
+        let current = self.nodes.get(name).ok_or_else(|| ApiError::not_found("nodes", name))?;
+        let new = prepare_update("nodes", "Node", name, current, new)?;
+        validate_meta("Node", name, &new)?;
+        if new == *current {
+            return Ok(new);
+        }
+        let old = current.clone();
+        let rv = self.next_rv();
+        let mut new = new;
+        new["metadata"]["resourceVersion"] = Value::String(rv.to_string());
+        self.nodes.insert(name.to_owned(), new.clone());
+        self.record(Change {
+            rv,
+            old: Some(old),
+            obj: new.clone(),
+            deleted: false,
+        });
+        Ok(new)
+    }
+
+    pub fn delete_node(&mut self, name: &str) -> Option<Value> {
+        let old = self.nodes.remove(name)?;
+        let rv = self.next_rv();
+        let mut obj = old.clone();
+        obj["metadata"]["resourceVersion"] = Value::String(rv.to_string());
+        self.record(Change {
+            rv,
+            old: Some(old),
+            obj: obj.clone(),
+            deleted: true,
+        });
+        Some(obj)
+    }
+
+    pub fn node_list(&self, filter: &Filter) -> Value {
+        let items: Vec<Value> = self
+            .nodes
+            .values()
+            .filter(|n| filter.matches(n))
+            .map(list_item)
+            .collect();
+        json!({
+            "kind": "NodeList",
+            "apiVersion": "v1",
+            "metadata": {"resourceVersion": self.rv.to_string()},
+            "items": items,
+        })
+    }
+
+    // ----- watches -----
+
+    /// Opens a watch. `Err` is the 410 `Expired` status for an RV older than the history.
+    pub fn watch(
+        &mut self,
+        filter: Filter,
+        from: WatchFrom,
+        bookmarks: bool,
+        send_initial_events: bool,
+    ) -> Result<mpsc::UnboundedReceiver<Bytes>, ApiError> {
+        let (tx, rx) = mpsc::unbounded_channel();
+        let initial = |tx: &mpsc::UnboundedSender<Bytes>| {
+            for node in self.nodes.values().filter(|n| filter.matches(n)) {
+                let _ = tx.send(watch_line("ADDED", node));
+            }
+        };
+        match from {
+            WatchFrom::Now => initial(&tx),
+            WatchFrom::After(rv) if rv < self.floor => return Err(ApiError::expired(rv, self.rv)),
+            WatchFrom::After(_) if send_initial_events => initial(&tx),
+            WatchFrom::After(rv) => {
+                for change in self.history.iter().filter(|c| c.rv > rv) {
+                    if let Some((kind, obj)) = event_for(&filter, change) {
+                        let _ = tx.send(watch_line(kind, obj));
+                    }
+                }
+            }
+        }
+        if send_initial_events && bookmarks {
+            let _ = tx.send(bookmark_line(self.rv, true));
+        }
+        self.watchers.retain(|w| !w.tx.is_closed());
+        self.watchers.push(Watcher { tx, filter, bookmarks });
+        Ok(rx)
+    }
+
+    pub fn send_bookmarks(&mut self) {
+        let line = bookmark_line(self.rv, false);
+        self.watchers
+            .retain(|w| !w.bookmarks || w.tx.send(line.clone()).is_ok());
+    }
+
+    /// Ends every open watch stream (cleanly: the response body ends).
+    pub fn drop_watches(&mut self) {
+        self.watchers.clear();
+    }
+
+    pub fn open_watches(&mut self) -> usize {
+        self.watchers.retain(|w| !w.tx.is_closed());
+        self.watchers.len()
+    }
+
+    /// Forgets the history: every RV below the current one is expired for watches.
+    pub fn compact(&mut self) {
+        self.history.clear();
+        self.floor = self.rv;
+    }
+
+    // ----- events -----
+
+    pub fn events(&self) -> &[Value] {
+        &self.events
+    }
+
+    fn event_index(&self, ns: &str, name: &str) -> Option<usize> {
+        self.events
+            .iter()
+            .position(|e| meta_str(e, "namespace") == ns && meta_str(e, "name") == name)
+    }
+
+    pub fn event(&self, ns: &str, name: &str) -> Option<&Value> {
+        self.event_index(ns, name).map(|i| &self.events[i])
+    }
+
+    pub fn create_event(&mut self, ns: &str, mut ev: Value) -> Result<Value, ApiError> {
+        let Some(obj) = ev.as_object_mut() else {
+            return Err(ApiError::bad_request("the Event must be a JSON object"));
+        };
+        let meta = obj.entry("metadata").or_insert_with(|| json!({}));
+        let Some(meta) = meta.as_object_mut() else {
+            return Err(ApiError::bad_request("metadata must be a JSON object"));
+        };
+        match meta.get("namespace").and_then(Value::as_str) {
+            Some(n) if !n.is_empty() && n != ns => {
+                return Err(ApiError::bad_request(
+                    "the namespace of the provided object does not match the namespace sent on the request",
+                ));
+            }
+            _ => {
+                meta.insert("namespace".into(), Value::String(ns.to_owned()));
+            }
+        }
+        let name = meta.get("name").and_then(Value::as_str).unwrap_or_default().to_owned();
+        let generate = meta
+            .get("generateName")
+            .and_then(Value::as_str)
+            .unwrap_or_default()
+            .to_owned();
+        let name = if name.is_empty() && !generate.is_empty() {
+            loop {
+                let candidate = format!("{generate}{}", generated_suffix());
+                if self.event_index(ns, &candidate).is_none() {
+                    break candidate;
+                }
+            }
+        } else {
+            name
+        };
+        meta.insert("name".into(), Value::String(name.clone()));
+        meta.insert("uid".into(), Value::String(new_uid()));
+        meta.insert("creationTimestamp".into(), Value::String(now_rfc3339()));
+        meta.remove("resourceVersion");
+        obj.insert("kind".into(), Value::String("Event".into()));
+        obj.insert("apiVersion".into(), Value::String("v1".into()));
+        let causes = validate::event(&ev);
+        if !causes.is_empty() {
+            return Err(ApiError::invalid("Event", &name, causes));
+        }
+        validate_meta("Event", &name, &ev)?;
+        if self.event_index(ns, &name).is_some() {
+            return Err(ApiError::already_exists("events", &name));
+        }
+        let rv = self.next_rv();
+        ev["metadata"]["resourceVersion"] = Value::String(rv.to_string());
+        self.events.push(ev.clone());
+        Ok(ev)
+    }
+
+    pub fn update_event(&mut self, ns: &str, name: &str, new: Value) -> Result<Value, ApiError> {
+        let i = self
+            .event_index(ns, name)
+            .ok_or_else(|| ApiError::not_found("events", name))?;
+        let new = prepare_update("events", "Event", name, &self.events[i], new)?;
+        validate_meta("Event", name, &new)?;
+        if new == self.events[i] {
+            return Ok(new);
+        }
+        let rv = self.next_rv();
+        let mut new = new;
+        new["metadata"]["resourceVersion"] = Value::String(rv.to_string());
+        self.events[i] = new.clone();
+        Ok(new)
+    }
+
+    pub fn event_list(&self, ns: Option<&str>, filter: &Filter) -> Value {
+        let items: Vec<Value> = self
+            .events
+            .iter()
+            .filter(|e| ns.is_none_or(|ns| meta_str(e, "namespace") == ns) && filter.matches(e))
+            .map(list_item)
+            .collect();
+        json!({
+            "kind": "EventList",
+            "apiVersion": "v1",
+            "metadata": {"resourceVersion": self.rv.to_string()},
+            "items": items,
+        })
+    }
+}
