@@ -13,10 +13,10 @@ use tokio::sync::{mpsc, watch};
 
 use crate::cluster::{self, LabelsView, Link};
 use crate::config::{Config, DevicePluginConfig};
-use crate::kube::EventType;
-use crate::labels::gfd::{FeatureInputs, feature_labels};
 use crate::desired::{Desired, ProfileOutcome, ProfileState, Selection, choose_profile};
 use crate::host::{HostRoot, hostname};
+use crate::kube::EventType;
+use crate::labels::gfd::{FeatureInputs, feature_labels};
 use crate::nvml::{GpuError, Gpus, HealthEvent, Inventory};
 use crate::plugin::allocate::AllocateOptions;
 use crate::plugin::devnodes::DeviceNodes;
@@ -97,7 +97,12 @@ pub struct DevicePluginPlan {
 /// Reads the inventory and computes the resources to advertise (no side effects).
 pub fn plan_device_plugin(gpus: &Gpus, config: &Config, root: &HostRoot) -> Result<DevicePluginPlan, AgentError> {
     let inventory = gpus.inventory(&root.join("/sys"))?;
-    let (dp, _) = choose_profile(&config.device_plugin, &Selection::Unset, None, &config.labels.device_plugin_config);
+    let (dp, _) = choose_profile(
+        &config.device_plugin,
+        &Selection::Unset,
+        None,
+        &config.labels.device_plugin_config,
+    );
     let resources = build_resources(&inventory, dp.mig_strategy)?;
     Ok(DevicePluginPlan { inventory, resources })
 }
@@ -172,8 +177,12 @@ pub async fn run(config: Config, root: HostRoot, once: bool) -> Result<i32, Agen
     let mut sighup = signal(SignalKind::hangup()).map_err(AgentError::Signals)?;
 
     let (health_tx, mut health_rx) = mpsc::unbounded_channel();
-    let (dp, profile) =
-        choose_profile(&config.device_plugin, &Selection::Unset, None, &config.labels.device_plugin_config);
+    let (dp, profile) = choose_profile(
+        &config.device_plugin,
+        &Selection::Unset,
+        None,
+        &config.labels.device_plugin_config,
+    );
     let base_ctx = PluginContext {
         allocate: allocate_options(&dp),
         nodes: DeviceNodes::gather(&root.join(&config.device_plugin.dev_root), &root.join("/proc")),
@@ -411,14 +420,21 @@ impl Agent {
     /// advertised resources in place). A label naming nothing changes nothing and is reported.
     async fn apply_desired(&mut self, desired: &Desired) {
         let key = &self.config.labels.device_plugin_config;
-        let (dp, outcome) =
-            choose_profile(&self.config.device_plugin, &desired.device_plugin_config, self.profile.applied.as_deref(), key);
+        let (dp, outcome) = choose_profile(
+            &self.config.device_plugin,
+            &desired.device_plugin_config,
+            self.profile.applied.as_deref(),
+            key,
+        );
         if outcome != self.profile {
             match (&outcome.state, &outcome.reason) {
                 (ProfileState::Failed, Some(reason)) => tracing::warn!("device plugin profile: {reason}"),
                 _ => tracing::info!(
                     "device plugin profile: {}",
-                    outcome.applied.as_deref().unwrap_or("none (the [device_plugin] keys as configured)")
+                    outcome
+                        .applied
+                        .as_deref()
+                        .unwrap_or("none (the [device_plugin] keys as configured)")
                 ),
             }
             self.profile = outcome;
@@ -663,12 +679,18 @@ impl Agent {
                 StageState::Ok => link.event(
                     EventType::Normal,
                     "DevicePluginReady",
-                    format!("gpu-node-agent device plugin: {}", stage.detail.as_deref().unwrap_or("ready")),
+                    format!(
+                        "gpu-node-agent device plugin: {}",
+                        stage.detail.as_deref().unwrap_or("ready")
+                    ),
                 ),
                 StageState::Failed => link.event(
                     EventType::Warning,
                     "DevicePluginFailed",
-                    format!("gpu-node-agent device plugin: {}", stage.error.as_deref().unwrap_or("failed")),
+                    format!(
+                        "gpu-node-agent device plugin: {}",
+                        stage.error.as_deref().unwrap_or("failed")
+                    ),
                 ),
                 _ => {}
             }
@@ -681,7 +703,10 @@ impl Agent {
                 ProfileState::Success => link.event(
                     EventType::Normal,
                     "DevicePluginProfileApplied",
-                    format!("device plugin profile {} applied", d.profile.applied.as_deref().unwrap_or("-")),
+                    format!(
+                        "device plugin profile {} applied",
+                        d.profile.applied.as_deref().unwrap_or("-")
+                    ),
                 ),
                 ProfileState::Failed => link.event(
                     EventType::Warning,
@@ -697,11 +722,17 @@ impl Agent {
             }
         }
         for gpu in &status.gpus {
-            let was = before.and_then(|b| b.gpus.iter().find(|g| g.uuid == gpu.uuid)).map(|g| g.health.as_str());
+            let was = before
+                .and_then(|b| b.gpus.iter().find(|g| g.uuid == gpu.uuid))
+                .map(|g| g.health.as_str());
             if was.unwrap_or(Health::Healthy.as_str()) != gpu.health {
                 let what = format!("GPU {} ({})", gpu.index, gpu.uuid);
                 match &gpu.reason {
-                    Some(reason) => link.event(EventType::Warning, "GpuUnhealthy", format!("{what} is unhealthy: {reason}")),
+                    Some(reason) => link.event(
+                        EventType::Warning,
+                        "GpuUnhealthy",
+                        format!("{what} is unhealthy: {reason}"),
+                    ),
                     None => link.event(EventType::Normal, "GpuHealthy", format!("{what} is healthy again")),
                 }
             }

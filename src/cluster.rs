@@ -15,6 +15,11 @@ use crate::host::HostRoot;
 use crate::kube::{self, Backoff, EventType, KubeClient, NodeEvent, NodeView};
 use crate::labels::report::{OwnedLabels, label_patch};
 
+/// The labels the agent wants on its Node; `None` until it has said once.
+type WantedLabels = Option<BTreeMap<String, String>>;
+/// An Event to post: type, reason, message (the node is filled in when posting).
+type EventRequest = (EventType, String, String);
+
 /// How often the labels file is checked for changes (one `stat`).
 const LABELS_FILE_CHECK: Duration = Duration::from_secs(1);
 
@@ -36,8 +41,8 @@ pub struct LabelsView {
 pub struct Link {
     pub view: watch::Receiver<LabelsView>,
     /// Labels the agent wants on its Node; `None` when there is no Node to write to.
-    report: Option<watch::Sender<BTreeMap<String, String>>>,
-    events: Option<mpsc::UnboundedSender<(EventType, String, String)>>,
+    report: Option<watch::Sender<WantedLabels>>,
+    events: Option<mpsc::UnboundedSender<EventRequest>>,
 }
 
 impl Link {
@@ -45,8 +50,8 @@ impl Link {
     pub fn report(&self, labels: BTreeMap<String, String>) {
         if let Some(tx) = &self.report {
             tx.send_if_modified(|current| {
-                let changed = *current != labels;
-                *current = labels;
+                let changed = current.as_ref() != Some(&labels);
+                *current = Some(labels);
                 changed
             });
         }
@@ -101,7 +106,11 @@ pub fn start(config: &Config, root: &HostRoot) -> Link {
             connected: false,
             error: None,
         });
-        tokio::spawn(watch_labels_file(path, config.desired.labels_file.display().to_string(), tx));
+        tokio::spawn(watch_labels_file(
+            path,
+            config.desired.labels_file.display().to_string(),
+            tx,
+        ));
         match &client {
             // Desired state from the file; what the agent did still goes to the Node.
             Some(client) => {
@@ -141,7 +150,11 @@ fn none_link(why: String) -> Link {
     });
     // Keep the sender alive so `changed()` pends instead of failing.
     std::mem::forget(tx);
-    Link { view: rx, report: None, events: None }
+    Link {
+        view: rx,
+        report: None,
+        events: None,
+    }
 }
 
 fn node_labels_view(node: &NodeView, detail: &str) -> LabelsView {
@@ -171,7 +184,9 @@ async fn watch_labels_file(path: PathBuf, shown: String, tx: watch::Sender<Label
     let mut seen: Option<(u64, u64, SystemTime)> = None;
     let mut first = true;
     loop {
-        let stamp = std::fs::metadata(&path).ok().map(|m| (m.ino(), m.len(), m.modified().unwrap_or(SystemTime::UNIX_EPOCH)));
+        let stamp = std::fs::metadata(&path)
+            .ok()
+            .map(|m| (m.ino(), m.len(), m.modified().unwrap_or(SystemTime::UNIX_EPOCH)));
         if stamp != seen || first {
             first = false;
             seen = stamp;
@@ -212,12 +227,19 @@ fn start_reporter(
     node_rx: watch::Receiver<NodeView>,
     config: &Config,
     root: &HostRoot,
-) -> (watch::Sender<BTreeMap<String, String>>, mpsc::UnboundedSender<(EventType, String, String)>) {
-    let (report_tx, report_rx) = watch::channel(BTreeMap::new());
+) -> (watch::Sender<WantedLabels>, mpsc::UnboundedSender<EventRequest>) {
+    let (report_tx, report_rx) = watch::channel(None);
     let (event_tx, event_rx) = mpsc::unbounded_channel();
     let owned = OwnedLabels::load(&root.join(&config.agent.state_dir));
     let backoff = Backoff::new(config.kubernetes.backoff_min, config.kubernetes.backoff_max);
-    tokio::spawn(report_labels(client.clone(), node_name.clone(), node_rx.clone(), report_rx, owned, backoff));
+    tokio::spawn(report_labels(
+        client.clone(),
+        node_name.clone(),
+        node_rx.clone(),
+        report_rx,
+        owned,
+        backoff,
+    ));
     if config.kubernetes.events {
         tokio::spawn(post_events(client, node_name, node_rx, event_rx));
     }
@@ -228,7 +250,7 @@ async fn report_labels(
     client: KubeClient,
     node_name: String,
     mut node_rx: watch::Receiver<NodeView>,
-    mut wanted_rx: watch::Receiver<BTreeMap<String, String>>,
+    mut wanted_rx: watch::Receiver<WantedLabels>,
     mut owned: OwnedLabels,
     mut backoff: Backoff,
 ) {
@@ -237,7 +259,7 @@ async fn report_labels(
         return;
     }
     loop {
-        let wanted = wanted_rx.borrow_and_update().clone();
+        let wanted = wanted_rx.borrow_and_update().clone().unwrap_or_default();
         let current = node_rx.borrow_and_update().node.as_ref().map(|n| n.labels.clone());
         let mut retry_in = None;
         if let Some(current) = current {
@@ -283,11 +305,22 @@ async fn post_events(
     client: KubeClient,
     node_name: String,
     node_rx: watch::Receiver<NodeView>,
-    mut events: mpsc::UnboundedReceiver<(EventType, String, String)>,
+    mut events: mpsc::UnboundedReceiver<EventRequest>,
 ) {
     while let Some((event_type, reason, message)) = events.recv().await {
-        let node_uid = node_rx.borrow().node.as_ref().map(|n| n.uid.clone()).unwrap_or_default();
-        let event = NodeEvent { node_name: node_name.clone(), node_uid, event_type, reason, message };
+        let node_uid = node_rx
+            .borrow()
+            .node
+            .as_ref()
+            .map(|n| n.uid.clone())
+            .unwrap_or_default();
+        let event = NodeEvent {
+            node_name: node_name.clone(),
+            node_uid,
+            event_type,
+            reason,
+            message,
+        };
         if let Err(e) = client.create_event(&event).await {
             tracing::warn!("cannot post the Event {} on the node: {e}", event.reason);
         }

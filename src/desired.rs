@@ -29,7 +29,10 @@ impl Selection {
             Some(v) if v.is_empty() => Selection::Unset,
             Some(v) => match check_label_value(v) {
                 Ok(()) => Selection::Name { name: v.clone() },
-                Err(reason) => Selection::Invalid { value: v.clone(), reason },
+                Err(reason) => Selection::Invalid {
+                    value: v.clone(),
+                    reason,
+                },
             },
         }
     }
@@ -65,7 +68,10 @@ impl Desired {
 
     /// Nothing asked for (no labels, or no source at all).
     pub fn none() -> Desired {
-        Desired { mig_config: Selection::Unset, device_plugin_config: Selection::Unset }
+        Desired {
+            mig_config: Selection::Unset,
+            device_plugin_config: Selection::Unset,
+        }
     }
 }
 
@@ -113,39 +119,64 @@ pub fn choose_profile(
     label_key: &str,
 ) -> (DevicePluginConfig, ProfileOutcome) {
     let keep = |reason: String| {
-        let effective = current.and_then(|name| config.with_profile(name)).unwrap_or_else(|| config.clone());
-        let outcome =
-            ProfileOutcome { applied: current.map(str::to_string), state: ProfileState::Failed, reason: Some(reason) };
+        let effective = current
+            .and_then(|name| config.with_profile(name))
+            .unwrap_or_else(|| config.clone());
+        let outcome = ProfileOutcome {
+            applied: current.map(str::to_string),
+            state: ProfileState::Failed,
+            reason: Some(reason),
+        };
         (effective, outcome)
     };
     match selection {
-        Selection::Unset if config.default_profile.is_empty() => {
-            (config.clone(), ProfileOutcome { applied: None, state: ProfileState::None, reason: None })
-        }
+        Selection::Unset if config.default_profile.is_empty() => (
+            config.clone(),
+            ProfileOutcome {
+                applied: None,
+                state: ProfileState::None,
+                reason: None,
+            },
+        ),
         Selection::Unset => {
             let name = &config.default_profile;
             match config.with_profile(name) {
                 Some(effective) => (
                     effective,
-                    ProfileOutcome { applied: Some(name.clone()), state: ProfileState::Success, reason: None },
+                    ProfileOutcome {
+                        applied: Some(name.clone()),
+                        state: ProfileState::Success,
+                        reason: None,
+                    },
                 ),
                 // Config validation guarantees the default profile exists.
                 None => keep(format!("default_profile {name:?} is not defined")),
             }
         }
         Selection::Name { name } => match config.with_profile(name) {
-            Some(effective) => {
-                (effective, ProfileOutcome { applied: Some(name.clone()), state: ProfileState::Success, reason: None })
-            }
+            Some(effective) => (
+                effective,
+                ProfileOutcome {
+                    applied: Some(name.clone()),
+                    state: ProfileState::Success,
+                    reason: None,
+                },
+            ),
             None => {
                 let defined: Vec<&str> = config.profiles.keys().map(String::as_str).collect();
-                let defined = if defined.is_empty() { "none".to_string() } else { defined.join(", ") };
+                let defined = if defined.is_empty() {
+                    "none".to_string()
+                } else {
+                    defined.join(", ")
+                };
                 keep(format!(
                     "label {label_key}={name} names no profile under [device_plugin.profiles] (defined: {defined}); nothing changed"
                 ))
             }
         },
-        Selection::Invalid { value, reason } => keep(format!("label {label_key}={value:?} is not valid: {reason}; nothing changed")),
+        Selection::Invalid { value, reason } => keep(format!(
+            "label {label_key}={value:?} is not valid: {reason}; nothing changed"
+        )),
     }
 }
 
@@ -168,7 +199,11 @@ pub fn parse_labels_file(file: &str, text: &str) -> Result<BTreeMap<String, Stri
         if line.is_empty() || line.starts_with('#') {
             continue;
         }
-        let err = |reason: String| LabelsFileError { file: file.to_string(), line: i + 1, reason };
+        let err = |reason: String| LabelsFileError {
+            file: file.to_string(),
+            line: i + 1,
+            reason,
+        };
         let Some((key, value)) = line.split_once('=') else {
             return Err(err(format!("expected key=value, got {line:?}")));
         };
@@ -192,7 +227,10 @@ mod tests {
         let mut dp = Config::default().device_plugin;
         dp.profiles.insert(
             "mig-mixed".into(),
-            DevicePluginProfile { mig_strategy: Some(MigStrategy::Mixed), ..Default::default() },
+            DevicePluginProfile {
+                mig_strategy: Some(MigStrategy::Mixed),
+                ..Default::default()
+            },
         );
         dp
     }
@@ -201,10 +239,18 @@ mod tests {
     fn desired_reads_the_configured_keys_and_validates_values() {
         let keys = LabelsConfig::default();
         let d = Desired::from_labels(
-            &labels(&[("nvidia.com/mig.config", "all-1g.5gb"), ("nvidia.com/device-plugin.config", "bad value")]),
+            &labels(&[
+                ("nvidia.com/mig.config", "all-1g.5gb"),
+                ("nvidia.com/device-plugin.config", "bad value"),
+            ]),
             &keys,
         );
-        assert_eq!(d.mig_config, Selection::Name { name: "all-1g.5gb".into() });
+        assert_eq!(
+            d.mig_config,
+            Selection::Name {
+                name: "all-1g.5gb".into()
+            }
+        );
         assert!(matches!(d.device_plugin_config, Selection::Invalid { .. }));
         assert_eq!(Desired::from_labels(&labels(&[]), &keys), Desired::none());
     }
@@ -212,7 +258,14 @@ mod tests {
     #[test]
     fn a_known_profile_applies() {
         let dp = config_with_profile();
-        let (eff, out) = choose_profile(&dp, &Selection::Name { name: "mig-mixed".into() }, None, "k");
+        let (eff, out) = choose_profile(
+            &dp,
+            &Selection::Name {
+                name: "mig-mixed".into(),
+            },
+            None,
+            "k",
+        );
         assert_eq!(eff.mig_strategy, MigStrategy::Mixed);
         assert_eq!(out.state, ProfileState::Success);
         assert_eq!(out.applied.as_deref(), Some("mig-mixed"));
@@ -222,16 +275,27 @@ mod tests {
     fn an_unknown_profile_changes_nothing_and_says_why() {
         let dp = config_with_profile();
         // Nothing applied before: the base keys stay.
-        let (eff, out) = choose_profile(&dp, &Selection::Name { name: "nope".into() }, None, "nvidia.com/device-plugin.config");
+        let (eff, out) = choose_profile(
+            &dp,
+            &Selection::Name { name: "nope".into() },
+            None,
+            "nvidia.com/device-plugin.config",
+        );
         assert_eq!(eff, dp);
         assert_eq!(out.state, ProfileState::Failed);
         let reason = out.reason.expect("reason");
-        assert!(reason.contains("nvidia.com/device-plugin.config=nope") && reason.contains("mig-mixed"), "{reason}");
+        assert!(
+            reason.contains("nvidia.com/device-plugin.config=nope") && reason.contains("mig-mixed"),
+            "{reason}"
+        );
         // A profile applied before stays applied.
         let (eff, out) = choose_profile(&dp, &Selection::Name { name: "nope".into() }, Some("mig-mixed"), "k");
         assert_eq!(eff.mig_strategy, MigStrategy::Mixed);
         assert_eq!(out.applied.as_deref(), Some("mig-mixed"));
-        let invalid = Selection::Invalid { value: "a b".into(), reason: "bad".into() };
+        let invalid = Selection::Invalid {
+            value: "a b".into(),
+            reason: "bad".into(),
+        };
         let (_, out) = choose_profile(&dp, &invalid, Some("mig-mixed"), "k");
         assert_eq!(out.state, ProfileState::Failed);
     }
@@ -240,7 +304,11 @@ mod tests {
     fn no_label_uses_the_default_profile_or_the_plain_keys() {
         let mut dp = config_with_profile();
         let (eff, out) = choose_profile(&dp, &Selection::Unset, Some("mig-mixed"), "k");
-        assert_eq!(eff.mig_strategy, MigStrategy::None, "removing the label returns to the plain keys");
+        assert_eq!(
+            eff.mig_strategy,
+            MigStrategy::None,
+            "removing the label returns to the plain keys"
+        );
         assert_eq!(out.state, ProfileState::None);
         dp.default_profile = "mig-mixed".into();
         let (eff, out) = choose_profile(&dp, &Selection::Unset, None, "k");
@@ -250,7 +318,8 @@ mod tests {
 
     #[test]
     fn labels_file_lines() {
-        let text = "# desired state\n\nnvidia.com/mig.config = all-disabled\nnvidia.com/device-plugin.config=mig-mixed\n";
+        let text =
+            "# desired state\n\nnvidia.com/mig.config = all-disabled\nnvidia.com/device-plugin.config=mig-mixed\n";
         let l = parse_labels_file("/etc/labels", text).expect("parses");
         assert_eq!(l["nvidia.com/mig.config"], "all-disabled");
         assert_eq!(l["nvidia.com/device-plugin.config"], "mig-mixed");

@@ -198,8 +198,16 @@ impl Status {
                 ProfileState::Success => format!("success, applied {}", d.profile.applied.as_deref().unwrap_or("-")),
                 ProfileState::Failed => format!("failed: {}", d.profile.reason.as_deref().unwrap_or("?")),
             };
-            let _ = writeln!(out, "  device plugin profile  {}  [{state}]", show(&d.device_plugin_config));
-            let _ = writeln!(out, "  MIG layout             {}  [not acted on: MIG layouts come with the MIG stage]", show(&d.mig_config));
+            let _ = writeln!(
+                out,
+                "  device plugin profile  {}  [{state}]",
+                show(&d.device_plugin_config)
+            );
+            let _ = writeln!(
+                out,
+                "  MIG layout             {}  [not acted on: MIG layouts come with the MIG stage]",
+                show(&d.mig_config)
+            );
         }
         if !self.labels.is_empty() {
             let _ = writeln!(out, "\nREPORTED LABELS ({})", self.labels.len());

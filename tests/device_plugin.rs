@@ -4,7 +4,7 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use common::{Node, gpu_uuid, healthy, machine, summary};
+use common::{H100_MIG, Node, gpu_uuid, healthy, machine, summary};
 use test_kubelet::{KubeletOptions, TestKubelet};
 
 const T: Duration = Duration::from_secs(10);
@@ -61,36 +61,6 @@ async fn t4_without_mig_is_one_gpu_in_every_strategy() {
         assert_eq!(agent.stop(), 0);
     }
 }
-
-const H100_MIG: &str = r#"
-driver_version = "550.54.15"
-cuda_driver_version = 12040
-
-[[gpu]]
-model = "H100-80GB-HBM3"
-uuid = "GPU-00000000-aaaa-bbbb-cccc-000000000000"
-mig_mode = true
-numa_node = 0
-[[gpu.mig_device]]
-profile = "3g.40gb"
-placement = 4
-[[gpu.mig_device]]
-profile = "2g.20gb"
-placement = 0
-[[gpu.mig_device]]
-profile = "2g.20gb"
-placement = 2
-
-[[gpu]]
-model = "H100-80GB-HBM3"
-uuid = "GPU-00000001-aaaa-bbbb-cccc-000000000000"
-mig_mode = true
-numa_node = 1
-[[gpu.mig_device]]
-profile = "1g.10gb"
-[[gpu.mig_device]]
-profile = "1g.10gb"
-"#;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn h100_mig_devices_in_each_strategy() {

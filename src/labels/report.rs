@@ -48,10 +48,18 @@ impl OwnedLabels {
     pub fn load(state_dir: &Path) -> OwnedLabels {
         let path = state_dir.join(OWNED_LABELS_FILE);
         let keys = match std::fs::read_to_string(&path) {
-            Ok(text) => text.lines().map(str::trim).filter(|l| !l.is_empty()).map(str::to_string).collect(),
+            Ok(text) => text
+                .lines()
+                .map(str::trim)
+                .filter(|l| !l.is_empty())
+                .map(str::to_string)
+                .collect(),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => BTreeSet::new(),
             Err(e) => {
-                tracing::warn!("cannot read {}: {e}; assuming the agent owns no labels yet", path.display());
+                tracing::warn!(
+                    "cannot read {}: {e}; assuming the agent owns no labels yet",
+                    path.display()
+                );
                 BTreeSet::new()
             }
         };
@@ -92,7 +100,12 @@ mod tests {
 
     #[test]
     fn patch_sets_changed_removes_stale_owned_and_leaves_others() {
-        let current = map(&[("nvidia.com/gpu.count", "4"), ("nvidia.com/gpu.old", "x"), ("team", "ml"), ("nvidia.com/mine-not", "y")]);
+        let current = map(&[
+            ("nvidia.com/gpu.count", "4"),
+            ("nvidia.com/gpu.old", "x"),
+            ("team", "ml"),
+            ("nvidia.com/mine-not", "y"),
+        ]);
         let wanted = map(&[("nvidia.com/gpu.count", "8"), ("nvidia.com/gpu.present", "true")]);
         let owned = set(&["nvidia.com/gpu.count", "nvidia.com/gpu.old", "nvidia.com/gone-already"]);
         let patch = label_patch(&current, &wanted, &owned);
@@ -121,7 +134,13 @@ mod tests {
         let path = dir.path().join(OWNED_LABELS_FILE);
         let before = std::fs::metadata(&path).expect("written").modified().expect("mtime");
         owned.set(set(&["a/b", "c/d"])).expect("no-op");
-        assert_eq!(std::fs::metadata(&path).expect("still there").modified().expect("mtime"), before);
+        assert_eq!(
+            std::fs::metadata(&path)
+                .expect("still there")
+                .modified()
+                .expect("mtime"),
+            before
+        );
         assert_eq!(OwnedLabels::load(dir.path()).keys(), &set(&["a/b", "c/d"]));
     }
 }

@@ -21,6 +21,37 @@ driver_version = "550.54.15"
 cuda_driver_version = 12040
 "#;
 
+/// Two H100s with MIG devices: GPU 0 one 3g.40gb and two 2g.20gb, GPU 1 two 1g.10gb.
+pub const H100_MIG: &str = r#"
+driver_version = "550.54.15"
+cuda_driver_version = 12040
+
+[[gpu]]
+model = "H100-80GB-HBM3"
+uuid = "GPU-00000000-aaaa-bbbb-cccc-000000000000"
+mig_mode = true
+numa_node = 0
+[[gpu.mig_device]]
+profile = "3g.40gb"
+placement = 4
+[[gpu.mig_device]]
+profile = "2g.20gb"
+placement = 0
+[[gpu.mig_device]]
+profile = "2g.20gb"
+placement = 2
+
+[[gpu]]
+model = "H100-80GB-HBM3"
+uuid = "GPU-00000001-aaaa-bbbb-cccc-000000000000"
+mig_mode = true
+numa_node = 1
+[[gpu.mig_device]]
+profile = "1g.10gb"
+[[gpu.mig_device]]
+profile = "1g.10gb"
+"#;
+
 /// `n` GPUs of `model`, uuids `GPU-<model tag>-<i>`, NUMA node `i / (n/2)`.
 pub fn machine(model: &str, n: u32) -> String {
     let mut m = DGX_A100.to_string();
