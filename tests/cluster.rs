@@ -7,7 +7,7 @@ mod common;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use common::{Node, gpu_uuid, machine};
+use common::{Node, machine};
 use test_apiserver::{Failure, KubeconfigAuth, KubeconfigOptions, TestApiServer};
 use test_kubelet::{KubeletOptions, TestKubelet};
 
@@ -470,5 +470,4 @@ async fn only_owned_labels_are_removed_and_steady_state_writes_nothing() {
     assert_eq!(labels.get("team").map(String::as_str), Some("ml"));
     assert!(!labels.keys().any(|k| k.starts_with("nvidia.com/gpu.")), "{labels:?}");
     assert_eq!(agent.stop(), 0);
-    let _ = gpu_uuid;
 }
