@@ -43,6 +43,8 @@ pub struct Link {
     /// Labels the agent wants on its Node; `None` when there is no Node to write to.
     report: Option<watch::Sender<WantedLabels>>,
     events: Option<mpsc::UnboundedSender<EventRequest>>,
+    /// Keeps a fixed view's sender alive, so `view.changed()` waits instead of failing.
+    _fixed: Option<watch::Sender<LabelsView>>,
 }
 
 impl Link {
@@ -137,7 +139,12 @@ pub fn start(config: &Config, root: &HostRoot) -> Link {
         tracing::warn!("{why}");
         return none_link(why.to_string());
     };
-    Link { view, report, events }
+    Link {
+        view,
+        report,
+        events,
+        _fixed: None,
+    }
 }
 
 fn none_link(why: String) -> Link {
@@ -148,12 +155,11 @@ fn none_link(why: String) -> Link {
         connected: false,
         error: None,
     });
-    // Keep the sender alive so `changed()` pends instead of failing.
-    std::mem::forget(tx);
     Link {
         view: rx,
         report: None,
         events: None,
+        _fixed: Some(tx),
     }
 }
 
