@@ -16,6 +16,7 @@ pub mod host;
 pub mod kube;
 pub mod labels;
 pub mod logging;
+pub mod mig;
 pub mod nvml;
 pub mod plan;
 pub mod plugin;

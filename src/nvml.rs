@@ -181,6 +181,11 @@ impl Gpus {
         Ok(Gpus { nvml: Arc::new(nvml) })
     }
 
+    /// The NVML library, for modules that make raw calls (MIG).
+    pub(crate) fn nvml(&self) -> &Nvml {
+        &self.nvml
+    }
+
     /// Reads the whole inventory. `sysfs` is the root-prefixed `/sys`, where NUMA affinity is
     /// read first (as NVIDIA's plugin does); NVML's own NUMA id is the fallback.
     pub fn inventory(&self, sysfs: &Path) -> Result<Inventory, GpuError> {

@@ -1,0 +1,6 @@
+//! MIG layouts: the named layouts of the config (mig-parted compatible), the pure planner that
+//! turns observed state + a layout into NVML operations per GPU, and the applier that performs
+//! them through NVML.
+
+pub mod apply;
+pub mod state;
