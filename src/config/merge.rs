@@ -38,6 +38,12 @@ impl KeyPath {
         self
     }
 
+    /// This path with one more array index.
+    pub(crate) fn index(mut self, index: usize) -> Self {
+        self.0.push(Seg::Index(index));
+        self
+    }
+
     /// The path serde_path_to_error recorded for a deserialization error. Enum-variant and
     /// unknown segments carry no key and are skipped.
     pub(crate) fn from_serde(path: &serde_path_to_error::Path) -> Self {

@@ -16,6 +16,8 @@ mod merge;
 mod values;
 
 use crate::host::rooted;
+use crate::mig::defaults::default_layouts;
+use crate::mig::layout::{EntryField, Item, LayoutError, MigLayout};
 use std::collections::BTreeMap;
 use std::fs;
 use std::io;
@@ -84,6 +86,17 @@ pub const DEFAULT_DEV_ROOT: &str = "/";
 pub const DEFAULT_HOST_MOUNTS_DRIVER_DIR: &str = "/usr/local/nvidia";
 /// `device_plugin.host_mounts_container_dir`: where that dir is mounted in the container.
 pub const DEFAULT_HOST_MOUNTS_CONTAINER_DIR: &str = "/usr/local/nvidia";
+
+/// `mig.enabled`: run the MIG stage (apply the layout a Node label names).
+pub const DEFAULT_MIG_ENABLED: bool = true;
+/// `mig.default_layouts`: offer the built-in layouts (`all-disabled`, `all-1g.10gb`, ...).
+pub const DEFAULT_MIG_DEFAULT_LAYOUTS: bool = true;
+/// `mig.process_wait_timeout`: how long a layout change waits in `pending` for processes on the
+/// GPUs to end before it is `failed`; zero waits forever.
+pub const DEFAULT_MIG_PROCESS_WAIT_TIMEOUT: Duration = Duration::from_secs(10 * 60);
+/// `mig.reboot_on_mode_change`: reboot when a MIG mode change needs a GPU reset that cannot be
+/// done (else fail with the reason).
+pub const DEFAULT_MIG_REBOOT_ON_MODE_CHANGE: bool = false;
 
 /// `health.enabled`: watch Xid events and lost GPUs.
 pub const DEFAULT_HEALTH_ENABLED: bool = true;
@@ -172,6 +185,8 @@ pub struct Config {
     pub kubelet: KubeletConfig,
     /// `[device_plugin]`
     pub device_plugin: DevicePluginConfig,
+    /// `[mig]`
+    pub mig: MigConfig,
     /// `[health]`
     pub health: HealthConfig,
     /// `[kubernetes]`
@@ -373,6 +388,70 @@ impl Default for DevicePluginConfig {
     }
 }
 
+/// `[mig]`: MIG layouts, named like mig-parted's configs and selected by the
+/// `nvidia.com/mig.config` label.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct MigConfig {
+    /// Run the MIG stage at all.
+    pub enabled: bool,
+    /// Offer the built-in layouts ([`default_layouts`]); user layouts with the same name
+    /// replace them.
+    pub default_layouts: bool,
+    /// How long to wait in `pending` for processes on the GPUs to end before `failed`; zero
+    /// waits forever.
+    #[serde(with = "values::duration")]
+    pub process_wait_timeout: Duration,
+    /// When a MIG mode change needs a GPU reset that cannot be done: report `rebooting` and
+    /// reboot (`true`), or fail with the reason (`false`).
+    pub reboot_on_mode_change: bool,
+    /// User layouts by name (`[[mig.layouts.<name>]]`), each a list of entries.
+    pub layouts: BTreeMap<String, MigLayout>,
+}
+
+impl Default for MigConfig {
+    fn default() -> Self {
+        MigConfig {
+            enabled: DEFAULT_MIG_ENABLED,
+            default_layouts: DEFAULT_MIG_DEFAULT_LAYOUTS,
+            process_wait_timeout: DEFAULT_MIG_PROCESS_WAIT_TIMEOUT,
+            reboot_on_mode_change: DEFAULT_MIG_REBOOT_ON_MODE_CHANGE,
+            layouts: BTreeMap::new(),
+        }
+    }
+}
+
+impl MigConfig {
+    /// The layout a label value names: a user layout, else a built-in one when
+    /// `default_layouts` is on; `None` when neither has it.
+    pub fn layout(&self, name: &str) -> Option<MigLayout> {
+        if let Some(layout) = self.layouts.get(name) {
+            return Some(layout.clone());
+        }
+        if self.default_layouts {
+            return default_layouts().remove(name);
+        }
+        None
+    }
+
+    /// Every layout name a label may select, sorted.
+    pub fn layout_names(&self) -> Vec<String> {
+        self.all_layouts().into_keys().collect()
+    }
+
+    /// Every layout by name: the built-in ones (when `default_layouts`) with the user's over
+    /// them.
+    pub fn all_layouts(&self) -> BTreeMap<String, MigLayout> {
+        let mut out = if self.default_layouts {
+            default_layouts()
+        } else {
+            BTreeMap::new()
+        };
+        out.extend(self.layouts.iter().map(|(k, v)| (k.clone(), v.clone())));
+        out
+    }
+}
+
 /// `[health]`: Xid events and lost GPUs.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -552,6 +631,7 @@ impl Config {
         self.nvml.validate()?;
         self.kubelet.validate()?;
         self.device_plugin.validate()?;
+        self.mig.validate()?;
         self.health.validate()?;
         self.kubernetes.validate()?;
         self.desired.validate()?;
@@ -725,6 +805,50 @@ impl DevicePluginConfig {
             "device_plugin.host_mounts_container_dir",
             &self.host_mounts_container_dir,
         )
+    }
+}
+
+impl MigConfig {
+    fn validate(&self) -> Check {
+        // process_wait_timeout = 0s means wait forever.
+        for (name, layout) in &self.layouts {
+            let at = KeyPath::dotted("mig.layouts").key(name);
+            if name.is_empty() {
+                return Err(Invalid {
+                    key: at,
+                    reason: "a layout name cannot be empty".to_owned(),
+                });
+            }
+            values::check_label_value(name).map_err(|reason| Invalid {
+                key: at.clone(),
+                reason: format!("a layout name is selected by a label value: {reason}"),
+            })?;
+            layout.check().map_err(|e| match e {
+                LayoutError::Entry {
+                    entry,
+                    field,
+                    item,
+                    reason,
+                } => {
+                    let key = at.clone().index(entry).key(field.config_key());
+                    let key = match item {
+                        Some(Item::Index(i)) => key.index(i),
+                        Some(Item::Profile(p)) => key.key(&p),
+                        None => key,
+                    };
+                    let reason = match field {
+                        EntryField::Profiles => reason.replace("MIG enabled", "mig_enabled"),
+                        _ => reason,
+                    };
+                    Invalid { key, reason }
+                }
+                other => Invalid {
+                    key: at.clone(),
+                    reason: other.to_string(),
+                },
+            })?;
+        }
+        Ok(())
     }
 }
 
@@ -987,7 +1111,7 @@ mod tests {
         assert_eq!(
             err(&[("main.toml", "# top\n\nbogus = 1\n")]),
             "main.toml:3: unknown key bogus: expected one of log, agent, nvml, kubelet, \
-             device_plugin, health, kubernetes, desired, labels"
+             device_plugin, mig, health, kubernetes, desired, labels"
         );
         assert_eq!(
             err(&[("main.toml", "[log]\nlevel = \"info\"\nformt = \"text\"\n")]),
@@ -1379,6 +1503,153 @@ mod tests {
         assert!(matches!(e, ConfigError::ReadFile { .. }), "{e}");
         assert!(e.to_string().contains("config.toml: cannot read config file: "), "{e}");
     }
+    #[test]
+    fn mig_layouts_parse_and_merge_with_defaults() {
+        use crate::mig::layout::DeviceSelector;
+        let config = parse(&[(
+            "10-mig.toml",
+            "[mig]\nprocess_wait_timeout = \"0s\"\n\n[[mig.layouts.custom-1]]\ndevices = \"all\"\n\
+             device_filter = [\"0x20B0\", \"0x20B210DE\", 0x2330]\nmig_enabled = true\n\
+             profiles = { \"1g.5gb\" = 7 }\n\n[[mig.layouts.custom-1]]\ndevices = [4, 5]\ndevice_filter = 0x20B5\nmig_enabled = false\n\n\
+             [[mig.layouts.all-balanced]]\ndevices = \"all\"\ndevice_filter = \"0x20B0\"\nmig_enabled = true\n\
+             profiles = {}\n",
+        )])
+        .unwrap();
+        assert_eq!(config.mig.process_wait_timeout, Duration::ZERO);
+        let custom = config.mig.layout("custom-1").unwrap();
+        assert_eq!(custom.entries.len(), 2);
+        assert_eq!(custom.entries[0].device_filter, [0x20B0, 0x20B2, 0x2330]);
+        assert_eq!(custom.entries[0].profiles["1g.5gb"], 7);
+        assert_eq!(custom.entries[1].devices, DeviceSelector::Indices(vec![4, 5]));
+        assert!(custom.entries[1].profiles.is_empty());
+        // A user layout replaces the built-in one of the same name; the others stay.
+        assert_eq!(config.mig.layout("all-balanced").unwrap().entries.len(), 1);
+        assert!(config.mig.layout("all-1g.10gb").is_some());
+        assert!(config.mig.layout("nope").is_none());
+        let names = config.mig.layout_names();
+        assert!(names.contains(&"custom-1".to_owned()) && names.contains(&"all-disabled".to_owned()));
+        assert!(names.windows(2).all(|w| w[0] < w[1]));
+
+        let only_mine = parse(&[(
+            "c.toml",
+            "[mig]\ndefault_layouts = false\n[[mig.layouts.x]]\ndevices = \"all\"\nmig_enabled = false\n",
+        )])
+        .unwrap();
+        assert_eq!(only_mine.mig.layout_names(), ["x"]);
+        assert!(only_mine.mig.layout("all-disabled").is_none());
+        assert_eq!(
+            Config::default().mig.layout_names().len(),
+            crate::mig::defaults::default_layouts().len()
+        );
+    }
+
+    #[test]
+    fn mig_layout_errors_name_file_line_and_key() {
+        let e = |text: &str| err(&[("m.toml", text)]);
+        const HEAD: &str = "[[mig.layouts.x]]\ndevices = \"all\"\n";
+        assert_eq!(
+            e(&format!(
+                "{HEAD}mig_enabled = true\nprofiles = {{ \"1g.5gb\" = 7, \"1x.5gb\" = 1 }}\n"
+            )),
+            "m.toml:4: mig.layouts.x[0].profiles.\"1x.5gb\" = 1 is not valid: \"1x.5gb\" is not a MIG profile name: \
+             \"1x\" does not end in \"g\" (expected [<C>c.]<G>g.<GB>gb with an optional +attr[,attr] or -attr \
+             suffix, e.g. 1g.5gb, 1c.4g.20gb, 1g.5gb+me, 1g.24gb-me)"
+        );
+        assert_eq!(
+            e(&format!("{HEAD}mig_enabled = true\nprofiles = {{ \"1g.5gb\" = 0 }}\n")),
+            "m.toml:4: mig.layouts.x[0].profiles.\"1g.5gb\" = 0 is not valid: expected a count of at least 1; \
+             leave the profile out instead"
+        );
+        assert_eq!(
+            e(&format!("{HEAD}mig_enabled = false\nprofiles = {{ \"1g.5gb\" = 7 }}\n")),
+            "m.toml:4: mig.layouts.x[0].profiles = { \"1g.5gb\" = 7 } is not valid: MIG devices need mig_enabled; \
+             leave the profiles out or set mig_enabled"
+        );
+        let missing = e(&format!("{HEAD}mig_enabled = true\n"));
+        assert!(
+            missing.starts_with("m.toml:1: mig.layouts.x[0] = ")
+                && missing.ends_with(
+                    "is not valid: missing field `profiles` (required when mig_enabled = true; {} for none)"
+                ),
+            "{missing}"
+        );
+        let missing = e("[[mig.layouts.x]]\nmig_enabled = false\n");
+        assert!(
+            missing.starts_with("m.toml:1: mig.layouts.x[0] = ") && missing.ends_with("missing field `devices`"),
+            "{missing}"
+        );
+        assert_eq!(
+            e("[[mig.layouts.x]]\ndevices = [0, 1,\n  0]\nmig_enabled = false\n"),
+            "m.toml:3: mig.layouts.x[0].devices[2] = 0 is not valid: GPU 0 is listed twice"
+        );
+        assert_eq!(
+            e("[[mig.layouts.x]]\ndevices = []\nmig_enabled = false\n"),
+            "m.toml:2: mig.layouts.x[0].devices = [] is not valid: an empty list selects no GPU; expected \"all\" \
+             or GPU indices"
+        );
+        assert_eq!(
+            e("[[mig.layouts.x]]\ndevices = \"some\"\nmig_enabled = false\n"),
+            "m.toml:2: mig.layouts.x[0].devices = \"some\" is not valid: expected \"all\" or an array of GPU indices"
+        );
+        assert_eq!(
+            e("[[mig.layouts.x]]\ndevices = [-1]\nmig_enabled = false\n"),
+            "m.toml:2: mig.layouts.x[0].devices[0] = -1 is not valid: expected an integer in 0..=4294967295"
+        );
+        assert_eq!(
+            e(&format!(
+                "{HEAD}device_filter = [\"0x20B0\", \"0x20B01002\"]\nmig_enabled = false\n"
+            )),
+            "m.toml:3: mig.layouts.x[0].device_filter[1] = \"0x20B01002\" is not valid: 0x20B01002 has vendor id \
+             0x1002, not NVIDIA's 0x10DE; expected 0x<device id>10DE, e.g. \"0x20B010DE\""
+        );
+        let bad_id = e(&format!("{HEAD}device_filter = \"A100\"\nmig_enabled = false\n"));
+        assert!(
+            bad_id.starts_with(
+                "m.toml:3: mig.layouts.x[0].device_filter = \"A100\" is not valid: expected a PCI device id"
+            ),
+            "{bad_id}"
+        );
+        assert_eq!(
+            e(&format!("{HEAD}mig_enabled = false\nmig_devices = {{}}\n")),
+            "m.toml:4: unknown key mig.layouts.x[0].mig_devices: expected one of devices, device_filter, \
+             mig_enabled, profiles"
+        );
+        assert_eq!(
+            e("[mig.layouts]\nx = []\n"),
+            "m.toml:2: mig.layouts.x = [] is not valid: a layout needs at least one entry"
+        );
+        let table = e("[mig.layouts.x]\ndevices = \"all\"\nmig_enabled = false\n");
+        assert!(
+            table.starts_with("m.toml:1: mig.layouts.x = ")
+                && table.ends_with("is not valid: expected an array of layout entries, written [[mig.layouts.<name>]]"),
+            "{table}"
+        );
+        let name = e("[[mig.layouts.\"-x\"]]\ndevices = \"all\"\nmig_enabled = false\n");
+        assert!(
+            name.starts_with("m.toml:1: mig.layouts.-x = ")
+                && name.contains("a layout name is selected by a label value"),
+            "{name}"
+        );
+        assert_eq!(
+            e(
+                "[[mig.layouts.x]]\ndevices = \"all\"\nmig_enabled = false\n\n[[mig.layouts.x]]\ndevices = [1]\n\
+               mig_enabled = true\nprofiles = {}\n"
+            ),
+            "m.toml:6: mig.layouts.x[1].devices = [1] is not valid: entry 1 can apply to the same GPUs as entry 0 \
+             (their devices and device filters overlap) but asks for a different MIG state; make them disjoint"
+        );
+        assert_eq!(
+            e("[mig]\nprocess_wait_timeout = \"10 minutes\"\n"),
+            "m.toml:2: mig.process_wait_timeout = \"10 minutes\" is not valid: expected a duration such as \
+             \"500ms\", \"5s\", \"2m\", \"1h\" or \"1h30m\""
+        );
+        assert_eq!(
+            e("[mig]\nreboot = true\n"),
+            "m.toml:2: unknown key mig.reboot: expected one of enabled, default_layouts, process_wait_timeout, \
+             reboot_on_mode_change, layouts"
+        );
+    }
+
     #[test]
     fn device_plugin_profiles_override_keys_and_are_validated() {
         let config = parse(&[(

@@ -3,4 +3,8 @@
 //! them through NVML.
 
 pub mod apply;
+pub mod defaults;
+pub mod import;
+pub mod layout;
+pub mod planner;
 pub mod state;
