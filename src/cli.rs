@@ -52,8 +52,35 @@ pub enum Command {
         #[command(subcommand)]
         command: ConfigCommand,
     },
+    /// MIG layouts: apply or check a named layout, export the current state, import mig-parted.
+    Mig {
+        #[command(subcommand)]
+        command: MigCommand,
+    },
     /// Print the version.
     Version,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum MigCommand {
+    /// Bring the GPUs to a layout of the config ([mig.layouts] or a built-in one). Refuses a
+    /// layout that cannot fit before changing anything, and GPUs with processes on them.
+    /// Exit 0: done or already so; 75: GPU work running, nothing changed; 1: failed.
+    Apply {
+        /// Layout name, e.g. all-1g.5gb, all-balanced, or one of [mig.layouts].
+        layout: String,
+    },
+    /// Check whether the GPUs match a layout, changing nothing: exit 0 if they do, 1 with what
+    /// would change if not.
+    Assert { layout: String },
+    /// Print the current MIG state as a layout ([[mig.layouts.current]] TOML).
+    Export,
+    /// Read a mig-parted `version: v1` YAML file and print its layouts as config TOML, for a
+    /// drop-in such as /etc/gpu-node-agent/config.d/50-mig.toml.
+    Import {
+        /// The mig-parted file (a host path, not under --root).
+        file: PathBuf,
+    },
 }
 
 #[derive(Debug, Subcommand)]

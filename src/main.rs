@@ -5,9 +5,11 @@ use std::process::ExitCode;
 use clap::Parser;
 
 use gpu_node_agent::agent::{self, plan_device_plugin, summary};
-use gpu_node_agent::cli::{Cli, Command, ConfigCommand};
+use gpu_node_agent::cli::{Cli, Command, ConfigCommand, MigCommand};
 use gpu_node_agent::config::Config;
 use gpu_node_agent::host::HostRoot;
+use gpu_node_agent::mig::stage::{Step, converge, export, plan_layout};
+use gpu_node_agent::mig::{import, planner};
 use gpu_node_agent::nvml::Gpus;
 use gpu_node_agent::status::{STATUS_FILE, Status, now_unix};
 use gpu_node_agent::{logging, plan};
@@ -55,6 +57,7 @@ fn main() -> ExitCode {
             }
         }
         Command::Status { json } => status(&config, &root, json),
+        Command::Mig { command } => mig(&config, &root, command),
         Command::Plan { json } => {
             logging::init(&config.log);
             let gpus = match Gpus::open(&agent::nvml_library(&config, &root)) {
@@ -105,6 +108,121 @@ fn main() -> ExitCode {
                     eprintln!("gpu-node-agent: {e}");
                     let _ = summary;
                     exit(e.exit_code())
+                }
+            }
+        }
+    }
+}
+
+/// Exit code when GPU work blocks a MIG change (EX_TEMPFAIL: try again later).
+const EXIT_BUSY: u8 = 75;
+
+fn mig(config: &Config, root: &HostRoot, command: MigCommand) -> ExitCode {
+    if let MigCommand::Import { file } = &command {
+        let text = match std::fs::read_to_string(file) {
+            Ok(t) => t,
+            Err(e) => {
+                eprintln!("gpu-node-agent: cannot read {}: {e}", file.display());
+                return ExitCode::FAILURE;
+            }
+        };
+        return match import::import_mig_parted(&text) {
+            Ok(layouts) => {
+                println!("# MIG layouts imported from {}", file.display());
+                print!("{}", import::to_toml(&layouts));
+                ExitCode::SUCCESS
+            }
+            Err(e) => {
+                eprintln!("gpu-node-agent: {}: {e}", file.display());
+                ExitCode::from(64)
+            }
+        };
+    }
+    let layout_of = |name: &str| {
+        config.mig.layout(name).ok_or_else(|| {
+            format!(
+                "no MIG layout named {name:?}; defined: {}",
+                config.mig.layout_names().join(", ")
+            )
+        })
+    };
+    let gpus = match Gpus::open(&agent::nvml_library(config, root)) {
+        Ok(g) => g,
+        Err(e) => {
+            eprintln!("gpu-node-agent: {e}");
+            return ExitCode::from(EXIT_NO_NVML);
+        }
+    };
+    match command {
+        MigCommand::Import { .. } => ExitCode::SUCCESS,
+        MigCommand::Export => match gpus.mig_observe() {
+            Ok(observed) => {
+                let layouts = std::iter::once(("current".to_string(), export(&observed))).collect();
+                print!("{}", import::to_toml(&layouts));
+                ExitCode::SUCCESS
+            }
+            Err(e) => {
+                eprintln!("gpu-node-agent: {e}");
+                ExitCode::FAILURE
+            }
+        },
+        MigCommand::Assert { layout: name } => {
+            let layout = match layout_of(&name) {
+                Ok(l) => l,
+                Err(e) => {
+                    eprintln!("gpu-node-agent: {e}");
+                    return ExitCode::from(64);
+                }
+            };
+            let plans = gpus
+                .mig_observe()
+                .map_err(|e| e.to_string())
+                .and_then(|o| plan_layout(&o, &layout).map_err(|e| e.to_string()));
+            match plans {
+                Ok(plans) if plans.iter().all(|p| p.ops.is_empty()) => {
+                    println!("the GPUs match MIG layout {name}");
+                    ExitCode::SUCCESS
+                }
+                Ok(plans) => {
+                    println!("the GPUs do not match MIG layout {name}; applying it would do:");
+                    for p in plans.iter().filter(|p| !p.ops.is_empty()) {
+                        println!("{}", planner::describe(p));
+                    }
+                    ExitCode::FAILURE
+                }
+                Err(e) => {
+                    eprintln!("gpu-node-agent: {e}");
+                    ExitCode::FAILURE
+                }
+            }
+        }
+        MigCommand::Apply { layout: name } => {
+            let layout = match layout_of(&name) {
+                Ok(l) => l,
+                Err(e) => {
+                    eprintln!("gpu-node-agent: {e}");
+                    return ExitCode::from(64);
+                }
+            };
+            match converge(&gpus, &name, &layout) {
+                Step::Converged => {
+                    println!("the GPUs already match MIG layout {name}: nothing to do");
+                    ExitCode::SUCCESS
+                }
+                Step::Applied { mutations, gpus } => {
+                    println!(
+                        "applied MIG layout {name} to {} GPU(s) ({mutations} NVML operations)",
+                        gpus.len()
+                    );
+                    ExitCode::SUCCESS
+                }
+                Step::Busy { reason, .. } => {
+                    eprintln!("gpu-node-agent: {reason}; nothing changed");
+                    ExitCode::from(EXIT_BUSY)
+                }
+                Step::ModePending { reason, .. } | Step::Failed { reason } => {
+                    eprintln!("gpu-node-agent: {reason}");
+                    ExitCode::FAILURE
                 }
             }
         }

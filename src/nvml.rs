@@ -341,6 +341,13 @@ impl Gpus {
         topology
     }
 
+    /// How many compute processes run on the GPU (and its MIG devices); `None` if NVML cannot
+    /// tell (then the caller must assume the GPU may be busy).
+    pub fn process_count(&self, uuid: &str) -> Option<usize> {
+        let device = self.nvml.device_by_uuid(uuid).ok()?;
+        device.running_compute_processes().ok().map(|p| p.len())
+    }
+
     /// Whether NVML still answers for the GPU with this UUID (`false` when it is lost or gone).
     pub fn answers(&self, uuid: &str) -> bool {
         match self.nvml.device_by_uuid(uuid) {

@@ -352,6 +352,22 @@ impl Gpus {
                 } else {
                     Vec::new()
                 };
+                // NVML lists compute instance profiles only inside an existing GPU instance. For
+                // a profile with none yet, only the compute instance spanning it is known to
+                // exist (its id is looked up in the new instance when it is created).
+                for p in profiles.iter_mut().filter(|p| p.ci_profiles.is_empty()) {
+                    p.ci_profiles.push(CiProfile {
+                        name: p.name.clone(),
+                        index: u32::MAX,
+                        id: u32::MAX,
+                        slice_count: p.slice_count,
+                        instance_count: 1,
+                        placements: vec![Placement {
+                            start: 0,
+                            size: p.slice_count,
+                        }],
+                    });
+                }
                 (profiles, instances)
             } else {
                 (Vec::new(), Vec::new())

@@ -7,4 +7,5 @@ pub mod defaults;
 pub mod import;
 pub mod layout;
 pub mod planner;
+pub mod stage;
 pub mod state;

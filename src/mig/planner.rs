@@ -184,8 +184,15 @@ pub fn describe(plan: &GpuPlan) -> String {
                     },
                     GiRef::Existing(id) => format!("GPU instance {id}"),
                 };
+                // u32::MAX: NVML could not be asked yet (no instance of that profile existed);
+                // the id is looked up in the new instance when it is created.
+                let id = if *profile_id == u32::MAX {
+                    "id from the new instance".to_string()
+                } else {
+                    format!("profile id {profile_id}")
+                };
                 format!(
-                    "  create compute instance {name} (profile id {profile_id}) at compute slices {} in {target}",
+                    "  create compute instance {name} ({id}) at compute slices {} in {target}",
                     slices(*placement)
                 )
             }
