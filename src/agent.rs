@@ -6,7 +6,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use tokio::signal::unix::{SignalKind, signal};
 use tokio::sync::{mpsc, watch};
@@ -17,6 +17,7 @@ use crate::desired::{Desired, ProfileOutcome, ProfileState, Selection, choose_pr
 use crate::host::{HostRoot, hostname};
 use crate::kube::EventType;
 use crate::labels::gfd::{FeatureInputs, feature_labels};
+use crate::mig::stage::{MigState as MigLabelState, Step, affected, converge, plan_layout};
 use crate::nvml::{GpuError, Gpus, HealthEvent, Inventory};
 use crate::plugin::allocate::AllocateOptions;
 use crate::plugin::devnodes::DeviceNodes;
@@ -30,6 +31,15 @@ use crate::status::{DesiredStatus, GpuStatus, MigStatus, STATUS_VERSION, StageSt
 
 /// Stage names as they appear in status and logs.
 pub const STAGE_DEVICE_PLUGIN: &str = "device-plugin";
+pub const STAGE_MIG: &str = "mig";
+
+/// How often the MIG stage looks again while GPU work blocks a layout change.
+const MIG_BUSY_RECHECK: Duration = Duration::from_secs(2);
+
+/// Marker in the state dir: a reboot was requested to finish a MIG mode change for this
+/// layout. Present at the next start with the change still pending means the reboot did not
+/// help: fail instead of rebooting again.
+const MIG_REBOOT_MARKER: &str = "mig-reboot-requested";
 
 /// Why the agent stopped with an error.
 #[derive(Debug, thiserror::Error)]
@@ -168,6 +178,16 @@ struct Agent {
     desired_sel: Desired,
     /// The machine's DMI product name, for the `gpu.machine` label.
     machine: Option<String>,
+    /// The MIG stage (before the device plugin's).
+    mig_stage: Stage,
+    /// `nvidia.com/mig.config.state`, when a layout is asked for.
+    mig_state: Option<MigLabelState>,
+    /// GPUs (UUIDs) withdrawn from the kubelet while their MIG layout changes.
+    withdrawn: BTreeSet<String>,
+    /// Since when the MIG stage waits for GPU work to end.
+    mig_pending_since: Option<Instant>,
+    /// When to look again while waiting.
+    mig_retry: Option<Instant>,
 }
 
 /// Runs the agent until SIGTERM/SIGINT (or one pass with `once`). Returns the process exit code.
@@ -219,6 +239,11 @@ pub async fn run(config: Config, root: HostRoot, once: bool) -> Result<i32, Agen
         },
         desired_sel: Desired::none(),
         machine: None,
+        mig_stage: Stage::new(STAGE_MIG),
+        mig_state: None,
+        withdrawn: BTreeSet::new(),
+        mig_pending_since: None,
+        mig_retry: None,
     };
     agent.machine = std::fs::read_to_string(agent.root.join("/sys/class/dmi/id/product_name"))
         .ok()
@@ -306,6 +331,10 @@ pub async fn run(config: Config, root: HostRoot, once: bool) -> Result<i32, Agen
                 }
                 if changed { agent.push_resources().await; }
             }
+            () = sleep_until(agent.mig_retry) => {
+                agent.mig_retry = None;
+                agent.reconcile().await;
+            }
             () = sleep_until(expiry) => {
                 if agent.tracker.expire(Instant::now()) { agent.push_resources().await; }
             }
@@ -318,9 +347,10 @@ pub async fn run(config: Config, root: HostRoot, once: bool) -> Result<i32, Agen
             }
             Ok(view) = next_view(&mut view_rx) => {
                 agent.view = view;
-                agent.desired_sel = Desired::from_labels(&agent.view.labels, &agent.config.labels);
-                let desired = agent.desired_sel.clone();
-                agent.apply_desired(&desired).await;
+                let desired = Desired::from_labels(&agent.view.labels, &agent.config.labels);
+                let mig_changed = desired.mig_config != agent.desired_sel.mig_config;
+                agent.desired_sel = desired.clone();
+                agent.apply_desired(&desired, mig_changed).await;
             }
             Ok(()) = plugin_rx.changed() => {
                 agent.plugin_status = plugin_rx.borrow_and_update().clone();
@@ -381,6 +411,7 @@ impl Agent {
     /// One pass over the stages: re-read the inventory and advertise what it gives.
     async fn reconcile(&mut self) {
         let Some(gpus) = self.gpus.clone() else { return };
+        self.mig_step(&gpus).await;
         if !self.config.device_plugin.enabled {
             self.stage.set(
                 StageState::Disabled,
@@ -418,7 +449,12 @@ impl Agent {
 
     /// Applies what the labels ask for: the device plugin profile (a changed profile swaps the
     /// advertised resources in place). A label naming nothing changes nothing and is reported.
-    async fn apply_desired(&mut self, desired: &Desired) {
+    async fn apply_desired(&mut self, desired: &Desired, mig_changed: bool) {
+        if mig_changed {
+            // A new layout: the MIG stage runs now, then the inventory and resources follow.
+            self.mig_pending_since = None;
+            self.reconcile().await;
+        }
         let key = &self.config.labels.device_plugin_config;
         let (dp, outcome) = choose_profile(
             &self.config.device_plugin,
@@ -487,10 +523,15 @@ impl Agent {
         };
         let mut resources = build_resources(inventory, self.dp.mig_strategy)?;
         for resource in &mut resources {
+            // GPUs whose MIG layout is changing are withdrawn from the kubelet first.
+            resource
+                .devices
+                .retain(|_, d| !self.withdrawn.contains(d.physical_uuid()));
             for device in resource.devices.values_mut() {
                 device.health = self.tracker.health(device);
             }
         }
+        resources.retain(|r| !r.devices.is_empty());
         Ok(resources)
     }
 
@@ -610,7 +651,7 @@ impl Agent {
             updated: 0,
             driver_version: self.inventory.as_ref().map(|i| i.driver_version.clone()),
             cuda_driver_version: self.inventory.as_ref().map(|i| i.cuda_driver_version.clone()),
-            stages: vec![self.stage.status.clone()],
+            stages: vec![self.mig_stage.status.clone(), self.stage.status.clone()],
             gpus,
             kubelet_present: self.plugin_status.kubelet_present,
             resources: self.plugin_status.resources.clone(),
@@ -661,6 +702,9 @@ impl Agent {
         if let Some(state) = self.profile.state.as_str() {
             labels.insert(keys.device_plugin_config_state.clone(), state.to_string());
         }
+        if let Some(state) = self.mig_state {
+            labels.insert(keys.mig_config_state.clone(), state.as_str().to_string());
+        }
         Some(labels)
     }
 
@@ -672,8 +716,27 @@ impl Agent {
             link.report(labels);
         }
         let before = self.last_status.as_ref();
-        let stage = &status.stages[0];
-        let stage_before = before.map(|b| &b.stages[0].state);
+        let find = |st: &Status, name: &str| st.stages.iter().find(|s| s.name == name).map(|s| s.state.clone());
+        let mig_now = find(status, STAGE_MIG);
+        if before.and_then(|b| find(b, STAGE_MIG)) != mig_now
+            && let Some(mig) = status.stages.iter().find(|s| s.name == STAGE_MIG)
+            && self.mig_state.is_some()
+        {
+            let text = mig.error.clone().or_else(|| mig.detail.clone()).unwrap_or_default();
+            match self.mig_state {
+                Some(MigLabelState::Success) => link.event(EventType::Normal, "MigConfigApplied", text),
+                Some(MigLabelState::Pending) => link.event(EventType::Normal, "MigConfigPending", text),
+                Some(MigLabelState::Rebooting) => link.event(EventType::Warning, "MigConfigRebooting", text),
+                Some(MigLabelState::Failed) => link.event(EventType::Warning, "MigConfigFailed", text),
+                None => {}
+            }
+        }
+        let Some(stage) = status.stages.iter().find(|s| s.name == STAGE_DEVICE_PLUGIN) else {
+            return;
+        };
+        let stage_before = before
+            .and_then(|b| b.stages.iter().find(|s| s.name == STAGE_DEVICE_PLUGIN))
+            .map(|s| &s.state);
         if stage_before != Some(&stage.state) {
             match stage.state {
                 StageState::Ok => link.event(
@@ -736,6 +799,177 @@ impl Agent {
                     None => link.event(EventType::Normal, "GpuHealthy", format!("{what} is healthy again")),
                 }
             }
+        }
+    }
+}
+
+impl Agent {
+    /// The MIG stage: brings the GPUs to the layout `nvidia.com/mig.config` names. Devices of
+    /// GPUs about to change are withdrawn from the kubelet first; with GPU work running it waits
+    /// in `pending` (failing after `[mig] process_wait_timeout`); a layout that cannot fit, or a
+    /// name that is not defined, changes nothing and fails with the reason.
+    async fn mig_step(&mut self, gpus: &Gpus) {
+        let key = self.config.labels.mig_config.clone();
+        if !self.config.mig.enabled {
+            self.mig_stage
+                .set(StageState::Disabled, None, Some("[mig] enabled = false".into()));
+            self.mig_state = None;
+            return;
+        }
+        if self.once {
+            self.mig_stage
+                .set(StageState::Skipped, None, Some("run --once reads no labels".into()));
+            return;
+        }
+        let name = match self.desired_sel.mig_config.clone() {
+            Selection::Unset => {
+                self.mig_stage.set(
+                    StageState::Ok,
+                    None,
+                    Some(format!("no layout requested ({key} not set)")),
+                );
+                self.mig_state = None;
+                self.restore_withdrawn();
+                return;
+            }
+            Selection::Invalid { value, reason } => {
+                return self.mig_failed(format!("label {key}={value:?} is not valid: {reason}; nothing changed"));
+            }
+            Selection::Name { name } => name,
+        };
+        let Some(layout) = self.config.mig.layout(&name) else {
+            let defined = self.config.mig.layout_names().join(", ");
+            return self.mig_failed(format!(
+                "label {key}={name} names no MIG layout (defined: {defined}); nothing changed"
+            ));
+        };
+        // What would change: withdraw those GPUs from the kubelet before touching them.
+        let (g, l) = (gpus.clone(), layout.clone());
+        let planned = tokio::task::spawn_blocking(move || {
+            g.mig_observe()
+                .map_err(|e| e.to_string())
+                .and_then(|o| plan_layout(&o, &l).map_err(|e| e.to_string()))
+        })
+        .await
+        .unwrap_or_else(|e| Err(format!("MIG planning task failed: {e}")));
+        let changing = match planned {
+            Ok(plans) => affected(&plans),
+            Err(e) => return self.mig_failed(format!("layout {name}: {e}; nothing changed")),
+        };
+        if !changing.is_empty() && changing.iter().any(|u| !self.withdrawn.contains(u)) {
+            tracing::info!(
+                "MIG layout {name}: withdrawing {} from the kubelet before changing them",
+                changing.join(", ")
+            );
+            self.withdrawn.extend(changing.iter().cloned());
+            self.push_resources().await;
+        }
+        let (g, l, n) = (gpus.clone(), layout, name.clone());
+        let step = tokio::task::spawn_blocking(move || converge(&g, &n, &l))
+            .await
+            .unwrap_or_else(|e| Step::Failed {
+                reason: format!("MIG apply task failed: {e}"),
+            });
+        match step {
+            Step::Converged => {
+                self.mig_done(&name, format!("layout {name} in place"));
+            }
+            Step::Applied {
+                mutations,
+                gpus: changed,
+            } => {
+                self.mig_done(
+                    &name,
+                    format!(
+                        "layout {name} applied to {} ({mutations} NVML operations)",
+                        changed.join(", ")
+                    ),
+                );
+                // The MIG devices changed: read the inventory again before advertising.
+                self.inventory = None;
+            }
+            Step::Busy { reason, .. } => {
+                let since = *self.mig_pending_since.get_or_insert_with(Instant::now);
+                let limit = self.config.mig.process_wait_timeout;
+                if !limit.is_zero() && since.elapsed() >= limit {
+                    self.mig_pending_since = None;
+                    return self.mig_failed(format!(
+                        "layout {name}: gave up after {limit:?}: {reason}; nothing changed"
+                    ));
+                }
+                self.mig_state = Some(MigLabelState::Pending);
+                self.mig_stage
+                    .set(StageState::Pending, Some(reason), Some(format!("layout {name}")));
+                self.mig_retry = Some(Instant::now() + MIG_BUSY_RECHECK);
+            }
+            Step::ModePending { reason, .. } => {
+                let marker = self.root.join(&self.config.agent.state_dir).join(MIG_REBOOT_MARKER);
+                let rebooted_for = std::fs::read_to_string(&marker).ok();
+                if self.config.mig.reboot_on_mode_change && rebooted_for.as_deref() != Some(name.as_str()) {
+                    if let Err(e) = crate::host::write_atomic(&marker, name.as_bytes(), 0o644) {
+                        return self.mig_failed(format!("{reason}; cannot record the reboot ({e}), not rebooting"));
+                    }
+                    self.mig_state = Some(MigLabelState::Rebooting);
+                    self.mig_stage
+                        .set(StageState::Pending, Some(format!("{reason}: rebooting the node")), None);
+                    self.write_status("running");
+                    self.reboot();
+                } else {
+                    let hint = if rebooted_for.as_deref() == Some(name.as_str()) {
+                        "a reboot for this layout did not finish it"
+                    } else {
+                        "reset the GPU or reboot the node, or set [mig] reboot_on_mode_change = true"
+                    };
+                    self.mig_failed(format!("{reason} ({hint})"));
+                }
+            }
+            Step::Failed { reason } => self.mig_failed(reason),
+        }
+    }
+
+    fn mig_done(&mut self, name: &str, detail: String) {
+        self.mig_pending_since = None;
+        self.mig_state = Some(MigLabelState::Success);
+        self.mig_stage.set(StageState::Ok, None, Some(detail));
+        let marker = self.root.join(&self.config.agent.state_dir).join(MIG_REBOOT_MARKER);
+        let _ = std::fs::remove_file(marker);
+        tracing::info!("MIG layout {name}: success");
+        self.restore_withdrawn();
+    }
+
+    fn mig_failed(&mut self, reason: String) {
+        tracing::error!("MIG stage failed: {reason}");
+        self.mig_pending_since = None;
+        self.mig_state = Some(MigLabelState::Failed);
+        self.mig_stage.set(StageState::Failed, Some(reason), None);
+        self.restore_withdrawn();
+    }
+
+    /// Gives withdrawn GPUs back to the kubelet (the next push advertises them).
+    fn restore_withdrawn(&mut self) {
+        if !self.withdrawn.is_empty() {
+            tracing::info!(
+                "advertising {} again",
+                self.withdrawn.iter().cloned().collect::<Vec<_>>().join(", ")
+            );
+            self.withdrawn.clear();
+        }
+    }
+
+    /// Reboots the node to finish a MIG mode change (only on a real root; a --root run reports).
+    fn reboot(&self) {
+        if !self.root.is_real() {
+            tracing::warn!(
+                "MIG mode change needs a reboot; not rebooting under --root {}",
+                self.root.path().display()
+            );
+            return;
+        }
+        tracing::warn!("rebooting the node to finish a MIG mode change");
+        match std::process::Command::new("systemctl").arg("reboot").status() {
+            Ok(s) if s.success() => {}
+            Ok(s) => tracing::error!("systemctl reboot exited with {s}"),
+            Err(e) => tracing::error!("cannot run systemctl reboot: {e}"),
         }
     }
 }

@@ -72,9 +72,11 @@ fn no_nvml_with_fail_on_init_error_false_keeps_running_without_devices() {
         "[nvml]\nlibrary = \"/usr/lib/nope/libnvidia-ml.so.1\"\nfail_on_init_error = false\nretry_interval = \"100ms\"\n",
     );
     let mut agent = node.spawn();
-    let status = node.wait_status(Duration::from_secs(10), |s| s["stages"][0]["state"] == "failed");
+    let status = node.wait_status(Duration::from_secs(10), |s| {
+        common::stage(&s, "device-plugin")["state"] == "failed"
+    });
     assert!(
-        status["stages"][0]["error"]
+        common::stage(&status, "device-plugin")["error"]
             .as_str()
             .unwrap_or_default()
             .contains("libnvidia-ml"),
@@ -135,9 +137,9 @@ fn run_once_reports_what_it_would_advertise_and_exits_zero() {
     assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
     let status = node.status_json();
     assert_eq!(status["state"], "once");
-    assert_eq!(status["stages"][0]["state"], "skipped");
+    assert_eq!(common::stage(&status, "device-plugin")["state"], "skipped");
     assert!(
-        status["stages"][0]["detail"]
+        common::stage(&status, "device-plugin")["detail"]
             .as_str()
             .unwrap_or_default()
             .contains("nvidia.com/gpu ×2"),

@@ -325,3 +325,12 @@ pub fn healthy(devices: &[test_kubelet::api::Device], id: &str) -> Option<bool> 
 pub fn path_str(p: &Path) -> String {
     p.display().to_string()
 }
+
+/// The stage `name` in a status.json value (`null` if absent).
+pub fn stage(status: &serde_json::Value, name: &str) -> serde_json::Value {
+    status["stages"]
+        .as_array()
+        .and_then(|stages| stages.iter().find(|s| s["name"] == name))
+        .cloned()
+        .unwrap_or(serde_json::Value::Null)
+}
