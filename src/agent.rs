@@ -716,19 +716,22 @@ impl Agent {
             link.report(labels);
         }
         let before = self.last_status.as_ref();
-        let find = |st: &Status, name: &str| st.stages.iter().find(|s| s.name == name).map(|s| s.state.clone());
-        let mig_now = find(status, STAGE_MIG);
-        if before.and_then(|b| find(b, STAGE_MIG)) != mig_now
-            && let Some(mig) = status.stages.iter().find(|s| s.name == STAGE_MIG)
-            && self.mig_state.is_some()
-        {
+        // MIG: an Event whenever the state label or its reason changes (a second failure with a
+        // different reason is news too).
+        if let (Some(state), Some(mig)) = (self.mig_state, status.stages.iter().find(|s| s.name == STAGE_MIG)) {
             let text = mig.error.clone().or_else(|| mig.detail.clone()).unwrap_or_default();
-            match self.mig_state {
-                Some(MigLabelState::Success) => link.event(EventType::Normal, "MigConfigApplied", text),
-                Some(MigLabelState::Pending) => link.event(EventType::Normal, "MigConfigPending", text),
-                Some(MigLabelState::Rebooting) => link.event(EventType::Warning, "MigConfigRebooting", text),
-                Some(MigLabelState::Failed) => link.event(EventType::Warning, "MigConfigFailed", text),
-                None => {}
+            let was = before.and_then(|b| b.stages.iter().find(|s| s.name == STAGE_MIG));
+            let was_text = was.map(|m| m.error.clone().or_else(|| m.detail.clone()).unwrap_or_default());
+            let was_state = before
+                .and_then(|b| b.labels.get(&self.config.labels.mig_config_state))
+                .cloned();
+            if was_state.as_deref() != Some(state.as_str()) || was_text.as_deref() != Some(text.as_str()) {
+                match state {
+                    MigLabelState::Success => link.event(EventType::Normal, "MigConfigApplied", text),
+                    MigLabelState::Pending => link.event(EventType::Normal, "MigConfigPending", text),
+                    MigLabelState::Rebooting => link.event(EventType::Warning, "MigConfigRebooting", text),
+                    MigLabelState::Failed => link.event(EventType::Warning, "MigConfigFailed", text),
+                }
             }
         }
         let Some(stage) = status.stages.iter().find(|s| s.name == STAGE_DEVICE_PLUGIN) else {

@@ -73,7 +73,7 @@ fn no_nvml_with_fail_on_init_error_false_keeps_running_without_devices() {
     );
     let mut agent = node.spawn();
     let status = node.wait_status(Duration::from_secs(10), |s| {
-        common::stage(&s, "device-plugin")["state"] == "failed"
+        common::stage(s, "device-plugin")["state"] == "failed"
     });
     assert!(
         common::stage(&status, "device-plugin")["error"]

@@ -36,7 +36,7 @@ async fn registers_eight_a100s_with_numa_topology() {
         .collect();
     assert_eq!(summary(&devices), expected);
     assert!(kubelet.violations().is_empty(), "{:?}", kubelet.violations());
-    let status = node.wait_status(T, |s| common::stage(&s, "device-plugin")["state"] == "ok");
+    let status = node.wait_status(T, |s| common::stage(s, "device-plugin")["state"] == "ok");
     assert_eq!(status["resources"][0]["name"], GPU);
     assert_eq!(status["resources"][0]["registered"], true);
     assert_eq!(status["gpus"].as_array().map(Vec::len), Some(8));
@@ -106,7 +106,7 @@ async fn h100_mig_devices_in_each_strategy() {
     let node = Node::new(H100_MIG, "[device_plugin]\nmig_strategy = \"single\"\n");
     let kubelet = start_kubelet(&node).await;
     let agent = node.spawn();
-    let status = node.wait_status(T, |s| common::stage(&s, "device-plugin")["state"] == "failed");
+    let status = node.wait_status(T, |s| common::stage(s, "device-plugin")["state"] == "failed");
     let error = common::stage(&status, "device-plugin")["error"]
         .as_str()
         .unwrap_or_default()
@@ -326,7 +326,7 @@ async fn kubelet_restart_reregisters_within_a_second() {
 async fn kubelet_absent_at_start_then_registers_when_it_appears() {
     let node = Node::new(&machine("T4", 1), "");
     let mut agent = node.spawn();
-    let status = node.wait_status(T, |s| common::stage(&s, "device-plugin")["state"] == "pending");
+    let status = node.wait_status(T, |s| common::stage(s, "device-plugin")["state"] == "pending");
     assert!(
         common::stage(&status, "device-plugin")["error"]
             .as_str()
@@ -345,7 +345,7 @@ async fn kubelet_absent_at_start_then_registers_when_it_appears() {
         .wait_for_devices(GPU, T, |d| d.len() == 1)
         .await
         .expect("device");
-    node.wait_status(T, |s| common::stage(&s, "device-plugin")["state"] == "ok");
+    node.wait_status(T, |s| common::stage(s, "device-plugin")["state"] == "ok");
     assert_eq!(agent.stop(), 0);
 }
 

@@ -1,0 +1,186 @@
+//! MIG layouts end to end: `nvidia.com/mig.config` on the Node (test API server), the real
+//! binary applying it through the fake NVML, and what the test kubelet then sees.
+
+mod common;
+
+use std::time::Duration;
+
+use common::{Node, gpu_uuid};
+use test_apiserver::{KubeconfigAuth, KubeconfigOptions, TestApiServer};
+use test_kubelet::{KubeletOptions, TestKubelet};
+
+const T: Duration = Duration::from_secs(15);
+const NODE: &str = "gpu-node-1";
+const TOKEN: &str = "agent-token-0123456789";
+const STATE: &str = "nvidia.com/mig.config.state";
+
+/// Two A100-40GB with MIG enabled and no MIG devices yet.
+fn two_a100s() -> String {
+    let mut m = common::DGX_A100.to_string();
+    for i in 0..2 {
+        m.push_str(&format!(
+            "\n[[gpu]]\nmodel = \"A100-SXM4-40GB\"\nuuid = \"{}\"\nmig_mode = true\n",
+            gpu_uuid(i)
+        ));
+    }
+    m
+}
+
+async fn setup(extra: &str) -> (TestApiServer, Node, TestKubelet) {
+    let api = TestApiServer::start().await;
+    api.create_node(NODE, &[]);
+    api.add_token(TOKEN, "system:node:gpu-node-1");
+    let config = format!("[device_plugin]\nmig_strategy = \"mixed\"\n{extra}");
+    let node = Node::new(&two_a100s(), &config);
+    let options = KubeconfigOptions {
+        file_name: "kubelet.conf".into(),
+        ..KubeconfigOptions::default()
+    };
+    api.write_kubeconfig_with(&node.kubeconfig_dir(), KubeconfigAuth::Token(TOKEN.into()), &options);
+    let kubelet = TestKubelet::start(&node.plugin_dir(), KubeletOptions::default())
+        .await
+        .expect("kubelet");
+    (api, node, kubelet)
+}
+
+async fn wait_label(api: &TestApiServer, key: &str, value: Option<&str>) {
+    let ok = api
+        .wait_for(T, |a| a.labels(NODE).get(key).map(String::as_str) == value)
+        .await;
+    assert!(ok, "label {key} never became {value:?}; labels: {:?}", api.labels(NODE));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_layout_label_is_applied_and_the_kubelet_sees_the_new_resources() {
+    let (api, node, kubelet) = setup("").await;
+    let agent = node.spawn();
+    wait_label(&api, "nvidia.com/gpu.present", Some("true")).await;
+    api.set_label(NODE, "nvidia.com/mig.config", Some("all-1g.5gb"));
+    wait_label(&api, STATE, Some("success")).await;
+    let devices = kubelet
+        .wait_for_devices("nvidia.com/mig-1g.5gb", T, |d| d.len() == 14)
+        .await
+        .expect("7 per GPU");
+    assert!(
+        devices
+            .iter()
+            .all(|d| d.id.starts_with("MIG-") && d.health == "Healthy")
+    );
+    wait_label(&api, "nvidia.com/mig-1g.5gb.count", Some("14")).await;
+    let ok = api
+        .wait_for(T, |a| a.events().iter().any(|e| e["reason"] == "MigConfigApplied"))
+        .await;
+    assert!(ok, "{:?}", api.events());
+    let status = node.wait_status(T, |s| common::stage(s, "mig")["state"] == "ok");
+    assert!(
+        common::stage(&status, "mig")["detail"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("all-1g.5gb")
+    );
+
+    // Another layout swaps the resources in place.
+    api.set_label(NODE, "nvidia.com/mig.config", Some("all-balanced"));
+    kubelet
+        .wait_for_devices("nvidia.com/mig-3g.20gb", T, |d| d.len() == 2)
+        .await
+        .expect("balanced");
+    kubelet
+        .wait_for_devices("nvidia.com/mig-1g.5gb", T, |d| d.len() == 4)
+        .await
+        .expect("2 per GPU");
+    wait_label(&api, "nvidia.com/mig-2g.10gb.count", Some("2")).await;
+    assert_eq!(agent.stop(), 0);
+
+    // A restart with the same label changes nothing on the GPUs.
+    let out = node.run(&["mig", "assert", "all-balanced"]);
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stdout));
+    let out = node.run(&["mig", "apply", "all-balanced"]);
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("nothing to do"),
+        "zero NVML mutations on re-apply"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unknown_or_impossible_layout_fails_and_changes_nothing() {
+    let impossible = "[[mig.layouts.too-much]]\ndevices = \"all\"\nmig_enabled = true\nprofiles = { \"1g.10gb\" = 4, \"1g.5gb\" = 1 }\n";
+    let (api, node, kubelet) = setup(impossible).await;
+    let agent = node.spawn();
+    wait_label(&api, "nvidia.com/gpu.present", Some("true")).await;
+    api.set_label(NODE, "nvidia.com/mig.config", Some("all-1g.5gb"));
+    kubelet
+        .wait_for_devices("nvidia.com/mig-1g.5gb", T, |d| d.len() == 14)
+        .await
+        .expect("applied");
+
+    api.set_label(NODE, "nvidia.com/mig.config", Some("no-such-layout"));
+    wait_label(&api, STATE, Some("failed")).await;
+    let status = node.wait_status(T, |s| common::stage(s, "mig")["state"] == "failed");
+    let error = common::stage(&status, "mig")["error"]
+        .as_str()
+        .unwrap_or_default()
+        .to_string();
+    assert!(
+        error.contains("no-such-layout") && error.contains("all-balanced"),
+        "{error}"
+    );
+
+    api.set_label(NODE, "nvidia.com/mig.config", Some("too-much"));
+    let ok = api
+        .wait_for(T, |a| {
+            a.events().iter().any(|e| {
+                e["reason"] == "MigConfigFailed" && e["message"].as_str().is_some_and(|m| m.contains("does not fit"))
+            })
+        })
+        .await;
+    assert!(ok, "the reason names the profile that does not fit: {:?}", api.events());
+    // Nothing changed: the 1g.5gb devices are still there.
+    let devices = kubelet.devices("nvidia.com/mig-1g.5gb").expect("still listed");
+    assert_eq!(devices.len(), 14);
+    let out = node.run(&["mig", "assert", "all-1g.5gb"]);
+    assert_eq!(out.status.code(), Some(0), "the GPUs were not touched");
+    assert_eq!(agent.stop(), 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gpu_work_keeps_the_layout_pending_until_it_ends() {
+    let (api, node, kubelet) = setup("").await;
+    let agent = node.spawn();
+    wait_label(&api, "nvidia.com/gpu.present", Some("true")).await;
+    api.set_label(NODE, "nvidia.com/mig.config", Some("all-1g.5gb"));
+    kubelet
+        .wait_for_devices("nvidia.com/mig-1g.5gb", T, |d| d.len() == 14)
+        .await
+        .expect("applied");
+
+    // A process runs on GPU 0; the next layout must wait for it.
+    node.set_injection("processes", &format!("{} 4242 1024\n", gpu_uuid(0)));
+    api.set_label(NODE, "nvidia.com/mig.config", Some("all-7g.40gb"));
+    wait_label(&api, STATE, Some("pending")).await;
+    let status = node.wait_status(T, |s| common::stage(s, "mig")["state"] == "pending");
+    let reason = common::stage(&status, "mig")["error"]
+        .as_str()
+        .unwrap_or_default()
+        .to_string();
+    assert!(
+        reason.contains("waiting for GPU processes") && reason.contains(&gpu_uuid(0)),
+        "{reason}"
+    );
+    // Both GPUs change, so both are withdrawn from the kubelet while it waits; nothing is killed.
+    kubelet
+        .wait_for_disconnect("nvidia.com/mig-1g.5gb", T)
+        .await
+        .expect("withdrawn");
+    let out = node.run(&["mig", "assert", "all-1g.5gb"]);
+    assert_eq!(out.status.code(), Some(0), "nothing changed while GPU work runs");
+
+    // The work ends: the layout is applied.
+    node.set_injection("processes", "");
+    wait_label(&api, STATE, Some("success")).await;
+    kubelet
+        .wait_for_devices("nvidia.com/mig-7g.40gb", T, |d| d.len() == 2)
+        .await
+        .expect("7g on both");
+    assert_eq!(agent.stop(), 0);
+}
