@@ -33,6 +33,9 @@ use crate::status::{DesiredStatus, GpuStatus, MigStatus, STATUS_VERSION, StageSt
 pub const STAGE_DEVICE_PLUGIN: &str = "device-plugin";
 pub const STAGE_MIG: &str = "mig";
 
+/// How long the first reconcile waits for the desired-state source (the Node's labels).
+const FIRST_VIEW_WAIT: Duration = Duration::from_secs(5);
+
 /// How often the MIG stage looks again while GPU work blocks a layout change.
 const MIG_BUSY_RECHECK: Duration = Duration::from_secs(2);
 
@@ -254,7 +257,21 @@ pub async fn run(config: Config, root: HostRoot, once: bool) -> Result<i32, Agen
     let mut view_rx = None;
     if !once {
         let link = cluster::start(&agent.config, &agent.root);
-        let rx = link.view.clone();
+        let mut rx = link.view.clone();
+        // The desired MIG layout must be known before devices are advertised (layouts do not
+        // survive a reboot): give the source a moment to answer before the first reconcile.
+        let first = tokio::time::timeout(FIRST_VIEW_WAIT, async {
+            while !rx.borrow().connected && rx.borrow().source != crate::desired::Source::None {
+                if rx.changed().await.is_err() {
+                    break;
+                }
+            }
+        });
+        if first.await.is_err() {
+            tracing::warn!(
+                "the desired state source did not answer within {FIRST_VIEW_WAIT:?}: starting with the config's defaults"
+            );
+        }
         agent.view = rx.borrow().clone();
         agent.desired_sel = Desired::from_labels(&agent.view.labels, &agent.config.labels);
         let (dp, outcome) = choose_profile(

@@ -35,13 +35,11 @@ fn plan(ops: Vec<MigOp>) -> GpuPlan {
 
 #[test]
 fn observe_and_apply_follow_nvmls_tables_and_rules() {
-    let dir = tempfile::tempdir().expect("tempdir");
-    let machine = dir.path().join("machine.toml");
-    std::fs::write(&machine, MACHINE).expect("machine");
+    let node = common::Node::new(MACHINE, "[kubernetes]\nenabled = false\n");
     // SAFETY of set_var: this test binary has this one test, so no other thread reads the env.
     unsafe {
-        std::env::set_var("FAKE_NVML_MACHINE", &machine);
-        std::env::set_var("FAKE_NVML_STATE_DIR", dir.path().join("state"));
+        std::env::set_var("FAKE_NVML_MACHINE", &node.machine);
+        std::env::set_var("FAKE_NVML_STATE_DIR", &node.state);
     }
     let gpus = Gpus::open(&common::fake_nvml_library()).expect("fake NVML");
 
