@@ -40,6 +40,9 @@ pub enum Command {
         /// Print JSON instead of text.
         #[arg(long)]
         json: bool,
+        /// Also show the MIG plan for this layout: what the MIG stage would do to each GPU.
+        #[arg(long, value_name = "LAYOUT")]
+        mig_layout: Option<String>,
     },
     /// Show the running agent's status: stages, GPUs and their health, resources advertised.
     Status {

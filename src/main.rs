@@ -58,7 +58,7 @@ fn main() -> ExitCode {
         }
         Command::Status { json } => status(&config, &root, json),
         Command::Mig { command } => mig(&config, &root, command),
-        Command::Plan { json } => {
+        Command::Plan { json, mig_layout } => {
             logging::init(&config.log);
             let gpus = match Gpus::open(&agent::nvml_library(&config, &root)) {
                 Ok(gpus) => gpus,
@@ -67,6 +67,32 @@ fn main() -> ExitCode {
                     return ExitCode::from(EXIT_NO_NVML);
                 }
             };
+            if let Some(name) = &mig_layout {
+                let Some(layout) = config.mig.layout(name) else {
+                    eprintln!(
+                        "gpu-node-agent: no MIG layout named {name:?}; defined: {}",
+                        config.mig.layout_names().join(", ")
+                    );
+                    return ExitCode::from(64);
+                };
+                match gpus
+                    .mig_observe()
+                    .map_err(|e| e.to_string())
+                    .and_then(|o| plan_layout(&o, &layout).map_err(|e| e.to_string()))
+                {
+                    Ok(plans) => {
+                        println!("MIG plan for layout {name}:");
+                        for p in &plans {
+                            println!("{}", planner::describe(p));
+                        }
+                        println!();
+                    }
+                    Err(e) => {
+                        eprintln!("gpu-node-agent: MIG layout {name}: {e}");
+                        return ExitCode::FAILURE;
+                    }
+                }
+            }
             match plan_device_plugin(&gpus, &config, &root) {
                 Ok(p) if json => {
                     println!("{}", plan::to_json(&p));
