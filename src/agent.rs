@@ -253,9 +253,10 @@ pub async fn run(config: Config, root: HostRoot, once: bool) -> Result<i32, Agen
         .map(|s| s.trim().to_string())
         .filter(|s| !s.is_empty());
 
-    // The cluster link: the desired state comes from it before the first reconcile.
-    let mut view_rx = None;
-    if !once {
+    // The cluster link: the desired state comes from it before the first reconcile. Under
+    // `run --once` too: a bootstrap applies the MIG layout the labels ask for before the
+    // kubelet joins.
+    let mut view_rx = {
         let link = cluster::start(&agent.config, &agent.root);
         let mut rx = link.view.clone();
         // The desired MIG layout must be known before devices are advertised (layouts do not
@@ -284,8 +285,8 @@ pub async fn run(config: Config, root: HostRoot, once: bool) -> Result<i32, Agen
         agent.dp = dp;
         agent.profile = outcome;
         agent.link = Some(link);
-        view_rx = Some(rx);
-    }
+        Some(rx)
+    };
 
     // The plugin manager serves and registers; it runs for the whole life of the daemon.
     let stats = Arc::new(PluginStats::default());
@@ -321,11 +322,15 @@ pub async fn run(config: Config, root: HostRoot, once: bool) -> Result<i32, Agen
 
     if once {
         agent.write_status("once");
-        return Ok(if agent.stage.status.state == StageState::Failed {
-            1
-        } else {
-            0
-        });
+        // Pending counts as not done: the bootstrap should not go on as if MIG were applied.
+        let done = |s: &StageState| !matches!(s, StageState::Failed | StageState::Pending);
+        return Ok(
+            if done(&agent.stage.status.state) && done(&agent.mig_stage.status.state) {
+                0
+            } else {
+                1
+            },
+        );
     }
 
     let mut resync = tokio::time::interval_at(
@@ -834,11 +839,6 @@ impl Agent {
             self.mig_stage
                 .set(StageState::Disabled, None, Some("[mig] enabled = false".into()));
             self.mig_state = None;
-            return;
-        }
-        if self.once {
-            self.mig_stage
-                .set(StageState::Skipped, None, Some("run --once reads no labels".into()));
             return;
         }
         let name = match self.desired_sel.mig_config.clone() {

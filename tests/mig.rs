@@ -184,3 +184,27 @@ async fn gpu_work_keeps_the_layout_pending_until_it_ends() {
         .expect("7g on both");
     assert_eq!(agent.stop(), 0);
 }
+
+#[test]
+fn run_once_applies_the_layout_a_bootstrap_asks_for() {
+    let config = "[kubernetes]\nenabled = false\n[desired]\nlabels_file = \"/etc/gpu-node-agent/labels\"\n";
+    let node = Node::new(&two_a100s(), config);
+    std::fs::write(
+        node.root.join("etc/gpu-node-agent/labels"),
+        "nvidia.com/mig.config=all-3g.20gb\n",
+    )
+    .expect("labels");
+    // GPU work on GPU 1: the layout cannot be applied, and --once says so with exit 1.
+    node.set_injection("processes", &format!("{} 77 512\n", gpu_uuid(1)));
+    let out = node.run(&["run", "--once"]);
+    assert_eq!(out.status.code(), Some(1), "{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(common::stage(&node.status_json(), "mig")["state"], "pending");
+    // Without it: applied before the kubelet ever sees a device, exit 0.
+    node.set_injection("processes", "");
+    let out = node.run(&["run", "--once"]);
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    let status = node.status_json();
+    assert_eq!(common::stage(&status, "mig")["state"], "ok");
+    assert_eq!(status["labels"]["nvidia.com/mig.config.state"], "success");
+    assert_eq!(node.run(&["mig", "assert", "all-3g.20gb"]).status.code(), Some(0));
+}
