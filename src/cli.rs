@@ -30,8 +30,9 @@ pub struct GlobalArgs {
 pub enum Command {
     /// Run the agent: reconcile every stage, serve the kubelet device plugin, keep it in step.
     Run {
-        /// Reconcile every stage once and exit (for cloud-init, before the kubelet joins):
-        /// 0 when every stage succeeded, 1 when one failed.
+        /// Reconcile every stage once and exit (for cloud-init, before the kubelet joins): the
+        /// MIG layout the labels ask for is applied. 0 when every stage succeeded, 1 when one
+        /// failed or MIG is still pending (GPU work running).
         #[arg(long)]
         once: bool,
     },
