@@ -7,7 +7,7 @@ use serde::{Deserialize, Serialize};
 
 use super::layout::MigLayout;
 use super::planner::{DesiredGpu, PlanError, plan_gpu};
-use super::state::{GpuPlan, MigOp, ObservedGpu};
+use super::state::{GpuPlan, ObservedGpu};
 use crate::nvml::Gpus;
 
 /// The plan for every GPU the layout covers (GPUs it does not cover are left alone). Pure.
@@ -211,9 +211,4 @@ pub fn export(observed: &[ObservedGpu]) -> MigLayout {
         })
         .collect();
     MigLayout::new(entries)
-}
-
-/// Whether a plan only sets the mode (used to tell a reset-needing change in messages).
-pub fn only_mode(plan: &GpuPlan) -> bool {
-    plan.ops.iter().all(|op| matches!(op, MigOp::SetMode { .. }))
 }
