@@ -885,11 +885,21 @@ impl Agent {
             self.push_resources().await;
         }
         let (g, l, n) = (gpus.clone(), layout, name.clone());
-        let step = tokio::task::spawn_blocking(move || converge(&g, &n, &l))
-            .await
-            .unwrap_or_else(|e| Step::Failed {
-                reason: format!("MIG apply task failed: {e}"),
-            });
+        let smi = self.root.join(&self.config.mig.nvidia_smi);
+        let allow_reset = self.config.mig.gpu_reset;
+        let step = tokio::task::spawn_blocking(move || {
+            let reset = |uuid: &str| crate::host::reset_gpu(&smi, uuid);
+            converge(
+                &g,
+                &n,
+                &l,
+                allow_reset.then_some(&reset as &dyn Fn(&str) -> Result<(), String>),
+            )
+        })
+        .await
+        .unwrap_or_else(|e| Step::Failed {
+            reason: format!("MIG apply task failed: {e}"),
+        });
         match step {
             Step::Converged => {
                 self.mig_done(&name, format!("layout {name} in place"));

@@ -230,7 +230,10 @@ fn mig(config: &Config, root: &HostRoot, command: MigCommand) -> ExitCode {
                     return ExitCode::from(64);
                 }
             };
-            match converge(&gpus, &name, &layout) {
+            let smi = root.join(&config.mig.nvidia_smi);
+            let reset = |uuid: &str| gpu_node_agent::host::reset_gpu(&smi, uuid);
+            let reset: Option<&dyn Fn(&str) -> Result<(), String>> = config.mig.gpu_reset.then_some(&reset);
+            match converge(&gpus, &name, &layout, reset) {
                 Step::Converged => {
                     println!("the GPUs already match MIG layout {name}: nothing to do");
                     ExitCode::SUCCESS

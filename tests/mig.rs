@@ -208,3 +208,125 @@ fn run_once_applies_the_layout_a_bootstrap_asks_for() {
     assert_eq!(status["labels"]["nvidia.com/mig.config.state"], "success");
     assert_eq!(node.run(&["mig", "assert", "all-3g.20gb"]).status.code(), Some(0));
 }
+
+/// One A100 with MIG off whose mode changes need a GPU reset, and a fake `nvidia-smi` under the
+/// root that performs the reset through the fake NVML's `reset` file (or fails, if `works` is
+/// false).
+fn reset_node(extra: &str, works: bool) -> Node {
+    let machine = format!(
+        "{}\n[[gpu]]\nmodel = \"A100-SXM4-40GB\"\nuuid = \"{}\"\nmig_reset_required = true\n",
+        common::DGX_A100,
+        gpu_uuid(0)
+    );
+    let config =
+        format!("[kubernetes]\nenabled = false\n[desired]\nlabels_file = \"/etc/gpu-node-agent/labels\"\n{extra}");
+    let node = Node::new(&machine, &config);
+    std::fs::write(
+        node.root.join("etc/gpu-node-agent/labels"),
+        "nvidia.com/mig.config=all-1g.5gb\n",
+    )
+    .expect("labels");
+    let smi = node.root.join("usr/bin/nvidia-smi");
+    std::fs::create_dir_all(smi.parent().expect("bin")).expect("mkdir");
+    let body = if works {
+        format!(
+            "#!/bin/sh\n[ \"$1\" = --gpu-reset ] && [ \"$2\" = -i ] || exit 2\necho \"$3\" >> \"{}/reset\"\necho \"$3\" >> \"{}/resets-done\"\n",
+            node.state.display(),
+            node.state.display()
+        )
+    } else {
+        "#!/bin/sh\necho 'Unable to reset this GPU because it is in use' >&2\nexit 255\n".to_string()
+    };
+    std::fs::write(&smi, body).expect("nvidia-smi");
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(&smi, std::fs::Permissions::from_mode(0o755)).expect("chmod");
+    node
+}
+
+#[test]
+fn a_mode_change_that_needs_a_reset_resets_the_idle_gpu() {
+    let node = reset_node("", true);
+    let out = node.run(&["run", "--once"]);
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    let resets = std::fs::read_to_string(node.state.join("resets-done")).unwrap_or_default();
+    assert_eq!(resets.trim(), gpu_uuid(0), "nvidia-smi --gpu-reset -i <uuid> ran once");
+    assert_eq!(node.run(&["mig", "assert", "all-1g.5gb"]).status.code(), Some(0));
+}
+
+#[test]
+fn a_failed_reset_fails_or_reboots_once() {
+    // Without reboot_on_mode_change: failed, with the reset's error.
+    let node = reset_node("", false);
+    let out = node.run(&["run", "--once"]);
+    assert_eq!(out.status.code(), Some(1));
+    let mig = common::stage(&node.status_json(), "mig");
+    assert_eq!(mig["state"], "failed");
+    let error = mig["error"].as_str().unwrap_or_default();
+    assert!(
+        error.contains("pending until the GPU is reset") && error.contains("in use"),
+        "{error}"
+    );
+
+    // With it: rebooting (under --root the agent only reports it), and never twice for the
+    // same layout.
+    let node = reset_node("[mig]\nreboot_on_mode_change = true\n", false);
+    let out = node.run(&["run", "--once"]);
+    assert_eq!(out.status.code(), Some(1));
+    let status = node.status_json();
+    assert_eq!(status["labels"]["nvidia.com/mig.config.state"], "rebooting");
+    assert!(
+        node.root.join("var/lib/gpu-node-agent/mig-reboot-requested").exists(),
+        "reboot marker"
+    );
+    let out = node.run(&["run", "--once"]);
+    assert_eq!(out.status.code(), Some(1));
+    let status = node.status_json();
+    assert_eq!(status["labels"]["nvidia.com/mig.config.state"], "failed");
+    let error = common::stage(&status, "mig")["error"]
+        .as_str()
+        .unwrap_or_default()
+        .to_string();
+    assert!(error.contains("a reboot for this layout did not finish it"), "{error}");
+}
+
+#[test]
+fn a_daemon_killed_in_the_middle_of_an_apply_converges_after_restart() {
+    let config = "[kubernetes]\nenabled = false\n[desired]\nlabels_file = \"/etc/gpu-node-agent/labels\"\n[device_plugin]\nmig_strategy = \"mixed\"\n";
+    let node = Node::new(&two_a100s(), config);
+    std::fs::write(
+        node.root.join("etc/gpu-node-agent/labels"),
+        "nvidia.com/mig.config=all-1g.5gb\n",
+    )
+    .expect("labels");
+    // Every MIG operation takes 50 ms: the 28 of this layout take 1.4 s.
+    let mut child = node
+        .command(&["run"])
+        .env("FAKE_NVML_MUTATION_DELAY_MS", "50")
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("agent");
+    let state = node.state.join("state.json");
+    let deadline = std::time::Instant::now() + T;
+    // Wait until some, not all, GPU instances exist, then kill -9.
+    loop {
+        let text = std::fs::read_to_string(&state).unwrap_or_default();
+        let created = text.matches("\"profile_id\"").count();
+        if created >= 3 {
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "the apply never started");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    child.kill().expect("kill -9");
+    let _ = child.wait();
+    assert_eq!(
+        node.run(&["mig", "assert", "all-1g.5gb"]).status.code(),
+        Some(1),
+        "killed half way"
+    );
+    // The restarted agent converges from whatever was left.
+    let out = node.run(&["run", "--once"]);
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(node.run(&["mig", "assert", "all-1g.5gb"]).status.code(), Some(0));
+    assert_eq!(node.status_json()["labels"]["nvidia.com/mig.config.state"], "success");
+}

@@ -23,6 +23,8 @@ pub enum NvmlError {
     Timeout = 10,
     /// `NVML_ERROR_GPU_IS_LOST`: the GPU is listed in the `lost` injection file.
     GpuIsLost = 15,
+    /// `NVML_ERROR_RESET_REQUIRED`: a MIG mode change waits for a GPU reset (activation status).
+    ResetRequired = 16,
     /// `NVML_ERROR_IN_USE`: instances or processes still use the resource.
     InUse = 19,
     /// `NVML_ERROR_INSUFFICIENT_RESOURCES`: placement overlap or instance-count limit.

@@ -616,6 +616,7 @@ pub unsafe extern "C" fn nvmlDeviceGetMigMode(
         let g = cx.gpu(addr(device))?;
         nonnull(current)?;
         nonnull(pending)?;
+        cx.apply_resets();
         let (c, p) = cx.mig_mode(g)?;
         unsafe { put(current, c) }?;
         unsafe { put(pending, p) }

@@ -33,6 +33,8 @@ struct GpuEntry {
     minor: Option<u32>,
     #[serde(default)]
     mig_mode: bool,
+    #[serde(default)]
+    mig_reset_required: bool,
     pcie_switch: Option<String>,
     #[serde(default)]
     nvlink_peers: Vec<String>,
@@ -75,6 +77,9 @@ pub struct GpuSpec {
     pub minor: u32,
     /// Initial MIG mode (current = pending).
     pub mig_mode: bool,
+    /// MIG mode changes wait for a GPU reset (`SetMigMode` activation status RESET_REQUIRED;
+    /// a line with the UUID in the `reset` injection file performs the reset).
+    pub mig_reset_required: bool,
     /// PCIe switch name, for topology.
     pub pcie_switch: Option<String>,
     /// Remote end of each active NVLink, link 0 first.
@@ -206,6 +211,7 @@ fn gpu_spec(index: usize, e: GpuEntry) -> Result<GpuSpec, String> {
         numa_node: e.numa_node,
         minor: e.minor.unwrap_or(u32::try_from(index).unwrap_or(u32::MAX)),
         mig_mode: e.mig_mode,
+        mig_reset_required: e.mig_reset_required,
         pcie_switch: e.pcie_switch,
         nvlink_peers,
         mig_devices,

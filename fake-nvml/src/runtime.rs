@@ -168,6 +168,14 @@ impl Lib {
         if let Err(e) = result {
             note(format!("cannot write {}: {e}", path.display()));
         }
+        // `FAKE_NVML_MUTATION_DELAY_MS`: each state change takes this long, like MIG operations on
+        // real GPUs (tenths of seconds), so a test can kill a process in the middle of an apply.
+        if let Some(ms) = std::env::var("FAKE_NVML_MUTATION_DELAY_MS")
+            .ok()
+            .and_then(|v| v.parse::<u64>().ok())
+        {
+            std::thread::sleep(std::time::Duration::from_millis(ms));
+        }
     }
 
     fn spec(&self, gpu: usize) -> &GpuSpec {
@@ -687,6 +695,35 @@ impl Cx<'_> {
         }
     }
 
+    /// Performs the GPU resets asked for in the `reset` injection file (lines `<uuid>`, what
+    /// `nvidia-smi --gpu-reset` does): for a GPU with no processes, the pending MIG mode becomes
+    /// current and its GPU and compute instances are gone. The file is emptied once read.
+    pub fn apply_resets(&mut self) {
+        let Some(dir) = self.lib.state_dir.clone() else { return };
+        let path = dir.join("reset");
+        let Ok(text) = std::fs::read_to_string(&path) else {
+            return;
+        };
+        if text.trim().is_empty() {
+            return;
+        }
+        let _ = std::fs::write(&path, "");
+        for uuid in text.lines().map(str::trim).filter(|l| !l.is_empty()) {
+            let Some(g) = self.lib.state.gpus.iter().position(|s| s.uuid == uuid) else {
+                eprintln!("fake-nvml: {}: no GPU {uuid} to reset", path.display());
+                continue;
+            };
+            if !self.processes_of(Dev::Gpu(g)).is_empty() {
+                eprintln!("fake-nvml: reset of {uuid} refused: processes are running");
+                continue;
+            }
+            let s = &mut self.lib.state.gpus[g];
+            s.mig_current = s.mig_pending;
+            s.gpu_instances.clear();
+        }
+        self.lib.save();
+    }
+
     /// (current, pending) MIG mode.
     pub fn mig_mode(&self, g: usize) -> NvmlResult<(u32, u32)> {
         self.mig_model(g)?;
@@ -708,6 +745,7 @@ impl Cx<'_> {
             _ => return Err(NvmlError::InvalidArgument),
         };
         let busy = !self.processes_of(Dev::Gpu(g)).is_empty();
+        let reset_required = self.lib.machine.gpus[g].mig_reset_required;
         let s = &mut self.lib.state.gpus[g];
         let status = if s.mig_current == enable {
             s.mig_pending = enable;
@@ -717,6 +755,9 @@ impl Cx<'_> {
             Err(NvmlError::InUse)
         } else if !enable && !s.gpu_instances.is_empty() {
             Err(NvmlError::InUse)
+        } else if reset_required {
+            s.mig_pending = enable;
+            Err(NvmlError::ResetRequired)
         } else {
             s.mig_current = enable;
             s.mig_pending = enable;

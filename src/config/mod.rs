@@ -97,6 +97,10 @@ pub const DEFAULT_MIG_PROCESS_WAIT_TIMEOUT: Duration = Duration::from_secs(10 * 
 /// `mig.reboot_on_mode_change`: reboot when a MIG mode change needs a GPU reset that cannot be
 /// done (else fail with the reason).
 pub const DEFAULT_MIG_REBOOT_ON_MODE_CHANGE: bool = false;
+/// Reset an idle GPU to finish a pending MIG mode change.
+pub const DEFAULT_MIG_GPU_RESET: bool = true;
+/// Where the driver's nvidia-smi is.
+pub const DEFAULT_NVIDIA_SMI: &str = "/usr/bin/nvidia-smi";
 
 /// `health.enabled`: watch Xid events and lost GPUs.
 pub const DEFAULT_HEALTH_ENABLED: bool = true;
@@ -405,6 +409,11 @@ pub struct MigConfig {
     /// When a MIG mode change needs a GPU reset that cannot be done: report `rebooting` and
     /// reboot (`true`), or fail with the reason (`false`).
     pub reboot_on_mode_change: bool,
+    /// When a MIG mode change waits for a GPU reset and nothing runs on the GPU, reset it with
+    /// `nvidia_smi --gpu-reset -i <uuid>` before falling back to `reboot_on_mode_change`.
+    pub gpu_reset: bool,
+    /// The nvidia-smi binary used for GPU resets (host path).
+    pub nvidia_smi: PathBuf,
     /// User layouts by name (`[[mig.layouts.<name>]]`), each a list of entries.
     pub layouts: BTreeMap<String, MigLayout>,
 }
@@ -416,6 +425,8 @@ impl Default for MigConfig {
             default_layouts: DEFAULT_MIG_DEFAULT_LAYOUTS,
             process_wait_timeout: DEFAULT_MIG_PROCESS_WAIT_TIMEOUT,
             reboot_on_mode_change: DEFAULT_MIG_REBOOT_ON_MODE_CHANGE,
+            gpu_reset: DEFAULT_MIG_GPU_RESET,
+            nvidia_smi: DEFAULT_NVIDIA_SMI.into(),
             layouts: BTreeMap::new(),
         }
     }
@@ -810,6 +821,7 @@ impl DevicePluginConfig {
 
 impl MigConfig {
     fn validate(&self) -> Check {
+        absolute_path("mig.nvidia_smi", &self.nvidia_smi)?;
         // process_wait_timeout = 0s means wait forever.
         for (name, layout) in &self.layouts {
             let at = KeyPath::dotted("mig.layouts").key(name);

@@ -81,9 +81,14 @@ pub fn affected(plans: &[GpuPlan]) -> Vec<String> {
         .collect()
 }
 
+/// Resets a GPU (by UUID) to finish a pending MIG mode change; `Err` says why it could not.
+pub type ResetGpu<'a> = &'a dyn Fn(&str) -> Result<(), String>;
+
 /// Blocking (NVML): observe, plan, check for GPU work, apply, verify. Never changes a GPU that
-/// has processes on it, and never starts when the layout cannot fit.
-pub fn converge(gpus: &Gpus, name: &str, layout: &MigLayout) -> Step {
+/// has processes on it, and never starts when the layout cannot fit. A mode change NVML leaves
+/// pending is finished with `reset` when given (the GPU is idle: that was checked), then the
+/// layout is applied again.
+pub fn converge(gpus: &Gpus, name: &str, layout: &MigLayout, reset: Option<ResetGpu<'_>>) -> Step {
     let observed = match gpus.mig_observe() {
         Ok(o) => o,
         Err(e) => {
@@ -153,7 +158,30 @@ pub fn converge(gpus: &Gpus, name: &str, layout: &MigLayout) -> Step {
             "the MIG mode change on {} is pending until the GPU is reset or the node reboots",
             pending.join(", ")
         );
-        return Step::ModePending { gpus: pending, reason };
+        let Some(reset) = reset else {
+            return Step::ModePending { gpus: pending, reason };
+        };
+        for uuid in &pending {
+            tracing::info!(gpu = %uuid, "resetting {uuid} to finish its MIG mode change");
+            if let Err(e) = reset(uuid) {
+                return Step::ModePending {
+                    gpus: pending.clone(),
+                    reason: format!("{reason}; the reset failed: {e}"),
+                };
+            }
+        }
+        // Once more, without resetting again: the mode is current now, the instances follow.
+        return match converge(gpus, name, layout, None) {
+            Step::Applied { mutations: more, .. } => Step::Applied {
+                mutations: mutations + more,
+                gpus: changing,
+            },
+            Step::Converged => Step::Applied {
+                mutations,
+                gpus: changing,
+            },
+            other => other,
+        };
     }
     // Verify: a second plan must be empty.
     match gpus
