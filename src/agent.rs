@@ -17,7 +17,7 @@ use crate::desired::{Desired, ProfileOutcome, ProfileState, Selection, choose_pr
 use crate::host::{HostRoot, hostname};
 use crate::kube::EventType;
 use crate::labels::gfd::{FeatureInputs, feature_labels};
-use crate::mig::stage::{MigState as MigLabelState, Step, affected, converge, plan_layout};
+use crate::mig::stage::{MigState as MigLabelState, ResetGpu, Step, affected, converge, plan_layout};
 use crate::nvml::{GpuError, Gpus, HealthEvent, Inventory};
 use crate::plugin::allocate::AllocateOptions;
 use crate::plugin::devnodes::DeviceNodes;
@@ -889,12 +889,7 @@ impl Agent {
         let allow_reset = self.config.mig.gpu_reset;
         let step = tokio::task::spawn_blocking(move || {
             let reset = |uuid: &str| crate::host::reset_gpu(&smi, uuid);
-            converge(
-                &g,
-                &n,
-                &l,
-                allow_reset.then_some(&reset as &dyn Fn(&str) -> Result<(), String>),
-            )
+            converge(&g, &n, &l, allow_reset.then_some(&reset as ResetGpu<'_>))
         })
         .await
         .unwrap_or_else(|e| Step::Failed {

@@ -8,7 +8,7 @@ use gpu_node_agent::agent::{self, plan_device_plugin, summary};
 use gpu_node_agent::cli::{Cli, Command, ConfigCommand, MigCommand};
 use gpu_node_agent::config::Config;
 use gpu_node_agent::host::HostRoot;
-use gpu_node_agent::mig::stage::{Step, converge, export, plan_layout};
+use gpu_node_agent::mig::stage::{ResetGpu, Step, converge, export, plan_layout};
 use gpu_node_agent::mig::{import, planner};
 use gpu_node_agent::nvml::Gpus;
 use gpu_node_agent::status::{STATUS_FILE, Status, now_unix};
@@ -232,7 +232,7 @@ fn mig(config: &Config, root: &HostRoot, command: MigCommand) -> ExitCode {
             };
             let smi = root.join(&config.mig.nvidia_smi);
             let reset = |uuid: &str| gpu_node_agent::host::reset_gpu(&smi, uuid);
-            let reset: Option<&dyn Fn(&str) -> Result<(), String>> = config.mig.gpu_reset.then_some(&reset);
+            let reset: Option<ResetGpu<'_>> = config.mig.gpu_reset.then_some(&reset);
             match converge(&gpus, &name, &layout, reset) {
                 Step::Converged => {
                     println!("the GPUs already match MIG layout {name}: nothing to do");
