@@ -1658,7 +1658,7 @@ mod tests {
         assert_eq!(
             e("[mig]\nreboot = true\n"),
             "m.toml:2: unknown key mig.reboot: expected one of enabled, default_layouts, process_wait_timeout, \
-             reboot_on_mode_change, layouts"
+             reboot_on_mode_change, gpu_reset, nvidia_smi, layouts"
         );
     }
 
