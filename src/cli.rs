@@ -4,8 +4,9 @@ use std::path::PathBuf;
 
 use clap::{Args, Parser, Subcommand};
 
-/// One host agent that replaces the NVIDIA GPU Operator on a Kubernetes node: it advertises the
-/// node's GPUs to the kubelet (device plugin) and reports what it did.
+/// One host agent that replaces the NVIDIA GPU Operator on a Kubernetes node: it reads the desired
+/// state from its Node's labels, applies MIG layouts, advertises the GPUs to the kubelet (device
+/// plugin), and reports state and GPU feature labels back.
 #[derive(Debug, Parser)]
 #[command(name = "gpu-node-agent", version, propagate_version = true)]
 pub struct Cli {
