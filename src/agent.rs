@@ -734,8 +734,10 @@ impl Agent {
     /// (device plugin stage, profile, GPU health) compared with the last published status.
     fn publish(&self, status: &Status) {
         let Some(link) = &self.link else { return };
-        if let Some(labels) = self.wanted_labels() {
-            link.report(labels);
+        // `status.labels` is what `wanted_labels` gave; before the first inventory it is empty
+        // and means "nothing known yet", not "remove everything": report nothing then.
+        if self.inventory.is_some() {
+            link.report(status.labels.clone());
         }
         let before = self.last_status.as_ref();
         // MIG: an Event whenever the state label or its reason changes (a second failure with a

@@ -620,11 +620,13 @@ impl RawMig<'_> {
     }
 }
 
-fn struct_version(size: usize, version: u32) -> u32 {
+/// NVML's `NVML_STRUCT_VERSION`: the struct size with the version in the top byte.
+pub(crate) fn struct_version(size: usize, version: u32) -> u32 {
     size as u32 | (version << 24)
 }
 
-fn c_name(buf: &[std::os::raw::c_char]) -> String {
+/// A NUL-terminated name NVML wrote into a fixed buffer.
+pub(crate) fn c_name(buf: &[std::os::raw::c_char]) -> String {
     // SAFETY: reinterpreting c_char as u8 of the same size; NVML NUL-terminates names, and
     // `from_bytes_until_nul` stops at the buffer's end if it did not.
     let bytes = unsafe { std::slice::from_raw_parts(buf.as_ptr().cast::<u8>(), buf.len()) };

@@ -2,14 +2,12 @@
 //! instance calls (and its `possible_placements` returns nothing), so these go through
 //! `Nvml::lib()`; each `unsafe` block says why it is sound.
 
-use std::ffi::CStr;
-
 use nvml_wrapper::error::NvmlError;
 use nvml_wrapper::{Device, Nvml};
 use nvml_wrapper_sys::bindings as sys;
 
 use super::state::{CiProfile, GiProfile, GiRef, GpuPlan, MigOp, ObservedCi, ObservedGi, ObservedGpu, Placement};
-use crate::nvml::{GpuError, Gpus, MigState};
+use crate::nvml::{GpuError, Gpus, MigState, c_name, struct_version};
 
 /// Profile indices are probed up to this bound; NVML answers INVALID_ARGUMENT past the last.
 const MAX_PROFILE_INDEX: u32 = 64;
@@ -46,19 +44,6 @@ fn rc(code: sys::nvmlReturn_t) -> Result<(), NvmlError> {
     } else {
         Err(NvmlError::from(code))
     }
-}
-
-fn version(size: usize, v: u32) -> u32 {
-    size as u32 | (v << 24)
-}
-
-fn name_of(buf: &[std::os::raw::c_char]) -> String {
-    // SAFETY: c_char and u8 have the same size; the slice stays within the buffer.
-    let bytes = unsafe { std::slice::from_raw_parts(buf.as_ptr().cast::<u8>(), buf.len()) };
-    let name = CStr::from_bytes_until_nul(bytes)
-        .map(|c| c.to_string_lossy().into_owned())
-        .unwrap_or_default();
-    name.trim_start_matches("MIG ").to_string()
 }
 
 /// Raw MIG access to one GPU.
@@ -107,7 +92,7 @@ impl Raw<'_> {
             // SAFETY: `info` is a zeroed C struct with its version word set as the V call
             // requires; the device handle is live.
             let mut info: sys::nvmlGpuInstanceProfileInfo_v2_t = unsafe { std::mem::zeroed() };
-            info.version = version(std::mem::size_of::<sys::nvmlGpuInstanceProfileInfo_v2_t>(), 2);
+            info.version = struct_version(std::mem::size_of::<sys::nvmlGpuInstanceProfileInfo_v2_t>(), 2);
             match unsafe { info_v(self.handle(), index, &mut info) } {
                 sys::nvmlReturn_enum_NVML_SUCCESS => {}
                 sys::nvmlReturn_enum_NVML_ERROR_NOT_SUPPORTED => continue,
@@ -124,7 +109,7 @@ impl Raw<'_> {
                 .map_err(self.err(format!("possible placements of profile {}", info.id)))?;
             buf.truncate(count as usize);
             out.push(GiProfile {
-                name: name_of(&info.name),
+                name: c_name(&info.name).trim_start_matches("MIG ").to_string(),
                 index,
                 id: info.id,
                 slice_count: info.sliceCount,
@@ -178,7 +163,7 @@ impl Raw<'_> {
         for index in 0..MAX_PROFILE_INDEX {
             // SAFETY: zeroed C struct with its version word set; `gi` is live.
             let mut info: sys::nvmlComputeInstanceProfileInfo_v2_t = unsafe { std::mem::zeroed() };
-            info.version = version(std::mem::size_of::<sys::nvmlComputeInstanceProfileInfo_v2_t>(), 2);
+            info.version = struct_version(std::mem::size_of::<sys::nvmlComputeInstanceProfileInfo_v2_t>(), 2);
             match unsafe { info_v(gi, index, sys::NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED, &mut info) } {
                 sys::nvmlReturn_enum_NVML_SUCCESS => {}
                 sys::nvmlReturn_enum_NVML_ERROR_NOT_SUPPORTED => continue,
@@ -198,7 +183,7 @@ impl Raw<'_> {
                 .map_err(self.err(format!("CI placements of profile {}", info.id)))?;
             buf.truncate(count as usize);
             out.push(CiProfile {
-                name: name_of(&info.name),
+                name: c_name(&info.name).trim_start_matches("MIG ").to_string(),
                 index,
                 id: info.id,
                 slice_count: info.sliceCount,
