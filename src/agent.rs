@@ -17,7 +17,7 @@ use crate::desired::{Desired, ProfileOutcome, ProfileState, Selection, choose_pr
 use crate::host::{HostRoot, hostname};
 use crate::kube::EventType;
 use crate::labels::gfd::{FeatureInputs, feature_labels};
-use crate::mig::stage::{MigState as MigLabelState, ResetGpu, Step, affected, converge, plan_layout};
+use crate::mig::stage::{MigState as MigLabelState, ResetGpu, Step, converge, gpus_to_change};
 use crate::nvml::{GpuError, Gpus, HealthEvent, Inventory};
 use crate::plugin::allocate::AllocateOptions;
 use crate::plugin::devnodes::DeviceNodes;
@@ -870,12 +870,12 @@ impl Agent {
         let planned = tokio::task::spawn_blocking(move || {
             g.mig_observe()
                 .map_err(|e| e.to_string())
-                .and_then(|o| plan_layout(&o, &l).map_err(|e| e.to_string()))
+                .and_then(|o| gpus_to_change(&o, &l).map_err(|e| e.to_string()))
         })
         .await
         .unwrap_or_else(|e| Err(format!("MIG planning task failed: {e}")));
         let changing = match planned {
-            Ok(plans) => affected(&plans),
+            Ok(uuids) => uuids,
             Err(e) => return self.mig_failed(format!("layout {name}: {e}; nothing changed")),
         };
         if !changing.is_empty() && changing.iter().any(|u| !self.withdrawn.contains(u)) {

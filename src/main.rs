@@ -8,6 +8,7 @@ use gpu_node_agent::agent::{self, plan_device_plugin, summary};
 use gpu_node_agent::cli::{Cli, Command, ConfigCommand, MigCommand};
 use gpu_node_agent::config::Config;
 use gpu_node_agent::host::HostRoot;
+use gpu_node_agent::mig::planner::PlanError;
 use gpu_node_agent::mig::stage::{ResetGpu, Step, converge, export, plan_layout};
 use gpu_node_agent::mig::{import, planner};
 use gpu_node_agent::nvml::Gpus;
@@ -75,16 +76,28 @@ fn main() -> ExitCode {
                     );
                     return ExitCode::from(64);
                 };
-                match gpus
-                    .mig_observe()
-                    .map_err(|e| e.to_string())
-                    .and_then(|o| plan_layout(&o, &layout).map_err(|e| e.to_string()))
-                {
+                let observed = match gpus.mig_observe() {
+                    Ok(o) => o,
+                    Err(e) => {
+                        eprintln!("gpu-node-agent: {e}");
+                        return ExitCode::from(EXIT_NO_NVML);
+                    }
+                };
+                match plan_layout(&observed, &layout) {
                     Ok(plans) => {
                         println!("MIG plan for layout {name}:");
                         for p in &plans {
                             println!("{}", planner::describe(p));
                         }
+                        println!();
+                    }
+                    Err(e @ PlanError::CiProfilesUnknown { .. }) => {
+                        println!("MIG plan for layout {name}: not complete yet:");
+                        println!("  {e}");
+                        println!(
+                            "  (applying enables MIG mode where it is off, reads those compute instance profiles from \
+                             a short-lived GPU instance, then plans and applies the whole layout)"
+                        );
                         println!();
                     }
                     Err(e) => {

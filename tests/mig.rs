@@ -330,3 +330,61 @@ fn a_daemon_killed_in_the_middle_of_an_apply_converges_after_restart() {
     assert_eq!(node.run(&["mig", "assert", "all-1g.5gb"]).status.code(), Some(0));
     assert_eq!(node.status_json()["labels"]["nvidia.com/mig.config.state"], "success");
 }
+
+const SHARED_LAYOUT: &str = "[[mig.layouts.shared]]\ndevices = \"all\"\nmig_enabled = true\nprofiles = { \"1c.4g.20gb\" = 4, \"2c.3g.20gb\" = 1 }\n";
+
+/// Compute instance forms name profiles NVML lists only inside a GPU instance. On a GPU with MIG
+/// off and no instances, `plan` says so, and `mig apply` enables MIG (resetting the GPU where
+/// the mode change needs it), reads them from a short-lived instance, and applies the layout.
+#[test]
+fn compute_instance_forms_apply_on_a_fresh_gpu() {
+    let node = reset_node(SHARED_LAYOUT, true);
+    let out = node.run(&["plan", "--mig-layout", "shared"]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{stdout}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        stdout.contains("not complete yet") && stdout.contains("\"1c.4g.20gb\"") && stdout.contains("4g.20gb GPU"),
+        "{stdout}"
+    );
+
+    let out = node.run(&["mig", "apply", "shared"]);
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    let resets = std::fs::read_to_string(node.state.join("resets-done")).unwrap_or_default();
+    assert_eq!(
+        resets.trim(),
+        gpu_uuid(0),
+        "the mode change was finished with one reset"
+    );
+    let out = node.run(&["mig", "export"]);
+    let exported = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        exported.contains(r#"profiles = { "1c.4g.20gb" = 4, "2c.3g.20gb" = 1 }"#),
+        "{exported}"
+    );
+    assert_eq!(node.run(&["mig", "assert", "shared"]).status.code(), Some(0));
+    let out = node.run(&["mig", "apply", "shared"]);
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("nothing to do"),
+        "zero NVML mutations on re-apply"
+    );
+}
+
+/// With no room left for a GPU instance to read compute instance profiles from, the apply
+/// fails with the reason and leaves the GPU as it was.
+#[test]
+fn compute_instance_forms_without_room_to_read_them_fail_and_change_nothing() {
+    let full = "[[mig.layouts.full]]\ndevices = \"all\"\nmig_enabled = true\nprofiles = { \"1g.5gb\" = 7 }\n\
+                [[mig.layouts.mixed]]\ndevices = \"all\"\nmig_enabled = true\nprofiles = { \"1c.4g.20gb\" = 2, \"1g.5gb\" = 3 }\n";
+    let node = reset_node(full, true);
+    assert_eq!(node.run(&["mig", "apply", "full"]).status.code(), Some(0));
+    let out = node.run(&["mig", "apply", "mixed"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("no room for a 4g.20gb GPU instance"), "{stderr}");
+    assert_eq!(node.run(&["mig", "assert", "full"]).status.code(), Some(0), "unchanged");
+}

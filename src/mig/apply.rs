@@ -36,6 +36,20 @@ impl MigCallError {
     pub fn in_use(&self) -> bool {
         matches!(self.source, NvmlError::InUse)
     }
+
+    /// GPU `index` could not even be opened.
+    fn from_gpu(index: u32, e: GpuError) -> MigCallError {
+        let (gpu, source) = match e {
+            GpuError::Device { gpu, source, .. } => (gpu, source),
+            GpuError::Call { source, .. } | GpuError::Load { source, .. } => (format!("index {index}"), source),
+        };
+        MigCallError {
+            index,
+            uuid: gpu,
+            op: "open GPU".into(),
+            source,
+        }
+    }
 }
 
 fn rc(code: sys::nvmlReturn_t) -> Result<(), NvmlError> {
@@ -343,8 +357,8 @@ impl Gpus {
                 for p in profiles.iter_mut().filter(|p| p.ci_profiles.is_empty()) {
                     p.ci_profiles.push(CiProfile {
                         name: p.name.clone(),
-                        index: u32::MAX,
-                        id: u32::MAX,
+                        index: CiProfile::UNREAD,
+                        id: CiProfile::UNREAD,
                         slice_count: p.slice_count,
                         instance_count: 1,
                         placements: vec![Placement {
@@ -369,18 +383,42 @@ impl Gpus {
         Ok(gpus)
     }
 
+    /// Reads the compute instance profiles of GPU instance profile `gi_profile_id` on GPU
+    /// `index`, which NVML lists only inside an existing instance: creates one wherever NVML
+    /// finds room, reads them, and destroys it again (two mutations that leave the GPU as it
+    /// was). `Ok(None)` when there is no room for one. The caller makes sure the GPU is idle.
+    pub fn mig_read_ci_profiles(&self, index: u32, gi_profile_id: u32) -> Result<Option<Vec<CiProfile>>, MigCallError> {
+        let raw = self.raw(index).map_err(|e| MigCallError::from_gpu(index, e))?;
+        let lib = self.nvml().lib();
+        let create = raw.sym(&lib.nvmlDeviceCreateGpuInstance, "nvmlDeviceCreateGpuInstance")?;
+        let destroy = raw.sym(&lib.nvmlGpuInstanceDestroy, "nvmlGpuInstanceDestroy")?;
+        let mut gi = std::ptr::null_mut();
+        // SAFETY: `gi` is an out-param; the device handle is live.
+        match unsafe { create(raw.handle(), gi_profile_id, &mut gi) } {
+            sys::nvmlReturn_enum_NVML_SUCCESS => {}
+            sys::nvmlReturn_enum_NVML_ERROR_INSUFFICIENT_RESOURCES => return Ok(None),
+            other => {
+                return Err(raw.err(format!(
+                    "create a GPU instance of profile {gi_profile_id} to read its compute instance profiles"
+                ))(NvmlError::from(other)));
+            }
+        }
+        let read = raw.ci_profiles(gi);
+        // SAFETY: `gi` was created above and has no compute instances.
+        let destroyed = rc(unsafe { destroy(gi) }).map_err(raw.err(format!(
+            "destroy the GPU instance of profile {gi_profile_id} made to read its compute instance profiles"
+        )));
+        let profiles = read?;
+        destroyed?;
+        Ok(Some(profiles))
+    }
+
     /// Performs `plan` on its GPU, in order. Stops at the first failure (the caller re-observes
     /// and re-plans: every step converges from whatever state it left).
     pub fn mig_apply(&self, plan: &GpuPlan) -> Result<Applied, MigCallError> {
         let raw = self.raw(plan.index).map_err(|e| MigCallError {
-            index: plan.index,
             uuid: plan.uuid.clone(),
-            op: "open GPU".into(),
-            source: match e {
-                GpuError::Device { source, .. } | GpuError::Call { source, .. } | GpuError::Load { source, .. } => {
-                    source
-                }
-            },
+            ..MigCallError::from_gpu(plan.index, e)
         })?;
         let lib = self.nvml().lib();
         let mut applied = Applied {

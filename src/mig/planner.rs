@@ -59,6 +59,22 @@ pub enum PlanError {
         profile: String,
         available: Vec<String>,
     },
+    /// A compute instance form (`1c.4g.20gb`) of a GPU instance profile of which no instance
+    /// exists yet: NVML lists compute instance profiles only inside a GPU instance, so they
+    /// must be read from one first ([`super::stage::converge`] does, with a short-lived
+    /// instance).
+    #[error(
+        "GPU {gpu}: compute instance profile {profile:?} can only be looked up inside a {gi_profile} GPU \
+         instance, and none exists yet"
+    )]
+    CiProfilesUnknown {
+        gpu: String,
+        index: u32,
+        uuid: String,
+        profile: String,
+        gi_profile: String,
+        gi_profile_id: u32,
+    },
     #[error("MIG layout `{layout}` does not fit on GPU {gpu}: {profile}: {reason}")]
     DoesNotFit {
         gpu: String,
@@ -184,9 +200,9 @@ pub fn describe(plan: &GpuPlan) -> String {
                     },
                     GiRef::Existing(id) => format!("GPU instance {id}"),
                 };
-                // u32::MAX: NVML could not be asked yet (no instance of that profile existed);
+                // CiProfile::UNREAD: NVML could not be asked yet (no instance of that profile existed);
                 // the id is looked up in the new instance when it is created.
-                let id = if *profile_id == u32::MAX {
+                let id = if *profile_id == CiProfile::UNREAD {
                     "id from the new instance".to_string()
                 } else {
                     format!("profile id {profile_id}")
@@ -247,6 +263,17 @@ fn resolve<'a>(observed: &'a ObservedGpu, name: &str) -> Option<Form<'a>> {
     (compute == format!("{}c", gi.slice_count)).then_some(Form::Whole(gi))
 }
 
+/// For a `<C>c.<gi>` name that does not resolve: the GPU instance profile `<gi>` when its
+/// compute instance profiles have not been read from NVML yet.
+fn unread_ci_profiles<'a>(observed: &'a ObservedGpu, name: &str) -> Option<&'a GiProfile> {
+    let (compute, gi_name) = name.split_once('.')?;
+    compute.strip_suffix('c')?.parse::<u32>().ok()?;
+    observed
+        .profiles
+        .iter()
+        .find(|gi| gi.name == gi_name && !gi.ci_profiles_read())
+}
+
 /// The names a layout may use on this GPU, in NVML's order.
 fn available(observed: &ObservedGpu) -> Vec<String> {
     let mut names = Vec::new();
@@ -292,6 +319,16 @@ fn build_instances<'a>(
     let mut pools: Vec<(&'a GiProfile, Vec<&'a CiProfile>)> = Vec::new();
     for &(name, count) in wanted {
         match resolve(observed, name) {
+            None if let Some(gi) = unread_ci_profiles(observed, name) => {
+                return Err(PlanError::CiProfilesUnknown {
+                    gpu: ctx.gpu.to_string(),
+                    index: observed.index,
+                    uuid: observed.uuid.clone(),
+                    profile: name.to_string(),
+                    gi_profile: gi.name.clone(),
+                    gi_profile_id: gi.id,
+                });
+            }
             None => {
                 return Err(PlanError::UnknownProfile {
                     gpu: ctx.gpu.to_string(),

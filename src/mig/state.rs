@@ -48,6 +48,21 @@ pub struct GiProfile {
     pub ci_profiles: Vec<CiProfile>,
 }
 
+impl GiProfile {
+    /// Whether `ci_profiles` came from NVML. Until an instance of the profile exists, NVML cannot
+    /// be asked, and observation puts in only the compute instance spanning the whole instance,
+    /// with [`CiProfile::UNREAD`] as its index and id.
+    pub fn ci_profiles_read(&self) -> bool {
+        self.ci_profiles.iter().any(|c| c.index != CiProfile::UNREAD)
+    }
+}
+
+impl CiProfile {
+    /// Index and id of a compute instance profile not read from NVML (see
+    /// [`GiProfile::ci_profiles_read`]); the applier looks it up by name in the new instance.
+    pub const UNREAD: u32 = u32::MAX;
+}
+
 /// A compute instance that exists.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct ObservedCi {
