@@ -1,6 +1,6 @@
-//! The reconcile loop: stages in order (this release has the device-plugin stage; driver,
-//! runtime and MIG stages slot in before it), health events, periodic resync, status reporting,
-//! and a clean stop on SIGTERM.
+//! The reconcile loop: stages in order (runtime, MIG, device plugin; the driver stage will go
+//! first; a failed stage stops the ones after it until the next pass), health events, periodic
+//! resync, status reporting, and a clean stop on SIGTERM.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
@@ -32,6 +32,9 @@ use crate::status::{DesiredStatus, GpuStatus, MigStatus, STATUS_VERSION, StageSt
 /// Stage names as they appear in status and logs.
 pub const STAGE_DEVICE_PLUGIN: &str = "device-plugin";
 pub const STAGE_MIG: &str = "mig";
+pub const STAGE_RUNTIME: &str = "runtime";
+
+mod runtime;
 
 /// How long the first reconcile waits for the desired-state source (the Node's labels).
 const FIRST_VIEW_WAIT: Duration = Duration::from_secs(5);
@@ -181,6 +184,14 @@ struct Agent {
     desired_sel: Desired,
     /// The machine's DMI product name, for the `gpu.machine` label.
     machine: Option<String>,
+    /// The runtime stage (first).
+    runtime_stage: Stage,
+    /// What the last runtime pass did (empty before one succeeded).
+    runtime_detail: String,
+    /// Where the CDI spec is, once written.
+    cdi_detail: Option<String>,
+    /// Why the CDI spec could not be written.
+    cdi_error: Option<String>,
     /// The MIG stage (before the device plugin's).
     mig_stage: Stage,
     /// `nvidia.com/mig.config.state`, when a layout is asked for.
@@ -242,6 +253,10 @@ pub async fn run(config: Config, root: HostRoot, once: bool) -> Result<i32, Agen
         },
         desired_sel: Desired::none(),
         machine: None,
+        runtime_stage: Stage::new(STAGE_RUNTIME),
+        runtime_detail: String::new(),
+        cdi_detail: None,
+        cdi_error: None,
         mig_stage: Stage::new(STAGE_MIG),
         mig_state: None,
         withdrawn: BTreeSet::new(),
@@ -325,7 +340,10 @@ pub async fn run(config: Config, root: HostRoot, once: bool) -> Result<i32, Agen
         // Pending counts as not done: the bootstrap should not go on as if MIG were applied.
         let done = |s: &StageState| !matches!(s, StageState::Failed | StageState::Pending);
         return Ok(
-            if done(&agent.stage.status.state) && done(&agent.mig_stage.status.state) {
+            if [&agent.runtime_stage, &agent.mig_stage, &agent.stage]
+                .iter()
+                .all(|s| done(&s.status.state))
+            {
                 0
             } else {
                 1
@@ -432,7 +450,15 @@ impl Agent {
 
     /// One pass over the stages: re-read the inventory and advertise what it gives.
     async fn reconcile(&mut self) {
-        let Some(gpus) = self.gpus.clone() else { return };
+        if !self.runtime_step().await {
+            // Stages after a failed one wait for the next pass.
+            self.write_status("running");
+            return;
+        }
+        let Some(gpus) = self.gpus.clone() else {
+            self.write_status("running");
+            return;
+        };
         self.mig_step(&gpus).await;
         if !self.config.device_plugin.enabled {
             self.stage.set(
@@ -455,6 +481,7 @@ impl Agent {
                     self.base_ctx.topology = gpus.topology(&inventory);
                     self.inventory = Some(inventory);
                     self.watch_health(&gpus);
+                    self.cdi_step();
                 }
             }
             Err(e) => {
@@ -673,7 +700,11 @@ impl Agent {
             updated: 0,
             driver_version: self.inventory.as_ref().map(|i| i.driver_version.clone()),
             cuda_driver_version: self.inventory.as_ref().map(|i| i.cuda_driver_version.clone()),
-            stages: vec![self.mig_stage.status.clone(), self.stage.status.clone()],
+            stages: vec![
+                self.runtime_stage.status.clone(),
+                self.mig_stage.status.clone(),
+                self.stage.status.clone(),
+            ],
             gpus,
             kubelet_present: self.plugin_status.kubelet_present,
             resources: self.plugin_status.resources.clone(),

@@ -5,8 +5,9 @@ use std::path::PathBuf;
 use clap::{Args, Parser, Subcommand};
 
 /// One host agent that replaces the NVIDIA GPU Operator on a Kubernetes node: it reads the desired
-/// state from its Node's labels, applies MIG layouts, advertises the GPUs to the kubelet (device
-/// plugin), and reports state and GPU feature labels back.
+/// state from its Node's labels, configures the container runtimes and writes the CDI spec,
+/// applies MIG layouts, advertises the GPUs to the kubelet (device plugin), and reports state and
+/// GPU feature labels back.
 #[derive(Debug, Parser)]
 #[command(name = "gpu-node-agent", version, propagate_version = true)]
 pub struct Cli {
@@ -37,7 +38,8 @@ pub enum Command {
         #[arg(long)]
         once: bool,
     },
-    /// Print the GPU inventory and what the agent would advertise, changing nothing.
+    /// Print what the agent would do, changing nothing: the container runtime edits as a unified
+    /// diff, the GPU inventory and what would be advertised.
     Plan {
         /// Print JSON instead of text.
         #[arg(long)]
@@ -62,8 +64,54 @@ pub enum Command {
         #[command(subcommand)]
         command: MigCommand,
     },
+    /// Container runtimes: put the nvidia runtime into containerd, docker and CRI-O, or take it
+    /// out again.
+    Runtime {
+        #[command(subcommand)]
+        command: RuntimeCommand,
+    },
+    /// CDI: write the spec for the node's GPUs.
+    Cdi {
+        #[command(subcommand)]
+        command: CdiCommand,
+    },
     /// Print the version.
     Version,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum RuntimeCommand {
+    /// Configure every selected engine as the runtime stage does ([runtime]): backups first,
+    /// containerd's own check, a restart of each engine whose files changed (never under --root
+    /// other than /), and the previous files put back if it does not come back. Exit 0: done or
+    /// already so; 1: failed (nothing left half-done).
+    Configure {
+        /// Write the files but restart nothing.
+        #[arg(long)]
+        no_restart: bool,
+        /// Print the unified diff of what would change, and change nothing.
+        #[arg(long)]
+        dry_run: bool,
+    },
+    /// Take the nvidia runtime out again: files the agent wrote and nobody edited since get
+    /// back exactly what was there before; files edited since lose only the agent's entries; the
+    /// agent's drop-ins go. Engines whose files changed are restarted.
+    Unconfigure {
+        /// Write the files but restart nothing.
+        #[arg(long)]
+        no_restart: bool,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+pub enum CdiCommand {
+    /// Write the CDI spec for the GPUs NVML reports to [cdi] dir (as the agent does at start and
+    /// after every MIG change).
+    Generate {
+        /// Write here instead (a real path, not under --root); `-` prints it.
+        #[arg(long, value_name = "FILE")]
+        output: Option<PathBuf>,
+    },
 }
 
 #[derive(Debug, Subcommand)]

@@ -1,9 +1,11 @@
-//! The node's OS surface: the root prefix every host path goes through, and atomic file writes.
-//! Later stages add kernel, PCI, command and systemd access here.
+//! The node's OS surface: the root prefix every host path goes through, atomic file writes, and
+//! running host programs ([`command`]).
+
+pub mod command;
 
 use std::fs::{self, File, OpenOptions};
 use std::io::{self, Write};
-use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
+use std::os::unix::fs::{MetadataExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Component, Path, PathBuf};
 
 /// The prefix under which every host path is resolved (`--root`, `/` on a real node).
@@ -62,7 +64,8 @@ pub struct WriteError {
 
 /// Writes `bytes` to `path` atomically: a temp file in the same directory, fsync, rename over the
 /// target, fsync of the directory. Readers see the old or the new content, never a mix. The
-/// parent directory is created if missing. An existing file's mode is kept; a new one gets `mode`.
+/// parent directory is created if missing. An existing file's mode and owner are kept; a new one
+/// gets `mode` and the agent's user.
 pub fn write_atomic(path: &Path, bytes: &[u8], mode: u32) -> Result<(), WriteError> {
     let err = |action: &'static str, p: &Path| {
         let p = p.to_path_buf();
@@ -74,9 +77,12 @@ pub fn write_atomic(path: &Path, bytes: &[u8], mode: u32) -> Result<(), WriteErr
     };
     let dir = path.parent().unwrap_or(Path::new("."));
     fs::create_dir_all(dir).map_err(err("create directory", dir))?;
-    let mode = fs::metadata(path)
+    let existing = fs::metadata(path).ok();
+    let mode = existing
+        .as_ref()
         .map(|m| m.permissions().mode() & 0o7777)
         .unwrap_or(mode);
+    let owner = existing.as_ref().map(|m| (m.uid(), m.gid()));
     let name = path
         .file_name()
         .map(|n| n.to_string_lossy().into_owned())
@@ -90,6 +96,12 @@ pub fn write_atomic(path: &Path, bytes: &[u8], mode: u32) -> Result<(), WriteErr
             .mode(mode)
             .open(&tmp)?;
         file.write_all(bytes)?;
+        if let Some((uid, gid)) = owner {
+            let (euid, egid) = (nix::unistd::geteuid().as_raw(), nix::unistd::getegid().as_raw());
+            if (uid, gid) != (euid, egid) {
+                std::os::unix::fs::fchown(&file, Some(uid), Some(gid))?;
+            }
+        }
         file.set_permissions(fs::Permissions::from_mode(mode))?;
         file.sync_all()
     };

@@ -20,4 +20,5 @@ pub mod mig;
 pub mod nvml;
 pub mod plan;
 pub mod plugin;
+pub mod runtime;
 pub mod status;

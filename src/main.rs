@@ -5,13 +5,15 @@ use std::process::ExitCode;
 use clap::Parser;
 
 use gpu_node_agent::agent::{self, plan_device_plugin, summary};
-use gpu_node_agent::cli::{Cli, Command, ConfigCommand, MigCommand};
+use gpu_node_agent::cli::{CdiCommand, Cli, Command, ConfigCommand, MigCommand, RuntimeCommand};
 use gpu_node_agent::config::Config;
 use gpu_node_agent::host::HostRoot;
+use gpu_node_agent::host::command::Runner;
 use gpu_node_agent::mig::planner::PlanError;
 use gpu_node_agent::mig::stage::{ResetGpu, Step, converge, export, plan_layout};
 use gpu_node_agent::mig::{import, planner};
 use gpu_node_agent::nvml::Gpus;
+use gpu_node_agent::runtime::stage as runtime_stage;
 use gpu_node_agent::status::{STATUS_FILE, Status, now_unix};
 use gpu_node_agent::{logging, plan};
 
@@ -59,8 +61,15 @@ fn main() -> ExitCode {
         }
         Command::Status { json } => status(&config, &root, json),
         Command::Mig { command } => mig(&config, &root, command),
+        Command::Runtime { command } => runtime_command(&config, &root, command),
+        Command::Cdi {
+            command: CdiCommand::Generate { output },
+        } => cdi_generate(&config, &root, output.as_deref()),
         Command::Plan { json, mig_layout } => {
             logging::init(&config.log);
+            if !json {
+                print_runtime_plan(&config, &root);
+            }
             let gpus = match Gpus::open(&agent::nvml_library(&config, &root)) {
                 Ok(gpus) => gpus,
                 Err(e) => {
@@ -149,6 +158,126 @@ fn main() -> ExitCode {
                     exit(e.exit_code())
                 }
             }
+        }
+    }
+}
+
+/// The runtime stage's plan as a unified diff (`plan`).
+fn print_runtime_plan(config: &Config, root: &HostRoot) {
+    if !config.runtime.enabled {
+        println!("Container runtimes: [runtime] enabled = false\n");
+        return;
+    }
+    let runner = Runner::new(root);
+    match runtime_stage::observe(config, root, &runner).and_then(|o| runtime_stage::plan(&o, &config.runtime)) {
+        Ok(p) if p.is_empty() => println!(
+            "Container runtimes: {}: no changes\n",
+            p.note
+                .clone()
+                .unwrap_or_else(|| format!("{} already configured", p.summary()))
+        ),
+        Ok(p) => println!("Container runtimes: would change\n{}", runtime_stage::diff(&p)),
+        Err(e) => println!("Container runtimes: the stage would fail: {e}\n"),
+    }
+}
+
+fn runtime_command(config: &Config, root: &HostRoot, command: RuntimeCommand) -> ExitCode {
+    logging::init(&config.log);
+    let runner = Runner::new(root);
+    let (no_restart, dry_run, unconfigure) = match command {
+        RuntimeCommand::Configure { no_restart, dry_run } => (no_restart, dry_run, false),
+        RuntimeCommand::Unconfigure { no_restart } => (no_restart, false, true),
+    };
+    let planned = runtime_stage::observe(config, root, &runner).and_then(|o| {
+        if unconfigure {
+            runtime_stage::plan_unconfigure(&o, &config.runtime)
+        } else {
+            runtime_stage::plan(&o, &config.runtime)
+        }
+    });
+    let plan = match planned {
+        Ok(p) => p,
+        Err(e) => {
+            eprintln!("gpu-node-agent: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    if plan.is_empty() {
+        match &plan.note {
+            Some(note) => println!("{note}"),
+            None => println!("{}: already configured, nothing to do", plan.summary()),
+        }
+        return ExitCode::SUCCESS;
+    }
+    if dry_run {
+        print!("{}", runtime_stage::diff(&plan));
+        return ExitCode::SUCCESS;
+    }
+    let opts = runtime_stage::ApplyOptions {
+        restart: config.runtime.restart && !no_restart && root.is_real(),
+    };
+    match runtime_stage::apply(&plan, config, root, &runner, &opts) {
+        Ok(applied) => {
+            for f in &applied.files {
+                println!("{} {}", if unconfigure { "restored" } else { "wrote" }, f.display());
+            }
+            if applied.restarted.is_empty() {
+                println!("restarted nothing");
+            } else {
+                println!("restarted {}", applied.restarted.join(", "));
+            }
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("gpu-node-agent: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn cdi_generate(config: &Config, root: &HostRoot, output: Option<&std::path::Path>) -> ExitCode {
+    logging::init(&config.log);
+    let gpus = match Gpus::open(&agent::nvml_library(config, root)) {
+        Ok(gpus) => gpus,
+        Err(e) => {
+            eprintln!("gpu-node-agent: {e}");
+            return ExitCode::from(EXIT_NO_NVML);
+        }
+    };
+    let inventory = match gpus.inventory(&root.join("/sys")) {
+        Ok(i) => i,
+        Err(e) => {
+            eprintln!("gpu-node-agent: {e}");
+            return ExitCode::from(EXIT_NO_NVML);
+        }
+    };
+    let nodes = gpu_node_agent::plugin::devnodes::DeviceNodes::gather(
+        &root.join(&config.device_plugin.dev_root),
+        &root.join("/proc"),
+    );
+    let result = match output {
+        Some(p) if p == std::path::Path::new("-") => {
+            runtime_stage::cdi_spec(config, root, &inventory, &nodes).map(|text| print!("{text}"))
+        }
+        Some(p) => runtime_stage::cdi_spec(config, root, &inventory, &nodes).and_then(|text| {
+            gpu_node_agent::host::write_atomic(p, text.as_bytes(), 0o644)
+                .map(|()| println!("wrote {}", p.display()))
+                .map_err(Into::into)
+        }),
+        None => runtime_stage::write_cdi(config, root, &inventory, &nodes).map(|written| {
+            let path = runtime_stage::cdi_path(config);
+            if written {
+                println!("wrote {}", path.display());
+            } else {
+                println!("{} is up to date", path.display());
+            }
+        }),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("gpu-node-agent: {e}");
+            ExitCode::FAILURE
         }
     }
 }

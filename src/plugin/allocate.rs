@@ -234,18 +234,13 @@ pub fn device_specs(
     for device in devices {
         paths.push(format!("/dev/nvidia{}", device.minor));
         if let Some(mig) = &device.mig {
-            let gi_key = format!("gpu{}/gi{}/access", device.minor, mig.gi_id);
-            let ci_key = format!("gpu{}/gi{}/ci{}/access", device.minor, mig.gi_id, mig.ci_id);
-            for key in [gi_key, ci_key] {
-                let minor = nodes
-                    .mig_minors
-                    .get(&key)
-                    .ok_or_else(|| AllocateError::MissingMigCapability {
-                        key: key.clone(),
-                        device: device.uuid.clone(),
-                    })?;
-                paths.push(format!("/dev/nvidia-caps/nvidia-cap{minor}"));
-            }
+            let caps = mig_capability_nodes(device.minor, mig.gi_id, mig.ci_id, nodes).map_err(|key| {
+                AllocateError::MissingMigCapability {
+                    key,
+                    device: device.uuid.clone(),
+                }
+            })?;
+            paths.extend(caps);
         }
     }
     let mut seen = BTreeSet::new();
@@ -258,6 +253,27 @@ pub fn device_specs(
             permissions: "rw".to_string(),
         })
         .collect())
+}
+
+/// The capability nodes `/dev/nvidia-caps/nvidia-cap<N>` of a MIG device on the GPU whose device
+/// minor is `minor`: its GPU instance's (`gpu<minor>/gi<gi>/access`) then its compute instance's
+/// (`gpu<minor>/gi<gi>/ci<ci>/access`), `N` from the driver's `mig-minors` table. `Err` is the
+/// first key the table lacks. Shared with the CDI spec generator, which must hand out the same
+/// nodes.
+pub(crate) fn mig_capability_nodes(
+    minor: u32,
+    gi_id: u32,
+    ci_id: u32,
+    nodes: &DeviceNodes,
+) -> Result<[String; 2], String> {
+    let cap = |key: String| match nodes.mig_minors.get(&key) {
+        Some(n) => Ok(format!("/dev/nvidia-caps/nvidia-cap{n}")),
+        None => Err(key),
+    };
+    Ok([
+        cap(format!("gpu{minor}/gi{gi_id}/access"))?,
+        cap(format!("gpu{minor}/gi{gi_id}/ci{ci_id}/access"))?,
+    ])
 }
 
 /// `dev_root` joined with an absolute container path; `/` or empty means no prefix.

@@ -107,6 +107,10 @@ impl Node {
         std::os::unix::fs::symlink(fake_nvml_library(), &nvml).expect("install fake NVML");
         fs::create_dir_all(root.join("etc")).expect("mkdir etc");
         fs::write(root.join("etc/hostname"), "gpu-node-1\n").expect("hostname");
+        // The driver's MIG capability table, as /proc shows it on a MIG-capable node.
+        let caps = root.join("proc/driver/nvidia-caps");
+        fs::create_dir_all(&caps).expect("mkdir nvidia-caps");
+        fs::write(caps.join("mig-minors"), fake_nvml::mig_minors_table(16)).expect("mig-minors");
         let node = Node {
             tmp,
             root,

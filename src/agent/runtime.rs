@@ -1,0 +1,117 @@
+//! The runtime stage inside the reconcile loop: the `nvidia` runtime in the container engines
+//! (first in the order: MIG and the device plugin wait for it), and the CDI spec, rewritten
+//! whenever the GPU inventory changes (at start and after every MIG change).
+
+use super::{Agent, StageState};
+use crate::host::command::Runner;
+use crate::runtime::cdi::CdiError;
+use crate::runtime::stage::{self as rt, ApplyOptions, RuntimeError};
+
+impl Agent {
+    /// Brings the engines' files to what `[runtime]` asks for; `false` when the stage failed (the
+    /// stages after it then wait for the next pass).
+    pub(super) async fn runtime_step(&mut self) -> bool {
+        if !self.config.runtime.enabled {
+            self.runtime_stage
+                .set(StageState::Disabled, None, Some("[runtime] enabled = false".into()));
+            return true;
+        }
+        let (config, root) = (self.config.clone(), self.root.clone());
+        let result = tokio::task::spawn_blocking(move || {
+            let runner = Runner::new(&root);
+            let observed = rt::observe(&config, &root, &runner)?;
+            let plan = rt::plan(&observed, &config.runtime)?;
+            let opts = ApplyOptions {
+                // A root prefix is an image being built or a test: nothing to restart there.
+                restart: config.runtime.restart && root.is_real(),
+            };
+            let applied = rt::apply(&plan, &config, &root, &runner, &opts)?;
+            Ok::<_, RuntimeError>((plan, applied))
+        })
+        .await;
+        let outcome = match result {
+            Ok(r) => r.map_err(|e| e.to_string()),
+            Err(e) => Err(format!("runtime stage task failed: {e}")),
+        };
+        match outcome {
+            Ok((plan, applied)) => {
+                let mut detail = match &plan.note {
+                    Some(note) => note.clone(),
+                    None => format!("{} runtime in {}", self.config.runtime.runtime_name, plan.summary()),
+                };
+                if !applied.files.is_empty() {
+                    tracing::info!(
+                        "runtime: wrote {}",
+                        applied
+                            .files
+                            .iter()
+                            .map(|f| f.display().to_string())
+                            .collect::<Vec<_>>()
+                            .join(", ")
+                    );
+                }
+                if !applied.restarted.is_empty() {
+                    detail.push_str(&format!(" (restarted {})", applied.restarted.join(", ")));
+                }
+                self.runtime_detail = detail;
+                self.show_runtime();
+                true
+            }
+            Err(e) => {
+                tracing::error!("runtime stage failed: {e}");
+                self.runtime_stage.set(StageState::Failed, Some(e), None);
+                false
+            }
+        }
+    }
+
+    /// Rewrites the CDI spec for the current inventory when its bytes change.
+    pub(super) fn cdi_step(&mut self) {
+        if !self.config.cdi.enabled {
+            self.cdi_detail = None;
+            self.cdi_error = None;
+            return;
+        }
+        let Some(inventory) = &self.inventory else { return };
+        let path = rt::cdi_path(&self.config);
+        match rt::write_cdi(&self.config, &self.root, inventory, &self.base_ctx.nodes) {
+            Ok(written) => {
+                if written {
+                    tracing::info!("CDI spec written to {}", path.display());
+                }
+                self.cdi_detail = Some(format!("CDI spec {}", path.display()));
+                self.cdi_error = None;
+            }
+            Err(RuntimeError::Cdi(CdiError::NoGpus)) => {
+                self.cdi_detail = Some("no GPUs: no CDI spec".into());
+                self.cdi_error = None;
+            }
+            Err(e) => {
+                tracing::error!("CDI spec {}: {e}", path.display());
+                self.cdi_error = Some(e.to_string());
+            }
+        }
+        self.show_runtime();
+    }
+
+    /// The runtime stage's status from the engines' and the CDI spec's outcome.
+    fn show_runtime(&mut self) {
+        if self.runtime_stage.status.state == StageState::Failed && self.cdi_error.is_none() {
+            // An engine failure stays until the next runtime pass says otherwise.
+            if self.runtime_detail.is_empty() {
+                return;
+            }
+        }
+        let detail = match &self.cdi_detail {
+            Some(cdi) if !self.runtime_detail.is_empty() => format!("{}; {cdi}", self.runtime_detail),
+            Some(cdi) => cdi.clone(),
+            None => self.runtime_detail.clone(),
+        };
+        match &self.cdi_error {
+            Some(e) => self
+                .runtime_stage
+                .set(StageState::Failed, Some(e.clone()), Some(detail)),
+            None => self.runtime_stage.set(StageState::Ok, None, Some(detail)),
+        }
+    }
+}

@@ -1,0 +1,317 @@
+//! Running host programs: one wrapper for every command the agent runs (systemctl, containerd,
+//! nvidia-smi, package managers, kbuild). Programs are absolute host paths resolved under the
+//! root prefix, arguments are an argv (never a shell), stdout and stderr are captured, and a
+//! failure quotes what the program said.
+
+use std::ffi::OsString;
+use std::fmt;
+use std::io::Read;
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::time::{Duration, Instant};
+
+use super::HostRoot;
+
+/// Longest stdout/stderr tail quoted in an error.
+const QUOTED_CHARS: usize = 600;
+
+/// A command: an absolute program (a host path) and its arguments.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Cmd {
+    program: PathBuf,
+    args: Vec<OsString>,
+    env: Vec<(OsString, OsString)>,
+    timeout: Duration,
+}
+
+impl Cmd {
+    /// `program` is a host path such as `/usr/bin/systemctl`; it runs as
+    /// `<root>/usr/bin/systemctl` under a root prefix (tests put stand-ins there).
+    pub fn new(program: impl Into<PathBuf>) -> Cmd {
+        Cmd {
+            program: program.into(),
+            args: Vec::new(),
+            env: Vec::new(),
+            timeout: Duration::from_secs(60),
+        }
+    }
+
+    pub fn arg(mut self, arg: impl Into<OsString>) -> Cmd {
+        self.args.push(arg.into());
+        self
+    }
+
+    pub fn args<I, S>(mut self, args: I) -> Cmd
+    where
+        I: IntoIterator<Item = S>,
+        S: Into<OsString>,
+    {
+        self.args.extend(args.into_iter().map(Into::into));
+        self
+    }
+
+    /// An environment variable for the program (added to the agent's environment).
+    pub fn env(mut self, key: impl Into<OsString>, value: impl Into<OsString>) -> Cmd {
+        self.env.push((key.into(), value.into()));
+        self
+    }
+
+    /// Kill the program after this long (default 60s).
+    pub fn timeout(mut self, timeout: Duration) -> Cmd {
+        self.timeout = timeout;
+        self
+    }
+
+    pub fn program(&self) -> &Path {
+        &self.program
+    }
+
+    /// The argv as strings, program first (for logs and tests).
+    pub fn argv(&self) -> Vec<String> {
+        std::iter::once(self.program.to_string_lossy().into_owned())
+            .chain(self.args.iter().map(|a| a.to_string_lossy().into_owned()))
+            .collect()
+    }
+}
+
+impl fmt::Display for Cmd {
+    /// The command line, each word quoted when it needs it.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let words: Vec<String> = self
+            .argv()
+            .into_iter()
+            .map(|w| {
+                if !w.is_empty() && w.chars().all(|c| c.is_ascii_alphanumeric() || "-_./=:,+@%".contains(c)) {
+                    w
+                } else {
+                    format!("'{}'", w.replace('\'', r"'\''"))
+                }
+            })
+            .collect();
+        f.write_str(&words.join(" "))
+    }
+}
+
+/// What a finished program printed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Output {
+    pub status: ExitStatus,
+    pub stdout: String,
+    pub stderr: String,
+}
+
+impl Output {
+    pub fn success(&self) -> bool {
+        self.status.success()
+    }
+}
+
+/// A command that could not run or did not succeed; the message has the command line and the
+/// end of what it printed.
+#[derive(Debug, thiserror::Error)]
+pub enum CmdError {
+    #[error("{cmd}: {program} not found")]
+    NotFound { cmd: String, program: PathBuf },
+    #[error("cannot run {cmd}: {source}")]
+    Spawn { cmd: String, source: std::io::Error },
+    #[error("{cmd} did not finish within {}s and was killed", timeout.as_secs())]
+    Timeout { cmd: String, timeout: Duration },
+    #[error("{cmd} exited with {status}{}", quote(stdout, stderr))]
+    Failed {
+        cmd: String,
+        status: ExitStatus,
+        stdout: String,
+        stderr: String,
+    },
+}
+
+/// `: "<tail of stderr, else stdout>"`, or nothing when both are empty.
+fn quote(stdout: &str, stderr: &str) -> String {
+    let text = if stderr.trim().is_empty() { stdout } else { stderr }.trim();
+    if text.is_empty() {
+        return String::new();
+    }
+    let count = text.chars().count();
+    let tail: String = text.chars().skip(count.saturating_sub(QUOTED_CHARS)).collect();
+    let cut = if count > QUOTED_CHARS { "…" } else { "" };
+    format!(": \"{cut}{tail}\"")
+}
+
+/// Runs commands for one host root.
+#[derive(Debug, Clone)]
+pub struct Runner {
+    root: HostRoot,
+}
+
+impl Runner {
+    pub fn new(root: &HostRoot) -> Runner {
+        Runner { root: root.clone() }
+    }
+
+    /// Whether `program` (a host path) exists under the root.
+    pub fn exists(&self, program: &Path) -> bool {
+        self.root.join(program).is_file()
+    }
+
+    /// Runs `cmd` to the end; any exit status is `Ok`.
+    pub fn output(&self, cmd: &Cmd) -> Result<Output, CmdError> {
+        let line = cmd.to_string();
+        let program = self.root.join(&cmd.program);
+        if !cmd.program.is_absolute() {
+            return Err(CmdError::Spawn {
+                cmd: line,
+                source: std::io::Error::new(std::io::ErrorKind::InvalidInput, "the program is not an absolute path"),
+            });
+        }
+        if !program.is_file() {
+            return Err(CmdError::NotFound { cmd: line, program });
+        }
+        tracing::debug!(command = %line, "running");
+        let mut command = Command::new(&program);
+        command
+            .args(&cmd.args)
+            .envs(cmd.env.iter().map(|(k, v)| (k, v)))
+            .process_group(0)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        let child = command.spawn().map_err(|source| CmdError::Spawn {
+            cmd: line.clone(),
+            source,
+        })?;
+        wait(child, cmd.timeout).map_err(|e| match e {
+            Waited::Timeout => CmdError::Timeout {
+                cmd: line,
+                timeout: cmd.timeout,
+            },
+            Waited::Io(source) => CmdError::Spawn { cmd: line, source },
+        })
+    }
+
+    /// Runs `cmd`; a non-zero exit is [`CmdError::Failed`].
+    pub fn run(&self, cmd: &Cmd) -> Result<Output, CmdError> {
+        let out = self.output(cmd)?;
+        if out.success() {
+            Ok(out)
+        } else {
+            Err(CmdError::Failed {
+                cmd: cmd.to_string(),
+                status: out.status,
+                stdout: out.stdout,
+                stderr: out.stderr,
+            })
+        }
+    }
+}
+
+enum Waited {
+    Timeout,
+    Io(std::io::Error),
+}
+
+/// Waits for `child` (the leader of its own process group) with a deadline, reading its pipes
+/// on threads so a chatty program cannot block on a full pipe.
+fn wait(mut child: Child, timeout: Duration) -> Result<Output, Waited> {
+    let reader = |pipe: Option<Box<dyn Read + Send>>| {
+        std::thread::spawn(move || {
+            let mut buf = Vec::new();
+            if let Some(mut p) = pipe {
+                let _ = p.read_to_end(&mut buf);
+            }
+            String::from_utf8_lossy(&buf).into_owned()
+        })
+    };
+    let stdout = reader(child.stdout.take().map(|p| Box::new(p) as Box<dyn Read + Send>));
+    let stderr = reader(child.stderr.take().map(|p| Box::new(p) as Box<dyn Read + Send>));
+    let deadline = Instant::now() + timeout;
+    let status = loop {
+        match child.try_wait() {
+            Ok(Some(status)) => break status,
+            Ok(None) if Instant::now() >= deadline => {
+                // The whole group: a shell script's children go too.
+                if let Ok(pid) = i32::try_from(child.id()) {
+                    let _ =
+                        nix::sys::signal::killpg(nix::unistd::Pid::from_raw(pid), nix::sys::signal::Signal::SIGKILL);
+                }
+                let _ = child.kill();
+                let _ = child.wait();
+                return Err(Waited::Timeout);
+            }
+            Ok(None) => std::thread::sleep(Duration::from_millis(5)),
+            Err(e) => return Err(Waited::Io(e)),
+        }
+    };
+    Ok(Output {
+        status,
+        stdout: stdout.join().unwrap_or_default(),
+        stderr: stderr.join().unwrap_or_default(),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn script(root: &Path, path: &str, body: &str) {
+        use std::os::unix::fs::PermissionsExt;
+        let p = root.join(path.trim_start_matches('/'));
+        std::fs::create_dir_all(p.parent().unwrap()).unwrap();
+        std::fs::write(&p, format!("#!/bin/sh\n{body}\n")).unwrap();
+        std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o755)).unwrap();
+    }
+
+    #[test]
+    fn runs_the_program_under_the_root_with_an_argv() {
+        let dir = tempfile::tempdir().unwrap();
+        script(
+            dir.path(),
+            "/usr/bin/echoargs",
+            "for a in \"$@\"; do echo \"[$a]\"; done",
+        );
+        let runner = Runner::new(&HostRoot::new(dir.path()));
+        let out = runner
+            .run(&Cmd::new("/usr/bin/echoargs").args(["a b", "$(x)", "c"]))
+            .unwrap();
+        assert_eq!(
+            out.stdout, "[a b]\n[$(x)]\n[c]\n",
+            "words reach the program as they are"
+        );
+    }
+
+    #[test]
+    fn failures_quote_the_command_and_what_it_said() {
+        let dir = tempfile::tempdir().unwrap();
+        script(
+            dir.path(),
+            "/bin/fail",
+            "echo 'out' ; echo 'Job for x.service failed' >&2; exit 3",
+        );
+        let runner = Runner::new(&HostRoot::new(dir.path()));
+        let e = runner
+            .run(&Cmd::new("/bin/fail").arg("restart").arg("two words"))
+            .unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "/bin/fail restart 'two words' exited with exit status: 3: \"Job for x.service failed\""
+        );
+        let e = runner.run(&Cmd::new("/bin/missing")).unwrap_err();
+        assert!(matches!(e, CmdError::NotFound { .. }), "{e}");
+        assert!(e.to_string().contains("not found"), "{e}");
+        let e = runner.run(&Cmd::new("relative")).unwrap_err();
+        assert!(e.to_string().contains("absolute"), "{e}");
+    }
+
+    #[test]
+    fn a_program_past_its_timeout_is_killed() {
+        let dir = tempfile::tempdir().unwrap();
+        script(dir.path(), "/bin/slow", "sleep 5");
+        let runner = Runner::new(&HostRoot::new(dir.path()));
+        let started = Instant::now();
+        let e = runner
+            .run(&Cmd::new("/bin/slow").timeout(Duration::from_millis(100)))
+            .unwrap_err();
+        assert!(matches!(e, CmdError::Timeout { .. }), "{e}");
+        assert!(started.elapsed() < Duration::from_secs(4), "killed, not waited for");
+    }
+}

@@ -1,0 +1,704 @@
+//! The runtime stage: observe the engines' files, plan the edits (pure), apply them with
+//! backups, check containerd's result, restart what changed and roll back what does not come
+//! back; and the CDI spec.
+//!
+//! Backups live in `<state_dir>/runtime/`: for every file the agent ever changed, the bytes it
+//! had before the first change (`<name>.orig`, or `<name>.absent` when there was no file) and
+//! the digest of what the agent last wrote (`<name>.written`). `runtime unconfigure` puts the
+//! original back when the file is still what the agent wrote, and otherwise removes only the
+//! agent's entries, keeping the user's later edits.
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::io;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use sha2::{Digest, Sha256};
+
+use super::{EditError, NvidiaRuntime, cdi, containerd, crio, docker};
+use crate::config::{AnyEngineFiles, Config, Engine, RuntimeConfig, RuntimeMode};
+use crate::host::command::{Cmd, Runner};
+use crate::host::{HostRoot, WriteError, write_atomic};
+use crate::nvml::Inventory;
+use crate::plugin::devnodes::DeviceNodes;
+
+/// Systemd unit directories searched to tell whether an engine is installed.
+const UNIT_DIRS: [&str; 4] = [
+    "/etc/systemd/system",
+    "/run/systemd/system",
+    "/lib/systemd/system",
+    "/usr/lib/systemd/system",
+];
+
+/// Why the runtime stage failed. Nothing is left half-written: files are restored first.
+#[derive(Debug, thiserror::Error)]
+pub enum RuntimeError {
+    #[error("cannot read {path}: {source}")]
+    Read { path: PathBuf, source: io::Error },
+    #[error("{0}; nothing was changed")]
+    Edit(#[from] EditError),
+    #[error(
+        "the runtime binary {} ([runtime] runtime_binary) is not installed: install the NVIDIA Container Toolkit \
+         (package nvidia-container-toolkit), or set [runtime] mode = \"cdi-only\"; nothing was changed",
+        binary.display()
+    )]
+    MissingRuntime { binary: PathBuf },
+    #[error("{0}")]
+    Write(#[from] WriteError),
+    #[error("cannot keep a backup of {path} in {}: {source}", dir.display())]
+    Backup {
+        path: PathBuf,
+        dir: PathBuf,
+        source: io::Error,
+    },
+    #[error("containerd rejects the new configuration ({reason}); the previous files were put back")]
+    Check { reason: String },
+    #[error(
+        "{engine} did not come back after the restart ({reason}); the previous files were put back{}",
+        restored(again)
+    )]
+    Restart {
+        engine: &'static str,
+        reason: String,
+        again: Option<String>,
+    },
+    #[error("CDI spec: {0}")]
+    Cdi(#[from] cdi::CdiError),
+}
+
+fn restored(again: &Option<String>) -> String {
+    match again {
+        None => " and it was restarted with them".into(),
+        Some(e) => format!(", but restarting it with them failed too: {e}"),
+    }
+}
+
+/// An engine's files as they are now.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ObservedEngine {
+    pub engine: Engine,
+    pub files: AnyEngineFiles,
+    /// Its binary or systemd unit exists.
+    pub installed: bool,
+    /// Listed in `[runtime] engines`, or found (when the list is empty).
+    pub selected: bool,
+    /// Text of the main config (`None`: no file).
+    pub main: Option<String>,
+    /// Text of the agent's drop-in (`None`: no file, or docker).
+    pub drop_in: Option<String>,
+    /// containerd's major version from `containerd --version`, when it was needed and known.
+    pub containerd_major: Option<u32>,
+}
+
+/// What the agent knows about a file it changed before.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Backup {
+    /// The bytes before the agent's first change; `None`: there was no file.
+    pub original: Option<String>,
+    /// sha256 (hex) of what the agent last wrote.
+    pub written: Option<String>,
+}
+
+/// Everything the runtime plan is made from.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Observed {
+    pub engines: Vec<ObservedEngine>,
+    pub runtime_binary_present: bool,
+    /// Backups by host path.
+    pub backups: BTreeMap<PathBuf, Backup>,
+}
+
+/// One file's change: `after == None` removes it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FileChange {
+    /// Host path.
+    pub path: PathBuf,
+    pub before: Option<String>,
+    pub after: Option<String>,
+}
+
+/// What happens to one engine.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EnginePlan {
+    pub engine: Engine,
+    pub unit: String,
+    pub installed: bool,
+    /// Only files whose bytes change.
+    pub changes: Vec<FileChange>,
+}
+
+/// Configure (the agent's own entries in) or unconfigure (back to the originals).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Purpose {
+    Configure,
+    Unconfigure,
+}
+
+/// The runtime stage's plan.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RuntimePlan {
+    pub purpose: Purpose,
+    pub engines: Vec<EnginePlan>,
+    /// Why nothing is planned, when that is the case (cdi-only, no engine found).
+    pub note: Option<String>,
+}
+
+impl RuntimePlan {
+    /// No file changes.
+    pub fn is_empty(&self) -> bool {
+        self.engines.iter().all(|e| e.changes.is_empty())
+    }
+
+    /// One line for status: what is configured or what would change.
+    pub fn summary(&self) -> String {
+        if let Some(note) = &self.note {
+            return note.clone();
+        }
+        let names: Vec<&str> = self.engines.iter().map(|e| e.engine.as_str()).collect();
+        names.join(", ")
+    }
+}
+
+/// The runtime the config describes.
+pub fn nvidia_runtime(config: &RuntimeConfig) -> NvidiaRuntime {
+    NvidiaRuntime {
+        name: config.runtime_name.clone(),
+        binary: config.runtime_binary.clone(),
+        set_as_default: config.set_as_default,
+        enable_cdi: config.enable_cdi,
+    }
+}
+
+fn read_optional(path: &Path) -> Result<Option<String>, RuntimeError> {
+    match std::fs::read(path) {
+        Ok(bytes) => String::from_utf8(bytes).map(Some).map_err(|_| RuntimeError::Read {
+            path: path.to_path_buf(),
+            source: io::Error::new(io::ErrorKind::InvalidData, "not UTF-8 text"),
+        }),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(None),
+        Err(source) => Err(RuntimeError::Read {
+            path: path.to_path_buf(),
+            source,
+        }),
+    }
+}
+
+/// The backup directory under the root.
+fn backup_dir(config: &Config, root: &HostRoot) -> PathBuf {
+    root.join(config.agent.state_dir.join("runtime"))
+}
+
+/// A host path as one file name: `/etc/docker/daemon.json` → `%2Fetc%2Fdocker%2Fdaemon.json`.
+fn backup_name(path: &Path) -> String {
+    path.to_string_lossy().replace('%', "%25").replace('/', "%2F")
+}
+
+fn digest(text: &str) -> String {
+    Sha256::digest(text.as_bytes()).iter().fold(String::new(), |mut s, b| {
+        let _ = write!(s, "{b:02x}");
+        s
+    })
+}
+
+/// Reads the engines' files and the backups. Runs `containerd --version` only when containerd
+/// has no config to read its schema version from.
+pub fn observe(config: &Config, root: &HostRoot, runner: &Runner) -> Result<Observed, RuntimeError> {
+    let rc = &config.runtime;
+    let mut engines = Vec::new();
+    let mut backups = BTreeMap::new();
+    let dir = backup_dir(config, root);
+    for engine in Engine::ALL {
+        let files = rc.files(engine);
+        let installed = runner.exists(&files.binary)
+            || UNIT_DIRS
+                .iter()
+                .any(|d| root.join(Path::new(d).join(&files.unit)).exists());
+        let selected = if rc.engines.is_empty() {
+            installed
+        } else {
+            rc.engines.contains(&engine)
+        };
+        let main = read_optional(&root.join(&files.config))?;
+        let drop_in = if files.drop_in.as_os_str().is_empty() {
+            None
+        } else {
+            read_optional(&root.join(&files.drop_in))?
+        };
+        let containerd_major = if engine == Engine::Containerd
+            && selected
+            && main.as_deref().is_none_or(|m| m.trim().is_empty())
+            && runner.exists(&files.binary)
+        {
+            containerd_major(runner, &files.binary)
+        } else {
+            None
+        };
+        for path in [&files.config, &files.drop_in] {
+            if path.as_os_str().is_empty() {
+                continue;
+            }
+            let name = backup_name(path);
+            let original = read_optional(&dir.join(format!("{name}.orig")))?;
+            let absent = dir.join(format!("{name}.absent")).exists();
+            if original.is_some() || absent {
+                let written = read_optional(&dir.join(format!("{name}.written")))?.map(|s| s.trim().to_string());
+                backups.insert(path.clone(), Backup { original, written });
+            }
+        }
+        engines.push(ObservedEngine {
+            engine,
+            files,
+            installed,
+            selected,
+            main,
+            drop_in,
+            containerd_major,
+        });
+    }
+    Ok(Observed {
+        engines,
+        runtime_binary_present: root.join(&rc.runtime_binary).is_file(),
+        backups,
+    })
+}
+
+/// `containerd --version` → the major version (`containerd github.com/containerd/containerd
+/// v1.7.20 ...` → 1). `None` when it cannot be told (logged).
+fn containerd_major(runner: &Runner, binary: &Path) -> Option<u32> {
+    let cmd = Cmd::new(binary).arg("--version").timeout(Duration::from_secs(10));
+    match runner.run(&cmd) {
+        Ok(out) => parse_major(&out.stdout),
+        Err(e) => {
+            tracing::warn!("cannot tell containerd's version: {e}");
+            None
+        }
+    }
+}
+
+fn parse_major(version_output: &str) -> Option<u32> {
+    version_output.split_whitespace().find_map(|word| {
+        let v = word.strip_prefix('v').unwrap_or(word);
+        let (major, rest) = v.split_once('.')?;
+        rest.chars().next().filter(char::is_ascii_digit)?;
+        major.parse().ok()
+    })
+}
+
+fn change(path: &Path, before: &Option<String>, after: Option<String>) -> Option<FileChange> {
+    (before != &after).then(|| FileChange {
+        path: path.to_path_buf(),
+        before: before.clone(),
+        after,
+    })
+}
+
+/// The edits that put the agent's runtime into every selected engine. Pure.
+pub fn plan(observed: &Observed, config: &RuntimeConfig) -> Result<RuntimePlan, RuntimeError> {
+    let mut out = RuntimePlan {
+        purpose: Purpose::Configure,
+        engines: Vec::new(),
+        note: None,
+    };
+    if config.mode == RuntimeMode::CdiOnly {
+        out.note = Some("cdi-only: the container engines are not touched".into());
+        return Ok(out);
+    }
+    let selected: Vec<&ObservedEngine> = observed.engines.iter().filter(|e| e.selected).collect();
+    if selected.is_empty() {
+        out.note = Some(
+            "no container engine found (containerd, docker, crio: neither binary nor systemd unit); nothing to configure"
+                .into(),
+        );
+        return Ok(out);
+    }
+    if !observed.runtime_binary_present {
+        return Err(RuntimeError::MissingRuntime {
+            binary: config.runtime_binary.clone(),
+        });
+    }
+    let rt = nvidia_runtime(config);
+    for e in selected {
+        let main_file = e.files.config.to_string_lossy().into_owned();
+        let mut changes = Vec::new();
+        match e.engine {
+            Engine::Containerd => {
+                let drop_in_path = e.files.drop_in.to_string_lossy().into_owned();
+                let files =
+                    containerd::configure(e.main.as_deref(), &main_file, &drop_in_path, e.containerd_major, &rt)?;
+                changes.extend(change(&e.files.config, &e.main, Some(files.main)));
+                changes.extend(change(&e.files.drop_in, &e.drop_in, Some(files.drop_in)));
+            }
+            Engine::Docker => {
+                let text = docker::configure(e.main.as_deref(), &main_file, &rt)?;
+                changes.extend(change(&e.files.config, &e.main, Some(text)));
+            }
+            Engine::Crio => {
+                let text = crio::configure(e.main.as_deref(), &main_file, &rt)?;
+                changes.extend(change(&e.files.drop_in, &e.drop_in, Some(text)));
+            }
+        }
+        out.engines.push(EnginePlan {
+            engine: e.engine,
+            unit: e.files.unit.clone(),
+            installed: e.installed,
+            changes,
+        });
+    }
+    Ok(out)
+}
+
+/// The edits that take the agent's runtime out of every engine: a file still as the agent
+/// wrote it gets its original back (or goes, if there was none); a file edited since loses only
+/// the agent's entries; the agent's drop-ins go. Pure.
+pub fn plan_unconfigure(observed: &Observed, config: &RuntimeConfig) -> Result<RuntimePlan, RuntimeError> {
+    let mut out = RuntimePlan {
+        purpose: Purpose::Unconfigure,
+        engines: Vec::new(),
+        note: None,
+    };
+    for e in &observed.engines {
+        let main_file = e.files.config.to_string_lossy().into_owned();
+        let mut changes = Vec::new();
+        let restore = |path: &Path, now: &Option<String>| -> Option<Option<String>> {
+            let backup = observed.backups.get(path)?;
+            let untouched = now.as_deref().map(digest) == backup.written;
+            untouched.then(|| backup.original.clone())
+        };
+        // The main file.
+        let main_after = match restore(&e.files.config, &e.main) {
+            Some(original) => original,
+            None => match (&e.main, e.engine) {
+                (Some(text), Engine::Containerd) => Some(containerd::unconfigure(
+                    text,
+                    &main_file,
+                    &e.files.drop_in.to_string_lossy(),
+                )?),
+                (Some(text), Engine::Docker) => Some(docker::unconfigure(text, &main_file, &config.runtime_name)?),
+                (other, _) => other.clone(),
+            },
+        };
+        changes.extend(change(&e.files.config, &e.main, main_after));
+        // The drop-in: the agent's own file.
+        if !e.files.drop_in.as_os_str().is_empty() {
+            let after = restore(&e.files.drop_in, &e.drop_in).unwrap_or(None);
+            changes.extend(change(&e.files.drop_in, &e.drop_in, after));
+        }
+        if !changes.is_empty() {
+            out.engines.push(EnginePlan {
+                engine: e.engine,
+                unit: e.files.unit.clone(),
+                installed: e.installed,
+                changes,
+            });
+        }
+    }
+    if out.engines.is_empty() {
+        out.note = Some("no container engine has the agent's runtime; nothing to undo".into());
+    }
+    Ok(out)
+}
+
+/// The plan as a unified diff, file by file (`/dev/null` for a file that is created or
+/// removed).
+pub fn diff(plan: &RuntimePlan) -> String {
+    let mut out = String::new();
+    for e in &plan.engines {
+        for c in &e.changes {
+            let path = c.path.to_string_lossy();
+            let (a, b) = (c.before.as_deref().unwrap_or(""), c.after.as_deref().unwrap_or(""));
+            let old = if c.before.is_some() {
+                format!("a{path}")
+            } else {
+                "/dev/null".into()
+            };
+            let new = if c.after.is_some() {
+                format!("b{path}")
+            } else {
+                "/dev/null".into()
+            };
+            let text = similar::TextDiff::from_lines(a, b);
+            let _ = write!(out, "{}", text.unified_diff().context_radius(3).header(&old, &new));
+        }
+    }
+    out
+}
+
+/// How the apply may touch services.
+#[derive(Debug, Clone)]
+pub struct ApplyOptions {
+    /// Restart engines whose files changed (false under `--no-restart` or a `--root` prefix).
+    pub restart: bool,
+}
+
+/// What an apply did.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Applied {
+    /// Host paths written or removed.
+    pub files: Vec<PathBuf>,
+    /// Units restarted.
+    pub restarted: Vec<String>,
+}
+
+/// Applies `plan`: per engine, backups first (configure), the files, containerd's own check of
+/// the result, then a restart when the engine is installed and restarts are allowed. A failed
+/// check or restart puts that engine's previous files back (and restarts it with them) and
+/// stops.
+pub fn apply(
+    plan: &RuntimePlan,
+    config: &Config,
+    root: &HostRoot,
+    runner: &Runner,
+    opts: &ApplyOptions,
+) -> Result<Applied, RuntimeError> {
+    let dir = backup_dir(config, root);
+    let mut applied = Applied::default();
+    for e in plan.engines.iter().filter(|e| !e.changes.is_empty()) {
+        if plan.purpose == Purpose::Configure {
+            for c in &e.changes {
+                keep_original(&dir, c)?;
+            }
+        }
+        write_changes(root, &e.changes, |c| c.after.as_deref())?;
+        applied.files.extend(e.changes.iter().map(|c| c.path.clone()));
+        let rollback = |e: &EnginePlan| write_changes(root, &e.changes, |c| c.before.as_deref());
+        if e.engine == Engine::Containerd
+            && plan.purpose == Purpose::Configure
+            && let Err(reason) = check_containerd(config, root, runner)
+        {
+            rollback(e)?;
+            return Err(RuntimeError::Check { reason });
+        }
+        if opts.restart && e.installed {
+            if let Err(reason) = restart(config, root, runner, &e.unit) {
+                rollback(e)?;
+                let again = restart(config, root, runner, &e.unit).err();
+                return Err(RuntimeError::Restart {
+                    engine: e.engine.as_str(),
+                    reason,
+                    again,
+                });
+            }
+            applied.restarted.push(e.unit.clone());
+        }
+        for c in &e.changes {
+            record(&dir, c, plan.purpose)?;
+        }
+    }
+    Ok(applied)
+}
+
+fn backup_err(dir: &Path, path: &Path) -> impl FnOnce(io::Error) -> RuntimeError {
+    let (dir, path) = (dir.to_path_buf(), path.to_path_buf());
+    move |source| RuntimeError::Backup { path, dir, source }
+}
+
+/// Saves the file's bytes before the agent's first change to it.
+fn keep_original(dir: &Path, c: &FileChange) -> Result<(), RuntimeError> {
+    let name = backup_name(&c.path);
+    let (orig, absent) = (dir.join(format!("{name}.orig")), dir.join(format!("{name}.absent")));
+    if orig.exists() || absent.exists() {
+        return Ok(());
+    }
+    std::fs::create_dir_all(dir).map_err(backup_err(dir, &c.path))?;
+    match &c.before {
+        Some(text) => write_atomic(&orig, text.as_bytes(), 0o600)?,
+        None => write_atomic(&absent, b"", 0o600)?,
+    }
+    Ok(())
+}
+
+/// After a configure: the digest of what was written. After an unconfigure: the backup is done
+/// with.
+fn record(dir: &Path, c: &FileChange, purpose: Purpose) -> Result<(), RuntimeError> {
+    let name = backup_name(&c.path);
+    match purpose {
+        Purpose::Configure => {
+            let written = c.after.as_deref().map(digest).unwrap_or_default();
+            write_atomic(&dir.join(format!("{name}.written")), written.as_bytes(), 0o600)?;
+        }
+        Purpose::Unconfigure => {
+            for ext in ["orig", "absent", "written"] {
+                match std::fs::remove_file(dir.join(format!("{name}.{ext}"))) {
+                    Ok(()) => {}
+                    Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+                    Err(e) => return Err(backup_err(dir, &c.path)(e)),
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+fn write_changes<'a>(
+    root: &HostRoot,
+    changes: &'a [FileChange],
+    text: impl Fn(&'a FileChange) -> Option<&'a str>,
+) -> Result<(), RuntimeError> {
+    for c in changes {
+        let path = root.join(&c.path);
+        match text(c) {
+            Some(t) => write_atomic(&path, t.as_bytes(), 0o644)?,
+            None => match std::fs::remove_file(&path) {
+                Ok(()) => {}
+                Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+                Err(source) => {
+                    return Err(RuntimeError::Write(WriteError {
+                        action: "remove",
+                        path,
+                        source,
+                    }));
+                }
+            },
+        }
+    }
+    Ok(())
+}
+
+/// `containerd --config <main> config dump` must succeed and show the runtime. Under a root
+/// prefix the main file's absolute imports are pointed into the root first (a copy in the
+/// backup dir is checked). Skipped (Ok) when containerd is not installed.
+fn check_containerd(config: &Config, root: &HostRoot, runner: &Runner) -> Result<(), String> {
+    let files = config.runtime.files(Engine::Containerd);
+    if !runner.exists(&files.binary) {
+        return Ok(());
+    }
+    let main_path = root.join(&files.config);
+    let checked = if root.is_real() {
+        main_path
+    } else {
+        let text = std::fs::read_to_string(&main_path).map_err(|e| format!("{}: {e}", main_path.display()))?;
+        let rebased = containerd::rebase_imports(&text, &main_path.to_string_lossy(), |p| {
+            if p.starts_with('/') {
+                root.join(p).to_string_lossy().into_owned()
+            } else {
+                p.to_string()
+            }
+        })
+        .map_err(|e| e.to_string())?;
+        // Next to the original, so relative imports resolve the same way.
+        let copy = main_path.with_file_name(".gpu-node-agent-check.toml");
+        write_atomic(&copy, rebased.as_bytes(), 0o600).map_err(|e| e.to_string())?;
+        copy
+    };
+    let cmd = Cmd::new(&files.binary)
+        .arg("--config")
+        .arg(&checked)
+        .args(["config", "dump"])
+        .timeout(Duration::from_secs(30));
+    let result = runner.run(&cmd).map_err(|e| e.to_string());
+    if !root.is_real() {
+        let _ = std::fs::remove_file(&checked);
+    }
+    let dump = result?.stdout;
+    containerd::dump_has_runtime(&dump, &nvidia_runtime(&config.runtime))
+}
+
+/// `systemctl restart <unit>`, then waits for `systemctl is-active` up to the restart timeout.
+fn restart(config: &Config, _root: &HostRoot, runner: &Runner, unit: &str) -> Result<(), String> {
+    let systemctl = &config.runtime.systemctl;
+    tracing::info!("restarting {unit}: its configuration changed");
+    runner
+        .run(
+            &Cmd::new(systemctl)
+                .args(["restart", unit])
+                .timeout(config.runtime.restart_timeout),
+        )
+        .map_err(|e| e.to_string())?;
+    let deadline = Instant::now() + config.runtime.restart_timeout;
+    loop {
+        let out = runner
+            .output(
+                &Cmd::new(systemctl)
+                    .args(["is-active", unit])
+                    .timeout(Duration::from_secs(10)),
+            )
+            .map_err(|e| e.to_string())?;
+        let state = out.stdout.trim().to_string();
+        if out.success() && state == "active" {
+            return Ok(());
+        }
+        if Instant::now() >= deadline {
+            return Err(format!(
+                "{unit} is {} {}s after the restart",
+                if state.is_empty() { "not active" } else { &state },
+                config.runtime.restart_timeout.as_secs()
+            ));
+        }
+        std::thread::sleep(Duration::from_millis(250));
+    }
+}
+
+/// Where the CDI spec goes (host path).
+pub fn cdi_path(config: &Config) -> PathBuf {
+    config.cdi.dir.join(cdi::spec_file_name(&config.device_plugin.cdi_kind))
+}
+
+/// The CDI spec for `inventory` (driver files discovered under the driver root).
+pub fn cdi_spec(
+    config: &Config,
+    root: &HostRoot,
+    inventory: &Inventory,
+    nodes: &DeviceNodes,
+) -> Result<String, RuntimeError> {
+    let dp = &config.device_plugin;
+    let files = cdi::discover(
+        root.path(),
+        &dp.driver_root,
+        &inventory.driver_version,
+        &config.cdi.hook_paths,
+    );
+    let opts = cdi::CdiOptions {
+        kind: dp.cdi_kind.clone(),
+        dev_root: dp.dev_root.clone(),
+    };
+    let spec = cdi::spec(inventory, nodes, &files, &opts)?;
+    Ok(cdi::to_json(&spec)?)
+}
+
+/// Writes the CDI spec when its bytes change; `Ok(true)` when it was written.
+pub fn write_cdi(
+    config: &Config,
+    root: &HostRoot,
+    inventory: &Inventory,
+    nodes: &DeviceNodes,
+) -> Result<bool, RuntimeError> {
+    let text = cdi_spec(config, root, inventory, nodes)?;
+    let path = root.join(cdi_path(config));
+    if read_optional(&path)?.as_deref() == Some(text.as_str()) {
+        return Ok(false);
+    }
+    write_atomic(&path, text.as_bytes(), 0o644)?;
+    Ok(true)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn containerd_versions_are_read_from_its_version_line() {
+        assert_eq!(
+            parse_major("containerd github.com/containerd/containerd 1.6.20~ds1 1.6.20~ds1-1+b1\n"),
+            Some(1)
+        );
+        assert_eq!(
+            parse_major("containerd containerd.io v2.0.4 1a43cb6a1035441f9aca8f5666a9b3ef9e70ab20\n"),
+            Some(2)
+        );
+        assert_eq!(
+            parse_major("containerd github.com/containerd/containerd/v2 v2.1.1 cb1076646\n"),
+            Some(2)
+        );
+        assert_eq!(parse_major("nonsense"), None);
+    }
+
+    #[test]
+    fn backup_names_are_one_file_per_path() {
+        assert_eq!(
+            backup_name(Path::new("/etc/docker/daemon.json")),
+            "%2Fetc%2Fdocker%2Fdaemon.json"
+        );
+        assert_ne!(backup_name(Path::new("/a/b%2Fc")), backup_name(Path::new("/a/b/c")));
+    }
+}
