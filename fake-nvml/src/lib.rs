@@ -14,6 +14,7 @@
 
 pub mod error;
 mod ffi;
+pub mod host;
 pub mod ids;
 pub mod inject;
 pub mod machine;
@@ -39,24 +40,4 @@ pub fn library_path() -> Option<PathBuf> {
         .flatten()
         .map(|d| d.join(LIBRARY_FILE))
         .find(|p| p.is_file())
-}
-
-/// The driver's `/proc/driver/nvidia-caps/mig-minors` table for `gpus` GPUs, numbered as the
-/// real driver numbers it: `config 1`, `monitor 2`, then per GPU minor 15 GPU instances with 8
-/// compute instances each, `gpu<g>/gi<i>/access` followed by its `gpu<g>/gi<i>/ci<c>/access`
-/// lines. Test roots install it where the agent reads it.
-pub fn mig_minors_table(gpus: u32) -> String {
-    let mut out = String::from("config 1\nmonitor 2\n");
-    let mut minor = 3;
-    for g in 0..gpus {
-        for i in 0..15 {
-            out.push_str(&format!("gpu{g}/gi{i}/access {minor}\n"));
-            minor += 1;
-            for c in 0..8 {
-                out.push_str(&format!("gpu{g}/gi{i}/ci{c}/access {minor}\n"));
-                minor += 1;
-            }
-        }
-    }
-    out
 }

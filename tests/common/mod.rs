@@ -107,10 +107,11 @@ impl Node {
         std::os::unix::fs::symlink(fake_nvml_library(), &nvml).expect("install fake NVML");
         fs::create_dir_all(root.join("etc")).expect("mkdir etc");
         fs::write(root.join("etc/hostname"), "gpu-node-1\n").expect("hostname");
-        // The driver's MIG capability table, as /proc shows it on a MIG-capable node.
-        let caps = root.join("proc/driver/nvidia-caps");
-        fs::create_dir_all(&caps).expect("mkdir nvidia-caps");
-        fs::write(caps.join("mig-minors"), fake_nvml::mig_minors_table(16)).expect("mig-minors");
+        // What the host shows of these GPUs and their loaded driver (sysfs PCI functions, module
+        // version, the MIG capability table); a machine the fake refuses gets none.
+        if let Ok(parsed) = fake_nvml::machine::Machine::parse(machine) {
+            fake_nvml::host::install(&parsed, &root).expect("install host files");
+        }
         let node = Node {
             tmp,
             root,

@@ -1,0 +1,72 @@
+//! The host files a node with the machine's GPUs and a loaded NVIDIA driver shows: the PCI
+//! functions in sysfs, the loaded modules and their version, `/proc/driver/nvidia/version`, and
+//! the MIG capability table. Tests and `scripts/simulate` install them under the agent's root
+//! (binary `fake-nvml-host MACHINE ROOT`), so the agent sees what a real node would show.
+
+use std::path::Path;
+
+use crate::machine::Machine;
+
+/// `(path relative to the root, content)` for every file.
+pub fn host_files(machine: &Machine) -> Vec<(String, String)> {
+    let mut files = Vec::new();
+    for gpu in &machine.gpus {
+        let b = &gpu.bus_id;
+        let dir = format!(
+            "sys/bus/pci/devices/{:04x}:{:02x}:{:02x}.{:x}",
+            b.domain, b.bus, b.device, b.function
+        );
+        files.push((format!("{dir}/vendor"), "0x10de\n".to_string()));
+        files.push((format!("{dir}/device"), format!("0x{:04x}\n", gpu.model.pci_device_id)));
+        files.push((format!("{dir}/class"), "0x030200\n".to_string()));
+        let numa = gpu.numa_node.map_or(-1, i64::from);
+        files.push((format!("{dir}/numa_node"), format!("{numa}\n")));
+    }
+    let v = &machine.driver_version;
+    files.push(("sys/module/nvidia/version".into(), format!("{v}\n")));
+    files.push(("sys/module/nvidia/refcnt".into(), "2\n".into()));
+    files.push(("sys/module/nvidia_uvm/refcnt".into(), "0\n".into()));
+    files.push(("sys/module/nvidia_modeset/refcnt".into(), "0\n".into()));
+    files.push((
+        "proc/driver/nvidia/version".into(),
+        format!(
+            "NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  {v}  Release Build  (dvs-builder@U16-I3-B03-4-3)  Thu Feb 22 01:44:30 UTC 2024\nGCC version:  gcc version 12.3.0 (Ubuntu 12.3.0-1ubuntu1~22.04)\n"
+        ),
+    ));
+    files.push((
+        "proc/driver/nvidia-caps/mig-minors".into(),
+        mig_minors_table(machine.gpus.iter().map(|g| g.minor + 1).max().unwrap_or(0).max(8)),
+    ));
+    files
+}
+
+/// Writes [`host_files`] under `root`.
+pub fn install(machine: &Machine, root: &Path) -> std::io::Result<()> {
+    for (path, content) in host_files(machine) {
+        let path = root.join(path);
+        if let Some(dir) = path.parent() {
+            std::fs::create_dir_all(dir)?;
+        }
+        std::fs::write(path, content)?;
+    }
+    Ok(())
+}
+
+/// The driver's `/proc/driver/nvidia-caps/mig-minors` table for GPU minors `0..gpus`, numbered
+/// as the real driver numbers it: `config 1`, `monitor 2`, then per GPU 15 GPU instances with 8
+/// compute instances each, `gpu<g>/gi<i>/access` followed by its `gpu<g>/gi<i>/ci<c>/access`.
+pub fn mig_minors_table(gpus: u32) -> String {
+    let mut out = String::from("config 1\nmonitor 2\n");
+    let mut minor = 3;
+    for g in 0..gpus {
+        for i in 0..15 {
+            out.push_str(&format!("gpu{g}/gi{i}/access {minor}\n"));
+            minor += 1;
+            for c in 0..8 {
+                out.push_str(&format!("gpu{g}/gi{i}/ci{c}/access {minor}\n"));
+                minor += 1;
+            }
+        }
+    }
+    out
+}
