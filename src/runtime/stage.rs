@@ -493,17 +493,32 @@ fn backup_err(dir: &Path, path: &Path) -> impl FnOnce(io::Error) -> RuntimeError
     move |source| RuntimeError::Backup { path, dir, source }
 }
 
-/// Saves the file's bytes before the agent's first change to it.
+/// Saves the file's bytes before the agent changes it, unless the file is still exactly what
+/// the agent last wrote (then the backup from before the agent's first change stays). A file
+/// someone else rewrote since, or one whose last change was rolled back, gets a new backup: an
+/// unconfigure must not bring back text older than the user's own.
 fn keep_original(dir: &Path, c: &FileChange) -> Result<(), RuntimeError> {
     let name = backup_name(&c.path);
     let (orig, absent) = (dir.join(format!("{name}.orig")), dir.join(format!("{name}.absent")));
-    if orig.exists() || absent.exists() {
+    let written = read_optional(&dir.join(format!("{name}.written")))?.map(|s| s.trim().to_string());
+    let ours = written.is_some() && c.before.as_deref().map(digest) == written;
+    if ours && (orig.exists() || absent.exists()) {
         return Ok(());
     }
     std::fs::create_dir_all(dir).map_err(backup_err(dir, &c.path))?;
+    let stale = |p: &Path| match std::fs::remove_file(p) {
+        Err(e) if e.kind() != io::ErrorKind::NotFound => Err(backup_err(dir, &c.path)(e)),
+        _ => Ok(()),
+    };
     match &c.before {
-        Some(text) => write_atomic(&orig, text.as_bytes(), 0o600)?,
-        None => write_atomic(&absent, b"", 0o600)?,
+        Some(text) => {
+            write_atomic(&orig, text.as_bytes(), 0o600)?;
+            stale(&absent)?;
+        }
+        None => {
+            write_atomic(&absent, b"", 0o600)?;
+            stale(&orig)?;
+        }
     }
     Ok(())
 }

@@ -1,0 +1,893 @@
+//! The container runtime stage end to end: the real binary configuring and unconfiguring
+//! containerd, docker and CRI-O under a temp root (byte-exact round trips, zero writes when
+//! nothing changes, refusals that touch nothing), containerd's own `config dump` of the result,
+//! the restart-and-rollback path in-process with a stand-in `systemctl`, and the CDI spec the
+//! agent writes for whole GPUs and MIG devices.
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::fs;
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::process::Output;
+use std::time::SystemTime;
+
+use common::{Node, gpu_uuid};
+use gpu_node_agent::config::{Config, Engine, Source};
+use gpu_node_agent::host::HostRoot;
+use gpu_node_agent::host::command::Runner;
+use gpu_node_agent::runtime::NvidiaRuntime;
+use gpu_node_agent::runtime::containerd::{dump_has_runtime, rebase_imports};
+use gpu_node_agent::runtime::stage::{Applied, ApplyOptions, RuntimeError, apply, observe, plan};
+
+const CONTAINERD_MAIN: &str = "/etc/containerd/config.toml";
+const CONTAINERD_DROP_IN: &str = "/etc/containerd/conf.d/99-nvidia.toml";
+const CONTAINERD_IMPORT: &str = "/etc/containerd/conf.d/*.toml";
+const CRI_V2: &str = "io.containerd.grpc.v1.cri";
+const DOCKER_MAIN: &str = "/etc/docker/daemon.json";
+const CRIO_MAIN: &str = "/etc/crio/crio.conf";
+const CRIO_DROP_IN: &str = "/etc/crio/crio.conf.d/99-nvidia.toml";
+const RUNTIME_BINARY: &str = "/usr/bin/nvidia-container-runtime";
+const BACKUP_DIR: &str = "/var/lib/gpu-node-agent/runtime";
+const CDI_SPEC: &str = "/var/run/cdi/nvidia.com-gpu.json";
+const REAL_CONTAINERD: &str = "/usr/bin/containerd";
+const NO_KUBERNETES: &str = "[kubernetes]\nenabled = false\n";
+
+// === the simulated host ===
+
+/// An engine's standard files: its systemd unit (which makes it "installed"), main config and the
+/// agent's drop-in (docker has none).
+struct EngineFiles {
+    unit: &'static str,
+    main: &'static str,
+    drop_in: Option<&'static str>,
+}
+
+fn engine_files(engine: Engine) -> EngineFiles {
+    match engine {
+        Engine::Containerd => EngineFiles {
+            unit: "containerd.service",
+            main: CONTAINERD_MAIN,
+            drop_in: Some(CONTAINERD_DROP_IN),
+        },
+        Engine::Docker => EngineFiles {
+            unit: "docker.service",
+            main: DOCKER_MAIN,
+            drop_in: None,
+        },
+        Engine::Crio => EngineFiles {
+            unit: "crio.service",
+            main: CRIO_MAIN,
+            drop_in: Some(CRIO_DROP_IN),
+        },
+    }
+}
+
+/// `<root><host path>`.
+fn under(root: &Path, host_path: &str) -> PathBuf {
+    root.join(host_path.trim_start_matches('/'))
+}
+
+fn write_file(root: &Path, host_path: &str, text: &str) {
+    let path = under(root, host_path);
+    fs::create_dir_all(path.parent().expect("parent")).expect("mkdir");
+    fs::write(&path, text).expect("write");
+}
+
+/// An executable shell script at `host_path` under the root.
+fn script(root: &Path, host_path: &str, body: &str) {
+    write_file(root, host_path, &format!("#!/bin/sh\n{body}\n"));
+    fs::set_permissions(under(root, host_path), fs::Permissions::from_mode(0o755)).expect("chmod");
+}
+
+/// The host's file, `None` when it does not exist.
+fn read(root: &Path, host_path: &str) -> Option<String> {
+    fs::read_to_string(under(root, host_path)).ok()
+}
+
+/// A file of `tests/fixtures/runtime/`.
+fn fixture(name: &str) -> String {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures/runtime")
+        .join(name);
+    fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+}
+
+/// Makes `engine` installed on the host (its systemd unit) with `main` as its main config
+/// (`None`: no file), and installs the NVIDIA runtime binary (a stub).
+fn install_engine(root: &Path, engine: Engine, main: Option<&str>) {
+    let files = engine_files(engine);
+    write_file(root, &format!("/lib/systemd/system/{}", files.unit), "[Service]\n");
+    if let Some(text) = main {
+        write_file(root, files.main, text);
+    }
+    script(root, RUNTIME_BINARY, "exit 0");
+}
+
+/// A node with one A100 (for `plan`'s NVML part), `engine` installed with `main`, the runtime
+/// binary, and `extra` agent config.
+fn engine_node(engine: Engine, main: Option<&str>, extra: &str) -> Node {
+    let node = Node::new(&common::machine("A100-SXM4-40GB", 1), extra);
+    install_engine(&node.root, engine, main);
+    node
+}
+
+// === running the binary ===
+
+fn text(bytes: &[u8]) -> String {
+    String::from_utf8_lossy(bytes).into_owned()
+}
+
+/// Runs the agent with `args`, expects exit `code`, and returns the output.
+fn expect_exit(node: &Node, args: &[&str], code: i32) -> Output {
+    let out = node.run(args);
+    assert_eq!(
+        out.status.code(),
+        Some(code),
+        "gpu-node-agent {}\nstdout:\n{}\nstderr:\n{}",
+        args.join(" "),
+        text(&out.stdout),
+        text(&out.stderr)
+    );
+    out
+}
+
+/// Runs the agent, expects success, returns stdout.
+fn succeeds(node: &Node, args: &[&str]) -> String {
+    text(&expect_exit(node, args, 0).stdout)
+}
+
+/// Runs the agent, expects exit 1, returns stderr.
+fn fails(node: &Node, args: &[&str]) -> String {
+    text(&expect_exit(node, args, 1).stderr)
+}
+
+const CONFIGURE: &[&str] = &["runtime", "configure", "--no-restart"];
+const UNCONFIGURE: &[&str] = &["runtime", "unconfigure", "--no-restart"];
+
+// === whole-tree snapshots ===
+
+/// Every regular file under `root` (symlinks such as the fake NVML are skipped), relative path →
+/// (bytes, mtime).
+fn snapshot(root: &Path) -> BTreeMap<PathBuf, (Vec<u8>, SystemTime)> {
+    fn walk(root: &Path, dir: &Path, out: &mut BTreeMap<PathBuf, (Vec<u8>, SystemTime)>) {
+        let Ok(entries) = fs::read_dir(dir) else { return };
+        for entry in entries.map(|e| e.expect("dir entry")) {
+            let path = entry.path();
+            let meta = fs::symlink_metadata(&path).expect("metadata");
+            if meta.is_dir() {
+                walk(root, &path, out);
+            } else if meta.is_file() {
+                let rel = path.strip_prefix(root).expect("under root").to_path_buf();
+                let bytes = fs::read(&path).expect("read");
+                out.insert(rel, (bytes, meta.modified().expect("mtime")));
+            }
+        }
+    }
+    let mut out = BTreeMap::new();
+    walk(root, root, &mut out);
+    out
+}
+
+/// Every regular file under `root`, relative path → bytes.
+fn contents(root: &Path) -> BTreeMap<PathBuf, Vec<u8>> {
+    snapshot(root).into_iter().map(|(p, (bytes, _))| (p, bytes)).collect()
+}
+
+/// Asserts two trees are the same, naming the files that differ.
+fn assert_same<V: PartialEq>(before: &BTreeMap<PathBuf, V>, after: &BTreeMap<PathBuf, V>, what: &str) {
+    let differ: Vec<String> = before
+        .keys()
+        .chain(after.keys())
+        .filter(|p| before.get(*p) != after.get(*p))
+        .map(|p| p.display().to_string())
+        .collect();
+    assert!(differ.is_empty(), "{what}; these files differ: {differ:?}");
+}
+
+// === TOML / JSON checks ===
+
+fn toml_table(text: &str) -> toml::Table {
+    text.parse().unwrap_or_else(|e| panic!("not TOML: {e}\n{text}"))
+}
+
+/// `table.a.b.c...`, panicking with the path when a key is missing.
+fn at<'a>(table: &'a toml::Table, keys: &[&str]) -> &'a toml::Value {
+    let (first, rest) = keys.split_first().expect("a key");
+    let mut v = table.get(*first).unwrap_or_else(|| panic!("no {first} in\n{table}"));
+    for key in rest {
+        v = v
+            .get(*key)
+            .unwrap_or_else(|| panic!("no {} in\n{table}", keys.join(".")));
+    }
+    v
+}
+
+/// `plugins."io.containerd.grpc.v1.cri".containerd.runtimes.<name>.options` of a version 2
+/// containerd config (a file or a `config dump`).
+fn v2_runtime_options<'a>(table: &'a toml::Table, name: &str) -> &'a toml::Value {
+    at(table, &["plugins", CRI_V2, "containerd", "runtimes", name, "options"])
+}
+
+/// The runtime the default `[runtime]` config asks for.
+fn default_runtime() -> NvidiaRuntime {
+    NvidiaRuntime {
+        name: "nvidia".into(),
+        binary: RUNTIME_BINARY.into(),
+        set_as_default: false,
+        enable_cdi: false,
+    }
+}
+
+// === 1. round trips ===
+
+/// `runtime configure --no-restart` on a host with `engine` and `main`, then `configured` checks
+/// the files; a second configure writes nothing at all; `runtime unconfigure --no-restart` puts
+/// every file back as it was (main byte-identical, drop-in and backups gone).
+fn round_trip(engine: Engine, main: &str, configured: impl Fn(&Path)) {
+    let files = engine_files(engine);
+    let node = engine_node(engine, Some(main), "");
+    let root = node.root.as_path();
+    let before = contents(root);
+
+    let stdout = succeeds(&node, CONFIGURE);
+    let written = files.drop_in.unwrap_or(files.main);
+    assert!(
+        stdout.contains(&format!("wrote {written}")) && stdout.contains("restarted nothing"),
+        "{stdout}"
+    );
+    configured(root);
+
+    let snap = snapshot(root);
+    let stdout = succeeds(&node, CONFIGURE);
+    assert!(stdout.contains("already configured, nothing to do"), "{stdout}");
+    assert_same(
+        &snap,
+        &snapshot(root),
+        "a second configure writes nothing (bytes and mtimes)",
+    );
+
+    let stdout = succeeds(&node, UNCONFIGURE);
+    assert!(stdout.contains(&format!("restored {written}")), "{stdout}");
+    assert_eq!(
+        read(root, files.main).as_deref(),
+        Some(main),
+        "main file byte-identical"
+    );
+    if let Some(drop_in) = files.drop_in {
+        assert_eq!(read(root, drop_in), None, "the drop-in is gone");
+    }
+    assert_same(
+        &before,
+        &contents(root),
+        "unconfigure leaves every file as it was, backups included",
+    );
+    let stdout = succeeds(&node, UNCONFIGURE);
+    assert!(stdout.contains("nothing to undo"), "{stdout}");
+}
+
+#[test]
+fn containerd_round_trip_keeps_comments_and_systemd_cgroup_and_restores_the_original_bytes() {
+    let main = fixture("containerd/v2-systemd-cgroup.main.toml");
+    round_trip(Engine::Containerd, &main, |root| {
+        let new_main = read(root, CONTAINERD_MAIN).expect("main");
+        assert_eq!(new_main, fixture("containerd/v2-systemd-cgroup.expected.main.toml"));
+        for comment in [
+            "# Top-level containerd config, kept by hand (see the ops wiki).",
+            "    # Pause image from the local mirror.",
+            "SystemdCgroup = true # the kubelet uses the systemd cgroup driver",
+        ] {
+            assert!(new_main.contains(comment), "{comment:?} kept:\n{new_main}");
+        }
+        assert_eq!(
+            at(&toml_table(&new_main), &["imports"]),
+            &toml::Value::Array(vec![CONTAINERD_IMPORT.into()])
+        );
+        let drop_in = toml_table(&read(root, CONTAINERD_DROP_IN).expect("drop-in"));
+        let nvidia = v2_runtime_options(&drop_in, "nvidia");
+        assert_eq!(nvidia["BinaryName"].as_str(), Some(RUNTIME_BINARY));
+        assert_eq!(nvidia["SystemdCgroup"].as_bool(), Some(true), "copied from runc");
+        // containerd < 2.1 replaces the CRI table from an import: runc must keep its setting.
+        assert_eq!(
+            v2_runtime_options(&drop_in, "runc")["SystemdCgroup"].as_bool(),
+            Some(true)
+        );
+    });
+}
+
+#[test]
+fn docker_round_trip_keeps_the_other_keys_in_order_and_restores_the_original_bytes() {
+    let main = fixture("docker/existing.json");
+    round_trip(Engine::Docker, &main, |root| {
+        let daemon = read(root, DOCKER_MAIN).expect("daemon.json");
+        assert_eq!(daemon, fixture("docker/existing.expected.json"), "keys in their order");
+        let json: serde_json::Value = serde_json::from_str(&daemon).expect("JSON");
+        assert_eq!(json["runtimes"]["nvidia"]["path"], RUNTIME_BINARY);
+        assert_eq!(
+            json["runtimes"]["runsc"]["path"], "/usr/local/bin/runsc",
+            "other runtimes stay"
+        );
+        assert_eq!(json["exec-opts"][0], "native.cgroupdriver=systemd");
+    });
+}
+
+#[test]
+fn crio_round_trip_adds_and_removes_only_the_drop_in() {
+    let main = fixture("crio/crio.conf");
+    round_trip(Engine::Crio, &main, |root| {
+        assert_eq!(
+            read(root, CRIO_MAIN).as_deref(),
+            Some(main.as_str()),
+            "crio.conf untouched"
+        );
+        let drop_in = read(root, CRIO_DROP_IN).expect("drop-in");
+        assert_eq!(drop_in, fixture("crio/crio.expected.drop-in.toml"));
+        let table = toml_table(&drop_in);
+        let nvidia = at(&table, &["crio", "runtime", "runtimes", "nvidia"]);
+        assert_eq!(nvidia["runtime_path"].as_str(), Some(RUNTIME_BINARY));
+        assert_eq!(nvidia["runtime_type"].as_str(), Some("oci"));
+    });
+}
+
+#[test]
+fn unconfigure_keeps_a_user_edit_made_after_configure_and_removes_only_the_import() {
+    let main = fixture("containerd/v2-systemd-cgroup.main.toml");
+    let node = engine_node(Engine::Containerd, Some(&main), "");
+    let root = node.root.as_path();
+    succeeds(&node, CONFIGURE);
+    let (old, new) = (
+        "max_container_log_line_size = 16384",
+        "max_container_log_line_size = 32768",
+    );
+    let configured = read(root, CONTAINERD_MAIN).expect("main");
+    write_file(root, CONTAINERD_MAIN, &configured.replace(old, new));
+
+    succeeds(&node, UNCONFIGURE);
+    assert_eq!(
+        read(root, CONTAINERD_MAIN),
+        Some(main.replace(old, new)),
+        "the user's edit stays, only the import goes"
+    );
+    assert_eq!(read(root, CONTAINERD_DROP_IN), None);
+    assert!(snapshot(&under(root, BACKUP_DIR)).is_empty(), "no backups left");
+}
+
+/// The same, when the user's tool rewrites the file without the import (config management
+/// putting its template back) and the agent adds the import again: unconfigure must keep the
+/// user's new text, not go back to the bytes from before the agent's first configure.
+#[test]
+fn unconfigure_keeps_a_rewrite_the_agent_configured_again() {
+    let main = fixture("containerd/v2-systemd-cgroup.main.toml");
+    let node = engine_node(Engine::Containerd, Some(&main), "");
+    let root = node.root.as_path();
+    succeeds(&node, CONFIGURE);
+    let rewritten = main.replace("pause:3.9", "pause:3.10");
+    write_file(root, CONTAINERD_MAIN, &rewritten);
+    succeeds(&node, CONFIGURE);
+
+    succeeds(&node, UNCONFIGURE);
+    assert_eq!(read(root, CONTAINERD_MAIN), Some(rewritten), "the user's rewrite stays");
+}
+
+// === 2. fresh host ===
+
+#[test]
+fn a_fresh_containerd_host_gets_a_minimal_main_and_drop_in_and_unconfigure_removes_both() {
+    let node = engine_node(Engine::Containerd, None, "");
+    let root = node.root.as_path();
+    let before = contents(root);
+
+    succeeds(&node, CONFIGURE);
+    let new_main = toml_table(&read(root, CONTAINERD_MAIN).expect("main created"));
+    assert_eq!(new_main["version"].as_integer(), Some(2), "{new_main}");
+    assert_eq!(
+        new_main["imports"],
+        toml::Value::Array(vec![CONTAINERD_IMPORT.into()]),
+        "{new_main}"
+    );
+    let drop_in = read(root, CONTAINERD_DROP_IN).expect("drop-in created");
+    assert_eq!(drop_in, fixture("containerd/fresh-v2.expected.drop-in.toml"));
+    assert_eq!(
+        v2_runtime_options(&toml_table(&drop_in), "nvidia")["BinaryName"].as_str(),
+        Some(RUNTIME_BINARY)
+    );
+
+    succeeds(&node, UNCONFIGURE);
+    assert_eq!(read(root, CONTAINERD_MAIN), None, "there was no main file before");
+    assert_eq!(read(root, CONTAINERD_DROP_IN), None);
+    assert_same(&before, &contents(root), "unconfigure leaves the host as it was");
+}
+
+// === 3. broken configs ===
+
+/// A main file that does not parse: exit 1 naming file, line and column; nothing written.
+fn refused(engine: Engine, broken: &str, location: &str) {
+    let node = engine_node(engine, Some(&fixture(broken)), "");
+    let before = snapshot(&node.root);
+    let stderr = fails(&node, CONFIGURE);
+    let files = engine_files(engine);
+    assert!(
+        stderr.contains(&format!("{}: {location}", files.main)) && stderr.contains("nothing was changed"),
+        "{stderr}"
+    );
+    assert_eq!(read(&node.root, files.main), Some(fixture(broken)), "unchanged");
+    if let Some(drop_in) = files.drop_in {
+        assert_eq!(read(&node.root, drop_in), None, "no drop-in");
+    }
+    assert_same(&before, &snapshot(&node.root), "a refused configure writes nothing");
+}
+
+#[test]
+fn a_broken_containerd_config_is_refused_with_its_line_and_column() {
+    refused(Engine::Containerd, "containerd/broken.main.toml", "line 4, column 27");
+}
+
+#[test]
+fn a_broken_daemon_json_is_refused_with_its_line_and_column() {
+    refused(Engine::Docker, "docker/broken.json", "line 4, column 64");
+}
+
+// === 4. runtime binary / cdi-only ===
+
+#[test]
+fn a_missing_runtime_binary_fails_naming_the_key_and_the_package() {
+    let node = engine_node(
+        Engine::Containerd,
+        Some(&fixture("containerd/v2-systemd-cgroup.main.toml")),
+        "",
+    );
+    fs::remove_file(under(&node.root, RUNTIME_BINARY)).expect("remove runtime binary");
+    let before = snapshot(&node.root);
+    let stderr = fails(&node, CONFIGURE);
+    for words in [
+        RUNTIME_BINARY,
+        "[runtime] runtime_binary",
+        "nvidia-container-toolkit",
+        "cdi-only",
+    ] {
+        assert!(stderr.contains(words), "{words:?} in {stderr}");
+    }
+    assert_same(&before, &snapshot(&node.root), "nothing written");
+}
+
+#[test]
+fn cdi_only_mode_leaves_the_engines_alone() {
+    let main = fixture("containerd/v2-systemd-cgroup.main.toml");
+    let node = engine_node(Engine::Containerd, Some(&main), "[runtime]\nmode = \"cdi-only\"\n");
+    fs::remove_file(under(&node.root, RUNTIME_BINARY)).expect("remove runtime binary");
+    let before = snapshot(&node.root);
+    let stdout = succeeds(&node, CONFIGURE);
+    assert!(stdout.contains("cdi-only"), "{stdout}");
+    assert_same(&before, &snapshot(&node.root), "engines untouched");
+}
+
+// === 5. plan ===
+
+#[test]
+fn plan_shows_the_containerd_diff_before_configure_and_no_changes_after() {
+    let node = engine_node(
+        Engine::Containerd,
+        Some(&fixture("containerd/v2-systemd-cgroup.main.toml")),
+        "",
+    );
+    let before = snapshot(&node.root);
+    let stdout = succeeds(&node, &["plan"]);
+    for line in [
+        "Container runtimes: would change",
+        "--- a/etc/containerd/config.toml",
+        "+++ b/etc/containerd/config.toml",
+        "+imports = [\"/etc/containerd/conf.d/*.toml\"]",
+        " state = \"/run/containerd\"",
+        "--- /dev/null",
+        "+++ b/etc/containerd/conf.d/99-nvidia.toml",
+        "+[plugins.\"io.containerd.grpc.v1.cri\".containerd.runtimes.nvidia.options]",
+        "+BinaryName = \"/usr/bin/nvidia-container-runtime\"",
+    ] {
+        assert!(stdout.lines().any(|l| l == line), "{line:?} in\n{stdout}");
+    }
+    assert_same(&before, &snapshot(&node.root), "plan writes nothing");
+
+    succeeds(&node, CONFIGURE);
+    let stdout = succeeds(&node, &["plan"]);
+    assert!(
+        stdout.contains("Container runtimes: containerd already configured: no changes"),
+        "{stdout}"
+    );
+    assert!(!stdout.contains("would change") && !stdout.contains("+++"), "{stdout}");
+}
+
+// === 6. the real containerd ===
+
+/// Debian's containerd, which the agent's `config dump` check and this test run.
+fn real_containerd() -> &'static Path {
+    let path = Path::new(REAL_CONTAINERD);
+    assert!(
+        path.is_file(),
+        "{REAL_CONTAINERD} is missing: these tests need the real containerd (apt-get install containerd)"
+    );
+    path
+}
+
+/// Configures containerd (`main`: its config, `None`: none) with the real binary installed under
+/// the root, and returns containerd's own `config dump` of the written files.
+fn configure_and_dump_with_real_containerd(main: Option<&str>) -> (String, toml::Table) {
+    let containerd = real_containerd();
+    let node = engine_node(Engine::Containerd, main, "");
+    std::os::unix::fs::symlink(containerd, under(&node.root, REAL_CONTAINERD)).expect("symlink containerd");
+    let out = expect_exit(&node, CONFIGURE, 0);
+    let log = text(&out.stderr);
+    assert!(
+        log.contains("containerd --config") && log.contains("config dump"),
+        "the agent ran its own check: {log}"
+    );
+
+    // The written main, with its absolute imports pointed into the root.
+    let written = read(&node.root, CONTAINERD_MAIN).expect("main");
+    let copy = node.tmp.path().join("dump-check.toml");
+    let rebased = rebase_imports(&written, CONTAINERD_MAIN, |p| {
+        if p.starts_with('/') {
+            under(&node.root, p).to_string_lossy().into_owned()
+        } else {
+            p.to_string()
+        }
+    })
+    .expect("rebase imports");
+    assert!(rebased.contains(&node.root.to_string_lossy().into_owned()), "{rebased}");
+    fs::write(&copy, rebased).expect("write copy");
+    let out = std::process::Command::new(containerd)
+        .arg("--config")
+        .arg(&copy)
+        .args(["config", "dump"])
+        .output()
+        .expect("run containerd");
+    assert!(out.status.success(), "containerd config dump: {}", text(&out.stderr));
+    let dump = text(&out.stdout);
+    if let Err(e) = dump_has_runtime(&dump, &default_runtime()) {
+        panic!("{e}\n{dump}");
+    }
+    let table = toml_table(&dump);
+    (dump, table)
+}
+
+#[test]
+fn containerd_itself_reads_the_nvidia_runtime_with_systemd_cgroup() {
+    let main = fixture("containerd/v2-systemd-cgroup.main.toml");
+    let (dump, table) = configure_and_dump_with_real_containerd(Some(&main));
+    let nvidia = v2_runtime_options(&table, "nvidia");
+    assert_eq!(nvidia["BinaryName"].as_str(), Some(RUNTIME_BINARY), "{dump}");
+    assert_eq!(nvidia["SystemdCgroup"].as_bool(), Some(true), "{dump}");
+    // What the import would wipe on containerd < 2.1 if the drop-in held only the nvidia runtime.
+    assert_eq!(
+        v2_runtime_options(&table, "runc")["SystemdCgroup"].as_bool(),
+        Some(true),
+        "{dump}"
+    );
+    assert_eq!(
+        at(&table, &["plugins", CRI_V2, "sandbox_image"]).as_str(),
+        Some("registry.example.com/pause:3.9"),
+        "{dump}"
+    );
+}
+
+#[test]
+fn containerd_itself_reads_the_nvidia_runtime_on_a_fresh_host() {
+    let (dump, table) = configure_and_dump_with_real_containerd(None);
+    assert_eq!(
+        v2_runtime_options(&table, "nvidia")["BinaryName"].as_str(),
+        Some(RUNTIME_BINARY),
+        "{dump}"
+    );
+}
+
+/// A containerd that rejects the new files (a stand-in whose `config dump` fails): exit 1 and
+/// the engine's files are as they were.
+#[test]
+fn a_config_containerd_rejects_is_rolled_back() {
+    let main = fixture("containerd/v2-systemd-cgroup.main.toml");
+    let node = engine_node(Engine::Containerd, Some(&main), "");
+    script(
+        &node.root,
+        REAL_CONTAINERD,
+        "echo 'containerd: failed to load TOML: invalid plugin key' >&2; exit 1",
+    );
+    let stderr = fails(&node, CONFIGURE);
+    assert!(
+        stderr.contains("containerd rejects the new configuration") && stderr.contains("invalid plugin key"),
+        "{stderr}"
+    );
+    assert_eq!(read(&node.root, CONTAINERD_MAIN), Some(main), "main put back");
+    assert_eq!(read(&node.root, CONTAINERD_DROP_IN), None, "drop-in removed");
+}
+
+// === 7. restart and rollback, in-process ===
+
+/// A temp root with containerd installed (its unit), the runtime binary, and a stand-in
+/// `systemctl` that logs its argv to `systemctl.log` and, on `restart`, whether the drop-in was
+/// there to `restarts.log`. `restart` and `is_active` are the shell bodies of those commands;
+/// `$DROP_IN` is the drop-in's path under the root.
+struct RestartHost {
+    _tmp: tempfile::TempDir,
+    root: PathBuf,
+    config: Config,
+    main: String,
+}
+
+impl RestartHost {
+    fn new(restart: &str, is_active: &str) -> RestartHost {
+        let tmp = tempfile::tempdir().expect("tempdir");
+        let root = tmp.path().to_path_buf();
+        let main = fixture("containerd/v2-systemd-cgroup.main.toml");
+        install_engine(&root, Engine::Containerd, Some(&main));
+        let body = format!(
+            "DROP_IN='{drop_in}'\necho \"$*\" >> '{log}'\ncase \"$1\" in\n\
+             restart)\n  if [ -e \"$DROP_IN\" ]; then echo with-drop-in; else echo without-drop-in; fi >> '{restarts}'\n  \
+             {restart} ;;\nis-active)\n  {is_active} ;;\nesac",
+            drop_in = under(&root, CONTAINERD_DROP_IN).display(),
+            log = root.join("systemctl.log").display(),
+            restarts = root.join("restarts.log").display(),
+        );
+        script(&root, "/usr/bin/systemctl", &body);
+        let config = Config::from_sources(&[Source::new(
+            "t.toml",
+            "[agent]\nstate_dir = \"/var/lib/gpu-node-agent\"\n[runtime]\nrestart_timeout = \"1s\"\n",
+        )])
+        .expect("config");
+        RestartHost {
+            _tmp: tmp,
+            root,
+            config,
+            main,
+        }
+    }
+
+    /// Observes, plans and applies with restarts on.
+    fn apply(&self) -> Result<Applied, RuntimeError> {
+        let root = HostRoot::new(&self.root);
+        let runner = Runner::new(&root);
+        let observed = observe(&self.config, &root, &runner).expect("observe");
+        let planned = plan(&observed, &self.config.runtime).expect("plan");
+        apply(&planned, &self.config, &root, &runner, &ApplyOptions { restart: true })
+    }
+
+    fn log(&self, name: &str) -> Vec<String> {
+        fs::read_to_string(self.root.join(name))
+            .unwrap_or_default()
+            .lines()
+            .map(String::from)
+            .collect()
+    }
+
+    /// The engine's files are as before the apply.
+    fn assert_rolled_back(&self) {
+        assert_eq!(read(&self.root, CONTAINERD_MAIN).as_deref(), Some(self.main.as_str()));
+        assert_eq!(
+            read(&self.root, CONTAINERD_DROP_IN),
+            None,
+            "the drop-in is absent again"
+        );
+    }
+}
+
+const RESTART: &str = "restart containerd.service";
+const IS_ACTIVE: &str = "is-active containerd.service";
+
+#[test]
+fn a_restarted_engine_that_comes_back_keeps_its_new_files() {
+    let host = RestartHost::new("exit 0", "echo active");
+    let applied = host.apply().expect("apply");
+    assert_eq!(applied.restarted, ["containerd.service"]);
+    assert_eq!(
+        applied.files,
+        [PathBuf::from(CONTAINERD_MAIN), PathBuf::from(CONTAINERD_DROP_IN)]
+    );
+    assert_eq!(host.log("systemctl.log"), [RESTART, IS_ACTIVE]);
+    assert_eq!(
+        host.log("restarts.log"),
+        ["with-drop-in"],
+        "restarted with the new files"
+    );
+    assert!(read(&host.root, CONTAINERD_DROP_IN).is_some());
+}
+
+#[test]
+fn an_engine_that_does_not_come_back_gets_its_old_files_and_another_restart() {
+    // Failed with the new files, active again with the old ones.
+    let host = RestartHost::new(
+        "exit 0",
+        "if [ -e \"$DROP_IN\" ]; then echo failed; exit 3; fi; echo active",
+    );
+    let err = host.apply().expect_err("the restart fails");
+    let RuntimeError::Restart { engine, reason, again } = &err else {
+        panic!("not a restart error: {err}");
+    };
+    assert_eq!(*engine, "containerd");
+    assert!(
+        reason.contains("containerd.service is failed 1s after the restart"),
+        "{reason}"
+    );
+    assert!(again.is_none(), "it came back with the old files: {again:?}");
+    assert!(
+        err.to_string()
+            .contains("the previous files were put back and it was restarted with them"),
+        "{err}"
+    );
+    host.assert_rolled_back();
+    assert_eq!(host.log("restarts.log"), ["with-drop-in", "without-drop-in"]);
+    // restart, is-active until the timeout, restart with the old files, is-active.
+    let log = host.log("systemctl.log");
+    let second = log.iter().rposition(|l| l == RESTART).expect("a restart");
+    assert!(log[0] == RESTART && second > 1, "{log:?}");
+    assert!(log[1..second].iter().all(|l| l == IS_ACTIVE), "{log:?}");
+    assert_eq!(&log[second + 1..], [IS_ACTIVE], "{log:?}");
+}
+
+#[test]
+fn a_restart_that_fails_is_quoted_and_rolled_back() {
+    let job = "Job for containerd.service failed because the control process exited with error code.";
+    let host = RestartHost::new(&format!("echo '{job}' >&2; exit 1"), "echo active");
+    let err = host.apply().expect_err("the restart fails");
+    let RuntimeError::Restart { reason, again, .. } = &err else {
+        panic!("not a restart error: {err}");
+    };
+    assert!(reason.contains(job), "{reason}");
+    assert!(again.as_deref().is_some_and(|a| a.contains(job)), "{again:?}");
+    let message = err.to_string();
+    assert!(
+        message.contains(job) && message.contains("restarting it with them failed too"),
+        "{message}"
+    );
+    host.assert_rolled_back();
+    assert_eq!(
+        host.log("systemctl.log"),
+        [RESTART, RESTART],
+        "no is-active after a failed restart"
+    );
+    assert_eq!(host.log("restarts.log"), ["with-drop-in", "without-drop-in"]);
+}
+
+// === 8. CDI ===
+
+/// The CDI spec the agent wrote, parsed.
+fn cdi_spec(node: &Node) -> (String, serde_json::Value) {
+    let text = read(&node.root, CDI_SPEC).unwrap_or_else(|| panic!("no {CDI_SPEC}"));
+    let json = serde_json::from_str(&text).unwrap_or_else(|e| panic!("{CDI_SPEC} is not JSON: {e}\n{text}"));
+    (text, json)
+}
+
+/// Device name → its device node paths.
+fn cdi_devices(spec: &serde_json::Value) -> BTreeMap<String, Vec<String>> {
+    let devices = spec["devices"].as_array().expect("devices");
+    devices
+        .iter()
+        .map(|d| {
+            let nodes = d["containerEdits"]["deviceNodes"]
+                .as_array()
+                .map(|n| n.iter().filter_map(|n| n["path"].as_str().map(String::from)).collect())
+                .unwrap_or_default();
+            (d["name"].as_str().expect("name").to_string(), nodes)
+        })
+        .collect()
+}
+
+/// `run --once`, then the spec, which `cdi generate --output -` prints byte for byte.
+fn run_once_and_read_spec(node: &Node) -> (serde_json::Value, BTreeMap<String, Vec<String>>) {
+    expect_exit(node, &["run", "--once"], 0);
+    let (text, spec) = cdi_spec(node);
+    assert_eq!(spec["kind"], "nvidia.com/gpu");
+    assert_eq!(
+        succeeds(node, &["cdi", "generate", "--output", "-"]),
+        text,
+        "cdi generate prints the same spec"
+    );
+    let devices = cdi_devices(&spec);
+    (spec, devices)
+}
+
+#[test]
+fn run_once_writes_the_cdi_spec_for_every_gpu() {
+    let node = Node::new(&common::machine("A100-SXM4-80GB", 8), NO_KUBERNETES);
+    let (spec, devices) = run_once_and_read_spec(&node);
+    assert!(spec["cdiVersion"].is_string(), "{spec}");
+    for i in 0..8u32 {
+        let by_index = &devices[&i.to_string()];
+        assert_eq!(by_index.len(), 1, "{by_index:?}");
+        assert!(by_index[0].starts_with("/dev/nvidia"), "{by_index:?}");
+        assert_eq!(devices.get(&gpu_uuid(i)), Some(by_index), "by UUID, the same node");
+    }
+    assert_eq!(devices["all"].len(), 8, "all: every GPU's node");
+    assert_eq!(devices.len(), 8 * 2 + 1, "{:?}", devices.keys());
+    assert!(!devices.keys().any(|n| n.contains(':')), "no MIG devices");
+
+    // An unchanged inventory: the spec is not rewritten.
+    let mtime = |n: &Node| {
+        fs::metadata(under(&n.root, CDI_SPEC))
+            .and_then(|m| m.modified())
+            .expect("mtime")
+    };
+    let before = mtime(&node);
+    expect_exit(&node, &["run", "--once"], 0);
+    assert_eq!(mtime(&node), before);
+}
+
+/// Two A100-40GB with MIG enabled and no MIG devices yet (as in tests/mig.rs).
+fn two_mig_a100s() -> String {
+    let mut m = common::DGX_A100.to_string();
+    for i in 0..2 {
+        m.push_str(&format!(
+            "\n[[gpu]]\nmodel = \"A100-SXM4-40GB\"\nuuid = \"{}\"\nmig_mode = true\n",
+            gpu_uuid(i)
+        ));
+    }
+    m
+}
+
+/// The driver's MIG capability table under the node's root: minor → key (`gpu0/gi1/access`).
+fn mig_minors(node: &Node) -> BTreeMap<String, String> {
+    let table = fs::read_to_string(node.root.join("proc/driver/nvidia-caps/mig-minors")).expect("mig-minors");
+    table
+        .lines()
+        .filter_map(|l| l.split_once(' '))
+        .map(|(key, minor)| (minor.to_string(), key.to_string()))
+        .collect()
+}
+
+#[test]
+fn the_cdi_spec_follows_a_mig_layout() {
+    let node = Node::new(&two_mig_a100s(), NO_KUBERNETES);
+    let (_, devices) = run_once_and_read_spec(&node);
+    assert!(
+        !devices.keys().any(|n| n.contains(':')),
+        "no MIG devices yet: {devices:?}"
+    );
+
+    succeeds(&node, &["mig", "apply", "all-1g.5gb"]);
+    let (_, devices) = run_once_and_read_spec(&node);
+    let minors = mig_minors(&node);
+    let mut caps_seen = Vec::new();
+    for gpu in 0..2u32 {
+        let gpu_node = devices[&gpu.to_string()][0].clone();
+        let gpu_minor = gpu_node.trim_start_matches("/dev/nvidia");
+        for mig in 0..7 {
+            let name = format!("{gpu}:{mig}");
+            let nodes = devices
+                .get(&name)
+                .unwrap_or_else(|| panic!("no {name}: {:?}", devices.keys()));
+            let [parent, gi, ci] = nodes.as_slice() else {
+                panic!("{name}: parent GPU node and two capability nodes: {nodes:?}");
+            };
+            assert_eq!(parent, &gpu_node, "{name}");
+            // The capabilities are this GPU's GI access and that GI's CI access.
+            let key = |cap: &str| {
+                let minor = cap
+                    .strip_prefix("/dev/nvidia-caps/nvidia-cap")
+                    .unwrap_or_else(|| panic!("{name}: {cap} is not a capability node"));
+                minors
+                    .get(minor)
+                    .cloned()
+                    .unwrap_or_else(|| panic!("{cap} not in mig-minors"))
+            };
+            let (gi_key, ci_key) = (key(gi), key(ci));
+            let gi_prefix = gi_key.strip_suffix("/access").expect("a GI access key");
+            assert!(gi_key.starts_with(&format!("gpu{gpu_minor}/gi")), "{name}: {gi_key}");
+            assert!(
+                ci_key.starts_with(&format!("{gi_prefix}/ci")),
+                "{name}: {gi_key} {ci_key}"
+            );
+            caps_seen.push((gi.clone(), ci.clone()));
+        }
+    }
+    caps_seen.sort();
+    caps_seen.dedup();
+    assert_eq!(caps_seen.len(), 14, "every MIG device has its own capabilities");
+    let mig_uuids: Vec<&String> = devices.keys().filter(|n| n.starts_with("MIG-")).collect();
+    assert_eq!(mig_uuids.len(), 14, "{:?}", devices.keys());
+    for uuid in mig_uuids {
+        assert_eq!(devices[uuid].len(), 3, "{uuid}: {:?}", devices[uuid]);
+    }
+    let all = &devices["all"];
+    assert!(
+        caps_seen.iter().all(|(gi, ci)| all.contains(gi) && all.contains(ci)),
+        "all has every capability node: {all:?}"
+    );
+}
