@@ -1,5 +1,5 @@
-//! The reconcile loop: stages in order (runtime, MIG, device plugin; the driver stage will go
-//! first; a failed stage stops the ones after it until the next pass), health events, periodic
+//! The reconcile loop: stages in order (driver, runtime, MIG, device plugin; a failed stage
+//! stops the ones after it until the next pass), health events, periodic
 //! resync, status reporting, and a clean stop on SIGTERM.
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -33,7 +33,9 @@ use crate::status::{DesiredStatus, GpuStatus, MigStatus, STATUS_VERSION, StageSt
 pub const STAGE_DEVICE_PLUGIN: &str = "device-plugin";
 pub const STAGE_MIG: &str = "mig";
 pub const STAGE_RUNTIME: &str = "runtime";
+pub const STAGE_DRIVER: &str = "driver";
 
+mod driver;
 mod runtime;
 
 /// How long the first reconcile waits for the desired-state source (the Node's labels).
@@ -184,7 +186,9 @@ struct Agent {
     desired_sel: Desired,
     /// The machine's DMI product name, for the `gpu.machine` label.
     machine: Option<String>,
-    /// The runtime stage (first).
+    /// The driver stage (first).
+    driver_stage: Stage,
+    /// The runtime stage.
     runtime_stage: Stage,
     /// What the last runtime pass did (empty before one succeeded).
     runtime_detail: String,
@@ -253,6 +257,7 @@ pub async fn run(config: Config, root: HostRoot, once: bool) -> Result<i32, Agen
         },
         desired_sel: Desired::none(),
         machine: None,
+        driver_stage: Stage::new(STAGE_DRIVER),
         runtime_stage: Stage::new(STAGE_RUNTIME),
         runtime_detail: String::new(),
         cdi_detail: None,
@@ -321,8 +326,14 @@ pub async fn run(config: Config, root: HostRoot, once: bool) -> Result<i32, Agen
         (status_rx, Some(tokio::spawn(manager.run(rx))))
     };
 
+    // The driver first: on a fresh node NVML only loads once the driver stage installed it.
+    if agent.config.driver.enabled && agent.config.driver.source != crate::config::DriverSource::None {
+        agent.driver_step().await;
+    }
     // NVML: fatal when fail_on_init_error, else retried in the loop below.
-    if let Err(e) = agent.open_nvml() {
+    if agent.gpus.is_none()
+        && let Err(e) = agent.open_nvml()
+    {
         if agent.config.nvml.fail_on_init_error || once {
             agent.stage.set(StageState::Failed, Some(e.to_string()), None);
             agent.write_status("stopped");
@@ -340,9 +351,14 @@ pub async fn run(config: Config, root: HostRoot, once: bool) -> Result<i32, Agen
         // Pending counts as not done: the bootstrap should not go on as if MIG were applied.
         let done = |s: &StageState| !matches!(s, StageState::Failed | StageState::Pending);
         return Ok(
-            if [&agent.runtime_stage, &agent.mig_stage, &agent.stage]
-                .iter()
-                .all(|s| done(&s.status.state))
+            if [
+                &agent.driver_stage,
+                &agent.runtime_stage,
+                &agent.mig_stage,
+                &agent.stage,
+            ]
+            .iter()
+            .all(|s| done(&s.status.state))
             {
                 0
             } else {
@@ -432,6 +448,16 @@ async fn sleep_until(at: Option<Instant>) {
 }
 
 impl Agent {
+    /// Drops NVML (before the driver under it is unloaded): the health watcher stops, the
+    /// inventory is forgotten.
+    fn close_nvml(&mut self) {
+        if let Some(stop) = self.health_stop.take() {
+            stop.store(true, Ordering::Relaxed);
+        }
+        self.watched.clear();
+        self.gpus = None;
+    }
+
     fn open_nvml(&mut self) -> Result<(), AgentError> {
         let library = nvml_library(&self.config, &self.root);
         match Gpus::open(&library) {
@@ -450,7 +476,7 @@ impl Agent {
 
     /// One pass over the stages: re-read the inventory and advertise what it gives.
     async fn reconcile(&mut self) {
-        if !self.runtime_step().await {
+        if !self.driver_step().await || !self.runtime_step().await {
             // Stages after a failed one wait for the next pass.
             self.write_status("running");
             return;
@@ -701,6 +727,7 @@ impl Agent {
             driver_version: self.inventory.as_ref().map(|i| i.driver_version.clone()),
             cuda_driver_version: self.inventory.as_ref().map(|i| i.cuda_driver_version.clone()),
             stages: vec![
+                self.driver_stage.status.clone(),
                 self.runtime_stage.status.clone(),
                 self.mig_stage.status.clone(),
                 self.stage.status.clone(),

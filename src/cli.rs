@@ -64,6 +64,11 @@ pub enum Command {
         #[command(subcommand)]
         command: MigCommand,
     },
+    /// The NVIDIA kernel driver for the running kernel ([driver]).
+    Driver {
+        #[command(subcommand)]
+        command: DriverCommand,
+    },
     /// Container runtimes: put the nvidia runtime into containerd, docker and CRI-O, or take it
     /// out again.
     Runtime {
@@ -77,6 +82,20 @@ pub enum Command {
     },
     /// Print the version.
     Version,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum DriverCommand {
+    /// What the host has (kernel, distribution, NVIDIA PCI devices, loaded modules, headers,
+    /// Secure Boot), what the driver stage would do, and the validation checks. Changes nothing.
+    Status {
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Run the driver stage once: install, build or load the driver [driver] asks for, then
+    /// validate. Exit 0: done or already so; 75: GPU work running, nothing changed; 1: failed.
+    Install,
 }
 
 #[derive(Debug, Subcommand)]

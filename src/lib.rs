@@ -12,6 +12,7 @@ pub mod cli;
 pub mod cluster;
 pub mod config;
 pub mod desired;
+pub mod driver;
 pub mod host;
 pub mod kube;
 pub mod labels;

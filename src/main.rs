@@ -5,8 +5,9 @@ use std::process::ExitCode;
 use clap::Parser;
 
 use gpu_node_agent::agent::{self, plan_device_plugin, summary};
-use gpu_node_agent::cli::{CdiCommand, Cli, Command, ConfigCommand, MigCommand, RuntimeCommand};
+use gpu_node_agent::cli::{CdiCommand, Cli, Command, ConfigCommand, DriverCommand, MigCommand, RuntimeCommand};
 use gpu_node_agent::config::Config;
+use gpu_node_agent::driver::stage as driver_stage;
 use gpu_node_agent::host::HostRoot;
 use gpu_node_agent::host::command::Runner;
 use gpu_node_agent::mig::planner::PlanError;
@@ -61,6 +62,7 @@ fn main() -> ExitCode {
         }
         Command::Status { json } => status(&config, &root, json),
         Command::Mig { command } => mig(&config, &root, command),
+        Command::Driver { command } => driver_command(&config, &root, command),
         Command::Runtime { command } => runtime_command(&config, &root, command),
         Command::Cdi {
             command: CdiCommand::Generate { output },
@@ -68,6 +70,7 @@ fn main() -> ExitCode {
         Command::Plan { json, mig_layout } => {
             logging::init(&config.log);
             if !json {
+                print_driver_plan(&config, &root);
                 print_runtime_plan(&config, &root);
             }
             let gpus = match Gpus::open(&agent::nvml_library(&config, &root)) {
@@ -156,6 +159,129 @@ fn main() -> ExitCode {
                     eprintln!("gpu-node-agent: {e}");
                     let _ = summary;
                     exit(e.exit_code())
+                }
+            }
+        }
+    }
+}
+
+/// Processes on the GPUs, when NVML answers.
+fn gpu_processes(config: &Config, root: &HostRoot) -> Option<usize> {
+    let gpus = Gpus::open(&agent::nvml_library(config, root)).ok()?;
+    let inventory = gpus.inventory(&root.join("/sys")).ok()?;
+    inventory
+        .gpus
+        .iter()
+        .map(|g| gpus.process_count(&g.uuid))
+        .sum::<Option<usize>>()
+}
+
+/// The driver stage's plan (`plan`).
+fn print_driver_plan(config: &Config, root: &HostRoot) {
+    if !config.driver.enabled {
+        println!("Driver: [driver] enabled = false\n");
+        return;
+    }
+    match driver_stage::plan_now(config, root, gpu_processes(config, root)) {
+        Ok(p) => println!("Driver: {}\n", gpu_node_agent::driver::plan::describe(&p.plan)),
+        Err(e) => println!("Driver: the stage would fail: {e}\n"),
+    }
+}
+
+fn driver_command(config: &Config, root: &HostRoot, command: DriverCommand) -> ExitCode {
+    logging::init(&config.log);
+    let nvml_view = || {
+        Gpus::open(&agent::nvml_library(config, root))
+            .map_err(|e| e.to_string())
+            .and_then(|g| driver_stage::nvml_view(&g))
+    };
+    let planned = match driver_stage::plan_now(config, root, gpu_processes(config, root)) {
+        Ok(p) => p,
+        Err(e) => {
+            eprintln!("gpu-node-agent: driver: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match command {
+        DriverCommand::Status { json } => {
+            let checks = driver_stage::validate_now(config, &planned.facts, nvml_view());
+            if json {
+                let value = serde_json::json!({
+                    "host": planned.facts,
+                    "plan": planned.plan,
+                    "checks": checks,
+                });
+                println!("{}", serde_json::to_string_pretty(&value).unwrap_or_default());
+            } else {
+                let f = &planned.facts;
+                println!("kernel        {}", f.kernel_release);
+                println!(
+                    "distribution  {}",
+                    if f.os.pretty_name.is_empty() {
+                        &f.os.id
+                    } else {
+                        &f.os.pretty_name
+                    }
+                );
+                println!("NVIDIA GPUs   {} on the PCI bus", f.gpus.len());
+                let loaded = f.loaded.as_ref().map_or("none".to_string(), |l| {
+                    format!("{} ({})", l.version.as_deref().unwrap_or("?"), l.modules.join(", "))
+                });
+                println!("loaded        {loaded}");
+                println!("nouveau       {}", if f.nouveau { "loaded" } else { "not loaded" });
+                println!(
+                    "headers       {}",
+                    f.headers
+                        .as_ref()
+                        .map_or("not installed".to_string(), |h| h.display().to_string())
+                );
+                println!("secure boot   {:?}", f.secure_boot);
+                println!("\nplan: {}", gpu_node_agent::driver::plan::describe(&planned.plan));
+                println!();
+                for c in &checks {
+                    println!("{} {:<10} {}", if c.ok { "ok  " } else { "FAIL" }, c.name, c.message);
+                }
+            }
+            ExitCode::SUCCESS
+        }
+        DriverCommand::Install => {
+            if let Some(wait) = &planned.plan.wait {
+                eprintln!("gpu-node-agent: driver: {wait}; nothing changed");
+                return ExitCode::from(EXIT_BUSY);
+            }
+            match driver_stage::apply(config, root, &planned) {
+                Ok(applied) => {
+                    if applied.done.is_empty() {
+                        println!("{}: nothing to do", planned.plan.summary);
+                    }
+                    for line in &applied.done {
+                        println!("{line}");
+                    }
+                }
+                Err(e) => {
+                    eprintln!("gpu-node-agent: driver: {e}");
+                    return ExitCode::FAILURE;
+                }
+            }
+            let facts = match gpu_node_agent::driver::observe::observe(root) {
+                Ok(f) => f,
+                Err(e) => {
+                    eprintln!("gpu-node-agent: driver: {e}");
+                    return ExitCode::FAILURE;
+                }
+            };
+            if facts.gpus.is_empty() {
+                return ExitCode::SUCCESS;
+            }
+            let checks = driver_stage::validate_now(config, &facts, nvml_view());
+            match gpu_node_agent::driver::validate::summary(&checks) {
+                Ok(line) => {
+                    println!("{line}");
+                    ExitCode::SUCCESS
+                }
+                Err(e) => {
+                    eprintln!("gpu-node-agent: driver validation failed: {e}");
+                    ExitCode::FAILURE
                 }
             }
         }

@@ -1,0 +1,136 @@
+//! The driver stage inside the reconcile loop: first of all stages. It installs, builds or loads
+//! the driver `[driver]` asks for (an upgrade only when no GPU work runs, with the GPUs withdrawn
+//! from the kubelet first and NVML reopened after), then validates what NVML reports.
+
+use super::{Agent, StageState};
+use crate::driver::stage::{self as drv, Planned};
+use crate::driver::{observe, plan::Step, validate};
+
+impl Agent {
+    /// Processes on the GPUs NVML knows, `None` when NVML is not up or cannot tell.
+    fn gpu_processes(&self) -> Option<usize> {
+        let gpus = self.gpus.as_ref()?;
+        let inventory = self.inventory.as_ref()?;
+        inventory.gpus.iter().map(|g| gpus.process_count(&g.uuid)).sum()
+    }
+
+    /// Runs the driver stage; `false` when the stages after it cannot run (no working driver).
+    pub(super) async fn driver_step(&mut self) -> bool {
+        if !self.config.driver.enabled {
+            self.driver_stage
+                .set(StageState::Disabled, None, Some("[driver] enabled = false".into()));
+            return true;
+        }
+        let processes = self.gpu_processes();
+        let (config, root) = (self.config.clone(), self.root.clone());
+        let planned = tokio::task::spawn_blocking(move || drv::plan_now(&config, &root, processes))
+            .await
+            .map_err(|e| format!("driver stage task failed: {e}"))
+            .and_then(|r| r.map_err(|e| e.to_string()));
+        let planned: Planned = match planned {
+            Ok(p) => p,
+            Err(e) => {
+                tracing::error!("driver stage failed: {e}");
+                self.driver_stage.set(StageState::Failed, Some(e), None);
+                return self.gpus.is_some();
+            }
+        };
+        if let Some(wait) = &planned.plan.wait {
+            // The loaded driver keeps serving meanwhile.
+            self.driver_stage.set(
+                StageState::Pending,
+                Some(wait.clone()),
+                Some(planned.plan.summary.clone()),
+            );
+            return self.gpus.is_some();
+        }
+        if !planned.plan.steps.is_empty() && !self.apply_driver(&planned).await {
+            return false;
+        }
+        self.validate_driver(&planned.plan.summary, planned.facts.gpus.is_empty())
+            .await;
+        self.gpus.is_some()
+    }
+
+    /// Applies a driver plan; an upgrade withdraws every GPU from the kubelet and closes NVML
+    /// first, and NVML is (re)opened after. `false` when it failed.
+    async fn apply_driver(&mut self, planned: &Planned) -> bool {
+        let upgrade = planned.plan.steps.iter().any(|s| matches!(s, Step::Unload { .. }));
+        if upgrade {
+            let uuids: Vec<String> = self
+                .inventory
+                .iter()
+                .flat_map(|i| i.gpus.iter().map(|g| g.uuid.clone()))
+                .collect();
+            tracing::info!(
+                "driver: withdrawing {} GPU(s) from the kubelet for the driver change",
+                uuids.len()
+            );
+            self.withdrawn.extend(uuids);
+            self.push_resources().await;
+            self.close_nvml();
+        }
+        tracing::info!("driver: {}", crate::driver::plan::describe(&planned.plan));
+        let (config, root, p) = (self.config.clone(), self.root.clone(), planned.clone());
+        let applied = tokio::task::spawn_blocking(move || drv::apply(&config, &root, &p))
+            .await
+            .map_err(|e| format!("driver stage task failed: {e}"))
+            .and_then(|r| r.map_err(|e| e.to_string()));
+        match applied {
+            Ok(applied) => {
+                for line in &applied.done {
+                    tracing::info!("driver: {line}");
+                }
+            }
+            Err(e) => {
+                tracing::error!("driver stage failed: {e}");
+                self.driver_stage.set(StageState::Failed, Some(e), None);
+                return false;
+            }
+        }
+        if self.gpus.is_none()
+            && let Err(e) = self.open_nvml()
+        {
+            tracing::error!("NVML after the driver change: {e}");
+        }
+        if upgrade {
+            self.withdrawn.clear();
+            self.inventory = None;
+        }
+        true
+    }
+
+    /// Validation: NVML answers, one GPU per NVIDIA PCI device, the wanted version, the modules.
+    async fn validate_driver(&mut self, summary: &str, no_gpus: bool) {
+        if no_gpus {
+            self.driver_stage.set(StageState::Ok, None, Some(summary.to_string()));
+            return;
+        }
+        let root = self.root.clone();
+        let facts = match tokio::task::spawn_blocking(move || observe::observe(&root)).await {
+            Ok(Ok(f)) => f,
+            Ok(Err(e)) => {
+                self.driver_stage.set(StageState::Failed, Some(e.to_string()), None);
+                return;
+            }
+            Err(e) => {
+                self.driver_stage
+                    .set(StageState::Failed, Some(format!("driver stage task failed: {e}")), None);
+                return;
+            }
+        };
+        let view = match &self.gpus {
+            Some(g) => drv::nvml_view(g),
+            None => Err("NVML is not loaded".to_string()),
+        };
+        let checks = drv::validate_now(&self.config, &facts, view);
+        match validate::summary(&checks) {
+            Ok(line) => self
+                .driver_stage
+                .set(StageState::Ok, None, Some(format!("{line}; {summary}"))),
+            Err(e) => self
+                .driver_stage
+                .set(StageState::Failed, Some(e), Some(summary.to_string())),
+        }
+    }
+}

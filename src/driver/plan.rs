@@ -1,0 +1,542 @@
+//! The driver plan (pure): from what the host has ([`HostFacts`]) and what `[driver]` asks for,
+//! the steps that bring the running kernel to the wanted driver, or the reason to wait or fail.
+
+use serde::Serialize;
+
+use super::observe::{Distro, HostFacts};
+use super::{Flavour, MODULES};
+use crate::config::{DriverConfig, DriverSource, FlavourChoice};
+
+/// The first driver branch whose recommended modules are the open ones (NVIDIA's rule when
+/// `nvidia-installer --print-recommended-kernel-module-type` cannot be asked).
+pub const OPEN_BY_DEFAULT_FROM_BRANCH: u32 = 560;
+
+/// The package manager of a distribution family.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum PackageManager {
+    Apt,
+    Dnf,
+}
+
+/// One step of a driver change, in order.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[serde(tag = "step", rename_all = "kebab-case")]
+pub enum Step {
+    /// Write `[driver] modprobe_conf`: module options and the nouveau blacklist.
+    WriteModprobeConf { path: String, text: String },
+    /// `modprobe -r nouveau`.
+    UnloadNouveau,
+    /// Unload the loaded driver modules in this order (an upgrade).
+    Unload { modules: Vec<String> },
+    /// Install distribution packages.
+    InstallPackages {
+        manager: PackageManager,
+        packages: Vec<String>,
+    },
+    /// Download a file, accepted only with this sha256.
+    Download { url: String, sha256: String },
+    /// Extract the `.run` file, build its kernel modules for the running kernel, cache them, and
+    /// install its user space without modules.
+    BuildRunfile { flavour: Flavour },
+    /// Unpack the prebuilt modules tarball into the cache.
+    UnpackPrebuilt,
+    /// Load the modules: from the distribution (`modprobe`) or from the cache (`insmod`).
+    Load { from: LoadFrom, modules: Vec<String> },
+    /// Persistence mode on.
+    Persistence,
+}
+
+/// Where loaded modules come from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum LoadFrom {
+    Modprobe,
+    Cache,
+}
+
+/// What the driver stage will do.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct DriverPlan {
+    /// One line for status and `plan`.
+    pub summary: String,
+    /// Nothing to change beyond validation when empty.
+    pub steps: Vec<Step>,
+    /// Set when the change must wait (GPU work running); `steps` are what will happen then.
+    pub wait: Option<String>,
+    /// The modules' flavour, when a driver is installed.
+    pub flavour: Option<Flavour>,
+}
+
+/// Why no plan can be made. Nothing is changed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum PlanError {
+    #[error(
+        "unknown distribution {id:?} (/etc/os-release): [driver] source = \"package\" needs Ubuntu, Debian or the RHEL family; use source = \"runfile\" or \"prebuilt\", or install the driver yourself (source = \"none\")"
+    )]
+    UnknownDistro { id: String },
+    #[error("[driver.package_names] has no {family} entry for this {family} host")]
+    NoPackages { family: &'static str },
+    #[error("{0}")]
+    Template(String),
+    #[error(
+        "no [driver.prebuilt_sha256] entry for the running kernel {kernel}: add the tarball's sha256 for it, or use source = \"runfile\""
+    )]
+    NoPrebuiltChecksum { kernel: String },
+    #[error(
+        "no kernel headers for the running kernel {kernel} (/lib/modules/{kernel}/build), and this distribution's headers package is unknown: install them (e.g. linux-headers-{kernel} or kernel-devel-{kernel}), or use source = \"prebuilt\""
+    )]
+    NoHeaders { kernel: String },
+}
+
+/// The inputs besides the config and the host facts.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Context {
+    /// Processes on the GPUs (NVML); `None` when unknown (NVML not up): an upgrade then waits.
+    pub gpu_processes: Option<usize>,
+    /// The built modules for the wanted driver are in the cache.
+    pub cached: bool,
+    /// The current text of `[driver] modprobe_conf`.
+    pub modprobe_conf: Option<String>,
+    /// `x86_64` or `aarch64`.
+    pub arch: String,
+}
+
+/// The driver version's first number, e.g. 550.
+pub fn branch(version: &str) -> Option<u32> {
+    version.split('.').next()?.parse().ok()
+}
+
+/// The flavour `[driver] flavour` means for `version`.
+pub fn flavour(choice: FlavourChoice, version: &str) -> Flavour {
+    match choice {
+        FlavourChoice::Open => Flavour::Open,
+        FlavourChoice::Proprietary => Flavour::Proprietary,
+        FlavourChoice::Auto if branch(version).is_some_and(|b| b >= OPEN_BY_DEFAULT_FROM_BRANCH) => Flavour::Open,
+        FlavourChoice::Auto => Flavour::Proprietary,
+    }
+}
+
+/// The module list to load: the core three, then the extras.
+pub fn modules(config: &DriverConfig) -> Vec<String> {
+    MODULES
+        .iter()
+        .map(|m| m.to_string())
+        .chain(config.extra_modules.iter().cloned())
+        .collect()
+}
+
+/// `[driver] modprobe_conf`'s text: `options <module> <params>` lines and the nouveau blacklist.
+pub fn modprobe_conf(config: &DriverConfig) -> String {
+    let mut text = String::from(
+        "# Written by gpu-node-agent ([driver] module_params): edit the agent's config instead.\n\
+         blacklist nouveau\noptions nouveau modeset=0\n",
+    );
+    for (module, params) in &config.module_params {
+        if !params.is_empty() {
+            text.push_str(&format!("options {} {}\n", module.replace('-', "_"), params.join(" ")));
+        }
+    }
+    text
+}
+
+/// Fills a package name template.
+fn package_name(template: &str, version: &str, kernel: &str, flavour: Flavour) -> Result<String, PlanError> {
+    let branch = branch(version).map(|b| b.to_string()).unwrap_or_default();
+    let open = if flavour == Flavour::Open { "-open" } else { "" };
+    let name = template
+        .replace("{version}", version)
+        .replace("{branch}", &branch)
+        .replace("{kernel}", kernel)
+        .replace("{-open}", open);
+    if name.contains(['{', '}']) {
+        return Err(PlanError::Template(format!(
+            "[driver.package_names] {template:?}: unknown placeholder (known: {{version}}, {{branch}}, {{kernel}}, {{-open}})"
+        )));
+    }
+    Ok(name)
+}
+
+/// The package manager and names for `[driver] source = "package"` on this host.
+pub fn packages(
+    config: &DriverConfig,
+    facts: &HostFacts,
+    flavour: Flavour,
+) -> Result<(PackageManager, Vec<String>), PlanError> {
+    let (family, manager) = match facts.os.distro() {
+        Distro::Ubuntu => ("ubuntu", PackageManager::Apt),
+        Distro::Debian => ("debian", PackageManager::Apt),
+        Distro::RhelFamily => ("rhel", PackageManager::Dnf),
+        Distro::Unknown => {
+            return Err(PlanError::UnknownDistro {
+                id: facts.os.id.clone(),
+            });
+        }
+    };
+    let templates = config
+        .package_names
+        .get(family)
+        .filter(|t| !t.is_empty())
+        .ok_or(PlanError::NoPackages { family })?;
+    let names = templates
+        .iter()
+        .map(|t| package_name(t, &config.version, &facts.kernel_release, flavour))
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok((manager, names))
+}
+
+/// The headers package of the running kernel on this host, if the family is known.
+pub fn headers_package(facts: &HostFacts) -> Option<(PackageManager, String)> {
+    let k = &facts.kernel_release;
+    match facts.os.distro() {
+        Distro::Ubuntu | Distro::Debian => Some((PackageManager::Apt, format!("linux-headers-{k}"))),
+        Distro::RhelFamily => Some((PackageManager::Dnf, format!("kernel-devel-{k}"))),
+        Distro::Unknown => None,
+    }
+}
+
+/// Plans the driver stage. Pure.
+pub fn plan(config: &DriverConfig, facts: &HostFacts, ctx: &Context) -> Result<DriverPlan, PlanError> {
+    let mut plan = DriverPlan {
+        summary: String::new(),
+        steps: Vec::new(),
+        wait: None,
+        flavour: None,
+    };
+    if facts.gpus.is_empty() {
+        plan.summary = "no NVIDIA GPU on the PCI bus: nothing to do".into();
+        return Ok(plan);
+    }
+    let loaded = facts.loaded.as_ref().and_then(|l| l.version.clone());
+    if config.source == DriverSource::None {
+        plan.summary = match &loaded {
+            Some(v) => format!("driver {v} installed by other means ([driver] source = \"none\"): validating only"),
+            None => "no driver loaded, and [driver] source = \"none\" installs none: validating only".into(),
+        };
+        return Ok(plan);
+    }
+    let wanted = config.version.as_str();
+    let flavour = flavour(config.flavour, wanted);
+    plan.flavour = Some(flavour);
+    let conf = modprobe_conf(config);
+    if ctx.modprobe_conf.as_deref() != Some(conf.as_str()) {
+        plan.steps.push(Step::WriteModprobeConf {
+            path: config.modprobe_conf.to_string_lossy().into_owned(),
+            text: conf,
+        });
+    }
+    if loaded.as_deref() == Some(wanted) {
+        plan.summary = format!("driver {wanted} loaded");
+        return Ok(plan);
+    }
+    if facts.nouveau {
+        plan.steps.push(Step::UnloadNouveau);
+    }
+    if let (Some(old), Some(l)) = (&loaded, &facts.loaded) {
+        // An upgrade (or downgrade): the old modules go first, never under GPU work.
+        let order = [
+            "nvidia_drm",
+            "nvidia_modeset",
+            "nvidia_uvm",
+            "nvidia_peermem",
+            "nvidia_fs",
+            "nvidia",
+        ];
+        let modules: Vec<String> = order
+            .iter()
+            .filter(|m| l.modules.iter().any(|x| x == *m))
+            .map(|m| m.to_string())
+            .collect();
+        plan.steps.push(Step::Unload { modules });
+        match ctx.gpu_processes {
+            Some(0) => {}
+            Some(n) => {
+                plan.wait = Some(format!(
+                    "{n} GPU process(es) running: the change from driver {old} to {wanted} waits for them to end"
+                ))
+            }
+            None => {
+                plan.wait = Some(format!(
+                    "cannot tell whether GPU work runs (NVML unavailable): the change from driver {old} to {wanted} waits"
+                ))
+            }
+        }
+    }
+    let load = |from| Step::Load {
+        from,
+        modules: modules(config),
+    };
+    match config.source {
+        DriverSource::None => {}
+        DriverSource::Package => {
+            let (manager, packages) = packages(config, facts, flavour)?;
+            plan.steps.push(Step::InstallPackages { manager, packages });
+            plan.steps.push(load(LoadFrom::Modprobe));
+        }
+        DriverSource::Runfile if ctx.cached => plan.steps.push(load(LoadFrom::Cache)),
+        DriverSource::Runfile => {
+            if facts.headers.is_none() {
+                let (manager, package) = headers_package(facts).ok_or_else(|| PlanError::NoHeaders {
+                    kernel: facts.kernel_release.clone(),
+                })?;
+                plan.steps.push(Step::InstallPackages {
+                    manager,
+                    packages: vec![package],
+                });
+            }
+            let url = super::fetch::url_from_template(&config.runfile_url, &[("version", wanted), ("arch", &ctx.arch)])
+                .map_err(|e| PlanError::Template(format!("[driver] runfile_url: {e}")))?;
+            plan.steps.push(Step::Download {
+                url,
+                sha256: config.runfile_sha256.to_ascii_lowercase(),
+            });
+            plan.steps.push(Step::BuildRunfile { flavour });
+            plan.steps.push(load(LoadFrom::Cache));
+        }
+        DriverSource::Prebuilt if ctx.cached => plan.steps.push(load(LoadFrom::Cache)),
+        DriverSource::Prebuilt => {
+            let kernel = facts.kernel_release.as_str();
+            let sha256 = config
+                .prebuilt_sha256
+                .get(kernel)
+                .ok_or_else(|| PlanError::NoPrebuiltChecksum { kernel: kernel.into() })?;
+            let url = super::fetch::url_from_template(
+                &config.prebuilt_url,
+                &[
+                    ("version", wanted),
+                    ("kernel", kernel),
+                    ("flavour", flavour.as_str()),
+                    ("arch", &ctx.arch),
+                ],
+            )
+            .map_err(|e| PlanError::Template(format!("[driver] prebuilt_url: {e}")))?;
+            plan.steps.push(Step::Download {
+                url,
+                sha256: sha256.to_ascii_lowercase(),
+            });
+            plan.steps.push(Step::UnpackPrebuilt);
+            plan.steps.push(load(LoadFrom::Cache));
+        }
+    }
+    if config.persistence_mode {
+        plan.steps.push(Step::Persistence);
+    }
+    plan.summary = match (&loaded, ctx.cached) {
+        (Some(old), _) => format!("driver {old} → {wanted} ({})", flavour.as_str()),
+        (None, true) => format!("driver {wanted} ({}) from the module cache", flavour.as_str()),
+        (None, false) => format!("driver {wanted} ({}) to install", flavour.as_str()),
+    };
+    Ok(plan)
+}
+
+/// The plan for people: the summary and one line per step.
+pub fn describe(plan: &DriverPlan) -> String {
+    let mut lines = vec![plan.summary.clone()];
+    if let Some(wait) = &plan.wait {
+        lines.push(format!("  waits: {wait}"));
+    }
+    for step in &plan.steps {
+        lines.push(format!(
+            "  - {}",
+            match step {
+                Step::WriteModprobeConf { path, .. } => format!("write {path} (module options, nouveau blacklist)"),
+                Step::UnloadNouveau => "unload nouveau".into(),
+                Step::Unload { modules } => format!("unload {}", modules.join(", ")),
+                Step::InstallPackages { manager, packages } => {
+                    let tool = match manager {
+                        PackageManager::Apt => "apt-get",
+                        PackageManager::Dnf => "dnf",
+                    };
+                    format!("{tool} install {}", packages.join(" "))
+                }
+                Step::Download { url, sha256 } => format!("download {url} (sha256 {sha256})"),
+                Step::BuildRunfile { flavour } => {
+                    format!(
+                        "build the {} kernel modules with kbuild, cache them, install the user space",
+                        flavour.as_str()
+                    )
+                }
+                Step::UnpackPrebuilt => "unpack the prebuilt modules into the cache".into(),
+                Step::Load { from, modules } => format!(
+                    "load {} ({})",
+                    modules.join(", "),
+                    match from {
+                        LoadFrom::Modprobe => "modprobe",
+                        LoadFrom::Cache => "insmod from the module cache",
+                    }
+                ),
+                Step::Persistence => "persistence mode on".into(),
+            }
+        ));
+    }
+    lines.join("\n")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::driver::observe::{LoadedDriver, OsRelease, PciDevice, SecureBoot, parse_os_release};
+
+    fn facts(os: &str, loaded: Option<&str>) -> HostFacts {
+        HostFacts {
+            kernel_release: "6.8.0-1015-aws".into(),
+            os: parse_os_release(os),
+            gpus: vec![PciDevice {
+                address: "0000:07:00.0".into(),
+                vendor: 0x10de,
+                device: 0x2330,
+                class: 0x030200,
+            }],
+            loaded: loaded.map(|v| LoadedDriver {
+                version: Some(v.into()),
+                modules: vec!["nvidia".into(), "nvidia_uvm".into(), "nvidia_modeset".into()],
+                refcnt: Some(2),
+            }),
+            loaded_flavour: None,
+            nouveau: false,
+            headers: Some("/lib/modules/6.8.0-1015-aws/build".into()),
+            secure_boot: SecureBoot::Disabled,
+        }
+    }
+
+    const UBUNTU: &str = "ID=ubuntu\nID_LIKE=debian\nVERSION_ID=\"22.04\"\n";
+
+    fn config(source: DriverSource) -> DriverConfig {
+        DriverConfig {
+            source,
+            version: "550.54.15".into(),
+            runfile_sha256: "ab".repeat(32),
+            ..DriverConfig::default()
+        }
+    }
+
+    fn ctx() -> Context {
+        Context {
+            gpu_processes: Some(0),
+            cached: false,
+            modprobe_conf: None,
+            arch: "x86_64".into(),
+        }
+    }
+
+    #[test]
+    fn ubuntu_packages_are_canonicals_signed_precompiled_modules() {
+        let (manager, names) = packages(&config(DriverSource::Package), &facts(UBUNTU, None), Flavour::Open).unwrap();
+        assert_eq!(manager, PackageManager::Apt);
+        assert_eq!(
+            names,
+            [
+                "linux-modules-nvidia-550-server-open-6.8.0-1015-aws",
+                "nvidia-headless-no-dkms-550-server-open",
+                "nvidia-utils-550-server"
+            ]
+        );
+        let rhel = facts("ID=\"rocky\"\nID_LIKE=\"rhel centos fedora\"\n", None);
+        let (manager, names) = packages(&config(DriverSource::Package), &rhel, Flavour::Proprietary).unwrap();
+        assert_eq!(manager, PackageManager::Dnf);
+        assert_eq!(names[1], "kmod-nvidia-dkms");
+    }
+
+    #[test]
+    fn an_unknown_distribution_is_refused_with_what_to_do() {
+        let e = plan(&config(DriverSource::Package), &facts("ID=gentoo\n", None), &ctx()).unwrap_err();
+        assert!(
+            e.to_string().contains("\"gentoo\"") && e.to_string().contains("source = \"runfile\""),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn the_loaded_wanted_version_needs_no_step_but_its_modprobe_conf() {
+        let c = config(DriverSource::Package);
+        let p = plan(&c, &facts(UBUNTU, Some("550.54.15")), &ctx()).unwrap();
+        assert_eq!(p.steps.len(), 1, "{p:?}");
+        assert!(matches!(p.steps[0], Step::WriteModprobeConf { .. }));
+        let again = Context {
+            modprobe_conf: Some(modprobe_conf(&c)),
+            ..ctx()
+        };
+        assert!(
+            plan(&c, &facts(UBUNTU, Some("550.54.15")), &again)
+                .unwrap()
+                .steps
+                .is_empty()
+        );
+    }
+
+    #[test]
+    fn an_upgrade_unloads_in_dependency_order_and_waits_for_gpu_work() {
+        let busy = Context {
+            gpu_processes: Some(3),
+            ..ctx()
+        };
+        let p = plan(
+            &config(DriverSource::Package),
+            &facts(UBUNTU, Some("535.161.08")),
+            &busy,
+        )
+        .unwrap();
+        assert!(p.wait.as_deref().is_some_and(|w| w.contains("3 GPU process")), "{p:?}");
+        let unload = p.steps.iter().find_map(|s| match s {
+            Step::Unload { modules } => Some(modules.clone()),
+            _ => None,
+        });
+        assert_eq!(unload.unwrap(), ["nvidia_modeset", "nvidia_uvm", "nvidia"]);
+    }
+
+    #[test]
+    fn runfile_downloads_builds_and_loads_unless_cached() {
+        let c = config(DriverSource::Runfile);
+        let p = plan(&c, &facts(UBUNTU, None), &ctx()).unwrap();
+        let kinds: Vec<_> = p.steps.iter().map(std::mem::discriminant).collect();
+        assert!(
+            matches!(&p.steps[1], Step::Download { url, .. } if url == "https://us.download.nvidia.com/tesla/550.54.15/NVIDIA-Linux-x86_64-550.54.15.run")
+        );
+        assert_eq!(kinds.len(), 5, "{p:?}");
+        let mut no_headers = facts(UBUNTU, None);
+        no_headers.headers = None;
+        let p = plan(&c, &no_headers, &ctx()).unwrap();
+        assert!(
+            matches!(&p.steps[1], Step::InstallPackages { packages, .. } if packages == &["linux-headers-6.8.0-1015-aws"])
+        );
+        let cached = Context { cached: true, ..ctx() };
+        let p = plan(&c, &facts(UBUNTU, None), &cached).unwrap();
+        assert!(
+            p.steps
+                .iter()
+                .all(|s| !matches!(s, Step::Download { .. } | Step::BuildRunfile { .. }))
+        );
+        assert!(p.summary.contains("module cache"), "{}", p.summary);
+    }
+
+    #[test]
+    fn no_gpu_on_the_bus_means_nothing_to_do() {
+        let mut f = facts(UBUNTU, None);
+        f.gpus.clear();
+        let p = plan(&config(DriverSource::Runfile), &f, &ctx()).unwrap();
+        assert!(p.steps.is_empty() && p.summary.contains("no NVIDIA GPU"), "{p:?}");
+    }
+
+    #[test]
+    fn prebuilt_needs_a_checksum_for_the_running_kernel() {
+        let c = DriverConfig {
+            prebuilt_url: "https://mirror.example/{kernel}/{version}-{flavour}.tar.gz".into(),
+            ..config(DriverSource::Prebuilt)
+        };
+        let e = plan(&c, &facts(UBUNTU, None), &ctx()).unwrap_err();
+        assert!(e.to_string().contains("6.8.0-1015-aws"), "{e}");
+    }
+
+    #[test]
+    fn modprobe_conf_blacklists_nouveau_and_sets_options() {
+        let mut c = config(DriverSource::Package);
+        c.module_params
+            .insert("nvidia-uvm".into(), vec!["uvm_perf_prefetch_enable=0".into()]);
+        assert_eq!(
+            modprobe_conf(&c),
+            "# Written by gpu-node-agent ([driver] module_params): edit the agent's config instead.\n\
+             blacklist nouveau\noptions nouveau modeset=0\noptions nvidia_uvm uvm_perf_prefetch_enable=0\n"
+        );
+        let _ = OsRelease::default;
+    }
+}

@@ -1,0 +1,552 @@
+//! Carrying out a [`DriverPlan`]: every program through the command wrapper, every path under
+//! the root prefix. Steps run in order and stop at the first failure, which names the step.
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use super::build::{BuildError, BuildRequest, build};
+use super::cache::{CacheError, CacheKey, CachedModules, ModuleCache};
+use super::fetch::{FetchError, FetchOptions, fetch};
+use super::observe::{self, HostFacts, ObserveError};
+use super::plan::{self, Context, DriverPlan, LoadFrom, PackageManager, PlanError, Step};
+use super::validate::{self, Check, NvmlView, ValidationInput};
+use crate::config::{Config, DriverSource};
+use crate::host::command::{Cmd, CmdError, Runner};
+use crate::host::{HostRoot, WriteError, write_atomic};
+
+/// Systemd unit directories (host paths) searched for optional services.
+const UNIT_DIRS: [&str; 3] = ["/etc/systemd/system", "/lib/systemd/system", "/usr/lib/systemd/system"];
+
+/// How long a package install may take (downloads, DKMS builds).
+const PACKAGE_TIMEOUT: Duration = Duration::from_secs(45 * 60);
+/// How long apt waits for another apt/dpkg to release its lock.
+const APT_LOCK_TIMEOUT_S: u32 = 600;
+
+/// Why the driver stage failed; what was done before the failing step stays (every step can be
+/// repeated: the next pass plans again from what the host shows).
+#[derive(Debug, thiserror::Error)]
+pub enum DriverError {
+    #[error(transparent)]
+    Observe(#[from] ObserveError),
+    #[error("{0}; nothing was changed")]
+    Plan(#[from] PlanError),
+    #[error("{step}: {source}")]
+    Command { step: String, source: CmdError },
+    #[error("{step}: none of {} exists", candidates.join(", "))]
+    MissingProgram { step: String, candidates: Vec<String> },
+    #[error("download: {0}")]
+    Fetch(#[from] FetchError),
+    #[error("{0}")]
+    Build(#[from] BuildError),
+    #[error("module cache: {0}")]
+    Cache(#[from] CacheError),
+    #[error("{0}")]
+    Write(#[from] WriteError),
+    #[error("{step}: {message}")]
+    Step { step: String, message: String },
+}
+
+/// What the driver stage found and decided.
+#[derive(Debug, Clone)]
+pub struct Planned {
+    pub facts: HostFacts,
+    pub plan: DriverPlan,
+    /// Set for `runfile` and `prebuilt`.
+    pub cache_key: Option<CacheKey>,
+}
+
+/// The machine architecture as NVIDIA names it in `.run` file names.
+pub fn arch() -> &'static str {
+    match std::env::consts::ARCH {
+        "aarch64" => "aarch64",
+        _ => "x86_64",
+    }
+}
+
+/// The module cache (`<state_dir>/driver/cache` under the root).
+pub fn cache(config: &Config, root: &HostRoot) -> ModuleCache {
+    ModuleCache::new(root.join(config.agent.state_dir.join("driver/cache")))
+}
+
+/// The cache key of the wanted driver on this kernel (`runfile` and `prebuilt`).
+pub fn cache_key(config: &Config, facts: &HostFacts) -> Option<CacheKey> {
+    let d = &config.driver;
+    let source = match d.source {
+        DriverSource::Runfile => format!("runfile:{}", d.runfile_sha256.to_ascii_lowercase()),
+        DriverSource::Prebuilt => format!(
+            "prebuilt:{}",
+            d.prebuilt_sha256.get(&facts.kernel_release)?.to_ascii_lowercase()
+        ),
+        DriverSource::None | DriverSource::Package => return None,
+    };
+    let params = d
+        .module_params
+        .iter()
+        .flat_map(|(m, ps)| ps.iter().map(move |p| (m.clone(), p.clone())))
+        .collect();
+    Some(CacheKey {
+        kernel_release: facts.kernel_release.clone(),
+        driver_version: d.version.clone(),
+        flavour: plan::flavour(d.flavour, &d.version),
+        params,
+        source,
+    })
+}
+
+/// Observes the host and plans. `gpu_processes`: processes on the GPUs (NVML), `None` when
+/// NVML is not up.
+pub fn plan_now(config: &Config, root: &HostRoot, gpu_processes: Option<usize>) -> Result<Planned, DriverError> {
+    let facts = observe::observe(root)?;
+    let cache_key = cache_key(config, &facts);
+    let cached = match &cache_key {
+        Some(key) => cache(config, root).lookup(key)?.is_some(),
+        None => false,
+    };
+    let modprobe_conf = std::fs::read_to_string(root.join(&config.driver.modprobe_conf)).ok();
+    let ctx = Context {
+        gpu_processes,
+        cached,
+        modprobe_conf,
+        arch: arch().into(),
+    };
+    let plan = plan::plan(&config.driver, &facts, &ctx)?;
+    Ok(Planned { facts, plan, cache_key })
+}
+
+/// Runs the host programs of the driver stage.
+struct Host<'a> {
+    config: &'a Config,
+    root: &'a HostRoot,
+    runner: Runner,
+}
+
+impl Host<'_> {
+    /// The first of `candidates` (host paths) that exists under the root.
+    fn program(&self, step: &str, candidates: &[&str]) -> Result<PathBuf, DriverError> {
+        candidates
+            .iter()
+            .map(PathBuf::from)
+            .find(|p| self.runner.exists(p))
+            .ok_or_else(|| DriverError::MissingProgram {
+                step: step.into(),
+                candidates: candidates.iter().map(|c| c.to_string()).collect(),
+            })
+    }
+
+    fn run(&self, step: &str, cmd: Cmd) -> Result<String, DriverError> {
+        tracing::info!("driver: {cmd}");
+        self.runner
+            .run(&cmd)
+            .map(|o| o.stdout)
+            .map_err(|source| DriverError::Command {
+                step: step.into(),
+                source,
+            })
+    }
+
+    fn modprobe(&self) -> Result<PathBuf, DriverError> {
+        self.program("modprobe", &["/usr/sbin/modprobe", "/sbin/modprobe"])
+    }
+
+    fn unit_exists(&self, unit: &str) -> bool {
+        UNIT_DIRS
+            .iter()
+            .any(|d| self.root.join(Path::new(d).join(unit)).is_file())
+    }
+
+    /// A host path under the state dir, as a host path (for commands) and rooted (for files).
+    fn state_path(&self, rel: &str) -> PathBuf {
+        self.config.agent.state_dir.join(rel)
+    }
+}
+
+/// What an apply did.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Applied {
+    /// One line per step done.
+    pub done: Vec<String>,
+    /// The modules were built (a cache miss).
+    pub built: bool,
+}
+
+/// Applies `planned.plan` (which must not be waiting). Blocking; downloads run on the current
+/// tokio runtime when there is one, else on a private one.
+pub fn apply(config: &Config, root: &HostRoot, planned: &Planned) -> Result<Applied, DriverError> {
+    let host = Host {
+        config,
+        root,
+        runner: Runner::new(root),
+    };
+    let mut applied = Applied::default();
+    let mut download: Option<PathBuf> = None;
+    let started = Instant::now();
+    for step in &planned.plan.steps {
+        match step {
+            Step::WriteModprobeConf { path, text } => {
+                write_atomic(&root.join(path), text.as_bytes(), 0o644)?;
+                applied.done.push(format!("wrote {path}"));
+            }
+            Step::UnloadNouveau => {
+                host.run("unload nouveau", Cmd::new(host.modprobe()?).args(["-r", "nouveau"]))?;
+                applied.done.push("unloaded nouveau".into());
+            }
+            Step::Unload { modules } => {
+                let rmmod = host.program("unload the driver", &["/usr/sbin/rmmod", "/sbin/rmmod"])?;
+                for m in modules {
+                    host.run(&format!("unload {m}"), Cmd::new(&rmmod).arg(m))?;
+                }
+                applied.done.push(format!("unloaded {}", modules.join(", ")));
+            }
+            Step::InstallPackages { manager, packages } => {
+                install_packages(&host, *manager, packages)?;
+                applied.done.push(format!("installed {}", packages.join(" ")));
+            }
+            Step::Download { url, sha256 } => {
+                let name = url.rsplit('/').next().filter(|n| !n.is_empty()).unwrap_or("download");
+                let dest = root.join(host.state_path("driver/downloads").join(name));
+                if let Some(dir) = dest.parent() {
+                    std::fs::create_dir_all(dir).map_err(|e| DriverError::Step {
+                        step: "download".into(),
+                        message: format!("cannot create {}: {e}", dir.display()),
+                    })?;
+                }
+                let fetched = download_blocking(url, sha256, &dest)?;
+                applied.done.push(format!(
+                    "{} {url} ({} bytes, sha256 verified)",
+                    if fetched.cached { "already had" } else { "downloaded" },
+                    fetched.bytes
+                ));
+                download = Some(dest);
+            }
+            Step::BuildRunfile { flavour } => {
+                let runfile = download.as_ref().ok_or_else(|| DriverError::Step {
+                    step: "build".into(),
+                    message: "no downloaded .run file".into(),
+                })?;
+                let key = planned.cache_key.as_ref().ok_or_else(|| DriverError::Step {
+                    step: "build".into(),
+                    message: "no cache key".into(),
+                })?;
+                build_runfile(&host, &planned.facts, runfile, *flavour, key)?;
+                applied.built = true;
+                applied.done.push(format!(
+                    "built the {} modules for {} and cached them",
+                    flavour.as_str(),
+                    planned.facts.kernel_release
+                ));
+            }
+            Step::UnpackPrebuilt => {
+                let tarball = download.as_ref().ok_or_else(|| DriverError::Step {
+                    step: "unpack".into(),
+                    message: "no downloaded tarball".into(),
+                })?;
+                let key = planned.cache_key.as_ref().ok_or_else(|| DriverError::Step {
+                    step: "unpack".into(),
+                    message: "no cache key".into(),
+                })?;
+                unpack_prebuilt(&host, tarball, key)?;
+                applied.done.push("unpacked the prebuilt modules into the cache".into());
+            }
+            Step::Load { from, modules } => {
+                load(&host, planned, *from, modules)?;
+                applied.done.push(format!("loaded {}", modules.join(", ")));
+            }
+            Step::Persistence => {
+                persistence(&host)?;
+                applied.done.push("persistence mode on".into());
+            }
+        }
+    }
+    tracing::info!(
+        "driver stage: {} step(s) in {:?}",
+        planned.plan.steps.len(),
+        started.elapsed()
+    );
+    Ok(applied)
+}
+
+fn install_packages(host: &Host<'_>, manager: PackageManager, packages: &[String]) -> Result<(), DriverError> {
+    match manager {
+        PackageManager::Apt => {
+            let apt = host.program("install packages", &["/usr/bin/apt-get"])?;
+            let lock = format!("DPkg::Lock::Timeout={APT_LOCK_TIMEOUT_S}");
+            let base = || {
+                Cmd::new(&apt)
+                    .env("DEBIAN_FRONTEND", "noninteractive")
+                    .args(["-o", lock.as_str()])
+                    .timeout(PACKAGE_TIMEOUT)
+            };
+            host.run("apt-get update", base().args(["-q", "update"]))?;
+            host.run(
+                "apt-get install",
+                base()
+                    .args(["-y", "-q", "--no-install-recommends", "install"])
+                    .args(packages),
+            )?;
+        }
+        PackageManager::Dnf => {
+            let dnf = host.program("install packages", &["/usr/bin/dnf", "/usr/bin/yum"])?;
+            host.run(
+                "dnf install",
+                Cmd::new(&dnf)
+                    .args(["-y", "-q", "install"])
+                    .args(packages)
+                    .timeout(PACKAGE_TIMEOUT),
+            )?;
+        }
+    }
+    Ok(())
+}
+
+fn download_blocking(url: &str, sha256: &str, dest: &Path) -> Result<super::fetch::Fetched, DriverError> {
+    let opts = FetchOptions::default();
+    let client = opts.client_builder().build().map_err(|e| DriverError::Step {
+        step: "download".into(),
+        message: format!("cannot build an HTTP client: {e}"),
+    })?;
+    let run = async { fetch(&client, url, sha256, dest, &opts).await };
+    let result = match tokio::runtime::Handle::try_current() {
+        Ok(handle) => handle.block_on(run),
+        Err(_) => tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .map_err(|e| DriverError::Step {
+                step: "download".into(),
+                message: format!("cannot start an async runtime: {e}"),
+            })?
+            .block_on(run),
+    };
+    Ok(result?)
+}
+
+/// A fresh work directory under the state dir (host path), emptied first.
+fn work_dir(host: &Host<'_>, name: &str) -> Result<PathBuf, DriverError> {
+    let dir = host.state_path("driver/work").join(name);
+    let rooted = host.root.join(&dir);
+    let fail = |e: std::io::Error| DriverError::Step {
+        step: "prepare".into(),
+        message: format!("{}: {e}", rooted.display()),
+    };
+    match std::fs::remove_dir_all(&rooted) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(fail(e)),
+        _ => {}
+    }
+    std::fs::create_dir_all(&rooted).map_err(fail)?;
+    Ok(dir)
+}
+
+/// Extracts the verified `.run` (never run before its sha256 matched: the download step only
+/// leaves verified files), builds its kernel modules with kbuild, caches them, and installs the
+/// user space without modules (on the real root only).
+fn build_runfile(
+    host: &Host<'_>,
+    facts: &HostFacts,
+    runfile_rooted: &Path,
+    flavour: super::Flavour,
+    key: &CacheKey,
+) -> Result<CachedModules, DriverError> {
+    let work = work_dir(host, &format!("runfile-{}", key.digest()))?;
+    let sh = host.program("extract the .run file", &["/bin/sh", "/usr/bin/sh"])?;
+    // Programs resolve under the root, but run on this machine: their file arguments are rooted.
+    host.run(
+        "extract the .run file",
+        Cmd::new(sh)
+            .arg(runfile_rooted)
+            .args(["-x", "--target"])
+            .arg(host.root.join(&work))
+            .timeout(Duration::from_secs(600)),
+    )?;
+    let source = work.join(match flavour {
+        super::Flavour::Open => "kernel-open",
+        super::Flavour::Proprietary => "kernel",
+    });
+    let mut req = BuildRequest::new(&source, &facts.kernel_release);
+    if let Some(headers) = &facts.headers {
+        req.headers = headers.clone();
+    }
+    let built = build(&host.runner, host.root, &req)?;
+    let cached = cache_of(host).store(key, &built.modules)?;
+    let installer = work.join("nvidia-installer");
+    if !host.root.is_real() {
+        tracing::warn!(
+            "driver: --root is not /: the driver's user space is not installed (nvidia-installer runs on the node itself)"
+        );
+    } else if host.runner.exists(&installer) {
+        host.run(
+            "install the user space",
+            Cmd::new(&installer)
+                .args([
+                    "--silent",
+                    "--accept-license",
+                    "--no-kernel-module",
+                    "--no-drm",
+                    "--no-nouveau-check",
+                    "--no-nvidia-modprobe",
+                    "--no-rpms",
+                    "--no-backup",
+                    "--no-check-for-alternate-installs",
+                    "--no-libglx-indirect",
+                    "--no-install-libglvnd",
+                    "--x-prefix=/tmp/null",
+                    "--x-module-path=/tmp/null",
+                    "--x-library-path=/tmp/null",
+                    "--x-sysconfig-path=/tmp/null",
+                ])
+                .timeout(Duration::from_secs(1800)),
+        )?;
+    }
+    Ok(cached)
+}
+
+fn unpack_prebuilt(host: &Host<'_>, tarball_rooted: &Path, key: &CacheKey) -> Result<CachedModules, DriverError> {
+    let work = work_dir(host, &format!("prebuilt-{}", key.digest()))?;
+    let tar = host.program("unpack", &["/usr/bin/tar", "/bin/tar"])?;
+    host.run(
+        "unpack",
+        Cmd::new(tar)
+            .arg("-xzf")
+            .arg(tarball_rooted)
+            .arg("-C")
+            .arg(host.root.join(&work)),
+    )?;
+    let mut modules = Vec::new();
+    collect_ko(&host.root.join(&work), &mut modules).map_err(|e| DriverError::Step {
+        step: "unpack".into(),
+        message: e.to_string(),
+    })?;
+    if modules.is_empty() {
+        return Err(DriverError::Step {
+            step: "unpack".into(),
+            message: "the tarball holds no *.ko".into(),
+        });
+    }
+    Ok(cache_of(host).store(key, &modules)?)
+}
+
+fn collect_ko(dir: &Path, out: &mut Vec<PathBuf>) -> std::io::Result<()> {
+    for entry in std::fs::read_dir(dir)? {
+        let path = entry?.path();
+        if path.is_dir() {
+            collect_ko(&path, out)?;
+        } else if path.extension().is_some_and(|e| e == "ko") {
+            out.push(path);
+        }
+    }
+    out.sort();
+    Ok(())
+}
+
+fn cache_of(host: &Host<'_>) -> ModuleCache {
+    cache(host.config, host.root)
+}
+
+/// The parameters `[driver] module_params` gives `module` (`nvidia-uvm` and `nvidia_uvm` alike).
+fn params(host: &Host<'_>, module: &str) -> Vec<String> {
+    let norm = |m: &str| m.replace('-', "_");
+    host.config
+        .driver
+        .module_params
+        .iter()
+        .filter(|(m, _)| norm(m) == norm(module))
+        .flat_map(|(_, p)| p.clone())
+        .collect()
+}
+
+fn load(host: &Host<'_>, planned: &Planned, from: LoadFrom, modules: &[String]) -> Result<(), DriverError> {
+    match from {
+        LoadFrom::Modprobe => {
+            // Options come from modprobe_conf.
+            let modprobe = host.modprobe()?;
+            for m in modules {
+                host.run(&format!("load {m}"), Cmd::new(&modprobe).arg(m))?;
+            }
+        }
+        LoadFrom::Cache => {
+            let key = planned.cache_key.as_ref().ok_or_else(|| DriverError::Step {
+                step: "load".into(),
+                message: "no cache key".into(),
+            })?;
+            let cached = cache_of(host).lookup(key)?.ok_or_else(|| DriverError::Step {
+                step: "load".into(),
+                message: "the built modules are not in the cache".into(),
+            })?;
+            let insmod = host.program("load", &["/usr/sbin/insmod", "/sbin/insmod"])?;
+            for m in modules {
+                let file = format!("{m}.ko");
+                let alt = format!("{}.ko", m.replace('-', "_"));
+                let found = cached.modules.iter().find(|p| {
+                    p.file_name()
+                        .is_some_and(|n| n.to_string_lossy() == file || n.to_string_lossy() == alt)
+                });
+                match found {
+                    Some(ko) => {
+                        host.run(&format!("load {m}"), Cmd::new(&insmod).arg(ko).args(params(host, m)))?;
+                    }
+                    // An extra module the build did not make (nvidia-peermem needs MOFED): the
+                    // distribution may have it.
+                    None => {
+                        host.run(&format!("load {m}"), Cmd::new(host.modprobe()?).arg(m))?;
+                    }
+                }
+            }
+        }
+    }
+    // Device nodes: nvidia-modprobe creates them as the driver container's users expect.
+    if !host.root.join("/dev/nvidiactl").exists()
+        && let Ok(nvidia_modprobe) = host.program("device nodes", &["/usr/bin/nvidia-modprobe"])
+    {
+        for minor in 0..planned.facts.gpus.len() {
+            host.run(
+                "create device nodes",
+                Cmd::new(&nvidia_modprobe).arg("-u").arg("-c").arg(minor.to_string()),
+            )?;
+        }
+    }
+    Ok(())
+}
+
+fn persistence(host: &Host<'_>) -> Result<(), DriverError> {
+    let systemctl = host.config.runtime.systemctl.clone();
+    if host.unit_exists("nvidia-persistenced.service") && host.runner.exists(&systemctl) {
+        host.run(
+            "persistence mode",
+            Cmd::new(&systemctl).args(["start", "nvidia-persistenced.service"]),
+        )?;
+    } else if let Ok(smi) = host.program("persistence mode", &["/usr/bin/nvidia-smi"]) {
+        host.run("persistence mode", Cmd::new(smi).args(["-pm", "1"]))?;
+    } else {
+        tracing::warn!("driver: neither nvidia-persistenced nor nvidia-smi is installed: persistence mode stays off");
+    }
+    // NVSwitch systems need the fabric manager before CUDA works.
+    let nvswitches = std::fs::read_dir(host.root.join("/proc/driver/nvidia-nvswitch/devices"))
+        .map(|d| d.count())
+        .unwrap_or(0);
+    if nvswitches > 0 && host.unit_exists("nvidia-fabricmanager.service") && host.runner.exists(&systemctl) {
+        host.run(
+            "fabric manager",
+            Cmd::new(&systemctl).args(["start", "nvidia-fabricmanager.service"]),
+        )?;
+    }
+    Ok(())
+}
+
+/// The validation checks against what NVML reports now (`nvml`: driver version and GPU count,
+/// or why NVML does not answer).
+pub fn validate_now(config: &Config, facts: &HostFacts, nvml: Result<NvmlView, String>) -> Vec<Check> {
+    let desired = (!config.driver.version.is_empty()).then(|| config.driver.version.clone());
+    validate::validate(&ValidationInput {
+        pci_gpus: facts.gpus.len(),
+        nvml,
+        desired_version: desired,
+        loaded: facts.loaded.clone(),
+    })
+}
+
+/// NVML's view for validation, from an open library.
+pub fn nvml_view(gpus: &crate::nvml::Gpus) -> Result<NvmlView, String> {
+    let inventory = gpus.inventory(Path::new("/nonexistent")).map_err(|e| e.to_string())?;
+    Ok(NvmlView {
+        driver_version: inventory.driver_version,
+        gpu_count: inventory.gpus.len(),
+    })
+}

@@ -1,0 +1,441 @@
+//! Is the driver usable: NVML initialises, sees every NVIDIA GPU on the PCI bus, runs the version
+//! the config asks for, and the kernel modules CUDA needs are loaded. Pure: the caller observes
+//! (PCI scan, NVML, `/sys/module`) and hands the results in.
+//!
+//! Each failed [`Check`] says what failed and what to do about it.
+
+use serde::Serialize;
+
+use super::observe::LoadedDriver;
+
+/// The modules a working driver has loaded (`/sys/module` names), with what each is for.
+const REQUIRED_MODULES: [(&str, &str); 3] = [
+    ("nvidia", "the driver itself"),
+    ("nvidia_uvm", "CUDA programs cannot start without /dev/nvidia-uvm"),
+    ("nvidia_modeset", "the driver stage loads it with the others"),
+];
+
+/// What NVML reports once it initialises.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct NvmlView {
+    /// `nvmlSystemGetDriverVersion`, e.g. `550.54.15`.
+    pub driver_version: String,
+    /// `nvmlDeviceGetCount`.
+    pub gpu_count: usize,
+}
+
+/// What validation looks at.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ValidationInput {
+    /// NVIDIA GPUs on the PCI bus ([`super::observe::nvidia_gpus`]).
+    pub pci_gpus: usize,
+    /// NVML, or why it does not initialise.
+    pub nvml: Result<NvmlView, String>,
+    /// `[driver] version`, when pinned.
+    pub desired_version: Option<String>,
+    /// The loaded modules ([`super::observe::loaded_driver`]).
+    pub loaded: Option<LoadedDriver>,
+}
+
+/// One check's outcome.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Check {
+    /// `nvml`, `gpu-count`, `version` or `modules`.
+    pub name: &'static str,
+    pub ok: bool,
+    /// What was found; when failed, what failed and what to do.
+    pub message: String,
+    /// The value the check found, when it found one: the driver version (`nvml`, `version`), the
+    /// GPU count (`gpu-count`), the loaded modules (`modules`).
+    pub observed: Option<String>,
+}
+
+impl Check {
+    fn pass(name: &'static str, message: String, observed: Option<String>) -> Check {
+        Check {
+            name,
+            ok: true,
+            message,
+            observed,
+        }
+    }
+
+    fn fail(name: &'static str, message: String, observed: Option<String>) -> Check {
+        Check {
+            name,
+            ok: false,
+            message,
+            observed,
+        }
+    }
+}
+
+/// Runs the checks, in order: `nvml`, `gpu-count` (only when NVML initialises: without it there
+/// is nothing to count, and the `nvml` failure already says why), `version`, `modules`.
+pub fn validate(input: &ValidationInput) -> Vec<Check> {
+    let mut checks = vec![check_nvml(input)];
+    if let Ok(nvml) = &input.nvml {
+        checks.push(check_gpu_count(input.pci_gpus, nvml.gpu_count));
+    }
+    checks.push(check_version(input));
+    checks.push(check_modules(input.loaded.as_ref()));
+    checks
+}
+
+/// `Ok("driver 550.54.15 on 8 GPU(s)")` when every check passed, else `Err` with the failed
+/// checks' messages joined by `"; "`.
+pub fn summary(checks: &[Check]) -> Result<String, String> {
+    let failed: Vec<&str> = checks.iter().filter(|c| !c.ok).map(|c| c.message.as_str()).collect();
+    if !failed.is_empty() {
+        return Err(failed.join("; "));
+    }
+    let observed = |name: &str| {
+        checks
+            .iter()
+            .find(|c| c.name == name)
+            .and_then(|c| c.observed.as_deref())
+            .unwrap_or("unknown")
+    };
+    Ok(format!(
+        "driver {} on {} GPU(s)",
+        observed("version"),
+        observed("gpu-count")
+    ))
+}
+
+fn check_nvml(input: &ValidationInput) -> Check {
+    match &input.nvml {
+        Ok(nvml) => Check::pass(
+            "nvml",
+            format!("NVML initialises with driver {}", nvml.driver_version),
+            Some(nvml.driver_version.clone()),
+        ),
+        Err(e) => {
+            let why = match &input.loaded {
+                None => "the nvidia module is not loaded (see the modules check)".to_string(),
+                Some(LoadedDriver { version: Some(v), .. }) => format!(
+                    "the nvidia module {v} is loaded, so the user-space libraries do not match it: install the \
+                     user-space part of driver {v} (libnvidia-ml.so.1), or check [nvml] library"
+                ),
+                Some(_) => "the nvidia module is loaded but does not match the user-space libraries \
+                            (libnvidia-ml.so.1)"
+                    .to_string(),
+            };
+            Check::fail("nvml", format!("NVML does not initialise ({e}): {why}"), None)
+        }
+    }
+}
+
+fn check_gpu_count(pci: usize, nvml: usize) -> Check {
+    let observed = Some(nvml.to_string());
+    if pci == 0 && nvml == 0 {
+        return Check::fail(
+            "gpu-count",
+            "no NVIDIA GPU is on the PCI bus and NVML sees none: this node has nothing for the driver to drive \
+             (check `lspci -d 10de:` and that the host's /sys is under --root)"
+                .to_string(),
+            observed,
+        );
+    }
+    if nvml == pci {
+        return Check::pass(
+            "gpu-count",
+            format!("NVML sees all {nvml} NVIDIA GPU(s) on the PCI bus"),
+            observed,
+        );
+    }
+    let message = if nvml < pci {
+        format!(
+            "NVML sees {nvml} GPU(s) but {pci} NVIDIA PCI devices are present: a GPU fell off the bus or is bound to \
+             another driver (vfio-pci?), check `dmesg` for Xid 79 and `lspci -k -d 10de:`"
+        )
+    } else {
+        format!(
+            "NVML sees {nvml} GPU(s) but only {pci} NVIDIA PCI device(s) are visible in /sys/bus/pci/devices: the \
+             host's /sys is not under --root, or the PCI scan missed a device class"
+        )
+    };
+    Check::fail("gpu-count", message, observed)
+}
+
+fn check_version(input: &ValidationInput) -> Check {
+    let actual = match &input.nvml {
+        Ok(nvml) => Some(nvml.driver_version.clone()),
+        Err(_) => input.loaded.as_ref().and_then(|l| l.version.clone()),
+    };
+    let Some(desired) = &input.desired_version else {
+        let message = match &actual {
+            Some(v) => format!("driver {v}, no [driver] version is pinned"),
+            None => "no [driver] version is pinned".to_string(),
+        };
+        return Check::pass("version", message, actual);
+    };
+    match &actual {
+        None => Check::fail(
+            "version",
+            format!(
+                "[driver] version asks for {desired} but no loaded driver version can be read (NVML does not \
+                 initialise and /sys/module/nvidia/version is missing): the driver stage installs and loads it"
+            ),
+            None,
+        ),
+        Some(v) if version_matches(desired, v) => Check::pass(
+            "version",
+            format!("driver {v}, as [driver] version asks"),
+            actual.clone(),
+        ),
+        Some(v) => Check::fail(
+            "version",
+            format!(
+                "the loaded driver is {v} but [driver] version asks for {desired}: the upgrade waits for GPU work \
+                 to end (see the driver stage)"
+            ),
+            actual.clone(),
+        ),
+    }
+}
+
+/// Whether the running version is the desired one: equal, or the desired one names a branch or a
+/// prefix of it by whole dot-separated parts (`550` and `550.54` match `550.54.15`, `550.54.1`
+/// does not).
+fn version_matches(desired: &str, actual: &str) -> bool {
+    let desired: Vec<&str> = desired.trim().split('.').collect();
+    let actual: Vec<&str> = actual.trim().split('.').collect();
+    desired.len() <= actual.len() && desired.iter().zip(&actual).all(|(d, a)| d == a)
+}
+
+fn check_modules(loaded: Option<&LoadedDriver>) -> Check {
+    let Some(loaded) = loaded else {
+        return Check::fail(
+            "modules",
+            "the nvidia kernel module is not loaded: the driver stage loads it, and if loading failed `dmesg` \
+             says why (an unsigned module under Secure Boot, nouveau holding the GPUs, a build for another kernel)"
+                .to_string(),
+            None,
+        );
+    };
+    let observed = Some(loaded.modules.join(","));
+    let missing: Vec<(&str, &str)> = REQUIRED_MODULES
+        .into_iter()
+        .filter(|(name, _)| !loaded.modules.iter().any(|m| m == name))
+        .collect();
+    if missing.is_empty() {
+        let refcnt = loaded
+            .refcnt
+            .map(|r| format!(" (nvidia refcnt {r})"))
+            .unwrap_or_default();
+        return Check::pass(
+            "modules",
+            format!("loaded: {}{refcnt}", loaded.modules.join(", ")),
+            observed,
+        );
+    }
+    let why: Vec<String> = missing.iter().map(|(name, why)| format!("{name}: {why}")).collect();
+    let modprobe: Vec<String> = missing.iter().map(|(name, _)| name.replace('_', "-")).collect();
+    Check::fail(
+        "modules",
+        format!(
+            "{} not loaded ({}): load with `modprobe -a {}` or run the driver stage again",
+            missing.iter().map(|(n, _)| *n).collect::<Vec<_>>().join(", "),
+            why.join(", "),
+            modprobe.join(" ")
+        ),
+        observed,
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn loaded(version: &str, modules: &[&str]) -> Option<LoadedDriver> {
+        Some(LoadedDriver {
+            version: Some(version.into()),
+            modules: modules.iter().map(|m| m.to_string()).collect(),
+            refcnt: Some(3),
+        })
+    }
+
+    fn healthy() -> ValidationInput {
+        ValidationInput {
+            pci_gpus: 8,
+            nvml: Ok(NvmlView {
+                driver_version: "550.54.15".into(),
+                gpu_count: 8,
+            }),
+            desired_version: Some("550.54.15".into()),
+            loaded: loaded("550.54.15", &["nvidia", "nvidia_uvm", "nvidia_modeset"]),
+        }
+    }
+
+    fn check<'a>(checks: &'a [Check], name: &str) -> &'a Check {
+        checks.iter().find(|c| c.name == name).unwrap()
+    }
+
+    fn failed(input: &ValidationInput) -> Vec<&'static str> {
+        validate(input).iter().filter(|c| !c.ok).map(|c| c.name).collect()
+    }
+
+    #[test]
+    fn healthy_driver() {
+        let checks = validate(&healthy());
+        assert_eq!(
+            checks.iter().map(|c| (c.name, c.ok)).collect::<Vec<_>>(),
+            [
+                ("nvml", true),
+                ("gpu-count", true),
+                ("version", true),
+                ("modules", true)
+            ]
+        );
+        assert_eq!(summary(&checks), Ok("driver 550.54.15 on 8 GPU(s)".to_string()));
+        assert_eq!(
+            check(&checks, "modules").message,
+            "loaded: nvidia, nvidia_uvm, nvidia_modeset (nvidia refcnt 3)"
+        );
+    }
+
+    #[test]
+    fn unpinned_version_passes() {
+        let input = ValidationInput {
+            desired_version: None,
+            ..healthy()
+        };
+        let checks = validate(&input);
+        assert_eq!(
+            check(&checks, "version").message,
+            "driver 550.54.15, no [driver] version is pinned"
+        );
+        assert_eq!(summary(&checks), Ok("driver 550.54.15 on 8 GPU(s)".to_string()));
+    }
+
+    #[test]
+    fn branch_pin_matches_by_whole_parts() {
+        assert!(version_matches("550", "550.54.15"));
+        assert!(version_matches("550.54", "550.54.15"));
+        assert!(version_matches("550.54.15", "550.54.15"));
+        assert!(!version_matches("550.54.1", "550.54.15"));
+        assert!(!version_matches("55", "550.54.15"));
+        assert!(!version_matches("550.54.15.1", "550.54.15"));
+    }
+
+    #[test]
+    fn nvml_fails_with_module_loaded() {
+        let input = ValidationInput {
+            nvml: Err("Driver/library version mismatch".into()),
+            ..healthy()
+        };
+        assert_eq!(failed(&input), ["nvml"]);
+        let checks = validate(&input);
+        assert!(
+            checks.iter().all(|c| c.name != "gpu-count"),
+            "nothing to count without NVML"
+        );
+        let msg = &check(&checks, "nvml").message;
+        assert_eq!(
+            msg,
+            "NVML does not initialise (Driver/library version mismatch): the nvidia module 550.54.15 is loaded, so \
+             the user-space libraries do not match it: install the user-space part of driver 550.54.15 \
+             (libnvidia-ml.so.1), or check [nvml] library"
+        );
+        // The version still checks out from /sys/module/nvidia/version.
+        assert_eq!(check(&checks, "version").observed.as_deref(), Some("550.54.15"));
+        assert_eq!(summary(&checks), Err(msg.clone()));
+    }
+
+    #[test]
+    fn nothing_loaded() {
+        let input = ValidationInput {
+            nvml: Err("Driver Not Loaded".into()),
+            loaded: None,
+            ..healthy()
+        };
+        assert_eq!(failed(&input), ["nvml", "version", "modules"]);
+        let checks = validate(&input);
+        assert_eq!(
+            check(&checks, "nvml").message,
+            "NVML does not initialise (Driver Not Loaded): the nvidia module is not loaded (see the modules check)"
+        );
+        let version = &check(&checks, "version").message;
+        assert!(
+            version.contains("asks for 550.54.15 but no loaded driver version can be read"),
+            "{version}"
+        );
+        let modules = &check(&checks, "modules").message;
+        assert!(modules.starts_with("the nvidia kernel module is not loaded") && modules.contains("dmesg"));
+        let err = summary(&checks).unwrap_err();
+        assert_eq!(err.matches("; ").count(), 2, "{err}");
+    }
+
+    #[test]
+    fn gpu_missing_from_nvml() {
+        let mut input = healthy();
+        input.nvml = Ok(NvmlView {
+            driver_version: "550.54.15".into(),
+            gpu_count: 7,
+        });
+        assert_eq!(failed(&input), ["gpu-count"]);
+        assert_eq!(
+            check(&validate(&input), "gpu-count").message,
+            "NVML sees 7 GPU(s) but 8 NVIDIA PCI devices are present: a GPU fell off the bus or is bound to another \
+             driver (vfio-pci?), check `dmesg` for Xid 79 and `lspci -k -d 10de:`"
+        );
+    }
+
+    #[test]
+    fn more_in_nvml_than_on_the_bus_and_no_gpu_at_all() {
+        let mut input = healthy();
+        input.pci_gpus = 0;
+        let msg = check(&validate(&input), "gpu-count").message.clone();
+        assert!(msg.starts_with("NVML sees 8 GPU(s) but only 0 NVIDIA PCI device(s)") && msg.contains("--root"));
+
+        input.nvml = Ok(NvmlView {
+            driver_version: "550.54.15".into(),
+            gpu_count: 0,
+        });
+        let msg = check(&validate(&input), "gpu-count").message.clone();
+        assert!(
+            msg.starts_with("no NVIDIA GPU is on the PCI bus and NVML sees none"),
+            "{msg}"
+        );
+    }
+
+    #[test]
+    fn version_differs() {
+        let input = ValidationInput {
+            nvml: Ok(NvmlView {
+                driver_version: "535.161.08".into(),
+                gpu_count: 8,
+            }),
+            loaded: loaded("535.161.08", &["nvidia", "nvidia_uvm", "nvidia_modeset"]),
+            ..healthy()
+        };
+        assert_eq!(failed(&input), ["version"]);
+        let checks = validate(&input);
+        assert_eq!(
+            summary(&checks),
+            Err(
+                "the loaded driver is 535.161.08 but [driver] version asks for 550.54.15: the upgrade waits for GPU \
+                 work to end (see the driver stage)"
+                    .to_string()
+            )
+        );
+    }
+
+    #[test]
+    fn modules_missing() {
+        let input = ValidationInput {
+            loaded: loaded("550.54.15", &["nvidia"]),
+            ..healthy()
+        };
+        assert_eq!(failed(&input), ["modules"]);
+        let c = validate(&input).into_iter().find(|c| c.name == "modules").unwrap();
+        assert_eq!(c.observed.as_deref(), Some("nvidia"));
+        assert_eq!(
+            c.message,
+            "nvidia_uvm, nvidia_modeset not loaded (nvidia_uvm: CUDA programs cannot start without /dev/nvidia-uvm, \
+             nvidia_modeset: the driver stage loads it with the others): load with `modprobe -a nvidia-uvm \
+             nvidia-modeset` or run the driver stage again"
+        );
+    }
+}

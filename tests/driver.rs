@@ -1,0 +1,485 @@
+//! The driver stage against the real binary under a temp root. CI cannot load kernel modules,
+//! so `modprobe`, `insmod`, `rmmod`, `apt-get` and `nvidia-smi` are stand-ins under the root
+//! that log their argv (and environment) and do to sysfs what the real ones do to the kernel:
+//! the tests check the exact commands and their order. The `.run` download goes to a local
+//! HTTP server; the kbuild of its modules is real (`tests/kbuild.rs` covers kbuild itself).
+
+mod common;
+
+use std::fs;
+use std::io::{Read, Write};
+use std::net::TcpListener;
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use common::Node;
+
+const VERSION: &str = "550.54.15";
+const UBUNTU: &str =
+    "NAME=\"Ubuntu\"\nID=ubuntu\nID_LIKE=debian\nVERSION_ID=\"22.04\"\nPRETTY_NAME=\"Ubuntu 22.04.4 LTS\"\n";
+const KERNEL: &str = "6.8.0-1015-aws";
+
+/// A node whose kernel has no NVIDIA module loaded yet, with logging stand-ins for the
+/// programs the driver stage runs.
+fn bare_node(config: &str) -> Node {
+    let node = Node::new(&common::machine("A100-SXM4-40GB", 2), config);
+    for m in ["nvidia", "nvidia_uvm", "nvidia_modeset"] {
+        let _ = fs::remove_dir_all(node.root.join("sys/module").join(m));
+    }
+    write(&node.root, "etc/os-release", UBUNTU);
+    write(&node.root, "proc/sys/kernel/osrelease", &format!("{KERNEL}\n"));
+    let log = log_path(&node);
+    let sys = node.root.join("sys/module");
+    // `modprobe M` / `insmod M.ko` appear in /sys/module as the kernel shows them; `-r` removes.
+    let load = format!(
+        "m=$(basename \"$1\" .ko | tr - _); mkdir -p \"{sys}/$m\"; [ \"$m\" = nvidia ] && echo {VERSION} > \"{sys}/nvidia/version\"; exit 0",
+        sys = sys.display()
+    );
+    stand_in(
+        &node,
+        "/usr/sbin/modprobe",
+        &log,
+        &format!(
+            "if [ \"$1\" = -r ]; then rm -rf \"{}/$2\"; exit 0; fi; {load}",
+            sys.display()
+        ),
+    );
+    stand_in(&node, "/usr/sbin/insmod", &log, &load);
+    stand_in(
+        &node,
+        "/usr/sbin/rmmod",
+        &log,
+        &format!("rm -rf \"{}/$1\"", sys.display()),
+    );
+    stand_in(
+        &node,
+        "/usr/bin/apt-get",
+        &log,
+        "echo \"  DEBIAN_FRONTEND=$DEBIAN_FRONTEND\" >> \"$LOG\"",
+    );
+    stand_in(&node, "/usr/bin/nvidia-smi", &log, "");
+    node
+}
+
+fn write(root: &Path, rel: &str, text: &str) {
+    let path = root.join(rel);
+    fs::create_dir_all(path.parent().expect("parent")).expect("mkdir");
+    fs::write(path, text).expect("write");
+}
+
+fn log_path(node: &Node) -> PathBuf {
+    node.tmp.path().join("commands.log")
+}
+
+/// An executable at `host_path` under the root that appends its argv (program name without the
+/// directory) to `log`, then runs `body`.
+fn stand_in(node: &Node, host_path: &str, log: &Path, body: &str) {
+    let name = Path::new(host_path)
+        .file_name()
+        .expect("name")
+        .to_string_lossy()
+        .into_owned();
+    let script = format!(
+        "#!/bin/sh\nLOG=\"{}\"\necho \"{name} $*\" >> \"$LOG\"\n{body}\n",
+        log.display()
+    );
+    let path = node.root.join(host_path.trim_start_matches('/'));
+    fs::create_dir_all(path.parent().expect("dir")).expect("mkdir");
+    fs::write(&path, script).expect("stand-in");
+    fs::set_permissions(&path, fs::Permissions::from_mode(0o755)).expect("chmod");
+}
+
+fn commands(node: &Node) -> Vec<String> {
+    fs::read_to_string(log_path(node))
+        .unwrap_or_default()
+        .lines()
+        .map(str::to_string)
+        .collect()
+}
+
+fn text(out: &std::process::Output) -> String {
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    )
+}
+
+#[test]
+fn package_flow_installs_with_apt_then_loads_in_order_and_validates() {
+    let node = bare_node(&format!("[driver]\nsource = \"package\"\nversion = \"{VERSION}\"\n"));
+    let out = node.run(&["driver", "install"]);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out));
+    let apt = "apt-get -o DPkg::Lock::Timeout=600";
+    assert_eq!(
+        commands(&node),
+        [
+            format!("{apt} -q update"),
+            "  DEBIAN_FRONTEND=noninteractive".to_string(),
+            format!(
+                "{apt} -y -q --no-install-recommends install linux-modules-nvidia-550-server-{KERNEL} \
+                 nvidia-headless-no-dkms-550-server nvidia-utils-550-server"
+            ),
+            "  DEBIAN_FRONTEND=noninteractive".to_string(),
+            "modprobe nvidia".to_string(),
+            "modprobe nvidia-uvm".to_string(),
+            "modprobe nvidia-modeset".to_string(),
+            "nvidia-smi -pm 1".to_string(),
+        ]
+    );
+    let conf = fs::read_to_string(node.root.join("etc/modprobe.d/gpu-node-agent.conf")).expect("modprobe conf");
+    assert!(conf.contains("blacklist nouveau"), "{conf}");
+    assert!(text(&out).contains("driver 550.54.15 on 2 GPU(s)"), "{}", text(&out));
+
+    // Loaded and validated: a second run changes nothing.
+    let out = node.run(&["driver", "install"]);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out));
+    assert!(text(&out).contains("nothing to do"), "{}", text(&out));
+    assert_eq!(commands(&node).len(), 8, "no command ran the second time");
+}
+
+#[test]
+fn an_upgrade_waits_for_gpu_work_then_unloads_in_dependency_order() {
+    let node = bare_node("[driver]\nsource = \"package\"\nversion = \"550.54.15\"\n");
+    write(&node.root, "sys/module/nvidia/version", "535.161.08\n");
+    for m in ["nvidia_uvm", "nvidia_modeset", "nvidia_drm"] {
+        fs::create_dir_all(node.root.join("sys/module").join(m)).expect("module");
+    }
+    node.set_injection("processes", &format!("{} 4242 1024\n", common::gpu_uuid(0)));
+    let out = node.run(&["driver", "install"]);
+    assert_eq!(out.status.code(), Some(75), "{}", text(&out));
+    assert!(text(&out).contains("1 GPU process(es) running"), "{}", text(&out));
+    assert!(
+        commands(&node).is_empty(),
+        "nothing ran under GPU work: {:?}",
+        commands(&node)
+    );
+
+    node.set_injection("processes", "");
+    let out = node.run(&["driver", "install"]);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out));
+    let ran = commands(&node);
+    let unloads: Vec<&String> = ran.iter().filter(|c| c.starts_with("rmmod")).collect();
+    assert_eq!(
+        unloads,
+        [
+            "rmmod nvidia_drm",
+            "rmmod nvidia_modeset",
+            "rmmod nvidia_uvm",
+            "rmmod nvidia"
+        ],
+        "{ran:?}"
+    );
+    let first_install = ran.iter().position(|c| c.contains(" install ")).expect("install");
+    let last_unload = ran.iter().rposition(|c| c.starts_with("rmmod")).expect("unload");
+    assert!(last_unload < first_install, "unload before install: {ran:?}");
+}
+
+#[test]
+fn an_unknown_distribution_is_refused_and_nothing_changes() {
+    let node = bare_node(&format!("[driver]\nsource = \"package\"\nversion = \"{VERSION}\"\n"));
+    write(&node.root, "etc/os-release", "ID=gentoo\nNAME=Gentoo\n");
+    let out = node.run(&["driver", "install"]);
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+    assert!(
+        text(&out).contains("unknown distribution \"gentoo\"") && text(&out).contains("nothing was changed"),
+        "{}",
+        text(&out)
+    );
+    assert!(commands(&node).is_empty());
+    assert!(!node.root.join("etc/modprobe.d/gpu-node-agent.conf").exists());
+}
+
+#[test]
+fn a_node_without_nvidia_pci_devices_does_nothing() {
+    let node = bare_node(&format!("[driver]\nsource = \"package\"\nversion = \"{VERSION}\"\n"));
+    fs::remove_dir_all(node.root.join("sys/bus/pci")).expect("no PCI");
+    let out = node.run(&["driver", "install"]);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out));
+    assert!(
+        text(&out).contains("no NVIDIA GPU on the PCI bus: nothing to do"),
+        "{}",
+        text(&out)
+    );
+    assert!(commands(&node).is_empty());
+    assert!(!node.root.join("etc/modprobe.d/gpu-node-agent.conf").exists());
+}
+
+/// A one-file HTTP server on loopback that counts its requests.
+struct Server {
+    url: String,
+    requests: Arc<AtomicUsize>,
+}
+
+fn serve(body: Vec<u8>) -> Server {
+    let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
+    let url = format!(
+        "http://{}/NVIDIA-Linux-x86_64-{VERSION}.run",
+        listener.local_addr().expect("addr")
+    );
+    let requests = Arc::new(AtomicUsize::new(0));
+    let count = requests.clone();
+    std::thread::spawn(move || {
+        for stream in listener.incoming() {
+            let Ok(mut stream) = stream else { continue };
+            count.fetch_add(1, Ordering::SeqCst);
+            let mut buf = [0u8; 4096];
+            let _ = stream.read(&mut buf);
+            let head = format!(
+                "HTTP/1.1 200 OK\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+                body.len()
+            );
+            let _ = stream.write_all(head.as_bytes());
+            let _ = stream.write_all(&body);
+        }
+    });
+    Server { url, requests }
+}
+
+fn sha256_hex(bytes: &[u8]) -> String {
+    use sha2::Digest;
+    sha2::Sha256::digest(bytes).iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// A `.run` stand-in: a shell script that, run with `-x --target DIR`, extracts a kbuild tree of
+/// three small modules named like the driver's into `DIR/kernel`, and leaves a marker showing it
+/// ran.
+fn runfile(marker: &Path) -> Vec<u8> {
+    let module = |name: &str| {
+        format!(
+            "cat > \"$dir/kernel/{name}.c\" <<'EOF'\n#include <linux/module.h>\nstatic int __init m_init(void) {{ return 0; }}\nstatic void __exit m_exit(void) {{}}\nmodule_init(m_init);\nmodule_exit(m_exit);\nMODULE_LICENSE(\"GPL\");\nMODULE_DESCRIPTION(\"stand-in for {name}\");\nEOF\n"
+        )
+    };
+    format!(
+        "#!/bin/sh\n[ \"$1\" = -x ] && [ \"$2\" = --target ] || exit 2\ndir=\"$3\"\necho ran >> \"{}\"\nmkdir -p \"$dir/kernel\"\necho 'obj-m += nvidia.o nvidia-uvm.o nvidia-modeset.o' > \"$dir/kernel/Makefile\"\n{}{}{}",
+        marker.display(),
+        module("nvidia"),
+        module("nvidia-uvm"),
+        module("nvidia-modeset"),
+    )
+    .into_bytes()
+}
+
+#[test]
+fn a_runfile_with_the_wrong_checksum_is_never_run() {
+    let probe = tempfile::tempdir().expect("tmp");
+    let marker = probe.path().join("ran");
+    let server = serve(runfile(&marker));
+    let config = format!(
+        "[driver]\nsource = \"runfile\"\nversion = \"{VERSION}\"\nrunfile_url = \"{}\"\nrunfile_sha256 = \"{}\"\n",
+        server.url.replace(VERSION, "{version}").replace("x86_64", "{arch}"),
+        "0".repeat(64)
+    );
+    let node = bare_node(&config);
+    let out = node.run(&["driver", "install"]);
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+    assert!(text(&out).contains("sha256"), "{}", text(&out));
+    assert!(!marker.exists(), "the unverified .run file was executed");
+    assert_eq!(server.requests.load(Ordering::SeqCst), 1);
+    let downloads = node.root.join("var/lib/gpu-node-agent/driver/downloads");
+    let left: Vec<_> = fs::read_dir(&downloads)
+        .map(|d| d.flatten().collect())
+        .unwrap_or_default();
+    assert!(left.is_empty(), "nothing unverified is kept: {left:?}");
+    assert!(commands(&node).iter().all(|c| !c.starts_with("insmod")));
+}
+
+#[test]
+fn no_network_gives_a_clear_message_and_changes_nothing() {
+    // A port nothing listens on.
+    let port = TcpListener::bind("127.0.0.1:0")
+        .expect("bind")
+        .local_addr()
+        .expect("addr")
+        .port();
+    let config = format!(
+        "[driver]\nsource = \"runfile\"\nversion = \"{VERSION}\"\nrunfile_url = \"http://127.0.0.1:{port}/{{version}}.run\"\nrunfile_sha256 = \"{}\"\n",
+        "a".repeat(64)
+    );
+    let node = bare_node(&config);
+    let out = node.run(&["driver", "install"]);
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+    assert!(
+        text(&out).contains(&format!("cannot reach 127.0.0.1:{port}")),
+        "{}",
+        text(&out)
+    );
+    assert!(
+        commands(&node)
+            .iter()
+            .all(|c| !c.starts_with("insmod") && !c.starts_with("modprobe"))
+    );
+}
+
+#[test]
+fn missing_headers_on_an_unknown_distribution_say_what_to_install_before_any_download() {
+    let probe = tempfile::tempdir().expect("tmp");
+    let server = serve(runfile(&probe.path().join("ran")));
+    let config = format!(
+        "[driver]\nsource = \"runfile\"\nversion = \"{VERSION}\"\nrunfile_url = \"{}\"\nrunfile_sha256 = \"{}\"\n",
+        server.url,
+        "b".repeat(64)
+    );
+    let node = bare_node(&config);
+    write(&node.root, "etc/os-release", "ID=gentoo\n");
+    let out = node.run(&["driver", "install"]);
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+    assert!(
+        text(&out).contains(&format!("no kernel headers for the running kernel {KERNEL}"))
+            && text(&out).contains(&format!("linux-headers-{KERNEL}")),
+        "{}",
+        text(&out)
+    );
+    assert_eq!(server.requests.load(Ordering::SeqCst), 0, "nothing downloaded");
+    assert!(commands(&node).is_empty());
+}
+
+/// The kernel headers Debian's `linux-headers-amd64` installed (`scripts/deps`), made visible
+/// under the node's root as `/lib/modules/<release>/build`, and that release as the node's
+/// running kernel.
+fn headers_in_root(node: &Node) -> String {
+    let installed = gpu_node_agent::driver::build::installed_headers(&gpu_node_agent::host::HostRoot::new("/"));
+    let Some((release, path)) = installed.into_iter().next() else {
+        panic!("no kernel headers installed: run scripts/deps (apt-get install linux-headers-amd64 make kmod)");
+    };
+    // The agent resolves links inside its root, so the headers' top-level files are copied in;
+    // their directories are links kbuild (which runs on this machine) follows to the real ones.
+    let farm = node.root.join(format!("usr/src/linux-headers-{release}"));
+    fs::create_dir_all(&farm).expect("mkdir headers");
+    for entry in fs::read_dir(&path).expect("read headers").flatten() {
+        let real = fs::canonicalize(entry.path()).expect("canonical headers entry");
+        if real.is_dir() {
+            std::os::unix::fs::symlink(real, farm.join(entry.file_name())).expect("link headers dir");
+        } else {
+            fs::copy(&real, farm.join(entry.file_name())).expect("copy headers file");
+        }
+    }
+    let build = node.root.join(format!("lib/modules/{release}/build"));
+    fs::create_dir_all(build.parent().expect("modules dir")).expect("mkdir modules");
+    std::os::unix::fs::symlink(format!("/usr/src/linux-headers-{release}"), &build).expect("build link");
+    write(&node.root, "proc/sys/kernel/osrelease", &format!("{release}\n"));
+    // The node's own sh, make and modinfo.
+    for (host, candidates) in [
+        ("bin/sh", &["/bin/sh"][..]),
+        ("usr/bin/make", &["/usr/bin/make"][..]),
+        ("usr/sbin/modinfo", &["/usr/sbin/modinfo", "/sbin/modinfo"][..]),
+    ] {
+        let real = candidates.iter().find(|c| Path::new(c).exists()).unwrap_or_else(|| {
+            panic!(
+                "{} missing: run scripts/deps (apt-get install make kmod)",
+                candidates.join(" or ")
+            )
+        });
+        let link = node.root.join(host);
+        fs::create_dir_all(link.parent().expect("dir")).expect("mkdir");
+        std::os::unix::fs::symlink(real, link).expect("link program");
+    }
+    release
+}
+
+#[test]
+fn a_verified_runfile_is_built_with_kbuild_cached_and_loaded_from_the_cache_after_a_reboot() {
+    let probe = tempfile::tempdir().expect("tmp");
+    let marker = probe.path().join("ran");
+    let body = runfile(&marker);
+    let sha = sha256_hex(&body);
+    let server = serve(body);
+    let config = format!(
+        "[driver]\nsource = \"runfile\"\nversion = \"{VERSION}\"\nrunfile_url = \"{}\"\nrunfile_sha256 = \"{sha}\"\n\
+         module_params = {{ nvidia = [\"NVreg_EnableGpuFirmware=0\"] }}\n",
+        server.url
+    );
+    let node = bare_node(&config);
+    let release = headers_in_root(&node);
+
+    let out = node.run(&["driver", "install"]);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out));
+    assert!(
+        text(&out).contains(&format!("built the proprietary modules for {release} and cached them")),
+        "{}",
+        text(&out)
+    );
+    assert_eq!(server.requests.load(Ordering::SeqCst), 1);
+    let insmods: Vec<String> = commands(&node)
+        .into_iter()
+        .filter(|c| c.starts_with("insmod"))
+        .collect();
+    assert_eq!(insmods.len(), 3, "{insmods:?}");
+    assert!(
+        insmods[0].ends_with("/nvidia.ko NVreg_EnableGpuFirmware=0") && insmods[1].ends_with("/nvidia-uvm.ko"),
+        "load order and parameters: {insmods:?}"
+    );
+    assert!(
+        insmods[0].contains("/var/lib/gpu-node-agent/driver/cache/"),
+        "{insmods:?}"
+    );
+
+    // A reboot: the modules are gone from the kernel; the same kernel and driver load from the
+    // cache with no download and no build.
+    for m in ["nvidia", "nvidia_uvm", "nvidia_modeset"] {
+        fs::remove_dir_all(node.root.join("sys/module").join(m)).expect("unload");
+    }
+    let status = node.run(&["driver", "status"]);
+    assert!(text(&status).contains("from the module cache"), "{}", text(&status));
+    let out = node.run(&["driver", "install"]);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out));
+    assert!(!text(&out).contains("built"), "{}", text(&out));
+    assert_eq!(server.requests.load(Ordering::SeqCst), 1, "no second download");
+    assert_eq!(
+        fs::read_to_string(&marker).expect("marker").lines().count(),
+        1,
+        "the .run ran once"
+    );
+    let insmods = commands(&node).into_iter().filter(|c| c.starts_with("insmod")).count();
+    assert_eq!(insmods, 6);
+}
+
+#[test]
+fn run_once_puts_the_driver_first_and_reports_it_in_status() {
+    let node = bare_node(&format!(
+        "[kubernetes]\nenabled = false\n[driver]\nsource = \"package\"\nversion = \"{VERSION}\"\n"
+    ));
+    let out = node.run(&["run", "--once"]);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out));
+    let status = node.status_json();
+    let names: Vec<&str> = status["stages"]
+        .as_array()
+        .expect("stages")
+        .iter()
+        .filter_map(|s| s["name"].as_str())
+        .collect();
+    assert_eq!(names, ["driver", "runtime", "mig", "device-plugin"]);
+    let driver = common::stage(&status, "driver");
+    assert_eq!(driver["state"], "ok", "{driver}");
+    assert!(
+        driver["detail"]
+            .as_str()
+            .is_some_and(|d| d.contains("driver 550.54.15 on 2 GPU(s)")),
+        "{driver}"
+    );
+    assert!(commands(&node).contains(&"modprobe nvidia".to_string()));
+
+    // A failing install: exit 1, the stage says why, nothing after it ran.
+    let broken = bare_node(&format!(
+        "[kubernetes]\nenabled = false\n[driver]\nsource = \"package\"\nversion = \"{VERSION}\"\n"
+    ));
+    stand_in(
+        &broken,
+        "/usr/bin/apt-get",
+        &log_path(&broken),
+        "echo 'E: Unable to locate package nvidia-utils-550-server' >&2; exit 100",
+    );
+    let out = broken.run(&["run", "--once"]);
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+    let status = broken.status_json();
+    let driver = common::stage(&status, "driver");
+    assert_eq!(driver["state"], "failed");
+    assert!(
+        driver["error"]
+            .as_str()
+            .is_some_and(|e| e.contains("Unable to locate package")),
+        "{driver}"
+    );
+}
