@@ -483,3 +483,63 @@ fn run_once_puts_the_driver_first_and_reports_it_in_status() {
         "{driver}"
     );
 }
+
+#[test]
+fn prebuilt_modules_are_verified_unpacked_into_the_cache_and_loaded() {
+    let stage = tempfile::tempdir().expect("tmp");
+    let dir = stage.path().join(format!("nvidia-{VERSION}"));
+    fs::create_dir_all(&dir).expect("mkdir");
+    for m in ["nvidia", "nvidia-uvm", "nvidia-modeset"] {
+        fs::write(dir.join(format!("{m}.ko")), format!("prebuilt {m}")).expect("ko");
+    }
+    let tarball = stage.path().join("modules.tar.gz");
+    let ok = std::process::Command::new("tar")
+        .arg("-czf")
+        .arg(&tarball)
+        .arg("-C")
+        .arg(stage.path())
+        .arg(format!("nvidia-{VERSION}"))
+        .status()
+        .expect("tar");
+    assert!(ok.success());
+    let body = fs::read(&tarball).expect("tarball");
+    let sha = sha256_hex(&body);
+    let server = serve(body);
+    let config = format!(
+        "[driver]\nsource = \"prebuilt\"\nversion = \"{VERSION}\"\nprebuilt_url = \"{}/{{kernel}}/{{flavour}}.tar.gz\"\n\
+         [driver.prebuilt_sha256]\n\"{KERNEL}\" = \"{sha}\"\n",
+        server.url.rsplit_once('/').expect("url").0
+    );
+    let node = bare_node(&config);
+    let tar = node.root.join("usr/bin/tar");
+    std::os::unix::fs::symlink(
+        if Path::new("/usr/bin/tar").exists() {
+            "/usr/bin/tar"
+        } else {
+            "/bin/tar"
+        },
+        tar,
+    )
+    .expect("tar link");
+    let out = node.run(&["driver", "install"]);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out));
+    let insmods: Vec<String> = commands(&node)
+        .into_iter()
+        .filter(|c| c.starts_with("insmod"))
+        .collect();
+    assert_eq!(insmods.len(), 3, "{insmods:?}");
+    assert!(
+        insmods[0].contains("/driver/cache/") && insmods[0].ends_with("/nvidia.ko"),
+        "{insmods:?}"
+    );
+
+    // Another kernel has no checksum: refused before any download.
+    write(&node.root, "proc/sys/kernel/osrelease", "6.8.0-2000-aws\n");
+    for m in ["nvidia", "nvidia_uvm", "nvidia_modeset"] {
+        let _ = fs::remove_dir_all(node.root.join("sys/module").join(m));
+    }
+    let out = node.run(&["driver", "install"]);
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+    assert!(text(&out).contains("no [driver.prebuilt_sha256] entry for the running kernel 6.8.0-2000-aws"));
+    assert_eq!(server.requests.load(Ordering::SeqCst), 1);
+}

@@ -3,7 +3,7 @@
 
 use serde::Serialize;
 
-use super::observe::{Distro, HostFacts};
+use super::observe::{Distro, HostFacts, SecureBoot};
 use super::{Flavour, MODULES};
 use crate::config::{DriverConfig, DriverSource, FlavourChoice};
 
@@ -83,6 +83,10 @@ pub enum PlanError {
         "no [driver.prebuilt_sha256] entry for the running kernel {kernel}: add the tarball's sha256 for it, or use source = \"runfile\""
     )]
     NoPrebuiltChecksum { kernel: String },
+    #[error(
+        "Secure Boot is on: the kernel refuses the unsigned modules source = \"{method}\" would load (\"Key was rejected by service\"); use source = \"package\" (Ubuntu's signed precompiled modules) or enroll a key and sign them yourself; nothing was changed"
+    )]
+    SecureBoot { method: &'static str },
     #[error(
         "no kernel headers for the running kernel {kernel} (/lib/modules/{kernel}/build), and this distribution's headers package is unknown: install them (e.g. linux-headers-{kernel} or kernel-devel-{kernel}), or use source = \"prebuilt\""
     )]
@@ -260,6 +264,16 @@ pub fn plan(config: &DriverConfig, facts: &HostFacts, ctx: &Context) -> Result<D
                     "cannot tell whether GPU work runs (NVML unavailable): the change from driver {old} to {wanted} waits"
                 ))
             }
+        }
+    }
+    if facts.secure_boot == SecureBoot::Enabled {
+        let method = match config.source {
+            DriverSource::Runfile => Some("runfile"),
+            DriverSource::Prebuilt => Some("prebuilt"),
+            DriverSource::None | DriverSource::Package => None,
+        };
+        if let Some(method) = method {
+            return Err(PlanError::SecureBoot { method });
         }
     }
     let load = |from| Step::Load {
@@ -515,6 +529,21 @@ mod tests {
         f.gpus.clear();
         let p = plan(&config(DriverSource::Runfile), &f, &ctx()).unwrap();
         assert!(p.steps.is_empty() && p.summary.contains("no NVIDIA GPU"), "{p:?}");
+    }
+
+    #[test]
+    fn secure_boot_refuses_modules_built_here() {
+        let mut f = facts(UBUNTU, None);
+        f.secure_boot = SecureBoot::Enabled;
+        let e = plan(&config(DriverSource::Runfile), &f, &ctx()).unwrap_err();
+        assert!(
+            e.to_string().contains("Secure Boot is on") && e.to_string().contains("signed"),
+            "{e}"
+        );
+        assert!(
+            plan(&config(DriverSource::Package), &f, &ctx()).is_ok(),
+            "signed packages are fine"
+        );
     }
 
     #[test]

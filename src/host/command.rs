@@ -9,7 +9,7 @@ use std::io::Read;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use super::HostRoot;
 
@@ -211,7 +211,8 @@ enum Waited {
 }
 
 /// Waits for `child` (the leader of its own process group) with a deadline, reading its pipes
-/// on threads so a chatty program cannot block on a full pipe.
+/// on threads so a chatty program cannot block on a full pipe. The exit is awaited on a thread
+/// too, so a command costs what the program takes, not a polling interval.
 fn wait(mut child: Child, timeout: Duration) -> Result<Output, Waited> {
     let reader = |pipe: Option<Box<dyn Read + Send>>| {
         std::thread::spawn(move || {
@@ -224,22 +225,20 @@ fn wait(mut child: Child, timeout: Duration) -> Result<Output, Waited> {
     };
     let stdout = reader(child.stdout.take().map(|p| Box::new(p) as Box<dyn Read + Send>));
     let stderr = reader(child.stderr.take().map(|p| Box::new(p) as Box<dyn Read + Send>));
-    let deadline = Instant::now() + timeout;
-    let status = loop {
-        match child.try_wait() {
-            Ok(Some(status)) => break status,
-            Ok(None) if Instant::now() >= deadline => {
-                // The whole group: a shell script's children go too.
-                if let Ok(pid) = i32::try_from(child.id()) {
-                    let _ =
-                        nix::sys::signal::killpg(nix::unistd::Pid::from_raw(pid), nix::sys::signal::Signal::SIGKILL);
-                }
-                let _ = child.kill();
-                let _ = child.wait();
-                return Err(Waited::Timeout);
+    let pid = child.id();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(child.wait());
+    });
+    let status = match rx.recv_timeout(timeout) {
+        Ok(Ok(status)) => status,
+        Ok(Err(e)) => return Err(Waited::Io(e)),
+        Err(_) => {
+            // The whole group: a shell script's children go too. The waiting thread reaps it.
+            if let Ok(pid) = i32::try_from(pid) {
+                let _ = nix::sys::signal::killpg(nix::unistd::Pid::from_raw(pid), nix::sys::signal::Signal::SIGKILL);
             }
-            Ok(None) => std::thread::sleep(Duration::from_millis(5)),
-            Err(e) => return Err(Waited::Io(e)),
+            return Err(Waited::Timeout);
         }
     };
     Ok(Output {
@@ -307,7 +306,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         script(dir.path(), "/bin/slow", "sleep 5");
         let runner = Runner::new(&HostRoot::new(dir.path()));
-        let started = Instant::now();
+        let started = std::time::Instant::now();
         let e = runner
             .run(&Cmd::new("/bin/slow").timeout(Duration::from_millis(100)))
             .unwrap_err();
