@@ -200,6 +200,10 @@ struct Agent {
     mig_stage: Stage,
     /// `nvidia.com/mig.config.state`, when a layout is asked for.
     mig_state: Option<MigLabelState>,
+    /// systemd's notify socket (READY, STATUS, WATCHDOG), a no-op outside systemd.
+    notifier: crate::notify::Notifier,
+    /// The last `STATUS=` sent.
+    notified_status: String,
     /// GPUs (UUIDs) withdrawn from the kubelet while their MIG layout changes.
     withdrawn: BTreeSet<String>,
     /// Since when the MIG stage waits for GPU work to end.
@@ -265,6 +269,8 @@ pub async fn run(config: Config, root: HostRoot, once: bool) -> Result<i32, Agen
         mig_stage: Stage::new(STAGE_MIG),
         mig_state: None,
         withdrawn: BTreeSet::new(),
+        notifier: crate::notify::Notifier::from_env(),
+        notified_status: String::new(),
         mig_pending_since: None,
         mig_retry: None,
     };
@@ -373,9 +379,15 @@ pub async fn run(config: Config, root: HostRoot, once: bool) -> Result<i32, Agen
     );
     let mut nvml_retry = tokio::time::interval(agent.config.nvml.retry_interval);
     nvml_retry.tick().await;
+    // The first reconcile has finished (or reached a state it reports): systemd may go on.
+    agent.notify_status();
+    agent.notifier.send("READY=1");
+    let watchdog_every = agent.notifier.watchdog_interval();
+    let mut watchdog = tokio::time::interval(watchdog_every.unwrap_or(Duration::from_secs(3600)));
     loop {
         let expiry = agent.tracker.next_expiry();
         tokio::select! {
+            _ = watchdog.tick(), if watchdog_every.is_some() => agent.notifier.send("WATCHDOG=1"),
             _ = sigterm.recv() => { tracing::info!("SIGTERM: stopping"); break; }
             _ = sigint.recv() => { tracing::info!("SIGINT: stopping"); break; }
             _ = sighup.recv() => { tracing::info!("SIGHUP: re-reading the inventory"); agent.reconcile().await; }
@@ -417,6 +429,7 @@ pub async fn run(config: Config, root: HostRoot, once: bool) -> Result<i32, Agen
     }
 
     // Stop: the manager stops every server and removes its sockets when its channel closes.
+    agent.notifier.send("STOPPING=1\nSTATUS=stopping");
     agent.commands = None;
     if let Some(task) = manager_task {
         let _ = task.await;
@@ -683,7 +696,29 @@ impl Agent {
         }
     }
 
+    /// `STATUS=` for systemd: each stage's state, with the first problem's reason.
+    fn notify_status(&mut self) {
+        if !self.notifier.enabled() {
+            return;
+        }
+        let stages = [&self.driver_stage, &self.runtime_stage, &self.mig_stage, &self.stage];
+        let mut line = stages
+            .iter()
+            .map(|s| format!("{} {}", s.status.name, s.status.state.as_str()))
+            .collect::<Vec<_>>()
+            .join(", ");
+        if let Some(problem) = stages.iter().find_map(|s| s.status.error.as_deref()) {
+            line.push_str(&format!(" — {problem}"));
+        }
+        let line = crate::notify::status_line(&line);
+        if line != self.notified_status {
+            self.notifier.send(&format!("STATUS={line}"));
+            self.notified_status = line;
+        }
+    }
+
     fn write_status(&mut self, state: &str) {
+        self.notify_status();
         let gpus = self
             .inventory
             .iter()

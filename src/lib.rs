@@ -18,6 +18,7 @@ pub mod kube;
 pub mod labels;
 pub mod logging;
 pub mod mig;
+pub mod notify;
 pub mod nvml;
 pub mod plan;
 pub mod plugin;

@@ -20,7 +20,7 @@ pub const STATUS_VERSION: u32 = 1;
 /// The file name under `[agent] run_dir`.
 pub const STATUS_FILE: &str = "status.json";
 
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum StageState {
     /// Not run yet, or waiting for something outside the agent (kubelet, GPU work to finish).
@@ -31,6 +31,19 @@ pub enum StageState {
     Disabled,
     /// Not applicable to this run (e.g. the device plugin under `run --once`).
     Skipped,
+}
+
+impl StageState {
+    /// The word status.json and `status` use.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            StageState::Pending => "pending",
+            StageState::Ok => "ok",
+            StageState::Failed => "failed",
+            StageState::Disabled => "disabled",
+            StageState::Skipped => "skipped",
+        }
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
