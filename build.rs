@@ -1,12 +1,22 @@
-//! Compiles the vendored kubelet device plugin API (v1beta1) with protox, a pure-Rust protobuf
-//! compiler, so building needs no `protoc` on the machine.
+//! Compiles the vendored kubelet APIs with protox, a pure-Rust protobuf compiler, so building
+//! needs no `protoc` on the machine: the device plugin API (v1beta1; server and client) and the
+//! pod-resources API (v1; client only, for the pod labels on the GPU metrics).
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let proto = "proto/deviceplugin/v1beta1/api.proto";
+    println!("cargo:rerun-if-changed=build.rs");
     println!("cargo:rerun-if-changed={proto}");
     let fds = protox::compile([proto], ["proto"])?;
     tonic_prost_build::configure()
         .build_server(true)
+        .build_client(true)
+        .compile_fds(fds)?;
+
+    let pod_resources = "proto/podresources/v1/api.proto";
+    println!("cargo:rerun-if-changed={pod_resources}");
+    let fds = protox::compile([pod_resources], ["proto"])?;
+    tonic_prost_build::configure()
+        .build_server(false)
         .build_client(true)
         .compile_fds(fds)?;
     Ok(())

@@ -23,9 +23,10 @@ use crate::plugin::allocate::AllocateOptions;
 use crate::plugin::devnodes::DeviceNodes;
 use crate::plugin::health::{HealthPolicy, HealthTracker};
 use crate::plugin::manager::{Command, PluginManager, PluginStatus};
-use crate::plugin::preferred::{SharedPolicy, Topology};
+use crate::plugin::preferred::Topology;
 use crate::plugin::resources::{Health, Resource};
 use crate::plugin::server::{PluginContext, PluginStats};
+use crate::plugin::sharing::{SharingError, apply_sharing, feature_sharing};
 use crate::plugin::strategy::{StrategyError, build_resources, mig_plugin_devices, whole_gpu};
 use crate::status::{DesiredStatus, GpuStatus, MigStatus, STATUS_VERSION, StageState, StageStatus, Status, now_unix};
 
@@ -34,9 +35,17 @@ pub const STAGE_DEVICE_PLUGIN: &str = "device-plugin";
 pub const STAGE_MIG: &str = "mig";
 pub const STAGE_RUNTIME: &str = "runtime";
 pub const STAGE_DRIVER: &str = "driver";
+pub const STAGE_VALIDATION: &str = "validation";
 
 mod driver;
+mod memlimit;
+mod metrics;
 mod runtime;
+mod validation;
+
+/// `run --once` exit code when a stage waits (GPU work holds a MIG or driver change):
+/// EX_TEMPFAIL, try again later.
+pub const EXIT_PENDING: i32 = 75;
 
 /// How long the first reconcile waits for the desired-state source (the Node's labels).
 const FIRST_VIEW_WAIT: Duration = Duration::from_secs(5);
@@ -56,6 +65,8 @@ pub enum AgentError {
     Nvml(#[from] GpuError),
     #[error("{0}")]
     Strategy(#[from] StrategyError),
+    #[error("{0}")]
+    Sharing(#[from] SharingError),
     #[error("cannot install signal handlers: {0}")]
     Signals(std::io::Error),
     #[error("cannot start the NVML health watcher thread: {0}")]
@@ -96,8 +107,15 @@ pub fn allocate_options(dp: &DevicePluginConfig) -> AllocateOptions {
         dev_root: dp.dev_root.clone(),
         host_mounts_driver_dir: dp.host_mounts_driver_dir.clone(),
         host_mounts_container_dir: dp.host_mounts_container_dir.clone(),
-        fail_requests_greater_than_one: false,
+        fail_requests_greater_than_one: dp.sharing.fail_requests_greater_than_one,
     }
+}
+
+/// The resources to advertise for an inventory: by MIG strategy, then time-slicing replicas.
+/// Every device is healthy; health is applied later.
+pub fn advertised_resources(inventory: &Inventory, dp: &DevicePluginConfig) -> Result<Vec<Resource>, AgentError> {
+    let resources = build_resources(inventory, dp.mig_strategy)?;
+    Ok(apply_sharing(resources, &dp.sharing)?)
 }
 
 /// The NVML library to load: a soname as-is, a path under the root.
@@ -121,7 +139,7 @@ pub fn plan_device_plugin(gpus: &Gpus, config: &Config, root: &HostRoot) -> Resu
         None,
         &config.labels.device_plugin_config,
     );
-    let resources = build_resources(&inventory, dp.mig_strategy)?;
+    let resources = advertised_resources(&inventory, &dp)?;
     Ok(DevicePluginPlan { inventory, resources })
 }
 
@@ -198,6 +216,24 @@ struct Agent {
     cdi_error: Option<String>,
     /// The MIG stage (before the device plugin's).
     mig_stage: Stage,
+    /// The validation stage (last).
+    validation_stage: Stage,
+    /// The last pass's validation checks (the device plugin's is added as its status changes).
+    validation_checks: Vec<(&'static str, validation::Outcome)>,
+    /// Every check as last shown.
+    validation_detail: Vec<(&'static str, validation::Outcome)>,
+    /// The CUDA check's last run.
+    cuda_run: Option<validation::CudaRun>,
+    /// When the main loop last went round (for the watchdog task).
+    heartbeat: Arc<std::sync::atomic::AtomicU64>,
+    /// Set while a step that may legitimately hold the loop for long runs.
+    long_step: Arc<AtomicBool>,
+    /// Prometheus metrics, when served.
+    metrics: Option<metrics::MetricsHandle>,
+    /// The memory-limit enforcer's policy, once it runs.
+    memory_policy: Option<watch::Sender<crate::plugin::memlimit::Policy>>,
+    /// What the enforcer did.
+    memory_records: Option<mpsc::Receiver<crate::plugin::memlimit::ActionRecord>>,
     /// `nvidia.com/mig.config.state`, when a layout is asked for.
     mig_state: Option<MigLabelState>,
     /// systemd's notify socket (READY, STATUS, WATCHDOG), a no-op outside systemd.
@@ -229,7 +265,7 @@ pub async fn run(config: Config, root: HostRoot, once: bool) -> Result<i32, Agen
         allocate: allocate_options(&dp),
         nodes: DeviceNodes::gather(&root.join(&config.device_plugin.dev_root), &root.join("/proc")),
         topology: Topology::new(),
-        shared_policy: SharedPolicy::Distributed,
+        shared_policy: dp.sharing.policy,
     };
     let mut agent = Agent {
         tracker: HealthTracker::new(health_policy(&config)),
@@ -267,6 +303,15 @@ pub async fn run(config: Config, root: HostRoot, once: bool) -> Result<i32, Agen
         cdi_detail: None,
         cdi_error: None,
         mig_stage: Stage::new(STAGE_MIG),
+        validation_stage: Stage::new(STAGE_VALIDATION),
+        validation_checks: Vec::new(),
+        validation_detail: Vec::new(),
+        cuda_run: None,
+        heartbeat: Arc::new(std::sync::atomic::AtomicU64::new(crate::notify::now_ms())),
+        long_step: Arc::new(AtomicBool::new(false)),
+        metrics: None,
+        memory_policy: None,
+        memory_records: None,
         mig_state: None,
         withdrawn: BTreeSet::new(),
         notifier: crate::notify::Notifier::from_env(),
@@ -308,6 +353,7 @@ pub async fn run(config: Config, root: HostRoot, once: bool) -> Result<i32, Agen
             &agent.config.labels.device_plugin_config,
         );
         agent.base_ctx.allocate = allocate_options(&dp);
+        agent.base_ctx.shared_policy = dp.sharing.policy;
         agent.dp = dp;
         agent.profile = outcome;
         agent.link = Some(link);
@@ -332,6 +378,7 @@ pub async fn run(config: Config, root: HostRoot, once: bool) -> Result<i32, Agen
         (status_rx, Some(tokio::spawn(manager.run(rx))))
     };
 
+    agent.metrics = metrics::start(&agent.config.metrics, once).await;
     // The driver first: on a fresh node NVML only loads once the driver stage installed it.
     if agent.config.driver.enabled && agent.config.driver.source != crate::config::DriverSource::None {
         agent.driver_step().await;
@@ -354,23 +401,25 @@ pub async fn run(config: Config, root: HostRoot, once: bool) -> Result<i32, Agen
 
     if once {
         agent.write_status("once");
-        // Pending counts as not done: the bootstrap should not go on as if MIG were applied.
-        let done = |s: &StageState| !matches!(s, StageState::Failed | StageState::Pending);
-        return Ok(
-            if [
-                &agent.driver_stage,
-                &agent.runtime_stage,
-                &agent.mig_stage,
-                &agent.stage,
-            ]
-            .iter()
-            .all(|s| done(&s.status.state))
-            {
-                0
-            } else {
-                1
-            },
-        );
+        // Pending counts as not done: the bootstrap should not go on as if MIG were applied. It
+        // is EX_TEMPFAIL (75, "try again later": GPU work holds a change), a failure is 1.
+        let states: Vec<StageState> = [
+            &agent.driver_stage,
+            &agent.runtime_stage,
+            &agent.mig_stage,
+            &agent.stage,
+            &agent.validation_stage,
+        ]
+        .iter()
+        .map(|s| s.status.state)
+        .collect();
+        return Ok(if states.contains(&StageState::Failed) {
+            1
+        } else if states.contains(&StageState::Pending) {
+            EXIT_PENDING
+        } else {
+            0
+        });
     }
 
     let mut resync = tokio::time::interval_at(
@@ -382,19 +431,31 @@ pub async fn run(config: Config, root: HostRoot, once: bool) -> Result<i32, Agen
     // The first reconcile has finished (or reached a state it reports): systemd may go on.
     agent.notify_status();
     agent.notifier.send("READY=1");
+    // The watchdog: the main loop beats on every interval; a separate task tells systemd while
+    // the beats are recent, or while a long step (a driver build, an engine restart) is known to
+    // hold the loop.
     let watchdog_every = agent.notifier.watchdog_interval();
     let mut watchdog = tokio::time::interval(watchdog_every.unwrap_or(Duration::from_secs(3600)));
+    if let Some(every) = watchdog_every {
+        tokio::spawn(crate::notify::watchdog(
+            every,
+            agent.heartbeat.clone(),
+            agent.long_step.clone(),
+        ));
+    }
     loop {
         let expiry = agent.tracker.next_expiry();
         tokio::select! {
-            _ = watchdog.tick(), if watchdog_every.is_some() => agent.notifier.send("WATCHDOG=1"),
+            _ = watchdog.tick(), if watchdog_every.is_some() => crate::notify::beat(&agent.heartbeat),
             _ = sigterm.recv() => { tracing::info!("SIGTERM: stopping"); break; }
             _ = sigint.recv() => { tracing::info!("SIGINT: stopping"); break; }
             _ = sighup.recv() => { tracing::info!("SIGHUP: re-reading the inventory"); agent.reconcile().await; }
             Some(event) = health_rx.recv() => {
+                agent.metrics_health(&event);
                 let mut changed = agent.tracker.on_event(&event, Instant::now());
                 // Drain what else is queued so a burst gives one update.
                 while let Ok(event) = health_rx.try_recv() {
+                    agent.metrics_health(&event);
                     changed |= agent.tracker.on_event(&event, Instant::now());
                 }
                 if changed { agent.push_resources().await; }
@@ -420,9 +481,11 @@ pub async fn run(config: Config, root: HostRoot, once: bool) -> Result<i32, Agen
                 agent.desired_sel = desired.clone();
                 agent.apply_desired(&desired, mig_changed).await;
             }
+            Some(record) = memlimit::next_record(&mut agent.memory_records) => agent.on_memory_record(record),
             Ok(()) = plugin_rx.changed() => {
                 agent.plugin_status = plugin_rx.borrow_and_update().clone();
                 agent.update_stage();
+                agent.show_validation();
                 agent.write_status("running");
             }
         }
@@ -469,6 +532,9 @@ impl Agent {
         }
         self.watched.clear();
         self.gpus = None;
+        // The enforcer holds the old NVML: dropping its policy channel stops it.
+        self.memory_policy = None;
+        self.memory_records = None;
     }
 
     fn open_nvml(&mut self) -> Result<(), AgentError> {
@@ -489,11 +555,30 @@ impl Agent {
 
     /// One pass over the stages: re-read the inventory and advertise what it gives.
     async fn reconcile(&mut self) {
-        if !self.driver_step().await || !self.runtime_step().await {
-            // Stages after a failed one wait for the next pass.
+        let started = Instant::now();
+        let driver_ok = self.driver_step().await;
+        let mut durations = vec![(STAGE_DRIVER, started.elapsed())];
+        let started = Instant::now();
+        let runtime_ok = driver_ok && self.runtime_step().await;
+        durations.push((STAGE_RUNTIME, started.elapsed()));
+        self.reconcile_rest(durations, driver_ok && runtime_ok).await;
+    }
+
+    /// The stages after the driver and runtime (when those succeeded: stages after a failed one
+    /// wait for the next pass), then the stage metrics.
+    async fn reconcile_rest(&mut self, mut durations: Vec<(&'static str, Duration)>, go_on: bool) {
+        if go_on {
+            let started = Instant::now();
+            self.reconcile_gpus().await;
+            durations.push((STAGE_DEVICE_PLUGIN, started.elapsed()));
+        } else {
             self.write_status("running");
-            return;
         }
+        self.metrics_stages(&durations);
+    }
+
+    /// MIG, the inventory, the device plugin and validation.
+    async fn reconcile_gpus(&mut self) {
         let Some(gpus) = self.gpus.clone() else {
             self.write_status("running");
             return;
@@ -521,6 +606,7 @@ impl Agent {
                     self.inventory = Some(inventory);
                     self.watch_health(&gpus);
                     self.cdi_step();
+                    self.metrics_inventory();
                 }
             }
             Err(e) => {
@@ -533,6 +619,8 @@ impl Agent {
             }
         }
         self.push_resources().await;
+        self.validation_step().await;
+        self.write_status("running");
     }
 
     /// Applies what the labels ask for: the device plugin profile (a changed profile swaps the
@@ -566,6 +654,7 @@ impl Agent {
         if dp != self.dp {
             self.dp = dp;
             self.base_ctx.allocate = allocate_options(&self.dp);
+            self.base_ctx.shared_policy = self.dp.sharing.policy;
             self.push_resources().await;
         } else {
             self.write_status("running");
@@ -604,12 +693,13 @@ impl Agent {
         }
     }
 
-    /// The resources from the current inventory with current health applied.
-    fn resources(&self) -> Result<Vec<Resource>, StrategyError> {
+    /// The resources from the current inventory with current health applied (replicas follow
+    /// their device).
+    fn resources(&self) -> Result<Vec<Resource>, AgentError> {
         let Some(inventory) = &self.inventory else {
             return Ok(Vec::new());
         };
-        let mut resources = build_resources(inventory, self.dp.mig_strategy)?;
+        let mut resources = advertised_resources(inventory, &self.dp)?;
         for resource in &mut resources {
             // GPUs whose MIG layout is changing are withdrawn from the kubelet first.
             resource
@@ -654,6 +744,8 @@ impl Agent {
                 })
                 .await;
         }
+        // The replicas' memory budgets follow what is advertised.
+        self.update_memory_limits();
         self.update_stage();
         self.write_status("running");
     }
@@ -701,7 +793,13 @@ impl Agent {
         if !self.notifier.enabled() {
             return;
         }
-        let stages = [&self.driver_stage, &self.runtime_stage, &self.mig_stage, &self.stage];
+        let stages = [
+            &self.driver_stage,
+            &self.runtime_stage,
+            &self.mig_stage,
+            &self.stage,
+            &self.validation_stage,
+        ];
         let mut line = stages
             .iter()
             .map(|s| format!("{} {}", s.status.name, s.status.state.as_str()))
@@ -766,6 +864,7 @@ impl Agent {
                 self.runtime_stage.status.clone(),
                 self.mig_stage.status.clone(),
                 self.stage.status.clone(),
+                self.validation_stage.status.clone(),
             ],
             gpus,
             kubelet_present: self.plugin_status.kubelet_present,
@@ -801,15 +900,15 @@ impl Agent {
     fn wanted_labels(&self) -> Option<BTreeMap<String, String>> {
         let inventory = self.inventory.as_ref()?;
         let keys = &self.config.labels;
+        let shared = feature_sharing(&self.dp.sharing);
         let mut labels = if keys.report_features {
             feature_labels(&FeatureInputs {
                 inventory,
                 mig_strategy: self.dp.mig_strategy,
                 prefix: &keys.feature_prefix,
                 machine: self.machine.as_deref(),
-                replicas: 1,
-                sharing_strategy: "none",
-                renamed: false,
+                sharing_strategy: self.dp.sharing.strategy.as_str(),
+                shared: &shared,
             })
         } else {
             BTreeMap::new()
@@ -819,6 +918,15 @@ impl Agent {
         }
         if let Some(state) = self.mig_state {
             labels.insert(keys.mig_config_state.clone(), state.as_str().to_string());
+        }
+        let validation = match self.validation_stage.status.state {
+            StageState::Ok => Some("success"),
+            StageState::Failed => Some("failed"),
+            StageState::Pending => Some("pending"),
+            StageState::Disabled | StageState::Skipped => None,
+        };
+        if let Some(state) = validation {
+            labels.insert(keys.validation_state.clone(), state.to_string());
         }
         Some(labels)
     }

@@ -33,8 +33,9 @@ pub enum Command {
     /// Run the agent: reconcile every stage, serve the kubelet device plugin, keep it in step.
     Run {
         /// Reconcile every stage once and exit (for cloud-init, before the kubelet joins): the
-        /// MIG layout the labels ask for is applied. 0 when every stage succeeded, 1 when one
-        /// failed or MIG is still pending (GPU work running).
+        /// driver is installed, the runtimes configured, the MIG layout the labels ask for
+        /// applied, then validated. 0 when every stage succeeded, 1 when one failed, 75 when one
+        /// waits (GPU work holds a MIG or driver change), 64 for an invalid config.
         #[arg(long)]
         once: bool,
     },
@@ -80,8 +81,28 @@ pub enum Command {
         #[command(subcommand)]
         command: CdiCommand,
     },
+    /// Validation checks by themselves.
+    Validate {
+        #[command(subcommand)]
+        command: ValidateCommand,
+    },
     /// Print the version.
     Version,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum ValidateCommand {
+    /// Load libcuda from the driver root, and on every GPU allocate memory, run a tiny kernel and
+    /// check its result (what the validation stage runs in a child process). Exit 0: passed or
+    /// no libcuda (not available); 1: failed.
+    Cuda {
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+        /// Where the driver is installed (default: [device_plugin] driver_root).
+        #[arg(long, value_name = "DIR")]
+        driver_root: Option<PathBuf>,
+    },
 }
 
 #[derive(Debug, Subcommand)]

@@ -5,7 +5,9 @@ use std::process::ExitCode;
 use clap::Parser;
 
 use gpu_node_agent::agent::{self, plan_device_plugin, summary};
-use gpu_node_agent::cli::{CdiCommand, Cli, Command, ConfigCommand, DriverCommand, MigCommand, RuntimeCommand};
+use gpu_node_agent::cli::{
+    CdiCommand, Cli, Command, ConfigCommand, DriverCommand, MigCommand, RuntimeCommand, ValidateCommand,
+};
 use gpu_node_agent::config::Config;
 use gpu_node_agent::driver::stage as driver_stage;
 use gpu_node_agent::host::HostRoot;
@@ -62,6 +64,35 @@ fn main() -> ExitCode {
         }
         Command::Status { json } => status(&config, &root, json),
         Command::Mig { command } => mig(&config, &root, command),
+        Command::Validate {
+            command: ValidateCommand::Cuda { json, driver_root },
+        } => {
+            let driver_root = driver_root.unwrap_or_else(|| config.device_plugin.driver_root.clone());
+            let result = gpu_node_agent::cuda::check(root.path(), &driver_root);
+            if json {
+                println!("{}", serde_json::to_string(&result).unwrap_or_default());
+            } else {
+                match &result {
+                    gpu_node_agent::cuda::CudaCheck::Passed { driver_api, gpus } => {
+                        println!(
+                            "CUDA {driver_api}: the check kernel ran on {} GPU(s): {}",
+                            gpus.len(),
+                            gpus.join(", ")
+                        )
+                    }
+                    gpu_node_agent::cuda::CudaCheck::NotAvailable { reason } => {
+                        println!("CUDA not available: {reason}")
+                    }
+                    gpu_node_agent::cuda::CudaCheck::Failed { reason } => {
+                        eprintln!("gpu-node-agent: CUDA check failed: {reason}")
+                    }
+                }
+            }
+            match result {
+                gpu_node_agent::cuda::CudaCheck::Failed { .. } => ExitCode::FAILURE,
+                _ => ExitCode::SUCCESS,
+            }
+        }
         Command::Driver { command } => driver_command(&config, &root, command),
         Command::Runtime { command } => runtime_command(&config, &root, command),
         Command::Cdi {

@@ -3,6 +3,8 @@
 //! `$NOTIFY_SOCKET` (a path, or an abstract name starting with `@`); a no-op without it.
 
 use std::os::unix::net::UnixDatagram;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
 /// Where to send notifications, from the environment systemd sets.
@@ -70,4 +72,50 @@ impl Notifier {
 /// A `STATUS=` value: one line, no newlines.
 pub fn status_line(text: &str) -> String {
     text.replace('\n', " ")
+}
+
+/// Milliseconds since the Unix epoch (for heartbeats).
+pub fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
+/// The main loop went round.
+pub fn beat(heartbeat: &AtomicU64) {
+    heartbeat.store(now_ms(), Ordering::Relaxed);
+}
+
+/// Sends `WATCHDOG=1` every `every` while the main loop's heartbeat is younger than two
+/// intervals (the watchdog timeout), or while `long_step` says a long step holds the loop. A
+/// loop that hangs otherwise stops the pings, and systemd restarts the agent.
+pub async fn watchdog(every: Duration, heartbeat: Arc<AtomicU64>, long_step: Arc<AtomicBool>) {
+    let notifier = Notifier::from_env();
+    let limit = (every * 2).as_millis() as u64;
+    let mut ticker = tokio::time::interval(every);
+    loop {
+        ticker.tick().await;
+        let age = now_ms().saturating_sub(heartbeat.load(Ordering::Relaxed));
+        if age < limit || long_step.load(Ordering::Relaxed) {
+            notifier.send("WATCHDOG=1");
+        } else {
+            tracing::error!("the main loop has not gone round for {age} ms: no watchdog ping");
+        }
+    }
+}
+
+/// Marks a long step for the watchdog while it lives.
+pub struct LongStep(Arc<AtomicBool>);
+
+impl LongStep {
+    pub fn start(flag: &Arc<AtomicBool>) -> LongStep {
+        flag.store(true, Ordering::Relaxed);
+        LongStep(flag.clone())
+    }
+}
+
+impl Drop for LongStep {
+    fn drop(&mut self) {
+        self.0.store(false, Ordering::Relaxed);
+    }
 }

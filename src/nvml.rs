@@ -475,6 +475,33 @@ impl Gpus {
             ci_id: data.computeInstanceId,
         })
     }
+
+    /// The compute processes on the GPU or MIG device `uuid`: host PID and used GPU memory in MiB
+    /// (rounded down; `None` where NVML cannot tell, as under WDDM). NVML answers for the handle
+    /// it is given: a MIG UUID gives that MIG device's own processes, a GPU in MIG mode the
+    /// processes of all its MIG devices (NVML docs of `nvmlDeviceGetComputeRunningProcesses_v3`:
+    /// "per-instance information can be queried by using specific MIG device handles"), so a
+    /// memory budget for a MIG device is looked up by its MIG UUID.
+    pub fn compute_processes(&self, uuid: &str) -> Result<Vec<(u32, Option<u64>)>, GpuError> {
+        use nvml_wrapper::enums::device::UsedGpuMemory;
+        let device = self
+            .nvml
+            .device_by_uuid(uuid)
+            .map_err(dev_err("nvmlDeviceGetHandleByUUID", uuid))?;
+        let processes = device
+            .running_compute_processes()
+            .map_err(dev_err("nvmlDeviceGetComputeRunningProcesses_v3", uuid))?;
+        Ok(processes
+            .into_iter()
+            .map(|p| {
+                let used_mib = match p.used_gpu_memory {
+                    UsedGpuMemory::Used(bytes) => Some(bytes / (1024 * 1024)),
+                    UsedGpuMemory::Unavailable => None,
+                };
+                (p.pid, used_mib)
+            })
+            .collect())
+    }
 }
 
 /// What the health watcher reports.

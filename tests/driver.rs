@@ -450,7 +450,7 @@ fn run_once_puts_the_driver_first_and_reports_it_in_status() {
         .iter()
         .filter_map(|s| s["name"].as_str())
         .collect();
-    assert_eq!(names, ["driver", "runtime", "mig", "device-plugin"]);
+    assert_eq!(names, ["driver", "runtime", "mig", "device-plugin", "validation"]);
     let driver = common::stage(&status, "driver");
     assert_eq!(driver["state"], "ok", "{driver}");
     assert!(

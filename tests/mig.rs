@@ -194,10 +194,11 @@ fn run_once_applies_the_layout_a_bootstrap_asks_for() {
         "nvidia.com/mig.config=all-3g.20gb\n",
     )
     .expect("labels");
-    // GPU work on GPU 1: the layout cannot be applied, and --once says so with exit 1.
+    // GPU work on GPU 1: the layout cannot be applied, and --once says so with exit 75 (try
+    // again later).
     node.set_injection("processes", &format!("{} 77 512\n", gpu_uuid(1)));
     let out = node.run(&["run", "--once"]);
-    assert_eq!(out.status.code(), Some(1), "{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(out.status.code(), Some(75), "{}", String::from_utf8_lossy(&out.stderr));
     assert_eq!(common::stage(&node.status_json(), "mig")["state"], "pending");
     // Without it: applied before the kubelet ever sees a device, exit 0.
     node.set_injection("processes", "");
@@ -271,7 +272,7 @@ fn a_failed_reset_fails_or_reboots_once() {
     // same layout.
     let node = reset_node("[mig]\nreboot_on_mode_change = true\n", false);
     let out = node.run(&["run", "--once"]);
-    assert_eq!(out.status.code(), Some(1));
+    assert_eq!(out.status.code(), Some(75), "rebooting: try again after the reboot");
     let status = node.status_json();
     assert_eq!(status["labels"]["nvidia.com/mig.config.state"], "rebooting");
     assert!(

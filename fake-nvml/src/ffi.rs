@@ -18,6 +18,10 @@ use std::thread::sleep;
 use std::time::{Duration, Instant};
 
 use nvml_wrapper_sys::bindings::{
+    field_id::NVML_FI_DEV_MEMORY_TEMP, nvmlClockType_t, nvmlEccCounterType_t, nvmlFieldValue_t, nvmlMemoryErrorType_t,
+    nvmlValue_t, nvmlValueType_enum_NVML_VALUE_TYPE_UNSIGNED_INT,
+};
+use nvml_wrapper_sys::bindings::{
     nvmlComputeInstance_t, nvmlComputeInstanceInfo_t, nvmlComputeInstancePlacement_t, nvmlComputeInstanceProfileInfo_t,
     nvmlComputeInstanceProfileInfo_v2_t, nvmlComputeInstanceProfileInfo_v3_t, nvmlDevice_t, nvmlDeviceArchitecture_t,
     nvmlDeviceAttributes_t, nvmlEnableState_t, nvmlEventData_t, nvmlEventSet_t, nvmlGpuInstance_t,
@@ -28,7 +32,7 @@ use nvml_wrapper_sys::bindings::{
 
 use crate::error::{NvmlError, NvmlResult, SUCCESS, error_string};
 use crate::models::{CiProfile, GiProfile};
-use crate::runtime::{Cx, Dev, NO_ID, fill_chars, lock};
+use crate::runtime::{Cx, Dev, NO_ID, START, fill_chars, lock};
 
 /// How often `nvmlEventSetWait` re-checks the injection files while waiting.
 const WAIT_POLL: Duration = Duration::from_millis(2);
@@ -436,7 +440,7 @@ pub unsafe extern "C" fn nvmlDeviceGetAttributes(
     unsafe { nvmlDeviceGetAttributes_v2(device, attributes) }
 }
 
-// === sensors (physical GPUs only) ===
+// === sensors and counters (physical GPUs only; MIG handles answer NOT_SUPPORTED) ===
 
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn nvmlDeviceGetTemperature(
@@ -449,8 +453,8 @@ pub unsafe extern "C" fn nvmlDeviceGetTemperature(
         if sensor != 0 {
             return Err(NvmlError::InvalidArgument);
         }
-        let busy = cx.processes_of(Dev::Gpu(g)).len() as c_uint;
-        unsafe { put(temp, 33 + g as c_uint % 8 + 12 * busy.min(3)) }
+        let t = cx.temperature(g);
+        unsafe { put(temp, t) }
     })
 }
 
@@ -477,6 +481,8 @@ pub unsafe extern "C" fn nvmlDeviceGetTotalEnergyConsumption(
     })
 }
 
+/// `nvmlDeviceGetUtilizationRates`: NOT_SUPPORTED on MIG handles and, as on real GPUs, on a GPU
+/// whose MIG mode is enabled.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn nvmlDeviceGetUtilizationRates(
     device: nvmlDevice_t,
@@ -484,9 +490,114 @@ pub unsafe extern "C" fn nvmlDeviceGetUtilizationRates(
 ) -> nvmlReturn_t {
     run(|cx| {
         let g = physical_or_not_supported(cx, device)?;
+        if cx.mig_enabled(g) {
+            return Err(NvmlError::NotSupported);
+        }
         nonnull(utilization)?;
         let (gpu, memory) = cx.utilization(g);
         unsafe { put(utilization, nvmlUtilization_t { gpu, memory }) }
+    })
+}
+
+/// `nvmlDeviceGetClockInfo`: graphics (0), SM (1), memory (2) and video (3) clocks in MHz.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceGetClockInfo(
+    device: nvmlDevice_t,
+    clock_type: nvmlClockType_t,
+    clock: *mut c_uint,
+) -> nvmlReturn_t {
+    run(|cx| {
+        let g = physical_or_not_supported(cx, device)?;
+        nonnull(clock)?;
+        let mhz = cx.clock_mhz(g, clock_type).ok_or(NvmlError::InvalidArgument)?;
+        unsafe { put(clock, mhz) }
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceGetPcieReplayCounter(device: nvmlDevice_t, value: *mut c_uint) -> nvmlReturn_t {
+    run(|cx| {
+        let g = physical_or_not_supported(cx, device)?;
+        unsafe { put(value, cx.pcie_replay(g)) }
+    })
+}
+
+/// `nvmlDeviceGetTotalEccErrors`: error type corrected (0) or uncorrected (1), counter type
+/// volatile (0) or aggregate (1); both counter types answer the same count.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceGetTotalEccErrors(
+    device: nvmlDevice_t,
+    error_type: nvmlMemoryErrorType_t,
+    counter_type: nvmlEccCounterType_t,
+    count: *mut c_ulonglong,
+) -> nvmlReturn_t {
+    run(|cx| {
+        let g = physical_or_not_supported(cx, device)?;
+        if error_type > 1 || counter_type > 1 {
+            return Err(NvmlError::InvalidArgument);
+        }
+        unsafe { put(count, cx.ecc_errors(g, error_type == 0)) }
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceGetCurrentClocksThrottleReasons(
+    device: nvmlDevice_t,
+    reasons: *mut c_ulonglong,
+) -> nvmlReturn_t {
+    run(|cx| {
+        let g = physical_or_not_supported(cx, device)?;
+        nonnull(reasons)?;
+        let bits = cx.throttle_reasons(g);
+        unsafe { put(reasons, bits) }
+    })
+}
+
+/// `nvmlDeviceGetCurrentClocksEventReasons` (the newer name of the throttle reasons).
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceGetCurrentClocksEventReasons(
+    device: nvmlDevice_t,
+    reasons: *mut c_ulonglong,
+) -> nvmlReturn_t {
+    unsafe { nvmlDeviceGetCurrentClocksThrottleReasons(device, reasons) }
+}
+
+/// `nvmlDeviceGetFieldValues`: only `NVML_FI_DEV_MEMORY_TEMP` (82) is known; every other field
+/// gets NOT_SUPPORTED in its own `nvmlReturn`, and the call itself succeeds. On a MIG handle the
+/// call is NOT_SUPPORTED.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceGetFieldValues(
+    device: nvmlDevice_t,
+    count: c_int,
+    values: *mut nvmlFieldValue_t,
+) -> nvmlReturn_t {
+    run(|cx| {
+        let g = physical_or_not_supported(cx, device)?;
+        let n = usize::try_from(count).map_err(|_| NvmlError::InvalidArgument)?;
+        if n == 0 {
+            return Ok(());
+        }
+        nonnull(values)?;
+        // SAFETY: the caller passes an array of `count` field values (the NVML contract).
+        let values = unsafe { std::slice::from_raw_parts_mut(values, n) };
+        let micros = START.elapsed().as_micros() as i64;
+        for v in values {
+            let reading = match v.fieldId {
+                NVML_FI_DEV_MEMORY_TEMP => cx.memory_temperature(g),
+                _ => None,
+            };
+            v.timestamp = micros;
+            v.latencyUsec = 0;
+            match reading {
+                Some(value) => {
+                    v.valueType = nvmlValueType_enum_NVML_VALUE_TYPE_UNSIGNED_INT;
+                    v.nvmlReturn = SUCCESS;
+                    v.value = nvmlValue_t { uiVal: value };
+                }
+                None => v.nvmlReturn = NvmlError::NotSupported.code(),
+            }
+        }
+        Ok(())
     })
 }
 

@@ -40,6 +40,8 @@ struct GpuEntry {
     nvlink_peers: Vec<String>,
     #[serde(default)]
     mig_device: Vec<MigDeviceEntry>,
+    #[serde(default)]
+    readings: Readings,
 }
 
 #[derive(Debug, Deserialize)]
@@ -47,6 +49,38 @@ struct GpuEntry {
 struct MigDeviceEntry {
     profile: String,
     placement: Option<u32>,
+}
+
+/// Fixed sensor and counter values for one GPU (`[gpu.readings]`). Each key left out keeps the
+/// fake's default (see the README); a key that is set is what NVML reports, whatever the
+/// processes on the GPU.
+#[derive(Debug, Clone, Default, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Readings {
+    /// `nvmlDeviceGetUtilizationRates().gpu`, in %.
+    pub gpu_utilization: Option<u32>,
+    /// `nvmlDeviceGetUtilizationRates().memory`, in %.
+    pub memory_utilization: Option<u32>,
+    /// `nvmlDeviceGetTemperature(NVML_TEMPERATURE_GPU)`, in °C.
+    pub temperature: Option<u32>,
+    /// Field value `NVML_FI_DEV_MEMORY_TEMP`, in °C (also on models without HBM when set).
+    pub memory_temperature: Option<u32>,
+    /// `nvmlDeviceGetPowerUsage`, in milliwatts.
+    pub power_mw: Option<u32>,
+    /// `nvmlDeviceGetTotalEnergyConsumption`, in millijoules (fixed: it does not grow).
+    pub energy_mj: Option<u64>,
+    /// `nvmlDeviceGetClockInfo(NVML_CLOCK_SM)` (and `NVML_CLOCK_GRAPHICS`), in MHz.
+    pub sm_clock_mhz: Option<u32>,
+    /// `nvmlDeviceGetClockInfo(NVML_CLOCK_MEM)`, in MHz.
+    pub memory_clock_mhz: Option<u32>,
+    /// `nvmlDeviceGetPcieReplayCounter`.
+    pub pcie_replay: Option<u32>,
+    /// `nvmlDeviceGetTotalEccErrors(NVML_MEMORY_ERROR_TYPE_CORRECTED, …)`.
+    pub ecc_corrected: Option<u64>,
+    /// `nvmlDeviceGetTotalEccErrors(NVML_MEMORY_ERROR_TYPE_UNCORRECTED, …)`.
+    pub ecc_uncorrected: Option<u64>,
+    /// `nvmlDeviceGetCurrentClocksThrottleReasons` bitmask.
+    pub throttle_reasons: Option<u64>,
 }
 
 /// A validated machine description.
@@ -86,6 +120,8 @@ pub struct GpuSpec {
     pub nvlink_peers: Vec<BusId>,
     /// MIG devices that exist when the state is first built.
     pub mig_devices: Vec<MigDeviceSpec>,
+    /// Fixed readings from the machine file.
+    pub readings: Readings,
 }
 
 /// A pre-existing MIG device from the machine file.
@@ -168,6 +204,16 @@ fn gpu_spec(index: usize, e: GpuEntry) -> Result<GpuSpec, String> {
             function: 0,
         },
     };
+    for (key, value) in [
+        ("gpu_utilization", e.readings.gpu_utilization),
+        ("memory_utilization", e.readings.memory_utilization),
+    ] {
+        if let Some(v) = value
+            && v > 100
+        {
+            return Err(format!("readings.{key} = {v} is not a percentage"));
+        }
+    }
     if e.mig_mode && !model.has_mig() {
         return Err(format!("mig_mode = true but model {} has no MIG", model.key));
     }
@@ -215,6 +261,7 @@ fn gpu_spec(index: usize, e: GpuEntry) -> Result<GpuSpec, String> {
         pcie_switch: e.pcie_switch,
         nvlink_peers,
         mig_devices,
+        readings: e.readings,
     })
 }
 

@@ -45,6 +45,13 @@ pub struct GpuModel {
     pub nvlink_links: u32,
     /// Idle power draw reported by `nvmlDeviceGetPowerUsage`, in milliwatts.
     pub idle_power_mw: u32,
+    /// SM clock (MHz) of an idle GPU and of a busy one (the maximum boost clock).
+    pub sm_clock_mhz: (u32, u32),
+    /// Memory clock (MHz), `nvmlDeviceGetClockInfo(NVML_CLOCK_MEM)`.
+    pub memory_clock_mhz: u32,
+    /// HBM memory, whose temperature NVML reports (field `NVML_FI_DEV_MEMORY_TEMP`); GDDR parts
+    /// answer NOT_SUPPORTED.
+    pub hbm: bool,
     /// GPU-instance profiles; empty when the model has no MIG.
     pub gi_profiles: &'static [GiProfile],
 }
@@ -341,6 +348,9 @@ pub static MODELS: [GpuModel; 4] = [
         engines: eng(7, 5, 0, 1, 1),
         nvlink_links: 12,
         idle_power_mw: 54_000,
+        sm_clock_mhz: (210, 1410),
+        memory_clock_mhz: 1215,
+        hbm: true,
         gi_profiles: &A100_40GB_PROFILES,
     },
     GpuModel {
@@ -356,6 +366,9 @@ pub static MODELS: [GpuModel; 4] = [
         engines: eng(7, 5, 0, 1, 1),
         nvlink_links: 12,
         idle_power_mw: 62_000,
+        sm_clock_mhz: (210, 1410),
+        memory_clock_mhz: 1593,
+        hbm: true,
         gi_profiles: &A100_80GB_PROFILES,
     },
     GpuModel {
@@ -371,6 +384,9 @@ pub static MODELS: [GpuModel; 4] = [
         engines: eng(8, 7, 0, 7, 1),
         nvlink_links: 18,
         idle_power_mw: 71_000,
+        sm_clock_mhz: (345, 1980),
+        memory_clock_mhz: 2619,
+        hbm: true,
         gi_profiles: &H100_80GB_PROFILES,
     },
     GpuModel {
@@ -386,6 +402,9 @@ pub static MODELS: [GpuModel; 4] = [
         engines: eng(3, 2, 1, 0, 0),
         nvlink_links: 0,
         idle_power_mw: 14_000,
+        sm_clock_mhz: (300, 1590),
+        memory_clock_mhz: 5001,
+        hbm: false,
         gi_profiles: &[],
     },
 ];

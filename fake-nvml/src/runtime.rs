@@ -31,7 +31,9 @@ const EVENT_SBE: u64 = 0x1;
 const EVENT_DBE: u64 = 0x2;
 const EVENT_MIG_CONFIG: u64 = 0x100;
 
-static START: LazyLock<Instant> = LazyLock::new(Instant::now);
+/// When the library was loaded: the clock of the growing energy counter and of field-value
+/// timestamps.
+pub(crate) static START: LazyLock<Instant> = LazyLock::new(Instant::now);
 
 /// What a device handle designates (positions are valid while the lock is held).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -591,25 +593,112 @@ impl Cx<'_> {
         }
     }
 
-    /// Power draw in milliwatts: idle plus 25 W per running process, capped.
+    /// Number of compute processes on GPU `g` (itself and its MIG devices), the load the
+    /// default readings follow.
+    fn busy(&mut self, g: usize) -> u32 {
+        self.processes_of(Dev::Gpu(g)).len() as u32
+    }
+
+    /// GPU temperature in °C: the machine file's, else 33 + index (mod 8) plus 12 per process
+    /// (up to 3).
+    pub fn temperature(&mut self, g: usize) -> u32 {
+        if let Some(t) = self.lib.spec(g).readings.temperature {
+            return t;
+        }
+        33 + g as u32 % 8 + 12 * self.busy(g).min(3)
+    }
+
+    /// HBM temperature in °C: the machine file's, else 4 °C above the GPU; `None` (NOT_SUPPORTED)
+    /// on a model without HBM unless the machine file sets it.
+    pub fn memory_temperature(&mut self, g: usize) -> Option<u32> {
+        let spec = self.lib.spec(g);
+        if let Some(t) = spec.readings.memory_temperature {
+            return Some(t);
+        }
+        if !spec.model.hbm {
+            return None;
+        }
+        Some(self.temperature(g) + 4)
+    }
+
+    /// Power draw in milliwatts: the machine file's, else idle plus 25 W per running process,
+    /// capped.
     pub fn power_mw(&mut self, g: usize) -> u32 {
-        let n = self.processes_of(Dev::Gpu(g)).len() as u32;
+        if let Some(mw) = self.lib.spec(g).readings.power_mw {
+            return mw;
+        }
+        let n = self.busy(g);
         (self.lib.spec(g).model.idle_power_mw + 25_000 * n).min(400_000)
     }
 
-    /// Total energy in millijoules since the process loaded the library (monotonic).
+    /// Total energy in millijoules: the machine file's (fixed), else growing with the power
+    /// draw since the process loaded the library (monotonic).
     pub fn energy_mj(&mut self, g: usize) -> u64 {
+        if let Some(mj) = self.lib.spec(g).readings.energy_mj {
+            return mj;
+        }
         let ms = START.elapsed().as_millis() as u64;
         let mw = u64::from(self.power_mw(g));
         1_000_000 * (g as u64 + 1) + mw * ms / 1000
     }
 
-    /// (gpu %, memory %) utilization: 30 % per process, memory = used / total.
+    /// (gpu %, memory %) utilization: the machine file's, else 30 % per process and memory =
+    /// used / total.
     pub fn utilization(&mut self, g: usize) -> (u32, u32) {
-        let n = self.processes_of(Dev::Gpu(g)).len() as u32;
+        let fixed = &self.lib.spec(g).readings;
+        let (fixed_gpu, fixed_mem) = (fixed.gpu_utilization, fixed.memory_utilization);
+        let n = self.busy(g);
         let (total, used) = self.memory(Dev::Gpu(g));
         let mem = (used * 100).checked_div(total).unwrap_or(0) as u32;
-        ((30 * n).min(100), mem.min(100))
+        (
+            fixed_gpu.unwrap_or((30 * n).min(100)),
+            fixed_mem.unwrap_or(mem.min(100)),
+        )
+    }
+
+    /// `nvmlDeviceGetClockInfo` in MHz for clock type 0 (graphics), 1 (SM), 2 (memory) or 3
+    /// (video): the machine file's, else the model's idle SM clock with no process and its boost
+    /// clock with one; `None` for an unknown type.
+    pub fn clock_mhz(&mut self, g: usize, clock: u32) -> Option<u32> {
+        let fixed = self.lib.spec(g).readings.clone();
+        let model = self.lib.spec(g).model;
+        let sm = match fixed.sm_clock_mhz {
+            Some(mhz) => mhz,
+            None if self.busy(g) > 0 => model.sm_clock_mhz.1,
+            None => model.sm_clock_mhz.0,
+        };
+        match clock {
+            0 | 1 => Some(sm),
+            2 => Some(fixed.memory_clock_mhz.unwrap_or(model.memory_clock_mhz)),
+            3 => Some(sm * 9 / 10),
+            _ => None,
+        }
+    }
+
+    /// `nvmlDeviceGetPcieReplayCounter`: the machine file's, else 0.
+    pub fn pcie_replay(&self, g: usize) -> u32 {
+        self.lib.spec(g).readings.pcie_replay.unwrap_or(0)
+    }
+
+    /// ECC error count, corrected (single-bit) or uncorrected (double-bit): the machine file's,
+    /// else 0. Volatile and aggregate counters answer the same.
+    pub fn ecc_errors(&self, g: usize, corrected: bool) -> u64 {
+        let r = &self.lib.spec(g).readings;
+        if corrected { r.ecc_corrected } else { r.ecc_uncorrected }.unwrap_or(0)
+    }
+
+    /// Clock throttle reasons: the machine file's, else `GpuIdle` (0x1) with no process and none
+    /// with one.
+    pub fn throttle_reasons(&mut self, g: usize) -> u64 {
+        if let Some(bits) = self.lib.spec(g).readings.throttle_reasons {
+            return bits;
+        }
+        if self.busy(g) > 0 { 0 } else { 0x1 }
+    }
+
+    /// Whether GPU `g` is in MIG mode now (NVML then answers utilization NOT_SUPPORTED).
+    pub fn mig_enabled(&self, g: usize) -> bool {
+        self.lib.state.gpus[g].mig_current
     }
 
     /// `nvmlDeviceGetTopologyCommonAncestor` level between two GPUs.

@@ -71,6 +71,7 @@ impl Agent {
             self.close_nvml();
         }
         tracing::info!("driver: {}", crate::driver::plan::describe(&planned.plan));
+        let _long = crate::notify::LongStep::start(&self.long_step);
         let (config, root, p) = (self.config.clone(), self.root.clone(), planned.clone());
         let applied = tokio::task::spawn_blocking(move || drv::apply(&config, &root, &p))
             .await

@@ -17,6 +17,8 @@ impl Agent {
             return true;
         }
         let (config, root) = (self.config.clone(), self.root.clone());
+        // Restarting an engine may take its restart timeout, twice when rolling back.
+        let _long = crate::notify::LongStep::start(&self.long_step);
         let result = tokio::task::spawn_blocking(move || {
             let runner = Runner::new(&root);
             let observed = rt::observe(&config, &root, &runner)?;

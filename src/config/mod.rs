@@ -13,6 +13,7 @@
 
 mod error;
 mod merge;
+mod sharing;
 mod values;
 
 use crate::host::rooted;
@@ -27,9 +28,11 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 
 pub use error::{ConfigError, EXIT_CONFIG, Location};
+pub use sharing::{MemoryBudget, RESOURCE_PREFIX, SharedDevices, SharedResource, Sharing};
 pub use values::{
-    DeviceIdStrategy, DeviceListStrategies, DeviceListStrategy, LogFormat, MigStrategy, ParseDurationError,
-    ParseEnumError, check_label_key, check_label_value, format_duration, parse_duration,
+    DeviceIdStrategy, DeviceListStrategies, DeviceListStrategy, LogFormat, MemoryAction, MigStrategy,
+    ParseDurationError, ParseEnumError, SharedPolicy, SharingStrategy, check_label_key, check_label_value,
+    format_duration, parse_duration,
 };
 
 use merge::{KeyPath, Merged};
@@ -88,6 +91,12 @@ pub const DEFAULT_DEV_ROOT: &str = "/";
 pub const DEFAULT_HOST_MOUNTS_DRIVER_DIR: &str = "/usr/local/nvidia";
 /// `device_plugin.host_mounts_container_dir`: where that dir is mounted in the container.
 pub const DEFAULT_HOST_MOUNTS_CONTAINER_DIR: &str = "/usr/local/nvidia";
+/// `device_plugin.memory_limits.action`: a process over its replica's memory budget is logged.
+pub const DEFAULT_MEMORY_ACTION: MemoryAction = MemoryAction::Log;
+/// `device_plugin.memory_limits.interval`: how often GPU processes' memory is checked.
+pub const DEFAULT_MEMORY_INTERVAL: Duration = Duration::from_secs(5);
+/// `device_plugin.memory_limits.grace_period`: SIGTERM to SIGKILL under `action = "kill"`.
+pub const DEFAULT_MEMORY_GRACE_PERIOD: Duration = Duration::from_secs(10);
 
 /// `mig.enabled`: run the MIG stage (apply the layout a Node label names).
 pub const DEFAULT_MIG_ENABLED: bool = true;
@@ -213,6 +222,24 @@ pub const DEFAULT_LABEL_MIG_CONFIG_STATE: &str = "nvidia.com/mig.config.state";
 pub const DEFAULT_LABEL_DEVICE_PLUGIN_CONFIG: &str = "nvidia.com/device-plugin.config";
 /// Label the agent writes with the device plugin profile's state (its own addition).
 pub const DEFAULT_LABEL_DEVICE_PLUGIN_CONFIG_STATE: &str = "nvidia.com/device-plugin.config.state";
+/// Label the agent writes with the validation stage's state (its own addition).
+pub const DEFAULT_LABEL_VALIDATION_STATE: &str = "nvidia.com/gpu-node-agent.validation.state";
+/// `validation.enabled`: run the validation stage.
+pub const DEFAULT_VALIDATION_ENABLED: bool = true;
+/// `validation.cuda`: run the CUDA check (a kernel on every GPU, in a child process).
+pub const DEFAULT_VALIDATION_CUDA: bool = true;
+/// `metrics.enabled`: serve Prometheus metrics.
+pub const DEFAULT_METRICS_ENABLED: bool = true;
+/// `metrics.address`: dcgm-exporter's port.
+pub const DEFAULT_METRICS_ADDRESS: &str = "0.0.0.0:9400";
+/// `metrics.path`.
+pub const DEFAULT_METRICS_PATH: &str = "/metrics";
+/// `metrics.interval`: how often GPU readings are taken (dcgm-exporter's default collect
+/// interval is 30 s).
+pub const DEFAULT_METRICS_INTERVAL: Duration = Duration::from_secs(10);
+/// `metrics.pod_resources_socket`: the kubelet's pod-resources API.
+pub const DEFAULT_POD_RESOURCES_SOCKET: &str = "/var/lib/kubelet/pod-resources/kubelet.sock";
+
 /// Prefix of the reported GPU feature labels (GPU Feature Discovery's).
 pub const DEFAULT_FEATURE_PREFIX: &str = "nvidia.com/";
 /// Report the GPU feature labels.
@@ -260,6 +287,10 @@ pub struct Config {
     pub cdi: CdiConfig,
     /// `[mig]`
     pub mig: MigConfig,
+    /// `[validation]`
+    pub validation: ValidationConfig,
+    /// `[metrics]`
+    pub metrics: MetricsConfig,
     /// `[health]`
     pub health: HealthConfig,
     /// `[kubernetes]`
@@ -403,6 +434,35 @@ pub struct DevicePluginConfig {
     /// Named profiles a Node label selects (`[device_plugin.profiles.<name>]`): each overrides
     /// some of the keys above. Labels only name profiles; what they do is defined here.
     pub profiles: BTreeMap<String, DevicePluginProfile>,
+    /// `[device_plugin.sharing]`: time-slicing (none by default).
+    pub sharing: Sharing,
+    /// `[device_plugin.memory_limits]`: what happens to a process over its replica's memory
+    /// budget (`sharing.resources[].memory_per_replica`).
+    pub memory_limits: MemoryLimitsConfig,
+}
+
+/// `[device_plugin.memory_limits]`: the memory-limit enforcer's settings.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct MemoryLimitsConfig {
+    /// `log`, `kill` or `dry-run`.
+    pub action: MemoryAction,
+    /// How often the GPU processes' memory use is compared with the budgets.
+    #[serde(with = "values::duration")]
+    pub interval: Duration,
+    /// Under `kill`: how long after SIGTERM a process still over its budget gets SIGKILL.
+    #[serde(with = "values::duration")]
+    pub grace_period: Duration,
+}
+
+impl Default for MemoryLimitsConfig {
+    fn default() -> Self {
+        MemoryLimitsConfig {
+            action: DEFAULT_MEMORY_ACTION,
+            interval: DEFAULT_MEMORY_INTERVAL,
+            grace_period: DEFAULT_MEMORY_GRACE_PERIOD,
+        }
+    }
 }
 
 /// `[device_plugin.profiles.<name>]`: overrides of `[device_plugin]` keys, selected by name.
@@ -417,6 +477,9 @@ pub struct DevicePluginProfile {
     pub device_id_strategy: Option<DeviceIdStrategy>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub pass_device_specs: Option<bool>,
+    /// Replaces the whole `[device_plugin.sharing]` table.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub sharing: Option<Sharing>,
 }
 
 impl DevicePluginConfig {
@@ -436,6 +499,9 @@ impl DevicePluginConfig {
         }
         if let Some(v) = p.pass_device_specs {
             out.pass_device_specs = v;
+        }
+        if let Some(v) = &p.sharing {
+            out.sharing = v.clone();
         }
         Some(out)
     }
@@ -457,6 +523,8 @@ impl Default for DevicePluginConfig {
             host_mounts_container_dir: DEFAULT_HOST_MOUNTS_CONTAINER_DIR.into(),
             default_profile: String::new(),
             profiles: BTreeMap::new(),
+            sharing: Sharing::default(),
+            memory_limits: MemoryLimitsConfig::default(),
         }
     }
 }
@@ -829,6 +897,67 @@ impl MigConfig {
     }
 }
 
+/// `[validation]`: the last stage's checks (driver, runtime, CUDA, device plugin).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ValidationConfig {
+    /// Run the validation stage.
+    pub enabled: bool,
+    /// Run the CUDA check (once per driver version and daily).
+    pub cuda: bool,
+}
+
+impl Default for ValidationConfig {
+    fn default() -> Self {
+        ValidationConfig {
+            enabled: DEFAULT_VALIDATION_ENABLED,
+            cuda: DEFAULT_VALIDATION_CUDA,
+        }
+    }
+}
+
+/// `[metrics]`: Prometheus metrics with dcgm-exporter's names, and the agent's own.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct MetricsConfig {
+    /// Serve them.
+    pub enabled: bool,
+    /// Listen address, `host:port`.
+    pub address: String,
+    /// HTTP path.
+    pub path: String,
+    /// How often GPU readings are taken (never per scrape).
+    #[serde(with = "values::duration")]
+    pub interval: Duration,
+    /// The kubelet's pod-resources socket, for `pod`/`namespace`/`container` labels (host path).
+    pub pod_resources_socket: PathBuf,
+}
+
+impl Default for MetricsConfig {
+    fn default() -> Self {
+        MetricsConfig {
+            enabled: DEFAULT_METRICS_ENABLED,
+            address: DEFAULT_METRICS_ADDRESS.into(),
+            path: DEFAULT_METRICS_PATH.into(),
+            interval: DEFAULT_METRICS_INTERVAL,
+            pod_resources_socket: DEFAULT_POD_RESOURCES_SOCKET.into(),
+        }
+    }
+}
+
+impl MetricsConfig {
+    fn validate(&self) -> Check {
+        self.address
+            .parse::<std::net::SocketAddr>()
+            .map_err(|_| invalid("metrics.address", "expected host:port, e.g. \"0.0.0.0:9400\""))?;
+        if !self.path.starts_with('/') {
+            return Err(invalid("metrics.path", "expected a path starting with '/'"));
+        }
+        positive("metrics.interval", self.interval)?;
+        absolute_path("metrics.pod_resources_socket", &self.pod_resources_socket)
+    }
+}
+
 /// `[health]`: Xid events and lost GPUs.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -937,6 +1066,8 @@ pub struct LabelsConfig {
     pub device_plugin_config: String,
     /// Reported device plugin profile state: success | failed.
     pub device_plugin_config_state: String,
+    /// Reported validation stage state: success | failed | pending.
+    pub validation_state: String,
     /// Prefix of the GPU feature labels (`<prefix>gpu.product`, ...).
     pub feature_prefix: String,
     /// Report the GPU feature labels.
@@ -950,6 +1081,7 @@ impl Default for LabelsConfig {
             mig_config_state: DEFAULT_LABEL_MIG_CONFIG_STATE.into(),
             device_plugin_config: DEFAULT_LABEL_DEVICE_PLUGIN_CONFIG.into(),
             device_plugin_config_state: DEFAULT_LABEL_DEVICE_PLUGIN_CONFIG_STATE.into(),
+            validation_state: DEFAULT_LABEL_VALIDATION_STATE.into(),
             feature_prefix: DEFAULT_FEATURE_PREFIX.into(),
             report_features: DEFAULT_REPORT_FEATURES,
         }
@@ -1012,6 +1144,7 @@ impl Config {
         self.runtime.validate()?;
         self.cdi.validate()?;
         self.mig.validate()?;
+        self.metrics.validate()?;
         self.health.validate()?;
         self.kubernetes.validate()?;
         self.desired.validate()?;
@@ -1284,9 +1417,14 @@ impl DevicePluginConfig {
                 reason: format!("a profile name is selected by a label value: {reason}"),
             })?;
             if let Some(strategies) = &profile.device_list_strategy {
-                check_strategies(at.key("device_list_strategy"), strategies)?;
+                check_strategies(at.clone().key("device_list_strategy"), strategies)?;
+            }
+            if let Some(sharing) = &profile.sharing {
+                sharing.validate(&at.key("sharing"))?;
             }
         }
+        self.sharing.validate(&KeyPath::dotted("device_plugin.sharing"))?;
+        positive("device_plugin.memory_limits.interval", self.memory_limits.interval)?;
         if !self.default_profile.is_empty() && !self.profiles.contains_key(&self.default_profile) {
             return Err(invalid(
                 "device_plugin.default_profile",
@@ -1404,6 +1542,7 @@ impl LabelsConfig {
             ("labels.mig_config_state", &self.mig_config_state),
             ("labels.device_plugin_config", &self.device_plugin_config),
             ("labels.device_plugin_config_state", &self.device_plugin_config_state),
+            ("labels.validation_state", &self.validation_state),
         ] {
             values::check_label_key(value).map_err(|reason| invalid(key, reason))?;
         }
@@ -1646,7 +1785,7 @@ mod tests {
         assert_eq!(
             err(&[("main.toml", "# top\n\nbogus = 1\n")]),
             "main.toml:3: unknown key bogus: expected one of log, agent, nvml, kubelet, \
-             device_plugin, driver, runtime, cdi, mig, health, kubernetes, desired, labels"
+             device_plugin, driver, runtime, cdi, mig, validation, metrics, health, kubernetes, desired, labels"
         );
         assert_eq!(
             err(&[("main.toml", "[log]\nlevel = \"info\"\nformt = \"text\"\n")]),
@@ -1663,7 +1802,8 @@ mod tests {
             "/etc/gpu-node-agent/config.d/10-x.toml:3: unknown key device_plugin.mig_stratgy: \
              expected one of enabled, mig_strategy, device_list_strategy, device_id_strategy, \
              pass_device_specs, cdi_annotation_prefix, cdi_kind, driver_root, dev_root, \
-             host_mounts_driver_dir, host_mounts_container_dir, default_profile, profiles"
+             host_mounts_driver_dir, host_mounts_container_dir, default_profile, profiles, sharing, \
+             memory_limits"
         );
         // A section name typo is reported at its header.
         let e = err(&[("main.toml", "[log]\n[helth]\nenabled = false\n")]);

@@ -175,6 +175,42 @@ closed_enum! {
     }
 }
 
+closed_enum! {
+    /// How advertised devices are shared (`device_plugin.sharing.strategy`). MPS is not
+    /// supported yet.
+    pub enum SharingStrategy {
+        /// Every device is advertised once.
+        None = "none",
+        /// CUDA time-slicing: each device is advertised as `replicas` devices `<id>::<n>`.
+        TimeSlicing = "time-slicing",
+    }
+}
+
+closed_enum! {
+    /// How `GetPreferredAllocation` picks shared devices (MIG devices and replicas) over
+    /// physical GPUs (`device_plugin.sharing.policy`, NVIDIA's
+    /// `sharedDevicesAllocationPolicy`).
+    pub enum SharedPolicy {
+        /// Prefer the physical GPU with the fewest of the resource's devices in use.
+        Distributed = "distributed",
+        /// Prefer the physical GPU with the most of the resource's devices in use.
+        Packed = "packed",
+    }
+}
+
+closed_enum! {
+    /// What the memory-limit enforcer does with a process over its replica's memory budget
+    /// (`device_plugin.memory_limits.action`).
+    pub enum MemoryAction {
+        /// Log it (and report it in status).
+        Log = "log",
+        /// SIGTERM the process, then SIGKILL after `grace_period`.
+        Kill = "kill",
+        /// Log what `kill` would do, and do nothing.
+        DryRun = "dry-run",
+    }
+}
+
 /// `device_plugin.device_list_strategy`: one strategy or a list of them. A single string in
 /// the file is read as a one-element list; it is always written back as a list.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]

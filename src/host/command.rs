@@ -156,53 +156,65 @@ impl Runner {
 
     /// Runs `cmd` to the end; any exit status is `Ok`.
     pub fn output(&self, cmd: &Cmd) -> Result<Output, CmdError> {
-        let line = cmd.to_string();
-        let program = self.root.join(&cmd.program);
-        if !cmd.program.is_absolute() {
-            return Err(CmdError::Spawn {
-                cmd: line,
-                source: std::io::Error::new(std::io::ErrorKind::InvalidInput, "the program is not an absolute path"),
-            });
-        }
-        if !program.is_file() {
-            return Err(CmdError::NotFound { cmd: line, program });
-        }
-        tracing::debug!(command = %line, "running");
-        let mut command = Command::new(&program);
-        command
-            .args(&cmd.args)
-            .envs(cmd.env.iter().map(|(k, v)| (k, v)))
-            .process_group(0)
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped());
-        let child = command.spawn().map_err(|source| CmdError::Spawn {
-            cmd: line.clone(),
-            source,
-        })?;
-        wait(child, cmd.timeout).map_err(|e| match e {
-            Waited::Timeout => CmdError::Timeout {
-                cmd: line,
-                timeout: cmd.timeout,
-            },
-            Waited::Io(source) => CmdError::Spawn { cmd: line, source },
-        })
+        spawn(cmd, self.root.join(&cmd.program))
     }
 
     /// Runs `cmd`; a non-zero exit is [`CmdError::Failed`].
     pub fn run(&self, cmd: &Cmd) -> Result<Output, CmdError> {
-        let out = self.output(cmd)?;
-        if out.success() {
-            Ok(out)
-        } else {
-            Err(CmdError::Failed {
-                cmd: cmd.to_string(),
-                status: out.status,
-                stdout: out.stdout,
-                stderr: out.stderr,
-            })
-        }
+        succeeded(cmd, self.output(cmd)?)
     }
+}
+
+/// Runs `cmd` with its program as given, not under a root prefix: for the agent's own binary
+/// (child processes such as the CUDA check), never for host programs. A non-zero exit is `Ok`.
+pub fn run_unrooted(cmd: &Cmd) -> Result<Output, CmdError> {
+    spawn(cmd, cmd.program.clone())
+}
+
+fn succeeded(cmd: &Cmd, out: Output) -> Result<Output, CmdError> {
+    if out.success() {
+        Ok(out)
+    } else {
+        Err(CmdError::Failed {
+            cmd: cmd.to_string(),
+            status: out.status,
+            stdout: out.stdout,
+            stderr: out.stderr,
+        })
+    }
+}
+
+fn spawn(cmd: &Cmd, program: PathBuf) -> Result<Output, CmdError> {
+    let line = cmd.to_string();
+    if !cmd.program.is_absolute() {
+        return Err(CmdError::Spawn {
+            cmd: line,
+            source: std::io::Error::new(std::io::ErrorKind::InvalidInput, "the program is not an absolute path"),
+        });
+    }
+    if !program.is_file() {
+        return Err(CmdError::NotFound { cmd: line, program });
+    }
+    tracing::debug!(command = %line, "running");
+    let mut command = Command::new(&program);
+    command
+        .args(&cmd.args)
+        .envs(cmd.env.iter().map(|(k, v)| (k, v)))
+        .process_group(0)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    let child = command.spawn().map_err(|source| CmdError::Spawn {
+        cmd: line.clone(),
+        source,
+    })?;
+    wait(child, cmd.timeout).map_err(|e| match e {
+        Waited::Timeout => CmdError::Timeout {
+            cmd: line,
+            timeout: cmd.timeout,
+        },
+        Waited::Io(source) => CmdError::Spawn { cmd: line, source },
+    })
 }
 
 enum Waited {

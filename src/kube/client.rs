@@ -355,6 +355,9 @@ impl KubeClient {
                 Ok(Ok(response)) => response,
             };
             let status = response.status();
+            if let Some(metrics) = crate::metrics::global() {
+                metrics.api_request(method.as_str(), status.as_u16());
+            }
             if status.is_success() {
                 return Ok(response);
             }

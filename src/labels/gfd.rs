@@ -27,11 +27,12 @@
 //! - `gpu.memory` is the GPU's memory in MiB, absent when 0; `gpu.family` and
 //!   `gpu.compute.{major,minor}` come from the compute capability and are absent without one.
 //!
-//! Sharing: `replicas > 1` means shared. A shared resource has `replicas` = the count,
+//! Sharing is per resource, as GFD looks each one up in the sharing config by its unrenamed
+//! name: `gpu` (whole GPUs, and the MIG devices under `single`) or `mig-<profile>` (`mixed`).
+//! `replicas > 1` means shared. A shared resource has `replicas` = the count,
 //! `sharing-strategy` = the given strategy, and `-SHARED` after the product unless the resource
-//! is renamed (`<name>.shared`, whose labels keep the unrenamed keys). `replicas` of 0 or 1 is
-//! labelled `1` with strategy `none`. The one `replicas` given applies to every resource
-//! advertised: whole GPUs, the MIG devices under `single` and every `mig-<profile>` under `mixed`.
+//! is renamed (`<name>.shared`, whose labels keep the unrenamed keys). A resource not shared, or
+//! with `replicas` of 0 or 1, is labelled `1` with strategy `none`.
 //!
 //! MIG `single` (labels over the whole-GPU ones): nothing more when no GPU has MIG enabled.
 //! When MIG is enabled on some GPUs but not all, or a MIG-enabled GPU has no MIG devices, or
@@ -73,13 +74,24 @@ pub struct FeatureInputs<'a> {
     pub prefix: &'a str,
     /// DMI product name as read from `/sys/class/dmi/id/product_name` (raw; sanitised here).
     pub machine: Option<&'a str>,
-    /// Time-slicing replicas per GPU; 1 = not shared.
-    pub replicas: u32,
     /// `none` | `time-slicing` | `mps`.
     pub sharing_strategy: &'a str,
-    /// Shared resources are renamed to `<name>.shared` (no `-SHARED` product suffix then).
+    /// The shared resources by name after `nvidia.com/` (`gpu`, `mig-1g.5gb`); a resource not
+    /// in it is not shared.
+    pub shared: &'a BTreeMap<String, ResourceSharing>,
+}
+
+/// How one resource is shared.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ResourceSharing {
+    /// Replicas per device; 1 = not shared.
+    pub replicas: u32,
+    /// Advertised under another name (`<name>.shared`): no `-SHARED` product suffix then.
     pub renamed: bool,
 }
+
+/// No resource is shared.
+pub static NOT_SHARED: BTreeMap<String, ResourceSharing> = BTreeMap::new();
 
 /// The GFD labels for the inventory: the complete set this module owns, so a key that was
 /// produced before and is not now should be removed from the Node.
@@ -103,9 +115,8 @@ pub fn feature_labels(inputs: &FeatureInputs) -> BTreeMap<String, String> {
         bool_value(inputs.sharing_strategy == "mps" && !mig_enabled),
     );
     let sharing = Sharing {
-        replicas: inputs.replicas,
         strategy: inputs.sharing_strategy,
-        renamed: inputs.renamed,
+        resources: inputs.shared,
     };
     whole_gpu_labels(&mut out, &inventory.gpus, &sharing);
     match inputs.mig_strategy {
@@ -162,14 +173,17 @@ impl Labels {
 
 /// The sharing settings of the advertised resources.
 struct Sharing<'a> {
-    replicas: u32,
     strategy: &'a str,
-    renamed: bool,
+    resources: &'a BTreeMap<String, ResourceSharing>,
 }
 
 impl Sharing<'_> {
-    fn shared(&self) -> bool {
-        self.replicas > 1
+    /// How `resource` (`gpu`, `mig-<profile>`) is shared; not at all when not listed.
+    fn of(&self, resource: &str) -> ResourceSharing {
+        self.resources.get(resource).copied().unwrap_or(ResourceSharing {
+            replicas: 1,
+            renamed: false,
+        })
     }
 }
 
@@ -218,12 +232,16 @@ fn version_labels(out: &mut Labels, inventory: &Inventory) {
 /// The labels GFD writes for one resource (`gpu` or `mig-<profile>`): product, count, replicas
 /// and sharing strategy. `sharing` is `None` where sharing does not apply (MIG-enabled GPUs).
 fn resource_labels(out: &mut Labels, resource: &str, sharing: Option<&Sharing>, count: usize, parts: &[&str]) {
-    let shared = sharing.filter(|s| s.shared());
-    let replicas = sharing.map_or(0, |s| s.replicas.max(1));
-    let strategy = shared.map_or_else(|| "none".to_string(), |s| label_value(&sanitise(s.strategy)));
+    let this = sharing.map(|s| s.of(resource));
+    let shared = this.is_some_and(|r| r.replicas > 1);
+    let replicas = this.map_or(0, |r| r.replicas.max(1));
+    let strategy = match sharing {
+        Some(s) if shared => label_value(&sanitise(s.strategy)),
+        _ => "none".to_string(),
+    };
     out.set(
         format!("{resource}.product"),
-        product(parts, shared.is_some_and(|s| !s.renamed)),
+        product(parts, shared && this.is_some_and(|r| !r.renamed)),
     );
     out.set(format!("{resource}.count"), count.to_string());
     out.set(format!("{resource}.replicas"), replicas.to_string());
@@ -493,10 +511,15 @@ mod tests {
             mig_strategy,
             prefix: "nvidia.com/",
             machine: None,
-            replicas: 1,
             sharing_strategy: "none",
-            renamed: false,
+            shared: &NOT_SHARED,
         }
+    }
+
+    fn shared(list: &[(&str, u32, bool)]) -> BTreeMap<String, ResourceSharing> {
+        list.iter()
+            .map(|&(name, replicas, renamed)| (name.to_string(), ResourceSharing { replicas, renamed }))
+            .collect()
     }
 
     fn labels(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
@@ -731,7 +754,8 @@ mod tests {
     fn time_slicing_marks_products_shared_unless_renamed() {
         let inv = inventory((0..2).map(|i| a100(i, None)).collect());
         let mut i = inputs(&inv, MigStrategy::None);
-        i.replicas = 4;
+        let four = shared(&[("gpu", 4, false)]);
+        i.shared = &four;
         i.sharing_strategy = "time-slicing";
         let got = feature_labels(&i);
         assert_eq!(get(&got, "gpu.product"), Some("NVIDIA-A100-SXM4-40GB-SHARED"));
@@ -739,7 +763,8 @@ mod tests {
         assert_eq!(get(&got, "gpu.sharing-strategy"), Some("time-slicing"));
         assert_eq!(get(&got, "gpu.count"), Some("2"));
         assert_eq!(get(&got, "mps.capable"), Some("false"));
-        i.renamed = true;
+        let renamed = shared(&[("gpu", 4, true)]);
+        i.shared = &renamed;
         let got = feature_labels(&i);
         assert_eq!(get(&got, "gpu.product"), Some("NVIDIA-A100-SXM4-40GB"));
         assert_eq!(get(&got, "gpu.replicas"), Some("4"));
@@ -748,7 +773,8 @@ mod tests {
         assert_eq!(get(&got, "gpu.sharing-strategy"), Some("mps"));
         assert_eq!(get(&got, "mps.capable"), Some("true"));
         // replicas 0 reads as 1, not shared.
-        i.replicas = 0;
+        let zero = shared(&[("gpu", 0, false)]);
+        i.shared = &zero;
         let got = feature_labels(&i);
         assert_eq!(get(&got, "gpu.replicas"), Some("1"));
         assert_eq!(get(&got, "gpu.sharing-strategy"), Some("none"));
@@ -758,7 +784,8 @@ mod tests {
     fn sharing_applies_to_mig_resources_but_not_to_mig_enabled_gpus() {
         let inv = inventory(vec![with_migs(a100(0, Some(true)), &["1g.5gb", "1g.5gb+me"])]);
         let mut i = inputs(&inv, MigStrategy::Mixed);
-        i.replicas = 4;
+        let four = shared(&[("gpu", 4, false), ("mig-1g.5gb", 4, false), ("mig-1g.5gb.me", 4, false)]);
+        i.shared = &four;
         i.sharing_strategy = "time-slicing";
         let got = feature_labels(&i);
         assert_eq!(get(&got, "gpu.product"), Some("NVIDIA-A100-SXM4-40GB"));
@@ -777,13 +804,25 @@ mod tests {
             get(&got, "mig-1g.5gb.me.product"),
             Some("NVIDIA-A100-SXM4-40GB-MIG-1g.5gb.me-SHARED")
         );
+        // Sharing is per resource: a profile not listed is not shared.
+        let one = shared(&[("mig-1g.5gb", 4, false)]);
+        i.shared = &one;
+        let got = feature_labels(&i);
+        assert_eq!(get(&got, "mig-1g.5gb.replicas"), Some("4"));
+        assert_eq!(get(&got, "mig-1g.5gb.me.replicas"), Some("1"));
+        assert_eq!(get(&got, "mig-1g.5gb.me.sharing-strategy"), Some("none"));
+        assert_eq!(
+            get(&got, "mig-1g.5gb.me.product"),
+            Some("NVIDIA-A100-SXM4-40GB-MIG-1g.5gb.me")
+        );
         // MPS is not possible with MIG enabled.
         i.sharing_strategy = "mps";
         assert_eq!(get(&feature_labels(&i), "mps.capable"), Some("false"));
         // Under single the MIG devices are the shared nvidia.com/gpu.
         let inv = a100_single();
         let mut i = inputs(&inv, MigStrategy::Single);
-        i.replicas = 2;
+        let two = shared(&[("gpu", 2, false)]);
+        i.shared = &two;
         i.sharing_strategy = "time-slicing";
         let got = feature_labels(&i);
         assert_eq!(
@@ -829,7 +868,8 @@ mod tests {
         // A GPU without MIG wins over MIG-enabled ones, which are counted when of its model.
         let inv = inventory(vec![h100(0), a100(1, Some(true)), a100(2, Some(false))]);
         let mut i = inputs(&inv, MigStrategy::Mixed);
-        i.replicas = 3;
+        let three = shared(&[("gpu", 3, false)]);
+        i.shared = &three;
         i.sharing_strategy = "time-slicing";
         let got = feature_labels(&i);
         assert_eq!(get(&got, "gpu.product"), Some("NVIDIA-A100-SXM4-40GB-SHARED"));
@@ -870,7 +910,8 @@ mod tests {
         let long = "NVIDIA RTX PRO 6000 Blackwell Server Edition With A Much Longer Name";
         let inv = inventory(vec![gpu(0, long, 97887, (12, 0), None)]);
         let mut i = inputs(&inv, MigStrategy::None);
-        i.replicas = 2;
+        let two = shared(&[("gpu", 2, false)]);
+        i.shared = &two;
         i.sharing_strategy = "time-slicing";
         let machine = "Box-".repeat(30);
         i.machine = Some(&machine);
@@ -972,14 +1013,18 @@ mod tests {
                 (shared, "time-slicing", false),
                 (shared, "mps", true),
             ] {
+                // Every resource shared alike.
+                let resources = std::iter::once("gpu".to_string())
+                    .chain(mig_profiles(&inv.gpus).into_iter().map(|(p, ..)| format!("mig-{p}")))
+                    .map(|name| (name, ResourceSharing { replicas, renamed }))
+                    .collect();
                 let i = FeatureInputs {
                     inventory: inv,
                     mig_strategy: *strategy,
                     prefix: "nvidia.com/",
                     machine: Some("PowerEdge XE9680 (rev. 2)"),
-                    replicas,
                     sharing_strategy: sharing,
-                    renamed,
+                    shared: &resources,
                 };
                 let got = feature_labels(&i);
                 assert!(!got.is_empty());

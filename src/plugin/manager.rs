@@ -220,6 +220,9 @@ impl PluginManager {
                     tracing::info!(resource = %name, socket = %entry.plugin.socket.display(), "registered with the kubelet");
                     entry.registered_at = Some(SystemTime::now());
                     entry.error = None;
+                    if let Some(metrics) = crate::metrics::global() {
+                        metrics.registration(name);
+                    }
                 }
                 Err(e) => {
                     tracing::warn!(resource = %name, "registration failed, will retry: {e}");

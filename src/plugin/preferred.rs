@@ -108,16 +108,9 @@ pub fn link_score(nvlinks: u32, level: Option<TopologyLevel>) -> u32 {
         .saturating_add(level.map_or(0, TopologyLevel::score))
 }
 
-/// How shared devices (MIG devices, time-slicing/MPS replicas) are chosen
-/// (NVIDIA's `sharedDevicesAllocationPolicy`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
-pub enum SharedPolicy {
-    /// Prefer the physical GPU with the fewest of this resource's devices in use (default).
-    #[default]
-    Distributed,
-    /// Prefer the physical GPU with the most of this resource's devices in use.
-    Packed,
-}
+/// How shared devices (MIG devices, time-slicing replicas) are chosen: the config's
+/// `[device_plugin.sharing] policy` (NVIDIA's `sharedDevicesAllocationPolicy`).
+pub use crate::config::SharedPolicy;
 
 /// Why a preferred-allocation request was refused.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]

@@ -136,6 +136,9 @@ impl DevicePlugin for DevicePluginService {
             }
         }
         self.stats.allocations.fetch_add(1, Ordering::Relaxed);
+        if let Some(metrics) = crate::metrics::global() {
+            metrics.allocation(&resource.name);
+        }
         tracing::info!(resource = %resource.name, devices = ?request.get_ref().container_requests.iter().map(|r| &r.devices_ids).collect::<Vec<_>>(), "Allocate");
         Ok(Response::new(api::AllocateResponse { container_responses }))
     }

@@ -10,6 +10,10 @@
 //! With [`KubeletOptions::legacy_authority`] every call to the plugin carries the HTTP/2
 //! `:authority` that kubelets before 1.26 sent (the plugin socket's full path), using the
 //! raw HTTP/2 client in [`rawh2`].
+//!
+//! [`TestKubelet::serve_pod_resources`] also serves the pod-resources API (`v1`) on
+//! `<root>/pod-resources/kubelet.sock`, reporting the allocations it made for the pods and
+//! containers the test names (see [`pod_resources`]).
 
 use std::collections::HashMap;
 use std::fmt;
@@ -28,6 +32,7 @@ use tokio::task::{AbortHandle, JoinHandle, JoinSet};
 use tonic::transport::{Channel, Endpoint};
 use tonic::{Request, Response, Status};
 
+pub mod pod_resources;
 pub mod rawh2;
 pub mod validate;
 
@@ -35,6 +40,14 @@ pub mod validate;
 pub mod api {
     tonic::include_proto!("v1beta1");
 }
+
+/// The generated pod-resources API (`v1`), client and server.
+pub mod podresources {
+    tonic::include_proto!("v1");
+}
+
+use pod_resources::{Holding, PodResourcesServer};
+pub use pod_resources::{POD_RESOURCES_DIR, POD_RESOURCES_SOCKET, PodContainer};
 
 use api::device_plugin_client::DevicePluginClient;
 use api::registration_server::{Registration, RegistrationServer};
@@ -306,6 +319,10 @@ struct State {
     updates: HashMap<String, Vec<Update>>,
     violations: Vec<String>,
     streams: u64,
+    /// Devices held by pods' containers, what the pod-resources API reports.
+    holdings: Vec<Holding>,
+    /// Pods made up for plain `allocate` calls.
+    pods_made: u64,
 }
 
 struct Inner {
@@ -583,6 +600,7 @@ struct Server {
 pub struct TestKubelet {
     inner: Arc<Inner>,
     server: Mutex<Option<Server>>,
+    pod_resources: Mutex<Option<PodResourcesServer>>,
 }
 
 impl TestKubelet {
@@ -602,6 +620,7 @@ impl TestKubelet {
         let kubelet = TestKubelet {
             inner,
             server: Mutex::new(None),
+            pod_resources: Mutex::new(None),
         };
         kubelet.serve()?;
         Ok(kubelet)
@@ -915,8 +934,88 @@ impl TestKubelet {
     }
 
     /// `Allocate` for one container with `device_ids`, as the kubelet does at container
-    /// creation (no timeout). The IDs are passed through unchecked.
+    /// creation (no timeout). The IDs are passed through unchecked. On success the pod-resources
+    /// API reports the devices as held by a made-up container `default/test-pod-<n>`, `main`.
     pub async fn allocate(
+        &self,
+        resource: &str,
+        device_ids: &[&str],
+    ) -> Result<api::ContainerAllocateResponse, Status> {
+        let resp = self.allocate_one(resource, device_ids).await?;
+        let holder = {
+            let mut st = self.inner.lock();
+            st.pods_made += 1;
+            PodContainer::new("default", &format!("test-pod-{}", st.pods_made), "main")
+        };
+        self.assign(resource, device_ids, &holder);
+        Ok(resp)
+    }
+
+    /// [`allocate`](Self::allocate) for the container `holder`: on success the pod-resources
+    /// API reports `device_ids` of `resource` as held by it.
+    pub async fn allocate_for(
+        &self,
+        resource: &str,
+        device_ids: &[&str],
+        holder: &PodContainer,
+    ) -> Result<api::ContainerAllocateResponse, Status> {
+        let resp = self.allocate_one(resource, device_ids).await?;
+        self.assign(resource, device_ids, holder);
+        Ok(resp)
+    }
+
+    /// Records `device_ids` of `resource` as held by `holder` without calling any plugin (for
+    /// tests of pod-resources clients that run no device plugin).
+    pub fn assign(&self, resource: &str, device_ids: &[&str], holder: &PodContainer) {
+        self.inner.lock().holdings.push(Holding {
+            holder: holder.clone(),
+            resource: resource.to_string(),
+            device_ids: device_ids.iter().map(|s| s.to_string()).collect(),
+        });
+    }
+
+    /// The pod `namespace/pod` ended: its containers hold nothing any more.
+    pub fn release(&self, namespace: &str, pod: &str) {
+        self.inner
+            .lock()
+            .holdings
+            .retain(|h| h.holder.namespace != namespace || h.holder.pod != pod);
+    }
+
+    /// What the pod-resources `List` call answers now.
+    pub fn pod_resources(&self) -> Vec<podresources::PodResources> {
+        pod_resources::list(&self.inner.lock().holdings)
+    }
+
+    /// Serves the pod-resources API on `<root>/pod-resources/kubelet.sock` (the directory is
+    /// created with mode 0750, a stale socket replaced) and returns the socket's path. `root`
+    /// plays the kubelet's root directory (`/var/lib/kubelet`). The server keeps serving across
+    /// [`restart`](Self::restart); a second call moves it to the new root.
+    pub fn serve_pod_resources(&self, root: &Path) -> io::Result<PathBuf> {
+        let mut slot = self.pod_resources.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(old) = slot.take() {
+            old.stop();
+        }
+        let server = PodResourcesServer::start(root, self.inner.clone())?;
+        let socket = server.socket.clone();
+        *slot = Some(server);
+        Ok(socket)
+    }
+
+    /// The pod-resources socket, while it is served.
+    pub fn pod_resources_socket(&self) -> Option<PathBuf> {
+        let slot = self.pod_resources.lock().unwrap_or_else(|p| p.into_inner());
+        slot.as_ref().map(|s| s.socket.clone())
+    }
+
+    fn stop_pod_resources(&self) {
+        let mut slot = self.pod_resources.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(server) = slot.take() {
+            server.stop();
+        }
+    }
+
+    async fn allocate_one(
         &self,
         resource: &str,
         device_ids: &[&str],
@@ -1035,11 +1134,12 @@ impl TestKubelet {
         self.serve()
     }
 
-    /// Stops serving, drops every plugin connection and stream and removes `kubelet.sock`;
-    /// the plugins' sockets are left alone.
+    /// Stops serving, drops every plugin connection and stream and removes `kubelet.sock` (and
+    /// the pod-resources socket); the plugins' sockets are left alone.
     pub async fn stop(self) {
         self.halt("kubelet stopped");
         let _ = std::fs::remove_file(self.socket_path());
+        self.stop_pod_resources();
     }
 }
 
@@ -1049,6 +1149,7 @@ impl Drop for TestKubelet {
             self.halt("kubelet stopped");
             let _ = std::fs::remove_file(self.socket_path());
         }
+        self.stop_pod_resources();
     }
 }
 

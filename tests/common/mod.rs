@@ -133,7 +133,10 @@ impl Node {
         let path = self.config_path();
         let dir = path.parent().expect("etc dir");
         fs::create_dir_all(dir.join("config.d")).expect("mkdir config dir");
-        let main = format!("[nvml]\nlibrary = \"{NVML_PATH}\"\n\n[health]\nlost_check_interval = \"100ms\"\n");
+        // Metrics on a free loopback port: tests run many agents at once.
+        let main = format!(
+            "[nvml]\nlibrary = \"{NVML_PATH}\"\n\n[health]\nlost_check_interval = \"100ms\"\n\n[metrics]\naddress = \"127.0.0.1:0\"\n"
+        );
         fs::write(&path, main).expect("write config");
         let dropin = dir.join("config.d/50-test.toml");
         if extra.is_empty() {

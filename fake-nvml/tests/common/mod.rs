@@ -103,6 +103,8 @@ macro_rules! sym {
             .expect(concat!(stringify!($name), " is exported"))
     };
 }
+// Not every test file makes raw calls.
+#[allow(unused_imports)]
 pub(crate) use sym;
 
 pub fn handle(d: &Device<'_>) -> nvml_wrapper_sys::bindings::nvmlDevice_t {

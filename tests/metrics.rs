@@ -1,0 +1,530 @@
+//! The metrics endpoint against the fake NVML library (in process) and the test kubelet's
+//! pod-resources service: dcgm-exporter's names, labels and values for GPUs and MIG GPU
+//! instances, pod labels, Xids, the agent's own metrics, and the HTTP behaviour. The output is
+//! parsed with a Prometheus text parser. One test function: the fake library is a process-wide
+//! singleton configured through the environment.
+
+mod common;
+
+use std::collections::{BTreeMap, HashMap};
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::sync::Arc;
+use std::time::Duration;
+
+use gpu_node_agent::metrics::{FIELDS, Metrics, MetricsServer, Sampler, SamplerConfig, XID_ERRORS};
+use gpu_node_agent::nvml::{Gpus, HealthEvent, Inventory};
+use prometheus_parse::{Scrape, Value};
+use test_kubelet::{KubeletOptions, PodContainer, TestKubelet};
+use tokio::sync::{oneshot, watch};
+
+const GPU0: &str = "GPU-00000000-1111-2222-3333-444455556666";
+const GPU1: &str = "GPU-00000001-1111-2222-3333-444455556666";
+
+/// GPU 0: an A100 without MIG whose readings are all fixed. GPU 1: an A100 in MIG mode with a
+/// 3g.20gb GPU instance at slice 0 and one at slice 4 split into two 1-slice compute instances.
+const MACHINE: &str = r#"
+driver_version = "550.54.15"
+cuda_driver_version = 12040
+
+[[gpu]]
+model = "A100-SXM4-40GB"
+uuid = "GPU-00000000-1111-2222-3333-444455556666"
+pci_bus_id = "00000000:07:00.0"
+[gpu.readings]
+gpu_utilization = 42
+memory_utilization = 17
+temperature = 51
+memory_temperature = 60
+power_mw = 123456
+energy_mj = 987654321
+sm_clock_mhz = 1300
+memory_clock_mhz = 1200
+pcie_replay = 3
+ecc_corrected = 5
+ecc_uncorrected = 1
+throttle_reasons = 4
+
+[[gpu]]
+model = "A100-SXM4-40GB"
+uuid = "GPU-00000001-1111-2222-3333-444455556666"
+pci_bus_id = "00000000:0F:00.0"
+mig_mode = true
+[gpu.readings]
+temperature = 40
+energy_mj = 5000
+[[gpu.mig_device]]
+profile = "3g.20gb"
+placement = 0
+[[gpu.mig_device]]
+profile = "1c.3g.20gb"
+placement = 4
+[[gpu.mig_device]]
+profile = "1c.3g.20gb"
+placement = 4
+"#;
+
+const HOST: &str = "gpu-node-1";
+
+/// A minimal HTTP/1.1 client: (status, content type, body).
+fn http(addr: SocketAddr, method: &str, path: &str) -> (u16, String, String) {
+    let mut stream = TcpStream::connect(addr).expect("connect to the metrics endpoint");
+    stream.set_read_timeout(Some(Duration::from_secs(5))).expect("timeout");
+    write!(
+        stream,
+        "{method} {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n"
+    )
+    .expect("send request");
+    let mut raw = String::new();
+    stream.read_to_string(&mut raw).expect("read response");
+    let (head, body) = raw.split_once("\r\n\r\n").expect("a response with headers");
+    let status = head
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .expect("status code");
+    let content_type = head
+        .lines()
+        .find_map(|l| l.strip_prefix("content-type: "))
+        .unwrap_or_default()
+        .to_string();
+    (status, content_type, body.to_string())
+}
+
+/// Parses the scrape with prometheus-parse, after checking what that lenient parser does not:
+/// every sample belongs to a family declared by a `# TYPE` line (counters as `<name>_total`,
+/// histograms as `_bucket`/`_sum`/`_count`), and `# EOF` ends the text.
+fn parse(body: &str) -> Scrape {
+    let mut declared: HashMap<&str, &str> = HashMap::new();
+    for line in body.lines() {
+        if let Some(rest) = line.strip_prefix("# TYPE ") {
+            let (name, kind) = rest.split_once(' ').expect("# TYPE name kind");
+            declared.insert(name, kind);
+        } else if !line.starts_with('#') {
+            let name = line.split(['{', ' ']).next().unwrap_or_default();
+            let family_ok = |family: &str, kinds: &[&str]| declared.get(family).is_some_and(|k| kinds.contains(k));
+            let ok = family_ok(name, &["gauge", "unknown"])
+                || name.strip_suffix("_total").is_some_and(|f| family_ok(f, &["counter"]))
+                || ["_bucket", "_sum", "_count"]
+                    .iter()
+                    .any(|s| name.strip_suffix(s).is_some_and(|f| family_ok(f, &["histogram"])));
+            assert!(ok, "sample {name} has no matching # TYPE line");
+        }
+    }
+    assert_eq!(body.lines().last(), Some("# EOF"));
+    Scrape::parse(body.lines().map(|l| Ok(l.to_string()))).expect("the output parses")
+}
+
+type LabelSet = BTreeMap<String, String>;
+
+/// Every sample of `name`: its labels and value (gauge, counter or untyped).
+fn samples(scrape: &Scrape, name: &str) -> Vec<(LabelSet, f64)> {
+    scrape
+        .samples
+        .iter()
+        .filter(|s| s.metric == name)
+        .map(|s| {
+            let labels: LabelSet = s.labels.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
+            let value = match s.value {
+                Value::Gauge(v) | Value::Counter(v) | Value::Untyped(v) => v,
+                ref other => panic!("{name}: unexpected value {other:?}"),
+            };
+            (labels, value)
+        })
+        .collect()
+}
+
+/// The value of `name` on the series whose labels are exactly `labels`.
+fn value(scrape: &Scrape, name: &str, labels: &LabelSet) -> Option<f64> {
+    samples(scrape, name)
+        .into_iter()
+        .find(|(l, _)| l == labels)
+        .map(|(_, v)| v)
+}
+
+fn labels(pairs: &[(&str, &str)]) -> LabelSet {
+    pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()
+}
+
+fn with(base: &LabelSet, extra: &[(&str, &str)]) -> LabelSet {
+    let mut l = base.clone();
+    l.extend(extra.iter().map(|(k, v)| (k.to_string(), v.to_string())));
+    l
+}
+
+/// The DCGM series of the scrape (name → label sets), to compare two scrapes.
+fn dcgm_part(body: &str) -> Vec<&str> {
+    body.lines().filter(|l| l.starts_with("DCGM_")).collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn scrape_reports_gpus_mig_instances_pods_and_agent_metrics() {
+    let node = common::Node::new(MACHINE, "[kubernetes]\nenabled = false\n");
+    // SAFETY of set_var: this test binary has this one test, and nothing else runs yet.
+    unsafe {
+        std::env::set_var("FAKE_NVML_MACHINE", &node.machine);
+        std::env::set_var("FAKE_NVML_STATE_DIR", &node.state);
+    }
+    let gpus = Gpus::open(&common::fake_nvml_library()).expect("fake NVML");
+    let inventory = gpus.inventory(&node.root.join("sys")).expect("inventory");
+    let mig = &inventory.gpus[1].mig_devices;
+    assert_eq!(mig.len(), 3, "{mig:?}");
+    // The GPU instance at slice 0 has one MIG device; the one at slice 4 has two.
+    let whole = mig.iter().find(|m| m.profile == "3g.20gb").expect("3g.20gb");
+    let split: Vec<_> = mig.iter().filter(|m| m.profile == "1c.3g.20gb").collect();
+    assert_eq!(split.len(), 2);
+    assert_eq!(split[0].gi_id, split[1].gi_id);
+    let (gi_whole, gi_split) = (whole.gi_id.to_string(), split[0].gi_id.to_string());
+
+    // Load: 2 GiB on GPU 0, 1 GiB on the second compute instance of the split instance.
+    fake_nvml::write_processes(&node.state, &[(GPU0, 100, 2048), (split[1].uuid.as_str(), 200, 1024)])
+        .expect("processes");
+
+    // The kubelet: GPU 0 held by ml/trainer-0/worker, the split instance's first MIG device by
+    // infer/server/main.
+    let kubelet_root = node.root.join("var/lib/kubelet");
+    let kubelet = TestKubelet::start(&kubelet_root.join("device-plugins"), KubeletOptions::default())
+        .await
+        .expect("test kubelet");
+    let socket = kubelet.serve_pod_resources(&kubelet_root).expect("pod-resources");
+    kubelet.assign(
+        "nvidia.com/gpu",
+        &[GPU0],
+        &PodContainer::new("ml", "trainer-0", "worker"),
+    );
+    kubelet.assign(
+        "nvidia.com/mig-3g.20gb",
+        &[split[0].uuid.as_str()],
+        &PodContainer::new("infer", "server", "main"),
+    );
+
+    let metrics = Metrics::new();
+    let (inventory_tx, inventory_rx) = watch::channel(Some(Arc::new(inventory.clone())));
+    let mut sampler = Sampler::new(
+        gpus.clone(),
+        metrics.clone(),
+        inventory_rx,
+        SamplerConfig {
+            interval: Duration::from_secs(3600),
+            hostname: HOST.into(),
+            pod_resources_socket: Some(socket.clone()),
+        },
+    );
+    assert!(sampler.tick().await, "one readings interval");
+
+    metrics.xid(GPU0, 79);
+    metrics.health_event(&HealthEvent::Xid {
+        uuid: GPU1.into(),
+        xid: 43,
+        gi_id: split[0].gi_id,
+        ci_id: 0,
+    });
+    metrics.set_stage("device-plugin", "ready", Some(Duration::from_millis(250)));
+    metrics.reconcile_error("mig");
+    metrics.registration("nvidia.com/gpu");
+    metrics.allocation("nvidia.com/gpu");
+    metrics.allocation("nvidia.com/gpu");
+    metrics.health_transition("Unhealthy");
+    metrics.api_request("patch", 200);
+    metrics.api_request("get", 404);
+    metrics.memory_action("kill");
+
+    let server = MetricsServer::bind("127.0.0.1:0".parse().expect("addr"), metrics.clone(), "/metrics")
+        .await
+        .expect("bind");
+    let addr = server.local_addr().expect("local addr");
+    let (stop, stopped) = oneshot::channel::<()>();
+    let serving = tokio::spawn(server.run(async {
+        let _ = stopped.await;
+    }));
+
+    let (status, content_type, body) = tokio::task::spawn_blocking(move || http(addr, "GET", "/metrics"))
+        .await
+        .expect("scrape");
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(
+        content_type,
+        "application/openmetrics-text; version=1.0.0; charset=utf-8"
+    );
+    assert!(body.ends_with("# EOF\n"), "OpenMetrics ends with # EOF");
+    let scrape = parse(&body);
+
+    // HELP texts and types are dcgm-exporter's (cumulative fields typed unknown, see dcgm.rs).
+    assert_eq!(scrape.docs["DCGM_FI_DEV_GPU_UTIL"], "GPU utilization (in %).");
+    assert_eq!(scrape.docs["DCGM_FI_DEV_FB_USED"], "Framebuffer memory used (in MiB).");
+    assert_eq!(scrape.docs[XID_ERRORS], "Value of the last XID error encountered.");
+    for field in FIELDS {
+        assert!(
+            body.contains(&format!("# HELP {} {}\n", field.name, field.help)),
+            "{}",
+            field.name
+        );
+    }
+    assert!(body.contains("# TYPE DCGM_FI_DEV_GPU_TEMP gauge\n"));
+    assert!(body.contains("# TYPE DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION unknown\n"));
+
+    // GPU 0: every field, with the fake's values, dcgm-exporter's labels and the pod labels.
+    let gpu0 = labels(&[
+        ("gpu", "0"),
+        ("UUID", GPU0),
+        ("pci_bus_id", "00000000:07:00.0"),
+        ("device", "nvidia0"),
+        ("modelName", "NVIDIA A100-SXM4-40GB"),
+        ("Hostname", HOST),
+        ("DCGM_FI_DRIVER_VERSION", "550.54.15"),
+        ("container", "worker"),
+        ("namespace", "ml"),
+        ("pod", "trainer-0"),
+    ]);
+    let expected_gpu0: &[(&str, f64)] = &[
+        ("DCGM_FI_DEV_SM_CLOCK", 1300.0),
+        ("DCGM_FI_DEV_MEM_CLOCK", 1200.0),
+        ("DCGM_FI_DEV_MEMORY_TEMP", 60.0),
+        ("DCGM_FI_DEV_GPU_TEMP", 51.0),
+        ("DCGM_FI_DEV_POWER_USAGE", 123.456),
+        ("DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION", 987_654_321.0),
+        ("DCGM_FI_DEV_PCIE_REPLAY_COUNTER", 3.0),
+        ("DCGM_FI_DEV_GPU_UTIL", 42.0),
+        ("DCGM_FI_DEV_MEM_COPY_UTIL", 17.0),
+        ("DCGM_FI_DEV_FB_FREE", 40960.0 - 2048.0),
+        ("DCGM_FI_DEV_FB_USED", 2048.0),
+        ("DCGM_FI_DEV_ECC_SBE_VOL_TOTAL", 5.0),
+        ("DCGM_FI_DEV_ECC_DBE_VOL_TOTAL", 1.0),
+        ("DCGM_FI_DEV_CLOCK_THROTTLE_REASONS", 4.0),
+    ];
+    assert_eq!(expected_gpu0.len(), FIELDS.len(), "every field is checked");
+    for (name, want) in expected_gpu0 {
+        assert_eq!(value(&scrape, name, &gpu0), Some(*want), "{name} on GPU 0 in:\n{body}");
+    }
+    assert_eq!(
+        value(&scrape, XID_ERRORS, &with(&gpu0, &[("err_code", "79")])),
+        Some(79.0)
+    );
+
+    // GPU 1 (MIG mode): no utilization (NVML has none in MIG mode), no pod, the defaults.
+    let gpu1 = labels(&[
+        ("gpu", "1"),
+        ("UUID", GPU1),
+        ("pci_bus_id", "00000000:0F:00.0"),
+        ("device", "nvidia1"),
+        ("modelName", "NVIDIA A100-SXM4-40GB"),
+        ("Hostname", HOST),
+        ("DCGM_FI_DRIVER_VERSION", "550.54.15"),
+    ]);
+    assert_eq!(value(&scrape, "DCGM_FI_DEV_GPU_TEMP", &gpu1), Some(40.0));
+    assert_eq!(value(&scrape, "DCGM_FI_DEV_MEMORY_TEMP", &gpu1), Some(44.0));
+    // Idle power 54 W plus 25 W for the process on its MIG device; the SM clock boosts.
+    assert_eq!(value(&scrape, "DCGM_FI_DEV_POWER_USAGE", &gpu1), Some(79.0));
+    assert_eq!(value(&scrape, "DCGM_FI_DEV_SM_CLOCK", &gpu1), Some(1410.0));
+    assert_eq!(
+        value(&scrape, "DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION", &gpu1),
+        Some(5000.0)
+    );
+    assert_eq!(value(&scrape, "DCGM_FI_DEV_FB_USED", &gpu1), Some(1024.0));
+    assert!(
+        !samples(&scrape, "DCGM_FI_DEV_GPU_UTIL")
+            .iter()
+            .any(|(l, _)| l["gpu"] == "1"),
+        "no utilization for a GPU in MIG mode"
+    );
+    assert_eq!(
+        value(&scrape, XID_ERRORS, &with(&gpu1, &[("err_code", "43")])),
+        Some(43.0)
+    );
+
+    // The MIG GPU instances: memory only, with GPU_I_PROFILE / GPU_I_ID and the parent's UUID.
+    let whole_gi = with(&gpu1, &[("GPU_I_PROFILE", "3g.20gb"), ("GPU_I_ID", &gi_whole)]);
+    let split_gi = with(
+        &gpu1,
+        &[
+            ("GPU_I_PROFILE", "3g.20gb"),
+            ("GPU_I_ID", &gi_split),
+            ("container", "main"),
+            ("namespace", "infer"),
+            ("pod", "server"),
+        ],
+    );
+    assert_eq!(value(&scrape, "DCGM_FI_DEV_FB_USED", &whole_gi), Some(0.0));
+    assert_eq!(value(&scrape, "DCGM_FI_DEV_FB_FREE", &whole_gi), Some(19968.0));
+    assert_eq!(value(&scrape, "DCGM_FI_DEV_FB_USED", &split_gi), Some(1024.0));
+    assert_eq!(value(&scrape, "DCGM_FI_DEV_FB_FREE", &split_gi), Some(19968.0 - 1024.0));
+    assert_eq!(
+        value(&scrape, XID_ERRORS, &with(&split_gi, &[("err_code", "43")])),
+        Some(43.0)
+    );
+    let mig_families: Vec<&str> = scrape
+        .samples
+        .iter()
+        .filter(|s| s.labels.get("GPU_I_ID").is_some())
+        .map(|s| s.metric.as_str())
+        .collect::<std::collections::BTreeSet<_>>()
+        .into_iter()
+        .collect();
+    assert_eq!(
+        mig_families,
+        vec!["DCGM_FI_DEV_FB_FREE", "DCGM_FI_DEV_FB_USED", XID_ERRORS],
+        "NVML gives a MIG device its memory only"
+    );
+    // One series per GPU instance: the split instance's two compute instances share theirs.
+    assert_eq!(samples(&scrape, "DCGM_FI_DEV_FB_USED").len(), 4);
+
+    // The agent's own metrics.
+    let agent: HashMap<&str, (LabelSet, f64)> = [
+        (
+            "gpu_node_agent_stage_state",
+            labels(&[("stage", "device-plugin"), ("state", "ready")]),
+            1.0,
+        ),
+        (
+            "gpu_node_agent_reconcile_errors_total",
+            labels(&[("stage", "mig")]),
+            1.0,
+        ),
+        (
+            "gpu_node_agent_plugin_registrations_total",
+            labels(&[("resource", "nvidia.com/gpu")]),
+            1.0,
+        ),
+        (
+            "gpu_node_agent_plugin_allocations_total",
+            labels(&[("resource", "nvidia.com/gpu")]),
+            2.0,
+        ),
+        (
+            "gpu_node_agent_health_transitions_total",
+            labels(&[("to", "Unhealthy")]),
+            1.0,
+        ),
+        (
+            "gpu_node_agent_api_requests_total",
+            labels(&[("verb", "get"), ("code", "404")]),
+            1.0,
+        ),
+        (
+            "gpu_node_agent_memory_limit_actions_total",
+            labels(&[("action", "kill")]),
+            1.0,
+        ),
+        (
+            "gpu_node_agent_stage_duration_seconds_count",
+            labels(&[("stage", "device-plugin")]),
+            1.0,
+        ),
+    ]
+    .into_iter()
+    .map(|(n, l, v)| (n, (l, v)))
+    .collect();
+    for (name, (l, want)) in &agent {
+        assert_eq!(value(&scrape, name, l), Some(*want), "{name} in:\n{body}");
+    }
+    assert_eq!(
+        value(
+            &scrape,
+            "gpu_node_agent_api_requests_total",
+            &labels(&[("verb", "patch"), ("code", "200")])
+        ),
+        Some(1.0)
+    );
+
+    // Readings are taken on the interval, not per scrape: a new load shows after the next tick.
+    fake_nvml::write_processes(&node.state, &[]).expect("processes end");
+    let (_, _, again) = tokio::task::spawn_blocking(move || http(addr, "GET", "/metrics"))
+        .await
+        .expect("scrape");
+    assert_eq!(dcgm_part(&again), dcgm_part(&body), "a scrape does not read NVML");
+    assert!(sampler.tick().await);
+    let (_, _, after) = tokio::task::spawn_blocking(move || http(addr, "GET", "/metrics"))
+        .await
+        .expect("scrape");
+    assert_eq!(value(&parse(&after), "DCGM_FI_DEV_FB_USED", &gpu0), Some(0.0));
+
+    // The pod ends and GPU 1 goes away: its series and the pod labels disappear.
+    kubelet.release("ml", "trainer-0");
+    let mut only_gpu0: Inventory = inventory.clone();
+    only_gpu0.gpus.truncate(1);
+    inventory_tx.send_replace(Some(Arc::new(only_gpu0)));
+    assert!(sampler.tick().await);
+    let (_, _, gone) = tokio::task::spawn_blocking(move || http(addr, "GET", "/metrics"))
+        .await
+        .expect("scrape");
+    let gone = parse(&gone);
+    let gpu0_bare = labels(&[
+        ("gpu", "0"),
+        ("UUID", GPU0),
+        ("pci_bus_id", "00000000:07:00.0"),
+        ("device", "nvidia0"),
+        ("modelName", "NVIDIA A100-SXM4-40GB"),
+        ("Hostname", HOST),
+        ("DCGM_FI_DRIVER_VERSION", "550.54.15"),
+    ]);
+    assert_eq!(value(&gone, "DCGM_FI_DEV_GPU_UTIL", &gpu0_bare), Some(42.0));
+    assert!(
+        !gone
+            .samples
+            .iter()
+            .any(|s| s.metric.starts_with("DCGM_") && s.labels.get("gpu") == Some("1")),
+        "GPU 1's series are gone"
+    );
+
+    // Other paths and methods.
+    let (status, _, _) = tokio::task::spawn_blocking(move || http(addr, "GET", "/other"))
+        .await
+        .expect("request");
+    assert_eq!(status, 404);
+    let (status, _, _) = tokio::task::spawn_blocking(move || http(addr, "POST", "/metrics"))
+        .await
+        .expect("request");
+    assert_eq!(status, 405);
+
+    // The loop: the first readings at once, the next when the inventory changes (long before
+    // the hour-long interval).
+    let looped = Metrics::new();
+    let (tx, rx) = watch::channel(Some(Arc::new(inventory.clone())));
+    let (halt, halted) = oneshot::channel::<()>();
+    let config = SamplerConfig {
+        interval: Duration::from_secs(3600),
+        hostname: String::new(),
+        pod_resources_socket: None,
+    };
+    let running = tokio::spawn(gpu_node_agent::metrics::run_sampler(
+        gpus.clone(),
+        looped.clone(),
+        rx,
+        config,
+        async {
+            let _ = halted.await;
+        },
+    ));
+    let gpu1_series = |m: &Metrics| m.encode().expect("encode").contains("gpu=\"1\"");
+    let wait_for = |want: bool| {
+        let looped = looped.clone();
+        async move {
+            let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+            while gpu1_series(&looped) != want {
+                assert!(tokio::time::Instant::now() < deadline, "the loop did not update");
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        }
+    };
+    wait_for(true).await;
+    assert!(
+        !looped.encode().expect("encode").contains("Hostname="),
+        "no Hostname label when empty"
+    );
+    let mut only_gpu0 = inventory.clone();
+    only_gpu0.gpus.truncate(1);
+    tx.send_replace(Some(Arc::new(only_gpu0)));
+    wait_for(false).await;
+    let _ = halt.send(());
+    tokio::time::timeout(Duration::from_secs(5), running)
+        .await
+        .expect("the loop stops")
+        .expect("loop task");
+
+    let _ = stop.send(());
+    tokio::time::timeout(Duration::from_secs(5), serving)
+        .await
+        .expect("the server stops")
+        .expect("server task");
+    kubelet.stop().await;
+}

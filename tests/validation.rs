@@ -1,0 +1,171 @@
+//! The validation stage (last): driver, runtime, CUDA and device plugin checks, with the real
+//! binary, the fake NVML and the test kubelet. A failed check is reported in status and the
+//! validation label; the device plugin keeps serving.
+
+mod common;
+
+use std::os::unix::fs::PermissionsExt;
+use std::path::Path;
+use std::time::Duration;
+
+use common::Node;
+use test_kubelet::{KubeletOptions, TestKubelet};
+
+const T: Duration = Duration::from_secs(15);
+
+fn node(extra: &str) -> Node {
+    Node::new(
+        &common::machine("A100-SXM4-40GB", 2),
+        &format!("[kubernetes]\nenabled = false\n{extra}"),
+    )
+}
+
+fn validation(status: &serde_json::Value) -> serde_json::Value {
+    common::stage(status, "validation")
+}
+
+fn executable(path: &Path, body: &str) {
+    std::fs::create_dir_all(path.parent().expect("dir")).expect("mkdir");
+    std::fs::write(path, body).expect("write");
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o755)).expect("chmod");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_check_passes_or_is_not_applicable_on_a_healthy_node() {
+    let node = node("");
+    let kubelet = TestKubelet::start(&node.plugin_dir(), KubeletOptions::default())
+        .await
+        .expect("kubelet");
+    let agent = node.spawn();
+    let status = node.wait_status(T, |s| validation(s)["state"] == "ok");
+    let detail = validation(&status)["detail"].as_str().unwrap_or_default().to_string();
+    assert_eq!(
+        detail,
+        "driver ok, runtime skipped, cuda skipped, device-plugin ok",
+        "{}",
+        agent.log_text()
+    );
+    assert_eq!(
+        status["labels"]["nvidia.com/gpu-node-agent.validation.state"],
+        "success"
+    );
+    drop(kubelet);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gpu_missing_from_nvml_fails_validation_and_the_plugin_keeps_serving() {
+    let node = node("");
+    // A third NVIDIA GPU on the PCI bus that NVML does not see (fell off the bus, vfio-pci).
+    let extra = node.root.join("sys/bus/pci/devices/0000:c1:00.0");
+    for (file, value) in [("vendor", "0x10de\n"), ("device", "0x20b0\n"), ("class", "0x030200\n")] {
+        std::fs::create_dir_all(&extra).expect("mkdir");
+        std::fs::write(extra.join(file), value).expect("write");
+    }
+    let kubelet = TestKubelet::start(&node.plugin_dir(), KubeletOptions::default())
+        .await
+        .expect("kubelet");
+    let agent = node.spawn();
+    let status = node.wait_status(T, |s| validation(s)["state"] == "failed");
+    let error = validation(&status)["error"].as_str().unwrap_or_default().to_string();
+    assert!(error.contains("driver:") && error.contains("NVML sees 2"), "{error}");
+    assert_eq!(status["labels"]["nvidia.com/gpu-node-agent.validation.state"], "failed");
+    let devices = kubelet
+        .wait_for_devices("nvidia.com/gpu", T, |d| d.len() == 2)
+        .await
+        .expect("the device plugin keeps serving both GPUs");
+    assert_eq!(devices.len(), 2, "{}", agent.log_text());
+}
+
+#[test]
+fn an_engine_that_is_not_active_fails_the_runtime_check() {
+    let node = node("");
+    executable(&node.root.join("usr/bin/nvidia-container-runtime"), "#!/bin/sh\n");
+    std::fs::create_dir_all(node.root.join("lib/systemd/system")).expect("mkdir");
+    std::fs::write(node.root.join("lib/systemd/system/containerd.service"), "[Unit]\n").expect("unit");
+    // systemctl says containerd is down.
+    executable(
+        &node.root.join("usr/bin/systemctl"),
+        "#!/bin/sh\n[ \"$1\" = is-active ] && { echo failed; exit 3; }\nexit 0\n",
+    );
+    let out = node.run(&["run", "--once"]);
+    assert_eq!(out.status.code(), Some(1), "{}", String::from_utf8_lossy(&out.stderr));
+    let status = node.status_json();
+    let error = validation(&status)["error"].as_str().unwrap_or_default().to_string();
+    assert!(error.contains("runtime: containerd.service is failed"), "{error}");
+    assert_eq!(
+        common::stage(&status, "runtime")["state"],
+        "ok",
+        "the runtime stage itself wrote its files"
+    );
+}
+
+#[test]
+fn cuda_is_not_available_without_libcuda_and_fails_cleanly_with_a_broken_one() {
+    let node = node("");
+    let out = node.run(&["validate", "cuda"]);
+    assert_eq!(out.status.code(), Some(0));
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("CUDA not available: no libcuda.so.1 under the driver root /"),
+        "{}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+
+    // A libcuda whose cuInit finds no device, as on a node whose driver lost its GPUs.
+    let dir = tempfile::tempdir().expect("tmp");
+    let src = dir.path().join("cuda.c");
+    std::fs::write(
+        &src,
+        "int cuInit(unsigned f) { (void)f; return 100; }\n\
+         int cuGetErrorString(int e, const char **s) { (void)e; *s = \"no CUDA-capable device is detected\"; return 0; }\n\
+         #define STUB(n) int n(void) { return 999; }\n\
+         STUB(cuDriverGetVersion) STUB(cuDeviceGetCount) STUB(cuDeviceGet) STUB(cuDeviceGetName)\n\
+         STUB(cuCtxCreate_v2) STUB(cuCtxDestroy_v2) STUB(cuMemAlloc_v2) STUB(cuMemFree_v2)\n\
+         STUB(cuMemcpyDtoH_v2) STUB(cuModuleLoadData) STUB(cuModuleGetFunction) STUB(cuLaunchKernel)\n\
+         STUB(cuCtxSynchronize)\n",
+    )
+    .expect("source");
+    let lib = node.root.join("usr/lib/x86_64-linux-gnu/libcuda.so.1");
+    let built = std::process::Command::new("cc")
+        .args(["-shared", "-fPIC", "-o"])
+        .arg(&lib)
+        .arg(&src)
+        .status()
+        .expect("cc");
+    assert!(built.success());
+    let out = node.run(&["validate", "cuda", "--json"]);
+    assert_eq!(out.status.code(), Some(1));
+    let answer: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
+    assert_eq!(answer["result"], "failed");
+    assert_eq!(
+        answer["reason"],
+        "cuInit: CUDA error 100 (no CUDA-capable device is detected)"
+    );
+
+    // The stage runs the same check in a child process and reports it.
+    let out = node.run(&["run", "--once"]);
+    assert_eq!(out.status.code(), Some(1));
+    let error = validation(&node.status_json())["error"]
+        .as_str()
+        .unwrap_or_default()
+        .to_string();
+    assert!(error.contains("cuda: cuInit: CUDA error 100"), "{error}");
+}
+
+#[test]
+fn without_a_kubelet_the_device_plugin_check_waits() {
+    let node = node("");
+    let agent = node.spawn();
+    let status = node.wait_status(T, |s| {
+        validation(s)["state"] == "pending" && validation(s)["error"].is_string()
+    });
+    let error = validation(&status)["error"].as_str().unwrap_or_default().to_string();
+    assert!(
+        error.contains("device-plugin: the kubelet is not running"),
+        "{error}: {}",
+        agent.log_text()
+    );
+    assert_eq!(
+        status["labels"]["nvidia.com/gpu-node-agent.validation.state"],
+        "pending"
+    );
+}
