@@ -817,6 +817,7 @@ impl Agent {
 
     fn write_status(&mut self, state: &str) {
         self.notify_status();
+        self.metrics_stages(&[]);
         let gpus = self
             .inventory
             .iter()

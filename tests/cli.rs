@@ -17,7 +17,7 @@ fn bad_config_exits_64_naming_file_line_and_key_and_touches_nothing() {
     let dropin = node.root.join("etc/gpu-node-agent/config.d/10-mig.toml");
     std::fs::create_dir_all(dropin.parent().expect("config.d")).expect("mkdir");
     std::fs::write(&dropin, "# MIG\n[device_plugin]\nmig_strategy = \"mixd\"\n").expect("write drop-in");
-    for args in [&["run"][..], &["plan"], &["config", "check"]] {
+    for args in [&["run"][..], &["run", "--once"], &["plan"], &["config", "check"]] {
         let out = node.run(args);
         assert_eq!(out.status.code(), Some(64), "{args:?}: {}", text(&out.stderr));
         let err = text(&out.stderr);

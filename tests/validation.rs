@@ -169,3 +169,52 @@ fn without_a_kubelet_the_device_plugin_check_waits() {
         "pending"
     );
 }
+
+/// The running agent serves its metrics: GPU readings with dcgm-exporter's names and the
+/// stage states, the validation stage's among them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_running_agent_serves_dcgm_and_stage_metrics() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .expect("bind")
+        .local_addr()
+        .expect("addr")
+        .port();
+    let node = node(&format!(
+        "[metrics]\naddress = \"127.0.0.1:{port}\"\ninterval = \"100ms\"\n"
+    ));
+    let _kubelet = TestKubelet::start(&node.plugin_dir(), KubeletOptions::default())
+        .await
+        .expect("kubelet");
+    let agent = node.spawn();
+    node.wait_status(T, |s| validation(s)["state"] == "ok");
+    let scrape = || -> Option<String> {
+        use std::io::{Read, Write};
+        let mut stream = std::net::TcpStream::connect(("127.0.0.1", port)).ok()?;
+        stream
+            .write_all(b"GET /metrics HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n")
+            .ok()?;
+        let mut body = String::new();
+        stream.read_to_string(&mut body).ok()?;
+        Some(body)
+    };
+    let deadline = std::time::Instant::now() + T;
+    let body = loop {
+        let body = scrape().unwrap_or_default();
+        if body.contains("DCGM_FI_DEV_GPU_TEMP{") && body.contains("stage=\"validation\",state=\"ok\"") {
+            break body;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "metrics never complete: {body}\n{}",
+            agent.log_text()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    assert!(body.starts_with("HTTP/1.1 200"), "{body}");
+    assert!(body.contains(&format!("UUID=\"{}\"", common::gpu_uuid(0))), "{body}");
+    assert!(body.contains("Hostname=\"gpu-node-1\""), "{body}");
+    assert!(
+        body.contains("gpu_node_agent_plugin_registrations_total{resource=\"nvidia.com/gpu\"}"),
+        "{body}"
+    );
+}
