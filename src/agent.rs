@@ -403,16 +403,7 @@ pub async fn run(config: Config, root: HostRoot, once: bool) -> Result<i32, Agen
         agent.write_status("once");
         // Pending counts as not done: the bootstrap should not go on as if MIG were applied. It
         // is EX_TEMPFAIL (75, "try again later": GPU work holds a change), a failure is 1.
-        let states: Vec<StageState> = [
-            &agent.driver_stage,
-            &agent.runtime_stage,
-            &agent.mig_stage,
-            &agent.stage,
-            &agent.validation_stage,
-        ]
-        .iter()
-        .map(|s| s.status.state)
-        .collect();
+        let states: Vec<StageState> = agent.stages().iter().map(|s| s.status.state).collect();
         return Ok(if states.contains(&StageState::Failed) {
             1
         } else if states.contains(&StageState::Pending) {
@@ -524,6 +515,17 @@ async fn sleep_until(at: Option<Instant>) {
 }
 
 impl Agent {
+    /// Every stage, in reconcile order.
+    fn stages(&self) -> [&Stage; 5] {
+        [
+            &self.driver_stage,
+            &self.runtime_stage,
+            &self.mig_stage,
+            &self.stage,
+            &self.validation_stage,
+        ]
+    }
+
     /// Drops NVML (before the driver under it is unloaded): the health watcher stops, the
     /// inventory is forgotten.
     fn close_nvml(&mut self) {
@@ -793,13 +795,7 @@ impl Agent {
         if !self.notifier.enabled() {
             return;
         }
-        let stages = [
-            &self.driver_stage,
-            &self.runtime_stage,
-            &self.mig_stage,
-            &self.stage,
-            &self.validation_stage,
-        ];
+        let stages = self.stages();
         let mut line = stages
             .iter()
             .map(|s| format!("{} {}", s.status.name, s.status.state.as_str()))
@@ -860,13 +856,7 @@ impl Agent {
             updated: 0,
             driver_version: self.inventory.as_ref().map(|i| i.driver_version.clone()),
             cuda_driver_version: self.inventory.as_ref().map(|i| i.cuda_driver_version.clone()),
-            stages: vec![
-                self.driver_stage.status.clone(),
-                self.runtime_stage.status.clone(),
-                self.mig_stage.status.clone(),
-                self.stage.status.clone(),
-                self.validation_stage.status.clone(),
-            ],
+            stages: self.stages().iter().map(|s| s.status.clone()).collect(),
             gpus,
             kubelet_present: self.plugin_status.kubelet_present,
             resources: self.plugin_status.resources.clone(),

@@ -80,16 +80,12 @@ impl Agent {
     /// The stage series from the stages as they are now; a stage entering `failed` counts as a
     /// reconcile error.
     pub(super) fn metrics_stages(&mut self, durations: &[(&str, Duration)]) {
+        if self.metrics.is_none() {
+            return;
+        }
+        let stages = self.stages().map(|s| s.status.clone());
         let Some(handle) = &mut self.metrics else { return };
-        let stages = [
-            &self.driver_stage,
-            &self.runtime_stage,
-            &self.mig_stage,
-            &self.stage,
-            &self.validation_stage,
-        ];
-        for stage in stages {
-            let s = &stage.status;
+        for s in &stages {
             let duration = durations.iter().find(|(n, _)| *n == s.name).map(|(_, d)| *d);
             handle.metrics.set_stage(&s.name, s.state.as_str(), duration);
             let before = handle.states.iter().find(|(n, _)| *n == s.name).map(|(_, st)| *st);
@@ -97,7 +93,7 @@ impl Agent {
                 handle.metrics.reconcile_error(&s.name);
             }
         }
-        handle.states = stages.iter().map(|s| (s.status.name.clone(), s.status.state)).collect();
+        handle.states = stages.iter().map(|s| (s.name.clone(), s.state)).collect();
     }
 
     /// A health event in the metrics: the Xid series and the health transitions.

@@ -198,36 +198,27 @@ fn completions(dir: &Path) -> std::io::Result<Vec<PathBuf>> {
 fn source_date() -> String {
     let Some(secs) = std::env::var("SOURCE_DATE_EPOCH")
         .ok()
-        .and_then(|s| s.trim().parse::<i64>().ok())
+        .and_then(|s| s.trim().parse::<u64>().ok())
     else {
         return String::new();
     };
-    let (y, m, d) = civil_from_days(secs.div_euclid(86_400));
-    format!("{y:04}-{m:02}-{d:02}")
+    date_of(secs)
 }
 
-/// Days since 1970-01-01 to a proleptic Gregorian date (Howard Hinnant's algorithm).
-fn civil_from_days(z: i64) -> (i64, u32, u32) {
-    let z = z + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z.rem_euclid(146_097);
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let d = (doy - (153 * mp + 2) / 5 + 1) as u32;
-    let m = if mp < 10 { mp + 3 } else { mp - 9 } as u32;
-    let y = yoe + era * 400 + i64::from(m <= 2);
-    (y, m, d)
+/// Unix seconds as YYYY-MM-DD (UTC).
+fn date_of(secs: u64) -> String {
+    let time = std::time::UNIX_EPOCH + std::time::Duration::from_secs(secs);
+    gpu_node_agent::kube::format_rfc3339(time).chars().take(10).collect()
 }
 
 #[cfg(test)]
 mod tests {
-    use super::civil_from_days;
+    use super::date_of;
 
     #[test]
     fn dates() {
-        assert_eq!(civil_from_days(0), (1970, 1, 1));
-        assert_eq!(civil_from_days(19_723), (2024, 1, 1));
-        assert_eq!(civil_from_days(11_016), (2000, 2, 29));
+        assert_eq!(date_of(0), "1970-01-01");
+        assert_eq!(date_of(19_723 * 86_400), "2024-01-01");
+        assert_eq!(date_of(11_016 * 86_400 + 86_399), "2000-02-29");
     }
 }

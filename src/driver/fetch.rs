@@ -21,6 +21,8 @@ use sha2::{Digest, Sha256};
 use tokio::io::AsyncWriteExt;
 use tokio::time::Instant;
 
+use crate::kube::error_chain;
+
 /// Default for [`FetchOptions::connect_timeout`].
 pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 /// Default for [`FetchOptions::read_timeout`].
@@ -639,20 +641,6 @@ fn host(url: &str) -> String {
         (Some(host), None) => host.to_owned(),
         (None, _) => url.to_owned(),
     }
-}
-
-/// An error and its sources, `: `-joined, skipping repeats (reqwest hides the cause in its sources).
-fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
-    let mut parts: Vec<String> = Vec::new();
-    let mut next = Some(e);
-    while let Some(err) = next {
-        let text = err.to_string();
-        if !parts.iter().any(|p| p.contains(&text)) {
-            parts.push(text);
-        }
-        next = err.source();
-    }
-    parts.join(": ")
 }
 
 fn io_err(path: &Path) -> impl FnOnce(io::Error) -> FetchError + '_ {

@@ -28,6 +28,7 @@ mod watcher;
 mod testserver;
 
 pub use backoff::{Backoff, Jitter};
+pub(crate) use client::error_chain;
 pub use client::{COMPONENT, EVENT_NAMESPACE, EventType, KubeClient, MAX_EVENT_MESSAGE, NodeEvent, WATCH_IDLE_MARGIN};
 pub use credentials::{
     Auth, ClientCert, Credentials, ENV_KUBECONFIG, ENV_SERVICE_HOST, ENV_SERVICE_PORT, ExecApiVersion, ExecConfig,
