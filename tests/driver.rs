@@ -543,3 +543,80 @@ fn prebuilt_modules_are_verified_unpacked_into_the_cache_and_loaded() {
     assert!(text(&out).contains("no [driver.prebuilt_sha256] entry for the running kernel 6.8.0-2000-aws"));
     assert_eq!(server.requests.load(Ordering::SeqCst), 1);
 }
+
+/// The daemon upgrades the driver in place: the GPUs leave the kubelet while the modules are
+/// swapped, NVML is reopened, and the GPUs come back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_daemon_withdraws_the_gpus_for_an_upgrade_and_advertises_them_again() {
+    let node = bare_node(&format!(
+        "[kubernetes]\nenabled = false\n[driver]\nsource = \"package\"\nversion = \"{VERSION}\"\n"
+    ));
+    write(&node.root, "sys/module/nvidia/version", "535.161.08\n");
+    for m in ["nvidia_uvm", "nvidia_modeset"] {
+        fs::create_dir_all(node.root.join("sys/module").join(m)).expect("module");
+    }
+    // Hold the upgrade with GPU work until the kubelet has seen the GPUs once.
+    node.set_injection("processes", &format!("{} 4242 1024\n", common::gpu_uuid(0)));
+    let kubelet = test_kubelet::TestKubelet::start(&node.plugin_dir(), test_kubelet::KubeletOptions::default())
+        .await
+        .expect("kubelet");
+    let agent = node.spawn();
+    let t = std::time::Duration::from_secs(20);
+    kubelet
+        .wait_for_devices("nvidia.com/gpu", t, |d| d.len() == 2)
+        .await
+        .expect("advertised with the old driver");
+    let status = node.wait_status(t, |s| common::stage(s, "driver")["state"] == "pending");
+    assert!(
+        common::stage(&status, "driver")["error"]
+            .as_str()
+            .is_some_and(|e| e.contains("535.161.08 to 550.54.15 waits")),
+        "{status}"
+    );
+    let mut events = kubelet.subscribe();
+    node.set_injection("processes", "");
+    // The next pass (a SIGHUP re-reads everything) upgrades.
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(agent.pid()),
+        nix::sys::signal::Signal::SIGHUP,
+    )
+    .expect("SIGHUP");
+    let status = node.wait_status(t, |s| {
+        common::stage(s, "driver")["state"] == "ok" && common::stage(s, "device-plugin")["state"] == "ok"
+    });
+    assert!(
+        common::stage(&status, "driver")["detail"]
+            .as_str()
+            .is_some_and(|d| d.contains("driver 550.54.15 on 2 GPU(s)")),
+        "{status}"
+    );
+    let log = agent.log_text();
+    assert!(
+        log.contains("withdrawing 2 GPU(s) from the kubelet for the driver change"),
+        "{log}"
+    );
+    let ran = commands(&node);
+    assert!(
+        ran.contains(&"rmmod nvidia".to_string()) && ran.contains(&"modprobe nvidia".to_string()),
+        "{ran:?}"
+    );
+    kubelet
+        .wait_for_devices("nvidia.com/gpu", t, |d| d.len() == 2)
+        .await
+        .expect("advertised again after the upgrade");
+    // In between, the kubelet lost them: the resource's stream ended (no devices left to serve)
+    // or listed none.
+    let mut withdrawn = false;
+    while let Ok(event) = events.try_recv() {
+        match event {
+            test_kubelet::Event::Disconnected { resource, .. } if resource == "nvidia.com/gpu" => withdrawn = true,
+            test_kubelet::Event::Devices { resource, devices, .. }
+                if resource == "nvidia.com/gpu" && devices.is_empty() =>
+            {
+                withdrawn = true
+            }
+            _ => {}
+        }
+    }
+    assert!(withdrawn, "the GPUs were withdrawn from the kubelet during the upgrade");
+}
