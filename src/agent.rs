@@ -210,6 +210,8 @@ struct Agent {
     runtime_stage: Stage,
     /// What the last runtime pass did (empty before one succeeded).
     runtime_detail: String,
+    /// The last runtime pass's plan, once it succeeded (the engines now hold the runtime).
+    runtime_plan: Option<crate::runtime::stage::RuntimePlan>,
     /// Where the CDI spec is, once written.
     cdi_detail: Option<String>,
     /// Why the CDI spec could not be written.
@@ -300,6 +302,7 @@ pub async fn run(config: Config, root: HostRoot, once: bool) -> Result<i32, Agen
         driver_stage: Stage::new(STAGE_DRIVER),
         runtime_stage: Stage::new(STAGE_RUNTIME),
         runtime_detail: String::new(),
+        runtime_plan: None,
         cdi_detail: None,
         cdi_error: None,
         mig_stage: Stage::new(STAGE_MIG),

@@ -186,6 +186,20 @@ impl Gpus {
         &self.nvml
     }
 
+    /// The driver version and the GPU count: two NVML calls, for checks that need no more
+    /// than that (the driver stage's validation on every pass).
+    pub fn driver_and_count(&self) -> Result<(String, usize), GpuError> {
+        let version = self
+            .nvml
+            .sys_driver_version()
+            .map_err(GpuError::call("nvmlSystemGetDriverVersion"))?;
+        let count = self
+            .nvml
+            .device_count()
+            .map_err(GpuError::call("nvmlDeviceGetCount_v2"))?;
+        Ok((version, count as usize))
+    }
+
     /// Reads the whole inventory. `sysfs` is the root-prefixed `/sys`, where NUMA affinity is
     /// read first (as NVIDIA's plugin does); NVML's own NUMA id is the fallback.
     pub fn inventory(&self, sysfs: &Path) -> Result<Inventory, GpuError> {

@@ -44,11 +44,13 @@ impl Agent {
             );
             return self.gpus.is_some();
         }
-        if !planned.plan.steps.is_empty() && !self.apply_driver(&planned).await {
+        let changed = !planned.plan.steps.is_empty();
+        if changed && !self.apply_driver(&planned).await {
             return false;
         }
-        self.validate_driver(&planned.plan.summary, planned.facts.gpus.is_empty())
-            .await;
+        // The host facts the plan was made from still hold unless the plan changed something.
+        let facts = if changed { None } else { Some(planned.facts) };
+        self.validate_driver(&planned.plan.summary, facts).await;
         self.gpus.is_some()
     }
 
@@ -102,13 +104,18 @@ impl Agent {
     }
 
     /// Validation: NVML answers, one GPU per NVIDIA PCI device, the wanted version, the modules.
-    async fn validate_driver(&mut self, summary: &str, no_gpus: bool) {
-        if no_gpus {
-            self.driver_stage.set(StageState::Ok, None, Some(summary.to_string()));
-            return;
-        }
+    /// `facts`: the host as last observed, `None` to observe it again (after a change).
+    async fn validate_driver(&mut self, summary: &str, facts: Option<observe::HostFacts>) {
         let root = self.root.clone();
-        let facts = match tokio::task::spawn_blocking(move || observe::observe(&root)).await {
+        let observed = match facts {
+            Some(f) => Ok(Ok(f)),
+            None => tokio::task::spawn_blocking(move || observe::observe(&root)).await,
+        };
+        let facts = match observed {
+            Ok(Ok(f)) if f.gpus.is_empty() => {
+                self.driver_stage.set(StageState::Ok, None, Some(summary.to_string()));
+                return;
+            }
             Ok(Ok(f)) => f,
             Ok(Err(e)) => {
                 self.driver_stage.set(StageState::Failed, Some(e.to_string()), None);

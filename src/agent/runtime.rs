@@ -56,11 +56,13 @@ impl Agent {
                     detail.push_str(&format!(" (restarted {})", applied.restarted.join(", ")));
                 }
                 self.runtime_detail = detail;
+                self.runtime_plan = Some(plan);
                 self.show_runtime();
                 true
             }
             Err(e) => {
                 tracing::error!("runtime stage failed: {e}");
+                self.runtime_plan = None;
                 self.runtime_stage.set(StageState::Failed, Some(e), None);
                 false
             }

@@ -12,7 +12,6 @@ use serde::Serialize;
 use super::{Agent, StageState};
 use crate::cuda::CudaCheck;
 use crate::host::command::{Cmd, Runner};
-use crate::runtime::stage as rt;
 
 /// How often the CUDA check runs again for the same driver.
 const CUDA_RECHECK: Duration = Duration::from_secs(24 * 3600);
@@ -108,35 +107,27 @@ impl Agent {
         }
     }
 
-    /// Each selected engine's files already hold the runtime (configuring again would change
-    /// nothing), and its unit is active (`systemctl is-active`, where systemctl is installed).
+    /// The runtime stage of this pass left every selected engine's files holding the runtime
+    /// (it failed otherwise); here each engine's unit must also be active (`systemctl
+    /// is-active`, where systemctl is installed).
     async fn check_runtime(&self) -> Outcome {
         if !self.config.runtime.enabled {
             return Outcome::Skipped("[runtime] enabled = false".into());
         }
+        let Some(plan) = self.runtime_plan.clone() else {
+            let s = &self.runtime_stage.status;
+            return Outcome::Failed(
+                s.error
+                    .clone()
+                    .unwrap_or_else(|| "the runtime stage has not succeeded".into()),
+            );
+        };
+        if let Some(note) = &plan.note {
+            return Outcome::Skipped(note.clone());
+        }
         let (config, root) = (self.config.clone(), self.root.clone());
         let result = tokio::task::spawn_blocking(move || {
             let runner = Runner::new(&root);
-            let observed = rt::observe(&config, &root, &runner).map_err(|e| e.to_string())?;
-            let plan = rt::plan(&observed, &config.runtime).map_err(|e| e.to_string())?;
-            if let Some(note) = &plan.note {
-                return Ok(Outcome::Skipped(note.clone()));
-            }
-            let stale: Vec<String> = plan
-                .engines
-                .iter()
-                .flat_map(|e| {
-                    e.changes
-                        .iter()
-                        .map(move |c| format!("{}: {}", e.engine.as_str(), c.path.display()))
-                })
-                .collect();
-            if !stale.is_empty() {
-                return Ok(Outcome::Failed(format!(
-                    "the runtime is missing from {} (the runtime stage will write it again)",
-                    stale.join(", ")
-                )));
-            }
             let mut inactive = Vec::new();
             // systemctl under the root: the node's own on a real root, a stand-in in tests.
             if runner.exists(&config.runtime.systemctl) {
@@ -151,23 +142,14 @@ impl Agent {
                     }
                 }
             }
-            let names: Vec<&str> = plan.engines.iter().map(|e| e.engine.as_str()).collect();
-            Ok(if inactive.is_empty() {
-                Outcome::Passed(format!(
-                    "{} runtime in {}",
-                    config.runtime.runtime_name,
-                    names.join(", ")
-                ))
+            if inactive.is_empty() {
+                Outcome::Passed(format!("{} runtime in {}", config.runtime.runtime_name, plan.summary()))
             } else {
                 Outcome::Failed(inactive.join("; "))
-            })
+            }
         })
         .await;
-        match result {
-            Ok(Ok(o)) => o,
-            Ok(Err(e)) => Outcome::Failed(e),
-            Err(e) => Outcome::Failed(format!("runtime check task failed: {e}")),
-        }
+        result.unwrap_or_else(|e| Outcome::Failed(format!("runtime check task failed: {e}")))
     }
 
     /// The CUDA check in a child process, once per driver version (and daily).

@@ -544,9 +544,9 @@ pub fn validate_now(config: &Config, facts: &HostFacts, nvml: Result<NvmlView, S
 
 /// NVML's view for validation, from an open library.
 pub fn nvml_view(gpus: &crate::nvml::Gpus) -> Result<NvmlView, String> {
-    let inventory = gpus.inventory(Path::new("/nonexistent")).map_err(|e| e.to_string())?;
+    let (driver_version, gpu_count) = gpus.driver_and_count().map_err(|e| e.to_string())?;
     Ok(NvmlView {
-        driver_version: inventory.driver_version,
-        gpu_count: inventory.gpus.len(),
+        driver_version,
+        gpu_count,
     })
 }
