@@ -20,6 +20,7 @@ pub mod labels;
 pub mod logging;
 pub mod metrics;
 pub mod mig;
+pub mod net;
 pub mod notify;
 pub mod nvml;
 pub mod plan;

@@ -71,9 +71,10 @@ impl Default for FetchOptions {
 }
 
 impl FetchOptions {
-    /// A client builder with this connect timeout; the caller adds proxies or CAs and builds it.
-    pub fn client_builder(&self) -> reqwest::ClientBuilder {
-        reqwest::Client::builder()
+    /// A client builder for `url` with this connect timeout: the environment's proxies
+    /// apply unless the URL is on loopback ([`crate::net`]). The caller adds CAs and builds it.
+    pub fn client_builder(&self, url: &str) -> reqwest::ClientBuilder {
+        crate::net::direct_to_loopback(reqwest::Client::builder(), url)
             .connect_timeout(self.connect_timeout)
             .user_agent(concat!("gpu-node-agent/", env!("CARGO_PKG_VERSION")))
     }
@@ -822,7 +823,8 @@ mod tests {
     }
 
     async fn run(server: &Server, sha256: &str, d: &Dir, opts: &FetchOptions) -> Result<Fetched, FetchError> {
-        fetch(&reqwest::Client::new(), &server.url, sha256, &d.dest, opts).await
+        let client = opts.client_builder(&server.url).build().expect("client");
+        fetch(&client, &server.url, sha256, &d.dest, opts).await
     }
 
     #[tokio::test]
@@ -1073,9 +1075,8 @@ mod tests {
         let url = format!("http://127.0.0.1:{port}/driver.run");
         let d = dir();
         let opts = FetchOptions { retries: 1, ..opts() };
-        let err = fetch(&reqwest::Client::new(), &url, &sha(b""), &d.dest, &opts)
-            .await
-            .unwrap_err();
+        let client = opts.client_builder(&url).build().expect("client");
+        let err = fetch(&client, &url, &sha(b""), &d.dest, &opts).await.unwrap_err();
         assert!(matches!(err, FetchError::Network { .. }), "{err}");
         let text = err.to_string();
         assert!(

@@ -300,7 +300,7 @@ fn install_packages(host: &Host<'_>, manager: PackageManager, packages: &[String
 
 fn download_blocking(url: &str, sha256: &str, dest: &Path) -> Result<super::fetch::Fetched, DriverError> {
     let opts = FetchOptions::default();
-    let client = opts.client_builder().build().map_err(|e| DriverError::Step {
+    let client = opts.client_builder(url).build().map_err(|e| DriverError::Step {
         step: "download".into(),
         message: format!("cannot build an HTTP client: {e}"),
     })?;

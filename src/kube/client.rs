@@ -503,7 +503,8 @@ impl Inner {
             server: creds.server.clone(),
             reason,
         };
-        let mut builder = reqwest::Client::builder()
+        let builder = crate::net::direct_to_loopback(reqwest::Client::builder(), &creds.server);
+        let mut builder = builder
             .user_agent(USER_AGENT)
             .connect_timeout(self.request_timeout)
             .tcp_keepalive(Duration::from_secs(30))
@@ -853,9 +854,10 @@ mod tests {
 
     #[tokio::test]
     async fn connection_refused_is_transient() {
-        let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
-        let addr = listener.local_addr().expect("addr");
-        drop(listener);
+        // Bound but not listening: connections are refused, and no other test can take the port.
+        let socket = tokio::net::TcpSocket::new_v4().expect("socket");
+        socket.bind("127.0.0.1:0".parse().expect("addr")).expect("bind");
+        let addr = socket.local_addr().expect("addr");
         let c = KubeClient::new(
             creds(&format!("http://{addr}"), Auth::default()),
             &KubernetesConfig::default(),

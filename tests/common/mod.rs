@@ -53,6 +53,9 @@ profile = "1g.10gb"
 "#;
 
 /// `n` GPUs of `model`, uuids `GPU-<model tag>-<i>`, NUMA node `i / (n/2)`.
+/// Port 9 (discard) on loopback: nothing listens there, so a request sent through it fails.
+const DEAD_PROXY: &str = "http://127.0.0.1:9";
+
 pub fn machine(model: &str, n: u32) -> String {
     let mut m = DGX_A100.to_string();
     for i in 0..n {
@@ -167,6 +170,19 @@ impl Node {
             .env_remove("KUBERNETES_SERVICE_HOST")
             .env_remove("KUBERNETES_SERVICE_PORT")
             .env_remove("NODE_NAME");
+        // A proxy that answers nothing: the agent must reach the test API server and download
+        // servers on loopback directly, as Go clients do, whatever proxy the host has set.
+        for var in [
+            "HTTPS_PROXY",
+            "https_proxy",
+            "HTTP_PROXY",
+            "http_proxy",
+            "ALL_PROXY",
+            "all_proxy",
+        ] {
+            cmd.env(var, DEAD_PROXY);
+        }
+        cmd.env_remove("NO_PROXY").env_remove("no_proxy");
         cmd
     }
 

@@ -25,7 +25,10 @@ pub fn client(server: &TestApiServer) -> Client {
 
 pub fn builder(server: &TestApiServer) -> reqwest::ClientBuilder {
     let ca = Certificate::from_pem(server.ca_pem().as_bytes()).expect("CA PEM");
-    Client::builder().tls_certs_only([ca]).timeout(Duration::from_secs(10))
+    Client::builder()
+        .no_proxy()
+        .tls_certs_only([ca])
+        .timeout(Duration::from_secs(10))
 }
 
 pub fn client_with_cert(server: &TestApiServer, cert_pem: &str, key_pem: &str) -> Client {
