@@ -149,7 +149,8 @@ const UNCONFIGURE: &[&str] = &["runtime", "unconfigure", "--no-restart"];
 // === whole-tree snapshots ===
 
 /// Every regular file under `root` (symlinks such as the fake NVML are skipped), relative path →
-/// (bytes, mtime).
+/// (bytes, mtime), and every directory but the agent's state dir and its parents (a trailing
+/// `/`, no bytes, no time: only whether it is there counts).
 fn snapshot(root: &Path) -> BTreeMap<PathBuf, (Vec<u8>, SystemTime)> {
     fn walk(root: &Path, dir: &Path, out: &mut BTreeMap<PathBuf, (Vec<u8>, SystemTime)>) {
         let Ok(entries) = fs::read_dir(dir) else { return };
@@ -157,6 +158,11 @@ fn snapshot(root: &Path) -> BTreeMap<PathBuf, (Vec<u8>, SystemTime)> {
             let path = entry.path();
             let meta = fs::symlink_metadata(&path).expect("metadata");
             if meta.is_dir() {
+                let rel = path.strip_prefix(root).expect("under root");
+                let state = Path::new("var/lib/gpu-node-agent");
+                if !rel.starts_with(state) && !state.starts_with(rel) {
+                    out.insert(rel.join(""), (Vec::new(), SystemTime::UNIX_EPOCH));
+                }
                 walk(root, &path, out);
             } else if meta.is_file() {
                 let rel = path.strip_prefix(root).expect("under root").to_path_buf();
@@ -183,7 +189,10 @@ fn assert_same<V: PartialEq>(before: &BTreeMap<PathBuf, V>, after: &BTreeMap<Pat
         .filter(|p| before.get(*p) != after.get(*p))
         .map(|p| p.display().to_string())
         .collect();
-    assert!(differ.is_empty(), "{what}; these files differ: {differ:?}");
+    assert!(
+        differ.is_empty(),
+        "{what}; these files or directories differ: {differ:?}"
+    );
 }
 
 // === TOML / JSON checks ===
@@ -328,6 +337,21 @@ fn crio_round_trip_adds_and_removes_only_the_drop_in() {
         assert_eq!(nvidia["runtime_path"].as_str(), Some(RUNTIME_BINARY));
         assert_eq!(nvidia["runtime_type"].as_str(), Some("oci"));
     });
+}
+
+#[test]
+fn a_directory_the_agent_created_stays_when_someone_else_put_a_file_there() {
+    let main = fixture("crio/crio.conf");
+    let node = engine_node(Engine::Crio, Some(&main), "");
+    let root = node.root.as_path();
+    succeeds(&node, CONFIGURE);
+    write_file(root, "/etc/crio/crio.conf.d/10-registries.toml", "# the user's own\n");
+    succeeds(&node, UNCONFIGURE);
+    assert_eq!(read(root, CRIO_DROP_IN), None);
+    assert_eq!(
+        read(root, "/etc/crio/crio.conf.d/10-registries.toml").as_deref(),
+        Some("# the user's own\n")
+    );
 }
 
 #[test]

@@ -456,12 +456,18 @@ pub fn apply(
     for e in plan.engines.iter().filter(|e| !e.changes.is_empty()) {
         if plan.purpose == Purpose::Configure {
             for c in &e.changes {
-                keep_original(&dir, c)?;
+                keep_original(root, &dir, c)?;
             }
         }
         write_changes(root, &e.changes, |c| c.after.as_deref())?;
         applied.files.extend(e.changes.iter().map(|c| c.path.clone()));
-        let rollback = |e: &EnginePlan| write_changes(root, &e.changes, |c| c.before.as_deref());
+        let rollback = |e: &EnginePlan| {
+            write_changes(root, &e.changes, |c| c.before.as_deref())?;
+            e.changes
+                .iter()
+                .filter(|c| c.before.is_none())
+                .try_for_each(|c| remove_created_dirs(root, &dir, &c.path))
+        };
         if e.engine == Engine::Containerd
             && plan.purpose == Purpose::Configure
             && let Err(reason) = check_containerd(config, root, runner)
@@ -482,6 +488,9 @@ pub fn apply(
             applied.restarted.push(e.unit.clone());
         }
         for c in &e.changes {
+            if plan.purpose == Purpose::Unconfigure && c.after.is_none() {
+                remove_created_dirs(root, &dir, &c.path)?;
+            }
             record(&dir, c, plan.purpose)?;
         }
     }
@@ -496,8 +505,10 @@ fn backup_err(dir: &Path, path: &Path) -> impl FnOnce(io::Error) -> RuntimeError
 /// Saves the file's bytes before the agent changes it, unless the file is still exactly what
 /// the agent last wrote (then the backup from before the agent's first change stays). A file
 /// someone else rewrote since, or one whose last change was rolled back, gets a new backup: an
-/// unconfigure must not bring back text older than the user's own.
-fn keep_original(dir: &Path, c: &FileChange) -> Result<(), RuntimeError> {
+/// unconfigure must not bring back text older than the user's own. For a file that did not
+/// exist, the `.absent` marker lists the directories the write will create (deepest first), so
+/// that putting the absence back removes them again.
+fn keep_original(root: &HostRoot, dir: &Path, c: &FileChange) -> Result<(), RuntimeError> {
     let name = backup_name(&c.path);
     let (orig, absent) = (dir.join(format!("{name}.orig")), dir.join(format!("{name}.absent")));
     let written = read_optional(&dir.join(format!("{name}.written")))?.map(|s| s.trim().to_string());
@@ -516,8 +527,35 @@ fn keep_original(dir: &Path, c: &FileChange) -> Result<(), RuntimeError> {
             stale(&absent)?;
         }
         None => {
-            write_atomic(&absent, b"", 0o600)?;
+            let missing: String = c
+                .path
+                .ancestors()
+                .skip(1)
+                .take_while(|d| d.parent().is_some() && !root.join(d).exists())
+                .map(|d| format!("{}\n", d.display()))
+                .collect();
+            write_atomic(&absent, missing.as_bytes(), 0o600)?;
             stale(&orig)?;
+        }
+    }
+    Ok(())
+}
+
+/// After a file whose backup is `.absent` was removed again: the directories its write
+/// created, deepest first, removed while they are empty (anything someone put there since
+/// stays, and so does its directory).
+fn remove_created_dirs(root: &HostRoot, dir: &Path, file: &Path) -> Result<(), RuntimeError> {
+    let marker = dir.join(format!("{}.absent", backup_name(file)));
+    let Some(listed) = read_optional(&marker)? else {
+        return Ok(());
+    };
+    for created in listed.lines().map(str::trim).filter(|l| l.starts_with('/')) {
+        let path = root.join(created);
+        match std::fs::remove_dir(&path) {
+            Ok(()) => tracing::debug!("removed {}, created for {}", path.display(), file.display()),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+            // Not empty (or not ours to remove): it stays, and so do its parents.
+            Err(_) => break,
         }
     }
     Ok(())
