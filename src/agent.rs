@@ -1073,7 +1073,11 @@ impl Agent {
             Ok(uuids) => uuids,
             Err(e) => return self.mig_failed(format!("layout {name}: {e}; nothing changed")),
         };
-        if !changing.is_empty() && changing.iter().any(|u| !self.withdrawn.contains(u)) {
+        if changing.is_empty() {
+            // The same observation converge would start from: nothing to do, nothing to read twice.
+            return self.mig_done(&name, format!("layout {name} in place"));
+        }
+        if changing.iter().any(|u| !self.withdrawn.contains(u)) {
             tracing::info!(
                 "MIG layout {name}: withdrawing {} from the kubelet before changing them",
                 changing.join(", ")
@@ -1081,6 +1085,7 @@ impl Agent {
             self.withdrawn.extend(changing.iter().cloned());
             self.push_resources().await;
         }
+        // Observed again inside converge: the GPUs' state after the withdrawal is what counts.
         let (g, l, n) = (gpus.clone(), layout, name.clone());
         let smi = self.root.join(&self.config.mig.nvidia_smi);
         let allow_reset = self.config.mig.gpu_reset;
