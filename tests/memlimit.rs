@@ -421,6 +421,17 @@ fn the_agent_terminates_a_pod_process_over_its_replicas_fair_share() {
         "0::/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod0a1b2c3d_0000_4000_8000_000000000001.slice/cri-containerd-aaaabbbbccccddddeeeeffff00001111222233334444555566667777888899990000.scope\n",
     )
     .expect("cgroup");
+    // The kubelet's log layout names the pod and container.
+    let logs = node.root.join("var/log");
+    std::fs::create_dir_all(logs.join("pods/ml_train-0_0a1b2c3d-0000-4000-8000-000000000001/worker")).expect("mkdir");
+    std::fs::create_dir_all(logs.join("containers")).expect("mkdir");
+    std::os::unix::fs::symlink(
+        "/var/log/pods/ml_train-0_0a1b2c3d-0000-4000-8000-000000000001/worker/0.log",
+        logs.join(
+            "containers/train-0_ml_worker-aaaabbbbccccddddeeeeffff00001111222233334444555566667777888899990000.log",
+        ),
+    )
+    .expect("symlink");
     // 40960 MiB / 4 replicas = 10240 MiB each; it uses 30000.
     node.set_injection("processes", &format!("{} {pid} 30000\n", common::gpu_uuid(0)));
     let agent = node.spawn();
@@ -438,7 +449,7 @@ fn the_agent_terminates_a_pod_process_over_its_replicas_fair_share() {
     let status = status.unwrap_or_else(|| panic!("not terminated: {}", agent.log_text()));
     assert_eq!(status.signal(), Some(15), "SIGTERM first");
     assert!(
-        agent.log_text().contains("0a1b2c3d-0000-4000-8000-000000000001"),
+        agent.log_text().contains("pod ml/train-0 container worker"),
         "{}",
         agent.log_text()
     );

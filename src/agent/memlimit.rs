@@ -10,7 +10,7 @@ use tokio::sync::{mpsc, watch};
 use super::Agent;
 use crate::config::MemoryAction;
 use crate::kube::EventType;
-use crate::plugin::memlimit::{self, Action, ActionRecord, NoNames, Policy, RecordKind};
+use crate::plugin::memlimit::{self, Action, ActionRecord, KubeletLogNames, Policy, RecordKind};
 use crate::plugin::sharing::replica_budgets;
 
 impl Agent {
@@ -59,7 +59,7 @@ impl Agent {
             self.root.clone(),
             rx,
             self.config.device_plugin.memory_limits.interval,
-            Arc::new(NoNames),
+            Arc::new(KubeletLogNames::new(&self.root)),
             out_tx,
         ));
         self.memory_policy = Some(tx);
