@@ -708,6 +708,66 @@ fn numa_from_sysfs(sysfs: &Path, bus_id: &str) -> Option<i64> {
     text.trim().parse::<i64>().ok().filter(|n| *n >= 0)
 }
 
+/// Inventories for unit tests: one A100 builder the planners, labels and specs all start from,
+/// adjusted with struct-update syntax where a test needs another value.
+#[cfg(test)]
+pub(crate) mod sample {
+    use super::{GpuInfo, Inventory, MigDeviceInfo, MigState};
+
+    /// An A100-SXM4-40GB at `index`: `GPU-<index>`, bus `00000000:<0x10 + index>:00.0`, minor
+    /// `index`, no NUMA node, MIG capable with MIG off, no MIG devices.
+    pub fn a100(index: u32) -> GpuInfo {
+        GpuInfo {
+            index,
+            uuid: format!("GPU-{index}"),
+            name: "NVIDIA A100-SXM4-40GB".into(),
+            memory_mib: 40960,
+            pci_bus_id: format!("00000000:{:02X}:00.0", 0x10 + index),
+            pci_device_id: 0x20b0,
+            minor: index,
+            numa_node: None,
+            compute_capability: Some((8, 0)),
+            mig: Some(mig(false)),
+            mig_devices: Vec::new(),
+        }
+    }
+
+    /// MIG mode, current and pending alike.
+    pub fn mig(on: bool) -> MigState {
+        MigState {
+            current: on,
+            pending: on,
+        }
+    }
+
+    /// MIG devices of GPU `gpu` with these profiles in slots 0.., `MIG-<gpu>-<slot>`, GPU
+    /// instance `slot + 1`, 4864 MiB each, no attributes.
+    pub fn mig_devices(gpu: u32, profiles: &[&str]) -> Vec<MigDeviceInfo> {
+        profiles
+            .iter()
+            .enumerate()
+            .map(|(i, p)| MigDeviceInfo {
+                index: i as u32,
+                uuid: format!("MIG-{gpu}-{i}"),
+                gi_id: i as u32 + 1,
+                ci_id: 0,
+                profile: (*p).into(),
+                memory_mib: 4864,
+                attributes: None,
+            })
+            .collect()
+    }
+
+    /// Driver 550.54.15, CUDA 12.4.
+    pub fn inventory(gpus: Vec<GpuInfo>) -> Inventory {
+        Inventory {
+            driver_version: "550.54.15".into(),
+            cuda_driver_version: "12.4".into(),
+            gpus,
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

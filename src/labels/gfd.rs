@@ -420,27 +420,18 @@ fn valid_key(key: &str) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::nvml::MigState;
+    use crate::nvml::sample::{self, inventory};
 
     const A100: &str = "NVIDIA A100-SXM4-40GB";
     const H100: &str = "NVIDIA H100 80GB HBM3";
 
     fn gpu(index: u32, name: &str, memory_mib: u64, cc: (i32, i32), mig: Option<bool>) -> GpuInfo {
         GpuInfo {
-            index,
-            uuid: format!("GPU-{index}"),
             name: name.into(),
             memory_mib,
-            pci_bus_id: format!("00000000:{:02X}:00.0", 0x10 + index),
-            pci_device_id: 0x20b0,
-            minor: index,
-            numa_node: None,
             compute_capability: Some(cc),
-            mig: mig.map(|on| MigState {
-                current: on,
-                pending: on,
-            }),
-            mig_devices: Vec::new(),
+            mig: mig.map(sample::mig),
+            ..sample::a100(index)
         }
     }
 
@@ -478,31 +469,18 @@ mod tests {
     }
 
     fn with_migs(mut gpu: GpuInfo, profiles: &[&str]) -> GpuInfo {
-        gpu.mig_devices = profiles
-            .iter()
-            .enumerate()
-            .map(|(i, p)| {
-                let attributes = attributes(p);
+        gpu.mig_devices = sample::mig_devices(gpu.index, profiles)
+            .into_iter()
+            .map(|d| {
+                let attributes = attributes(&d.profile);
                 MigDeviceInfo {
-                    index: i as u32,
-                    uuid: format!("MIG-{}-{i}", gpu.index),
-                    gi_id: i as u32 + 1,
-                    ci_id: 0,
-                    profile: (*p).into(),
                     memory_mib: attributes.memory_mib,
                     attributes: Some(attributes),
+                    ..d
                 }
             })
             .collect();
         gpu
-    }
-
-    fn inventory(gpus: Vec<GpuInfo>) -> Inventory {
-        Inventory {
-            driver_version: "550.54.15".into(),
-            cuda_driver_version: "12.4".into(),
-            gpus,
-        }
     }
 
     fn inputs(inventory: &Inventory, mig_strategy: MigStrategy) -> FeatureInputs<'_> {

@@ -181,45 +181,16 @@ fn replicas_for(entry: &SharedResource, device: &PluginDevice) -> u32 {
 mod tests {
     use super::*;
     use crate::config::{SharedPolicy, SharingStrategy};
-    use crate::nvml::{GpuInfo, MigDeviceInfo, MigState};
+    use crate::nvml::GpuInfo;
+    use crate::nvml::sample::{self, inventory};
     use crate::plugin::resources::Health;
 
     fn gpu(index: u32, migs: &[&str]) -> GpuInfo {
         GpuInfo {
-            index,
-            uuid: format!("GPU-{index}"),
-            name: "NVIDIA A100-SXM4-40GB".into(),
-            memory_mib: 40960,
-            pci_bus_id: format!("00000000:{:02X}:00.0", 0x10 + index),
-            pci_device_id: 0x20b0,
-            minor: index,
             numa_node: Some(i64::from(index)),
-            compute_capability: Some((8, 0)),
-            mig: (!migs.is_empty()).then_some(MigState {
-                current: true,
-                pending: true,
-            }),
-            mig_devices: migs
-                .iter()
-                .enumerate()
-                .map(|(i, p)| MigDeviceInfo {
-                    index: i as u32,
-                    uuid: format!("MIG-{index}-{i}"),
-                    gi_id: i as u32 + 1,
-                    ci_id: 0,
-                    profile: (*p).into(),
-                    memory_mib: 4864,
-                    attributes: None,
-                })
-                .collect(),
-        }
-    }
-
-    fn inventory(gpus: Vec<GpuInfo>) -> Inventory {
-        Inventory {
-            driver_version: "550.54.15".into(),
-            cuda_driver_version: "12.4".into(),
-            gpus,
+            mig: (!migs.is_empty()).then_some(sample::mig(true)),
+            mig_devices: sample::mig_devices(index, migs),
+            ..sample::a100(index)
         }
     }
 

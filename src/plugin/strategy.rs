@@ -143,44 +143,14 @@ pub fn mig_plugin_devices(gpu: &GpuInfo) -> impl Iterator<Item = PluginDevice> +
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::nvml::{MigDeviceInfo, MigState};
+    use crate::nvml::sample::{self, inventory as inv};
 
     fn gpu(index: u32, mig: Option<bool>, profiles: &[&str]) -> GpuInfo {
         GpuInfo {
-            index,
-            uuid: format!("GPU-{index}"),
-            name: "NVIDIA A100-SXM4-40GB".into(),
-            memory_mib: 40960,
-            pci_bus_id: format!("00000000:{:02X}:00.0", 0x10 + index),
-            pci_device_id: 0x20b0,
-            minor: index,
             numa_node: Some(i64::from(index / 4)),
-            compute_capability: Some((8, 0)),
-            mig: mig.map(|on| MigState {
-                current: on,
-                pending: on,
-            }),
-            mig_devices: profiles
-                .iter()
-                .enumerate()
-                .map(|(i, p)| MigDeviceInfo {
-                    index: i as u32,
-                    uuid: format!("MIG-{index}-{i}"),
-                    gi_id: i as u32 + 1,
-                    ci_id: 0,
-                    profile: (*p).into(),
-                    memory_mib: 4864,
-                    attributes: None,
-                })
-                .collect(),
-        }
-    }
-
-    fn inv(gpus: Vec<GpuInfo>) -> Inventory {
-        Inventory {
-            driver_version: "550.54.15".into(),
-            cuda_driver_version: "12.4".into(),
-            gpus,
+            mig: mig.map(sample::mig),
+            mig_devices: sample::mig_devices(index, profiles),
+            ..sample::a100(index)
         }
     }
 

@@ -691,7 +691,7 @@ mod tests {
     use super::*;
     use crate::api::ContainerAllocateRequest;
     use crate::config::{DeviceIdStrategy, DeviceListStrategy, MigStrategy};
-    use crate::nvml::{MigDeviceInfo, MigState};
+    use crate::nvml::{MigDeviceInfo, sample};
     use crate::plugin::allocate::{AllocateOptions, allocate};
     use crate::plugin::resources::Resource;
     use crate::plugin::strategy::{build_resources, whole_gpu};
@@ -713,19 +713,11 @@ mod tests {
 
     fn gpu(index: u32, uuid: &str, minor: u32, mig: &[(u32, &str, u32)]) -> GpuInfo {
         GpuInfo {
-            index,
             uuid: uuid.into(),
-            name: "NVIDIA A100-SXM4-40GB".into(),
-            memory_mib: 40960,
             pci_bus_id: format!("00000000:{:02X}:00.0", 0x07 + index),
-            pci_device_id: 0x20b0,
             minor,
             numa_node: Some(0),
-            compute_capability: Some((8, 0)),
-            mig: Some(MigState {
-                current: !mig.is_empty(),
-                pending: !mig.is_empty(),
-            }),
+            mig: Some(sample::mig(!mig.is_empty())),
             mig_devices: mig
                 .iter()
                 .map(|&(index, uuid, gi_id)| MigDeviceInfo {
@@ -738,16 +730,13 @@ mod tests {
                     attributes: None,
                 })
                 .collect(),
+            ..sample::a100(index)
         }
     }
 
     /// Two GPUs; the second (device minor 3, so index and minor differ) has two MIG devices.
     fn inventory() -> Inventory {
-        Inventory {
-            driver_version: VERSION.into(),
-            cuda_driver_version: "12.4".into(),
-            gpus: vec![gpu(0, G0, 0, &[]), gpu(1, G1, 3, &[(0, M0, 1), (1, M1, 2)])],
-        }
+        sample::inventory(vec![gpu(0, G0, 0, &[]), gpu(1, G1, 3, &[(0, M0, 1), (1, M1, 2)])])
     }
 
     fn nodes() -> DeviceNodes {
