@@ -10,9 +10,11 @@ use common::{FakePlugin, RESOURCE, device};
 use test_kubelet::api::DevicePluginOptions;
 use tokio::process::Command;
 
+/// Waits until the socket accepts connections: the file appears at bind(), a moment before
+/// listen(), and a connection in between is refused.
 async fn wait_for_socket(path: &Path) {
     for _ in 0..200 {
-        if path.exists() {
+        if tokio::net::UnixStream::connect(path).await.is_ok() {
             return;
         }
         tokio::time::sleep(Duration::from_millis(25)).await;
