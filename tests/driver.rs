@@ -6,6 +6,7 @@
 
 mod common;
 
+use std::collections::BTreeMap;
 use std::fs;
 use std::io::{Read, Write};
 use std::net::TcpListener;
@@ -105,6 +106,96 @@ fn text(out: &std::process::Output) -> String {
         String::from_utf8_lossy(&out.stdout),
         String::from_utf8_lossy(&out.stderr)
     )
+}
+
+/// Every file, link and directory under `root` (relative path → content, link target or
+/// `dir`), to tell what a run changed.
+fn snapshot(root: &Path) -> BTreeMap<String, String> {
+    fn walk(root: &Path, dir: &Path, out: &mut BTreeMap<String, String>) {
+        let Ok(entries) = fs::read_dir(dir) else { return };
+        for entry in entries.flatten() {
+            let path = entry.path();
+            let rel = path
+                .strip_prefix(root)
+                .expect("under root")
+                .to_string_lossy()
+                .into_owned();
+            let meta = fs::symlink_metadata(&path).expect("metadata");
+            if meta.file_type().is_symlink() {
+                let target = fs::read_link(&path).expect("link");
+                out.insert(rel, format!("-> {}", target.display()));
+            } else if meta.is_dir() {
+                out.insert(rel, "dir".into());
+                walk(root, &path, out);
+            } else {
+                let bytes = fs::read(&path).unwrap_or_default();
+                out.insert(rel, format!("{:o} {}", meta.permissions().mode(), sha256_hex(&bytes)));
+            }
+        }
+    }
+    let mut out = BTreeMap::new();
+    walk(root, root, &mut out);
+    out
+}
+
+/// The agent's download area, relative to the root: the only place a failed download may leave
+/// a trace.
+const DOWNLOAD_AREA: &str = "var/lib/gpu-node-agent/driver/downloads";
+
+/// What differs between two snapshots, except in the download area (and its parent directories,
+/// created for it).
+fn changed_outside_downloads(before: &BTreeMap<String, String>, after: &BTreeMap<String, String>) -> Vec<String> {
+    let keys: std::collections::BTreeSet<&String> = before.keys().chain(after.keys()).collect();
+    keys.into_iter()
+        .filter(|k| before.get(*k) != after.get(*k))
+        .filter(|k| !k.starts_with(DOWNLOAD_AREA))
+        .filter(|k| {
+            let created_parent = DOWNLOAD_AREA.starts_with(&format!("{k}/"))
+                && before.get(*k).is_none()
+                && after.get(*k).is_some_and(|v| v == "dir");
+            !created_parent
+        })
+        .map(|k| format!("{k}: {:?} -> {:?}", before.get(k), after.get(k)))
+        .collect()
+}
+
+/// A `systemctl` stand-in: `is-active --quiet UNIT` answers from marker files in `units`
+/// (present: active), `stop` removes the marker, `start` creates it.
+fn systemctl(node: &Node, units: &Path) {
+    stand_in(
+        node,
+        "/usr/bin/systemctl",
+        &log_path(node),
+        &format!(
+            "d=\"{}\"\ncase \"$1\" in\n  is-active) [ -e \"$d/$3\" ]; exit $? ;;\n  stop) rm -f \"$d/$2\" ;;\n  start) mkdir -p \"$d\"; touch \"$d/$2\" ;;\nesac\nexit 0",
+            units.display()
+        ),
+    );
+}
+
+/// Unit files for nvidia-persistenced and the fabric manager under the root, both active.
+fn nvidia_units(node: &Node) -> PathBuf {
+    let active = node.tmp.path().join("active-units");
+    fs::create_dir_all(&active).expect("mkdir");
+    for unit in ["nvidia-persistenced.service", "nvidia-fabricmanager.service"] {
+        write(&node.root, &format!("lib/systemd/system/{unit}"), "[Service]\n");
+        fs::write(active.join(unit), "").expect("active");
+    }
+    systemctl(node, &active);
+    active
+}
+
+/// `bare_node` with everything a driver change would touch: driver 535 loaded (with
+/// nvidia_drm), nouveau loaded, no kernel headers, nvidia-persistenced and the fabric manager
+/// active, no modprobe.d file yet.
+fn node_with_everything_to_change(config: &str) -> Node {
+    let node = bare_node(config);
+    write(&node.root, "sys/module/nvidia/version", "535.161.08\n");
+    for m in ["nvidia_uvm", "nvidia_modeset", "nvidia_drm", "nouveau"] {
+        fs::create_dir_all(node.root.join("sys/module").join(m)).expect("module");
+    }
+    nvidia_units(&node);
+    node
 }
 
 #[test]
@@ -272,18 +363,27 @@ fn a_runfile_with_the_wrong_checksum_is_never_run() {
         server.url.replace(VERSION, "{version}").replace("x86_64", "{arch}"),
         "0".repeat(64)
     );
-    let node = bare_node(&config);
+    // An upgrade with nouveau loaded, no headers and the driver's services running: everything
+    // the stage would change once the .run is verified.
+    let node = node_with_everything_to_change(&config);
+    let before = snapshot(&node.root);
     let out = node.run(&["driver", "install"]);
     assert_eq!(out.status.code(), Some(1), "{}", text(&out));
     assert!(text(&out).contains("sha256"), "{}", text(&out));
     assert!(!marker.exists(), "the unverified .run file was executed");
     assert_eq!(server.requests.load(Ordering::SeqCst), 1);
-    let downloads = node.root.join("var/lib/gpu-node-agent/driver/downloads");
+    let downloads = node.root.join(DOWNLOAD_AREA);
     let left: Vec<_> = fs::read_dir(&downloads)
         .map(|d| d.flatten().collect())
         .unwrap_or_default();
     assert!(left.is_empty(), "nothing unverified is kept: {left:?}");
-    assert!(commands(&node).iter().all(|c| !c.starts_with("insmod")));
+    assert_eq!(
+        commands(&node),
+        Vec::<String>::new(),
+        "no program ran (no unload, no apt-get, no systemctl stop)"
+    );
+    let changed = changed_outside_downloads(&before, &snapshot(&node.root));
+    assert!(changed.is_empty(), "the host was changed: {changed:#?}");
 }
 
 #[test]
@@ -298,7 +398,8 @@ fn no_network_gives_a_clear_message_and_changes_nothing() {
         "[driver]\nsource = \"runfile\"\nversion = \"{VERSION}\"\nrunfile_url = \"http://127.0.0.1:{port}/{{version}}.run\"\nrunfile_sha256 = \"{}\"\n",
         "a".repeat(64)
     );
-    let node = bare_node(&config);
+    let node = node_with_everything_to_change(&config);
+    let before = snapshot(&node.root);
     let out = node.run(&["driver", "install"]);
     assert_eq!(out.status.code(), Some(1), "{}", text(&out));
     assert!(
@@ -306,11 +407,13 @@ fn no_network_gives_a_clear_message_and_changes_nothing() {
         "{}",
         text(&out)
     );
-    assert!(
-        commands(&node)
-            .iter()
-            .all(|c| !c.starts_with("insmod") && !c.starts_with("modprobe"))
+    assert_eq!(
+        commands(&node),
+        Vec::<String>::new(),
+        "no program ran (no modprobe -r nouveau, no apt-get for the headers, no rmmod, no systemctl stop)"
     );
+    let changed = changed_outside_downloads(&before, &snapshot(&node.root));
+    assert!(changed.is_empty(), "the host was changed: {changed:#?}");
 }
 
 #[test]
@@ -619,4 +722,273 @@ async fn the_daemon_withdraws_the_gpus_for_an_upgrade_and_advertises_them_again(
         }
     }
     assert!(withdrawn, "the GPUs were withdrawn from the kubelet during the upgrade");
+}
+
+/// The old driver's node for an upgrade to `VERSION` from packages: 535 loaded, with
+/// nvidia-persistenced and the fabric manager active.
+fn upgrade_node(config: &str) -> Node {
+    let node = bare_node(config);
+    write(&node.root, "sys/module/nvidia/version", "535.161.08\n");
+    for m in ["nvidia_uvm", "nvidia_modeset"] {
+        fs::create_dir_all(node.root.join("sys/module").join(m)).expect("module");
+    }
+    nvidia_units(&node);
+    node
+}
+
+#[test]
+fn an_upgrade_stops_the_driver_services_before_unloading_and_starts_them_after_loading() {
+    let node = upgrade_node(&format!("[driver]\nsource = \"package\"\nversion = \"{VERSION}\"\n"));
+    let out = node.run(&["driver", "install"]);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out));
+    let apt = "apt-get -o DPkg::Lock::Timeout=600";
+    let env = "  DEBIAN_FRONTEND=noninteractive".to_string();
+    assert_eq!(
+        commands(&node),
+        [
+            "systemctl is-active --quiet nvidia-fabricmanager.service".to_string(),
+            "systemctl stop nvidia-fabricmanager.service".to_string(),
+            "systemctl is-active --quiet nvidia-persistenced.service".to_string(),
+            "systemctl stop nvidia-persistenced.service".to_string(),
+            "rmmod nvidia_modeset".to_string(),
+            "rmmod nvidia_uvm".to_string(),
+            "rmmod nvidia".to_string(),
+            format!("{apt} -q update"),
+            env.clone(),
+            format!(
+                "{apt} -y -q --no-install-recommends install linux-modules-nvidia-550-server-{KERNEL} \
+                 nvidia-headless-no-dkms-550-server nvidia-utils-550-server"
+            ),
+            env,
+            "modprobe nvidia".to_string(),
+            "modprobe nvidia-uvm".to_string(),
+            "modprobe nvidia-modeset".to_string(),
+            // Started again on the new driver; persistenced turns persistence mode on itself.
+            "systemctl start nvidia-persistenced.service".to_string(),
+            "systemctl start nvidia-fabricmanager.service".to_string(),
+        ]
+    );
+    assert!(text(&out).contains("driver 550.54.15 on 2 GPU(s)"), "{}", text(&out));
+
+    // Services that do not run are neither stopped nor started for the change.
+    let idle = upgrade_node(&format!("[driver]\nsource = \"package\"\nversion = \"{VERSION}\"\n"));
+    fs::remove_dir_all(idle.tmp.path().join("active-units")).expect("all inactive");
+    let out = idle.run(&["driver", "install"]);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out));
+    let systemctl: Vec<String> = commands(&idle)
+        .into_iter()
+        .filter(|c| c.starts_with("systemctl"))
+        .collect();
+    assert_eq!(
+        systemctl,
+        [
+            "systemctl is-active --quiet nvidia-fabricmanager.service",
+            "systemctl is-active --quiet nvidia-persistenced.service",
+            // The persistence step, as on a fresh install.
+            "systemctl start nvidia-persistenced.service",
+        ]
+    );
+}
+
+#[test]
+fn a_failed_unload_starts_the_stopped_services_again_and_installs_nothing() {
+    let node = upgrade_node(&format!("[driver]\nsource = \"package\"\nversion = \"{VERSION}\"\n"));
+    // nvidia stays: something still holds it.
+    stand_in(
+        &node,
+        "/usr/sbin/rmmod",
+        &log_path(&node),
+        &format!(
+            "if [ \"$1\" = nvidia ]; then echo 'rmmod: ERROR: Module nvidia is in use' >&2; exit 1; fi; rm -rf \"{}/$1\"",
+            node.root.join("sys/module").display()
+        ),
+    );
+    let out = node.run(&["driver", "install"]);
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+    assert!(
+        text(&out).contains("unload nvidia") && text(&out).contains("Module nvidia is in use"),
+        "{}",
+        text(&out)
+    );
+    let ran = commands(&node);
+    let tail: Vec<&str> = ran.iter().skip(4).map(String::as_str).collect();
+    assert_eq!(
+        tail,
+        [
+            "rmmod nvidia_modeset",
+            "rmmod nvidia_uvm",
+            "rmmod nvidia",
+            "systemctl start nvidia-persistenced.service",
+            "systemctl start nvidia-fabricmanager.service",
+        ],
+        "{ran:?}"
+    );
+    assert!(
+        node.root.join("sys/module/nvidia/version").exists(),
+        "the old driver stays loaded"
+    );
+}
+
+#[test]
+fn a_package_of_the_wanted_branch_is_not_installed_again_for_another_point_release() {
+    // The default package names use {branch}: the archive has 550.54.15 (what the stand-in
+    // modprobe loads) where 550.54.14 is asked for.
+    let node = bare_node("[driver]\nsource = \"package\"\nversion = \"550.54.14\"\n");
+    let out = node.run(&["driver", "install"]);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out));
+    assert!(text(&out).contains("driver 550.54.15 on 2 GPU(s)"), "{}", text(&out));
+    let installs = || commands(&node).iter().filter(|c| c.contains(" install ")).count();
+    assert_eq!(installs(), 1);
+
+    let out = node.run(&["driver", "install"]);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out));
+    assert!(
+        text(&out).contains("driver 550.54.15 loaded (branch 550") && text(&out).contains("nothing to do"),
+        "{}",
+        text(&out)
+    );
+    assert_eq!(installs(), 1, "not installed again: {:?}", commands(&node));
+    let status = node.run(&["driver", "status"]);
+    assert!(
+        !text(&status).contains("FAIL"),
+        "validation accepts the branch: {}",
+        text(&status)
+    );
+}
+
+/// Package names that pin the version (`{version}`) where the archive's package loads another.
+const PINNED_MISMATCH: &str = "[driver]\nsource = \"package\"\nversion = \"550.54.16\"\n\
+                               [driver.package_names]\nubuntu = [\"nvidia-driver-{version}\"]\n";
+
+#[test]
+fn a_package_install_that_loads_another_version_fails_naming_both_and_the_package() {
+    let node = bare_node(PINNED_MISMATCH);
+    let out = node.run(&["driver", "install"]);
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+    assert!(
+        text(&out).contains(
+            "installed nvidia-driver-550.54.16 but the loaded driver is 550.54.15, not the 550.54.16 [driver] version asks for"
+        ),
+        "{}",
+        text(&out)
+    );
+}
+
+/// Polls the agent's log until `pred` holds.
+fn wait_log(agent: &common::Agent, timeout: std::time::Duration, pred: impl Fn(&str) -> bool) -> String {
+    let deadline = std::time::Instant::now() + timeout;
+    loop {
+        let log = agent.log_text();
+        if pred(&log) {
+            return log;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the log did not reach the expected state in {timeout:?}:\n{log}"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+}
+
+#[test]
+fn the_daemon_does_not_install_again_after_an_install_gave_another_version() {
+    let node = bare_node(&format!("[kubernetes]\nenabled = false\n{PINNED_MISMATCH}"));
+    let agent = node.spawn();
+    let t = std::time::Duration::from_secs(20);
+    let status = node.wait_status(t, |s| {
+        common::stage(s, "driver")["error"]
+            .as_str()
+            .is_some_and(|e| e.contains("not installed again") && e.contains("nothing was changed"))
+    });
+    assert_eq!(common::stage(&status, "driver")["state"], "failed", "{status}");
+    let passes = |log: &str| log.matches("driver stage failed").count();
+    let before = passes(&agent.log_text());
+    // More passes, with NVML up and no GPU work: still no second install.
+    for pass in 1..=2 {
+        nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(agent.pid()),
+            nix::sys::signal::Signal::SIGHUP,
+        )
+        .expect("SIGHUP");
+        wait_log(&agent, t, |log| passes(log) >= before + pass);
+    }
+    let installs: Vec<String> = commands(&node)
+        .into_iter()
+        .filter(|c| c.contains(" install "))
+        .collect();
+    assert_eq!(installs.len(), 1, "{:?}", commands(&node));
+    assert!(
+        commands(&node).iter().all(|c| !c.starts_with("rmmod")),
+        "{:?}",
+        commands(&node)
+    );
+}
+
+/// An upgrade that fails once the GPUs were withdrawn (here `rmmod nvidia`: the module is in
+/// use) gives them back on the driver still loaded, with the stage failed and the reason.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_upgrade_in_the_daemon_reopens_nvml_and_advertises_the_gpus_again() {
+    let node = upgrade_node(&format!(
+        "[kubernetes]\nenabled = false\n[driver]\nsource = \"package\"\nversion = \"{VERSION}\"\n"
+    ));
+    stand_in(
+        &node,
+        "/usr/sbin/rmmod",
+        &log_path(&node),
+        &format!(
+            "if [ \"$1\" = nvidia ]; then echo 'rmmod: ERROR: Module nvidia is in use' >&2; exit 1; fi; rm -rf \"{}/$1\"",
+            node.root.join("sys/module").display()
+        ),
+    );
+    node.set_injection("processes", &format!("{} 4242 1024\n", common::gpu_uuid(0)));
+    let kubelet = test_kubelet::TestKubelet::start(&node.plugin_dir(), test_kubelet::KubeletOptions::default())
+        .await
+        .expect("kubelet");
+    let agent = node.spawn();
+    let t = std::time::Duration::from_secs(20);
+    kubelet
+        .wait_for_devices("nvidia.com/gpu", t, |d| d.len() == 2)
+        .await
+        .expect("advertised with the old driver");
+    node.wait_status(t, |s| common::stage(s, "driver")["state"] == "pending");
+    let mut events = kubelet.subscribe();
+    node.set_injection("processes", "");
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(agent.pid()),
+        nix::sys::signal::Signal::SIGHUP,
+    )
+    .expect("SIGHUP");
+    let status = node.wait_status(t, |s| {
+        common::stage(s, "driver")["state"] == "failed" && common::stage(s, "device-plugin")["state"] == "ok"
+    });
+    assert!(
+        common::stage(&status, "driver")["error"]
+            .as_str()
+            .is_some_and(|e| e.contains("Module nvidia is in use")),
+        "{status}"
+    );
+    kubelet
+        .wait_for_devices("nvidia.com/gpu", t, |d| d.len() == 2)
+        .await
+        .expect("advertised again after the failed upgrade");
+    let mut withdrawn = false;
+    while let Ok(event) = events.try_recv() {
+        match event {
+            test_kubelet::Event::Disconnected { resource, .. } if resource == "nvidia.com/gpu" => withdrawn = true,
+            test_kubelet::Event::Devices { resource, devices, .. }
+                if resource == "nvidia.com/gpu" && devices.is_empty() =>
+            {
+                withdrawn = true
+            }
+            _ => {}
+        }
+    }
+    assert!(withdrawn, "the GPUs were withdrawn for the upgrade");
+    let log = agent.log_text();
+    assert!(log.contains("advertising") && log.contains("again"), "{log}");
+    let ran = commands(&node);
+    assert!(
+        ran.contains(&"systemctl start nvidia-persistenced.service".to_string()),
+        "{ran:?}"
+    );
 }

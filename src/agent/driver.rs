@@ -1,6 +1,7 @@
 //! The driver stage inside the reconcile loop: first of all stages. It installs, builds or loads
 //! the driver `[driver]` asks for (an upgrade only when no GPU work runs, with the GPUs withdrawn
-//! from the kubelet first and NVML reopened after), then validates what NVML reports.
+//! from the kubelet first and NVML reopened after, also when the change failed), then validates
+//! what NVML reports.
 
 use super::{Agent, StageState};
 use crate::driver::stage::{self as drv, Planned};
@@ -45,8 +46,8 @@ impl Agent {
             return self.gpus.is_some();
         }
         let changed = !planned.plan.steps.is_empty();
-        if changed && !self.apply_driver(&planned).await {
-            return false;
+        if changed && let Err(go_on) = self.apply_driver(&planned).await {
+            return go_on;
         }
         // The host facts the plan was made from still hold unless the plan changed something.
         let facts = if changed { None } else { Some(planned.facts) };
@@ -55,8 +56,11 @@ impl Agent {
     }
 
     /// Applies a driver plan; an upgrade withdraws every GPU from the kubelet and closes NVML
-    /// first, and NVML is (re)opened after. `false` when it failed.
-    async fn apply_driver(&mut self, planned: &Planned) -> bool {
+    /// first, and NVML is (re)opened after, whether the change succeeded or not. On failure the
+    /// stage is failed with the reason, and the error says whether the stages after it can run
+    /// (a failed upgrade with NVML back on the driver still loaded: they re-read the inventory
+    /// and advertise the GPUs again).
+    async fn apply_driver(&mut self, planned: &Planned) -> Result<(), bool> {
         let upgrade = planned.plan.steps.iter().any(|s| matches!(s, Step::Unload { .. }));
         if upgrade {
             let uuids: Vec<String> = self
@@ -87,8 +91,9 @@ impl Agent {
             }
             Err(e) => {
                 tracing::error!("driver stage failed: {e}");
+                let go_on = upgrade && self.recover_from_failed_upgrade();
                 self.driver_stage.set(StageState::Failed, Some(e), None);
-                return false;
+                return Err(go_on);
             }
         }
         if self.gpus.is_none()
@@ -100,7 +105,22 @@ impl Agent {
             self.withdrawn.clear();
             self.inventory = None;
         }
-        true
+        Ok(())
+    }
+
+    /// After a failed upgrade: NVML again, on whatever driver is still loaded, and the GPUs
+    /// withdrawn for the change given back. `true` when NVML is up: the stages after the driver's
+    /// then re-read the inventory (restarting the health watcher) and advertise the GPUs again.
+    /// Without NVML nothing is advertised until it loads (retried every `[nvml] retry_interval`).
+    fn recover_from_failed_upgrade(&mut self) -> bool {
+        if self.gpus.is_none()
+            && let Err(e) = self.open_nvml()
+        {
+            tracing::error!("NVML after the failed driver change: {e}");
+        }
+        self.restore_withdrawn();
+        self.inventory = None;
+        self.gpus.is_some()
     }
 
     /// Validation: NVML answers, one GPU per NVIDIA PCI device, the wanted version, the modules.

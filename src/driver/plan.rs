@@ -19,7 +19,10 @@ pub enum PackageManager {
     Dnf,
 }
 
-/// One step of a driver change, in order.
+/// One step of a driver change, in order. For `runfile` and `prebuilt` the artifact is
+/// downloaded and verified first, the headers installed and the modules built next, and only then
+/// are modules touched (modprobe.d, nouveau, the old driver's services and modules, the load);
+/// for `package` the packages are installed before the new modules load.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 #[serde(tag = "step", rename_all = "kebab-case")]
 pub enum Step {
@@ -27,7 +30,9 @@ pub enum Step {
     WriteModprobeConf { path: String, text: String },
     /// `modprobe -r nouveau`.
     UnloadNouveau,
-    /// Unload the loaded driver modules in this order (an upgrade).
+    /// Stop nvidia-persistenced and the fabric manager where they run (they hold the driver
+    /// open; they start again after the load), then unload the loaded driver modules in this
+    /// order (an upgrade).
     Unload { modules: Vec<String> },
     /// Install distribution packages.
     InstallPackages {
@@ -36,9 +41,12 @@ pub enum Step {
     },
     /// Download a file, accepted only with this sha256.
     Download { url: String, sha256: String },
-    /// Extract the `.run` file, build its kernel modules for the running kernel, cache them, and
-    /// install its user space without modules.
+    /// Extract the `.run` file, build its kernel modules for the running kernel and cache them.
+    /// Changes nothing outside the agent's state dir.
     BuildRunfile { flavour: Flavour },
+    /// Install the built `.run`'s user space without its kernel modules (after the old modules
+    /// are unloaded, before the new ones load).
+    InstallUserSpace,
     /// Unpack the prebuilt modules tarball into the cache.
     UnpackPrebuilt,
     /// Load the modules: from the distribution (`modprobe`) or from the cache (`insmod`).
@@ -87,6 +95,10 @@ pub enum PlanError {
         "Secure Boot is on: the kernel refuses the unsigned modules source = \"{method}\" would load (\"Key was rejected by service\"); use source = \"package\" (Ubuntu's signed precompiled modules) or enroll a key and sign them yourself; nothing was changed"
     )]
     SecureBoot { method: &'static str },
+    /// An earlier install for this `[driver]` and kernel loaded another version than asked
+    /// for: not tried again until the config or the kernel changes, or the agent restarts.
+    #[error("{0} (an earlier pass found this; not installed again)")]
+    InstalledOtherVersion(String),
     #[error(
         "no kernel headers for the running kernel {kernel} (/lib/modules/{kernel}/build), and this distribution's headers package is unknown: install them (e.g. linux-headers-{kernel} or kernel-devel-{kernel}), or use source = \"prebuilt\""
     )]
@@ -104,6 +116,9 @@ pub struct Context {
     pub modprobe_conf: Option<String>,
     /// `x86_64` or `aarch64`.
     pub arch: String,
+    /// Why an earlier install for this `[driver]` and kernel did not give the wanted version:
+    /// the plan then fails with it instead of installing again.
+    pub failed_install: Option<String>,
 }
 
 /// The driver version's first number, e.g. 550.
@@ -199,6 +214,40 @@ pub fn headers_package(facts: &HostFacts) -> Option<(PackageManager, String)> {
     }
 }
 
+/// Whether the `[driver.package_names]` templates for this host name the exact version: when they
+/// do not (the defaults use `{branch}`), the archive decides the point release.
+pub fn package_names_pin_version(config: &DriverConfig, facts: &HostFacts) -> bool {
+    let family = match facts.os.distro() {
+        Distro::Ubuntu => "ubuntu",
+        Distro::Debian => "debian",
+        Distro::RhelFamily => "rhel",
+        Distro::Unknown => return true,
+    };
+    config
+        .package_names
+        .get(family)
+        .is_none_or(|templates| templates.iter().any(|t| t.contains("{version}")))
+}
+
+/// The version `[driver] version` asks for as validation checks it: the branch alone (e.g.
+/// `550`) for `source = "package"` when the package names do not pin the version (any point
+/// release of the branch the archive has), else the version itself.
+pub fn accepted_version(config: &DriverConfig, facts: &HostFacts) -> String {
+    match branch(&config.version) {
+        Some(b) if config.source == DriverSource::Package && !package_names_pin_version(config, facts) => b.to_string(),
+        _ => config.version.clone(),
+    }
+}
+
+/// Whether the loaded driver `loaded` is the one `[driver]` asks for: the same version, or for
+/// `source = "package"` with package names that do not pin the version, the same branch.
+pub fn satisfies(config: &DriverConfig, facts: &HostFacts, loaded: &str) -> bool {
+    loaded == config.version
+        || (config.source == DriverSource::Package
+            && !package_names_pin_version(config, facts)
+            && branch(loaded).is_some_and(|b| Some(b) == branch(&config.version)))
+}
+
 /// Plans the driver stage. Pure.
 pub fn plan(config: &DriverConfig, facts: &HostFacts, ctx: &Context) -> Result<DriverPlan, PlanError> {
     let mut plan = DriverPlan {
@@ -223,21 +272,28 @@ pub fn plan(config: &DriverConfig, facts: &HostFacts, ctx: &Context) -> Result<D
     let flavour = flavour(config.flavour, wanted);
     plan.flavour = Some(flavour);
     let conf = modprobe_conf(config);
-    if ctx.modprobe_conf.as_deref() != Some(conf.as_str()) {
-        plan.steps.push(Step::WriteModprobeConf {
-            path: config.modprobe_conf.to_string_lossy().into_owned(),
-            text: conf,
-        });
-    }
-    if loaded.as_deref() == Some(wanted) {
-        plan.summary = format!("driver {wanted} loaded");
+    let write_conf = (ctx.modprobe_conf.as_deref() != Some(conf.as_str())).then(|| Step::WriteModprobeConf {
+        path: config.modprobe_conf.to_string_lossy().into_owned(),
+        text: conf,
+    });
+    if let Some(l) = loaded.as_deref().filter(|l| satisfies(config, facts, l)) {
+        plan.summary = if l == wanted {
+            format!("driver {wanted} loaded")
+        } else {
+            format!(
+                "driver {l} loaded (branch {}: the package names do not pin the point release)",
+                accepted_version(config, facts)
+            )
+        };
+        plan.steps.extend(write_conf);
         return Ok(plan);
     }
-    if facts.nouveau {
-        plan.steps.push(Step::UnloadNouveau);
+    if let Some(why) = &ctx.failed_install {
+        return Err(PlanError::InstalledOtherVersion(why.clone()));
     }
+    let mut unload = None;
     if let (Some(old), Some(l)) = (&loaded, &facts.loaded) {
-        // An upgrade (or downgrade): the old modules go first, never under GPU work.
+        // An upgrade (or downgrade): the old modules go, never under GPU work.
         let order = [
             "nvidia_drm",
             "nvidia_modeset",
@@ -251,7 +307,7 @@ pub fn plan(config: &DriverConfig, facts: &HostFacts, ctx: &Context) -> Result<D
             .filter(|m| l.modules.iter().any(|x| x == *m))
             .map(|m| m.to_string())
             .collect();
-        plan.steps.push(Step::Unload { modules });
+        unload = Some(Step::Unload { modules });
         match ctx.gpu_processes {
             Some(0) => {}
             Some(n) => {
@@ -280,34 +336,54 @@ pub fn plan(config: &DriverConfig, facts: &HostFacts, ctx: &Context) -> Result<D
         from,
         modules: modules(config),
     };
+    // Touching modules comes last: modprobe.d (options, the nouveau blacklist), nouveau out, the
+    // old driver out, then the new one in.
+    let modules_steps = |steps: &mut Vec<Step>, unload: Option<Step>, user_space: bool, from: LoadFrom| {
+        steps.extend(write_conf.clone());
+        if facts.nouveau {
+            steps.push(Step::UnloadNouveau);
+        }
+        steps.extend(unload);
+        if user_space {
+            steps.push(Step::InstallUserSpace);
+        }
+        steps.push(load(from));
+    };
     match config.source {
         DriverSource::None => {}
         DriverSource::Package => {
             let (manager, packages) = packages(config, facts, flavour)?;
+            // The packages replace the old driver's files: its modules go first.
+            plan.steps.extend(unload);
             plan.steps.push(Step::InstallPackages { manager, packages });
-            plan.steps.push(load(LoadFrom::Modprobe));
+            modules_steps(&mut plan.steps, None, false, LoadFrom::Modprobe);
         }
-        DriverSource::Runfile if ctx.cached => plan.steps.push(load(LoadFrom::Cache)),
+        DriverSource::Runfile if ctx.cached => modules_steps(&mut plan.steps, unload, false, LoadFrom::Cache),
         DriverSource::Runfile => {
-            if facts.headers.is_none() {
-                let (manager, package) = headers_package(facts).ok_or_else(|| PlanError::NoHeaders {
+            let headers = match facts.headers {
+                Some(_) => None,
+                None => Some(headers_package(facts).ok_or_else(|| PlanError::NoHeaders {
                     kernel: facts.kernel_release.clone(),
-                })?;
+                })?),
+            };
+            let url = super::fetch::url_from_template(&config.runfile_url, &[("version", wanted), ("arch", &ctx.arch)])
+                .map_err(|e| PlanError::Template(format!("[driver] runfile_url: {e}")))?;
+            // Nothing changes on the host before the .run is downloaded and verified, and the
+            // old driver keeps running until its replacement is built.
+            plan.steps.push(Step::Download {
+                url,
+                sha256: config.runfile_sha256.to_ascii_lowercase(),
+            });
+            if let Some((manager, package)) = headers {
                 plan.steps.push(Step::InstallPackages {
                     manager,
                     packages: vec![package],
                 });
             }
-            let url = super::fetch::url_from_template(&config.runfile_url, &[("version", wanted), ("arch", &ctx.arch)])
-                .map_err(|e| PlanError::Template(format!("[driver] runfile_url: {e}")))?;
-            plan.steps.push(Step::Download {
-                url,
-                sha256: config.runfile_sha256.to_ascii_lowercase(),
-            });
             plan.steps.push(Step::BuildRunfile { flavour });
-            plan.steps.push(load(LoadFrom::Cache));
+            modules_steps(&mut plan.steps, unload, true, LoadFrom::Cache);
         }
-        DriverSource::Prebuilt if ctx.cached => plan.steps.push(load(LoadFrom::Cache)),
+        DriverSource::Prebuilt if ctx.cached => modules_steps(&mut plan.steps, unload, false, LoadFrom::Cache),
         DriverSource::Prebuilt => {
             let kernel = facts.kernel_release.as_str();
             let sha256 = config
@@ -329,7 +405,7 @@ pub fn plan(config: &DriverConfig, facts: &HostFacts, ctx: &Context) -> Result<D
                 sha256: sha256.to_ascii_lowercase(),
             });
             plan.steps.push(Step::UnpackPrebuilt);
-            plan.steps.push(load(LoadFrom::Cache));
+            modules_steps(&mut plan.steps, unload, false, LoadFrom::Cache);
         }
     }
     if config.persistence_mode {
@@ -355,7 +431,10 @@ pub fn describe(plan: &DriverPlan) -> String {
             match step {
                 Step::WriteModprobeConf { path, .. } => format!("write {path} (module options, nouveau blacklist)"),
                 Step::UnloadNouveau => "unload nouveau".into(),
-                Step::Unload { modules } => format!("unload {}", modules.join(", ")),
+                Step::Unload { modules } => format!(
+                    "stop nvidia-persistenced and nvidia-fabricmanager where active, unload {}",
+                    modules.join(", ")
+                ),
                 Step::InstallPackages { manager, packages } => {
                     let tool = match manager {
                         PackageManager::Apt => "apt-get",
@@ -366,10 +445,11 @@ pub fn describe(plan: &DriverPlan) -> String {
                 Step::Download { url, sha256 } => format!("download {url} (sha256 {sha256})"),
                 Step::BuildRunfile { flavour } => {
                     format!(
-                        "build the {} kernel modules with kbuild, cache them, install the user space",
+                        "build the {} kernel modules with kbuild and cache them",
                         flavour.as_str()
                     )
                 }
+                Step::InstallUserSpace => "install the .run's user space (nvidia-installer --no-kernel-module)".into(),
                 Step::UnpackPrebuilt => "unpack the prebuilt modules into the cache".into(),
                 Step::Load { from, modules } => format!(
                     "load {} ({})",
@@ -430,6 +510,7 @@ mod tests {
             cached: false,
             modprobe_conf: None,
             arch: "x86_64".into(),
+            failed_install: None,
         }
     }
 
@@ -498,15 +579,37 @@ mod tests {
         assert_eq!(unload.unwrap(), ["nvidia_modeset", "nvidia_uvm", "nvidia"]);
     }
 
+    /// The steps' names, for order checks.
+    fn names(p: &DriverPlan) -> Vec<&'static str> {
+        p.steps
+            .iter()
+            .map(|s| match s {
+                Step::WriteModprobeConf { .. } => "modprobe.d",
+                Step::UnloadNouveau => "nouveau",
+                Step::Unload { .. } => "unload",
+                Step::InstallPackages { packages, .. } if packages[0].starts_with("linux-headers") => "headers",
+                Step::InstallPackages { .. } => "packages",
+                Step::Download { .. } => "download",
+                Step::BuildRunfile { .. } => "build",
+                Step::InstallUserSpace => "user-space",
+                Step::UnpackPrebuilt => "unpack",
+                Step::Load { .. } => "load",
+                Step::Persistence => "persistence",
+            })
+            .collect()
+    }
+
     #[test]
     fn runfile_downloads_builds_and_loads_unless_cached() {
         let c = config(DriverSource::Runfile);
         let p = plan(&c, &facts(UBUNTU, None), &ctx()).unwrap();
-        let kinds: Vec<_> = p.steps.iter().map(std::mem::discriminant).collect();
         assert!(
-            matches!(&p.steps[1], Step::Download { url, .. } if url == "https://us.download.nvidia.com/tesla/550.54.15/NVIDIA-Linux-x86_64-550.54.15.run")
+            matches!(&p.steps[0], Step::Download { url, .. } if url == "https://us.download.nvidia.com/tesla/550.54.15/NVIDIA-Linux-x86_64-550.54.15.run")
         );
-        assert_eq!(kinds.len(), 5, "{p:?}");
+        assert_eq!(
+            names(&p),
+            ["download", "build", "modprobe.d", "user-space", "load", "persistence"]
+        );
         let mut no_headers = facts(UBUNTU, None);
         no_headers.headers = None;
         let p = plan(&c, &no_headers, &ctx()).unwrap();
@@ -515,12 +618,101 @@ mod tests {
         );
         let cached = Context { cached: true, ..ctx() };
         let p = plan(&c, &facts(UBUNTU, None), &cached).unwrap();
-        assert!(
-            p.steps
-                .iter()
-                .all(|s| !matches!(s, Step::Download { .. } | Step::BuildRunfile { .. }))
-        );
+        assert_eq!(names(&p), ["modprobe.d", "load", "persistence"]);
         assert!(p.summary.contains("module cache"), "{}", p.summary);
+    }
+
+    #[test]
+    fn runfile_and_prebuilt_fetch_verify_and_build_before_touching_the_host_or_its_modules() {
+        // An upgrade with nouveau loaded and no headers: everything there is to change.
+        let mut f = facts(UBUNTU, Some("535.161.08"));
+        f.nouveau = true;
+        f.headers = None;
+        let p = plan(&config(DriverSource::Runfile), &f, &ctx()).unwrap();
+        assert_eq!(
+            names(&p),
+            [
+                "download",
+                "headers",
+                "build",
+                "modprobe.d",
+                "nouveau",
+                "unload",
+                "user-space",
+                "load",
+                "persistence"
+            ]
+        );
+        let prebuilt = DriverConfig {
+            prebuilt_url: "https://mirror.example/{kernel}/{version}-{flavour}.tar.gz".into(),
+            prebuilt_sha256: [("6.8.0-1015-aws".to_string(), "cd".repeat(32))].into(),
+            ..config(DriverSource::Prebuilt)
+        };
+        assert_eq!(
+            names(&plan(&prebuilt, &f, &ctx()).unwrap()),
+            [
+                "download",
+                "unpack",
+                "modprobe.d",
+                "nouveau",
+                "unload",
+                "load",
+                "persistence"
+            ]
+        );
+        // Cached: nothing to fetch; the old driver goes right before the new one loads.
+        let cached = Context { cached: true, ..ctx() };
+        assert_eq!(
+            names(&plan(&config(DriverSource::Runfile), &f, &cached).unwrap()),
+            ["modprobe.d", "nouveau", "unload", "load", "persistence"]
+        );
+        // Packages: the install comes before modprobe.d and nouveau (a failed apt-get leaves
+        // them as they were); the old modules go before their files are replaced.
+        assert_eq!(
+            names(&plan(&config(DriverSource::Package), &f, &ctx()).unwrap()),
+            ["unload", "packages", "modprobe.d", "nouveau", "load", "persistence"]
+        );
+    }
+
+    #[test]
+    fn a_package_of_the_wanted_branch_satisfies_unless_the_names_pin_the_version() {
+        // The default names use {branch}: the archive's 550.54.14 is the 550 asked for.
+        let c = config(DriverSource::Package);
+        let f = facts(UBUNTU, Some("550.54.14"));
+        assert!(satisfies(&c, &f, "550.54.14") && !satisfies(&c, &f, "535.161.08"));
+        assert_eq!(accepted_version(&c, &f), "550");
+        let p = plan(&c, &f, &ctx()).unwrap();
+        assert_eq!(names(&p), ["modprobe.d"], "{p:?}");
+        assert!(p.summary.contains("550.54.14 loaded (branch 550"), "{}", p.summary);
+        // Names with {version} ask for that version exactly.
+        let mut pinned = config(DriverSource::Package);
+        pinned
+            .package_names
+            .insert("ubuntu".into(), vec!["nvidia-driver-{version}".into()]);
+        assert!(!satisfies(&pinned, &f, "550.54.14"));
+        assert_eq!(accepted_version(&pinned, &f), "550.54.15");
+        assert!(names(&plan(&pinned, &f, &ctx()).unwrap()).contains(&"packages"));
+        // runfile and prebuilt always want the exact version.
+        let runfile = config(DriverSource::Runfile);
+        assert!(!satisfies(&runfile, &f, "550.54.14"));
+        assert_eq!(accepted_version(&runfile, &f), "550.54.15");
+    }
+
+    #[test]
+    fn an_install_that_gave_another_version_is_not_planned_again() {
+        let c = config(DriverSource::Package);
+        let failed = Context {
+            failed_install: Some("installed X, but the loaded driver is 535.161.08".into()),
+            ..ctx()
+        };
+        let e = plan(&c, &facts(UBUNTU, Some("535.161.08")), &failed).unwrap_err();
+        assert!(
+            matches!(&e, PlanError::InstalledOtherVersion(m) if m.contains("535.161.08")),
+            "{e}"
+        );
+        assert!(e.to_string().contains("not installed again"), "{e}");
+        // Once the wanted driver is loaded (installed by hand), all is well again.
+        assert!(plan(&c, &facts(UBUNTU, Some("550.54.15")), &failed).is_ok());
     }
 
     #[test]

@@ -17,6 +17,10 @@ use crate::host::{HostRoot, WriteError, write_atomic};
 /// Systemd unit directories (host paths) searched for optional services.
 const UNIT_DIRS: [&str; 3] = ["/etc/systemd/system", "/lib/systemd/system", "/usr/lib/systemd/system"];
 
+/// The driver's services that hold it open, in start order: stopped (the other way round) where
+/// active before the old modules are unloaded, started again once the new ones are loaded.
+const DRIVER_UNITS: [&str; 2] = ["nvidia-persistenced.service", "nvidia-fabricmanager.service"];
+
 /// How long a package install may take (downloads, DKMS builds).
 const PACKAGE_TIMEOUT: Duration = Duration::from_secs(45 * 60);
 /// How long apt waits for another apt/dpkg to release its lock.
@@ -44,6 +48,9 @@ pub enum DriverError {
     Write(#[from] WriteError),
     #[error("{step}: {message}")]
     Step { step: String, message: String },
+    /// The packages installed and loaded, but the loaded driver is not the one asked for.
+    #[error("{0}")]
+    OtherVersion(String),
 }
 
 /// What the driver stage found and decided.
@@ -108,9 +115,47 @@ pub fn plan_now(config: &Config, root: &HostRoot, gpu_processes: Option<usize>) 
         cached,
         modprobe_conf,
         arch: arch().into(),
+        failed_install: failed_install(config, root, &facts),
     };
     let plan = plan::plan(&config.driver, &facts, &ctx)?;
     Ok(Planned { facts, plan, cache_key })
+}
+
+/// A package install whose loaded driver was not the one asked for, remembered for the life of
+/// the process (one per root) so that every pass does not install the same packages again; it
+/// holds while `[driver]` and the kernel stay the same.
+#[derive(Debug, Clone)]
+struct FailedInstall {
+    root: PathBuf,
+    kernel_release: String,
+    driver: crate::config::DriverConfig,
+    message: String,
+}
+
+static FAILED_INSTALLS: std::sync::Mutex<Vec<FailedInstall>> = std::sync::Mutex::new(Vec::new());
+
+fn failed_installs() -> std::sync::MutexGuard<'static, Vec<FailedInstall>> {
+    FAILED_INSTALLS.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Why the last install for this `[driver]` and kernel under `root` gave another version, if
+/// it did.
+fn failed_install(config: &Config, root: &HostRoot, facts: &HostFacts) -> Option<String> {
+    failed_installs()
+        .iter()
+        .find(|f| f.root == root.path() && f.kernel_release == facts.kernel_release && f.driver == config.driver)
+        .map(|f| f.message.clone())
+}
+
+fn remember_failed_install(config: &Config, root: &HostRoot, facts: &HostFacts, message: &str) {
+    let mut failed = failed_installs();
+    failed.retain(|f| f.root != root.path());
+    failed.push(FailedInstall {
+        root: root.path().to_path_buf(),
+        kernel_release: facts.kernel_release.clone(),
+        driver: config.driver.clone(),
+        message: message.to_string(),
+    });
 }
 
 /// Runs the host programs of the driver stage.
@@ -169,8 +214,22 @@ pub struct Applied {
     pub built: bool,
 }
 
+/// What the steps done so far left for the next ones.
+#[derive(Default)]
+struct Progress {
+    /// The verified download (rooted).
+    download: Option<PathBuf>,
+    /// The extracted `.run` (host path), once built.
+    runfile_work: Option<PathBuf>,
+    /// The driver's services stopped for the change, in start order; emptied once started again.
+    stopped: Vec<&'static str>,
+    /// Services started again after the load (the persistence step leaves them be).
+    restarted: Vec<&'static str>,
+}
+
 /// Applies `planned.plan` (which must not be waiting). Blocking; downloads run on the current
-/// tokio runtime when there is one, else on a private one.
+/// tokio runtime when there is one, else on a private one. When a step fails after the driver's
+/// services were stopped, they are started again (the old driver may still be loaded).
 pub fn apply(config: &Config, root: &HostRoot, planned: &Planned) -> Result<Applied, DriverError> {
     let host = Host {
         config,
@@ -178,8 +237,34 @@ pub fn apply(config: &Config, root: &HostRoot, planned: &Planned) -> Result<Appl
         runner: Runner::new(root),
     };
     let mut applied = Applied::default();
-    let mut download: Option<PathBuf> = None;
+    let mut progress = Progress::default();
     let started = Instant::now();
+    let result =
+        apply_steps(&host, planned, &mut applied, &mut progress).and_then(|()| check_installed(&host, planned));
+    if let Err(e) = &result {
+        for unit in std::mem::take(&mut progress.stopped) {
+            match start_unit(&host, unit) {
+                Ok(()) => applied.done.push(format!("started {unit} again")),
+                Err(start) => tracing::warn!("driver: after the failed change ({e}): {start}"),
+            }
+        }
+    }
+    result?;
+    tracing::info!(
+        "driver stage: {} step(s) in {:?}",
+        planned.plan.steps.len(),
+        started.elapsed()
+    );
+    Ok(applied)
+}
+
+fn apply_steps(
+    host: &Host<'_>,
+    planned: &Planned,
+    applied: &mut Applied,
+    progress: &mut Progress,
+) -> Result<(), DriverError> {
+    let root = host.root;
     for step in &planned.plan.steps {
         match step {
             Step::WriteModprobeConf { path, text } => {
@@ -192,13 +277,23 @@ pub fn apply(config: &Config, root: &HostRoot, planned: &Planned) -> Result<Appl
             }
             Step::Unload { modules } => {
                 let rmmod = host.program("unload the driver", &["/usr/sbin/rmmod", "/sbin/rmmod"])?;
+                for unit in DRIVER_UNITS.iter().rev() {
+                    if unit_active(host, unit) {
+                        host.run(
+                            &format!("stop {unit}"),
+                            Cmd::new(&host.config.runtime.systemctl).args(["stop", unit]),
+                        )?;
+                        progress.stopped.insert(0, unit);
+                        applied.done.push(format!("stopped {unit}"));
+                    }
+                }
                 for m in modules {
                     host.run(&format!("unload {m}"), Cmd::new(&rmmod).arg(m))?;
                 }
                 applied.done.push(format!("unloaded {}", modules.join(", ")));
             }
             Step::InstallPackages { manager, packages } => {
-                install_packages(&host, *manager, packages)?;
+                install_packages(host, *manager, packages)?;
                 applied.done.push(format!("installed {}", packages.join(" ")));
             }
             Step::Download { url, sha256 } => {
@@ -216,10 +311,10 @@ pub fn apply(config: &Config, root: &HostRoot, planned: &Planned) -> Result<Appl
                     if fetched.cached { "already had" } else { "downloaded" },
                     fetched.bytes
                 ));
-                download = Some(dest);
+                progress.download = Some(dest);
             }
             Step::BuildRunfile { flavour } => {
-                let runfile = download.as_ref().ok_or_else(|| DriverError::Step {
+                let runfile = progress.download.as_ref().ok_or_else(|| DriverError::Step {
                     step: "build".into(),
                     message: "no downloaded .run file".into(),
                 })?;
@@ -227,7 +322,7 @@ pub fn apply(config: &Config, root: &HostRoot, planned: &Planned) -> Result<Appl
                     step: "build".into(),
                     message: "no cache key".into(),
                 })?;
-                build_runfile(&host, &planned.facts, runfile, *flavour, key)?;
+                progress.runfile_work = Some(build_runfile(host, &planned.facts, runfile, *flavour, key)?);
                 applied.built = true;
                 applied.done.push(format!(
                     "built the {} modules for {} and cached them",
@@ -235,8 +330,17 @@ pub fn apply(config: &Config, root: &HostRoot, planned: &Planned) -> Result<Appl
                     planned.facts.kernel_release
                 ));
             }
+            Step::InstallUserSpace => {
+                let work = progress.runfile_work.as_ref().ok_or_else(|| DriverError::Step {
+                    step: "install the user space".into(),
+                    message: "no extracted .run file".into(),
+                })?;
+                if install_user_space(host, work)? {
+                    applied.done.push("installed the driver's user space".into());
+                }
+            }
             Step::UnpackPrebuilt => {
-                let tarball = download.as_ref().ok_or_else(|| DriverError::Step {
+                let tarball = progress.download.as_ref().ok_or_else(|| DriverError::Step {
                     step: "unpack".into(),
                     message: "no downloaded tarball".into(),
                 })?;
@@ -244,25 +348,84 @@ pub fn apply(config: &Config, root: &HostRoot, planned: &Planned) -> Result<Appl
                     step: "unpack".into(),
                     message: "no cache key".into(),
                 })?;
-                unpack_prebuilt(&host, tarball, key)?;
+                unpack_prebuilt(host, tarball, key)?;
                 applied.done.push("unpacked the prebuilt modules into the cache".into());
             }
             Step::Load { from, modules } => {
-                load(&host, planned, *from, modules)?;
+                load(host, planned, *from, modules)?;
                 applied.done.push(format!("loaded {}", modules.join(", ")));
+                // The services stopped for the change come back on the new driver.
+                while !progress.stopped.is_empty() {
+                    let unit = progress.stopped.remove(0);
+                    start_unit(host, unit)?;
+                    progress.restarted.push(unit);
+                    applied.done.push(format!("started {unit} again"));
+                }
             }
             Step::Persistence => {
-                persistence(&host)?;
+                persistence(host, &progress.restarted)?;
                 applied.done.push("persistence mode on".into());
             }
         }
     }
-    tracing::info!(
-        "driver stage: {} step(s) in {:?}",
-        planned.plan.steps.len(),
-        started.elapsed()
+    Ok(())
+}
+
+/// After a package install: the loaded driver must be the one asked for. When it is not, the
+/// stage fails naming both and the packages, and the same install is not tried again (see
+/// [`FailedInstall`]).
+fn check_installed(host: &Host<'_>, planned: &Planned) -> Result<(), DriverError> {
+    let d = &host.config.driver;
+    let packages: Vec<&str> = planned
+        .plan
+        .steps
+        .iter()
+        .filter_map(|s| match s {
+            Step::InstallPackages { packages, .. } if d.source == DriverSource::Package => Some(packages),
+            _ => None,
+        })
+        .flatten()
+        .map(String::as_str)
+        .collect();
+    if packages.is_empty() {
+        return Ok(());
+    }
+    let loaded = observe::loaded_driver(host.root)?.and_then(|l| l.version);
+    let Some(loaded) = loaded else {
+        // Validation says what is missing.
+        return Ok(());
+    };
+    if plan::satisfies(d, &planned.facts, &loaded) {
+        return Ok(());
+    }
+    let wanted = plan::accepted_version(d, &planned.facts);
+    let message = format!(
+        "installed {} but the loaded driver is {loaded}, not the {wanted} [driver] version asks for: the package \
+         archive has another version; set [driver] version to {loaded}, or change [driver.package_names] (not \
+         installed again until [driver] or the kernel changes, or the agent restarts)",
+        packages.join(" ")
     );
-    Ok(applied)
+    remember_failed_install(host.config, host.root, &planned.facts, &message);
+    Err(DriverError::OtherVersion(message))
+}
+
+/// Whether `unit` is installed and active (`systemctl is-active`).
+fn unit_active(host: &Host<'_>, unit: &str) -> bool {
+    let systemctl = &host.config.runtime.systemctl;
+    host.unit_exists(unit)
+        && host.runner.exists(systemctl)
+        && host
+            .runner
+            .output(&Cmd::new(systemctl).args(["is-active", "--quiet", unit]))
+            .is_ok_and(|o| o.success())
+}
+
+fn start_unit(host: &Host<'_>, unit: &str) -> Result<(), DriverError> {
+    host.run(
+        &format!("start {unit}"),
+        Cmd::new(&host.config.runtime.systemctl).args(["start", unit]),
+    )
+    .map(|_| ())
 }
 
 fn install_packages(host: &Host<'_>, manager: PackageManager, packages: &[String]) -> Result<(), DriverError> {
@@ -336,15 +499,16 @@ fn work_dir(host: &Host<'_>, name: &str) -> Result<PathBuf, DriverError> {
 }
 
 /// Extracts the verified `.run` (never run before its sha256 matched: the download step only
-/// leaves verified files), builds its kernel modules with kbuild, caches them, and installs the
-/// user space without modules (on the real root only).
+/// leaves verified files) into a work directory under the state dir, builds its kernel modules
+/// with kbuild and caches them. Returns the work directory (host path) for
+/// [`install_user_space`]. Changes nothing outside the state dir.
 fn build_runfile(
     host: &Host<'_>,
     facts: &HostFacts,
     runfile_rooted: &Path,
     flavour: super::Flavour,
     key: &CacheKey,
-) -> Result<CachedModules, DriverError> {
+) -> Result<PathBuf, DriverError> {
     let work = work_dir(host, &format!("runfile-{}", key.digest()))?;
     let sh = host.program("extract the .run file", &["/bin/sh", "/usr/bin/sh"])?;
     // Programs resolve under the root, but run on this machine: their file arguments are rooted.
@@ -365,37 +529,46 @@ fn build_runfile(
         req.headers = headers.clone();
     }
     let built = build(&host.runner, host.root, &req)?;
-    let cached = cache_of(host).store(key, &built.modules)?;
+    cache_of(host).store(key, &built.modules)?;
+    Ok(work)
+}
+
+/// Installs the extracted `.run`'s user space without its kernel modules (on the real root
+/// only). `false` when there was nothing to run.
+fn install_user_space(host: &Host<'_>, work: &Path) -> Result<bool, DriverError> {
     let installer = work.join("nvidia-installer");
     if !host.root.is_real() {
         tracing::warn!(
             "driver: --root is not /: the driver's user space is not installed (nvidia-installer runs on the node itself)"
         );
-    } else if host.runner.exists(&installer) {
-        host.run(
-            "install the user space",
-            Cmd::new(&installer)
-                .args([
-                    "--silent",
-                    "--accept-license",
-                    "--no-kernel-module",
-                    "--no-drm",
-                    "--no-nouveau-check",
-                    "--no-nvidia-modprobe",
-                    "--no-rpms",
-                    "--no-backup",
-                    "--no-check-for-alternate-installs",
-                    "--no-libglx-indirect",
-                    "--no-install-libglvnd",
-                    "--x-prefix=/tmp/null",
-                    "--x-module-path=/tmp/null",
-                    "--x-library-path=/tmp/null",
-                    "--x-sysconfig-path=/tmp/null",
-                ])
-                .timeout(Duration::from_secs(1800)),
-        )?;
+        return Ok(false);
     }
-    Ok(cached)
+    if !host.runner.exists(&installer) {
+        return Ok(false);
+    }
+    host.run(
+        "install the user space",
+        Cmd::new(&installer)
+            .args([
+                "--silent",
+                "--accept-license",
+                "--no-kernel-module",
+                "--no-drm",
+                "--no-nouveau-check",
+                "--no-nvidia-modprobe",
+                "--no-rpms",
+                "--no-backup",
+                "--no-check-for-alternate-installs",
+                "--no-libglx-indirect",
+                "--no-install-libglvnd",
+                "--x-prefix=/tmp/null",
+                "--x-module-path=/tmp/null",
+                "--x-library-path=/tmp/null",
+                "--x-sysconfig-path=/tmp/null",
+            ])
+            .timeout(Duration::from_secs(1800)),
+    )?;
+    Ok(true)
 }
 
 fn unpack_prebuilt(host: &Host<'_>, tarball_rooted: &Path, key: &CacheKey) -> Result<CachedModules, DriverError> {
@@ -505,9 +678,13 @@ fn load(host: &Host<'_>, planned: &Planned, from: LoadFrom, modules: &[String]) 
     Ok(())
 }
 
-fn persistence(host: &Host<'_>) -> Result<(), DriverError> {
+/// Persistence mode on, and the fabric manager on NVSwitch systems; `started`: services the
+/// load step already started again.
+fn persistence(host: &Host<'_>, started: &[&str]) -> Result<(), DriverError> {
     let systemctl = host.config.runtime.systemctl.clone();
-    if host.unit_exists("nvidia-persistenced.service") && host.runner.exists(&systemctl) {
+    if started.contains(&"nvidia-persistenced.service") {
+        // It turns persistence mode on itself.
+    } else if host.unit_exists("nvidia-persistenced.service") && host.runner.exists(&systemctl) {
         host.run(
             "persistence mode",
             Cmd::new(&systemctl).args(["start", "nvidia-persistenced.service"]),
@@ -521,7 +698,11 @@ fn persistence(host: &Host<'_>) -> Result<(), DriverError> {
     let nvswitches = std::fs::read_dir(host.root.join("/proc/driver/nvidia-nvswitch/devices"))
         .map(|d| d.count())
         .unwrap_or(0);
-    if nvswitches > 0 && host.unit_exists("nvidia-fabricmanager.service") && host.runner.exists(&systemctl) {
+    if nvswitches > 0
+        && !started.contains(&"nvidia-fabricmanager.service")
+        && host.unit_exists("nvidia-fabricmanager.service")
+        && host.runner.exists(&systemctl)
+    {
         host.run(
             "fabric manager",
             Cmd::new(&systemctl).args(["start", "nvidia-fabricmanager.service"]),
@@ -533,7 +714,8 @@ fn persistence(host: &Host<'_>) -> Result<(), DriverError> {
 /// The validation checks against what NVML reports now (`nvml`: driver version and GPU count,
 /// or why NVML does not answer).
 pub fn validate_now(config: &Config, facts: &HostFacts, nvml: Result<NvmlView, String>) -> Vec<Check> {
-    let desired = (!config.driver.version.is_empty()).then(|| config.driver.version.clone());
+    // With package names that do not pin the point release, any of the branch will do.
+    let desired = (!config.driver.version.is_empty()).then(|| plan::accepted_version(&config.driver, facts));
     validate::validate(&ValidationInput {
         pci_gpus: facts.gpus.len(),
         nvml,
