@@ -1,8 +1,10 @@
 //! The metrics endpoint against the fake NVML library (in process) and the test kubelet's
 //! pod-resources service: dcgm-exporter's names, labels and values for GPUs and MIG GPU
-//! instances, pod labels, Xids, the agent's own metrics, and the HTTP behaviour. The output is
-//! parsed with a Prometheus text parser. One test function: the fake library is a process-wide
-//! singleton configured through the environment.
+//! instances, pod labels, Xids, and the HTTP behaviour; then the agent's own metrics as the
+//! running binary reports them (health transitions, Kubernetes API requests, memory-limit
+//! actions, registrations, allocations, stages). The output is parsed with a Prometheus text
+//! parser. One test function: the fake library is a process-wide singleton configured through
+//! the environment.
 
 mod common;
 
@@ -15,6 +17,7 @@ use std::time::Duration;
 use gpu_node_agent::metrics::{FIELDS, Metrics, MetricsServer, Sampler, SamplerConfig, XID_ERRORS};
 use gpu_node_agent::nvml::{Gpus, HealthEvent, Inventory};
 use prometheus_parse::{Scrape, Value};
+use test_apiserver::{KubeconfigAuth, KubeconfigOptions, TestApiServer};
 use test_kubelet::{KubeletOptions, PodContainer, TestKubelet};
 use tokio::sync::{oneshot, watch};
 
@@ -89,6 +92,21 @@ fn http(addr: SocketAddr, method: &str, path: &str) -> (u16, String, String) {
         .unwrap_or_default()
         .to_string();
     (status, content_type, body.to_string())
+}
+
+/// `GET /metrics`: the body of a 200 answer, `None` while nothing (or something else) answers.
+fn try_metrics(addr: SocketAddr) -> Option<String> {
+    let mut stream = TcpStream::connect(addr).ok()?;
+    stream.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
+    write!(
+        stream,
+        "GET /metrics HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n"
+    )
+    .ok()?;
+    let mut raw = String::new();
+    stream.read_to_string(&mut raw).ok()?;
+    let (head, body) = raw.split_once("\r\n\r\n")?;
+    head.starts_with("HTTP/1.1 200").then(|| body.to_string())
 }
 
 /// Parses the scrape with prometheus-parse, after checking what that lenient parser does not:
@@ -219,15 +237,6 @@ async fn scrape_reports_gpus_mig_instances_pods_and_agent_metrics() {
         gi_id: split[0].gi_id,
         ci_id: 0,
     });
-    metrics.set_stage("device-plugin", "ready", Some(Duration::from_millis(250)));
-    metrics.reconcile_error("mig");
-    metrics.registration("nvidia.com/gpu");
-    metrics.allocation("nvidia.com/gpu");
-    metrics.allocation("nvidia.com/gpu");
-    metrics.health_transition("Unhealthy");
-    metrics.api_request("patch", 200);
-    metrics.api_request("get", 404);
-    metrics.memory_action("kill");
 
     let server = MetricsServer::bind("127.0.0.1:0".parse().expect("addr"), metrics.clone(), "/metrics")
         .await
@@ -368,64 +377,6 @@ async fn scrape_reports_gpus_mig_instances_pods_and_agent_metrics() {
     // One series per GPU instance: the split instance's two compute instances share theirs.
     assert_eq!(samples(&scrape, "DCGM_FI_DEV_FB_USED").len(), 4);
 
-    // The agent's own metrics.
-    let agent: HashMap<&str, (LabelSet, f64)> = [
-        (
-            "gpu_node_agent_stage_state",
-            labels(&[("stage", "device-plugin"), ("state", "ready")]),
-            1.0,
-        ),
-        (
-            "gpu_node_agent_reconcile_errors_total",
-            labels(&[("stage", "mig")]),
-            1.0,
-        ),
-        (
-            "gpu_node_agent_plugin_registrations_total",
-            labels(&[("resource", "nvidia.com/gpu")]),
-            1.0,
-        ),
-        (
-            "gpu_node_agent_plugin_allocations_total",
-            labels(&[("resource", "nvidia.com/gpu")]),
-            2.0,
-        ),
-        (
-            "gpu_node_agent_health_transitions_total",
-            labels(&[("to", "Unhealthy")]),
-            1.0,
-        ),
-        (
-            "gpu_node_agent_api_requests_total",
-            labels(&[("verb", "get"), ("code", "404")]),
-            1.0,
-        ),
-        (
-            "gpu_node_agent_memory_limit_actions_total",
-            labels(&[("action", "kill")]),
-            1.0,
-        ),
-        (
-            "gpu_node_agent_stage_duration_seconds_count",
-            labels(&[("stage", "device-plugin")]),
-            1.0,
-        ),
-    ]
-    .into_iter()
-    .map(|(n, l, v)| (n, (l, v)))
-    .collect();
-    for (name, (l, want)) in &agent {
-        assert_eq!(value(&scrape, name, l), Some(*want), "{name} in:\n{body}");
-    }
-    assert_eq!(
-        value(
-            &scrape,
-            "gpu_node_agent_api_requests_total",
-            &labels(&[("verb", "patch"), ("code", "200")])
-        ),
-        Some(1.0)
-    );
-
     // Readings are taken on the interval, not per scrape: a new load shows after the next tick.
     fake_nvml::write_processes(&node.state, &[]).expect("processes end");
     let (_, _, again) = tokio::task::spawn_blocking(move || http(addr, "GET", "/metrics"))
@@ -526,5 +477,224 @@ async fn scrape_reports_gpus_mig_instances_pods_and_agent_metrics() {
         .await
         .expect("the server stops")
         .expect("server task");
+    kubelet.stop().await;
+
+    // In the same test function: nothing may run beside the set_var above.
+    the_running_agent_reports_its_own_work().await;
+}
+
+const NODE_TOKEN: &str = "agent-token-0123456789";
+
+/// The running binary's own series, scraped from its endpoint: a kubelet, an API server, a
+/// time-sliced GPU with a memory budget and a pod process over it, an Xid that recovers, and a
+/// GPU NVML loses and finds again.
+async fn the_running_agent_reports_its_own_work() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .expect("bind")
+        .local_addr()
+        .expect("addr")
+        .port();
+    let config = format!(
+        "[metrics]\naddress = \"127.0.0.1:{port}\"\n\
+         [health]\nrecovery_after = \"1s\"\nlost_check_interval = \"100ms\"\n\
+         [device_plugin.sharing]\nstrategy = \"time-slicing\"\n\
+         [[device_plugin.sharing.resources]]\nname = \"nvidia.com/gpu\"\nreplicas = 2\nmemory_per_replica = \"fair\"\n\
+         [device_plugin.memory_limits]\naction = \"dry-run\"\ninterval = \"100ms\"\n"
+    );
+    let node = common::Node::new(&common::machine("A100-SXM4-40GB", 2), &config);
+    let api = TestApiServer::start().await;
+    api.create_node(HOST, &[]);
+    api.add_token(NODE_TOKEN, "system:node:gpu-node-1");
+    let options = KubeconfigOptions {
+        file_name: "kubelet.conf".into(),
+        ..KubeconfigOptions::default()
+    };
+    api.write_kubeconfig_with(
+        &node.kubeconfig_dir(),
+        KubeconfigAuth::Token(NODE_TOKEN.into()),
+        &options,
+    );
+    let kubelet = TestKubelet::start(&node.plugin_dir(), KubeletOptions::default())
+        .await
+        .expect("kubelet");
+
+    // A pod's process on GPU 0 over its replica's budget (40960 MiB / 2); dry-run kills nobody.
+    let mut sleeper = std::process::Command::new("sleep").arg("60").spawn().expect("sleep");
+    let pid = sleeper.id();
+    let cgroup = node.root.join(format!("proc/{pid}/cgroup"));
+    std::fs::create_dir_all(cgroup.parent().expect("dir")).expect("mkdir");
+    std::fs::write(
+        &cgroup,
+        "0::/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod0a1b2c3d_0000_4000_8000_000000000001.slice/cri-containerd-aaaabbbbccccddddeeeeffff00001111222233334444555566667777888899990000.scope\n",
+    )
+    .expect("cgroup");
+    node.set_injection("processes", &format!("{} {pid} 30000\n", common::gpu_uuid(0)));
+
+    let agent = node.spawn();
+    let addr: SocketAddr = ([127, 0, 0, 1], port).into();
+    let scrape = |until: &dyn Fn(&Scrape) -> bool| -> (Scrape, String) {
+        let deadline = std::time::Instant::now() + Duration::from_secs(20);
+        loop {
+            let body = try_metrics(addr);
+            if let Some(body) = body {
+                let parsed = parse(&body);
+                if until(&parsed) {
+                    return (parsed, body);
+                }
+                assert!(
+                    std::time::Instant::now() < deadline,
+                    "the agent's metrics never got there:\n{body}\n{}",
+                    agent.log_text()
+                );
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "no metrics from the agent: {}",
+                agent.log_text()
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    };
+    let counter = |scrape: &Scrape, name: &str, pairs: &[(&str, &str)]| value(scrape, name, &labels(pairs));
+    let transitions = "gpu_node_agent_health_transitions_total";
+
+    // Registered and watched; one Allocate.
+    let replica = format!("{}::1", common::gpu_uuid(1));
+    kubelet
+        .wait_for_devices("nvidia.com/gpu", Duration::from_secs(15), |d| d.len() == 4)
+        .await
+        .expect("4 replicas");
+    kubelet.allocate("nvidia.com/gpu", &[&replica]).await.expect("allocate");
+
+    // An Xid on GPU 0 and GPU 1 lost: one transition each into Unhealthy, with the cause.
+    node.inject("xid", &format!("{} 79", common::gpu_uuid(0)));
+    node.set_injection("lost", &format!("{}\n", common::gpu_uuid(1)));
+    let (got, _) = tokio::task::block_in_place(|| {
+        scrape(&|s| {
+            counter(s, transitions, &[("to", "Unhealthy"), ("reason", "xid")]).is_some()
+                && counter(s, transitions, &[("to", "Unhealthy"), ("reason", "lost")]).is_some()
+        })
+    });
+    assert_eq!(
+        counter(&got, transitions, &[("to", "Unhealthy"), ("reason", "xid")]),
+        Some(1.0)
+    );
+    assert_eq!(
+        counter(&got, transitions, &[("to", "Unhealthy"), ("reason", "lost")]),
+        Some(1.0)
+    );
+
+    // NVML answers for GPU 1 again, and GPU 0's Xid is a second old: both back to Healthy.
+    node.set_injection("lost", "");
+    let (got, body) = tokio::task::block_in_place(|| {
+        scrape(&|s| {
+            samples(s, transitions).len() == 4
+                && samples(s, "gpu_node_agent_api_requests_total")
+                    .iter()
+                    .any(|(l, _)| l["verb"] == "create")
+                && samples(s, "gpu_node_agent_memory_limit_actions_total").len() == 1
+                && counter(
+                    s,
+                    "gpu_node_agent_plugin_allocations_total",
+                    &[("resource", "nvidia.com/gpu")],
+                )
+                .is_some()
+        })
+    });
+    let mut seen: Vec<(String, String, f64)> = samples(&got, transitions)
+        .into_iter()
+        .map(|(l, v)| (l["to"].clone(), l["reason"].clone(), v))
+        .collect();
+    seen.sort_by(|a, b| a.partial_cmp(b).expect("numbers"));
+    let want = [
+        ("Healthy", "answering"),
+        ("Healthy", "recovered"),
+        ("Unhealthy", "lost"),
+        ("Unhealthy", "xid"),
+    ];
+    let want: Vec<(String, String, f64)> = want.iter().map(|(t, r)| (t.to_string(), r.to_string(), 1.0)).collect();
+    assert_eq!(seen, want, "{body}");
+
+    // Kubernetes API requests by the Kubernetes verb, in lower case: the Node watched, its
+    // labels patched, an Event created (the memory-limit action); `get` only when a watch must
+    // be resumed, so it may or may not be there.
+    let verbs: std::collections::BTreeSet<String> = samples(&got, "gpu_node_agent_api_requests_total")
+        .into_iter()
+        .map(|(l, _)| l["verb"].clone())
+        .collect();
+    for verb in ["watch", "patch", "create"] {
+        assert!(verbs.contains(verb), "no {verb} in:\n{body}");
+    }
+    for verb in &verbs {
+        assert!(
+            ["get", "watch", "patch", "create"].contains(&verb.as_str()),
+            "verb {verb} in:\n{body}"
+        );
+    }
+
+    // The memory-limit action as the enforcer names it.
+    assert_eq!(
+        samples(&got, "gpu_node_agent_memory_limit_actions_total")
+            .into_iter()
+            .map(|(l, _)| l["action"].clone())
+            .collect::<Vec<_>>(),
+        ["would_kill"],
+        "{body}"
+    );
+
+    // Registration, allocation and the stage series.
+    assert!(
+        counter(
+            &got,
+            "gpu_node_agent_plugin_registrations_total",
+            &[("resource", "nvidia.com/gpu")]
+        ) >= Some(1.0)
+    );
+    assert_eq!(
+        counter(
+            &got,
+            "gpu_node_agent_plugin_allocations_total",
+            &[("resource", "nvidia.com/gpu")]
+        ),
+        Some(1.0)
+    );
+    assert_eq!(
+        counter(
+            &got,
+            "gpu_node_agent_stage_state",
+            &[("stage", "device-plugin"), ("state", "ok")]
+        ),
+        Some(1.0),
+        "{body}"
+    );
+    assert!(
+        counter(
+            &got,
+            "gpu_node_agent_stage_duration_seconds_count",
+            &[("stage", "device-plugin")]
+        ) >= Some(1.0)
+    );
+
+    // Each HELP text names the label values the agent emits.
+    for (family, values) in [
+        (
+            "gpu_node_agent_health_transitions",
+            &["Healthy", "Unhealthy", "xid", "lost", "recovered", "answering"][..],
+        ),
+        ("gpu_node_agent_api_requests", &["get", "watch", "patch", "create"][..]),
+        (
+            "gpu_node_agent_memory_limit_actions",
+            &["warned", "would_kill", "terminated", "killed"][..],
+        ),
+    ] {
+        let help = got.docs.get(family).map(String::as_str).unwrap_or_default();
+        for v in values {
+            assert!(help.contains(v), "HELP of {family} does not name {v}: {help}");
+        }
+    }
+
+    assert_eq!(agent.stop(), 0);
+    let _ = sleeper.kill();
+    let _ = sleeper.wait();
     kubelet.stop().await;
 }

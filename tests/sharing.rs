@@ -112,6 +112,14 @@ async fn four_replicas_on_two_gpus_are_eight_shared_gpus_one_per_container() {
         .await
         .expect("preferred");
     assert_ne!(physical(&spread[0]), physical(&spread[1]), "{spread:?}");
+    // GPU 0 has two replicas in use, GPU 1 none: still one replica of each GPU, the idle one
+    // first (two replicas of GPU 1 would be one GPU twice in the container).
+    let busy: Vec<&str> = available[2..].to_vec();
+    let spread = kubelet
+        .preferred_allocation(SHARED, &busy, &[], 2)
+        .await
+        .expect("preferred");
+    assert_eq!(spread, [want[4].clone(), want[2].clone()]);
 
     // The GPU feature labels say how the GPUs are shared (renamed: no -SHARED product).
     wait_label(&api, "nvidia.com/gpu.replicas", Some("4")).await;
@@ -119,25 +127,43 @@ async fn four_replicas_on_two_gpus_are_eight_shared_gpus_one_per_container() {
     wait_label(&api, "nvidia.com/gpu.product", Some("NVIDIA-A100-SXM4-40GB")).await;
     wait_label(&api, PROFILE_STATE, Some("success")).await;
 
-    // The packed profile: same resource, so the same stream; preferred allocation packs.
+    // The packed profile: same resource, so the same stream. Preferred allocation fills the
+    // busier GPU first: with one replica of GPU 0 in use, a single replica goes to GPU 0 (it went
+    // to the idle GPU 1 under distributed).
     let registrations = kubelet.registrations().len();
     let mut events = kubelet.subscribe();
+    let one_busy: Vec<&str> = available[1..].to_vec();
+    let single = kubelet
+        .preferred_allocation(SHARED, &one_busy, &[], 1)
+        .await
+        .expect("preferred");
+    assert_eq!(single, [want[4].clone()], "distributed");
     api.set_label(NODE, PROFILE, Some("packed4"));
     let status = node.wait_status(T, |s| s["desired"]["profile"]["applied"] == "packed4");
     assert_eq!(status["pid"], agent.pid());
     let packed = async {
         loop {
-            let got = kubelet.preferred_allocation(SHARED, &available, &[], 2).await;
+            let got = kubelet.preferred_allocation(SHARED, &one_busy, &[], 1).await;
             match got {
-                Ok(ids) if physical(&ids[0]) == physical(&ids[1]) => return ids,
+                Ok(ids) if ids == [want[1].clone()] => return ids,
                 _ => tokio::time::sleep(Duration::from_millis(20)).await,
             }
         }
     };
-    let packed = tokio::time::timeout(T, packed)
+    tokio::time::timeout(T, packed)
         .await
         .expect("packed preferred allocation");
-    assert_eq!(packed, [want[0].clone(), want[1].clone()]);
+    // Two replicas are still two GPUs, the busier one first.
+    let two = kubelet
+        .preferred_allocation(SHARED, &one_busy, &[], 2)
+        .await
+        .expect("preferred");
+    assert_eq!(two, [want[1].clone(), want[4].clone()]);
+    let two = kubelet
+        .preferred_allocation(SHARED, &available, &[], 2)
+        .await
+        .expect("preferred");
+    assert_eq!(two, [want[0].clone(), want[4].clone()]);
     assert!(kubelet.is_connected(SHARED));
     assert_eq!(kubelet.registrations().len(), registrations, "no new registration");
     while let Ok(event) = events.try_recv() {

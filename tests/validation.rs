@@ -218,3 +218,96 @@ async fn the_running_agent_serves_dcgm_and_stage_metrics() {
         "{body}"
     );
 }
+
+/// A kubelet that accepts every `Register` and never dials back: it does not watch anything
+/// (as a kubelet that is wedged, or still starting its device manager).
+struct SilentKubelet;
+
+#[tonic::async_trait]
+impl gpu_node_agent::api::registration_server::Registration for SilentKubelet {
+    async fn register(
+        &self,
+        _: tonic::Request<gpu_node_agent::api::RegisterRequest>,
+    ) -> Result<tonic::Response<gpu_node_agent::api::Empty>, tonic::Status> {
+        Ok(tonic::Response::new(gpu_node_agent::api::Empty {}))
+    }
+}
+
+/// Registration is not enough: until the kubelet has a ListAndWatch stream open for the
+/// resource the device plugin check waits, and it waits again when the stream ends.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_registered_resource_nobody_watches_keeps_the_device_plugin_check_waiting() {
+    use gpu_node_agent::api::device_plugin_client::DevicePluginClient;
+    use gpu_node_agent::api::registration_server::RegistrationServer;
+
+    let node = node("");
+    let dir = node.plugin_dir();
+    std::fs::create_dir_all(&dir).expect("mkdir");
+    let listener = tokio::net::UnixListener::bind(dir.join("kubelet.sock")).expect("bind kubelet.sock");
+    let kubelet = tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(RegistrationServer::new(SilentKubelet))
+            .serve_with_incoming(tokio_stream::wrappers::UnixListenerStream::new(listener)),
+    );
+    let agent = node.spawn();
+    let waiting = |s: &serde_json::Value| {
+        validation(s)["state"] == "pending"
+            && validation(s)["error"]
+                .as_str()
+                .is_some_and(|e| e.contains("device-plugin: registered, but the kubelet has no ListAndWatch stream"))
+    };
+    let status = node.wait_status(T, |s| waiting(s) && common::stage(s, "device-plugin")["state"] == "ok");
+    let error = validation(&status)["error"].as_str().unwrap_or_default().to_string();
+    assert!(error.ends_with("open yet: nvidia.com/gpu"), "{error}");
+    assert_eq!(
+        status["labels"]["nvidia.com/gpu-node-agent.validation.state"],
+        "pending"
+    );
+
+    // The test watches in the kubelet's place: the check passes with what was listed.
+    let channel = test_kubelet::unix_channel(dir.join("nvidia-gpu.sock"))
+        .await
+        .expect("connect to the plugin");
+    let mut stream = DevicePluginClient::new(channel)
+        .list_and_watch(gpu_node_agent::api::Empty {})
+        .await
+        .expect("ListAndWatch")
+        .into_inner();
+    let first = stream.message().await.expect("a message").expect("the device list");
+    assert_eq!(first.devices.len(), 2);
+    let status = node.wait_status(T, |s| validation(s)["state"] == "ok");
+    assert_eq!(
+        validation(&status)["detail"],
+        "driver ok, runtime skipped, cuda skipped, device-plugin ok",
+        "{}",
+        agent.log_text()
+    );
+
+    // The watcher hangs up: waiting again.
+    drop(stream);
+    node.wait_status(T, waiting);
+    kubelet.abort();
+}
+
+/// GPUs the plan cannot advertise (single MIG strategy over two different MIG profiles) fail
+/// the device plugin check instead of passing it with nothing registered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gpus_with_nothing_advertised_fail_the_device_plugin_check() {
+    let node = Node::new(
+        common::H100_MIG,
+        "[kubernetes]\nenabled = false\n[device_plugin]\nmig_strategy = \"single\"\n",
+    );
+    let kubelet = TestKubelet::start(&node.plugin_dir(), KubeletOptions::default())
+        .await
+        .expect("kubelet");
+    let agent = node.spawn();
+    let status = node.wait_status(T, |s| validation(s)["state"] == "failed");
+    let error = validation(&status)["error"].as_str().unwrap_or_default().to_string();
+    assert!(
+        error.starts_with("device-plugin: no device advertised to the kubelet for 2 GPU(s): "),
+        "{error}: {}",
+        agent.log_text()
+    );
+    assert_eq!(status["labels"]["nvidia.com/gpu-node-agent.validation.state"], "failed");
+    assert!(kubelet.resources().is_empty(), "{:?}", kubelet.resources());
+}

@@ -3,6 +3,7 @@
 //! and the agent's own series (stage states and durations, errors, health transitions, memory
 //! actions).
 
+use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -11,6 +12,7 @@ use tokio::sync::watch;
 use super::{Agent, StageState};
 use crate::metrics::{self, Metrics, MetricsServer, SamplerConfig};
 use crate::nvml::Inventory;
+use crate::plugin::strategy::{mig_plugin_devices, whole_gpu};
 
 /// What the agent keeps of the metrics machinery.
 pub(super) struct MetricsHandle {
@@ -21,6 +23,9 @@ pub(super) struct MetricsHandle {
     pub sampling: bool,
     /// Stage states last reported, to count transitions into `failed`.
     pub states: Vec<(String, StageState)>,
+    /// Health last seen per GPU and MIG device (UUID): `None` healthy, else why it is not
+    /// ([`unhealthy_cause`]), to count health transitions.
+    pub health: BTreeMap<String, Option<&'static str>>,
 }
 
 /// Starts the registry and the HTTP server (`[metrics] enabled`, not under `run --once`). A bind
@@ -49,6 +54,7 @@ pub(super) async fn start(config: &crate::config::MetricsConfig, once: bool) -> 
         inventory,
         sampling: false,
         states: Vec::new(),
+        health: BTreeMap::new(),
     })
 }
 
@@ -78,11 +84,13 @@ impl Agent {
     }
 
     /// The stage series from the stages as they are now; a stage entering `failed` counts as a
-    /// reconcile error.
+    /// reconcile error. Device health is compared here too: this runs on every status write,
+    /// which follows every change the health tracker reports (events and recoveries alike).
     pub(super) fn metrics_stages(&mut self, durations: &[(&str, Duration)]) {
         if self.metrics.is_none() {
             return;
         }
+        self.metrics_device_health();
         let stages = self.stages().map(|s| s.status.clone());
         let Some(handle) = &mut self.metrics else { return };
         for s in &stages {
@@ -96,15 +104,48 @@ impl Agent {
         handle.states = stages.iter().map(|s| (s.name.clone(), s.state)).collect();
     }
 
-    /// A health event in the metrics: the Xid series and the health transitions.
+    /// A health event in the metrics: the Xid series. Whether a device's health changed is up
+    /// to the health policy; [`Self::metrics_device_health`] counts what it decided.
     pub(super) fn metrics_health(&self, event: &crate::nvml::HealthEvent) {
         let Some(handle) = &self.metrics else { return };
         handle.metrics.health_event(event);
-        handle.metrics.health_transition(match event {
-            crate::nvml::HealthEvent::Xid { .. } => "xid",
-            crate::nvml::HealthEvent::Lost { .. } => "lost",
-            crate::nvml::HealthEvent::Answering { .. } => "answering",
-        });
+    }
+
+    /// Counts `gpu_node_agent_health_transitions_total{to,reason}`: every GPU and MIG device of
+    /// the inventory whose health (from the health tracker) differs from the last time. `to` is
+    /// `Healthy` or `Unhealthy`; `reason` is `xid` (a critical Xid) or `lost` (NVML stopped
+    /// answering for the GPU) into `Unhealthy`, and `recovered` (no critical Xid for
+    /// `recovery_after`) or `answering` (NVML answers again) back to `Healthy`. A device seen for
+    /// the first time counts nothing.
+    fn metrics_device_health(&mut self) {
+        let Some(inventory) = &self.inventory else { return };
+        let now: Vec<(String, Option<&'static str>)> = inventory
+            .gpus
+            .iter()
+            .flat_map(|g| std::iter::once(whole_gpu(g)).chain(mig_plugin_devices(g)))
+            .map(|d| {
+                let cause = self.tracker.reason(&d).map(|r| unhealthy_cause(&r));
+                (d.uuid, cause)
+            })
+            .collect();
+        let Some(handle) = &mut self.metrics else { return };
+        for (uuid, cause) in now {
+            let Some(before) = handle.health.insert(uuid, cause) else {
+                continue;
+            };
+            match (before, cause) {
+                (Some(_), None) => {
+                    let why = if before == Some("lost") {
+                        "answering"
+                    } else {
+                        "recovered"
+                    };
+                    handle.metrics.health_transition("Healthy", why);
+                }
+                (None, Some(cause)) => handle.metrics.health_transition("Unhealthy", cause),
+                _ => {}
+            }
+        }
     }
 
     /// A memory-limit action in the metrics.
@@ -112,5 +153,50 @@ impl Agent {
         if let Some(handle) = &self.metrics {
             handle.metrics.memory_action(action);
         }
+    }
+}
+
+/// The cause of an unhealthy device from the health tracker's reason: `lost` when NVML does not
+/// answer for its GPU, `xid` for a critical Xid.
+fn unhealthy_cause(reason: &str) -> &'static str {
+    if reason.starts_with("GPU lost") { "lost" } else { "xid" }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn causes_follow_the_health_trackers_reasons() {
+        use crate::plugin::health::{HealthPolicy, HealthTracker};
+        use crate::plugin::resources::{Health, PluginDevice};
+        let mut tracker = HealthTracker::new(HealthPolicy {
+            enabled: true,
+            ignored_xids: Default::default(),
+            critical_xids: Default::default(),
+            recovery_after: None,
+        });
+        let device = PluginDevice {
+            uuid: "GPU-0".into(),
+            index: "0".into(),
+            minor: 0,
+            numa_node: None,
+            mig: None,
+            health: Health::Healthy,
+        };
+        let now = std::time::Instant::now();
+        let lost = crate::nvml::HealthEvent::Lost { uuid: "GPU-0".into() };
+        assert!(tracker.on_event(&lost, now));
+        assert_eq!(tracker.reason(&device).map(|r| unhealthy_cause(&r)), Some("lost"));
+        let answering = crate::nvml::HealthEvent::Answering { uuid: "GPU-0".into() };
+        assert!(tracker.on_event(&answering, now));
+        let xid = crate::nvml::HealthEvent::Xid {
+            uuid: "GPU-0".into(),
+            xid: 79,
+            gi_id: crate::nvml::NO_INSTANCE,
+            ci_id: crate::nvml::NO_INSTANCE,
+        };
+        assert!(tracker.on_event(&xid, now));
+        assert_eq!(tracker.reason(&device).map(|r| unhealthy_cause(&r)), Some("xid"));
     }
 }

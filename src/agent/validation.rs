@@ -2,7 +2,8 @@
 //! the driver stage's own checks), the runtime (each configured engine's files hold the runtime,
 //! and the engine is active), CUDA (a kernel run on every GPU through the driver API, in a child
 //! process), and the device plugin (every expected resource registered with a kubelet that is
-//! there). A failed check says which and why; nothing is withdrawn because of it: the device
+//! there, and that kubelet watching it: a `ListAndWatch` stream open that lists the resource's
+//! devices). A failed check says which and why; nothing is withdrawn because of it: the device
 //! plugin keeps serving healthy devices.
 
 use std::time::{Duration, Instant};
@@ -12,6 +13,7 @@ use serde::Serialize;
 use super::{Agent, StageState};
 use crate::cuda::CudaCheck;
 use crate::host::command::{Cmd, Runner};
+use crate::plugin::manager::PluginStatus;
 
 /// How often the CUDA check runs again for the same driver.
 const CUDA_RECHECK: Duration = Duration::from_secs(24 * 3600);
@@ -188,25 +190,82 @@ impl Agent {
         if self.once {
             return Outcome::Skipped("run --once does not serve the kubelet".into());
         }
-        let p = &self.plugin_status;
-        if !p.kubelet_present {
-            return Outcome::Pending("the kubelet is not running (no kubelet.sock)".into());
-        }
-        let missing: Vec<&str> = self
-            .desired
+        // GPUs the plugin should advertise something for (those whose MIG layout is changing are
+        // withdrawn on purpose).
+        let gpus = self
+            .inventory
             .iter()
-            .filter(|name| !p.resources.iter().any(|r| &r.name == *name && r.registered))
-            .map(String::as_str)
-            .collect();
-        let errors: Vec<String> = p.resources.iter().filter_map(|r| r.error.clone()).collect();
-        if !errors.is_empty() {
-            return Outcome::Failed(errors.join("; "));
-        }
-        if !missing.is_empty() {
-            return Outcome::Pending(format!("not registered yet: {}", missing.join(", ")));
-        }
-        Outcome::Passed(format!("{} resource(s) registered", self.desired.len()))
+            .flat_map(|i| &i.gpus)
+            .filter(|g| !self.withdrawn.contains(&g.uuid))
+            .count();
+        plugin_outcome(&self.plugin_status, &self.desired, self.plan_error.as_deref(), gpus)
     }
+}
+
+/// The device plugin check from what the plugin manager reports (`status`), the resources last
+/// handed to it (`desired`), why nothing consistent could be advertised (`plan_error`), and how
+/// many GPUs of the inventory should be advertised.
+///
+/// - failed: a registration error; no resource advertised at all while there are GPUs (the
+///   plan failed); a resource whose `ListAndWatch` stream last listed 0 devices while its plan
+///   has some (the kubelet would schedule nothing on them);
+/// - pending: no kubelet; a resource not registered yet; a registered resource the kubelet has
+///   no `ListAndWatch` stream open for (it has not started watching, or hung up);
+/// - passed otherwise.
+pub(super) fn plugin_outcome(
+    status: &PluginStatus,
+    desired: &[String],
+    plan_error: Option<&str>,
+    gpus: usize,
+) -> Outcome {
+    if !status.kubelet_present {
+        return Outcome::Pending("the kubelet is not running (no kubelet.sock)".into());
+    }
+    let errors: Vec<String> = status.resources.iter().filter_map(|r| r.error.clone()).collect();
+    if !errors.is_empty() {
+        return Outcome::Failed(errors.join("; "));
+    }
+    if desired.is_empty() && gpus > 0 {
+        let why = plan_error.map_or(String::new(), |e| format!(": {e}"));
+        return Outcome::Failed(format!("no device advertised to the kubelet for {gpus} GPU(s){why}"));
+    }
+    let mut missing = Vec::new();
+    let mut unwatched = Vec::new();
+    let mut empty = Vec::new();
+    let mut sent = 0;
+    for name in desired {
+        let Some(resource) = status.resources.iter().find(|r| &r.name == name && r.registered) else {
+            missing.push(name.as_str());
+            continue;
+        };
+        let stream = status.streams.get(name).copied().unwrap_or_default();
+        if stream.devices_sent == Some(0) && resource.devices > 0 {
+            empty.push(format!(
+                "{name} lists 0 devices to the kubelet although {} are planned for it",
+                resource.devices
+            ));
+        } else if stream.open == 0 {
+            unwatched.push(name.as_str());
+        } else {
+            sent += stream.devices_sent.unwrap_or(0);
+        }
+    }
+    if !empty.is_empty() {
+        return Outcome::Failed(empty.join("; "));
+    }
+    if !missing.is_empty() {
+        return Outcome::Pending(format!("not registered yet: {}", missing.join(", ")));
+    }
+    if !unwatched.is_empty() {
+        return Outcome::Pending(format!(
+            "registered, but the kubelet has no ListAndWatch stream open yet: {}",
+            unwatched.join(", ")
+        ));
+    }
+    Outcome::Passed(format!(
+        "{} resource(s) registered, {sent} device(s) listed to the kubelet",
+        desired.len()
+    ))
 }
 
 /// Runs `gpu-node-agent validate cuda` (this binary) and reads its JSON answer.
@@ -240,5 +299,91 @@ fn run_cuda_child(root: &std::path::Path, driver_root: &std::path::Path) -> Outc
                 format!(": {}", out.stderr.trim())
             }
         )),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::plugin::manager::{ResourceStatus, StreamStatus};
+
+    const GPU: &str = "nvidia.com/gpu";
+
+    /// The kubelet is there and `nvidia.com/gpu` (`devices` planned) is registered; its stream,
+    /// if any, is `stream`.
+    fn status(devices: usize, stream: Option<StreamStatus>) -> PluginStatus {
+        PluginStatus {
+            kubelet_present: true,
+            resources: vec![ResourceStatus {
+                name: GPU.into(),
+                socket: "/var/lib/kubelet/device-plugins/nvidia-gpu.sock".into(),
+                registered: true,
+                registered_at: Some(1),
+                devices,
+                healthy: devices,
+                error: None,
+            }],
+            streams: stream.map(|s| (GPU.to_string(), s)).into_iter().collect(),
+        }
+    }
+
+    fn open(devices_sent: Option<usize>) -> Option<StreamStatus> {
+        Some(StreamStatus { open: 1, devices_sent })
+    }
+
+    #[test]
+    fn the_plugin_passes_once_the_kubelet_watches_every_resource() {
+        let desired = [GPU.to_string()];
+        assert_eq!(
+            plugin_outcome(&status(2, open(Some(2))), &desired, None, 2),
+            Outcome::Passed("1 resource(s) registered, 2 device(s) listed to the kubelet".into())
+        );
+    }
+
+    #[test]
+    fn a_registered_resource_without_a_stream_is_pending() {
+        let desired = [GPU.to_string()];
+        let want = Outcome::Pending(format!(
+            "registered, but the kubelet has no ListAndWatch stream open yet: {GPU}"
+        ));
+        // Never opened, and opened then closed.
+        assert_eq!(plugin_outcome(&status(2, None), &desired, None, 2), want);
+        let closed = Some(StreamStatus {
+            open: 0,
+            devices_sent: Some(2),
+        });
+        assert_eq!(plugin_outcome(&status(2, closed), &desired, None, 2), want);
+        // Not registered yet says so first.
+        let mut unregistered = status(2, None);
+        unregistered.resources[0].registered = false;
+        assert_eq!(
+            plugin_outcome(&unregistered, &desired, None, 2),
+            Outcome::Pending(format!("not registered yet: {GPU}"))
+        );
+    }
+
+    #[test]
+    fn zero_devices_listed_while_gpus_are_planned_fails() {
+        let desired = [GPU.to_string()];
+        assert_eq!(
+            plugin_outcome(&status(2, open(Some(0))), &desired, None, 2),
+            Outcome::Failed(format!(
+                "{GPU} lists 0 devices to the kubelet although 2 are planned for it"
+            ))
+        );
+        // Nothing advertised at all while the inventory has GPUs: the plan's error.
+        let nothing = PluginStatus {
+            kubelet_present: true,
+            ..PluginStatus::default()
+        };
+        assert_eq!(
+            plugin_outcome(&nothing, &[], Some("mixed MIG modes"), 2),
+            Outcome::Failed("no device advertised to the kubelet for 2 GPU(s): mixed MIG modes".into())
+        );
+        // No GPUs (or all withdrawn for a MIG change): nothing to advertise is right.
+        assert_eq!(
+            plugin_outcome(&nothing, &[], None, 0),
+            Outcome::Passed("0 resource(s) registered, 0 device(s) listed to the kubelet".into())
+        );
     }
 }

@@ -226,7 +226,7 @@ impl KubeClient {
             failure,
         };
         let limit = Limit::Total(self.inner.request_timeout);
-        let response = self.send(Method::GET, &path, None, limit).await.map_err(fail)?;
+        let response = self.send("get", Method::GET, &path, None, limit).await.map_err(fail)?;
         let body = response.bytes().await.map_err(|e| fail(request_failure(e)))?;
         Node::from_json(&body).map_err(|e| fail(ApiFailure::Decode(e)))
     }
@@ -250,7 +250,7 @@ impl KubeClient {
         path.push_str(&format!("&allowWatchBookmarks=true&timeoutSeconds={secs}"));
         let limit = Limit::Headers(self.inner.request_timeout);
         let response = self
-            .send(Method::GET, &path, None, limit)
+            .send("watch", Method::GET, &path, None, limit)
             .await
             .map_err(|failure| KubeError::WatchNode {
                 name: name.to_string(),
@@ -280,6 +280,7 @@ impl KubeClient {
         let limit = Limit::Total(self.inner.request_timeout);
         let response = self
             .send(
+                "patch",
                 Method::PATCH,
                 &path,
                 Some(("application/merge-patch+json", body)),
@@ -297,7 +298,7 @@ impl KubeClient {
         let body = event_body(event, SystemTime::now()).to_string().into_bytes();
         let limit = Limit::Total(self.inner.request_timeout);
         let response = self
-            .send(Method::POST, &path, Some(("application/json", body)), limit)
+            .send("create", Method::POST, &path, Some(("application/json", body)), limit)
             .await
             .map_err(|failure| KubeError::CreateEvent {
                 name: event.node_name.clone(),
@@ -310,9 +311,11 @@ impl KubeClient {
         Ok(())
     }
 
-    /// Sends one request, refreshing the credentials and retrying once on 401.
+    /// Sends one request, refreshing the credentials and retrying once on 401. `verb` is the
+    /// Kubernetes verb (`get`, `watch`, `patch`, `create`) the request metrics count it under.
     async fn send(
         &self,
+        verb: &'static str,
         method: Method,
         path: &str,
         body: Option<(&'static str, Vec<u8>)>,
@@ -356,7 +359,7 @@ impl KubeClient {
             };
             let status = response.status();
             if let Some(metrics) = crate::metrics::global() {
-                metrics.api_request(method.as_str(), status.as_u16());
+                metrics.api_request(verb, status.as_u16());
             }
             if status.is_success() {
                 return Ok(response);

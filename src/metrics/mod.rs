@@ -88,6 +88,7 @@ struct ResourceLabels {
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct TransitionLabels {
     to: String,
+    reason: String,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -186,17 +187,19 @@ impl Metrics {
         );
         agent.register(
             "health_transitions",
-            "Device health changes, by the health changed to",
+            "GPU and MIG device health changes, by the health changed to (to: Healthy, Unhealthy) and why \
+             (reason: xid or lost into Unhealthy; recovered or answering back to Healthy)",
             health_transitions.clone(),
         );
         agent.register(
             "api_requests",
-            "Kubernetes API requests, by verb and HTTP status code",
+            "Kubernetes API requests, by verb (get, watch, patch, create) and HTTP status code",
             api_requests.clone(),
         );
         agent.register(
             "memory_limit_actions",
-            "Actions taken by the GPU memory-limit enforcement, by action",
+            "Actions taken by the GPU memory-limit enforcement, by action (warned, would_kill, terminated, \
+             killed)",
             memory_actions.clone(),
         );
         Metrics {
@@ -288,16 +291,20 @@ impl Metrics {
             .inc();
     }
 
-    /// A device's health changed to `to` (`Healthy`, `Unhealthy`).
-    pub fn health_transition(&self, to: &str) {
+    /// A GPU or MIG device's health changed to `to` (`Healthy`, `Unhealthy`) because of `reason`
+    /// (`xid`, `lost` into `Unhealthy`; `recovered`, `answering` back to `Healthy`).
+    pub fn health_transition(&self, to: &str, reason: &str) {
         self.inner
             .health_transitions
-            .get_or_create(&TransitionLabels { to: to.to_string() })
+            .get_or_create(&TransitionLabels {
+                to: to.to_string(),
+                reason: reason.to_string(),
+            })
             .inc();
     }
 
-    /// A Kubernetes API request with `verb` (`get`, `patch`, `watch`, …) ended with `code` (the
-    /// HTTP status, or a word such as `error` when there was none).
+    /// A Kubernetes API request with `verb` (the Kubernetes verb in lower case: `get`, `watch`,
+    /// `patch`, `create`) was answered with the HTTP status `code`.
     pub fn api_request(&self, verb: &str, code: impl fmt::Display) {
         self.inner
             .api_requests
@@ -308,7 +315,8 @@ impl Metrics {
             .inc();
     }
 
-    /// The GPU memory-limit enforcement took `action` (e.g. `warn`, `kill`).
+    /// The GPU memory-limit enforcement took `action`: `warned` (action `log`), `would_kill`
+    /// (`dry-run`), `terminated` (SIGTERM), `killed` (SIGKILL after the grace period).
     pub fn memory_action(&self, action: &str) {
         self.inner
             .memory_actions
@@ -345,9 +353,9 @@ mod tests {
         m.reconcile_error("mig");
         m.registration("nvidia.com/gpu");
         m.allocation("nvidia.com/gpu");
-        m.health_transition("Unhealthy");
+        m.health_transition("Unhealthy", "xid");
         m.api_request("patch", 200);
-        m.memory_action("kill");
+        m.memory_action("terminated");
         let text = m.encode().expect("encode");
         for line in [
             "gpu_node_agent_stage_state{stage=\"driver\",state=\"ready\"} 1",
@@ -356,9 +364,9 @@ mod tests {
             "gpu_node_agent_reconcile_errors_total{stage=\"mig\"} 1",
             "gpu_node_agent_plugin_registrations_total{resource=\"nvidia.com/gpu\"} 1",
             "gpu_node_agent_plugin_allocations_total{resource=\"nvidia.com/gpu\"} 1",
-            "gpu_node_agent_health_transitions_total{to=\"Unhealthy\"} 1",
+            "gpu_node_agent_health_transitions_total{to=\"Unhealthy\",reason=\"xid\"} 1",
             "gpu_node_agent_api_requests_total{verb=\"patch\",code=\"200\"} 1",
-            "gpu_node_agent_memory_limit_actions_total{action=\"kill\"} 1",
+            "gpu_node_agent_memory_limit_actions_total{action=\"terminated\"} 1",
         ] {
             assert!(text.contains(line), "{line} in:\n{text}");
         }

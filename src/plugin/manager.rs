@@ -11,9 +11,10 @@ use std::time::{Duration, Instant, SystemTime};
 use nix::sys::inotify::{AddWatchFlags, InitFlags, Inotify};
 use serde::{Deserialize, Serialize};
 use tokio::io::unix::AsyncFd;
-use tokio::sync::{mpsc, watch};
+use tokio::sync::{Notify, mpsc, watch};
 
 use super::resources::{Health, Resource};
+pub use super::server::StreamStatus;
 use super::server::{PluginContext, PluginStats, ServedPlugin, file_id, register};
 
 /// The kubelet's registration socket name inside the device-plugin directory.
@@ -38,6 +39,9 @@ pub struct PluginStatus {
     /// Whether `kubelet.sock` exists.
     pub kubelet_present: bool,
     pub resources: Vec<ResourceStatus>,
+    /// Per served resource (same names as `resources`): the kubelet's `ListAndWatch` streams,
+    /// whether one is open and how many devices the last message listed.
+    pub streams: BTreeMap<String, StreamStatus>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -70,6 +74,8 @@ pub struct PluginManager {
     retry_at: Option<Instant>,
     stats: Arc<PluginStats>,
     status: watch::Sender<PluginStatus>,
+    /// Woken by the servers when a `ListAndWatch` stream opens, sends or ends.
+    streams_changed: Arc<Notify>,
 }
 
 impl PluginManager {
@@ -92,12 +98,14 @@ impl PluginManager {
             retry_at: None,
             stats,
             status,
+            streams_changed: Arc::new(Notify::new()),
         };
         (manager, status_rx)
     }
 
     pub async fn run(mut self, mut commands: mpsc::Receiver<Command>) {
         let mut watch = DirWatch::new(&self.dir);
+        let streams_changed = self.streams_changed.clone();
         loop {
             self.sync().await;
             let retry = self.retry_at;
@@ -111,6 +119,7 @@ impl PluginManager {
                 },
                 () = watch.changed() => {}
                 () = sleep_until(retry) => {}
+                () = streams_changed.notified() => {}
             }
         }
         for (name, entry) in std::mem::take(&mut self.served) {
@@ -184,7 +193,14 @@ impl PluginManager {
                         tracing::info!(resource = %name, "socket {} was removed (kubelet restart?): serving anew", old.plugin.socket.display());
                         old.plugin.stop().await;
                     }
-                    match ServedPlugin::start(&self.dir, resource, self.ctx.subscribe(), self.stats.clone()) {
+                    let started = ServedPlugin::start(
+                        &self.dir,
+                        resource,
+                        self.ctx.subscribe(),
+                        self.stats.clone(),
+                        self.streams_changed.clone(),
+                    );
+                    match started {
                         Ok(plugin) => {
                             self.served.insert(
                                 name,
@@ -269,9 +285,15 @@ impl PluginManager {
                 }
             })
             .collect();
+        let streams = self
+            .served
+            .iter()
+            .map(|(name, e)| (name.clone(), e.plugin.streams()))
+            .collect();
         let status = PluginStatus {
             kubelet_present: self.kubelet_id.is_some(),
             resources,
+            streams,
         };
         self.status.send_if_modified(|s| {
             let changed = *s != status;

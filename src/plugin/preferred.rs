@@ -227,15 +227,22 @@ fn dedup(ids: &[String]) -> Vec<&String> {
     ids.iter().filter(|id| seen.insert(id.as_str())).collect()
 }
 
-/// Shared devices, NVIDIA's greedy loop: one pick at a time, preferring the candidate whose
-/// physical GPU carries the fewest (`Distributed`) / most (`Packed`) of this resource's
-/// devices already taken — in use by other containers (not available), must-include, or picked
-/// earlier in this loop — then the GPU with the fewest devices in this request so far
-/// (must-include and picks), then candidate order ([`Entry::order_key`]).
+/// Shared devices, NVIDIA's greedy loop: one pick at a time, preferring
 ///
-/// Counting devices in use elsewhere is what spreads single-device pods over GPUs under
-/// `Distributed`: a GPU's load is its device count in the resource minus its candidates
-/// not yet picked.
+/// 1. the candidate whose device (the GPU or MIG device a replica stands for; for a device that
+///    is not a replica, the device itself) is in this request the fewest times so far
+///    (must-include and picks): two replicas of one GPU in one container are the same GPU
+///    twice, so a request for several replicas gets distinct GPUs while any have one free;
+/// 2. then the candidate whose physical GPU carries the fewest (`Distributed`) / most
+///    (`Packed`) of this resource's devices already taken — in use by other containers (not
+///    available), must-include, or picked earlier in this loop;
+/// 3. then the GPU with the fewest devices in this request so far;
+/// 4. then candidate order ([`Entry::order_key`]).
+///
+/// Rule 1 never applies between MIG devices that are not replicas (each is a distinct device),
+/// so `Packed` still fills one GPU's MIG devices first. Counting devices in use elsewhere is what
+/// spreads single-device pods over GPUs under `Distributed`: a GPU's load is its device count in
+/// the resource minus its candidates not yet picked.
 fn shared_greedy<'a>(
     resource: &Resource,
     must: &[Entry<'a>],
@@ -252,20 +259,25 @@ fn shared_greedy<'a>(
             *l -= 1;
         }
     }
+    // Per physical GPU, and per device the container would see (replicas of one device share
+    // it; any other ID is its own device).
     let mut in_request: BTreeMap<&str, usize> = BTreeMap::new();
+    let mut same_device: BTreeMap<&str, usize> = BTreeMap::new();
     for m in must {
         *in_request.entry(m.device.physical_uuid()).or_default() += 1;
+        *same_device.entry(seen_device(m)).or_default() += 1;
     }
 
     let mut picks = Vec::with_capacity(needed);
     while picks.len() < needed && !candidates.is_empty() {
         let rank = |e: &Entry| {
             let gpu = e.device.physical_uuid();
+            let d = same_device.get(seen_device(e)).copied().unwrap_or(0);
             let l = load.get(gpu).copied().unwrap_or(0);
             let r = in_request.get(gpu).copied().unwrap_or(0);
             match policy {
-                SharedPolicy::Distributed => (l, r),
-                SharedPolicy::Packed => (usize::MAX - l, r),
+                SharedPolicy::Distributed => (d, l, r),
+                SharedPolicy::Packed => (d, usize::MAX - l, r),
             }
         };
         // Candidates are in order, so the first minimum is the lowest in order among ties.
@@ -276,9 +288,19 @@ fn shared_greedy<'a>(
         let gpu = pick.device.physical_uuid();
         *load.entry(gpu).or_default() += 1;
         *in_request.entry(gpu).or_default() += 1;
+        *same_device.entry(seen_device(&pick)).or_default() += 1;
         picks.push(pick);
     }
     picks
+}
+
+/// The device a container given `e` sees: for a replica (`<uuid>::<n>`) the device it
+/// replicates, otherwise the ID itself (never shared with another ID).
+fn seen_device<'a>(e: &Entry<'a>) -> &'a str {
+    match split_replica_id(e.id) {
+        Some(_) => e.device.uuid.as_str(),
+        None => e.id.as_str(),
+    }
 }
 
 /// Whole GPUs: the set of `needed` candidates that, together with `must`, maximises
@@ -722,6 +744,66 @@ mod tests {
         assert_eq!(got, [replica(0, 2), replica(1, 3)]);
         let got = preferred_allocation(&res, &avail, &[], 1, &t, SharedPolicy::Packed).unwrap();
         assert_eq!(got, [replica(1, 3)]);
+    }
+
+    /// `gpus` GPUs time-sliced into `replicas` each: IDs `<uuid>::<n>`.
+    fn replicated(gpus: usize, replicas: usize) -> Resource {
+        let mut devices = BTreeMap::new();
+        for g in 0..gpus {
+            for n in 0..replicas {
+                devices.insert(format!("{}::{n}", uuid(g)), gpu(g, 0));
+            }
+        }
+        Resource {
+            name: "nvidia.com/gpu".into(),
+            devices,
+        }
+    }
+
+    #[test]
+    fn replicas_go_to_distinct_gpus_before_load_decides() {
+        use SharedPolicy::Packed;
+        let res = replicated(2, 4);
+        let t = Topology::new();
+        let replica = |g: usize, n: usize| format!("{}::{n}", uuid(g));
+        let free = |taken: &[(usize, usize)]| -> Vec<String> {
+            (0..2)
+                .flat_map(|g| (0..4).map(move |n| (g, n)))
+                .filter(|p| !taken.contains(p))
+                .map(|(g, n)| replica(g, n))
+                .collect()
+        };
+
+        // GPU 0 has one replica in use, GPU 1 none: one replica of each GPU under both
+        // policies; the policy only orders them (and breaks the tie for a third).
+        let avail = free(&[(0, 0)]);
+        let got = preferred_allocation(&res, &avail, &[], 2, &t, D).unwrap();
+        assert_eq!(got, [replica(1, 0), replica(0, 1)]);
+        let got = preferred_allocation(&res, &avail, &[], 2, &t, Packed).unwrap();
+        assert_eq!(got, [replica(0, 1), replica(1, 0)]);
+        let got = preferred_allocation(&res, &avail, &[], 3, &t, D).unwrap();
+        assert_eq!(got, [replica(1, 0), replica(0, 1), replica(1, 1)]);
+        let got = preferred_allocation(&res, &avail, &[], 3, &t, Packed).unwrap();
+        assert_eq!(got, [replica(0, 1), replica(1, 0), replica(0, 2)]);
+
+        // GPU 0 has two in use: distributed does not put both on the idle GPU 1.
+        let avail = free(&[(0, 0), (0, 1)]);
+        let got = preferred_allocation(&res, &avail, &[], 2, &t, D).unwrap();
+        assert_eq!(got, [replica(1, 0), replica(0, 2)]);
+        let got = preferred_allocation(&res, &avail, &[], 2, &t, Packed).unwrap();
+        assert_eq!(got, [replica(0, 2), replica(1, 0)]);
+
+        // A must-include replica's GPU counts as already in the request.
+        let avail = free(&[]);
+        let got = preferred_allocation(&res, &avail, &[replica(0, 3)], 2, &t, Packed).unwrap();
+        assert_eq!(got, [replica(0, 3), replica(1, 0)]);
+        let got = preferred_allocation(&res, &avail, &[replica(1, 2)], 2, &t, D).unwrap();
+        assert_eq!(got, [replica(1, 2), replica(0, 0)]);
+
+        // Only one GPU has replicas free: the request still fits, on that GPU.
+        let avail = free(&[(1, 0), (1, 1), (1, 2), (1, 3)]);
+        let got = preferred_allocation(&res, &avail, &[], 2, &t, D).unwrap();
+        assert_eq!(got, [replica(0, 0), replica(0, 1)]);
     }
 
     #[test]

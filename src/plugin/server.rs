@@ -3,14 +3,15 @@
 
 use std::path::{Path, PathBuf};
 use std::pin::Pin;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use futures_util::{Stream, StreamExt};
 use hyper_util::rt::TokioIo;
+use serde::{Deserialize, Serialize};
 use tokio::net::{UnixListener, UnixStream};
-use tokio::sync::{oneshot, watch};
+use tokio::sync::{Notify, oneshot, watch};
 use tokio::task::JoinHandle;
 use tokio_stream::wrappers::{UnixListenerStream, WatchStream};
 use tonic::transport::{Endpoint, Server};
@@ -52,10 +53,80 @@ pub fn plugin_options() -> api::DevicePluginOptions {
     }
 }
 
+/// What the kubelet's `ListAndWatch` streams of one server look like now.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StreamStatus {
+    /// How many `ListAndWatch` streams are open (the kubelet keeps one per registration; more
+    /// only for a moment while it replaces one).
+    pub open: usize,
+    /// How many devices the last message on any stream of this server listed; `None` before
+    /// the first.
+    pub devices_sent: Option<usize>,
+}
+
+/// Counts a server's `ListAndWatch` streams and what they sent, and wakes `changed` (the
+/// manager, which republishes its status) on every change.
+#[derive(Debug)]
+pub struct StreamTracker {
+    state: Mutex<StreamStatus>,
+    changed: Arc<Notify>,
+}
+
+impl StreamTracker {
+    pub fn new(changed: Arc<Notify>) -> StreamTracker {
+        StreamTracker {
+            state: Mutex::new(StreamStatus::default()),
+            changed,
+        }
+    }
+
+    pub fn status(&self) -> StreamStatus {
+        *self.lock()
+    }
+
+    fn lock(&self) -> MutexGuard<'_, StreamStatus> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn change(&self, f: impl FnOnce(&mut StreamStatus)) {
+        let changed = {
+            let mut state = self.lock();
+            let before = *state;
+            f(&mut state);
+            *state != before
+        };
+        if changed {
+            self.changed.notify_one();
+        }
+    }
+}
+
+/// One open stream: counted while it lives (the stream is dropped when the kubelet hangs up or
+/// the server stops).
+struct OpenStream(Arc<StreamTracker>);
+
+impl OpenStream {
+    fn open(tracker: Arc<StreamTracker>) -> OpenStream {
+        tracker.change(|s| s.open += 1);
+        OpenStream(tracker)
+    }
+
+    fn sent(&self, devices: usize) {
+        self.0.change(|s| s.devices_sent = Some(devices));
+    }
+}
+
+impl Drop for OpenStream {
+    fn drop(&mut self) {
+        self.0.change(|s| s.open = s.open.saturating_sub(1));
+    }
+}
+
 struct DevicePluginService {
     devices: watch::Receiver<Arc<Resource>>,
     ctx: watch::Receiver<Arc<PluginContext>>,
     stats: Arc<PluginStats>,
+    streams: Arc<StreamTracker>,
 }
 
 type DeviceStream = Pin<Box<dyn Stream<Item = Result<api::ListAndWatchResponse, Status>> + Send + 'static>>;
@@ -88,8 +159,13 @@ impl DevicePlugin for DevicePluginService {
     type ListAndWatchStream = DeviceStream;
 
     /// Sends the full device list now and again on every change; ends when the server stops.
+    /// The stream is counted (see [`StreamTracker`]) from now until it is dropped.
     async fn list_and_watch(&self, _: Request<api::Empty>) -> Result<Response<Self::ListAndWatchStream>, Status> {
-        let stream = WatchStream::new(self.devices.clone()).map(|resource| Ok(list_response(&resource)));
+        let open = OpenStream::open(self.streams.clone());
+        let stream = WatchStream::new(self.devices.clone()).map(move |resource| {
+            open.sent(resource.devices.len());
+            Ok(list_response(&resource))
+        });
         Ok(Response::new(Box::pin(stream)))
     }
 
@@ -157,6 +233,7 @@ pub struct ServedPlugin {
     /// Identity of the socket file we bound, to notice when someone else removed or replaced it.
     pub socket_id: Option<(u64, u64)>,
     devices: watch::Sender<Arc<Resource>>,
+    streams: Arc<StreamTracker>,
     shutdown: Option<oneshot::Sender<()>>,
     task: JoinHandle<()>,
 }
@@ -164,11 +241,13 @@ pub struct ServedPlugin {
 impl ServedPlugin {
     /// Binds `dir/<socket>` (replacing a stale file) and starts serving `resource` on it. The
     /// socket accepts connections as soon as this returns, so `Register` may follow at once.
+    /// `streams_changed` is woken whenever a `ListAndWatch` stream opens, sends or ends.
     pub fn start(
         dir: &Path,
         resource: Resource,
         ctx: watch::Receiver<Arc<PluginContext>>,
         stats: Arc<PluginStats>,
+        streams_changed: Arc<Notify>,
     ) -> std::io::Result<ServedPlugin> {
         let socket = dir.join(resource.socket_name());
         match std::fs::remove_file(&socket) {
@@ -181,10 +260,12 @@ impl ServedPlugin {
         let name = resource.name.clone();
         let (devices, devices_rx) = watch::channel(Arc::new(resource));
         let (shutdown, shutdown_rx) = oneshot::channel::<()>();
+        let streams = Arc::new(StreamTracker::new(streams_changed));
         let service = DevicePluginService {
             devices: devices_rx,
             ctx,
             stats,
+            streams: streams.clone(),
         };
         let incoming = UnixListenerStream::new(listener);
         let path = socket.clone();
@@ -203,6 +284,7 @@ impl ServedPlugin {
             socket,
             socket_id,
             devices,
+            streams,
             shutdown: Some(shutdown),
             task,
         })
@@ -224,6 +306,11 @@ impl ServedPlugin {
         self.devices.borrow().clone()
     }
 
+    /// The kubelet's `ListAndWatch` streams on this server.
+    pub fn streams(&self) -> StreamStatus {
+        self.streams.status()
+    }
+
     /// Whether our socket file is still the one we bound (the kubelet deletes plugin sockets
     /// when it restarts).
     pub fn socket_intact(&self) -> bool {
@@ -236,6 +323,7 @@ impl ServedPlugin {
             socket,
             socket_id,
             devices,
+            streams: _,
             shutdown,
             mut task,
         } = self;
