@@ -65,85 +65,161 @@ impl Link {
             let _ = tx.send((kind, reason.to_string(), message));
         }
     }
-
-    /// Whether reported labels reach a Node.
-    pub fn has_node(&self) -> bool {
-        self.report.is_some()
-    }
 }
 
+/// How often credentials are looked for again while there are none (a node that joins the
+/// cluster after the agent started: cloud-init, `kubeadm join` after the package install).
+const DISCOVER_AGAIN: Duration = Duration::from_secs(10);
+
 /// Starts the link the config asks for. Never fails: without a source the agent runs on its
-/// config and the view says why.
+/// config and the view says why. With `[kubernetes] enabled` but no credentials yet (or broken
+/// ones), they are looked for again every [`DISCOVER_AGAIN`]; once found, the Node becomes the
+/// source (unless a labels file is) and reporting starts, without a restart.
 pub fn start(config: &Config, root: &HostRoot) -> Link {
     let k = &config.kubernetes;
+    let labels_file = !config.desired.labels_file.as_os_str().is_empty();
+    if !k.enabled && !labels_file {
+        let why = "[kubernetes] enabled = false and no [desired] labels_file: running on the config's defaults";
+        tracing::warn!("{why}");
+        return none_link(why.to_string());
+    }
     let client = if k.enabled {
-        match kube::discover(k, root) {
-            Ok(Some(credentials)) => match KubeClient::new(credentials, k) {
-                Ok(client) => Some(client),
-                Err(e) => {
-                    tracing::error!("cannot build the Kubernetes API client: {e}");
-                    return none_link(format!("cannot build the Kubernetes API client: {e}"));
-                }
-            },
-            Ok(None) => None,
-            Err(e) => {
-                tracing::error!("Kubernetes credentials: {e}");
-                if config.desired.labels_file.as_os_str().is_empty() {
-                    return none_link(format!("Kubernetes credentials: {e}"));
-                }
-                None
-            }
-        }
+        discover_client(config, root)
     } else {
-        None
+        Err(String::new())
     };
-    let node_name = kube::node_name(k, root);
-
-    let (view, report, events) = if !config.desired.labels_file.as_os_str().is_empty() {
-        let path = root.join(&config.desired.labels_file);
-        let (tx, rx) = watch::channel(LabelsView {
+    let (view_tx, view_rx) = watch::channel(match (&client, labels_file) {
+        (_, true) => LabelsView {
             source: Source::File,
             detail: config.desired.labels_file.display().to_string(),
             labels: BTreeMap::new(),
             connected: false,
             error: None,
-        });
-        tokio::spawn(watch_labels_file(
-            path,
-            config.desired.labels_file.display().to_string(),
-            tx,
-        ));
-        match &client {
-            // Desired state from the file; what the agent did still goes to the Node.
-            Some(client) => {
-                let (node_rx, _task) = kube::spawn_node_watcher(client.clone(), node_name.clone(), k);
-                let (report, events) = start_reporter(client.clone(), node_name, node_rx, config, root);
-                (rx, Some(report), Some(events))
-            }
-            None => (rx, None, None),
-        }
-    } else if let Some(client) = client {
-        let (node_rx, _task) = kube::spawn_node_watcher(client.clone(), node_name.clone(), k);
-        let detail = format!("node {node_name} ({})", client.credentials().summary());
-        let (tx, rx) = watch::channel(node_labels_view(&node_rx.borrow(), &detail));
-        tokio::spawn(forward_node_view(node_rx.clone(), detail, tx));
-        let (report, events) = start_reporter(client, node_name, node_rx, config, root);
-        (rx, Some(report), Some(events))
-    } else {
-        let why = if k.enabled {
-            "no Kubernetes credentials found (no [kubernetes] kubeconfig, $KUBECONFIG, kubelet kubeconfig or \
-             in-cluster service account) and no [desired] labels_file: running on the config's defaults"
-        } else {
-            "[kubernetes] enabled = false and no [desired] labels_file: running on the config's defaults"
+        },
+        (Ok(_), false) => LabelsView {
+            source: Source::Node,
+            detail: String::new(),
+            labels: BTreeMap::new(),
+            connected: false,
+            error: None,
+        },
+        (Err(why), false) => LabelsView {
+            source: Source::None,
+            detail: format!("{why}; looking again every {DISCOVER_AGAIN:?}, running on the config's defaults"),
+            labels: BTreeMap::new(),
+            connected: false,
+            error: None,
+        },
+    });
+    if labels_file {
+        let path = root.join(&config.desired.labels_file);
+        let shown = config.desired.labels_file.display().to_string();
+        tokio::spawn(watch_labels_file(path, shown, view_tx.clone()));
+    }
+    if !k.enabled {
+        return Link {
+            view: view_rx,
+            report: None,
+            events: None,
+            _fixed: Some(view_tx),
         };
-        tracing::warn!("{why}");
-        return none_link(why.to_string());
-    };
+    }
+    // Labels and Events wait in their channels until a Node can take them.
+    let (report_tx, report_rx) = watch::channel(None);
+    let (event_tx, event_rx) = mpsc::unbounded_channel();
+    let node_view = (!labels_file).then(|| view_tx.clone());
+    let reporting = Reporting { report_rx, event_rx };
+    match client {
+        Ok(client) => connect(client, config, root, node_view, reporting),
+        Err(why) => {
+            tracing::warn!("{why}; looking for Kubernetes credentials again every {DISCOVER_AGAIN:?}");
+            tokio::spawn(discover_later(config.clone(), root.clone(), why, node_view, reporting));
+        }
+    }
     Link {
-        view,
-        report,
-        events,
-        _fixed: None,
+        view: view_rx,
+        report: Some(report_tx),
+        events: Some(event_tx),
+        _fixed: Some(view_tx),
+    }
+}
+
+/// The API client from the credentials found now, or why there is none.
+fn discover_client(config: &Config, root: &HostRoot) -> Result<KubeClient, String> {
+    let k = &config.kubernetes;
+    match kube::discover(k, root) {
+        Ok(Some(credentials)) => {
+            KubeClient::new(credentials, k).map_err(|e| format!("cannot build the Kubernetes API client: {e}"))
+        }
+        Ok(None) => Err(
+            "no Kubernetes credentials found (no [kubernetes] kubeconfig, $KUBECONFIG, kubelet \
+                         kubeconfig or in-cluster service account)"
+                .to_string(),
+        ),
+        Err(e) => Err(format!("Kubernetes credentials: {e}")),
+    }
+}
+
+/// What the agent asked to be written to its Node, waiting for a client.
+struct Reporting {
+    report_rx: watch::Receiver<WantedLabels>,
+    event_rx: mpsc::UnboundedReceiver<EventRequest>,
+}
+
+/// Watches the Node (forwarding its labels into `node_view` when the Node is the source) and
+/// starts writing labels and Events to it.
+fn connect(
+    client: KubeClient,
+    config: &Config,
+    root: &HostRoot,
+    node_view: Option<watch::Sender<LabelsView>>,
+    reporting: Reporting,
+) {
+    let k = &config.kubernetes;
+    let node_name = kube::node_name(k, root);
+    let (node_rx, _task) = kube::spawn_node_watcher(client.clone(), node_name.clone(), k);
+    if let Some(tx) = node_view {
+        let detail = format!("node {node_name} ({})", client.credentials().summary());
+        tx.send_replace(node_labels_view(&node_rx.borrow(), &detail));
+        tokio::spawn(forward_node_view(node_rx.clone(), detail, tx));
+    }
+    start_reporter(client, node_name, node_rx, config, root, reporting);
+}
+
+/// Looks for credentials every [`DISCOVER_AGAIN`] until some work, then connects. Says each
+/// new reason once.
+async fn discover_later(
+    config: Config,
+    root: HostRoot,
+    mut why: String,
+    node_view: Option<watch::Sender<LabelsView>>,
+    reporting: Reporting,
+) {
+    loop {
+        tokio::time::sleep(DISCOVER_AGAIN).await;
+        if node_view.as_ref().is_some_and(|tx| tx.is_closed()) {
+            return;
+        }
+        match discover_client(&config, &root) {
+            Ok(client) => {
+                tracing::info!(
+                    "Kubernetes credentials found ({}): the Node is now in the loop",
+                    client.credentials().summary()
+                );
+                return connect(client, &config, &root, node_view, reporting);
+            }
+            Err(now) if now != why => {
+                tracing::warn!("{now}; looking again every {DISCOVER_AGAIN:?}");
+                if let Some(tx) = &node_view {
+                    tx.send_modify(|view| {
+                        view.detail =
+                            format!("{now}; looking again every {DISCOVER_AGAIN:?}, running on the config's defaults")
+                    });
+                }
+                why = now;
+            }
+            Err(_) => {}
+        }
     }
 }
 
@@ -233,23 +309,21 @@ fn start_reporter(
     node_rx: watch::Receiver<NodeView>,
     config: &Config,
     root: &HostRoot,
-) -> (watch::Sender<WantedLabels>, mpsc::UnboundedSender<EventRequest>) {
-    let (report_tx, report_rx) = watch::channel(None);
-    let (event_tx, event_rx) = mpsc::unbounded_channel();
+    reporting: Reporting,
+) {
     let owned = OwnedLabels::load(&root.join(&config.agent.state_dir));
     let backoff = Backoff::new(config.kubernetes.backoff_min, config.kubernetes.backoff_max);
     tokio::spawn(report_labels(
         client.clone(),
         node_name.clone(),
         node_rx.clone(),
-        report_rx,
+        reporting.report_rx,
         owned,
         backoff,
     ));
     if config.kubernetes.events {
-        tokio::spawn(post_events(client, node_name, node_rx, event_rx));
+        tokio::spawn(post_events(client, node_name, node_rx, reporting.event_rx));
     }
-    (report_tx, event_tx)
 }
 
 async fn report_labels(

@@ -41,8 +41,12 @@ async fn kubelet(node: &Node) -> TestKubelet {
 }
 
 async fn wait_label(api: &TestApiServer, key: &str, value: Option<&str>) {
+    wait_label_within(api, key, value, T).await;
+}
+
+async fn wait_label_within(api: &TestApiServer, key: &str, value: Option<&str>, within: Duration) {
     let ok = api
-        .wait_for(T, |a| a.labels(NODE).get(key).map(String::as_str) == value)
+        .wait_for(within, |a| a.labels(NODE).get(key).map(String::as_str) == value)
         .await;
     assert!(ok, "label {key} never became {value:?}; labels: {:?}", api.labels(NODE));
 }
@@ -434,6 +438,40 @@ async fn no_credentials_and_no_labels_file_runs_on_the_config() {
     );
     assert!(agent.log_text().contains("no Kubernetes credentials found"));
     assert!(agent.running());
+    assert_eq!(agent.stop(), 0);
+}
+
+/// cloud-init installs and starts the agent before `kubeadm join` writes the kubelet's
+/// kubeconfig: the agent finds the credentials when they appear, and the Node's labels take
+/// effect without a restart.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn credentials_that_appear_after_start_are_picked_up() {
+    let api = apiserver().await;
+    api.set_label(NODE, "nvidia.com/device-plugin.config", Some("shared"));
+    let config = "[device_plugin.profiles.shared.sharing]\nstrategy = \"time-slicing\"\n\
+                  [[device_plugin.profiles.shared.sharing.resources]]\nname = \"nvidia.com/gpu\"\nreplicas = 2\n";
+    let node = Node::new(&machine("T4", 1), config);
+    let kubelet = kubelet(&node).await;
+    let mut agent = node.spawn();
+    kubelet
+        .wait_for_devices(GPU, T, |d| d.len() == 1)
+        .await
+        .expect("serves on the config's defaults");
+    node.wait_status(T, |s| s["desired"]["source"] == "none");
+
+    install(&node, &api, KubeconfigAuth::Token(TOKEN.into()));
+    // Looked for again every 10 s.
+    let later = Duration::from_secs(30);
+    wait_label_within(&api, "nvidia.com/gpu.present", Some("true"), later).await;
+    wait_label_within(&api, "nvidia.com/device-plugin.config.state", Some("success"), later).await;
+    kubelet
+        .wait_for_devices(GPU, later, |d| d.len() == 2)
+        .await
+        .expect("the Node's profile applies: 2 replicas");
+    let status = node.wait_status(T, |s| s["desired"]["connected"] == true);
+    assert_eq!(status["desired"]["source"], "node");
+    assert!(agent.running(), "same process");
+    assert!(agent.log_text().contains("Kubernetes credentials found"));
     assert_eq!(agent.stop(), 0);
 }
 
