@@ -52,6 +52,12 @@ const FIRST_VIEW_WAIT: Duration = Duration::from_secs(5);
 
 /// How often the MIG stage looks again while GPU work blocks a layout change.
 const MIG_BUSY_RECHECK: Duration = Duration::from_secs(2);
+/// How often a layout given up on looks whether the GPU work it waited for has ended.
+const MIG_GAVE_UP_RECHECK: Duration = Duration::from_secs(10);
+/// How long to wait for `rebooting` to show on the Node before rebooting.
+const REBOOT_LABEL_WAIT: Duration = Duration::from_secs(10);
+/// How long to wait for `pending` to show on the Node before a MIG change.
+const PENDING_LABEL_WAIT: Duration = Duration::from_secs(5);
 
 /// Marker in the state dir: a reboot was requested to finish a MIG mode change for this
 /// layout. Present at the next start with the change still pending means the reboot did not
@@ -248,6 +254,9 @@ struct Agent {
     mig_pending_since: Option<Instant>,
     /// When to look again while waiting.
     mig_retry: Option<Instant>,
+    /// The layout the MIG stage gave up on after `[mig] process_wait_timeout`: it stays failed,
+    /// with the GPUs advertised, until their work has ended (or another layout is asked for).
+    mig_gave_up: Option<String>,
 }
 
 /// Runs the agent until SIGTERM/SIGINT (or one pass with `once`). Returns the process exit code.
@@ -321,6 +330,7 @@ pub async fn run(config: Config, root: HostRoot, once: bool) -> Result<i32, Agen
         notified_status: String::new(),
         mig_pending_since: None,
         mig_retry: None,
+        mig_gave_up: None,
     };
     agent.machine = std::fs::read_to_string(agent.root.join("/sys/class/dmi/id/product_name"))
         .ok()
@@ -589,15 +599,8 @@ impl Agent {
             return;
         };
         self.mig_step(&gpus).await;
-        if !self.config.device_plugin.enabled {
-            self.stage.set(
-                StageState::Disabled,
-                None,
-                Some("[device_plugin] enabled = false".into()),
-            );
-            self.write_status("running");
-            return;
-        }
+        // The inventory is read with or without the device plugin: the CDI spec and the GPU
+        // feature labels come from it too.
         match gpus.inventory(&self.root.join("/sys")) {
             Ok(inventory) => {
                 if self.inventory.as_ref() != Some(&inventory) {
@@ -612,6 +615,9 @@ impl Agent {
                     self.watch_health(&gpus);
                     self.cdi_step();
                     self.metrics_inventory();
+                } else if self.cdi_error.is_some() || self.cdi_spec_missing() {
+                    // A failed write is tried again, a removed spec written again.
+                    self.cdi_step();
                 }
             }
             Err(e) => {
@@ -622,6 +628,15 @@ impl Agent {
                 self.write_status("running");
                 return;
             }
+        }
+        if !self.config.device_plugin.enabled {
+            self.stage.set(
+                StageState::Disabled,
+                None,
+                Some("[device_plugin] enabled = false".into()),
+            );
+            self.write_status("running");
+            return;
         }
         self.push_resources().await;
         self.validation_step().await;
@@ -1039,6 +1054,7 @@ impl Agent {
             return;
         }
         let name = match self.desired_sel.mig_config.clone() {
+            Selection::Unset if !self.config.mig.default_layout.is_empty() => self.config.mig.default_layout.clone(),
             Selection::Unset => {
                 self.mig_stage.set(
                     StageState::Ok,
@@ -1077,6 +1093,19 @@ impl Agent {
             // The same observation converge would start from: nothing to do, nothing to read twice.
             return self.mig_done(&name, format!("layout {name} in place"));
         }
+        if self.mig_gave_up.as_deref() == Some(name.as_str()) {
+            // Given up on while GPU work ran: stay failed, GPUs advertised, until the work ends.
+            let (g, u) = (gpus.clone(), changing.clone());
+            let busy = tokio::task::spawn_blocking(move || u.iter().any(|uuid| g.process_count(uuid) != Some(0)))
+                .await
+                .unwrap_or(true);
+            if busy {
+                self.mig_retry = Some(Instant::now() + MIG_GAVE_UP_RECHECK);
+                return;
+            }
+            tracing::info!("MIG layout {name}: the GPU work it waited for has ended; applying it now");
+            self.mig_gave_up = None;
+        }
         if changing.iter().any(|u| !self.withdrawn.contains(u)) {
             tracing::info!(
                 "MIG layout {name}: withdrawing {} from the kubelet before changing them",
@@ -1084,6 +1113,19 @@ impl Agent {
             );
             self.withdrawn.extend(changing.iter().cloned());
             self.push_resources().await;
+        }
+        // `pending` while the change is made, as the GPU Operator's MIG manager reports it: a
+        // script waiting for `success` must not see the previous layout's.
+        if self.mig_state != Some(MigLabelState::Pending) {
+            self.mig_state = Some(MigLabelState::Pending);
+            self.mig_stage.set(
+                StageState::Pending,
+                None,
+                Some(format!("layout {name}: changing {}", changing.join(", "))),
+            );
+            self.write_status("running");
+            self.wait_for_label_on_node(MigLabelState::Pending.as_str(), PENDING_LABEL_WAIT)
+                .await;
         }
         // Observed again inside converge: the GPUs' state after the withdrawal is what counts.
         let (g, l, n) = (gpus.clone(), layout, name.clone());
@@ -1120,9 +1162,12 @@ impl Agent {
                 let limit = self.config.mig.process_wait_timeout;
                 if !limit.is_zero() && since.elapsed() >= limit {
                     self.mig_pending_since = None;
-                    return self.mig_failed(format!(
-                        "layout {name}: gave up after {limit:?}: {reason}; nothing changed"
+                    self.mig_failed(format!(
+                        "layout {name}: gave up after {limit:?}: {reason}; nothing changed (applied once the work ends)"
                     ));
+                    self.mig_gave_up = Some(name);
+                    self.mig_retry = Some(Instant::now() + MIG_GAVE_UP_RECHECK);
+                    return;
                 }
                 self.mig_state = Some(MigLabelState::Pending);
                 self.mig_stage
@@ -1139,7 +1184,18 @@ impl Agent {
                     self.mig_state = Some(MigLabelState::Rebooting);
                     self.mig_stage
                         .set(StageState::Pending, Some(format!("{reason}: rebooting the node")), None);
+                    // Labels are only reported with an inventory (none means "nothing known
+                    // yet"): at boot the MIG stage runs before it is read, so read one for this.
+                    let borrowed = self.inventory.is_none();
+                    if borrowed {
+                        self.inventory = gpus.inventory(&self.root.join("/sys")).ok();
+                    }
                     self.write_status("running");
+                    if borrowed {
+                        self.inventory = None;
+                    }
+                    self.wait_for_label_on_node(MigLabelState::Rebooting.as_str(), REBOOT_LABEL_WAIT)
+                        .await;
                     self.reboot();
                 } else {
                     let hint = if rebooted_for.as_deref() == Some(name.as_str()) {
@@ -1154,7 +1210,37 @@ impl Agent {
         }
     }
 
+    /// Gives the Node up to `wait` to show the MIG state label (when the Node is the source and
+    /// reachable), so the cluster sees `pending` before a change and `rebooting` before a
+    /// reboot: the reporter sends only the latest labels, and a quick change would hide them.
+    async fn wait_for_label_on_node(&mut self, state: &str, wait: Duration) {
+        let Some(link) = &self.link else { return };
+        let mut rx = link.view.clone();
+        let key = self.config.labels.mig_config_state.clone();
+        let shown = tokio::time::timeout(wait, async {
+            loop {
+                {
+                    let view = rx.borrow_and_update();
+                    if view.source != crate::desired::Source::Node || !view.connected {
+                        return false;
+                    }
+                    if view.labels.get(&key).map(String::as_str) == Some(state) {
+                        return true;
+                    }
+                }
+                if rx.changed().await.is_err() {
+                    return false;
+                }
+            }
+        })
+        .await;
+        if shown != Ok(true) {
+            tracing::warn!("{key}={state} did not show on the Node within {wait:?}; going on");
+        }
+    }
+
     fn mig_done(&mut self, name: &str, detail: String) {
+        self.mig_gave_up = None;
         self.mig_pending_since = None;
         self.mig_state = Some(MigLabelState::Success);
         self.mig_stage.set(StageState::Ok, None, Some(detail));

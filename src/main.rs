@@ -516,7 +516,7 @@ fn mig(config: &Config, root: &HostRoot, command: MigCommand) -> ExitCode {
                     ExitCode::FAILURE
                 }
                 Err(e) => {
-                    eprintln!("gpu-node-agent: {e}");
+                    eprintln!("gpu-node-agent: MIG layout {name}: {e}");
                     ExitCode::FAILURE
                 }
             }

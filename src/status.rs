@@ -216,10 +216,15 @@ impl Status {
                 "  device plugin profile  {}  [{state}]",
                 show(&d.device_plugin_config)
             );
+            let mig = self.stages.iter().find(|s| s.name == crate::agent::STAGE_MIG).map(|s| {
+                let text = s.error.as_deref().or(s.detail.as_deref()).unwrap_or("-");
+                format!("{}: {text}", s.state.as_str())
+            });
             let _ = writeln!(
                 out,
-                "  MIG layout             {}  [not acted on: MIG layouts come with the MIG stage]",
-                show(&d.mig_config)
+                "  MIG layout             {}  [{}]",
+                show(&d.mig_config),
+                mig.as_deref().unwrap_or("see the mig stage")
             );
         }
         if !self.labels.is_empty() {

@@ -158,7 +158,10 @@ async fn gpu_work_keeps_the_layout_pending_until_it_ends() {
     node.set_injection("processes", &format!("{} 4242 1024\n", gpu_uuid(0)));
     api.set_label(NODE, "nvidia.com/mig.config", Some("all-7g.40gb"));
     wait_label(&api, STATE, Some("pending")).await;
-    let status = node.wait_status(T, |s| common::stage(s, "mig")["state"] == "pending");
+    // `pending` while changing, then with the reason it waits.
+    let status = node.wait_status(T, |s| {
+        common::stage(s, "mig")["state"] == "pending" && common::stage(s, "mig")["error"].is_string()
+    });
     let reason = common::stage(&status, "mig")["error"]
         .as_str()
         .unwrap_or_default()
@@ -214,14 +217,18 @@ fn run_once_applies_the_layout_a_bootstrap_asks_for() {
 /// root that performs the reset through the fake NVML's `reset` file (or fails, if `works` is
 /// false).
 fn reset_node(extra: &str, works: bool) -> Node {
+    let config =
+        format!("[kubernetes]\nenabled = false\n[desired]\nlabels_file = \"/etc/gpu-node-agent/labels\"\n{extra}");
+    reset_node_with(&config, works)
+}
+
+fn reset_node_with(config: &str, works: bool) -> Node {
     let machine = format!(
         "{}\n[[gpu]]\nmodel = \"A100-SXM4-40GB\"\nuuid = \"{}\"\nmig_reset_required = true\n",
         common::DGX_A100,
         gpu_uuid(0)
     );
-    let config =
-        format!("[kubernetes]\nenabled = false\n[desired]\nlabels_file = \"/etc/gpu-node-agent/labels\"\n{extra}");
-    let node = Node::new(&machine, &config);
+    let node = Node::new(&machine, config);
     std::fs::write(
         node.root.join("etc/gpu-node-agent/labels"),
         "nvidia.com/mig.config=all-1g.5gb\n",
@@ -388,4 +395,385 @@ fn compute_instance_forms_without_room_to_read_them_fail_and_change_nothing() {
     assert_eq!(out.status.code(), Some(1), "{stderr}");
     assert!(stderr.contains("no room for a 4g.20gb GPU instance"), "{stderr}");
     assert_eq!(node.run(&["mig", "assert", "full"]).status.code(), Some(0), "unchanged");
+}
+
+/// Two A100-40GB with MIG off, no reset needed, and `layouts` in the config.
+fn mig_off_node(machine_extra: &str, layouts: &str) -> Node {
+    let mut machine = common::machine("A100-SXM4-40GB", 2);
+    machine.push_str(machine_extra);
+    let config = format!("[kubernetes]\nenabled = false\n{layouts}");
+    Node::new(&machine, &config)
+}
+
+fn fails_with(node: &Node, args: &[&str], wanted: &[&str]) -> String {
+    let out = node.run(args);
+    let stderr = String::from_utf8_lossy(&out.stderr).to_string();
+    assert_eq!(out.status.code(), Some(1), "{args:?}: {stderr}");
+    for w in wanted {
+        assert!(stderr.contains(w), "{args:?}: {w:?} not in {stderr}");
+    }
+    stderr
+}
+
+fn mig_is_off_everywhere(node: &Node) {
+    let out = node.run(&["mig", "assert", "all-disabled"]);
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "MIG mode must still be off: {}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+}
+
+/// A layout with a compute instance form is checked in full before anything changes: names,
+/// counts and the GPU instances it needs, on every GPU, before MIG mode is enabled to read the
+/// compute instance profiles.
+#[test]
+fn compute_instance_forms_are_checked_on_every_gpu_before_any_change() {
+    let layouts = "[[mig.layouts.too-many]]\ndevices = \"all\"\nmig_enabled = true\nprofiles = { \"1c.4g.20gb\" = 1, \"1g.5gb\" = 8 }\n\
+                   [[mig.layouts.two-4g]]\ndevices = \"all\"\nmig_enabled = true\nprofiles = { \"1c.4g.20gb\" = 1, \"4g.20gb\" = 1 }\n\
+                   [[mig.layouts.three-2c]]\ndevices = \"all\"\nmig_enabled = true\nprofiles = { \"2c.3g.20gb\" = 3 }\n\
+                   [[mig.layouts.overlap]]\ndevices = \"all\"\nmig_enabled = true\nprofiles = { \"1c.4g.20gb\" = 1, \"7g.40gb\" = 1 }\n\
+                   [[mig.layouts.split]]\ndevices = [0]\nmig_enabled = true\nprofiles = { \"1c.4g.20gb\" = 1 }\n\
+                   [[mig.layouts.split]]\ndevices = [1]\nmig_enabled = true\nprofiles = { \"2g.20gb\" = 1 }\n";
+    let node = mig_off_node("", layouts);
+    fails_with(
+        &node,
+        &["mig", "apply", "too-many"],
+        &["does not fit", "1g.5gb", "nothing changed"],
+    );
+    mig_is_off_everywhere(&node);
+    fails_with(
+        &node,
+        &["mig", "apply", "two-4g"],
+        &["does not fit", "4g.20gb", "nothing changed"],
+    );
+    fails_with(
+        &node,
+        &["mig", "apply", "three-2c"],
+        &["does not fit", "3g.20gb", "nothing changed"],
+    );
+    fails_with(
+        &node,
+        &["mig", "apply", "overlap"],
+        &["does not fit", "nothing changed"],
+    );
+    mig_is_off_everywhere(&node);
+    // Valid on GPU 0, an unknown profile on GPU 1: GPU 0 is not touched either.
+    fails_with(
+        &node,
+        &["mig", "apply", "split"],
+        &["GPU 1", &gpu_uuid(1), "no MIG profile \"2g.20gb\"", "nothing changed"],
+    );
+    mig_is_off_everywhere(&node);
+    // The label path says the same, and changes nothing.
+    std::fs::write(
+        node.root.join("etc/gpu-node-agent/labels"),
+        "nvidia.com/mig.config=split\n",
+    )
+    .expect("labels");
+    node.write_config(&format!(
+        "[kubernetes]\nenabled = false\n[desired]\nlabels_file = \"/etc/gpu-node-agent/labels\"\n{layouts}"
+    ));
+    let out = node.run(&["run", "--once"]);
+    assert_eq!(out.status.code(), Some(1), "{}", String::from_utf8_lossy(&out.stderr));
+    let mig = common::stage(&node.status_json(), "mig");
+    let error = mig["error"].as_str().unwrap_or_default();
+    assert!(
+        error.contains("2g.20gb") && error.contains("nothing changed"),
+        "{error}"
+    );
+    mig_is_off_everywhere(&node);
+}
+
+/// A layout whose GPU instances fit, but whose compute instance profile turns out not to exist
+/// once NVML lists them: the MIG mode enabled to read them is disabled again, and the failure
+/// says so.
+#[test]
+fn a_layout_failing_after_reading_compute_instance_profiles_undoes_the_mode_change() {
+    let layouts = "[[mig.layouts.no-3c]]\ndevices = \"all\"\nmig_enabled = true\nprofiles = { \"3c.4g.20gb\" = 1 }\n";
+    let node = mig_off_node("", layouts);
+    let stderr = fails_with(&node, &["mig", "apply", "no-3c"], &["3c.4g.20gb", "disabled again"]);
+    assert!(!stderr.contains("nothing changed"), "{stderr}");
+    mig_is_off_everywhere(&node);
+
+    // Where mode changes need a GPU reset, the undo is finished with one too.
+    let node = reset_node(layouts, true);
+    let stderr = fails_with(&node, &["mig", "apply", "no-3c"], &["3c.4g.20gb", "disabled again"]);
+    assert!(!stderr.contains("nothing changed"), "{stderr}");
+    let resets = std::fs::read_to_string(node.state.join("resets-done")).unwrap_or_default();
+    assert_eq!(
+        resets.lines().count(),
+        2,
+        "enable and disable each reset once: {resets}"
+    );
+    assert_eq!(node.run(&["mig", "assert", "all-disabled"]).status.code(), Some(0));
+}
+
+/// A compute instance layout whose GPU instances cannot fit never gets as far as a mode change,
+/// so it never asks for a reboot.
+#[test]
+fn an_impossible_compute_instance_layout_never_reboots() {
+    let extra = "[mig]\nreboot_on_mode_change = true\n\
+                 [[mig.layouts.too-many]]\ndevices = \"all\"\nmig_enabled = true\nprofiles = { \"1c.4g.20gb\" = 1, \"1g.5gb\" = 8 }\n";
+    let node = reset_node(extra, false);
+    std::fs::write(
+        node.root.join("etc/gpu-node-agent/labels"),
+        "nvidia.com/mig.config=too-many\n",
+    )
+    .expect("labels");
+    let out = node.run(&["run", "--once"]);
+    assert_eq!(out.status.code(), Some(1), "{}", String::from_utf8_lossy(&out.stderr));
+    let status = node.status_json();
+    assert_eq!(status["labels"]["nvidia.com/mig.config.state"], "failed");
+    let error = common::stage(&status, "mig")["error"]
+        .as_str()
+        .unwrap_or_default()
+        .to_string();
+    assert!(
+        error.contains("does not fit") && error.contains("nothing changed"),
+        "{error}"
+    );
+    assert!(
+        !node.root.join("var/lib/gpu-node-agent/mig-reboot-requested").exists(),
+        "no reboot marker"
+    );
+    assert_eq!(node.run(&["mig", "assert", "all-disabled"]).status.code(), Some(0));
+}
+
+/// A MIG-capable GPU no entry of the layout covers fails the layout (mig-parted's assert does)
+/// before anything changes on any GPU.
+#[test]
+fn a_mig_gpu_the_layout_does_not_cover_fails_it_before_any_change() {
+    let layouts = "[[mig.layouts.only-0]]\ndevices = [0]\nmig_enabled = true\nprofiles = { \"1g.5gb\" = 7 }\n";
+    let node = mig_off_node("", layouts);
+    let uuid1 = gpu_uuid(1);
+    let wanted = [
+        "layout only-0",
+        "no entry for GPU 1",
+        uuid1.as_str(),
+        "0x20B0",
+        "nothing changed",
+    ];
+    fails_with(&node, &["mig", "apply", "only-0"], &wanted);
+    mig_is_off_everywhere(&node);
+    fails_with(
+        &node,
+        &["mig", "assert", "only-0"],
+        &["no entry for GPU 1", uuid1.as_str(), "0x20B0"],
+    );
+    // A built-in layout for other models covers neither A100.
+    fails_with(
+        &node,
+        &["mig", "apply", "all-3g.40gb"],
+        &[
+            "layout all-3g.40gb",
+            "no entry for GPU 0",
+            &gpu_uuid(0),
+            "0x20B0",
+            "nothing changed",
+        ],
+    );
+    let out = node.run(&["plan", "--mig-layout", "only-0"]);
+    assert_eq!(out.status.code(), Some(1), "{}", String::from_utf8_lossy(&out.stdout));
+    mig_is_off_everywhere(&node);
+
+    // The label path fails the same way.
+    std::fs::write(
+        node.root.join("etc/gpu-node-agent/labels"),
+        "nvidia.com/mig.config=only-0\n",
+    )
+    .expect("labels");
+    node.write_config(&format!(
+        "[kubernetes]\nenabled = false\n[desired]\nlabels_file = \"/etc/gpu-node-agent/labels\"\n{layouts}"
+    ));
+    let out = node.run(&["run", "--once"]);
+    assert_eq!(out.status.code(), Some(1), "{}", String::from_utf8_lossy(&out.stderr));
+    let status = node.status_json();
+    assert_eq!(status["labels"]["nvidia.com/mig.config.state"], "failed");
+    let error = common::stage(&status, "mig")["error"]
+        .as_str()
+        .unwrap_or_default()
+        .to_string();
+    assert!(
+        error.contains("only-0") && error.contains("no entry for GPU 1") && error.contains(&uuid1),
+        "{error}"
+    );
+    mig_is_off_everywhere(&node);
+}
+
+/// mig-parted skips a GPU without MIG under `devices: all`; naming it explicitly with MIG on is
+/// an error that names it. Not covered at all, it is ignored.
+#[test]
+fn a_gpu_without_mig_is_skipped_by_devices_all() {
+    let t4 = "\n[[gpu]]\nmodel = \"T4\"\nuuid = \"GPU-5a4b9c3e-0f1d-4e2a-8b7c-6d5e4f3a2b1c\"\n";
+    let layouts = "[[mig.layouts.t4-on]]\ndevices = [0, 1]\nmig_enabled = true\nprofiles = {}\n\
+                   [[mig.layouts.t4-on]]\ndevices = [2]\nmig_enabled = true\nprofiles = {}\n\
+                   [[mig.layouts.t4-off]]\ndevices = [0, 1]\nmig_enabled = true\nprofiles = {}\n\
+                   [[mig.layouts.t4-off]]\ndevices = [2]\nmig_enabled = false\n\
+                   [[mig.layouts.a100s]]\ndevices = [0, 1]\nmig_enabled = true\nprofiles = { \"3g.20gb\" = 2 }\n";
+    let node = mig_off_node(t4, layouts);
+    let out = node.run(&["mig", "apply", "all-enabled"]);
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(node.run(&["mig", "assert", "all-enabled"]).status.code(), Some(0));
+    fails_with(
+        &node,
+        &["mig", "apply", "t4-on"],
+        &[
+            "GPU 2",
+            "GPU-5a4b9c3e-0f1d-4e2a-8b7c-6d5e4f3a2b1c",
+            "does not support MIG",
+        ],
+    );
+    let out = node.run(&["mig", "apply", "t4-off"]);
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    let out = node.run(&["mig", "apply", "a100s"]);
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(node.run(&["mig", "assert", "a100s"]).status.code(), Some(0));
+    let out = node.run(&["mig", "apply", "all-disabled"]);
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+}
+
+/// A layout that waited for GPU work past `[mig] process_wait_timeout` fails and gives the GPUs
+/// back to the kubelet, and stays that way (no withdraw/pending cycle) until the work ends;
+/// then it is applied without anyone touching the label.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_layout_given_up_on_stays_failed_until_the_work_ends_then_applies() {
+    let (api, node, kubelet) = setup("[mig]\nprocess_wait_timeout = \"1s\"\n").await;
+    let agent = node.spawn();
+    wait_label(&api, "nvidia.com/gpu.present", Some("true")).await;
+    api.set_label(NODE, "nvidia.com/mig.config", Some("all-1g.5gb"));
+    kubelet
+        .wait_for_devices("nvidia.com/mig-1g.5gb", T, |d| d.len() == 14)
+        .await
+        .expect("applied");
+
+    node.set_injection("processes", &format!("{} 4242 1024\n", gpu_uuid(0)));
+    api.set_label(NODE, "nvidia.com/mig.config", Some("all-7g.40gb"));
+    wait_label(&api, STATE, Some("failed")).await;
+    let status = node.wait_status(T, |s| common::stage(s, "mig")["state"] == "failed");
+    let reason = common::stage(&status, "mig")["error"]
+        .as_str()
+        .unwrap_or_default()
+        .to_string();
+    assert!(reason.contains("gave up after 1s"), "{reason}");
+    kubelet
+        .wait_for_devices("nvidia.com/mig-1g.5gb", T, |d| d.len() == 14)
+        .await
+        .expect("advertised again");
+    // Longer than the gave-up recheck (10 s) and several resyncs: no pending again. (The
+    // request log gets an entry after its answer: wait for the failed PATCH first.)
+    let failed = format!("\"{STATE}\":\"failed\"");
+    assert!(
+        api.wait_for(T, |a| a.requests().iter().any(|r| r.body.contains(&failed)))
+            .await
+    );
+    let since = api.requests().len();
+    tokio::time::sleep(Duration::from_secs(12)).await;
+    let flips: Vec<String> = api.requests()[since..]
+        .iter()
+        .filter(|r| r.method == "PATCH" && r.body.contains(STATE))
+        .map(|r| r.body.clone())
+        .collect();
+    assert!(flips.is_empty(), "the state label did not move: {flips:?}");
+    assert_eq!(api.labels(NODE).get(STATE).map(String::as_str), Some("failed"));
+
+    // The work ends: applied without a label change.
+    node.set_injection("processes", "");
+    let within = Duration::from_secs(30);
+    assert!(
+        api.wait_for(within, |a| a.labels(NODE).get(STATE).map(String::as_str)
+            == Some("success"))
+            .await,
+        "{:?}",
+        api.labels(NODE)
+    );
+    kubelet
+        .wait_for_devices("nvidia.com/mig-7g.40gb", T, |d| d.len() == 2)
+        .await
+        .expect("7g on both");
+    assert_eq!(agent.stop(), 0);
+}
+
+/// While a layout is being applied the Node says `pending`, then `success` (a script waiting
+/// for `success` never sees the previous layout's).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_state_is_pending_while_a_layout_is_applied() {
+    let (api, node, _kubelet) = setup("").await;
+    let agent = node.spawn();
+    wait_label(&api, "nvidia.com/gpu.present", Some("true")).await;
+    api.set_label(NODE, "nvidia.com/mig.config", Some("all-1g.5gb"));
+    wait_label(&api, STATE, Some("success")).await;
+    // The request log gets an entry after its answer: wait for the first success's PATCH.
+    let success = format!("\"{STATE}\":\"success\"");
+    assert!(
+        api.wait_for(T, |a| a.requests().iter().any(|r| r.body.contains(&success)))
+            .await
+    );
+    let since = api.requests().len();
+    api.set_label(NODE, "nvidia.com/mig.config", Some("all-3g.20gb"));
+    assert!(
+        api.wait_for(T, |a| a.requests()[since..].iter().any(
+            |r| r.method == "PATCH" && r.body.contains(&format!("\"{STATE}\":\"success\""))
+        ))
+        .await
+    );
+    let states: Vec<&str> = api.requests()[since..]
+        .iter()
+        .filter(|r| r.method == "PATCH")
+        .filter_map(|r| {
+            ["pending", "success"]
+                .into_iter()
+                .find(|s| r.body.contains(&format!("\"{STATE}\":\"{s}\"")))
+        })
+        .collect();
+    assert_eq!(states, ["pending", "success"], "{}", agent.log_text());
+    assert_eq!(agent.stop(), 0);
+}
+
+/// `[mig] default_layout` is what a node without the label gets: a bootstrap applies it with
+/// `run --once` before the node has joined.
+#[test]
+fn the_default_layout_applies_without_a_label() {
+    let node = Node::new(
+        &two_a100s(),
+        "[kubernetes]\nenabled = false\n[mig]\ndefault_layout = \"all-3g.20gb\"\n",
+    );
+    let out = node.run(&["run", "--once"]);
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(node.status_json()["labels"][STATE], "success");
+    assert_eq!(node.run(&["mig", "assert", "all-3g.20gb"]).status.code(), Some(0));
+    // A name that is not a layout is a config error.
+    let bad = Node::new(&two_a100s(), "[mig]\ndefault_layout = \"all-9g.99gb\"\n");
+    let out = bad.run(&["config", "check"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(64), "{err}");
+    assert!(
+        err.contains("mig.default_layout") && err.contains("names no MIG layout"),
+        "{err}"
+    );
+}
+
+/// Before rebooting for a MIG mode change, `rebooting` reaches the Node, even at the first pass
+/// after boot (before the device plugin has read the inventory).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rebooting_reaches_the_node_before_the_reboot() {
+    let api = TestApiServer::start().await;
+    api.create_node(NODE, &[("nvidia.com/mig.config", "all-1g.5gb")]);
+    api.add_token(TOKEN, "system:node:gpu-node-1");
+    let node = reset_node_with("[mig]\nreboot_on_mode_change = true\n", false);
+    let options = KubeconfigOptions {
+        file_name: "kubelet.conf".into(),
+        ..KubeconfigOptions::default()
+    };
+    api.write_kubeconfig_with(&node.kubeconfig_dir(), KubeconfigAuth::Token(TOKEN.into()), &options);
+    let out = tokio::task::spawn_blocking(move || node.run(&["run", "--once"]))
+        .await
+        .expect("run");
+    assert_eq!(out.status.code(), Some(75), "{}", String::from_utf8_lossy(&out.stderr));
+    let rebooting = api
+        .requests()
+        .iter()
+        .any(|r| r.method == "PATCH" && r.body.contains(&format!("\"{STATE}\":\"rebooting\"")));
+    assert!(rebooting, "{:?}", api.labels(NODE));
 }

@@ -98,6 +98,13 @@ impl Agent {
         self.show_runtime();
     }
 
+    /// Whether the CDI spec should be there (CDI on, GPUs known) but is not.
+    pub(super) fn cdi_spec_missing(&self) -> bool {
+        self.config.cdi.enabled
+            && self.inventory.as_ref().is_some_and(|i| !i.gpus.is_empty())
+            && !self.root.join(rt::cdi_path(&self.config)).exists()
+    }
+
     /// The runtime stage's status from the engines' and the CDI spec's outcome.
     fn show_runtime(&mut self) {
         if self.runtime_stage.status.state == StageState::Failed && self.cdi_error.is_none() {

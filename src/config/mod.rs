@@ -848,6 +848,9 @@ pub struct MigConfig {
     pub gpu_reset: bool,
     /// The nvidia-smi binary used for GPU resets (host path).
     pub nvidia_smi: PathBuf,
+    /// The layout applied while the Node has no `nvidia.com/mig.config` label (empty: none,
+    /// the GPUs are left as they are). Lets a bootstrap apply a layout before the node joins.
+    pub default_layout: String,
     /// User layouts by name (`[[mig.layouts.<name>]]`), each a list of entries.
     pub layouts: BTreeMap<String, MigLayout>,
 }
@@ -861,6 +864,7 @@ impl Default for MigConfig {
             reboot_on_mode_change: DEFAULT_MIG_REBOOT_ON_MODE_CHANGE,
             gpu_reset: DEFAULT_MIG_GPU_RESET,
             nvidia_smi: DEFAULT_NVIDIA_SMI.into(),
+            default_layout: String::new(),
             layouts: BTreeMap::new(),
         }
     }
@@ -1492,6 +1496,12 @@ impl MigConfig {
                     reason: other.to_string(),
                 },
             })?;
+        }
+        if !self.default_layout.is_empty() && self.layout(&self.default_layout).is_none() {
+            return Err(invalid(
+                "mig.default_layout",
+                format!("names no MIG layout (defined: {})", self.layout_names().join(", ")),
+            ));
         }
         Ok(())
     }
@@ -2321,7 +2331,7 @@ mod tests {
         assert_eq!(
             e("[mig]\nreboot = true\n"),
             "m.toml:2: unknown key mig.reboot: expected one of enabled, default_layouts, process_wait_timeout, \
-             reboot_on_mode_change, gpu_reset, nvidia_smi, layouts"
+             reboot_on_mode_change, gpu_reset, nvidia_smi, default_layout, layouts"
         );
     }
 

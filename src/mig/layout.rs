@@ -16,8 +16,12 @@
 //! [`MigLayout::entries_for`] returns every entry that applies, in order.
 //! - **None**: the layout does not cover that GPU. mig-parted's `apply` leaves such a GPU as it
 //!   is, and its `assert` then fails ("not all GPUs match the specified config"), so the node
-//!   never reports success. The planner should do the same: touch nothing on that GPU, and
-//!   report it as not covered.
+//!   never reports success. [`super::stage::plan_layout`] therefore refuses such a layout
+//!   before anything changes on any GPU, naming the GPU ([`super::planner::PlanError::NotCovered`]).
+//!   A GPU without MIG that no entry covers is simply left alone.
+//! - **A GPU without MIG** is skipped, as mig-parted's apply does, unless an entry that applies
+//!   to it lists its index explicitly and enables MIG (then the layout is refused, naming it):
+//!   `devices: all` and `mig_enabled = false` both leave it alone.
 //! - **Several**: mig-parted applies the entries one after the other, so the last one wins,
 //!   and its assert fails forever when they disagree. [`MigLayout::check`] therefore rejects
 //!   a layout in which two entries that can apply to the same GPU differ in `mig_enabled` or

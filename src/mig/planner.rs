@@ -16,6 +16,14 @@
 //!   instances of a plain `<G>: n` never take pooled compute instances (their CI spans them). This
 //!   is what mig-parted's "reuse the previous GPU instance until a compute instance no longer
 //!   fits" loop yields, computed up front.
+//! - **Compute instance profiles not read yet.** NVML lists the compute instance profiles of a
+//!   GPU instance profile only inside an instance of it. Until they are read, a `<C>c.<G>` name
+//!   (`0 < C <` the slices of `<G>`) counts as the fewest GPU instances of `<G>` its compute
+//!   instances could need (their slices fill whole instances, and no instance holds two
+//!   bigger than half of it), and every other check runs as usual: the other names, the counts,
+//!   the exact GPU instance placement. Only when all of that holds is the answer
+//!   [`PlanError::CiProfilesUnknown`], so a layout that cannot fit whatever those profiles are is
+//!   refused before MIG mode is enabled to read them.
 //! - **Already matching** (MIG mode current and pending as wanted, and the GPU instances, as a
 //!   multiset of "GI profile + multiset of CI profiles", the wanted ones, whatever their ids and
 //!   placements): no operations. Re-applying a layout touches nothing.
@@ -51,6 +59,21 @@ pub struct DesiredGpu {
 pub enum PlanError {
     #[error("GPU {gpu} does not support MIG, but the layout enables MIG on it")]
     NotMigCapable { gpu: String },
+    /// No entry of the layout applies to a GPU that supports MIG: mig-parted leaves it alone
+    /// and its assert then fails, so the layout is refused (see [`super::layout`]).
+    #[error(
+        "no entry for GPU {index} ({uuid}, {}device {}), which supports MIG: every MIG-capable GPU \
+         must be covered",
+        model.as_deref().map(|m| format!("{m}, ")).unwrap_or_default(),
+        super::layout::format_device_id(*pci_device_id)
+    )]
+    NotCovered {
+        index: u32,
+        uuid: String,
+        /// NVML's name of the GPU (`NVIDIA A100-SXM4-40GB`) where it was read.
+        model: Option<String>,
+        pci_device_id: u16,
+    },
     #[error("the layout disables MIG on GPU {gpu} but asks for MIG devices ({layout})")]
     ProfilesWithMigDisabled { gpu: String, layout: String },
     #[error("GPU {gpu} has no MIG profile {profile:?}; its profiles are {}", available.join(", "))]
@@ -125,8 +148,12 @@ pub fn plan_gpu(observed: &ObservedGpu, desired: &DesiredGpu) -> Result<GpuPlan,
         gpu: &gpu,
         layout: &layout,
     };
-    let instances = build_instances(observed, &wanted, &ctx)?;
+    let Wanted { instances, unknown } = build_instances(observed, &wanted, &ctx)?;
     let placed = place_instances(instances, &ctx)?;
+    // Everything else holds: only NVML's compute instance profiles can still refuse the layout.
+    if let Some(unknown) = unknown {
+        return Err(unknown);
+    }
     let mode_ok = mode.current && mode.pending;
     if mode_ok && matches(observed, &placed) {
         return Ok(plan);
@@ -263,15 +290,38 @@ fn resolve<'a>(observed: &'a ObservedGpu, name: &str) -> Option<Form<'a>> {
     (compute == format!("{}c", gi.slice_count)).then_some(Form::Whole(gi))
 }
 
-/// For a `<C>c.<gi>` name that does not resolve: the GPU instance profile `<gi>` when its
-/// compute instance profiles have not been read from NVML yet.
-fn unread_ci_profiles<'a>(observed: &'a ObservedGpu, name: &str) -> Option<&'a GiProfile> {
+/// For a `<C>c.<gi>` name that does not resolve: the GPU instance profile `<gi>` and `C` when
+/// its compute instance profiles have not been read from NVML yet and `C` could name one of
+/// them (`0 < C <` its slice count; `C` equal to it is `<gi>` itself).
+fn unread_ci_profiles<'a>(observed: &'a ObservedGpu, name: &str) -> Option<(&'a GiProfile, u32)> {
     let (compute, gi_name) = name.split_once('.')?;
-    compute.strip_suffix('c')?.parse::<u32>().ok()?;
+    let digits = compute.strip_suffix('c')?;
+    if !digits.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    let slices = digits.parse::<u32>().ok()?;
     observed
         .profiles
         .iter()
         .find(|gi| gi.name == gi_name && !gi.ci_profiles_read())
+        .filter(|gi| slices > 0 && slices < gi.slice_count)
+        .map(|gi| (gi, slices))
+}
+
+/// The fewest GPU instances of `gi` that compute instances of these slice counts (slices,
+/// count) can go into, whatever NVML's compute instance profiles turn out to be: their slices
+/// fill whole instances at best, and no instance holds two that are bigger than half of it.
+/// The pooling of [`build_instances`] never needs fewer, so a layout whose GPU instances do
+/// not fit with this many cannot fit at all.
+fn fewest_gis(gi: &GiProfile, cis: &[(u32, u32)]) -> usize {
+    let slices: u64 = cis.iter().map(|&(c, n)| u64::from(c) * u64::from(n)).sum();
+    let by_slices = slices.div_ceil(u64::from(gi.slice_count.max(1)));
+    let big: u64 = cis
+        .iter()
+        .filter(|&&(c, _)| 2 * c > gi.slice_count)
+        .map(|&(_, n)| u64::from(n))
+        .sum();
+    usize::try_from(by_slices.max(big)).unwrap_or(usize::MAX)
 }
 
 /// The names a layout may use on this GPU, in NVML's order.
@@ -310,17 +360,24 @@ struct PlacedGi<'a> {
     cis: Vec<(&'a CiProfile, Placement)>,
 }
 
-fn build_instances<'a>(
-    observed: &'a ObservedGpu,
-    wanted: &[(&str, u32)],
-    ctx: &Ctx,
-) -> Result<Vec<WantedGi<'a>>, PlanError> {
+/// The GPU instances a layout wants, with their compute instances; `unknown` is set when some
+/// are compute instance forms of a profile whose compute instance profiles are not read yet:
+/// those count as the fewest GPU instances they could need ([`fewest_gis`], with no compute
+/// instances), so that everything else is checked all the same.
+struct Wanted<'a> {
+    instances: Vec<WantedGi<'a>>,
+    unknown: Option<PlanError>,
+}
+
+fn build_instances<'a>(observed: &'a ObservedGpu, wanted: &[(&str, u32)], ctx: &Ctx) -> Result<Wanted<'a>, PlanError> {
     let mut instances: Vec<WantedGi<'a>> = Vec::new();
     let mut pools: Vec<(&'a GiProfile, Vec<&'a CiProfile>)> = Vec::new();
+    let mut unread: Vec<(&'a GiProfile, Vec<(u32, u32)>)> = Vec::new();
+    let mut unknown = None;
     for &(name, count) in wanted {
         match resolve(observed, name) {
-            None if let Some(gi) = unread_ci_profiles(observed, name) => {
-                return Err(PlanError::CiProfilesUnknown {
+            None if let Some((gi, slices)) = unread_ci_profiles(observed, name) => {
+                unknown.get_or_insert_with(|| PlanError::CiProfilesUnknown {
                     gpu: ctx.gpu.to_string(),
                     index: observed.index,
                     uuid: observed.uuid.clone(),
@@ -328,6 +385,10 @@ fn build_instances<'a>(
                     gi_profile: gi.name.clone(),
                     gi_profile_id: gi.id,
                 });
+                match unread.iter_mut().find(|(p, _)| p.id == gi.id) {
+                    Some((_, cis)) => cis.push((slices, count)),
+                    None => unread.push((gi, vec![(slices, count)])),
+                }
             }
             None => {
                 return Err(PlanError::UnknownProfile {
@@ -338,7 +399,7 @@ fn build_instances<'a>(
             }
             Some(Form::Whole(gi)) => {
                 if count > gi.instance_count {
-                    return Err(too_many_gis(ctx, gi, count as usize, 0));
+                    return Err(too_many_gis(ctx, gi, count as usize, 0, false));
                 }
                 let full = full_ci(gi).ok_or_else(|| {
                     ctx.does_not_fit(
@@ -424,27 +485,40 @@ fn build_instances<'a>(
         }
     }
 
+    for (gi, cis) in unread {
+        for _ in 0..fewest_gis(gi, &cis).min(gi.instance_count as usize + 1) {
+            instances.push(WantedGi {
+                profile: gi,
+                cis: Vec::new(),
+                pooled: true,
+            });
+        }
+    }
+
     for gi in &observed.profiles {
         let of_gi = instances.iter().filter(|w| w.profile.id == gi.id);
         let needed = of_gi.clone().count();
         if needed > gi.instance_count as usize {
-            let pooled = of_gi.filter(|w| w.pooled).count();
-            return Err(too_many_gis(ctx, gi, needed, pooled));
+            let pooled = of_gi.clone().filter(|w| w.pooled).count();
+            // Compute instance forms not read yet count as the fewest they could need.
+            let at_least = of_gi.clone().any(|w| w.pooled && w.cis.is_empty());
+            return Err(too_many_gis(ctx, gi, needed, pooled, at_least));
         }
     }
-    Ok(instances)
+    Ok(Wanted { instances, unknown })
 }
 
-fn too_many_gis(ctx: &Ctx, gi: &GiProfile, needed: usize, pooled: usize) -> PlanError {
+fn too_many_gis(ctx: &Ctx, gi: &GiProfile, needed: usize, pooled: usize, at_least: bool) -> PlanError {
     let detail = if pooled > 0 {
         format!(" ({pooled} of them to hold its compute instance profiles)")
     } else {
         String::new()
     };
+    let at_least = if at_least { "at least " } else { "" };
     ctx.does_not_fit(
         &gi.name,
         format!(
-            "{needed} GPU instances of it are needed{detail}, at most {} fit on this GPU",
+            "{at_least}{needed} GPU instances of it are needed{detail}, at most {} fit on this GPU",
             gi.instance_count
         ),
     )
@@ -671,6 +745,8 @@ mod tests {
     use std::collections::{BTreeMap, HashSet};
 
     use super::*;
+    use crate::mig::layout::{DeviceSelector, LayoutEntry, MigLayout};
+    use crate::mig::stage::{gpus_to_change, plan_layout};
     use crate::mig::state::{ObservedCi, ObservedGi};
     use crate::nvml::MigState;
 
@@ -1631,5 +1707,259 @@ mod tests {
     #[test]
     fn every_h100_80gb_compute_instance_layout() {
         assert_eq!(exhaustive_compute_instance_layouts(h100_80gb()), (87, 505));
+    }
+
+    // ---- Compute instance profiles not read yet ----
+
+    /// `model` as observation reports it before any GPU instance exists: each profile's compute
+    /// instance profiles are only the unread one spanning it.
+    fn unread(mut model: ObservedGpu) -> ObservedGpu {
+        for g in &mut model.profiles {
+            g.ci_profiles = vec![CiProfile {
+                name: g.name.clone(),
+                index: CiProfile::UNREAD,
+                id: CiProfile::UNREAD,
+                slice_count: g.slice_count,
+                instance_count: 1,
+                placements: vec![p(0, g.slice_count)],
+            }];
+        }
+        model
+    }
+
+    fn ci_profiles_unknown(result: Result<GpuPlan, PlanError>) -> String {
+        match result {
+            Err(PlanError::CiProfilesUnknown { profile, .. }) => profile,
+            other => panic!("expected CiProfilesUnknown, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn unread_compute_instance_forms_do_not_hide_other_errors() {
+        let gpu = unread(a100_40gb());
+        // Counts, names and the GPU instances' fit are checked all the same.
+        let (profile, reason) = does_not_fit(plan_gpu(&gpu, &enabled(&[("1c.4g.20gb", 1), ("1g.5gb", 8)])));
+        assert_eq!(profile, "1g.5gb", "{reason}");
+        assert!(matches!(
+            plan_gpu(&gpu, &enabled(&[("1c.4g.20gb", 1), ("2g.20gb", 1)])),
+            Err(PlanError::UnknownProfile { profile, .. }) if profile == "2g.20gb"
+        ));
+        let (profile, reason) = does_not_fit(plan_gpu(&gpu, &enabled(&[("1c.4g.20gb", 1), ("4g.20gb", 1)])));
+        assert_eq!(profile, "4g.20gb");
+        assert!(reason.starts_with("at least 2 GPU instances"), "{reason}");
+        let (profile, _) = does_not_fit(plan_gpu(&gpu, &enabled(&[("1c.4g.20gb", 1), ("7g.40gb", 1)])));
+        assert_eq!(profile, "4g.20gb");
+        // Slices: seven 1c compute instances need three 3g.20gb, two fit.
+        let (profile, _) = does_not_fit(plan_gpu(&gpu, &enabled(&[("1c.3g.20gb", 7)])));
+        assert_eq!(profile, "3g.20gb");
+        // Bigger than half: no two 2c share a 3g.20gb.
+        let (profile, _) = does_not_fit(plan_gpu(&gpu, &enabled(&[("2c.3g.20gb", 3)])));
+        assert_eq!(profile, "3g.20gb");
+        let (profile, _) = does_not_fit(plan_gpu(&gpu, &enabled(&[("2c.3g.20gb", 1), ("3g.20gb", 2)])));
+        assert_eq!(profile, "3g.20gb");
+        // More compute slices than the GPU instance has, or none: no such profile at all.
+        for name in ["5c.4g.20gb", "4c.4g.20gb+me", "0c.4g.20gb", "+1c.4g.20gb"] {
+            assert!(
+                matches!(
+                    plan_gpu(&gpu, &enabled(&[(name, 1)])),
+                    Err(PlanError::UnknownProfile { .. })
+                ),
+                "{name}"
+            );
+        }
+        // What only NVML's compute instance profiles can decide.
+        for layout in [
+            &[("1c.4g.20gb", 4), ("3g.20gb", 1)][..],
+            &[("1c.3g.20gb", 6)],
+            &[("2c.3g.20gb", 1), ("1g.5gb", 3)],
+            &[("3c.4g.20gb", 1)],
+            &[("1g.5gb", 3), ("1c.4g.20gb", 1)],
+        ] {
+            let first = layout
+                .iter()
+                .map(|(n, _)| *n)
+                .filter(|n| n.contains("c."))
+                .min()
+                .unwrap();
+            assert_eq!(
+                ci_profiles_unknown(plan_gpu(&gpu, &enabled(layout))),
+                first,
+                "{layout:?}"
+            );
+        }
+        // `4c.4g.20gb` is `4g.20gb`, whatever NVML lists.
+        assert!(plan_gpu(&gpu, &enabled(&[("4c.4g.20gb", 1)])).is_ok());
+    }
+
+    /// Every compute instance layout that fits once NVML's compute instance profiles are known is
+    /// let through before (to read them), and every one refused before is refused after.
+    #[test]
+    fn unread_compute_instance_forms_never_refuse_a_layout_that_fits() {
+        for model in [a100_40gb(), h100_80gb()] {
+            let before = unread(model.clone());
+            let (mut let_through, mut refused) = (0, 0);
+            for g in &model.profiles {
+                let parts: Vec<&CiProfile> = g.ci_profiles.iter().filter(|c| c.slice_count < g.slice_count).collect();
+                if parts.is_empty() {
+                    continue;
+                }
+                let mut bounds: Vec<u32> = parts.iter().map(|c| c.instance_count * g.instance_count + 1).collect();
+                bounds.push(g.instance_count);
+                // And a 1g slice next to them, so that GPU instance placement counts too.
+                bounds.push(2);
+                for counts in boxes(&bounds) {
+                    let (ci_counts, rest) = counts.split_at(parts.len());
+                    if ci_counts.iter().all(|&c| c == 0) {
+                        continue;
+                    }
+                    let mut profiles: BTreeMap<String, u32> =
+                        parts.iter().zip(ci_counts).map(|(c, n)| (c.name.clone(), *n)).collect();
+                    profiles.insert(g.name.clone(), rest[0]);
+                    profiles.insert(model.profiles[0].name.clone(), rest[1]);
+                    let desired = DesiredGpu {
+                        mig_enabled: true,
+                        profiles,
+                    };
+                    match (plan_gpu(&before, &desired), plan_gpu(&model, &desired)) {
+                        (Err(PlanError::CiProfilesUnknown { .. }), _) => let_through += 1,
+                        (Err(PlanError::DoesNotFit { .. }), Err(PlanError::DoesNotFit { .. })) => refused += 1,
+                        (b, a) => panic!("{desired:?}: before {b:?}, after {a:?}"),
+                    }
+                }
+            }
+            assert!(let_through > 0 && refused > 0, "{let_through} {refused}");
+        }
+    }
+
+    // ---- Layouts over several GPUs (stage::plan_layout, stage::gpus_to_change) ----
+
+    /// One layout entry: devices, MIG enabled, profiles.
+    type Entry<'a> = (DeviceSelector, bool, &'a [(&'a str, u32)]);
+
+    fn layout(entries: &[Entry]) -> MigLayout {
+        MigLayout::new(
+            entries
+                .iter()
+                .map(|(devices, mig_enabled, profiles)| LayoutEntry {
+                    devices: devices.clone(),
+                    device_filter: Vec::new(),
+                    mig_enabled: *mig_enabled,
+                    profiles: profiles.iter().map(|(n, c)| (n.to_string(), *c)).collect(),
+                })
+                .collect(),
+        )
+    }
+
+    fn node(gpus: Vec<ObservedGpu>) -> Vec<ObservedGpu> {
+        gpus.into_iter()
+            .enumerate()
+            .map(|(i, mut g)| {
+                g.index = i as u32;
+                g.uuid = format!("GPU-{i}");
+                g
+            })
+            .collect()
+    }
+
+    fn t4() -> ObservedGpu {
+        ObservedGpu {
+            index: 0,
+            uuid: "GPU-t4".into(),
+            pci_device_id: 0x1eb8,
+            mode: None,
+            profiles: Vec::new(),
+            gpu_instances: Vec::new(),
+        }
+    }
+
+    #[test]
+    fn errors_on_any_gpu_win_over_unread_compute_instance_profiles() {
+        use DeviceSelector::Indices;
+        let gpus = node(vec![unread(a100_40gb()), unread(a100_40gb())]);
+        let fine: &[(&str, u32)] = &[("1c.4g.20gb", 1)];
+        let unknown: &[(&str, u32)] = &[("2g.20gb", 1)];
+        let too_many: &[(&str, u32)] = &[("1g.5gb", 8)];
+        for (first, second) in [(fine, unknown), (unknown, fine), (fine, too_many), (too_many, fine)] {
+            let l = layout(&[(Indices(vec![0]), true, first), (Indices(vec![1]), true, second)]);
+            let err = plan_layout(&gpus, &l).unwrap_err();
+            assert!(
+                matches!(err, PlanError::UnknownProfile { .. } | PlanError::DoesNotFit { .. }),
+                "{err:?}"
+            );
+            assert_eq!(gpus_to_change(&gpus, &l).unwrap_err(), err);
+        }
+        let l = layout(&[(DeviceSelector::All, true, fine)]);
+        assert!(matches!(
+            plan_layout(&gpus, &l),
+            Err(PlanError::CiProfilesUnknown { index: 0, .. })
+        ));
+        assert_eq!(gpus_to_change(&gpus, &l).unwrap(), ["GPU-0", "GPU-1"]);
+    }
+
+    #[test]
+    fn a_mig_gpu_no_entry_covers_is_an_error() {
+        use DeviceSelector::Indices;
+        let gpus = node(vec![a100_40gb(), a100_40gb(), t4()]);
+        let l = layout(&[(Indices(vec![0]), true, &[("1g.5gb", 7)])]);
+        let err = plan_layout(&gpus, &l).unwrap_err();
+        assert_eq!(
+            err,
+            PlanError::NotCovered {
+                index: 1,
+                uuid: "GPU-1".into(),
+                model: None,
+                pci_device_id: 0x20b0,
+            }
+        );
+        assert!(
+            err.to_string().starts_with("no entry for GPU 1 (GPU-1, device 0x20B0)"),
+            "{err}"
+        );
+        assert_eq!(gpus_to_change(&gpus, &l).unwrap_err(), err);
+        // Covered by a device filter for another model: not covered either.
+        let mut l = layout(&[(DeviceSelector::All, true, &[])]);
+        l.entries[0].device_filter = vec![0x2330];
+        assert!(matches!(
+            plan_layout(&gpus, &l),
+            Err(PlanError::NotCovered { index: 0, .. })
+        ));
+        // The GPU without MIG needs no entry.
+        let l = layout(&[(Indices(vec![0, 1]), true, &[("1g.5gb", 7)])]);
+        let plans = plan_layout(&gpus, &l).unwrap();
+        assert_eq!(plans.iter().map(|p| p.index).collect::<Vec<_>>(), [0, 1]);
+        assert_eq!(gpus_to_change(&gpus, &l).unwrap(), ["GPU-0", "GPU-1"]);
+    }
+
+    #[test]
+    fn a_gpu_without_mig_is_skipped_under_devices_all_or_mig_disabled() {
+        use DeviceSelector::{All, Indices};
+        let gpus = node(vec![a100_40gb(), t4()]);
+        for l in [
+            layout(&[(All, true, &[])]),
+            layout(&[(All, true, &[("1g.5gb", 7)])]),
+            layout(&[(Indices(vec![0]), true, &[]), (Indices(vec![1]), false, &[])]),
+            layout(&[(All, false, &[])]),
+        ] {
+            let plans = plan_layout(&gpus, &l).unwrap();
+            assert!(plans.iter().all(|p| p.index == 0), "{plans:?}");
+            assert_eq!(
+                gpus_to_change(&gpus, &l).unwrap().len(),
+                usize::from(l.entries[0].mig_enabled)
+            );
+        }
+        // Named explicitly with MIG on: an error naming it.
+        for l in [
+            layout(&[(Indices(vec![0, 1]), true, &[])]),
+            layout(&[(All, true, &[]), (Indices(vec![1]), true, &[])]),
+        ] {
+            let err = plan_layout(&gpus, &l).unwrap_err();
+            assert_eq!(
+                err,
+                PlanError::NotMigCapable {
+                    gpu: "1 (GPU-1)".into()
+                }
+            );
+            assert_eq!(gpus_to_change(&gpus, &l).unwrap_err(), err);
+        }
     }
 }

@@ -5,19 +5,85 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
-use super::layout::MigLayout;
+use super::layout::{DeviceSelector, LayoutEntry, MigLayout};
 use super::planner::{DesiredGpu, PlanError, plan_gpu};
-use super::state::{CiProfile, GpuPlan, ObservedGpu};
+use super::state::{CiProfile, GpuPlan, MigOp, ObservedGpu};
 use crate::nvml::Gpus;
 
-/// The plan for every GPU the layout covers (GPUs it does not cover are left alone). Pure.
+/// The plan for every GPU the layout covers. A MIG-capable GPU that no entry covers is an
+/// error ([`PlanError::NotCovered`]: mig-parted's assert would never pass); a GPU without MIG
+/// is left out when no entry covers it, or when no entry naming it explicitly enables MIG
+/// (mig-parted skips it under `devices: all` and with MIG disabled). Every GPU is planned
+/// before answering, and an error that no read of NVML's compute instance profiles can lift
+/// wins over [`PlanError::CiProfilesUnknown`] on another GPU. Pure.
 pub fn plan_layout(observed: &[ObservedGpu], layout: &MigLayout) -> Result<Vec<GpuPlan>, PlanError> {
-    observed.iter().filter_map(|gpu| plan_covered(gpu, layout)).collect()
+    let planned = plan_all(observed, layout)?;
+    match planned.unknown.into_iter().next() {
+        Some(unknown) => Err(unknown),
+        None => Ok(planned.plans),
+    }
 }
 
-/// The plan for one GPU, `None` when the layout does not cover it.
+/// Every GPU planned: the plans, and the [`PlanError::CiProfilesUnknown`] of the GPUs that need
+/// compute instance profiles read first (everything else about them holds).
+struct Planned {
+    plans: Vec<GpuPlan>,
+    unknown: Vec<PlanError>,
+}
+
+impl Planned {
+    /// The GPUs (UUIDs, in NVML order) that will change: operations planned, or compute
+    /// instance profiles to read first.
+    fn changing(&self, observed: &[ObservedGpu]) -> Vec<String> {
+        let planned = affected(&self.plans);
+        observed
+            .iter()
+            .map(|g| &g.uuid)
+            .filter(|uuid| {
+                planned.contains(uuid)
+                    || self
+                        .unknown
+                        .iter()
+                        .any(|e| matches!(e, PlanError::CiProfilesUnknown { uuid: u, .. } if u == *uuid))
+            })
+            .cloned()
+            .collect()
+    }
+}
+
+fn plan_all(observed: &[ObservedGpu], layout: &MigLayout) -> Result<Planned, PlanError> {
+    let mut planned = Planned {
+        plans: Vec::new(),
+        unknown: Vec::new(),
+    };
+    for gpu in observed {
+        match plan_covered(gpu, layout) {
+            None => {}
+            Some(Ok(plan)) => planned.plans.push(plan),
+            Some(Err(e @ PlanError::CiProfilesUnknown { .. })) => planned.unknown.push(e),
+            Some(Err(e)) => return Err(e),
+        }
+    }
+    Ok(planned)
+}
+
+/// The plan for one GPU, `None` when the layout leaves it alone (see [`plan_layout`]).
 fn plan_covered(gpu: &ObservedGpu, layout: &MigLayout) -> Option<Result<GpuPlan, PlanError>> {
-    let entry = layout.entry_for(gpu.index, gpu.pci_device_id)?;
+    let entries = layout.entries_for(gpu.index, gpu.pci_device_id);
+    let Some(entry) = entries.last() else {
+        return gpu.mode.is_some().then(|| {
+            Err(PlanError::NotCovered {
+                index: gpu.index,
+                uuid: gpu.uuid.clone(),
+                model: None,
+                pci_device_id: gpu.pci_device_id,
+            })
+        });
+    };
+    let named_and_enabled = |e: &&LayoutEntry| e.mig_enabled && matches!(e.devices, DeviceSelector::Indices(_));
+    if gpu.mode.is_none() && !entries.iter().any(named_and_enabled) {
+        return None;
+    }
     let desired = DesiredGpu {
         mig_enabled: entry.mig_enabled,
         profiles: entry.profiles.clone(),
@@ -27,19 +93,11 @@ fn plan_covered(gpu: &ObservedGpu, layout: &MigLayout) -> Option<Result<GpuPlan,
 
 /// The GPUs (UUIDs) that converging to `layout` would change: those with operations in their
 /// plan, and those whose compute instance profiles must first be read from NVML
-/// ([`PlanError::CiProfilesUnknown`]: a change is certain there). Pure.
+/// ([`PlanError::CiProfilesUnknown`]: a change is certain there). Errors as [`plan_layout`]'s.
+/// Pure.
 pub fn gpus_to_change(observed: &[ObservedGpu], layout: &MigLayout) -> Result<Vec<String>, PlanError> {
-    let mut uuids = Vec::new();
-    for gpu in observed {
-        match plan_covered(gpu, layout) {
-            None => {}
-            Some(Ok(plan)) if plan.ops.is_empty() => {}
-            Some(Ok(plan)) => uuids.push(plan.uuid),
-            Some(Err(PlanError::CiProfilesUnknown { uuid, .. })) => uuids.push(uuid),
-            Some(Err(e)) => return Err(e),
-        }
-    }
-    Ok(uuids)
+    let planned = plan_all(observed, layout)?;
+    Ok(planned.changing(observed))
 }
 
 /// The GPU Operator's `nvidia.com/mig.config.state` values.
@@ -106,10 +164,22 @@ pub type ResetGpu<'a> = &'a dyn Fn(&str) -> Result<(), String>;
 /// layout is applied again.
 ///
 /// A compute instance form (`1c.4g.20gb`) of a GPU instance profile with no instance yet needs
-/// NVML's compute instance profiles of it first; they are read from a short-lived instance
-/// (after enabling MIG mode when it is off), and the layout is planned with them.
+/// NVML's compute instance profiles of it first. Everything else about the layout is checked on
+/// every GPU before that ([`plan_layout`]); then they are read from a short-lived instance
+/// (after enabling MIG mode when it is off), and the layout is planned with them. When it fails
+/// before its own plans are applied, a MIG mode enabled only to read them is disabled again
+/// (finished with `reset` where NVML leaves that pending), and the reason says so.
 pub fn converge(gpus: &Gpus, name: &str, layout: &MigLayout, reset: Option<ResetGpu<'_>>) -> Step {
-    converge_from(gpus, name, layout, reset, &mut Learned::new(), 0)
+    let mut run = Run {
+        gpus,
+        name,
+        layout,
+        learned: Learned::new(),
+        enabled: Vec::new(),
+        applying: false,
+    };
+    let step = run.step(reset, 0);
+    run.undo_probes(step, reset)
 }
 
 /// Compute instance profiles read from short-lived GPU instances: (GPU UUID, GPU instance
@@ -119,6 +189,20 @@ type Learned = BTreeMap<(String, u32), Vec<CiProfile>>;
 /// How many times one converge may go back to observing (mode change, then reading compute
 /// instance profiles of each GPU instance profile the layout needs): far more than a layout uses.
 const MAX_ROUNDS: usize = 16;
+
+/// One converge.
+struct Run<'a> {
+    gpus: &'a Gpus,
+    name: &'a str,
+    layout: &'a MigLayout,
+    learned: Learned,
+    /// GPUs (index, UUID) on which this converge enabled MIG mode to read compute instance
+    /// profiles.
+    enabled: Vec<(u32, String)>,
+    /// Set once the layout's own plans are being applied: what changes from then on is the
+    /// layout's doing, and stays.
+    applying: bool,
+}
 
 fn observe(gpus: &Gpus, learned: &Learned) -> Result<Vec<ObservedGpu>, String> {
     let mut observed = gpus.mig_observe().map_err(|e| e.to_string())?;
@@ -132,38 +216,95 @@ fn observe(gpus: &Gpus, learned: &Learned) -> Result<Vec<ObservedGpu>, String> {
     Ok(observed)
 }
 
-fn converge_from(
-    gpus: &Gpus,
-    name: &str,
-    layout: &MigLayout,
-    reset: Option<ResetGpu<'_>>,
-    learned: &mut Learned,
-    round: usize,
-) -> Step {
-    let observed = match observe(gpus, learned) {
-        Ok(o) => o,
-        Err(e) => {
-            return Step::Failed {
-                reason: format!("cannot read the MIG state: {e}"),
+/// NVML's name of GPU `index` (`NVIDIA A100-SXM4-40GB`), when it answers.
+fn model_name(gpus: &Gpus, index: u32) -> Option<String> {
+    gpus.nvml().device_by_index(index).ok()?.name().ok()
+}
+
+impl Run<'_> {
+    /// A layout refused by the planner; nothing changed (unless this converge read compute
+    /// instance profiles first: [`Run::undo_probes`] says what then).
+    fn refused(&self, e: PlanError) -> Step {
+        let e = match e {
+            PlanError::NotCovered {
+                index,
+                uuid,
+                model: None,
+                pci_device_id,
+            } => PlanError::NotCovered {
+                index,
+                uuid,
+                model: model_name(self.gpus, index),
+                pci_device_id,
+            },
+            e => e,
+        };
+        Step::Failed {
+            reason: format!("layout {}: {e}; nothing changed", self.name),
+        }
+    }
+
+    fn step(&mut self, reset: Option<ResetGpu<'_>>, round: usize) -> Step {
+        let (gpus, name) = (self.gpus, self.name);
+        let observed = match observe(gpus, &self.learned) {
+            Ok(o) => o,
+            Err(e) => {
+                return Step::Failed {
+                    reason: format!("cannot read the MIG state: {e}"),
+                };
+            }
+        };
+        let planned = match plan_all(&observed, self.layout) {
+            Ok(p) => p,
+            Err(e) => return self.refused(e),
+        };
+        let changing = planned.changing(&observed);
+        if changing.is_empty() {
+            return Step::Converged;
+        }
+        // A GPU whose processes NVML cannot list counts as busy: nothing is changed under work,
+        // not even to read compute instance profiles.
+        let busy: BTreeMap<String, String> = changing
+            .iter()
+            .filter_map(|uuid| match gpus.process_count(uuid) {
+                Some(0) => None,
+                Some(n) => Some((uuid.clone(), n.to_string())),
+                None => Some((uuid.clone(), "an unknown number of processes".into())),
+            })
+            .collect();
+        if !busy.is_empty() {
+            let list = busy
+                .iter()
+                .map(|(u, n)| format!("{n} on {u}"))
+                .collect::<Vec<_>>()
+                .join(", ");
+            return Step::Busy {
+                gpus: changing,
+                reason: format!("waiting for GPU processes to end before changing MIG: {list}"),
             };
         }
-    };
-    let plans = match plan_layout(&observed, layout) {
-        Ok(p) => p,
-        Err(PlanError::CiProfilesUnknown {
-            index,
-            uuid,
-            gi_profile,
-            gi_profile_id,
-            ..
-        }) if round < MAX_ROUNDS => {
+        if let Some(unknown) = planned.unknown.into_iter().next() {
+            let PlanError::CiProfilesUnknown {
+                index,
+                ref uuid,
+                ref gi_profile,
+                gi_profile_id,
+                ..
+            } = unknown
+            else {
+                unreachable!("plan_all keeps only CiProfilesUnknown here");
+            };
+            if round >= MAX_ROUNDS {
+                return self.refused(unknown);
+            }
+            let uuid = uuid.clone();
             let Some(gpu) = observed.iter().find(|g| g.index == index) else {
                 return Step::Failed {
                     reason: format!("layout {name}: GPU {index} ({uuid}) went away while planning"),
                 };
             };
-            return match read_ci_profiles(gpus, name, gpu, &gi_profile, gi_profile_id, reset, learned) {
-                Ok(mutations) => match converge_from(gpus, name, layout, reset, learned, round + 1) {
+            return match self.read_ci_profiles(gpu, gi_profile, gi_profile_id, reset) {
+                Ok(mutations) => match self.step(reset, round + 1) {
                     Step::Applied { mutations: more, gpus } => Step::Applied {
                         mutations: mutations + more,
                         gpus: merged(gpus, &uuid),
@@ -177,192 +318,247 @@ fn converge_from(
                 Err(step) => step,
             };
         }
-        Err(e) => {
-            return Step::Failed {
-                reason: format!("layout {name}: {e}; nothing changed"),
-            };
-        }
-    };
-    let changing = affected(&plans);
-    if changing.is_empty() {
-        return Step::Converged;
-    }
-    // A GPU whose processes NVML cannot list counts as busy: nothing is changed under work.
-    let busy: BTreeMap<String, String> = changing
-        .iter()
-        .filter_map(|uuid| match gpus.process_count(uuid) {
-            Some(0) => None,
-            Some(n) => Some((uuid.clone(), n.to_string())),
-            None => Some((uuid.clone(), "an unknown number of processes".into())),
-        })
-        .collect();
-    if !busy.is_empty() {
-        let list = busy
-            .iter()
-            .map(|(u, n)| format!("{n} on {u}"))
-            .collect::<Vec<_>>()
-            .join(", ");
-        return Step::Busy {
-            gpus: changing,
-            reason: format!("waiting for GPU processes to end before changing MIG: {list}"),
-        };
-    }
-    let mut mutations = 0;
-    let mut pending = Vec::new();
-    for plan in plans.iter().filter(|p| !p.ops.is_empty()) {
-        tracing::info!("{}", super::planner::describe(plan));
-        match gpus.mig_apply(plan) {
-            Ok(applied) => {
-                mutations += applied.mutations;
-                if applied.mode_pending {
-                    pending.push(plan.uuid.clone());
+        let plans = planned.plans;
+        self.applying = true;
+        let mut mutations = 0;
+        let mut pending = Vec::new();
+        for plan in plans.iter().filter(|p| !p.ops.is_empty()) {
+            tracing::info!("{}", super::planner::describe(plan));
+            match gpus.mig_apply(plan) {
+                Ok(applied) => {
+                    mutations += applied.mutations;
+                    if applied.mode_pending {
+                        pending.push(plan.uuid.clone());
+                    }
+                }
+                Err(e) if e.in_use() => {
+                    return Step::Busy {
+                        gpus: changing,
+                        reason: format!("GPU in use: {e}"),
+                    };
+                }
+                Err(e) => {
+                    return Step::Failed {
+                        reason: format!("layout {name}: {e}"),
+                    };
                 }
             }
-            Err(e) if e.in_use() => {
-                return Step::Busy {
+        }
+        if !pending.is_empty() {
+            let reason = format!(
+                "the MIG mode change on {} is pending until the GPU is reset or the node reboots",
+                pending.join(", ")
+            );
+            let Some(reset) = reset else {
+                return Step::ModePending { gpus: pending, reason };
+            };
+            for uuid in &pending {
+                tracing::info!(gpu = %uuid, "resetting {uuid} to finish its MIG mode change");
+                if let Err(e) = reset(uuid) {
+                    return Step::ModePending {
+                        gpus: pending.clone(),
+                        reason: format!("{reason}; the reset failed: {e}"),
+                    };
+                }
+            }
+            // Once more, without resetting again: the mode is current now, the instances follow.
+            return match self.step(None, round + 1) {
+                Step::Applied { mutations: more, .. } => Step::Applied {
+                    mutations: mutations + more,
                     gpus: changing,
-                    reason: format!("GPU in use: {e}"),
-                };
-            }
-            Err(e) => {
-                return Step::Failed {
-                    reason: format!("layout {name}: {e}"),
-                };
-            }
+                },
+                Step::Converged => Step::Applied {
+                    mutations,
+                    gpus: changing,
+                },
+                other => other,
+            };
         }
-    }
-    if !pending.is_empty() {
-        let reason = format!(
-            "the MIG mode change on {} is pending until the GPU is reset or the node reboots",
-            pending.join(", ")
-        );
-        let Some(reset) = reset else {
-            return Step::ModePending { gpus: pending, reason };
-        };
-        for uuid in &pending {
-            tracing::info!(gpu = %uuid, "resetting {uuid} to finish its MIG mode change");
-            if let Err(e) = reset(uuid) {
-                return Step::ModePending {
-                    gpus: pending.clone(),
-                    reason: format!("{reason}; the reset failed: {e}"),
-                };
-            }
-        }
-        // Once more, without resetting again: the mode is current now, the instances follow.
-        return match converge_from(gpus, name, layout, None, learned, round + 1) {
-            Step::Applied { mutations: more, .. } => Step::Applied {
-                mutations: mutations + more,
-                gpus: changing,
-            },
-            Step::Converged => Step::Applied {
+        // Verify: a second plan must be empty.
+        match gpus
+            .mig_observe()
+            .map_err(|e| e.to_string())
+            .and_then(|o| plan_layout(&o, self.layout).map_err(|e| e.to_string()))
+        {
+            Ok(again) if affected(&again).is_empty() => Step::Applied {
                 mutations,
                 gpus: changing,
             },
-            other => other,
-        };
+            Ok(again) => Step::Failed {
+                reason: format!(
+                    "layout {name} applied but the GPUs do not match it: still {} to change",
+                    affected(&again).join(", ")
+                ),
+            },
+            Err(e) => Step::Failed {
+                reason: format!("layout {name}: verifying: {e}"),
+            },
+        }
     }
-    // Verify: a second plan must be empty.
-    match gpus
-        .mig_observe()
-        .map_err(|e| e.to_string())
-        .and_then(|o| plan_layout(&o, layout).map_err(|e| e.to_string()))
-    {
-        Ok(again) if affected(&again).is_empty() => Step::Applied {
-            mutations,
-            gpus: changing,
-        },
-        Ok(again) => Step::Failed {
-            reason: format!(
-                "layout {name} applied but the GPUs do not match it: still {} to change",
-                affected(&again).join(", ")
-            ),
-        },
-        Err(e) => Step::Failed {
-            reason: format!("layout {name}: verifying: {e}"),
-        },
-    }
-}
 
-/// Makes NVML's compute instance profiles of `gi_profile` on `gpu` known (into `learned`):
-/// enables MIG mode first when it is not on (finishing it with `reset` when NVML leaves it
-/// pending), then reads them from a short-lived GPU instance. Only on an idle GPU. `Ok` carries
-/// the NVML mutations made; `Err` the step to report instead.
-fn read_ci_profiles(
-    gpus: &Gpus,
-    name: &str,
-    gpu: &ObservedGpu,
-    gi_profile: &str,
-    gi_profile_id: u32,
-    reset: Option<ResetGpu<'_>>,
-    learned: &mut Learned,
-) -> Result<usize, Step> {
-    let uuid = gpu.uuid.clone();
-    match gpus.process_count(&uuid) {
-        Some(0) => {}
-        n => {
-            let n = n.map_or("an unknown number of".to_string(), |n| n.to_string());
-            return Err(Step::Busy {
-                gpus: vec![uuid.clone()],
-                reason: format!("waiting for GPU processes to end before changing MIG: {n} on {uuid}"),
+    /// Makes NVML's compute instance profiles of `gi_profile` on `gpu` known (into `learned`):
+    /// enables MIG mode first when it is not on (finishing it with `reset` when NVML leaves it
+    /// pending, and noting it in `enabled`), then reads them from a short-lived GPU instance.
+    /// Only on an idle GPU. `Ok` carries the NVML mutations made; `Err` the step to report
+    /// instead.
+    fn read_ci_profiles(
+        &mut self,
+        gpu: &ObservedGpu,
+        gi_profile: &str,
+        gi_profile_id: u32,
+        reset: Option<ResetGpu<'_>>,
+    ) -> Result<usize, Step> {
+        let (gpus, name) = (self.gpus, self.name);
+        let uuid = gpu.uuid.clone();
+        match gpus.process_count(&uuid) {
+            Some(0) => {}
+            n => {
+                let n = n.map_or("an unknown number of".to_string(), |n| n.to_string());
+                return Err(Step::Busy {
+                    gpus: vec![uuid.clone()],
+                    reason: format!("waiting for GPU processes to end before changing MIG: {n} on {uuid}"),
+                });
+            }
+        }
+        let failed = |e: super::apply::MigCallError| {
+            if e.in_use() {
+                Step::Busy {
+                    gpus: vec![uuid.clone()],
+                    reason: format!("GPU in use: {e}"),
+                }
+            } else {
+                Step::Failed {
+                    reason: format!("layout {name}: {e}"),
+                }
+            }
+        };
+        if !gpu.mode.is_some_and(|m| m.current) {
+            let plan = GpuPlan {
+                index: gpu.index,
+                uuid: uuid.clone(),
+                ops: vec![MigOp::SetMode { enabled: true }],
+            };
+            tracing::info!(
+                "{} (to read NVML's compute instance profiles of {gi_profile})",
+                super::planner::describe(&plan)
+            );
+            let applied = gpus.mig_apply(&plan).map_err(failed)?;
+            // A pending enable that was there before is not this converge's doing.
+            if !gpu.mode.is_some_and(|m| m.pending) {
+                self.enabled.push((gpu.index, uuid.clone()));
+            }
+            if applied.mode_pending {
+                let reason =
+                    format!("the MIG mode change on {uuid} is pending until the GPU is reset or the node reboots");
+                let Some(reset) = reset else {
+                    return Err(Step::ModePending {
+                        gpus: vec![uuid],
+                        reason,
+                    });
+                };
+                tracing::info!(gpu = %uuid, "resetting {uuid} to finish its MIG mode change");
+                if let Err(e) = reset(&uuid) {
+                    return Err(Step::ModePending {
+                        gpus: vec![uuid],
+                        reason: format!("{reason}; the reset failed: {e}"),
+                    });
+                }
+            }
+            // Observe again: the compute instance profiles are read once the mode is current.
+            return Ok(applied.mutations);
+        }
+        tracing::info!(
+            gpu = %uuid,
+            "reading NVML's compute instance profiles of {gi_profile} from a short-lived GPU instance on {uuid}"
+        );
+        match gpus.mig_read_ci_profiles(gpu.index, gi_profile_id).map_err(failed)? {
+            Some(profiles) => {
+                self.learned.insert((uuid, gi_profile_id), profiles);
+                Ok(2)
+            }
+            None => Err(Step::Failed {
+                reason: format!(
+                    "layout {name}: GPU {} ({uuid}) has no room for a {gi_profile} GPU instance, and NVML lists the \
+                     compute instance profiles of {gi_profile} only inside one; apply a layout that frees room \
+                     first (e.g. all-disabled); nothing changed",
+                    gpu.index
+                ),
+            }),
+        }
+    }
+
+    /// When the layout failed (or must wait) before its own plans were applied, after this
+    /// converge enabled MIG mode on GPUs only to read compute instance profiles: disables it
+    /// again where those GPUs still have no instances (through the applier, finishing with
+    /// `reset` where NVML leaves it pending), and says in the reason what was changed and
+    /// undone, or left.
+    fn undo_probes(&self, step: Step, reset: Option<ResetGpu<'_>>) -> Step {
+        if self.enabled.is_empty() || self.applying {
+            return step;
+        }
+        match step {
+            Step::Failed { reason } => Step::Failed {
+                reason: self.undo(&reason, reset),
+            },
+            Step::Busy { gpus, reason } => Step::Busy {
+                reason: self.undo(&reason, reset),
+                gpus,
+            },
+            other => other,
+        }
+    }
+
+    fn undo(&self, reason: &str, reset: Option<ResetGpu<'_>>) -> String {
+        let reason = reason.strip_suffix("; nothing changed").unwrap_or(reason);
+        let observed = self.gpus.mig_observe();
+        let mut notes = Vec::new();
+        for (index, uuid) in &self.enabled {
+            let what =
+                format!("MIG mode had been enabled on GPU {index} ({uuid}) to read its compute instance profiles");
+            let gpu = observed.as_ref().map(|o| o.iter().find(|g| g.uuid == *uuid));
+            notes.push(match gpu {
+                Err(e) => format!("{what} and is left enabled: its state cannot be read again ({e})"),
+                Ok(None) => format!("{what}; the GPU is gone now"),
+                Ok(Some(g)) if !g.mode.is_some_and(|m| m.current || m.pending) => format!("{what}; it is off again"),
+                Ok(Some(g)) if !g.gpu_instances.is_empty() => {
+                    format!("{what} and is left enabled: it has GPU instances now")
+                }
+                Ok(Some(g)) => match self.disable(g, reset) {
+                    Ok(how) => format!("{what} and was disabled again{how}"),
+                    Err(e) => format!("{what} and is left enabled: {e}"),
+                },
             });
         }
+        tracing::warn!("{}", notes.join("; "));
+        format!("{reason}; {}", notes.join("; "))
     }
-    let failed = |e: super::apply::MigCallError| {
-        if e.in_use() {
-            Step::Busy {
-                gpus: vec![uuid.clone()],
-                reason: format!("GPU in use: {e}"),
-            }
-        } else {
-            Step::Failed {
-                reason: format!("layout {name}: {e}"),
-            }
-        }
-    };
-    if !gpu.mode.is_some_and(|m| m.current) {
+
+    /// Disables MIG mode on `gpu` (which has no instances). `Ok`: how ("" or " with a GPU
+    /// reset"); `Err`: why it is not off.
+    fn disable(&self, gpu: &ObservedGpu, reset: Option<ResetGpu<'_>>) -> Result<&'static str, String> {
         let plan = GpuPlan {
             index: gpu.index,
-            uuid: uuid.clone(),
-            ops: vec![super::state::MigOp::SetMode { enabled: true }],
+            uuid: gpu.uuid.clone(),
+            ops: vec![MigOp::SetMode { enabled: false }],
         };
-        tracing::info!("{}", super::planner::describe(&plan));
-        let applied = gpus.mig_apply(&plan).map_err(failed)?;
-        if applied.mode_pending {
-            let reason = format!("the MIG mode change on {uuid} is pending until the GPU is reset or the node reboots");
-            let Some(reset) = reset else {
-                return Err(Step::ModePending {
-                    gpus: vec![uuid],
-                    reason,
-                });
-            };
-            tracing::info!(gpu = %uuid, "resetting {uuid} to finish its MIG mode change");
-            if let Err(e) = reset(&uuid) {
-                return Err(Step::ModePending {
-                    gpus: vec![uuid],
-                    reason: format!("{reason}; the reset failed: {e}"),
-                });
-            }
+        tracing::info!(
+            "{} (undoing the enable made to read compute instance profiles)",
+            super::planner::describe(&plan)
+        );
+        let applied = self
+            .gpus
+            .mig_apply(&plan)
+            .map_err(|e| format!("disabling it again failed: {e}"))?;
+        if !applied.mode_pending {
+            return Ok("");
         }
-        // Observe again: the compute instance profiles are read once the mode is current.
-        return Ok(applied.mutations);
-    }
-    tracing::info!(
-        gpu = %uuid,
-        "reading NVML's compute instance profiles of {gi_profile} from a short-lived GPU instance on {uuid}"
-    );
-    match gpus.mig_read_ci_profiles(gpu.index, gi_profile_id).map_err(failed)? {
-        Some(profiles) => {
-            learned.insert((uuid, gi_profile_id), profiles);
-            Ok(2)
-        }
-        None => Err(Step::Failed {
-            reason: format!(
-                "layout {name}: GPU {} ({uuid}) has no room for a {gi_profile} GPU instance, and NVML lists the \
-                 compute instance profiles of {gi_profile} only inside one; apply a layout that frees room first \
-                 (e.g. all-disabled); nothing changed",
-                gpu.index
-            ),
-        }),
+        let pending = "disabling it again is pending until the GPU is reset or the node reboots";
+        let Some(reset) = reset else {
+            return Err(pending.to_string());
+        };
+        tracing::info!(gpu = %gpu.uuid, "resetting {} to finish its MIG mode change", gpu.uuid);
+        reset(&gpu.uuid).map_err(|e| format!("{pending}; the reset failed: {e}"))?;
+        Ok(" with a GPU reset")
     }
 }
 
