@@ -1279,10 +1279,11 @@ impl Agent {
             return;
         }
         tracing::warn!("rebooting the node to finish a MIG mode change");
-        match std::process::Command::new("systemctl").arg("reboot").status() {
-            Ok(s) if s.success() => {}
-            Ok(s) => tracing::error!("systemctl reboot exited with {s}"),
-            Err(e) => tracing::error!("cannot run systemctl reboot: {e}"),
+        let cmd = crate::host::command::Cmd::new(&self.config.runtime.systemctl)
+            .arg("reboot")
+            .timeout(Duration::from_secs(60));
+        if let Err(e) = crate::host::command::Runner::new(&self.root).run(&cmd) {
+            tracing::error!("cannot reboot: {e}");
         }
     }
 }

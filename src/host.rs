@@ -127,34 +127,30 @@ pub fn write_atomic(path: &Path, bytes: &[u8], mode: u32) -> Result<(), WriteErr
     Ok(())
 }
 
-/// Resets one GPU with the driver's nvidia-smi (`--gpu-reset -i <uuid>`), which fails by
-/// itself when anything holds the GPU. `Err` names the binary, the exit status and stderr.
+/// How long a GPU reset may take before it is given up on.
+const GPU_RESET_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(120);
+
+/// Resets one GPU with the driver's nvidia-smi (`--gpu-reset -i <uuid>`; `nvidia_smi` is the
+/// path under the root), which fails by itself when anything holds the GPU. `Err` has the
+/// command line, the exit status or timeout, and the end of what it printed.
 pub fn reset_gpu(nvidia_smi: &Path, uuid: &str) -> Result<(), String> {
     if !nvidia_smi.exists() {
         return Err(format!("{} not found ([mig] nvidia_smi)", nvidia_smi.display()));
     }
-    let out = std::process::Command::new(nvidia_smi)
+    let cmd = command::Cmd::new(nvidia_smi)
         .args(["--gpu-reset", "-i", uuid])
-        .output()
-        .map_err(|e| format!("cannot run {}: {e}", nvidia_smi.display()))?;
-    if out.status.success() {
-        return Ok(());
+        .timeout(GPU_RESET_TIMEOUT);
+    match command::run_unrooted(&cmd) {
+        Ok(out) if out.success() => Ok(()),
+        Ok(out) => Err(command::CmdError::Failed {
+            cmd: cmd.to_string(),
+            status: out.status,
+            stdout: out.stdout,
+            stderr: out.stderr,
+        }
+        .to_string()),
+        Err(e) => Err(e.to_string()),
     }
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    let tail: String = stderr
-        .trim()
-        .chars()
-        .rev()
-        .take(300)
-        .collect::<Vec<_>>()
-        .into_iter()
-        .rev()
-        .collect();
-    Err(format!(
-        "{} --gpu-reset -i {uuid} exited with {}: {tail}",
-        nvidia_smi.display(),
-        out.status
-    ))
 }
 
 /// The node's name for logs and status: `/etc/hostname` under the root, else the kernel's.
