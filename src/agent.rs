@@ -52,6 +52,8 @@ const FIRST_VIEW_WAIT: Duration = Duration::from_secs(5);
 
 /// How often the MIG stage looks again while GPU work blocks a layout change.
 const MIG_BUSY_RECHECK: Duration = Duration::from_secs(2);
+/// How long a failed driver upgrade waits before it is tried again.
+const DRIVER_UPGRADE_RETRY: Duration = Duration::from_secs(30 * 60);
 /// How often a layout given up on looks whether the GPU work it waited for has ended.
 const MIG_GAVE_UP_RECHECK: Duration = Duration::from_secs(10);
 /// How long to wait for `rebooting` to show on the Node before rebooting.
@@ -254,6 +256,9 @@ struct Agent {
     mig_pending_since: Option<Instant>,
     /// When to look again while waiting.
     mig_retry: Option<Instant>,
+    /// A driver upgrade that failed: its plan summary, when, and why. The same upgrade is not
+    /// tried again (withdrawing the GPUs each time) before [`DRIVER_UPGRADE_RETRY`] has passed.
+    driver_failed: Option<(String, Instant, String)>,
     /// The layout the MIG stage gave up on after `[mig] process_wait_timeout`: it stays failed,
     /// with the GPUs advertised, until their work has ended (or another layout is asked for).
     mig_gave_up: Option<String>,
@@ -331,6 +336,7 @@ pub async fn run(config: Config, root: HostRoot, once: bool) -> Result<i32, Agen
         mig_pending_since: None,
         mig_retry: None,
         mig_gave_up: None,
+        driver_failed: None,
     };
     agent.machine = std::fs::read_to_string(agent.root.join("/sys/class/dmi/id/product_name"))
         .ok()

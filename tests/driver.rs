@@ -991,4 +991,35 @@ async fn a_failed_upgrade_in_the_daemon_reopens_nvml_and_advertises_the_gpus_aga
         ran.contains(&"systemctl start nvidia-persistenced.service".to_string()),
         "{ran:?}"
     );
+
+    // The next passes do not try the same upgrade again (withdrawing the GPUs each time).
+    let mut events = kubelet.subscribe();
+    for _ in 0..2 {
+        nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(agent.pid()),
+            nix::sys::signal::Signal::SIGHUP,
+        )
+        .expect("SIGHUP");
+        let status = node.wait_status(t, |s| {
+            common::stage(s, "driver")["error"]
+                .as_str()
+                .is_some_and(|e| e.contains("tried again in"))
+        });
+        assert_eq!(common::stage(&status, "driver")["state"], "failed");
+    }
+    std::thread::sleep(std::time::Duration::from_millis(500));
+    assert_eq!(
+        commands(&node).len(),
+        ran.len(),
+        "no command ran again: {:?}",
+        commands(&node)
+    );
+    while let Ok(event) = events.try_recv() {
+        if let test_kubelet::Event::Disconnected { resource, .. } = &event {
+            assert_ne!(resource, "nvidia.com/gpu", "withdrawn again");
+        }
+        if let test_kubelet::Event::Devices { resource, devices, .. } = &event {
+            assert!(resource != "nvidia.com/gpu" || !devices.is_empty(), "withdrawn again");
+        }
+    }
 }

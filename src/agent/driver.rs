@@ -3,7 +3,7 @@
 //! from the kubelet first and NVML reopened after, also when the change failed), then validates
 //! what NVML reports.
 
-use super::{Agent, StageState};
+use super::{Agent, DRIVER_UPGRADE_RETRY, StageState};
 use crate::driver::stage::{self as drv, Planned};
 use crate::driver::{observe, plan::Step, validate};
 
@@ -46,9 +46,26 @@ impl Agent {
             return self.gpus.is_some();
         }
         let changed = !planned.plan.steps.is_empty();
+        let upgrade = planned.plan.steps.iter().any(|s| matches!(s, Step::Unload { .. }));
+        if upgrade
+            && let Some((summary, at, error)) = &self.driver_failed
+            && *summary == planned.plan.summary
+            && at.elapsed() < DRIVER_UPGRADE_RETRY
+        {
+            // The GPUs stay with the kubelet on the driver still loaded.
+            let left = DRIVER_UPGRADE_RETRY.saturating_sub(at.elapsed()).as_secs().div_ceil(60);
+            let reason = format!("{error} (tried again in {left} min, or at `systemctl restart gpu-node-agent`)");
+            self.driver_stage
+                .set(StageState::Failed, Some(reason), Some(planned.plan.summary.clone()));
+            return self.gpus.is_some();
+        }
         if changed && let Err(go_on) = self.apply_driver(&planned).await {
+            if upgrade && let Some(error) = self.driver_stage.status.error.clone() {
+                self.driver_failed = Some((planned.plan.summary.clone(), std::time::Instant::now(), error));
+            }
             return go_on;
         }
+        self.driver_failed = None;
         // The host facts the plan was made from still hold unless the plan changed something.
         let facts = if changed { None } else { Some(planned.facts) };
         self.validate_driver(&planned.plan.summary, facts).await;
