@@ -405,13 +405,25 @@ fn compute_processes_of_a_mig_device_and_its_gpu() {
 
 /// The running agent enforces the budgets its sharing profile gives: a pod process over its
 /// replica's fair share is terminated, end to end through the real binary.
-#[test]
-fn the_agent_terminates_a_pod_process_over_its_replicas_fair_share() {
-    let config = "[kubernetes]\nenabled = false\n\
-                  [device_plugin.sharing]\nstrategy = \"time-slicing\"\nrename_by_default = true\n\
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_agent_terminates_a_pod_process_over_its_replicas_fair_share() {
+    let config = "[device_plugin.sharing]\nstrategy = \"time-slicing\"\nrename_by_default = true\n\
                   [[device_plugin.sharing.resources]]\nname = \"nvidia.com/gpu\"\nreplicas = 4\nmemory_per_replica = \"fair\"\n\
                   [device_plugin.memory_limits]\naction = \"kill\"\ninterval = \"100ms\"\ngrace_period = \"1s\"\n";
     let node = common::Node::new(&common::machine("A100-SXM4-40GB", 1), config);
+    // The Node the agent reports to: the action becomes an Event on it.
+    let api = test_apiserver::TestApiServer::start().await;
+    api.create_node("gpu-node-1", &[]);
+    api.add_token("agent-token-0123456789", "system:node:gpu-node-1");
+    let options = test_apiserver::KubeconfigOptions {
+        file_name: "kubelet.conf".into(),
+        ..test_apiserver::KubeconfigOptions::default()
+    };
+    api.write_kubeconfig_with(
+        &node.kubeconfig_dir(),
+        test_apiserver::KubeconfigAuth::Token("agent-token-0123456789".into()),
+        &options,
+    );
     let mut child = std::process::Command::new("sleep").arg("60").spawn().expect("sleep");
     let pid = child.id();
     let cgroup = node.root.join(format!("proc/{pid}/cgroup"));
@@ -453,4 +465,14 @@ fn the_agent_terminates_a_pod_process_over_its_replicas_fair_share() {
         "{}",
         agent.log_text()
     );
+    let posted = api
+        .wait_for(std::time::Duration::from_secs(15), |a| {
+            a.events().iter().any(|e| {
+                e["reason"] == "GPUMemoryOverBudgetTerminated"
+                    && e["type"] == "Warning"
+                    && e["message"].as_str().is_some_and(|m| m.contains("pod ml/train-0 container worker"))
+            })
+        })
+        .await;
+    assert!(posted, "{:?}", api.events());
 }
