@@ -709,18 +709,7 @@ async fn the_daemon_withdraws_the_gpus_for_an_upgrade_and_advertises_them_again(
         .expect("advertised again after the upgrade");
     // In between, the kubelet lost them: the resource's stream ended (no devices left to serve)
     // or listed none.
-    let mut withdrawn = false;
-    while let Ok(event) = events.try_recv() {
-        match event {
-            test_kubelet::Event::Disconnected { resource, .. } if resource == "nvidia.com/gpu" => withdrawn = true,
-            test_kubelet::Event::Devices { resource, devices, .. }
-                if resource == "nvidia.com/gpu" && devices.is_empty() =>
-            {
-                withdrawn = true
-            }
-            _ => {}
-        }
-    }
+    let withdrawn = gpus_withdrawn(&mut events);
     assert!(withdrawn, "the GPUs were withdrawn from the kubelet during the upgrade");
 }
 
@@ -971,18 +960,7 @@ async fn a_failed_upgrade_in_the_daemon_reopens_nvml_and_advertises_the_gpus_aga
         .wait_for_devices("nvidia.com/gpu", t, |d| d.len() == 2)
         .await
         .expect("advertised again after the failed upgrade");
-    let mut withdrawn = false;
-    while let Ok(event) = events.try_recv() {
-        match event {
-            test_kubelet::Event::Disconnected { resource, .. } if resource == "nvidia.com/gpu" => withdrawn = true,
-            test_kubelet::Event::Devices { resource, devices, .. }
-                if resource == "nvidia.com/gpu" && devices.is_empty() =>
-            {
-                withdrawn = true
-            }
-            _ => {}
-        }
-    }
+    let withdrawn = gpus_withdrawn(&mut events);
     assert!(withdrawn, "the GPUs were withdrawn for the upgrade");
     let log = agent.log_text();
     assert!(log.contains("advertising") && log.contains("again"), "{log}");
@@ -1014,12 +992,23 @@ async fn a_failed_upgrade_in_the_daemon_reopens_nvml_and_advertises_the_gpus_aga
         "no command ran again: {:?}",
         commands(&node)
     );
+    assert!(!gpus_withdrawn(&mut events), "withdrawn again");
+}
+
+/// Whether the kubelet events so far show `nvidia.com/gpu` withdrawn: its stream ended, or it
+/// listed no devices.
+fn gpus_withdrawn(events: &mut tokio::sync::broadcast::Receiver<test_kubelet::Event>) -> bool {
+    let mut withdrawn = false;
     while let Ok(event) = events.try_recv() {
-        if let test_kubelet::Event::Disconnected { resource, .. } = &event {
-            assert_ne!(resource, "nvidia.com/gpu", "withdrawn again");
-        }
-        if let test_kubelet::Event::Devices { resource, devices, .. } = &event {
-            assert!(resource != "nvidia.com/gpu" || !devices.is_empty(), "withdrawn again");
+        match event {
+            test_kubelet::Event::Disconnected { resource, .. } if resource == "nvidia.com/gpu" => withdrawn = true,
+            test_kubelet::Event::Devices { resource, devices, .. }
+                if resource == "nvidia.com/gpu" && devices.is_empty() =>
+            {
+                withdrawn = true
+            }
+            _ => {}
         }
     }
+    withdrawn
 }

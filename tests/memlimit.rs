@@ -424,24 +424,15 @@ async fn the_agent_terminates_a_pod_process_over_its_replicas_fair_share() {
         test_apiserver::KubeconfigAuth::Token("agent-token-0123456789".into()),
         &options,
     );
-    let mut child = std::process::Command::new("sleep").arg("60").spawn().expect("sleep");
+    let mut child = node.pod_process();
     let pid = child.id();
-    let cgroup = node.root.join(format!("proc/{pid}/cgroup"));
-    std::fs::create_dir_all(cgroup.parent().expect("dir")).expect("mkdir");
-    std::fs::write(
-        &cgroup,
-        "0::/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod0a1b2c3d_0000_4000_8000_000000000001.slice/cri-containerd-aaaabbbbccccddddeeeeffff00001111222233334444555566667777888899990000.scope\n",
-    )
-    .expect("cgroup");
     // The kubelet's log layout names the pod and container.
     let logs = node.root.join("var/log");
-    std::fs::create_dir_all(logs.join("pods/ml_train-0_0a1b2c3d-0000-4000-8000-000000000001/worker")).expect("mkdir");
+    std::fs::create_dir_all(logs.join(format!("pods/ml_train-0_{}/worker", common::POD_UID))).expect("mkdir");
     std::fs::create_dir_all(logs.join("containers")).expect("mkdir");
     std::os::unix::fs::symlink(
-        "/var/log/pods/ml_train-0_0a1b2c3d-0000-4000-8000-000000000001/worker/0.log",
-        logs.join(
-            "containers/train-0_ml_worker-aaaabbbbccccddddeeeeffff00001111222233334444555566667777888899990000.log",
-        ),
+        format!("/var/log/pods/ml_train-0_{}/worker/0.log", common::POD_UID),
+        logs.join(format!("containers/train-0_ml_worker-{}.log", common::CONTAINER_ID)),
     )
     .expect("symlink");
     // 40960 MiB / 4 replicas = 10240 MiB each; it uses 30000.
@@ -470,7 +461,9 @@ async fn the_agent_terminates_a_pod_process_over_its_replicas_fair_share() {
             a.events().iter().any(|e| {
                 e["reason"] == "GPUMemoryOverBudgetTerminated"
                     && e["type"] == "Warning"
-                    && e["message"].as_str().is_some_and(|m| m.contains("pod ml/train-0 container worker"))
+                    && e["message"]
+                        .as_str()
+                        .is_some_and(|m| m.contains("pod ml/train-0 container worker"))
             })
         })
         .await;

@@ -519,15 +519,8 @@ async fn the_running_agent_reports_its_own_work() {
         .expect("kubelet");
 
     // A pod's process on GPU 0 over its replica's budget (40960 MiB / 2); dry-run kills nobody.
-    let mut sleeper = std::process::Command::new("sleep").arg("60").spawn().expect("sleep");
+    let mut sleeper = node.pod_process();
     let pid = sleeper.id();
-    let cgroup = node.root.join(format!("proc/{pid}/cgroup"));
-    std::fs::create_dir_all(cgroup.parent().expect("dir")).expect("mkdir");
-    std::fs::write(
-        &cgroup,
-        "0::/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod0a1b2c3d_0000_4000_8000_000000000001.slice/cri-containerd-aaaabbbbccccddddeeeeffff00001111222233334444555566667777888899990000.scope\n",
-    )
-    .expect("cgroup");
     node.set_injection("processes", &format!("{} {pid} 30000\n", common::gpu_uuid(0)));
 
     let agent = node.spawn();

@@ -143,9 +143,10 @@ async fn an_unknown_or_impossible_layout_fails_and_changes_nothing() {
     assert_eq!(agent.stop(), 0);
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn gpu_work_keeps_the_layout_pending_until_it_ends() {
-    let (api, node, kubelet) = setup("").await;
+/// The agent running with `all-1g.5gb` applied (14 MIG devices advertised), then a process on
+/// GPU 0 and the label asking for `all-7g.40gb`, which changes both GPUs.
+async fn all_1g_then_7g_under_gpu_work(extra: &str) -> (TestApiServer, Node, TestKubelet, common::Agent) {
+    let (api, node, kubelet) = setup(extra).await;
     let agent = node.spawn();
     wait_label(&api, "nvidia.com/gpu.present", Some("true")).await;
     api.set_label(NODE, "nvidia.com/mig.config", Some("all-1g.5gb"));
@@ -153,10 +154,14 @@ async fn gpu_work_keeps_the_layout_pending_until_it_ends() {
         .wait_for_devices("nvidia.com/mig-1g.5gb", T, |d| d.len() == 14)
         .await
         .expect("applied");
-
-    // A process runs on GPU 0; the next layout must wait for it.
     node.set_injection("processes", &format!("{} 4242 1024\n", gpu_uuid(0)));
     api.set_label(NODE, "nvidia.com/mig.config", Some("all-7g.40gb"));
+    (api, node, kubelet, agent)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gpu_work_keeps_the_layout_pending_until_it_ends() {
+    let (api, node, kubelet, agent) = all_1g_then_7g_under_gpu_work("").await;
     wait_label(&api, STATE, Some("pending")).await;
     // `pending` while changing, then with the reason it waits.
     let status = node.wait_status(T, |s| {
@@ -639,17 +644,7 @@ fn a_gpu_without_mig_is_skipped_by_devices_all() {
 /// then it is applied without anyone touching the label.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_layout_given_up_on_stays_failed_until_the_work_ends_then_applies() {
-    let (api, node, kubelet) = setup("[mig]\nprocess_wait_timeout = \"1s\"\n").await;
-    let agent = node.spawn();
-    wait_label(&api, "nvidia.com/gpu.present", Some("true")).await;
-    api.set_label(NODE, "nvidia.com/mig.config", Some("all-1g.5gb"));
-    kubelet
-        .wait_for_devices("nvidia.com/mig-1g.5gb", T, |d| d.len() == 14)
-        .await
-        .expect("applied");
-
-    node.set_injection("processes", &format!("{} 4242 1024\n", gpu_uuid(0)));
-    api.set_label(NODE, "nvidia.com/mig.config", Some("all-7g.40gb"));
+    let (api, node, kubelet, agent) = all_1g_then_7g_under_gpu_work("[mig]\nprocess_wait_timeout = \"1s\"\n").await;
     wait_label(&api, STATE, Some("failed")).await;
     let status = node.wait_status(T, |s| common::stage(s, "mig")["state"] == "failed");
     let reason = common::stage(&status, "mig")["error"]

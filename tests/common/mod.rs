@@ -358,3 +358,27 @@ pub fn stage(status: &serde_json::Value, name: &str) -> serde_json::Value {
         .cloned()
         .unwrap_or(serde_json::Value::Null)
 }
+
+/// The pod UID and container ID [`Node::pod_process`] puts a process in.
+pub const POD_UID: &str = "0a1b2c3d-0000-4000-8000-000000000001";
+pub const CONTAINER_ID: &str = "aaaabbbbccccddddeeeeffff00001111222233334444555566667777888899990000";
+
+impl Node {
+    /// A real process (`sleep 60`) in a pod's container as the agent sees it: its
+    /// `/proc/<pid>/cgroup` under the root names pod [`POD_UID`] and container
+    /// [`CONTAINER_ID`] (cgroup v2, systemd driver, containerd).
+    pub fn pod_process(&self) -> Child {
+        let child = Command::new("sleep").arg("60").spawn().expect("sleep");
+        let cgroup = self.root.join(format!("proc/{}/cgroup", child.id()));
+        fs::create_dir_all(cgroup.parent().expect("dir")).expect("mkdir");
+        let systemd_uid = POD_UID.replace('-', "_");
+        fs::write(
+            &cgroup,
+            format!(
+                "0::/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod{systemd_uid}.slice/cri-containerd-{CONTAINER_ID}.scope\n"
+            ),
+        )
+        .expect("cgroup");
+        child
+    }
+}
