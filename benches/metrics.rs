@@ -61,7 +61,7 @@ fn scrape(addr: SocketAddr) -> usize {
     let mut stream = TcpStream::connect(addr).expect("connect");
     write!(
         stream,
-        "GET /metrics HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n"
+        "GET /metrics HTTP/1.1\r\nHost: localhost\r\nAccept: application/openmetrics-text;version=1.0.0\r\nConnection: close\r\n\r\n"
     )
     .expect("send");
     let mut raw = Vec::new();

@@ -69,13 +69,22 @@ placement = 4
 
 const HOST: &str = "gpu-node-1";
 
-/// A minimal HTTP/1.1 client: (status, content type, body).
+/// What Prometheus sends in `Accept`.
+const PROMETHEUS_ACCEPT: &str = "application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;q=0.75,text/plain;version=0.0.4;q=0.5,*/*;q=0.1";
+
+/// A minimal HTTP/1.1 client asking as Prometheus does: (status, content type, body).
 fn http(addr: SocketAddr, method: &str, path: &str) -> (u16, String, String) {
+    http_accepting(addr, method, path, Some(PROMETHEUS_ACCEPT))
+}
+
+/// [`http`] with this `Accept` header (none: like curl or an older scraper).
+fn http_accepting(addr: SocketAddr, method: &str, path: &str, accept: Option<&str>) -> (u16, String, String) {
     let mut stream = TcpStream::connect(addr).expect("connect to the metrics endpoint");
     stream.set_read_timeout(Some(Duration::from_secs(5))).expect("timeout");
+    let accept = accept.map(|a| format!("Accept: {a}\r\n")).unwrap_or_default();
     write!(
         stream,
-        "{method} {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n"
+        "{method} {path} HTTP/1.1\r\nHost: localhost\r\n{accept}Connection: close\r\n\r\n"
     )
     .expect("send request");
     let mut raw = String::new();
@@ -100,7 +109,7 @@ fn try_metrics(addr: SocketAddr) -> Option<String> {
     stream.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
     write!(
         stream,
-        "GET /metrics HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n"
+        "GET /metrics HTTP/1.1\r\nHost: localhost\r\nAccept: {PROMETHEUS_ACCEPT}\r\nConnection: close\r\n\r\n"
     )
     .ok()?;
     let mut raw = String::new();
@@ -271,6 +280,31 @@ async fn scrape_reports_gpus_mig_instances_pods_and_agent_metrics() {
     }
     assert!(body.contains("# TYPE DCGM_FI_DEV_GPU_TEMP gauge\n"));
     assert!(body.contains("# TYPE DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION unknown\n"));
+
+    // Without OpenMetrics in `Accept`: the Prometheus text format, the same series, the
+    // cumulative DCGM fields typed counter as dcgm-exporter has them.
+    let (status, text_type, text) = tokio::task::spawn_blocking(move || http_accepting(addr, "GET", "/metrics", None))
+        .await
+        .expect("scrape");
+    assert_eq!(status, 200, "{text}");
+    assert_eq!(text_type, "text/plain; version=0.0.4; charset=utf-8");
+    assert!(!text.contains("# EOF") && !text.contains(" unknown\n"), "{text}");
+    assert!(text.contains("# TYPE DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION counter\n"));
+    let plain = Scrape::parse(text.lines().map(|l| Ok(l.to_string()))).expect("the text format parses");
+    let series = |s: &Scrape| {
+        let mut v: Vec<String> = s
+            .samples
+            .iter()
+            .filter(|x| x.metric.starts_with("DCGM_"))
+            .map(|x| {
+                let labels: std::collections::BTreeMap<_, _> = x.labels.iter().collect();
+                format!("{}{labels:?}", x.metric)
+            })
+            .collect();
+        v.sort();
+        v
+    };
+    assert_eq!(series(&plain), series(&scrape), "the same DCGM series in both formats");
 
     // GPU 0: every field, with the fake's values, dcgm-exporter's labels and the pod labels.
     let gpu0 = labels(&[

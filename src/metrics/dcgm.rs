@@ -9,9 +9,11 @@
 //! and `err_code` on `DCGM_FI_DEV_XID_ERRORS` (dcgm-exporter's `err_msg`, a text per Xid
 //! number, is left out).
 //!
-//! One difference in the exposition: it is OpenMetrics, where a `counter` family must name its
-//! samples `<name>_total`. The cumulative DCGM fields keep dcgm-exporter's names (dashboards
-//! query them by name) and are therefore typed `unknown` instead of `counter`.
+//! One difference in the OpenMetrics exposition (what Prometheus asks for): a `counter` family
+//! must name its samples `<name>_total`, so the cumulative DCGM fields, which keep
+//! dcgm-exporter's names (dashboards query them by name), are typed `unknown` there. In the
+//! Prometheus text format (served to scrapers that do not ask for OpenMetrics) they are
+//! `counter`, as dcgm-exporter has them.
 //!
 //! A scrape encodes the last [`Snapshot`]; it never calls NVML.
 

@@ -1,5 +1,6 @@
 //! The metrics endpoint: HTTP/1.1 (hyper), `GET` or `HEAD` on the metrics path answers the
-//! encoded registry; any other path is 404, any other method on the path 405.
+//! encoded registry (OpenMetrics when the `Accept` header asks for it, as Prometheus does, else
+//! the Prometheus text format); any other path is 404, any other method on the path 405.
 
 use std::convert::Infallible;
 use std::future::Future;
@@ -11,7 +12,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use http_body_util::Full;
 use hyper::body::Incoming;
-use hyper::header::{ALLOW, CONTENT_TYPE};
+use hyper::header::{ACCEPT, ALLOW, CONTENT_TYPE};
 use hyper::{Method, Request, Response, StatusCode};
 use hyper_util::rt::{TokioIo, TokioTimer};
 use tokio::net::TcpListener;
@@ -114,13 +115,23 @@ fn respond(metrics: &Metrics, path: &str, req: &Request<Incoming>) -> Response<F
             .insert(ALLOW, hyper::header::HeaderValue::from_static("GET, HEAD"));
         return response;
     }
+    let openmetrics = req
+        .headers()
+        .get_all(ACCEPT)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .any(|v| v.contains("application/openmetrics-text"));
     match metrics.encode() {
         Ok(text) => {
-            let mut response = Response::new(Full::new(Bytes::from(text)));
-            response.headers_mut().insert(
-                CONTENT_TYPE,
-                hyper::header::HeaderValue::from_static(METRICS_CONTENT_TYPE),
-            );
+            let (body, content_type) = if openmetrics {
+                (text, METRICS_CONTENT_TYPE)
+            } else {
+                (to_text_format(&text, &cumulative_names()), TEXT_CONTENT_TYPE)
+            };
+            let mut response = Response::new(Full::new(Bytes::from(body)));
+            response
+                .headers_mut()
+                .insert(CONTENT_TYPE, hyper::header::HeaderValue::from_static(content_type));
             response
         }
         Err(e) => {
@@ -128,6 +139,67 @@ fn respond(metrics: &Metrics, path: &str, req: &Request<Incoming>) -> Response<F
             plain(StatusCode::INTERNAL_SERVER_ERROR, "cannot encode the metrics\n")
         }
     }
+}
+
+/// The Prometheus text format's content type (version 0.0.4).
+pub const TEXT_CONTENT_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8";
+
+/// The DCGM fields dcgm-exporter types `counter` under their own names.
+fn cumulative_names() -> Vec<&'static str> {
+    super::dcgm::FIELDS
+        .iter()
+        .filter(|f| f.kind == super::dcgm::Kind::Cumulative)
+        .map(|f| f.name)
+        .collect()
+}
+
+/// OpenMetrics text → the Prometheus text format (0.0.4), for scrapers that do not ask for
+/// OpenMetrics (Prometheus does, in its `Accept` header): no `# EOF` or `# UNIT`; a counter
+/// family `x` (samples `x_total`) is declared as `x_total`, its `x_created` samples dropped;
+/// `unknown` is `untyped`, except the `cumulative` families, which are `counter` under their
+/// own names as dcgm-exporter has them. Pure.
+pub fn to_text_format(openmetrics: &str, cumulative: &[&str]) -> String {
+    let counters: std::collections::HashSet<&str> = openmetrics
+        .lines()
+        .filter_map(|l| l.strip_prefix("# TYPE "))
+        .filter_map(|rest| rest.strip_suffix(" counter"))
+        .collect();
+    let mut out = String::with_capacity(openmetrics.len());
+    for line in openmetrics.lines() {
+        if line == "# EOF" || line.starts_with("# UNIT ") {
+            continue;
+        }
+        let meta = ["# HELP ", "# TYPE "]
+            .into_iter()
+            .find_map(|p| line.strip_prefix(p).map(|rest| (p, rest)));
+        if let Some((prefix, rest)) = meta {
+            let (name, tail) = rest.split_once(' ').unwrap_or((rest, ""));
+            let renamed = if counters.contains(name) {
+                format!("{name}_total")
+            } else {
+                name.to_string()
+            };
+            let tail = match (prefix, tail) {
+                ("# TYPE ", "unknown") if cumulative.contains(&name) => "counter",
+                ("# TYPE ", "unknown") => "untyped",
+                _ => tail,
+            };
+            out.push_str(prefix);
+            out.push_str(&renamed);
+            if !tail.is_empty() {
+                out.push(' ');
+                out.push_str(tail);
+            }
+        } else {
+            let name = line.split(['{', ' ']).next().unwrap_or_default();
+            if name.strip_suffix("_created").is_some_and(|f| counters.contains(f)) {
+                continue;
+            }
+            out.push_str(line);
+        }
+        out.push('\n');
+    }
+    out
 }
 
 fn plain(status: StatusCode, body: &'static str) -> Response<Full<Bytes>> {
@@ -138,4 +210,30 @@ fn plain(status: StatusCode, body: &'static str) -> Response<Full<Bytes>> {
         hyper::header::HeaderValue::from_static("text/plain; charset=utf-8"),
     );
     response
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn openmetrics_becomes_the_text_format() {
+        let om = "# HELP requests Requests.\n# TYPE requests counter\n# UNIT requests requests\n\
+                  requests_total{code=\"200\"} 3\nrequests_created{code=\"200\"} 1.7e9\n\
+                  # HELP DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION Total energy consumption since boot (in mJ).\n\
+                  # TYPE DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION unknown\n\
+                  DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION{gpu=\"0\"} 42\n\
+                  # HELP other Something.\n# TYPE other unknown\nother 1\n\
+                  # HELP temp Temperature.\n# TYPE temp gauge\ntemp 30\n# EOF\n";
+        let text = to_text_format(om, &["DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION"]);
+        assert_eq!(
+            text,
+            "# HELP requests_total Requests.\n# TYPE requests_total counter\nrequests_total{code=\"200\"} 3\n\
+             # HELP DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION Total energy consumption since boot (in mJ).\n\
+             # TYPE DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION counter\n\
+             DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION{gpu=\"0\"} 42\n\
+             # HELP other Something.\n# TYPE other untyped\nother 1\n\
+             # HELP temp Temperature.\n# TYPE temp gauge\ntemp 30\n"
+        );
+    }
 }
