@@ -36,13 +36,22 @@ fn headers() -> (String, PathBuf) {
         })
 }
 
+/// The same module in the form of NVIDIA's kernel-open tree: a top-level Makefile taking
+/// `SYSSRC`/`SYSOUT` that calls kbuild itself.
+const FIXTURE_SYSSRC: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/kmod/hello-syssrc");
+
 /// A copy of the fixture in a temp dir (kbuild writes its objects into the tree).
 fn fixture_copy() -> (tempfile::TempDir, PathBuf) {
+    copy_of(FIXTURE)
+}
+
+fn copy_of(fixture: &str) -> (tempfile::TempDir, PathBuf) {
     let dir = tempfile::tempdir().expect("tempdir");
     let tree = dir.path().join("hello");
     fs::create_dir_all(&tree).expect("mkdir");
-    for name in ["Makefile", "gna_hello.c"] {
-        fs::copy(Path::new(FIXTURE).join(name), tree.join(name)).expect("copy the fixture");
+    for entry in fs::read_dir(fixture).expect("the fixture") {
+        let entry = entry.expect("entry");
+        fs::copy(entry.path(), tree.join(entry.file_name())).expect("copy the fixture");
     }
     (dir, tree)
 }
@@ -145,6 +154,20 @@ fn the_fixture_builds_against_the_installed_headers_and_is_cached() {
     bytes[mid] ^= 0x5a;
     fs::write(&stored.modules[0], &bytes).expect("corrupt");
     assert_eq!(cache.lookup(&key).expect("lookup"), None, "a corrupt module misses");
+}
+
+/// NVIDIA's form (`make -C <tree> SYSSRC=<sources> SYSOUT=<build> modules`), with the real
+/// make and kbuild: on Debian the sources (`-common`) and the build tree (`-amd64`) are apart.
+#[test]
+fn a_tree_in_nvidias_syssrc_form_builds_against_the_installed_headers() {
+    let (release, headers) = headers();
+    let (_dir, tree) = copy_of(FIXTURE_SYSSRC);
+    let root = HostRoot::new("/");
+    let built = build(&Runner::new(&root), &root, &request(&tree, &release, &headers))
+        .unwrap_or_else(|e| panic!("SYSSRC build of the fixture against {release}: {e}"));
+    assert_eq!(built.modules, vec![tree.join("gna_hello.ko")]);
+    let vermagic = modinfo_vermagic(&built.modules[0]);
+    assert!(vermagic.starts_with(&format!("{release} ")), "vermagic {vermagic:?} is for {release}");
 }
 
 #[test]
