@@ -25,6 +25,7 @@ const CONTAINERD_MAIN: &str = "/etc/containerd/config.toml";
 const CONTAINERD_DROP_IN: &str = "/etc/containerd/conf.d/99-nvidia.toml";
 const CONTAINERD_IMPORT: &str = "/etc/containerd/conf.d/*.toml";
 const CRI_V2: &str = "io.containerd.grpc.v1.cri";
+const CRI_V3: &str = "io.containerd.cri.v1.runtime";
 const DOCKER_MAIN: &str = "/etc/docker/daemon.json";
 const CRIO_MAIN: &str = "/etc/crio/crio.conf";
 const CRIO_DROP_IN: &str = "/etc/crio/crio.conf.d/99-nvidia.toml";
@@ -231,12 +232,13 @@ fn default_runtime() -> NvidiaRuntime {
 
 // === 1. round trips ===
 
-/// `runtime configure --no-restart` on a host with `engine` and `main`, then `configured` checks
-/// the files; a second configure writes nothing at all; `runtime unconfigure --no-restart` puts
-/// every file back as it was (main byte-identical, drop-in and backups gone).
-fn round_trip(engine: Engine, main: &str, configured: impl Fn(&Path)) {
+/// `runtime configure --no-restart` on a host with `engine` and `main` (`None`: no main file),
+/// then `configured` checks the files; a second configure writes nothing at all; `runtime
+/// unconfigure --no-restart` puts every file back as it was (main byte-identical or absent again,
+/// drop-in and backups gone).
+fn round_trip(engine: Engine, main: Option<&str>, configured: impl Fn(&Path)) {
     let files = engine_files(engine);
-    let node = engine_node(engine, Some(main), "");
+    let node = engine_node(engine, main, "");
     let root = node.root.as_path();
     let before = contents(root);
 
@@ -259,11 +261,7 @@ fn round_trip(engine: Engine, main: &str, configured: impl Fn(&Path)) {
 
     let stdout = succeeds(&node, UNCONFIGURE);
     assert!(stdout.contains(&format!("restored {written}")), "{stdout}");
-    assert_eq!(
-        read(root, files.main).as_deref(),
-        Some(main),
-        "main file byte-identical"
-    );
+    assert_eq!(read(root, files.main).as_deref(), main, "main file byte-identical");
     if let Some(drop_in) = files.drop_in {
         assert_eq!(read(root, drop_in), None, "the drop-in is gone");
     }
@@ -279,7 +277,7 @@ fn round_trip(engine: Engine, main: &str, configured: impl Fn(&Path)) {
 #[test]
 fn containerd_round_trip_keeps_comments_and_systemd_cgroup_and_restores_the_original_bytes() {
     let main = fixture("containerd/v2-systemd-cgroup.main.toml");
-    round_trip(Engine::Containerd, &main, |root| {
+    round_trip(Engine::Containerd, Some(&main), |root| {
         let new_main = read(root, CONTAINERD_MAIN).expect("main");
         assert_eq!(new_main, fixture("containerd/v2-systemd-cgroup.expected.main.toml"));
         for comment in [
@@ -308,7 +306,7 @@ fn containerd_round_trip_keeps_comments_and_systemd_cgroup_and_restores_the_orig
 #[test]
 fn docker_round_trip_keeps_the_other_keys_in_order_and_restores_the_original_bytes() {
     let main = fixture("docker/existing.json");
-    round_trip(Engine::Docker, &main, |root| {
+    round_trip(Engine::Docker, Some(&main), |root| {
         let daemon = read(root, DOCKER_MAIN).expect("daemon.json");
         assert_eq!(daemon, fixture("docker/existing.expected.json"), "keys in their order");
         let json: serde_json::Value = serde_json::from_str(&daemon).expect("JSON");
@@ -324,7 +322,7 @@ fn docker_round_trip_keeps_the_other_keys_in_order_and_restores_the_original_byt
 #[test]
 fn crio_round_trip_adds_and_removes_only_the_drop_in() {
     let main = fixture("crio/crio.conf");
-    round_trip(Engine::Crio, &main, |root| {
+    round_trip(Engine::Crio, Some(&main), |root| {
         assert_eq!(
             read(root, CRIO_MAIN).as_deref(),
             Some(main.as_str()),
@@ -336,6 +334,54 @@ fn crio_round_trip_adds_and_removes_only_the_drop_in() {
         let nvidia = at(&table, &["crio", "runtime", "runtimes", "nvidia"]);
         assert_eq!(nvidia["runtime_path"].as_str(), Some(RUNTIME_BINARY));
         assert_eq!(nvidia["runtime_type"].as_str(), Some("oci"));
+    });
+}
+
+/// containerd 2.x (config version 3): the runtime goes under `io.containerd.cri.v1.runtime`.
+#[test]
+fn containerd_v3_round_trip_keeps_comments_and_systemd_cgroup_and_restores_the_original_bytes() {
+    let main = fixture("containerd/v3-systemd-cgroup.main.toml");
+    round_trip(Engine::Containerd, Some(&main), |root| {
+        let new_main = read(root, CONTAINERD_MAIN).expect("main");
+        assert_eq!(new_main, fixture("containerd/v3-systemd-cgroup.expected.main.toml"));
+        assert!(
+            new_main.starts_with("# containerd 2.x, written from `containerd config default` and trimmed.\n"),
+            "comment kept:\n{new_main}"
+        );
+        assert_eq!(
+            at(&toml_table(&new_main), &["imports"]),
+            &toml::Value::Array(vec!["/etc/containerd/site/*.toml".into(), CONTAINERD_IMPORT.into()]),
+            "the user's import first, then the agent's"
+        );
+        let drop_in = read(root, CONTAINERD_DROP_IN).expect("drop-in");
+        assert_eq!(drop_in, fixture("containerd/v3-systemd-cgroup.expected.drop-in.toml"));
+        let table = toml_table(&drop_in);
+        assert_eq!(table["version"].as_integer(), Some(3));
+        let runtimes = at(&table, &["plugins", CRI_V3, "containerd", "runtimes"]);
+        let nvidia = &runtimes["nvidia"];
+        assert_eq!(nvidia["runtime_type"].as_str(), Some("io.containerd.runc.v2"));
+        assert_eq!(nvidia["options"]["BinaryName"].as_str(), Some(RUNTIME_BINARY));
+        assert_eq!(
+            nvidia["options"]["SystemdCgroup"].as_bool(),
+            Some(true),
+            "copied from runc"
+        );
+        assert_eq!(runtimes["runc"]["options"]["SystemdCgroup"].as_bool(), Some(true));
+        assert!(
+            at(&table, &["plugins"]).get(CRI_V2).is_none(),
+            "nothing under the version 2 plugin"
+        );
+    });
+}
+
+#[test]
+fn a_fresh_docker_host_gets_a_daemon_json_and_unconfigure_removes_it() {
+    round_trip(Engine::Docker, None, |root| {
+        let daemon = read(root, DOCKER_MAIN).expect("daemon.json created");
+        assert_eq!(daemon, fixture("docker/fresh.expected.json"));
+        let json: serde_json::Value = serde_json::from_str(&daemon).expect("JSON");
+        assert_eq!(json["runtimes"]["nvidia"]["path"], RUNTIME_BINARY);
+        assert!(json.get("default-runtime").is_none(), "{daemon}");
     });
 }
 
@@ -394,6 +440,137 @@ fn unconfigure_keeps_a_rewrite_the_agent_configured_again() {
     assert_eq!(read(root, CONTAINERD_MAIN), Some(rewritten), "the user's rewrite stays");
 }
 
+/// A main config that is a symbolic link, as config management often keeps it: the link stays,
+/// its target gets the edit, and unconfigure puts the target's bytes back. A relative target is
+/// read against the link's directory, an absolute one is a host path (under the root).
+#[test]
+fn a_symlinked_containerd_config_keeps_its_link_and_its_target_is_configured() {
+    const MANAGED: &str = "/etc/containerd-managed/config.toml";
+    let main = fixture("containerd/v2-systemd-cgroup.main.toml");
+    for link in ["../containerd-managed/config.toml", MANAGED] {
+        let node = engine_node(Engine::Containerd, None, "");
+        let root = node.root.as_path();
+        write_file(root, MANAGED, &main);
+        fs::create_dir_all(under(root, "/etc/containerd")).expect("mkdir");
+        std::os::unix::fs::symlink(link, under(root, CONTAINERD_MAIN)).expect("symlink");
+        let still_a_link = |when: &str| {
+            assert_eq!(
+                fs::read_link(under(root, CONTAINERD_MAIN)).ok(),
+                Some(PathBuf::from(link)),
+                "{link}: the link stays ({when})"
+            );
+        };
+        let before = contents(root);
+
+        let stdout = succeeds(&node, CONFIGURE);
+        assert!(stdout.contains(&format!("wrote {CONTAINERD_MAIN}")), "{stdout}");
+        still_a_link("configure");
+        assert_eq!(
+            read(root, MANAGED),
+            Some(fixture("containerd/v2-systemd-cgroup.expected.main.toml")),
+            "{link}: the target is configured"
+        );
+        assert_eq!(
+            read(root, CONTAINERD_DROP_IN),
+            Some(fixture("containerd/v2-systemd-cgroup.expected.drop-in.toml")),
+            "{link}: the drop-in copies the target's CRI table"
+        );
+
+        let snap = snapshot(root);
+        let stdout = succeeds(&node, CONFIGURE);
+        assert!(stdout.contains("already configured, nothing to do"), "{link}: {stdout}");
+        assert_same(&snap, &snapshot(root), "a second configure writes nothing");
+        still_a_link("second configure");
+
+        let stdout = succeeds(&node, UNCONFIGURE);
+        assert!(stdout.contains(&format!("restored {CONTAINERD_MAIN}")), "{stdout}");
+        still_a_link("unconfigure");
+        assert_eq!(
+            read(root, MANAGED).as_deref(),
+            Some(main.as_str()),
+            "{link}: target restored"
+        );
+        assert_same(&before, &contents(root), "unconfigure leaves every file as it was");
+    }
+}
+
+/// A link that leads nowhere, or in a circle: the stage fails naming the file and the link's
+/// target, and changes nothing (the link is not replaced by a fresh file).
+#[test]
+fn a_dangling_or_looping_config_link_is_refused_naming_the_link() {
+    const LINK: &str = "../containerd-managed/config.toml";
+    // What /etc/containerd-managed/config.toml is: nothing, or a link back to the main file.
+    for (back, why) in [(None, "points to nothing"), (Some("../containerd/config.toml"), "loop")] {
+        let node = engine_node(Engine::Containerd, None, "");
+        let root = node.root.as_path();
+        fs::create_dir_all(under(root, "/etc/containerd")).expect("mkdir");
+        std::os::unix::fs::symlink(LINK, under(root, CONTAINERD_MAIN)).expect("symlink");
+        if let Some(back) = back {
+            fs::create_dir_all(under(root, "/etc/containerd-managed")).expect("mkdir");
+            std::os::unix::fs::symlink(back, under(root, "/etc/containerd-managed/config.toml")).expect("symlink");
+        }
+        let before = snapshot(root);
+        let stderr = fails(&node, CONFIGURE);
+        for words in [CONTAINERD_MAIN, "->", why, "nothing was changed"] {
+            assert!(stderr.contains(words), "{words:?} in {stderr}");
+        }
+        assert!(
+            stderr.contains(LINK) || back.is_some_and(|b| stderr.contains(b)),
+            "a link target named: {stderr}"
+        );
+        assert_eq!(
+            fs::read_link(under(root, CONTAINERD_MAIN)).ok(),
+            Some(PathBuf::from(LINK))
+        );
+        assert_same(&before, &snapshot(root), "nothing written");
+        assert_eq!(read(root, CONTAINERD_DROP_IN), None);
+    }
+}
+
+/// containerd 1.x replaces a plugin table from an import as a whole, and loads the agent's
+/// drop-in last: a CRI table in another `conf.d` file is what containerd ran with, so the drop-in
+/// must carry that one, not the top-level config's.
+#[test]
+fn the_containerd_drop_in_keeps_the_cri_settings_of_other_imported_files() {
+    const REGISTRY: &str = "/etc/containerd/conf.d/50-registry.toml";
+    let main = fixture("containerd/v2-systemd-cgroup.main.toml");
+    let node = engine_node(Engine::Containerd, Some(&main), "");
+    let root = node.root.as_path();
+    write_file(root, REGISTRY, &fixture("containerd/conf.d-50-registry.toml"));
+    let before = contents(root);
+
+    succeeds(&node, CONFIGURE);
+    assert_eq!(
+        read(root, CONTAINERD_MAIN),
+        Some(fixture("containerd/v2-systemd-cgroup.expected.main.toml"))
+    );
+    let drop_in = read(root, CONTAINERD_DROP_IN).expect("drop-in");
+    assert_eq!(
+        drop_in,
+        fixture("containerd/v2-conf.d-50-registry.expected.drop-in.toml")
+    );
+    let table = toml_table(&drop_in);
+    assert_eq!(
+        at(&table, &["plugins", CRI_V2, "sandbox_image"]).as_str(),
+        Some("registry.internal.example/pause:3.10")
+    );
+    assert_eq!(
+        at(&table, &["plugins", CRI_V2, "registry", "config_path"]).as_str(),
+        Some("/etc/containerd/certs.d-internal")
+    );
+    let nvidia = v2_runtime_options(&table, "nvidia");
+    assert_eq!(nvidia["BinaryName"].as_str(), Some(RUNTIME_BINARY));
+    assert_eq!(nvidia["SystemdCgroup"].as_bool(), Some(true));
+
+    let snap = snapshot(root);
+    let stdout = succeeds(&node, CONFIGURE);
+    assert!(stdout.contains("already configured, nothing to do"), "{stdout}");
+    assert_same(&snap, &snapshot(root), "a second configure writes nothing");
+
+    succeeds(&node, UNCONFIGURE);
+    assert_same(&before, &contents(root), "unconfigure leaves every file as it was");
+}
+
 // === 2. fresh host ===
 
 #[test]
@@ -448,8 +625,22 @@ fn a_broken_containerd_config_is_refused_with_its_line_and_column() {
 }
 
 #[test]
+fn a_broken_containerd_v3_config_is_refused_with_its_line_and_column() {
+    refused(
+        Engine::Containerd,
+        "containerd/broken-v3.main.toml",
+        "line 8, column 33",
+    );
+}
+
+#[test]
 fn a_broken_daemon_json_is_refused_with_its_line_and_column() {
     refused(Engine::Docker, "docker/broken.json", "line 4, column 64");
+}
+
+#[test]
+fn a_broken_crio_conf_is_refused_with_its_line_and_column() {
+    refused(Engine::Crio, "crio/broken.conf", "line 3, column 14");
 }
 
 // === 4. runtime binary / cdi-only ===
@@ -533,11 +724,15 @@ fn real_containerd() -> &'static Path {
     path
 }
 
-/// Configures containerd (`main`: its config, `None`: none) with the real binary installed under
-/// the root, and returns containerd's own `config dump` of the written files.
-fn configure_and_dump_with_real_containerd(main: Option<&str>) -> (String, toml::Table) {
+/// Configures containerd (`main`: its config, `None`: none; `extra`: more files, host path and
+/// text) with the real binary installed under the root, and returns containerd's own `config
+/// dump` of the written files.
+fn configure_and_dump_with_real_containerd(main: Option<&str>, extra: &[(&str, &str)]) -> (String, toml::Table) {
     let containerd = real_containerd();
     let node = engine_node(Engine::Containerd, main, "");
+    for (path, text) in extra {
+        write_file(&node.root, path, text);
+    }
     std::os::unix::fs::symlink(containerd, under(&node.root, REAL_CONTAINERD)).expect("symlink containerd");
     let out = expect_exit(&node, CONFIGURE, 0);
     let log = text(&out.stderr);
@@ -577,7 +772,7 @@ fn configure_and_dump_with_real_containerd(main: Option<&str>) -> (String, toml:
 #[test]
 fn containerd_itself_reads_the_nvidia_runtime_with_systemd_cgroup() {
     let main = fixture("containerd/v2-systemd-cgroup.main.toml");
-    let (dump, table) = configure_and_dump_with_real_containerd(Some(&main));
+    let (dump, table) = configure_and_dump_with_real_containerd(Some(&main), &[]);
     let nvidia = v2_runtime_options(&table, "nvidia");
     assert_eq!(nvidia["BinaryName"].as_str(), Some(RUNTIME_BINARY), "{dump}");
     assert_eq!(nvidia["SystemdCgroup"].as_bool(), Some(true), "{dump}");
@@ -596,10 +791,35 @@ fn containerd_itself_reads_the_nvidia_runtime_with_systemd_cgroup() {
 
 #[test]
 fn containerd_itself_reads_the_nvidia_runtime_on_a_fresh_host() {
-    let (dump, table) = configure_and_dump_with_real_containerd(None);
+    let (dump, table) = configure_and_dump_with_real_containerd(None, &[]);
     assert_eq!(
         v2_runtime_options(&table, "nvidia")["BinaryName"].as_str(),
         Some(RUNTIME_BINARY),
+        "{dump}"
+    );
+}
+
+/// containerd 1.6 itself, loading the top-level config, `conf.d/50-registry.toml` and the drop-in:
+/// the CRI settings of the other imported file survive the drop-in.
+#[test]
+fn containerd_itself_keeps_the_cri_settings_of_other_imported_files() {
+    let main = fixture("containerd/v2-systemd-cgroup.main.toml");
+    let registry = fixture("containerd/conf.d-50-registry.toml");
+    let (dump, table) =
+        configure_and_dump_with_real_containerd(Some(&main), &[("/etc/containerd/conf.d/50-registry.toml", &registry)]);
+    assert_eq!(
+        at(&table, &["plugins", CRI_V2, "sandbox_image"]).as_str(),
+        Some("registry.internal.example/pause:3.10"),
+        "{dump}"
+    );
+    assert_eq!(
+        at(&table, &["plugins", CRI_V2, "registry", "config_path"]).as_str(),
+        Some("/etc/containerd/certs.d-internal"),
+        "{dump}"
+    );
+    assert_eq!(
+        v2_runtime_options(&table, "nvidia")["SystemdCgroup"].as_bool(),
+        Some(true),
         "{dump}"
     );
 }
@@ -768,6 +988,66 @@ fn a_restart_that_fails_is_quoted_and_rolled_back() {
         "no is-active after a failed restart"
     );
     assert_eq!(host.log("restarts.log"), ["with-drop-in", "without-drop-in"]);
+}
+
+/// Files that are already as the agent wants them: no write and no systemctl call at all, even
+/// with restarts on.
+#[test]
+fn an_engine_already_configured_is_not_restarted_again() {
+    let host = RestartHost::new("exit 0", "echo active");
+    assert_eq!(host.apply().expect("first apply").restarted, ["containerd.service"]);
+    assert_eq!(host.log("systemctl.log"), [RESTART, IS_ACTIVE]);
+    let snap = snapshot(&host.root);
+    let applied = host.apply().expect("second apply");
+    assert_eq!(applied, Applied::default(), "nothing written, nothing restarted");
+    assert_eq!(
+        host.log("systemctl.log"),
+        [RESTART, IS_ACTIVE],
+        "no systemctl call the second time"
+    );
+    assert_same(&snap, &snapshot(&host.root), "no file touched");
+}
+
+/// Under a `--root` other than `/` (an image being built, a test) the files are written but
+/// nothing is restarted, without `--no-restart` too: neither `runtime configure` /
+/// `unconfigure` nor the agent's own pass runs the (stand-in) systemctl under the root.
+#[test]
+fn under_a_root_prefix_nothing_is_restarted_without_no_restart() {
+    let main = fixture("containerd/v2-systemd-cgroup.main.toml");
+    let node = engine_node(Engine::Containerd, Some(&main), NO_KUBERNETES);
+    let root = node.root.as_path();
+    let log = node.tmp.path().join("systemctl.log");
+    script(
+        root,
+        "/usr/bin/systemctl",
+        &format!("echo \"$*\" >> '{}'\necho active", log.display()),
+    );
+    let calls = || fs::read_to_string(&log).unwrap_or_default();
+
+    let stdout = succeeds(&node, &["runtime", "configure"]);
+    assert!(
+        stdout.contains(&format!("wrote {CONTAINERD_DROP_IN}")) && stdout.contains("restarted nothing"),
+        "{stdout}"
+    );
+    assert!(read(root, CONTAINERD_DROP_IN).is_some());
+    assert_eq!(calls(), "", "systemctl was run");
+
+    let stdout = succeeds(&node, &["runtime", "unconfigure"]);
+    assert!(
+        stdout.contains(&format!("restored {CONTAINERD_DROP_IN}")) && stdout.contains("restarted nothing"),
+        "{stdout}"
+    );
+    assert_eq!(read(root, CONTAINERD_DROP_IN), None);
+    assert_eq!(calls(), "", "systemctl was run");
+
+    expect_exit(&node, &["run", "--once"], 0);
+    assert!(
+        read(root, CONTAINERD_DROP_IN).is_some(),
+        "the agent's pass configured containerd"
+    );
+    // The validation stage may ask whether the engine is active; nothing else.
+    let calls = calls();
+    assert!(calls.lines().all(|l| l.starts_with("is-active ")), "{calls}");
 }
 
 // === 8. CDI ===

@@ -10,7 +10,10 @@
 //!   of the **whole** CRI plugin table of the top-level config plus the `nvidia` runtime, because
 //!   containerd before 2.1 replaces, rather than merges, a plugin table that comes from an imported
 //!   file (containerd/containerd#5837): a drop-in holding only the `nvidia` runtime would wipe the
-//!   user's CRI settings (`runc`'s `SystemdCgroup = true` among them).
+//!   user's CRI settings (`runc`'s `SystemdCgroup = true` among them). For a version 2 config
+//!   (containerd 1.x, which always replaces) the copied table is the one containerd ends up with
+//!   from the top-level config and the other files it imports ([`configure_with_imports`]): a CRI
+//!   table in `conf.d/50-registry.toml` replaces the top-level one, and the drop-in keeps it.
 //! - The `nvidia` runtime copies the options of the runtime it wraps (the default runtime, else
 //!   `runc`, else `crun`) and sets `options.BinaryName` to the NVIDIA runtime binary.
 //!
@@ -95,9 +98,49 @@ pub fn configure(
     binary_major: Option<u32>,
     rt: &NvidiaRuntime,
 ) -> Result<ContainerdFiles, EditError> {
+    configure_with_imports(main, main_file, drop_in_path, binary_major, rt, &[])
+}
+
+/// A file containerd loads through `imports` (from the top-level config or from another imported
+/// file), with its text.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ImportedFile {
+    /// Its path (absolute host path), for error messages and the drop-in's header.
+    pub file: String,
+    pub text: String,
+}
+
+/// [`configure`], knowing the other files containerd imports: `imported` in containerd's load
+/// order (the top-level config's [`imports_after_configure`] breadth first, glob matches sorted,
+/// each file once), without the agent's drop-in.
+///
+/// For a version 2 config (containerd 1.x, which replaces a plugin table from an import as a
+/// whole) the drop-in copies the CRI plugin table of the last of [top-level config, `imported`...]
+/// that has one, the table containerd would use without the drop-in; otherwise the drop-in,
+/// imported last, would drop the CRI settings of the user's other imported files. For version 3
+/// only the top-level config's table is copied: containerd 2.1 and later merge imported plugin
+/// tables key by key, so copying a partial table from an import would lose the top-level
+/// config's runtime options in the `nvidia` runtime. An imported file that does not parse is an
+/// error naming it (containerd would not start with it either).
+pub fn configure_with_imports(
+    main: Option<&str>,
+    main_file: &str,
+    drop_in_path: &str,
+    binary_major: Option<u32>,
+    rt: &NvidiaRuntime,
+    imported: &[ImportedFile],
+) -> Result<ContainerdFiles, EditError> {
     let doc = main.map(|text| parse_toml(text, main_file)).transpose()?;
     let version = version_of(doc.as_ref(), main_file, binary_major)?;
-    let drop_in = render_drop_in(doc.as_ref(), version, main_file, rt)?;
+    let imported = if version == 2 {
+        imported
+            .iter()
+            .map(|f| Ok((f.file.as_str(), parse_toml(&f.text, &f.file)?)))
+            .collect::<Result<Vec<_>, EditError>>()?
+    } else {
+        Vec::new()
+    };
+    let drop_in = render_drop_in(doc.as_ref(), &imported, version, main_file, rt)?;
     let glob = import_glob(drop_in_path);
     let main = match (main, doc) {
         (Some(text), Some(doc)) => add_import(text, doc, main_file, version, &glob, drop_in_path)?,
@@ -128,6 +171,106 @@ pub fn unconfigure(main: &str, main_file: &str, drop_in_path: &str) -> Result<St
         doc.remove("imports");
     }
     Ok(render_like(main, &before, &doc))
+}
+
+/// The `imports` entries of a containerd config (`text`, the contents of `file`), in order; empty
+/// when it has none.
+pub fn imports(text: &str, file: &str) -> Result<Vec<String>, EditError> {
+    let mut doc = parse_toml(text, file)?;
+    match doc.get_mut("imports") {
+        None => Ok(Vec::new()),
+        Some(item) => Ok(string_array(item, file, "imports")?
+            .iter()
+            .filter_map(|v| v.as_str().map(str::to_owned))
+            .collect()),
+    }
+}
+
+/// The `imports` entries the top-level config (`main`, `None`: no file) has once [`configure`]
+/// is done with it: its own, plus the drop-in's directory glob unless an entry already covers
+/// `drop_in_path`.
+pub fn imports_after_configure(
+    main: Option<&str>,
+    main_file: &str,
+    drop_in_path: &str,
+) -> Result<Vec<String>, EditError> {
+    let glob = import_glob(drop_in_path);
+    let mut entries = match main {
+        Some(text) => imports(text, main_file)?,
+        None => Vec::new(),
+    };
+    if !entries.iter().any(|entry| covers(entry, &glob, drop_in_path)) {
+        entries.push(glob);
+    }
+    Ok(entries)
+}
+
+/// Go's `filepath.Match` for one path component (containerd globs `imports` entries with
+/// `filepath.Glob`): `*` any run of characters, `?` one character, `[a-z]` / `[^a-z]` a class,
+/// `\` escapes the next character. A malformed pattern matches nothing.
+pub fn glob_component_matches(pattern: &str, name: &str) -> bool {
+    /// `Err`: malformed pattern.
+    fn go(p: &[char], s: &[char]) -> Result<bool, ()> {
+        let Some((&c, rest)) = p.split_first() else {
+            return Ok(s.is_empty());
+        };
+        match c {
+            '*' => {
+                for n in 0..=s.len() {
+                    if go(rest, &s[n..])? {
+                        return Ok(true);
+                    }
+                }
+                Ok(false)
+            }
+            '?' => Ok(!s.is_empty() && go(rest, &s[1..])?),
+            '[' => {
+                let (matched, rest) = class(rest, s.first().copied())?;
+                Ok(matched && go(rest, &s[1..])?)
+            }
+            '\\' => {
+                let (&e, rest) = rest.split_first().ok_or(())?;
+                Ok(s.first() == Some(&e) && go(rest, &s[1..])?)
+            }
+            _ => Ok(s.first() == Some(&c) && go(rest, &s[1..])?),
+        }
+    }
+    /// A class after its `[`: whether `ch` is in it (false without a character), and the pattern
+    /// after its `]`.
+    fn class(mut p: &[char], ch: Option<char>) -> Result<(bool, &[char]), ()> {
+        let negated = p.first() == Some(&'^');
+        if negated {
+            p = &p[1..];
+        }
+        let mut hit = false;
+        let mut ranges = 0;
+        loop {
+            if p.first() == Some(&']') && ranges > 0 {
+                p = &p[1..];
+                break;
+            }
+            let lo;
+            (lo, p) = escaped(p)?;
+            let mut hi = lo;
+            if p.first() == Some(&'-') {
+                (hi, p) = escaped(&p[1..])?;
+            }
+            hit |= ch.is_some_and(|c| lo <= c && c <= hi);
+            ranges += 1;
+        }
+        Ok((ch.is_some() && hit != negated, p))
+    }
+    fn escaped(p: &[char]) -> Result<(char, &[char]), ()> {
+        match p {
+            [] | ['-' | ']', ..] => Err(()),
+            ['\\', c, rest @ ..] => Ok((*c, rest)),
+            ['\\'] => Err(()),
+            [c, rest @ ..] => Ok((*c, rest)),
+        }
+    }
+    let p: Vec<char> = pattern.chars().collect();
+    let s: Vec<char> = name.chars().collect();
+    go(&p, &s).unwrap_or(false)
 }
 
 /// Rewrites every `imports` entry of the top-level config `main` through `map`, keeping the rest
@@ -296,7 +439,7 @@ fn add_import(
         let covered = imports
             .iter()
             .filter_map(Value::as_str)
-            .any(|entry| entry == glob || glob_matches(entry, drop_in_path));
+            .any(|entry| covers(entry, glob, drop_in_path));
         if covered {
             return Ok(text.to_owned());
         }
@@ -390,6 +533,12 @@ fn remove_values(array: &mut Array, gone: impl Fn(&str) -> bool) -> bool {
     removed
 }
 
+/// Whether the `imports` entry `entry` already brings in the drop-in at `drop_in_path` (`glob` is
+/// the entry [`configure`] would add).
+fn covers(entry: &str, glob: &str, drop_in_path: &str) -> bool {
+    entry == glob || glob_matches(entry, drop_in_path)
+}
+
 /// Whether the `imports` pattern `pattern` (a `filepath.Glob` pattern) names `path`. Supports `*`
 /// and `?`; a pattern with character classes or escapes only matches itself literally.
 fn glob_matches(pattern: &str, path: &str) -> bool {
@@ -429,28 +578,36 @@ fn to_crlf(text: &str) -> String {
 
 // === drop-in ===
 
-/// The drop-in: `version`, the top-level config's CRI plugin table, and the `nvidia` runtime.
+/// The drop-in: `version`, the CRI plugin table (the top-level config's, or that of the last
+/// `imported` file that has one), and the `nvidia` runtime.
 fn render_drop_in(
     doc: Option<&DocumentMut>,
+    imported: &[(&str, DocumentMut)],
     version: u32,
-    file: &str,
+    main_file: &str,
     rt: &NvidiaRuntime,
 ) -> Result<String, EditError> {
     let cri = cri_plugin(version);
     let path = |rest: &str| format!("plugins.\"{cri}\"{rest}");
     let binary = binary_str(
         rt,
-        file,
+        main_file,
         &path(&format!(".containerd.runtimes.{}.options.BinaryName", rt.name)),
     )?;
 
-    let mut cri_table = match doc {
-        Some(doc) => match table_at(doc.as_table(), &["plugins", cri], file)? {
-            Some(source) => plain_table(source),
-            None => Table::new(),
-        },
-        None => Table::new(),
+    // Each file's CRI table replaces the one before, as containerd < 2.1 loads them.
+    let mut source = match doc {
+        Some(doc) => table_at(doc.as_table(), &["plugins", cri], main_file)?,
+        None => None,
     };
+    let mut from_import = None;
+    for (imported_file, doc) in imported {
+        if let Some(table) = table_at(doc.as_table(), &["plugins", cri], imported_file)? {
+            (source, from_import) = (Some(table), Some(*imported_file));
+        }
+    }
+    let file = from_import.unwrap_or(main_file);
+    let mut cri_table = source.map(plain_table).unwrap_or_default();
 
     let containerd = child_table(&mut cri_table, "containerd", &path(".containerd"), file)?;
     let default = optional_str(
@@ -497,7 +654,13 @@ fn render_drop_in(
     }
 
     let mut out = DocumentMut::new();
-    out.decor_mut().set_prefix(DROP_IN_HEADER);
+    let header = match from_import {
+        None => DROP_IN_HEADER.to_owned(),
+        Some(imported_file) => format!(
+            "{DROP_IN_HEADER}# Here that is the CRI table of {imported_file}: imported after the top-level config, it replaces that one.\n"
+        ),
+    };
+    out.decor_mut().set_prefix(header);
     out.insert("version", value(i64::from(version)));
     let mut plugins = Table::new();
     plugins.insert(cri, Item::Table(cri_table));
@@ -975,6 +1138,146 @@ mod tests {
             "{}",
             out.drop_in
         );
+    }
+
+    // === other imported files ===
+
+    const REGISTRY_FILE: &str = "/etc/containerd/conf.d/50-registry.toml";
+    const REGISTRY: &str = include_str!("../../tests/fixtures/runtime/containerd/conf.d-50-registry.toml");
+
+    fn imported(files: &[(&str, &str)]) -> Vec<ImportedFile> {
+        files
+            .iter()
+            .map(|(file, text)| ImportedFile {
+                file: (*file).to_owned(),
+                text: (*text).to_owned(),
+            })
+            .collect()
+    }
+
+    fn with_imports(main: &str, files: &[(&str, &str)]) -> Result<ContainerdFiles, EditError> {
+        configure_with_imports(
+            Some(main),
+            MAIN_FILE,
+            DROP_IN,
+            Some(1),
+            &rt(false, false),
+            &imported(files),
+        )
+    }
+
+    #[test]
+    fn v2_drop_in_copies_the_cri_table_containerd_loads_last() {
+        let out = with_imports(V2_MAIN, &[(REGISTRY_FILE, REGISTRY)]).unwrap();
+        assert_eq!(out.main, V2_EXPECTED_MAIN, "the main file is edited the same way");
+        let drop_in = parse_toml(&out.drop_in, DROP_IN).unwrap();
+        let cri = &drop_in["plugins"][CRI_PLUGIN_V2];
+        assert_eq!(
+            cri["sandbox_image"].as_str(),
+            Some("registry.internal.example/pause:3.10")
+        );
+        assert_eq!(
+            cri["registry"]["config_path"].as_str(),
+            Some("/etc/containerd/certs.d-internal")
+        );
+        assert!(cri.get("max_container_log_line_size").is_none(), "replaced, not merged");
+        let nvidia = &cri["containerd"]["runtimes"]["nvidia"]["options"];
+        assert_eq!(nvidia["SystemdCgroup"].as_bool(), Some(true));
+        assert_eq!(nvidia["BinaryName"].as_str(), Some(BINARY));
+        assert!(
+            out.drop_in
+                .contains(&format!("# Here that is the CRI table of {REGISTRY_FILE}: ")),
+            "{}",
+            out.drop_in
+        );
+        // A later file without a CRI table, or one with only other plugins, changes nothing.
+        let other = "version = 2\n[plugins.\"io.containerd.internal.v1.opt\"]\npath = \"/opt/x\"\n";
+        let later = with_imports(
+            V2_MAIN,
+            &[(REGISTRY_FILE, REGISTRY), ("/etc/containerd/conf.d/60-opt.toml", other)],
+        );
+        assert_eq!(later.unwrap(), out);
+        // Without imported CRI tables the drop-in is the usual one.
+        let plain = with_imports(V2_MAIN, &[("/etc/containerd/conf.d/60-opt.toml", other)]).unwrap();
+        assert_eq!(plain.drop_in, V2_EXPECTED_DROP_IN);
+        // Stable: the second run gives the same files.
+        let again = configure_with_imports(
+            Some(&out.main),
+            MAIN_FILE,
+            DROP_IN,
+            Some(1),
+            &rt(false, false),
+            &imported(&[(REGISTRY_FILE, REGISTRY)]),
+        )
+        .unwrap();
+        assert_eq!(again, out);
+    }
+
+    #[test]
+    fn v3_drop_in_copies_only_the_main_cri_table() {
+        let v3_import = REGISTRY
+            .replace("version = 2", "version = 3")
+            .replace(CRI_PLUGIN_V2, CRI_PLUGIN_V3);
+        let out = with_imports(V3_MAIN, &[(REGISTRY_FILE, &v3_import)]).unwrap();
+        assert_eq!(out.drop_in, V3_EXPECTED_DROP_IN);
+    }
+
+    #[test]
+    fn a_broken_imported_file_is_a_parse_error_naming_it() {
+        let err = with_imports(V2_MAIN, &[(REGISTRY_FILE, "version = 2\n[plugins\n")]).unwrap_err();
+        assert!(
+            matches!(&err, EditError::Parse { file, line: 2, .. } if file == REGISTRY_FILE),
+            "{err:?}"
+        );
+    }
+
+    #[test]
+    fn imports_after_configure_adds_the_drop_in_glob_unless_covered() {
+        let glob = "/etc/containerd/conf.d/*.toml";
+        assert_eq!(imports_after_configure(None, MAIN_FILE, DROP_IN).unwrap(), [glob]);
+        assert_eq!(
+            imports_after_configure(Some(V2_MAIN), MAIN_FILE, DROP_IN).unwrap(),
+            [glob]
+        );
+        assert_eq!(
+            imports_after_configure(Some(V3_MAIN), MAIN_FILE, DROP_IN).unwrap(),
+            ["/etc/containerd/site/*.toml", glob]
+        );
+        let covered = "version = 2\nimports = [\"/etc/containerd/conf.d/99-*.toml\"]\n";
+        assert_eq!(
+            imports_after_configure(Some(covered), MAIN_FILE, DROP_IN).unwrap(),
+            ["/etc/containerd/conf.d/99-*.toml"]
+        );
+        assert_eq!(imports("version = 2\n", MAIN_FILE).unwrap(), Vec::<String>::new());
+        assert_eq!(shape_key(imports("imports = 1\n", MAIN_FILE).unwrap_err()), "imports");
+    }
+
+    #[test]
+    fn glob_components_match_like_go() {
+        for (pattern, name) in [
+            ("*.toml", "50-registry.toml"),
+            ("*.toml", ".hidden.toml"),
+            ("*", ""),
+            ("?0-*", "50-x"),
+            ("[0-9]*.toml", "5.toml"),
+            ("[^a-z]*", "9x"),
+            ("\\*x", "*x"),
+            ("a[\\-]b", "a-b"),
+        ] {
+            assert!(glob_component_matches(pattern, name), "{pattern} {name}");
+        }
+        for (pattern, name) in [
+            ("*.toml", "50-registry.conf"),
+            ("?", ""),
+            ("[0-9]*", "a9"),
+            ("[^a-z]*", "x9"),
+            ("[a-", "a"),
+            ("[", "["),
+            ("[]a]", "]"),
+            ("a\\", "a"),
+        ] {
+            assert!(!glob_component_matches(pattern, name), "{pattern} {name}");
+        }
     }
 
     // === unconfigure and rebase ===

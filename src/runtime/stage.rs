@@ -7,11 +7,15 @@
 //! the digest of what the agent last wrote (`<name>.written`). `runtime unconfigure` puts the
 //! original back when the file is still what the agent wrote, and otherwise removes only the
 //! agent's entries, keeping the user's later edits.
+//!
+//! A config file that is a symbolic link (config management often keeps the real file elsewhere)
+//! stays one: the link is followed under the root (see [`resolve`]) and its target is read,
+//! backed up, written and restored; the backups are still named after the link.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::fmt::Write as _;
 use std::io;
-use std::path::{Path, PathBuf};
+use std::path::{Component, Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use sha2::{Digest, Sha256};
@@ -31,11 +35,28 @@ const UNIT_DIRS: [&str; 4] = [
     "/usr/lib/systemd/system",
 ];
 
+/// Symbolic links followed, at most, to find one file (Linux's `MAXSYMLINKS`).
+const MAX_LINKS: u32 = 40;
+
 /// Why the runtime stage failed. Nothing is left half-written: files are restored first.
 #[derive(Debug, thiserror::Error)]
 pub enum RuntimeError {
     #[error("cannot read {path}: {source}")]
     Read { path: PathBuf, source: io::Error },
+    /// `file` (a host path) is, or goes through, the symbolic link `link` to `target` (as the
+    /// link says it), which cannot be followed.
+    #[error(
+        "{}: the symbolic link {} -> {} {why}; nothing was changed",
+        file.display(),
+        link.display(),
+        target.display()
+    )]
+    Link {
+        file: PathBuf,
+        link: PathBuf,
+        target: PathBuf,
+        why: &'static str,
+    },
     #[error("{0}; nothing was changed")]
     Edit(#[from] EditError),
     #[error(
@@ -87,8 +108,15 @@ pub struct ObservedEngine {
     pub main: Option<String>,
     /// Text of the agent's drop-in (`None`: no file, or docker).
     pub drop_in: Option<String>,
+    /// Host path of the main config's bytes: `files.config`, or where its symbolic links lead.
+    pub main_target: PathBuf,
+    /// The same for the drop-in (empty for docker).
+    pub drop_in_target: PathBuf,
     /// containerd's major version from `containerd --version`, when it was needed and known.
     pub containerd_major: Option<u32>,
+    /// containerd: the other files it loads through `imports` once the agent's entry is there,
+    /// in its load order, without the agent's drop-in (see [`containerd_imports`]).
+    pub imported: Vec<containerd::ImportedFile>,
 }
 
 /// What the agent knows about a file it changed before.
@@ -112,8 +140,10 @@ pub struct Observed {
 /// One file's change: `after == None` removes it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct FileChange {
-    /// Host path.
+    /// Host path (the configured one, which names the backups).
     pub path: PathBuf,
+    /// Host path written or removed: `path`, or where its symbolic links lead.
+    pub target: PathBuf,
     pub before: Option<String>,
     pub after: Option<String>,
 }
@@ -219,21 +249,6 @@ pub fn observe(config: &Config, root: &HostRoot, runner: &Runner) -> Result<Obse
         } else {
             rc.engines.contains(&engine)
         };
-        let main = read_optional(&root.join(&files.config))?;
-        let drop_in = if files.drop_in.as_os_str().is_empty() {
-            None
-        } else {
-            read_optional(&root.join(&files.drop_in))?
-        };
-        let containerd_major = if engine == Engine::Containerd
-            && selected
-            && main.as_deref().is_none_or(|m| m.trim().is_empty())
-            && runner.exists(&files.binary)
-        {
-            containerd_major(runner, &files.binary)
-        } else {
-            None
-        };
         for path in [&files.config, &files.drop_in] {
             if path.as_os_str().is_empty() {
                 continue;
@@ -246,6 +261,37 @@ pub fn observe(config: &Config, root: &HostRoot, runner: &Runner) -> Result<Obse
                 backups.insert(path.clone(), Backup { original, written });
             }
         }
+        // A link that cannot be followed fails the stage only where the agent would write: for
+        // an engine it configures, or a file it changed before.
+        let read_file = |path: &Path| -> Result<(Option<String>, PathBuf), RuntimeError> {
+            if path.as_os_str().is_empty() {
+                return Ok((None, PathBuf::new()));
+            }
+            match resolve(root, path) {
+                Ok(target) => Ok((read_optional(&root.join(&target))?, target)),
+                Err(e) if selected || backups.contains_key(path) => Err(e),
+                Err(e) => {
+                    tracing::debug!("{e}");
+                    Ok((None, path.to_path_buf()))
+                }
+            }
+        };
+        let (main, main_target) = read_file(&files.config)?;
+        let (drop_in, drop_in_target) = read_file(&files.drop_in)?;
+        let containerd_major = if engine == Engine::Containerd
+            && selected
+            && main.as_deref().is_none_or(|m| m.trim().is_empty())
+            && runner.exists(&files.binary)
+        {
+            containerd_major(runner, &files.binary)
+        } else {
+            None
+        };
+        let imported = if engine == Engine::Containerd && selected {
+            containerd_imports(root, &files, main.as_deref())
+        } else {
+            Vec::new()
+        };
         engines.push(ObservedEngine {
             engine,
             files,
@@ -253,7 +299,10 @@ pub fn observe(config: &Config, root: &HostRoot, runner: &Runner) -> Result<Obse
             selected,
             main,
             drop_in,
+            main_target,
+            drop_in_target,
             containerd_major,
+            imported,
         });
     }
     Ok(Observed {
@@ -285,9 +334,168 @@ fn parse_major(version_output: &str) -> Option<u32> {
     })
 }
 
-fn change(path: &Path, before: &Option<String>, after: Option<String>) -> Option<FileChange> {
+/// Where the host path `path` really is: every symbolic link on the way followed as the kernel
+/// would with the root as `/` (a relative target against the link's directory, an absolute one
+/// under the root, `..` never above the root). Returns a host path; components that do not
+/// exist are kept as they are (a file still to be created). A link whose target does not exist,
+/// or a loop, is [`RuntimeError::Link`] naming `path` and that link.
+pub fn resolve(root: &HostRoot, path: &Path) -> Result<PathBuf, RuntimeError> {
+    let mut links = 0;
+    follow(root, PathBuf::from("/"), path, path, &mut links)
+}
+
+/// Resolves `rel` from the link-free host directory `at`, counting the links followed.
+fn follow(root: &HostRoot, mut at: PathBuf, rel: &Path, file: &Path, links: &mut u32) -> Result<PathBuf, RuntimeError> {
+    for component in rel.components() {
+        let name = match component {
+            Component::RootDir | Component::Prefix(_) => {
+                at = PathBuf::from("/");
+                continue;
+            }
+            Component::CurDir => continue,
+            Component::ParentDir => {
+                at.pop();
+                continue;
+            }
+            Component::Normal(name) => name,
+        };
+        let next = at.join(name);
+        let on_disk = root.join(&next);
+        match std::fs::symlink_metadata(&on_disk) {
+            Ok(meta) if meta.file_type().is_symlink() => {}
+            Ok(_) => {
+                at = next;
+                continue;
+            }
+            Err(e) if matches!(e.kind(), io::ErrorKind::NotFound | io::ErrorKind::NotADirectory) => {
+                at = next;
+                continue;
+            }
+            Err(source) => return Err(RuntimeError::Read { path: on_disk, source }),
+        }
+        let target = std::fs::read_link(&on_disk).map_err(|source| RuntimeError::Read {
+            path: on_disk.clone(),
+            source,
+        })?;
+        let cannot = |why| RuntimeError::Link {
+            file: file.to_path_buf(),
+            link: next.clone(),
+            target: target.clone(),
+            why,
+        };
+        *links += 1;
+        if *links > MAX_LINKS {
+            return Err(cannot("is part of a loop (too many levels of symbolic links)"));
+        }
+        let resolved = follow(root, at.clone(), &target, file, links)?;
+        if std::fs::symlink_metadata(root.join(&resolved)).is_err() {
+            return Err(cannot("points to nothing (the target does not exist)"));
+        }
+        at = resolved;
+    }
+    Ok(at)
+}
+
+/// The files containerd loads through the `imports` of the top-level config (`main`, with the
+/// agent's entry added as [`containerd::configure`] adds it) in its order: breadth first, each
+/// entry relative to the file that names it, one with `*` globbed (matches sorted), every file
+/// once; without the top-level config itself and the agent's drop-in. Files that cannot be read
+/// are left out (containerd's own check of the result reports them); one that does not parse is
+/// kept, for the edit to report, but its own imports are not followed.
+fn containerd_imports(root: &HostRoot, files: &AnyEngineFiles, main: Option<&str>) -> Vec<containerd::ImportedFile> {
+    let main_file = files.config.to_string_lossy();
+    let Ok(entries) = containerd::imports_after_configure(main, &main_file, &files.drop_in.to_string_lossy()) else {
+        return Vec::new();
+    };
+    let mut queue: VecDeque<PathBuf> = import_paths(root, &files.config, &entries).into();
+    let mut seen = BTreeSet::from([files.config.clone(), files.drop_in.clone()]);
+    let mut out = Vec::new();
+    while let Some(path) = queue.pop_front() {
+        if !seen.insert(path.clone()) {
+            continue;
+        }
+        let text = match resolve(root, &path).and_then(|target| read_optional(&root.join(target))) {
+            Ok(Some(text)) => text,
+            Ok(None) => continue,
+            Err(e) => {
+                tracing::warn!("containerd import {}: {e}", path.display());
+                continue;
+            }
+        };
+        let file = path.to_string_lossy().into_owned();
+        if let Ok(more) = containerd::imports(&text, &file) {
+            queue.extend(import_paths(root, &path, &more));
+        }
+        out.push(containerd::ImportedFile { file, text });
+    }
+    out
+}
+
+/// containerd's `resolveImports`: each entry made absolute against the directory of `parent` (the
+/// host path of the file that names it) and cleaned; one with `*` becomes its glob's matches.
+fn import_paths(root: &HostRoot, parent: &Path, entries: &[String]) -> Vec<PathBuf> {
+    let dir = parent.parent().unwrap_or(Path::new("/"));
+    let mut out = Vec::new();
+    for entry in entries {
+        let path = clean(&dir.join(entry));
+        if entry.contains('*') {
+            out.extend(glob(root, &path));
+        } else {
+            out.push(path);
+        }
+    }
+    out
+}
+
+/// `path` without `.` and `..` (lexically, as Go's `filepath.Clean`).
+fn clean(path: &Path) -> PathBuf {
+    let mut out = PathBuf::from("/");
+    for component in path.components() {
+        match component {
+            Component::Normal(name) => out.push(name),
+            Component::ParentDir => {
+                out.pop();
+            }
+            _ => {}
+        }
+    }
+    out
+}
+
+/// Go's `filepath.Glob` of the absolute host path `pattern` under the root: the existing paths it
+/// matches, directory by directory in sorted order.
+fn glob(root: &HostRoot, pattern: &Path) -> Vec<PathBuf> {
+    let mut matches = vec![PathBuf::from("/")];
+    for component in pattern.components() {
+        let Component::Normal(name) = component else { continue };
+        let name = name.to_string_lossy();
+        if !name.contains(['*', '?', '[', '\\']) {
+            matches.iter_mut().for_each(|m| m.push(&*name));
+            continue;
+        }
+        let mut next = Vec::new();
+        for dir in &matches {
+            let Ok(real) = resolve(root, dir) else { continue };
+            let Ok(entries) = std::fs::read_dir(root.join(real)) else {
+                continue;
+            };
+            let mut names: Vec<String> = entries
+                .filter_map(|e| e.ok()?.file_name().into_string().ok())
+                .filter(|n| containerd::glob_component_matches(&name, n))
+                .collect();
+            names.sort();
+            next.extend(names.into_iter().map(|n| dir.join(n)));
+        }
+        matches = next;
+    }
+    matches.retain(|m| resolve(root, m).is_ok_and(|real| std::fs::symlink_metadata(root.join(real)).is_ok()));
+    matches
+}
+
+fn change(path: &Path, target: &Path, before: &Option<String>, after: Option<String>) -> Option<FileChange> {
     (before != &after).then(|| FileChange {
         path: path.to_path_buf(),
+        target: target.to_path_buf(),
         before: before.clone(),
         after,
     })
@@ -324,18 +532,29 @@ pub fn plan(observed: &Observed, config: &RuntimeConfig) -> Result<RuntimePlan, 
         match e.engine {
             Engine::Containerd => {
                 let drop_in_path = e.files.drop_in.to_string_lossy().into_owned();
-                let files =
-                    containerd::configure(e.main.as_deref(), &main_file, &drop_in_path, e.containerd_major, &rt)?;
-                changes.extend(change(&e.files.config, &e.main, Some(files.main)));
-                changes.extend(change(&e.files.drop_in, &e.drop_in, Some(files.drop_in)));
+                let files = containerd::configure_with_imports(
+                    e.main.as_deref(),
+                    &main_file,
+                    &drop_in_path,
+                    e.containerd_major,
+                    &rt,
+                    &e.imported,
+                )?;
+                changes.extend(change(&e.files.config, &e.main_target, &e.main, Some(files.main)));
+                changes.extend(change(
+                    &e.files.drop_in,
+                    &e.drop_in_target,
+                    &e.drop_in,
+                    Some(files.drop_in),
+                ));
             }
             Engine::Docker => {
                 let text = docker::configure(e.main.as_deref(), &main_file, &rt)?;
-                changes.extend(change(&e.files.config, &e.main, Some(text)));
+                changes.extend(change(&e.files.config, &e.main_target, &e.main, Some(text)));
             }
             Engine::Crio => {
                 let text = crio::configure(e.main.as_deref(), &main_file, &rt)?;
-                changes.extend(change(&e.files.drop_in, &e.drop_in, Some(text)));
+                changes.extend(change(&e.files.drop_in, &e.drop_in_target, &e.drop_in, Some(text)));
             }
         }
         out.engines.push(EnginePlan {
@@ -378,11 +597,11 @@ pub fn plan_unconfigure(observed: &Observed, config: &RuntimeConfig) -> Result<R
                 (other, _) => other.clone(),
             },
         };
-        changes.extend(change(&e.files.config, &e.main, main_after));
+        changes.extend(change(&e.files.config, &e.main_target, &e.main, main_after));
         // The drop-in: the agent's own file.
         if !e.files.drop_in.as_os_str().is_empty() {
             let after = restore(&e.files.drop_in, &e.drop_in).unwrap_or(None);
-            changes.extend(change(&e.files.drop_in, &e.drop_in, after));
+            changes.extend(change(&e.files.drop_in, &e.drop_in_target, &e.drop_in, after));
         }
         if !changes.is_empty() {
             out.engines.push(EnginePlan {
@@ -528,7 +747,7 @@ fn keep_original(root: &HostRoot, dir: &Path, c: &FileChange) -> Result<(), Runt
         }
         None => {
             let missing: String = c
-                .path
+                .target
                 .ancestors()
                 .skip(1)
                 .take_while(|d| d.parent().is_some() && !root.join(d).exists())
@@ -589,7 +808,7 @@ fn write_changes<'a>(
     text: impl Fn(&'a FileChange) -> Option<&'a str>,
 ) -> Result<(), RuntimeError> {
     for c in changes {
-        let path = root.join(&c.path);
+        let path = root.join(&c.target);
         match text(c) {
             Some(t) => write_atomic(&path, t.as_bytes(), 0o644)?,
             None => match std::fs::remove_file(&path) {
@@ -620,7 +839,9 @@ fn check_containerd(config: &Config, root: &HostRoot, runner: &Runner) -> Result
     let checked = if root.is_real() {
         main_path
     } else {
-        let text = std::fs::read_to_string(&main_path).map_err(|e| format!("{}: {e}", main_path.display()))?;
+        // Through its links under the root, as everything else here.
+        let real = resolve(root, &files.config).map_err(|e| e.to_string())?;
+        let text = std::fs::read_to_string(root.join(real)).map_err(|e| format!("{}: {e}", main_path.display()))?;
         let rebased = containerd::rebase_imports(&text, &main_path.to_string_lossy(), |p| {
             if p.starts_with('/') {
                 root.join(p).to_string_lossy().into_owned()
@@ -744,6 +965,115 @@ mod tests {
             Some(2)
         );
         assert_eq!(parse_major("nonsense"), None);
+    }
+
+    /// A temp root with `files` (host path, text) and `links` (host path, target).
+    fn host(files: &[(&str, &str)], links: &[(&str, &str)]) -> (tempfile::TempDir, HostRoot) {
+        let tmp = tempfile::tempdir().unwrap();
+        let root = HostRoot::new(tmp.path());
+        for (path, text) in files {
+            let path = root.join(path);
+            std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+            std::fs::write(path, text).unwrap();
+        }
+        for (path, target) in links {
+            let path = root.join(path);
+            std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+            std::os::unix::fs::symlink(target, path).unwrap();
+        }
+        (tmp, root)
+    }
+
+    fn resolved(root: &HostRoot, path: &str) -> String {
+        resolve(root, Path::new(path)).unwrap().to_string_lossy().into_owned()
+    }
+
+    #[test]
+    fn links_are_followed_under_the_root() {
+        let (_tmp, root) = host(
+            &[("/srv/cfg/config.toml", "x"), ("/etc/x.toml", "y")],
+            &[
+                ("/etc/containerd/config.toml", "../../srv/cfg/config.toml"),
+                ("/etc/docker/daemon.json", "/srv/cfg/daemon.json"),
+                ("/etc/crio", "/srv/cfg"),
+                ("/etc/up/x.toml", "../../../../../../etc/x.toml"),
+                ("/etc/chain.toml", "containerd/config.toml"),
+            ],
+        );
+        assert_eq!(resolved(&root, "/etc/containerd/config.toml"), "/srv/cfg/config.toml");
+        assert_eq!(resolved(&root, "/etc/chain.toml"), "/srv/cfg/config.toml");
+        assert_eq!(
+            resolved(&root, "/etc/up/x.toml"),
+            "/etc/x.toml",
+            "`..` stops at the root"
+        );
+        // A directory link, and a file still to be created in it.
+        assert_eq!(
+            resolved(&root, "/etc/crio/crio.conf.d/99-nvidia.toml"),
+            "/srv/cfg/crio.conf.d/99-nvidia.toml"
+        );
+        assert_eq!(resolved(&root, "/etc/none/config.toml"), "/etc/none/config.toml");
+        // Absolute targets are host paths: under the root, never the machine's own /srv.
+        let err = resolve(&root, Path::new("/etc/docker/daemon.json")).unwrap_err();
+        assert!(
+            matches!(&err, RuntimeError::Link { link, target, .. }
+                if link == Path::new("/etc/docker/daemon.json") && target == Path::new("/srv/cfg/daemon.json")),
+            "{err}"
+        );
+        assert!(err.to_string().contains("points to nothing"), "{err}");
+    }
+
+    #[test]
+    fn a_link_loop_is_an_error_naming_the_file() {
+        let (_tmp, root) = host(&[], &[("/etc/a.toml", "b.toml"), ("/etc/b.toml", "/etc/a.toml")]);
+        let err = resolve(&root, Path::new("/etc/a.toml")).unwrap_err();
+        let RuntimeError::Link { file, why, .. } = &err else {
+            panic!("{err}");
+        };
+        assert_eq!(file, Path::new("/etc/a.toml"));
+        assert!(why.contains("loop"), "{err}");
+    }
+
+    #[test]
+    fn containerd_imports_follow_its_load_order() {
+        let (_tmp, root) = host(
+            &[
+                (
+                    "/etc/containerd/config.toml",
+                    "version = 2\nimports = [\"site.toml\", \"/etc/containerd/conf.d/*.toml\"]\n",
+                ),
+                (
+                    "/etc/containerd/site.toml",
+                    "version = 2\nimports = [\"/etc/containerd/nested.toml\"]\n",
+                ),
+                ("/etc/containerd/nested.toml", "version = 2\n"),
+                (
+                    "/etc/containerd/conf.d/60-b.toml",
+                    "version = 2\nimports = [\"../site.toml\"]\n",
+                ),
+                ("/etc/containerd/conf.d/50-a.toml", "version = 2\n"),
+                ("/etc/containerd/conf.d/99-nvidia.toml", "version = 2\n"),
+                ("/etc/containerd/conf.d/README", "not imported"),
+                ("/srv/managed/70-c.toml", "version = 2\n"),
+            ],
+            &[("/etc/containerd/conf.d/70-c.toml", "/srv/managed/70-c.toml")],
+        );
+        let files = Config::default().runtime.files(Engine::Containerd);
+        let main = std::fs::read_to_string(root.join("/etc/containerd/config.toml")).unwrap();
+        let order: Vec<String> = containerd_imports(&root, &files, Some(&main))
+            .into_iter()
+            .map(|f| f.file)
+            .collect();
+        assert_eq!(
+            order,
+            [
+                "/etc/containerd/site.toml",
+                "/etc/containerd/conf.d/50-a.toml",
+                "/etc/containerd/conf.d/60-b.toml",
+                "/etc/containerd/conf.d/70-c.toml",
+                "/etc/containerd/nested.toml",
+            ]
+        );
     }
 
     #[test]
