@@ -46,17 +46,114 @@ const PTX: &str = "\
 #[serde(tag = "result", rename_all = "kebab-case")]
 pub enum CudaCheck {
     /// No libcuda under the driver root: nothing to check (not a failure).
-    NotAvailable {
-        reason: String,
-    },
+    NotAvailable { reason: String },
     /// Every GPU ran the kernel and gave the right result.
     Passed {
         driver_api: String,
-        gpus: Vec<String>,
+        /// Every device CUDA enumerated, in ordinal order.
+        gpus: CudaGpus,
     },
     Failed {
-        reason: String,
+        /// What failed (`reason` in the JSON) and on which devices.
+        #[serde(flatten)]
+        reason: CudaFailure,
     },
+}
+
+/// One device as CUDA enumerates it. CUDA's ordinals follow `CUDA_DEVICE_ORDER` (fastest first
+/// by default), not NVML's indices: the PCI bus id is what names the GPU.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CudaDevice {
+    pub ordinal: i32,
+    /// `cuDeviceGetName`; empty when it failed.
+    pub name: String,
+    /// `cuDeviceGetPCIBusId` in sysfs form (`0000:07:00.0`); `None` when libcuda did not say.
+    pub pci_bus_id: Option<String>,
+}
+
+impl CudaDevice {
+    fn model(&self) -> &str {
+        if self.name.is_empty() {
+            "unknown model"
+        } else {
+            &self.name
+        }
+    }
+
+    fn bus_id(&self) -> &str {
+        self.pci_bus_id.as_deref().unwrap_or("bus id unknown")
+    }
+}
+
+impl std::fmt::Display for CudaDevice {
+    /// `CUDA device 0 (NVIDIA A100-SXM4-40GB, PCI 0000:07:00.0)`.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "CUDA device {} ({}, PCI {})",
+            self.ordinal,
+            self.model(),
+            self.bus_id()
+        )
+    }
+}
+
+/// The devices CUDA enumerated, in ordinal order (a slice by `Deref`; `join` gives the line
+/// `validate cuda` prints).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(transparent)]
+pub struct CudaGpus(pub Vec<CudaDevice>);
+
+impl CudaGpus {
+    /// One line: each device as `0: NVIDIA A100-SXM4-40GB (0000:07:00.0)`, joined by `sep`.
+    pub fn join(&self, sep: &str) -> String {
+        self.0
+            .iter()
+            .map(|d| format!("{}: {} ({})", d.ordinal, d.model(), d.bus_id()))
+            .collect::<Vec<_>>()
+            .join(sep)
+    }
+}
+
+impl std::ops::Deref for CudaGpus {
+    type Target = [CudaDevice];
+    fn deref(&self) -> &[CudaDevice] {
+        &self.0
+    }
+}
+
+/// Why the check failed: one line for a person (`Display`), and the devices that failed.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CudaFailure {
+    #[serde(rename = "reason")]
+    pub message: String,
+    /// The devices that failed, each with its error; empty when CUDA failed before any device
+    /// (`cuInit`, no device).
+    #[serde(default)]
+    pub devices: Vec<DeviceFailure>,
+}
+
+impl CudaFailure {
+    fn new(message: impl Into<String>) -> CudaFailure {
+        CudaFailure {
+            message: message.into(),
+            devices: Vec::new(),
+        }
+    }
+}
+
+impl std::fmt::Display for CudaFailure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.message)
+    }
+}
+
+/// One device that failed the check.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DeviceFailure {
+    #[serde(flatten)]
+    pub device: CudaDevice,
+    pub error: String,
 }
 
 type CuResult = c_int;
@@ -74,6 +171,7 @@ struct Api {
     device_get_count: unsafe extern "C" fn(*mut c_int) -> CuResult,
     device_get: unsafe extern "C" fn(*mut CuDevice, c_int) -> CuResult,
     device_get_name: unsafe extern "C" fn(*mut c_char, c_int, CuDevice) -> CuResult,
+    device_get_pci_bus_id: unsafe extern "C" fn(*mut c_char, c_int, CuDevice) -> CuResult,
     ctx_create: unsafe extern "C" fn(*mut CuContext, c_uint, CuDevice) -> CuResult,
     ctx_destroy: unsafe extern "C" fn(CuContext) -> CuResult,
     mem_alloc: unsafe extern "C" fn(*mut CuDevicePtr, usize) -> CuResult,
@@ -120,6 +218,7 @@ impl Api {
             device_get_count: sym!("cuDeviceGetCount"),
             device_get: sym!("cuDeviceGet"),
             device_get_name: sym!("cuDeviceGetName"),
+            device_get_pci_bus_id: sym!("cuDeviceGetPCIBusId"),
             ctx_create: sym!("cuCtxCreate_v2"),
             ctx_destroy: sym!("cuCtxDestroy_v2"),
             mem_alloc: sym!("cuMemAlloc_v2"),
@@ -169,44 +268,91 @@ pub fn check(root: &Path, driver_root: &Path) -> CudaCheck {
     // SAFETY: a file named libcuda.so.1 where the driver installs it.
     let api = match unsafe { Api::load(&lib) } {
         Ok(api) => api,
-        Err(reason) => return CudaCheck::Failed { reason },
+        Err(reason) => {
+            return CudaCheck::Failed {
+                reason: CudaFailure::new(reason),
+            };
+        }
     };
     match run(&api) {
-        Ok((driver_api, gpus)) => CudaCheck::Passed { driver_api, gpus },
+        Ok((driver_api, gpus)) => CudaCheck::Passed {
+            driver_api,
+            gpus: CudaGpus(gpus),
+        },
         Err(reason) => CudaCheck::Failed { reason },
     }
 }
 
-fn run(api: &Api) -> Result<(String, Vec<String>), String> {
+/// Every device is checked, also after one failed: the failure names each device that failed.
+fn run(api: &Api) -> Result<(String, Vec<CudaDevice>), CudaFailure> {
     // SAFETY (all calls below): the driver API with valid out-params and handles it returned.
     unsafe {
-        api.check("cuInit", (api.init)(0))?;
+        api.check("cuInit", (api.init)(0)).map_err(CudaFailure::new)?;
         let mut version = 0;
-        api.check("cuDriverGetVersion", (api.driver_get_version)(&mut version))?;
+        api.check("cuDriverGetVersion", (api.driver_get_version)(&mut version))
+            .map_err(CudaFailure::new)?;
         let mut count = 0;
-        api.check("cuDeviceGetCount", (api.device_get_count)(&mut count))?;
+        api.check("cuDeviceGetCount", (api.device_get_count)(&mut count))
+            .map_err(CudaFailure::new)?;
         if count == 0 {
-            return Err("CUDA sees no device".into());
+            return Err(CudaFailure::new("CUDA sees no device"));
         }
-        let mut names = Vec::new();
+        let mut devices = Vec::new();
+        let mut failed = Vec::new();
         for ordinal in 0..count {
-            let mut device = 0;
-            api.check("cuDeviceGet", (api.device_get)(&mut device, ordinal))?;
-            let mut name = [0 as c_char; 128];
-            api.check("cuDeviceGetName", (api.device_get_name)(name.as_mut_ptr(), 128, device))?;
-            let name = CStr::from_ptr(name.as_ptr()).to_string_lossy().into_owned();
-            let mut ctx: CuContext = std::ptr::null_mut();
-            api.check(
-                &format!("device {ordinal}: cuCtxCreate"),
-                (api.ctx_create)(&mut ctx, 0, device),
-            )?;
-            let result = kernel_roundtrip(api);
-            let destroyed = api.check("cuCtxDestroy", (api.ctx_destroy)(ctx));
-            result.map_err(|e| format!("device {ordinal} ({name}): {e}"))?;
-            destroyed?;
-            names.push(format!("{ordinal}: {name}"));
+            let mut info = CudaDevice {
+                ordinal,
+                name: String::new(),
+                pci_bus_id: None,
+            };
+            match check_device(api, ordinal, &mut info) {
+                Ok(()) => devices.push(info),
+                Err(error) => failed.push(DeviceFailure { device: info, error }),
+            }
         }
-        Ok((format!("{}.{}", version / 1000, (version % 1000) / 10), names))
+        if !failed.is_empty() {
+            let message = failed
+                .iter()
+                .map(|f| format!("{}: {}", f.device, f.error))
+                .collect::<Vec<_>>()
+                .join("; ");
+            return Err(CudaFailure {
+                message,
+                devices: failed,
+            });
+        }
+        Ok((format!("{}.{}", version / 1000, (version % 1000) / 10), devices))
+    }
+}
+
+/// Identifies the device at `ordinal` (into `info`, also when the check fails), then runs the
+/// kernel on it in a context of its own.
+///
+/// # Safety
+/// `api` is libcuda, initialised.
+unsafe fn check_device(api: &Api, ordinal: c_int, info: &mut CudaDevice) -> Result<(), String> {
+    // SAFETY: the driver API with valid out-params and the handles it returned.
+    unsafe {
+        let mut device = 0;
+        api.check("cuDeviceGet", (api.device_get)(&mut device, ordinal))?;
+        let mut name = [0 as c_char; 128];
+        if (api.device_get_name)(name.as_mut_ptr(), name.len() as c_int, device) == 0 {
+            info.name = CStr::from_ptr(name.as_ptr()).to_string_lossy().into_owned();
+        }
+        // `0000:07:00.0` (13 bytes with the NUL); room for a longer domain.
+        let mut bus = [0 as c_char; 64];
+        if (api.device_get_pci_bus_id)(bus.as_mut_ptr(), bus.len() as c_int, device) == 0 {
+            let bus = CStr::from_ptr(bus.as_ptr()).to_string_lossy();
+            if !bus.trim().is_empty() {
+                info.pci_bus_id = Some(crate::nvml::normalise_bus_id(&bus));
+            }
+        }
+        let mut ctx: CuContext = std::ptr::null_mut();
+        api.check("cuCtxCreate", (api.ctx_create)(&mut ctx, 0, device))?;
+        let result = kernel_roundtrip(api);
+        let destroyed = api.check("cuCtxDestroy", (api.ctx_destroy)(ctx));
+        result?;
+        destroyed
     }
 }
 
@@ -278,9 +424,58 @@ mod tests {
         std::fs::create_dir_all(lib.parent().unwrap()).unwrap();
         std::fs::write(&lib, b"not an ELF file").unwrap();
         match check(root.path(), Path::new("/")) {
-            CudaCheck::Failed { reason } => assert!(reason.contains("cannot load"), "{reason}"),
+            CudaCheck::Failed { reason } => assert!(reason.message.contains("cannot load"), "{reason}"),
             other => panic!("{other:?}"),
         }
+    }
+
+    #[test]
+    fn the_json_names_each_device_and_keeps_reason_a_line() {
+        let device = CudaDevice {
+            ordinal: 0,
+            name: "NVIDIA A100-SXM4-40GB".into(),
+            pci_bus_id: Some("0000:11:00.0".into()),
+        };
+        let failed = CudaCheck::Failed {
+            reason: CudaFailure {
+                message: format!("{device}: cuLaunchKernel: CUDA error 719 (unspecified launch failure)"),
+                devices: vec![DeviceFailure {
+                    device: device.clone(),
+                    error: "cuLaunchKernel: CUDA error 719 (unspecified launch failure)".into(),
+                }],
+            },
+        };
+        let json = serde_json::to_value(&failed).unwrap();
+        assert_eq!(
+            json["reason"],
+            "CUDA device 0 (NVIDIA A100-SXM4-40GB, PCI 0000:11:00.0): cuLaunchKernel: CUDA error 719 (unspecified \
+             launch failure)"
+        );
+        assert_eq!(json["devices"][0]["pci_bus_id"], "0000:11:00.0");
+        assert_eq!(json["devices"][0]["ordinal"], 0);
+        assert_eq!(serde_json::from_value::<CudaCheck>(json).unwrap(), failed);
+        // A failure without devices (cuInit) reads back too.
+        let plain: CudaCheck =
+            serde_json::from_str(r#"{"result":"failed","reason":"cuInit: CUDA error 100"}"#).unwrap();
+        assert_eq!(
+            plain,
+            CudaCheck::Failed {
+                reason: CudaFailure::new("cuInit: CUDA error 100")
+            }
+        );
+
+        let passed = CudaCheck::Passed {
+            driver_api: "12.4".into(),
+            gpus: CudaGpus(vec![device]),
+        };
+        let CudaCheck::Passed { gpus, .. } = &passed else {
+            unreachable!()
+        };
+        assert_eq!(gpus.len(), 1);
+        assert_eq!(gpus.join(", "), "0: NVIDIA A100-SXM4-40GB (0000:11:00.0)");
+        let json = serde_json::to_value(&passed).unwrap();
+        assert_eq!(json["gpus"][0]["pci_bus_id"], "0000:11:00.0");
+        assert_eq!(serde_json::from_value::<CudaCheck>(json).unwrap(), passed);
     }
 
     #[test]

@@ -17,7 +17,7 @@ use gpu_node_agent::mig::stage::{ResetGpu, Step, converge, export, plan_layout};
 use gpu_node_agent::mig::{import, planner};
 use gpu_node_agent::nvml::Gpus;
 use gpu_node_agent::runtime::stage as runtime_stage;
-use gpu_node_agent::status::{STATUS_FILE, Status, now_unix};
+use gpu_node_agent::status::{STATUS_FILE, now_unix};
 use gpu_node_agent::{logging, plan};
 
 /// Exit code when NVML cannot be loaded or initialised (EX_UNAVAILABLE).
@@ -221,10 +221,10 @@ fn print_driver_plan(config: &Config, root: &HostRoot) {
 
 fn driver_command(config: &Config, root: &HostRoot, command: DriverCommand) -> ExitCode {
     logging::init(&config.log);
-    let nvml_view = || {
+    let nvml_view = |pci_gpus: usize| {
         Gpus::open(&agent::nvml_library(config, root))
             .map_err(|e| e.to_string())
-            .and_then(|g| driver_stage::nvml_view(&g))
+            .and_then(|g| driver_stage::nvml_view(&g, pci_gpus))
     };
     let planned = match driver_stage::plan_now(config, root, gpu_processes(config, root)) {
         Ok(p) => p,
@@ -235,7 +235,7 @@ fn driver_command(config: &Config, root: &HostRoot, command: DriverCommand) -> E
     };
     match command {
         DriverCommand::Status { json } => {
-            let checks = driver_stage::validate_now(config, &planned.facts, nvml_view());
+            let checks = driver_stage::validate_now(config, &planned.facts, nvml_view(planned.facts.gpus.len()));
             if json {
                 let value = serde_json::json!({
                     "host": planned.facts,
@@ -304,7 +304,7 @@ fn driver_command(config: &Config, root: &HostRoot, command: DriverCommand) -> E
             if facts.gpus.is_empty() {
                 return ExitCode::SUCCESS;
             }
-            let checks = driver_stage::validate_now(config, &facts, nvml_view());
+            let checks = driver_stage::validate_now(config, &facts, nvml_view(facts.gpus.len()));
             match gpu_node_agent::driver::validate::summary(&checks) {
                 Ok(line) => {
                     println!("{line}");
@@ -569,13 +569,9 @@ fn status(config: &Config, root: &HostRoot, json: bool) -> ExitCode {
             return ExitCode::from(EXIT_NO_STATUS);
         }
     };
-    if json {
-        print!("{text}");
-        return ExitCode::SUCCESS;
-    }
-    match Status::parse(&text) {
-        Ok(status) => {
-            print!("{}", status.render(now_unix()));
+    match gpu_node_agent::status::report(&text, root.path(), json, now_unix()) {
+        Ok(out) => {
+            print!("{out}");
             ExitCode::SUCCESS
         }
         Err(e) => {

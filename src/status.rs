@@ -3,7 +3,7 @@
 
 use std::fmt::Write as _;
 use std::path::Path;
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use std::collections::BTreeMap;
 
@@ -134,19 +134,48 @@ impl Status {
         serde_json::from_str(text)
     }
 
-    /// The human view of `gpu-node-agent status`.
+    /// The human view of `gpu-node-agent status`, as the file says (see [`report`] for the view
+    /// that checks the agent still runs).
     pub fn render(&self, now: u64) -> String {
+        self.render_checked(now, None)
+    }
+
+    /// Why the agent that wrote this status is not running although the status says `running`
+    /// (see [`agent_process`]); `None` when it runs, or when the status does not say `running`.
+    pub fn stale_reason(&self, root: &Path) -> Option<String> {
+        (self.state == "running")
+            .then(|| agent_process(root, self.pid).err())
+            .flatten()
+    }
+
+    /// [`Status::render`]; `stale`: why the agent the status says is running is not.
+    fn render_checked(&self, now: u64, stale: Option<&str>) -> String {
         let mut out = String::new();
         let age = |t: u64| ago(now.saturating_sub(t));
-        let _ = writeln!(
-            out,
-            "gpu-node-agent {} on {} — {} (pid {}, updated {})",
-            self.agent_version,
-            self.node,
-            self.state,
-            self.pid,
-            age(self.updated)
-        );
+        match stale {
+            None => {
+                let _ = writeln!(
+                    out,
+                    "gpu-node-agent {} on {} — {} (pid {}, updated {})",
+                    self.agent_version,
+                    self.node,
+                    self.state,
+                    self.pid,
+                    age(self.updated)
+                );
+            }
+            Some(why) => {
+                let _ = writeln!(
+                    out,
+                    "gpu-node-agent {} on {} — not running (status from {}, {}): {why}; what follows is what it last \
+                     reported",
+                    self.agent_version,
+                    self.node,
+                    crate::kube::format_rfc3339(UNIX_EPOCH + Duration::from_secs(self.updated)),
+                    age(self.updated)
+                );
+            }
+        }
         if let Some(driver) = &self.driver_version {
             let cuda = self.cuda_driver_version.as_deref().unwrap_or("?");
             let _ = writeln!(out, "driver {driver}, CUDA {cuda}");
@@ -240,7 +269,7 @@ impl Status {
         };
         let _ = writeln!(
             out,
-            "\nRESOURCE                    DEVICES  HEALTHY  REGISTERED   ({kubelet})"
+            "\nRESOURCE                    DEVICES  HEALTHY  STREAMS  LISTED  REGISTERED   ({kubelet})"
         );
         if self.resources.is_empty() {
             let _ = writeln!(out, "(none)");
@@ -251,13 +280,102 @@ impl Status {
                 (true, None) => "yes".into(),
                 (false, _) => "no".into(),
             };
-            let _ = writeln!(out, "{:<27} {:>7}  {:>7}  {}", r.name, r.devices, r.healthy, registered);
+            // STREAMS: the kubelet's open ListAndWatch streams; LISTED: devices in the last message.
+            let listed = r.devices_sent.map_or("-".to_string(), |n| n.to_string());
+            let _ = writeln!(
+                out,
+                "{:<27} {:>7}  {:>7}  {:>7}  {:>6}  {}",
+                r.name, r.devices, r.healthy, r.streams_open, listed, registered
+            );
             if let Some(e) = &r.error {
                 let _ = writeln!(out, "  error: {e}");
             }
         }
         out
     }
+}
+
+/// What `gpu-node-agent status` prints for status.json `text`, read under `root`: the human view,
+/// or (`json`) the file as written with two fields added: `agent_running` (the file says
+/// `running` and its pid is a live gpu-node-agent) and, when the file says `running` but the agent
+/// is not, `stale_reason`. A status whose agent is gone shows as not running, with when it was
+/// written.
+pub fn report(text: &str, root: &Path, json: bool, now: u64) -> Result<String, serde_json::Error> {
+    if json {
+        let value: serde_json::Value = serde_json::from_str(text)?;
+        let state = value.get("state").and_then(|s| s.as_str()).unwrap_or_default();
+        let pid = value.get("pid").and_then(|p| p.as_u64()).unwrap_or(0);
+        let stale = match state {
+            "running" => agent_process(root, u32::try_from(pid).unwrap_or(0)).err(),
+            _ => None,
+        };
+        let mut added = format!("\"agent_running\": {}", state == "running" && stale.is_none());
+        if let Some(why) = &stale {
+            added.push_str(&format!(
+                ",\n  \"stale_reason\": {}",
+                serde_json::Value::from(why.as_str())
+            ));
+        }
+        // Spliced in before the closing brace: the file's own fields stay as written, in order.
+        let body = text.trim_end();
+        let Some(inner) = body.strip_suffix('}') else {
+            return Ok(text.to_string());
+        };
+        let inner = inner.trim_end();
+        let sep = if inner.ends_with('{') { "" } else { "," };
+        return Ok(format!("{inner}{sep}\n  {added}\n}}\n"));
+    }
+    let status = Status::parse(text)?;
+    let stale = status.stale_reason(root);
+    Ok(status.render_checked(now, stale.as_deref()))
+}
+
+/// Whether `pid` is a running gpu-node-agent, from `/proc/<pid>` under `root`: `Err` says why
+/// not (no such process, or the pid now belongs to another program). Where `/proc/<pid>` is
+/// there but neither `comm` nor `cmdline` can be read, it counts as running.
+pub fn agent_process(root: &Path, pid: u32) -> Result<(), String> {
+    if pid == 0 {
+        return Err("the status records no pid".into());
+    }
+    let dir = crate::host::rooted(root, Path::new(&format!("/proc/{pid}")));
+    if !dir.is_dir() {
+        return Err(format!("no process {pid}"));
+    }
+    // The agent's own name, and this binary's where it was installed under another one.
+    let mut names = vec!["gpu-node-agent".to_string()];
+    if let Some(own) = std::env::current_exe()
+        .ok()
+        .and_then(|p| p.file_name().map(|n| n.to_string_lossy().into_owned()))
+    {
+        names.push(own);
+    }
+    // The kernel keeps the first 15 bytes of the name in `comm`.
+    let comm = std::fs::read_to_string(dir.join("comm"))
+        .ok()
+        .map(|c| c.trim_end_matches('\n').to_string());
+    let argv0 = std::fs::read(dir.join("cmdline")).ok().and_then(|b| {
+        let first = b.split(|&c| c == 0).next().unwrap_or_default();
+        let first = String::from_utf8_lossy(first).into_owned();
+        (!first.is_empty()).then(|| {
+            Path::new(&first)
+                .file_name()
+                .map_or(first.clone(), |n| n.to_string_lossy().into_owned())
+        })
+    });
+    if comm.is_none() && argv0.is_none() {
+        return Ok(());
+    }
+    let is_agent = |name: &str| {
+        names.iter().any(|n| {
+            let short: String = n.chars().take(15).collect();
+            name == n || name == short
+        })
+    };
+    if comm.as_deref().is_some_and(is_agent) || argv0.as_deref().is_some_and(is_agent) {
+        return Ok(());
+    }
+    let other = comm.or(argv0).unwrap_or_default();
+    Err(format!("pid {pid} is now another program ({other})"))
 }
 
 fn ago(secs: u64) -> String {
@@ -310,6 +428,8 @@ mod tests {
                 devices: 8,
                 healthy: 7,
                 error: None,
+                streams_open: 1,
+                devices_sent: Some(7),
             }],
             desired: None,
             labels: BTreeMap::new(),
@@ -328,5 +448,79 @@ mod tests {
         assert!(view.contains("Unhealthy (critical Xid 79)"), "{view}");
         assert!(view.contains("nvidia.com/gpu"), "{view}");
         assert!(view.contains("10s ago"), "{view}");
+    }
+
+    #[test]
+    fn resources_show_the_kubelet_streams() {
+        let view = sample().render(1005);
+        assert!(
+            view.contains("RESOURCE                    DEVICES  HEALTHY  STREAMS  LISTED  REGISTERED"),
+            "{view}"
+        );
+        assert!(
+            view.contains("nvidia.com/gpu                    8        7        1       7  10s ago"),
+            "{view}"
+        );
+        // A status.json from before the fields: no stream, nothing listed.
+        let mut old: serde_json::Value = serde_json::to_value(sample()).unwrap();
+        for key in ["streams_open", "devices_sent"] {
+            old["resources"][0].as_object_mut().unwrap().remove(key);
+        }
+        let old = Status::parse(&old.to_string()).expect("older status.json parses");
+        assert_eq!(
+            (old.resources[0].streams_open, old.resources[0].devices_sent),
+            (0, None)
+        );
+    }
+
+    #[test]
+    fn a_running_status_whose_pid_is_gone_or_reused_is_not_running() {
+        let root = tempfile::tempdir().expect("tempdir");
+        let text = serde_json::to_string_pretty(&sample()).unwrap();
+        let json = |text: &str| -> serde_json::Value {
+            serde_json::from_str(&report(text, root.path(), true, 1005).expect("report")).expect("json")
+        };
+
+        // No /proc/42 under the root.
+        let out = json(&text);
+        assert_eq!(out["agent_running"], false);
+        assert_eq!(out["stale_reason"], "no process 42");
+        assert_eq!(out["state"], "running", "the file's fields are kept as written");
+        assert_eq!(out["resources"][0]["devices_sent"], 7);
+        let view = report(&text, root.path(), false, 1005).expect("report");
+        assert!(
+            view.starts_with(
+                "gpu-node-agent 0.1.0 on gpu-1 — not running (status from 1970-01-01T00:16:40Z, 5s ago): no process 42"
+            ),
+            "{view}"
+        );
+        assert!(!view.contains("— running"), "{view}");
+
+        // The pid now belongs to another program.
+        let proc = root.path().join("proc/42");
+        std::fs::create_dir_all(&proc).unwrap();
+        std::fs::write(proc.join("comm"), "bash\n").unwrap();
+        std::fs::write(proc.join("cmdline"), "/bin/bash\0-l\0").unwrap();
+        assert_eq!(json(&text)["stale_reason"], "pid 42 is now another program (bash)");
+
+        // The agent itself.
+        std::fs::write(proc.join("comm"), "gpu-node-agent\n").unwrap();
+        std::fs::write(proc.join("cmdline"), "/usr/bin/gpu-node-agent\0run\0").unwrap();
+        let out = json(&text);
+        assert_eq!(out["agent_running"], true);
+        assert!(out.get("stale_reason").is_none(), "{out}");
+        let view = report(&text, root.path(), false, 1005).expect("report");
+        assert!(
+            view.starts_with("gpu-node-agent 0.1.0 on gpu-1 — running (pid 42, updated 5s ago)"),
+            "{view}"
+        );
+
+        // A status that does not say running is not checked.
+        let mut once = sample();
+        once.state = "once".into();
+        once.pid = 7;
+        let out = json(&serde_json::to_string(&once).unwrap());
+        assert_eq!(out["agent_running"], false);
+        assert!(out.get("stale_reason").is_none(), "{out}");
     }
 }

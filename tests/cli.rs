@@ -165,3 +165,87 @@ fn version_and_help_work_without_config() {
         assert!(help.contains(cmd), "{cmd} in help:\n{help}");
     }
 }
+
+/// The kubelet's ListAndWatch streams per resource, as the plugin tracks them, are in
+/// status.json and `status`: how many are open and how many devices the last message listed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn status_shows_each_resources_listandwatch_streams() {
+    use test_kubelet::{KubeletOptions, TestKubelet};
+
+    let node = Node::new(&machine("A100-SXM4-40GB", 2), "[kubernetes]\nenabled = false\n");
+    let kubelet = TestKubelet::start(&node.plugin_dir(), KubeletOptions::default())
+        .await
+        .expect("kubelet");
+    let agent = node.spawn();
+    node.wait_status(Duration::from_secs(15), |s| {
+        s["resources"][0]["streams_open"] == 1 && s["resources"][0]["devices_sent"] == 2
+    });
+    let out = node.run(&["status", "--json"]);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    let status: serde_json::Value = serde_json::from_slice(&out.stdout).expect("status --json parses");
+    assert_eq!(status["resources"][0]["name"], "nvidia.com/gpu");
+    assert_eq!(status["resources"][0]["streams_open"], 1);
+    assert_eq!(status["resources"][0]["devices_sent"], 2);
+    let view = text(&node.run(&["status"]).stdout);
+    assert!(view.contains("DEVICES  HEALTHY  STREAMS  LISTED  REGISTERED"), "{view}");
+    assert!(
+        view.lines().any(|l| l.starts_with("nvidia.com/gpu ")
+            && l.split_whitespace().take(5).eq(["nvidia.com/gpu", "2", "2", "1", "2"])),
+        "{view}\n{}",
+        agent.log_text()
+    );
+    drop(kubelet);
+}
+
+/// status.json that says `running` for an agent that is gone (killed without a chance to write
+/// `stopped`) shows as not running, with when it was written; `--json` keeps the file's fields
+/// and adds `agent_running` and `stale_reason`. The process is looked for under the root's /proc.
+#[test]
+fn status_of_an_agent_that_is_gone_says_not_running() {
+    let node = Node::new(&machine("A100-SXM4-40GB", 2), "[kubernetes]\nenabled = false\n");
+    let agent = node.spawn();
+    let pid = agent.pid();
+    node.wait_status(Duration::from_secs(15), |s| s["state"] == "running");
+    // The root's /proc shows the agent.
+    let proc = node.root.join(format!("proc/{pid}"));
+    std::fs::create_dir_all(&proc).expect("mkdir proc");
+    std::fs::write(proc.join("comm"), "gpu-node-agent\n").expect("comm");
+    let out = node.run(&["status", "--json"]);
+    let status: serde_json::Value = serde_json::from_slice(&out.stdout).expect("status --json parses");
+    assert_eq!(
+        (status["state"].as_str(), status["agent_running"].as_bool()),
+        (Some("running"), Some(true)),
+        "{status}"
+    );
+    assert!(status.get("stale_reason").is_none(), "{status}");
+    assert!(text(&node.run(&["status"]).stdout).contains(&format!("— running (pid {pid},")));
+
+    // SIGKILL: status.json still says running.
+    drop(agent);
+    std::fs::remove_dir_all(&proc).expect("the process is gone");
+    assert_eq!(node.status_json()["state"], "running");
+    let out = node.run(&["status", "--json"]);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    let status: serde_json::Value = serde_json::from_slice(&out.stdout).expect("status --json parses");
+    assert_eq!(status["state"], "running", "the file's own fields are kept");
+    assert_eq!(status["pid"], pid);
+    assert_eq!(status["agent_running"], false);
+    assert_eq!(status["stale_reason"], format!("no process {pid}"));
+    let view = text(&node.run(&["status"]).stdout);
+    let first = view.lines().next().unwrap_or_default();
+    assert!(
+        first.contains("— not running (status from ") && first.contains(&format!("no process {pid}")),
+        "{view}"
+    );
+    assert!(!first.contains("— running"), "{view}");
+
+    // The pid taken by another program is not the agent either.
+    std::fs::create_dir_all(&proc).expect("mkdir proc");
+    std::fs::write(proc.join("comm"), "sleep\n").expect("comm");
+    let status: serde_json::Value =
+        serde_json::from_slice(&node.run(&["status", "--json"]).stdout).expect("status --json parses");
+    assert_eq!(
+        status["stale_reason"],
+        format!("pid {pid} is now another program (sleep)")
+    );
+}

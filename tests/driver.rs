@@ -1012,3 +1012,37 @@ fn gpus_withdrawn(events: &mut tokio::sync::broadcast::Receiver<test_kubelet::Ev
     }
     withdrawn
 }
+
+/// A GPU on the PCI bus that NVML does not list is named by its sysfs address (NVML writes
+/// `00000000:10:00.0`, sysfs `0000:10:00.0`: the listed ones match across the formats).
+#[test]
+fn the_gpu_count_check_names_the_pci_device_nvml_does_not_list() {
+    let node = Node::new(&common::machine("A100-SXM4-40GB", 2), "[kubernetes]\nenabled = false\n");
+    write(&node.root, "etc/os-release", UBUNTU);
+    write(&node.root, "proc/sys/kernel/osrelease", &format!("{KERNEL}\n"));
+    for (file, value) in [("vendor", "0x10de\n"), ("device", "0x20b0\n"), ("class", "0x030200\n")] {
+        write(&node.root, &format!("sys/bus/pci/devices/0000:c1:00.0/{file}"), value);
+    }
+    let out = node.run(&["driver", "status"]);
+    let check = text(&out)
+        .lines()
+        .find(|l| l.contains("gpu-count"))
+        .unwrap_or_default()
+        .to_string();
+    assert!(
+        check.starts_with("FAIL")
+            && check
+                .contains("NVML sees 2 GPU(s) but 3 NVIDIA PCI devices are present: NVML does not list 0000:c1:00.0: ")
+            && check.contains("`lspci -k -s 0000:c1:00.0`"),
+        "{}",
+        text(&out)
+    );
+    // The driver stage (and so validation) fails with the same words.
+    let out = node.run(&["run", "--once"]);
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+    let error = common::stage(&node.status_json(), "driver")["error"]
+        .as_str()
+        .unwrap_or_default()
+        .to_string();
+    assert!(error.contains("NVML does not list 0000:c1:00.0"), "{error}");
+}

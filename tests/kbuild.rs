@@ -167,7 +167,10 @@ fn a_tree_in_nvidias_syssrc_form_builds_against_the_installed_headers() {
         .unwrap_or_else(|e| panic!("SYSSRC build of the fixture against {release}: {e}"));
     assert_eq!(built.modules, vec![tree.join("gna_hello.ko")]);
     let vermagic = modinfo_vermagic(&built.modules[0]);
-    assert!(vermagic.starts_with(&format!("{release} ")), "vermagic {vermagic:?} is for {release}");
+    assert!(
+        vermagic.starts_with(&format!("{release} ")),
+        "vermagic {vermagic:?} is for {release}"
+    );
 }
 
 #[test]

@@ -119,6 +119,7 @@ fn cuda_is_not_available_without_libcuda_and_fails_cleanly_with_a_broken_one() {
          int cuGetErrorString(int e, const char **s) { (void)e; *s = \"no CUDA-capable device is detected\"; return 0; }\n\
          #define STUB(n) int n(void) { return 999; }\n\
          STUB(cuDriverGetVersion) STUB(cuDeviceGetCount) STUB(cuDeviceGet) STUB(cuDeviceGetName)\n\
+         STUB(cuDeviceGetPCIBusId)\n\
          STUB(cuCtxCreate_v2) STUB(cuCtxDestroy_v2) STUB(cuMemAlloc_v2) STUB(cuMemFree_v2)\n\
          STUB(cuMemcpyDtoH_v2) STUB(cuModuleLoadData) STUB(cuModuleGetFunction) STUB(cuLaunchKernel)\n\
          STUB(cuCtxSynchronize)\n",
@@ -149,6 +150,134 @@ fn cuda_is_not_available_without_libcuda_and_fails_cleanly_with_a_broken_one() {
         .unwrap_or_default()
         .to_string();
     assert!(error.contains("cuda: cuInit: CUDA error 100"), "{error}");
+}
+
+/// Builds a fake `libcuda.so.1` under the node's driver root that sees `count` devices, all
+/// A100s: CUDA ordinal `n` is the GPU at bus `0x11 - n` (fastest first: ordinal 0 is NVML's
+/// GPU 1 at `00000000:11:00.0`), and the kernel launch fails on ordinal `fail` (-1: none).
+fn fake_libcuda(node: &Node, count: u32, fail: i32) {
+    let dir = tempfile::tempdir().expect("tmp");
+    let src = dir.path().join("cuda.c");
+    std::fs::write(
+        &src,
+        r#"#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+static int current = -1;
+int cuInit(unsigned f) { (void)f; return 0; }
+int cuDriverGetVersion(int *v) { *v = 12040; return 0; }
+int cuDeviceGetCount(int *n) { *n = COUNT; return 0; }
+int cuDeviceGet(int *d, int o) { *d = o; return 0; }
+int cuDeviceGetName(char *s, int len, int d) { (void)d; snprintf(s, len, "NVIDIA A100-SXM4-40GB"); return 0; }
+int cuDeviceGetPCIBusId(char *s, int len, int d) { snprintf(s, len, "0000:%02X:00.0", 0x11 - d); return 0; }
+int cuCtxCreate_v2(void **c, unsigned f, int d) { (void)f; current = d; *c = (void *)(long)(d + 1); return 0; }
+int cuCtxDestroy_v2(void *c) { (void)c; current = -1; return 0; }
+int cuMemAlloc_v2(unsigned long long *p, size_t n) { *p = (unsigned long long)(size_t)calloc(1, n); return 0; }
+int cuMemFree_v2(unsigned long long p) { free((void *)(size_t)p); return 0; }
+int cuMemcpyDtoH_v2(void *dst, unsigned long long src, size_t n) { memcpy(dst, (void *)(size_t)src, n); return 0; }
+int cuModuleLoadData(void **m, const void *ptx) { (void)ptx; *m = (void *)1; return 0; }
+int cuModuleGetFunction(void **f, void *m, const char *n) { (void)m; (void)n; *f = (void *)1; return 0; }
+int cuLaunchKernel(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
+                   unsigned shared, void *stream, void **args, void **extra) {
+    (void)f; (void)gx; (void)gy; (void)gz; (void)by; (void)bz; (void)shared; (void)stream; (void)extra;
+    if (current == FAIL) return 719;
+    unsigned *out = (unsigned *)(size_t)*(unsigned long long *)args[0];
+    for (unsigned i = 0; i < bx; i++) out[i] = 2 * i;
+    return 0;
+}
+int cuCtxSynchronize(void) { return 0; }
+int cuGetErrorString(int e, const char **s) { *s = e == 719 ? "unspecified launch failure" : "error"; return 0; }
+"#,
+    )
+    .expect("source");
+    let lib = node.root.join("usr/lib/x86_64-linux-gnu/libcuda.so.1");
+    std::fs::create_dir_all(lib.parent().expect("dir")).expect("mkdir");
+    let built = std::process::Command::new("cc")
+        .args([
+            "-shared",
+            "-fPIC",
+            &format!("-DCOUNT={count}"),
+            &format!("-DFAIL={fail}"),
+            "-o",
+        ])
+        .arg(&lib)
+        .arg(&src)
+        .status()
+        .expect("cc");
+    assert!(built.success());
+}
+
+/// CUDA numbers devices fastest first, not as NVML does: a device that fails the kernel is named
+/// by its NVML index, UUID and bus id (matched on the bus id libcuda reports).
+#[test]
+fn a_gpu_failing_the_cuda_kernel_is_named_as_nvml_knows_it() {
+    let node = node("");
+    fake_libcuda(&node, 2, 0);
+    let out = node.run(&["validate", "cuda", "--json"]);
+    assert_eq!(out.status.code(), Some(1), "{}", String::from_utf8_lossy(&out.stderr));
+    let answer: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
+    assert_eq!(answer["result"], "failed");
+    assert_eq!(
+        answer["reason"],
+        "CUDA device 0 (NVIDIA A100-SXM4-40GB, PCI 0000:11:00.0): cuLaunchKernel: CUDA error 719 (unspecified \
+         launch failure)"
+    );
+    assert_eq!(answer["devices"][0]["pci_bus_id"], "0000:11:00.0");
+
+    let out = node.run(&["run", "--once"]);
+    assert_eq!(out.status.code(), Some(1));
+    let error = validation(&node.status_json())["error"]
+        .as_str()
+        .unwrap_or_default()
+        .to_string();
+    assert!(
+        error.contains(&format!(
+            "cuda: GPU 1 ({}, 00000000:11:00.0; CUDA device 0): cuLaunchKernel: CUDA error 719",
+            common::gpu_uuid(1)
+        )),
+        "{error}"
+    );
+}
+
+/// CUDA seeing fewer GPUs than NVML fails the check, naming the GPU CUDA does not see.
+#[test]
+fn a_gpu_cuda_does_not_see_fails_the_cuda_check_naming_it() {
+    let node = node("");
+    fake_libcuda(&node, 1, -1);
+    let out = node.run(&["validate", "cuda"]);
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        String::from_utf8_lossy(&out.stdout)
+            .contains("CUDA 12.4: the check kernel ran on 1 GPU(s): 0: NVIDIA A100-SXM4-40GB (0000:11:00.0)"),
+        "{}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+    let out = node.run(&["run", "--once"]);
+    assert_eq!(out.status.code(), Some(1));
+    let error = validation(&node.status_json())["error"]
+        .as_str()
+        .unwrap_or_default()
+        .to_string();
+    assert!(
+        error.contains(&format!(
+            "cuda: CUDA sees 1 device(s) but NVML sees 2 GPU(s): not a CUDA device: GPU 0 ({}, 00000000:10:00.0)",
+            common::gpu_uuid(0)
+        )),
+        "{error}"
+    );
+
+    // Both GPUs seen and working: the check passes.
+    fake_libcuda(&node, 2, -1);
+    let out = node.run(&["run", "--once"]);
+    let status = node.status_json();
+    assert!(
+        validation(&status)["detail"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("cuda ok"),
+        "{status}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
 }
 
 #[test]

@@ -165,7 +165,7 @@ impl Agent {
             }
         };
         let view = match &self.gpus {
-            Some(g) => drv::nvml_view(g),
+            Some(g) => drv::nvml_view(g, facts.gpus.len()),
             None => Err("NVML is not loaded".to_string()),
         };
         let checks = drv::validate_now(&self.config, &facts, view);

@@ -11,8 +11,9 @@ use std::time::{Duration, Instant};
 use serde::Serialize;
 
 use super::{Agent, StageState};
-use crate::cuda::CudaCheck;
+use crate::cuda::{CudaCheck, CudaDevice};
 use crate::host::command::{Cmd, Runner};
+use crate::nvml::{Inventory, normalise_bus_id};
 use crate::plugin::manager::PluginStatus;
 
 /// How often the CUDA check runs again for the same driver.
@@ -172,9 +173,11 @@ impl Agent {
             self.root.path().to_path_buf(),
             self.config.device_plugin.driver_root.clone(),
         );
-        let outcome = tokio::task::spawn_blocking(move || run_cuda_child(&root, &driver_root))
-            .await
-            .unwrap_or_else(|e| Outcome::Failed(format!("CUDA check task failed: {e}")));
+        let outcome = match tokio::task::spawn_blocking(move || run_cuda_child(&root, &driver_root)).await {
+            Ok(Ok(check)) => cuda_outcome(check, self.inventory.as_ref()),
+            Ok(Err(why)) => Outcome::Failed(why),
+            Err(e) => Outcome::Failed(format!("CUDA check task failed: {e}")),
+        };
         self.cuda_run = Some(CudaRun {
             driver,
             at: Instant::now(),
@@ -268,29 +271,107 @@ pub(super) fn plugin_outcome(
     ))
 }
 
+/// The CUDA check's outcome, each device named as NVML knows it (`inventory`): CUDA's ordinals
+/// follow `CUDA_DEVICE_ORDER` (fastest first by default), so a GPU is named by its NVML index,
+/// UUID and PCI bus id, matched on the bus id libcuda reports. A check that passed still fails
+/// when CUDA and NVML do not see the same GPUs (not on MIG nodes: CUDA sees MIG devices there,
+/// not whole GPUs).
+pub(super) fn cuda_outcome(check: CudaCheck, inventory: Option<&Inventory>) -> Outcome {
+    match check {
+        CudaCheck::NotAvailable { reason } => Outcome::Skipped(format!("not available: {reason}")),
+        CudaCheck::Failed { reason } if reason.devices.is_empty() => Outcome::Failed(reason.message),
+        CudaCheck::Failed { reason } => Outcome::Failed(
+            reason
+                .devices
+                .iter()
+                .map(|f| format!("{}: {}", name_cuda_device(&f.device, inventory), f.error))
+                .collect::<Vec<_>>()
+                .join("; "),
+        ),
+        CudaCheck::Passed { driver_api, gpus } => match cuda_nvml_mismatch(&gpus, inventory) {
+            Some(why) => Outcome::Failed(why),
+            None => Outcome::Passed(format!("CUDA {driver_api}: a kernel ran on {} GPU(s)", gpus.len())),
+        },
+    }
+}
+
+/// The NVML GPU at the CUDA device's PCI bus id, if NVML lists one.
+fn nvml_gpu<'a>(device: &CudaDevice, inventory: Option<&'a Inventory>) -> Option<&'a crate::nvml::GpuInfo> {
+    let bus = normalise_bus_id(device.pci_bus_id.as_deref()?);
+    inventory?.gpus.iter().find(|g| normalise_bus_id(&g.pci_bus_id) == bus)
+}
+
+/// `GPU 1 (GPU-…, 00000000:11:00.0; CUDA device 0)`, or CUDA's own description where NVML
+/// does not list the device (or there is no inventory).
+fn name_cuda_device(device: &CudaDevice, inventory: Option<&Inventory>) -> String {
+    match nvml_gpu(device, inventory) {
+        Some(g) => format!(
+            "GPU {} ({}, {}; CUDA device {})",
+            g.index, g.uuid, g.pci_bus_id, device.ordinal
+        ),
+        None if inventory.is_some() && device.pci_bus_id.is_some() => {
+            format!("{device}, which NVML does not list")
+        }
+        None => device.to_string(),
+    }
+}
+
+/// Why CUDA's devices are not NVML's GPUs, naming those only one side sees; `None` when the
+/// counts agree, without an inventory, or on a node with a MIG-enabled GPU.
+fn cuda_nvml_mismatch(cuda: &[CudaDevice], inventory: Option<&Inventory>) -> Option<String> {
+    let inventory = inventory?;
+    if cuda.len() == inventory.gpus.len() || inventory.gpus.iter().any(|g| g.mig.is_some_and(|m| m.current)) {
+        return None;
+    }
+    let cuda_buses: Option<Vec<String>> = cuda
+        .iter()
+        .map(|d| d.pci_bus_id.as_deref().map(normalise_bus_id))
+        .collect();
+    let mut why = format!(
+        "CUDA sees {} device(s) but NVML sees {} GPU(s)",
+        cuda.len(),
+        inventory.gpus.len()
+    );
+    if let Some(buses) = &cuda_buses {
+        let unseen: Vec<String> = inventory
+            .gpus
+            .iter()
+            .filter(|g| !buses.contains(&normalise_bus_id(&g.pci_bus_id)))
+            .map(|g| g.to_string())
+            .collect();
+        if !unseen.is_empty() {
+            why.push_str(&format!(": not a CUDA device: {}", unseen.join(", ")));
+        }
+    }
+    let unlisted: Vec<String> = cuda
+        .iter()
+        .filter(|d| d.pci_bus_id.is_some() && nvml_gpu(d, Some(inventory)).is_none())
+        .map(|d| d.to_string())
+        .collect();
+    if !unlisted.is_empty() {
+        why.push_str(&format!("; not an NVML GPU: {}", unlisted.join(", ")));
+    }
+    if cuda.len() < inventory.gpus.len() {
+        why.push_str(
+            " (is CUDA_VISIBLE_DEVICES set in the agent's environment? otherwise CUDA cannot initialise the GPU: \
+             check `dmesg` for Xid errors)",
+        );
+    }
+    Some(why)
+}
+
 /// Runs `gpu-node-agent validate cuda` (this binary) and reads its JSON answer.
-fn run_cuda_child(root: &std::path::Path, driver_root: &std::path::Path) -> Outcome {
-    let exe = match std::env::current_exe() {
-        Ok(p) => p,
-        Err(e) => return Outcome::Failed(format!("cannot find the agent's own binary: {e}")),
-    };
+fn run_cuda_child(root: &std::path::Path, driver_root: &std::path::Path) -> Result<CudaCheck, String> {
+    let exe = std::env::current_exe().map_err(|e| format!("cannot find the agent's own binary: {e}"))?;
     let cmd = Cmd::new(exe)
         .arg("--root")
         .arg(root)
         .args(["validate", "cuda", "--json", "--driver-root"])
         .arg(driver_root)
         .timeout(CUDA_TIMEOUT);
-    let out = match crate::host::command::run_unrooted(&cmd) {
-        Ok(out) => out,
-        Err(e) => return Outcome::Failed(e.to_string()),
-    };
-    match serde_json::from_str::<CudaCheck>(out.stdout.trim()) {
-        Ok(CudaCheck::Passed { driver_api, gpus }) => {
-            Outcome::Passed(format!("CUDA {driver_api}: a kernel ran on {} GPU(s)", gpus.len()))
-        }
-        Ok(CudaCheck::NotAvailable { reason }) => Outcome::Skipped(format!("not available: {reason}")),
-        Ok(CudaCheck::Failed { reason }) => Outcome::Failed(reason),
-        Err(_) => Outcome::Failed(format!(
+    let out = crate::host::command::run_unrooted(&cmd).map_err(|e| e.to_string())?;
+    serde_json::from_str::<CudaCheck>(out.stdout.trim()).map_err(|_| {
+        format!(
             "the CUDA check ended with {} and no answer{}",
             out.status,
             if out.stderr.trim().is_empty() {
@@ -298,8 +379,8 @@ fn run_cuda_child(root: &std::path::Path, driver_root: &std::path::Path) -> Outc
             } else {
                 format!(": {}", out.stderr.trim())
             }
-        )),
-    }
+        )
+    })
 }
 
 #[cfg(test)]
@@ -322,6 +403,8 @@ mod tests {
                 devices,
                 healthy: devices,
                 error: None,
+                streams_open: stream.map_or(0, |s| s.open),
+                devices_sent: stream.and_then(|s| s.devices_sent),
             }],
             streams: stream.map(|s| (GPU.to_string(), s)).into_iter().collect(),
         }
@@ -385,5 +468,109 @@ mod tests {
             plugin_outcome(&nothing, &[], None, 0),
             Outcome::Passed("0 resource(s) registered, 0 device(s) listed to the kubelet".into())
         );
+    }
+
+    fn cuda_device(ordinal: i32, bus: Option<&str>) -> CudaDevice {
+        CudaDevice {
+            ordinal,
+            name: "NVIDIA A100-SXM4-40GB".into(),
+            pci_bus_id: bus.map(str::to_string),
+        }
+    }
+
+    fn passed(devices: Vec<CudaDevice>) -> CudaCheck {
+        CudaCheck::Passed {
+            driver_api: "12.4".into(),
+            gpus: crate::cuda::CudaGpus(devices),
+        }
+    }
+
+    #[test]
+    fn a_failed_cuda_device_is_named_by_its_nvml_index_uuid_and_bus_id() {
+        use crate::cuda::{CudaFailure, DeviceFailure};
+        use crate::nvml::sample::{a100, inventory};
+
+        let inventory = inventory(vec![a100(0), a100(1)]);
+        // CUDA's ordinal 0 is NVML's GPU 1 (fastest first is not PCI order).
+        let failed = |bus: &str| CudaCheck::Failed {
+            reason: CudaFailure {
+                message: "…".into(),
+                devices: vec![DeviceFailure {
+                    device: cuda_device(0, Some(bus)),
+                    error: "cuLaunchKernel: CUDA error 719 (unspecified launch failure)".into(),
+                }],
+            },
+        };
+        assert_eq!(
+            cuda_outcome(failed("0000:11:00.0"), Some(&inventory)),
+            Outcome::Failed(
+                "GPU 1 (GPU-1, 00000000:11:00.0; CUDA device 0): cuLaunchKernel: CUDA error 719 (unspecified launch \
+                 failure)"
+                    .into()
+            )
+        );
+        assert_eq!(
+            cuda_outcome(failed("0000:c1:00.0"), Some(&inventory)),
+            Outcome::Failed(
+                "CUDA device 0 (NVIDIA A100-SXM4-40GB, PCI 0000:c1:00.0), which NVML does not list: cuLaunchKernel: \
+                 CUDA error 719 (unspecified launch failure)"
+                    .into()
+            )
+        );
+        // Without an inventory, CUDA's own description (with the bus id).
+        assert_eq!(
+            cuda_outcome(failed("0000:11:00.0"), None),
+            Outcome::Failed(
+                "CUDA device 0 (NVIDIA A100-SXM4-40GB, PCI 0000:11:00.0): cuLaunchKernel: CUDA error 719 \
+                 (unspecified launch failure)"
+                    .into()
+            )
+        );
+    }
+
+    #[test]
+    fn cuda_seeing_fewer_gpus_than_nvml_fails_naming_the_missing_one() {
+        use crate::nvml::sample::{a100, inventory, mig, mig_devices};
+
+        let two = inventory(vec![a100(0), a100(1)]);
+        let one = passed(vec![cuda_device(0, Some("0000:11:00.0"))]);
+        match cuda_outcome(one.clone(), Some(&two)) {
+            Outcome::Failed(why) => assert!(
+                why.starts_with(
+                    "CUDA sees 1 device(s) but NVML sees 2 GPU(s): not a CUDA device: GPU 0 (GPU-0, 00000000:10:00.0) \
+                     (is CUDA_VISIBLE_DEVICES set"
+                ),
+                "{why}"
+            ),
+            other => panic!("{other:?}"),
+        }
+        // A device CUDA has and NVML does not is named too.
+        let three = passed(vec![
+            cuda_device(0, Some("0000:11:00.0")),
+            cuda_device(1, Some("0000:10:00.0")),
+            cuda_device(2, Some("0000:c1:00.0")),
+        ]);
+        assert_eq!(
+            cuda_outcome(three, Some(&two)),
+            Outcome::Failed(
+                "CUDA sees 3 device(s) but NVML sees 2 GPU(s); not an NVML GPU: CUDA device 2 (NVIDIA \
+                 A100-SXM4-40GB, PCI 0000:c1:00.0)"
+                    .into()
+            )
+        );
+        // Same count: passed. No inventory, or a MIG-enabled GPU: counts are not compared.
+        let both = passed(vec![
+            cuda_device(0, Some("0000:11:00.0")),
+            cuda_device(1, Some("0000:10:00.0")),
+        ]);
+        assert_eq!(
+            cuda_outcome(both, Some(&two)),
+            Outcome::Passed("CUDA 12.4: a kernel ran on 2 GPU(s)".into())
+        );
+        assert!(matches!(cuda_outcome(one.clone(), None), Outcome::Passed(_)));
+        let mut with_mig = two.clone();
+        with_mig.gpus[1].mig = Some(mig(true));
+        with_mig.gpus[1].mig_devices = mig_devices(1, &["3g.20gb"]);
+        assert!(matches!(cuda_outcome(one, Some(&with_mig)), Outcome::Passed(_)));
     }
 }

@@ -9,7 +9,7 @@ use super::cache::{CacheError, CacheKey, CachedModules, ModuleCache};
 use super::fetch::{FetchError, FetchOptions, fetch};
 use super::observe::{self, HostFacts, ObserveError};
 use super::plan::{self, Context, DriverPlan, LoadFrom, PackageManager, PlanError, Step};
-use super::validate::{self, Check, NvmlView, ValidationInput};
+use super::validate::{self, Check, NvmlGpu, NvmlView, ValidationInput};
 use crate::config::{Config, DriverSource};
 use crate::host::command::{Cmd, CmdError, Runner};
 use crate::host::{HostRoot, WriteError, write_atomic};
@@ -711,24 +711,45 @@ fn persistence(host: &Host<'_>, started: &[&str]) -> Result<(), DriverError> {
     Ok(())
 }
 
-/// The validation checks against what NVML reports now (`nvml`: driver version and GPU count,
-/// or why NVML does not answer).
-pub fn validate_now(config: &Config, facts: &HostFacts, nvml: Result<NvmlView, String>) -> Vec<Check> {
+/// The validation checks against what NVML reports now (`nvml`: driver version, GPU count and
+/// the GPUs NVML lists, or why NVML does not answer).
+pub fn validate_now(config: &Config, facts: &HostFacts, nvml: Result<(NvmlView, Vec<NvmlGpu>), String>) -> Vec<Check> {
     // With package names that do not pin the point release, any of the branch will do.
     let desired = (!config.driver.version.is_empty()).then(|| plan::accepted_version(&config.driver, facts));
-    validate::validate(&ValidationInput {
-        pci_gpus: facts.gpus.len(),
-        nvml,
-        desired_version: desired,
-        loaded: facts.loaded.clone(),
-    })
+    let (nvml, listed) = match nvml {
+        Ok((view, listed)) => (Ok(view), listed),
+        Err(e) => (Err(e), Vec::new()),
+    };
+    let addresses = validate::GpuAddresses {
+        pci: facts.gpus.iter().map(|g| g.address.clone()).collect(),
+        nvml: listed,
+    };
+    validate::validate_named(
+        &ValidationInput {
+            pci_gpus: facts.gpus.len(),
+            nvml,
+            desired_version: desired,
+            loaded: facts.loaded.clone(),
+        },
+        Some(&addresses),
+    )
 }
 
-/// NVML's view for validation, from an open library.
-pub fn nvml_view(gpus: &crate::nvml::Gpus) -> Result<NvmlView, String> {
+/// NVML's view for validation, from an open library, with the GPUs it lists when its count
+/// differs from `pci_gpus` (to name the GPU the count check misses; empty otherwise, or when
+/// NVML would not list them): the usual pass asks NVML for two numbers only.
+pub fn nvml_view(gpus: &crate::nvml::Gpus, pci_gpus: usize) -> Result<(NvmlView, Vec<NvmlGpu>), String> {
     let (driver_version, gpu_count) = gpus.driver_and_count().map_err(|e| e.to_string())?;
-    Ok(NvmlView {
-        driver_version,
-        gpu_count,
-    })
+    let listed = if gpu_count == pci_gpus {
+        Vec::new()
+    } else {
+        NvmlGpu::read_all(gpus).unwrap_or_default()
+    };
+    Ok((
+        NvmlView {
+            driver_version,
+            gpu_count,
+        },
+        listed,
+    ))
 }

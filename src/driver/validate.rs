@@ -7,6 +7,7 @@
 use serde::Serialize;
 
 use super::observe::LoadedDriver;
+use crate::nvml::normalise_bus_id;
 
 /// The modules a working driver has loaded (`/sys/module` names), with what each is for.
 const REQUIRED_MODULES: [(&str, &str); 3] = [
@@ -35,6 +36,60 @@ pub struct ValidationInput {
     pub desired_version: Option<String>,
     /// The loaded modules ([`super::observe::loaded_driver`]).
     pub loaded: Option<LoadedDriver>,
+}
+
+/// The GPUs behind the two counts of the `gpu-count` check, so that a mismatch names them.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct GpuAddresses {
+    /// The NVIDIA GPUs on the PCI bus, as sysfs names them (`0000:07:00.0`):
+    /// [`super::observe::PciDevice::address`].
+    pub pci: Vec<String>,
+    /// The GPUs NVML lists ([`NvmlGpu::read_all`]).
+    pub nvml: Vec<NvmlGpu>,
+}
+
+/// One GPU as NVML lists it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct NvmlGpu {
+    pub index: u32,
+    pub uuid: String,
+    /// NVML's form, `00000000:07:00.0`.
+    pub pci_bus_id: String,
+}
+
+impl NvmlGpu {
+    /// Every GPU NVML lists, by index: its UUID and bus id (a handle, `nvmlDeviceGetUUID` and
+    /// `nvmlDeviceGetPciInfo` per GPU). The one read in this module, for the caller that observes
+    /// NVML.
+    pub fn read_all(gpus: &crate::nvml::Gpus) -> Result<Vec<NvmlGpu>, String> {
+        let nvml = gpus.nvml();
+        let count = nvml.device_count().map_err(|e| format!("nvmlDeviceGetCount_v2: {e}"))?;
+        (0..count)
+            .map(|index| {
+                let device = nvml
+                    .device_by_index(index)
+                    .map_err(|e| format!("nvmlDeviceGetHandleByIndex_v2 (index {index}): {e}"))?;
+                let uuid = device
+                    .uuid()
+                    .map_err(|e| format!("nvmlDeviceGetUUID (index {index}): {e}"))?;
+                let pci = device
+                    .pci_info()
+                    .map_err(|e| format!("nvmlDeviceGetPciInfo (index {index}, {uuid}): {e}"))?;
+                Ok(NvmlGpu {
+                    index,
+                    uuid,
+                    pci_bus_id: pci.bus_id,
+                })
+            })
+            .collect()
+    }
+}
+
+impl std::fmt::Display for NvmlGpu {
+    /// `GPU 2 (GPU-…, 00000000:c1:00.0)`, as [`crate::nvml::GpuInfo`] shows.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "GPU {} ({}, {})", self.index, self.uuid, self.pci_bus_id)
+    }
 }
 
 /// One check's outcome.
@@ -73,9 +128,15 @@ impl Check {
 /// Runs the checks, in order: `nvml`, `gpu-count` (only when NVML initialises: without it there
 /// is nothing to count, and the `nvml` failure already says why), `version`, `modules`.
 pub fn validate(input: &ValidationInput) -> Vec<Check> {
+    validate_named(input, None)
+}
+
+/// [`validate`], with the GPUs' addresses on both sides: a `gpu-count` mismatch names the PCI
+/// devices NVML does not list (or the NVML GPUs sysfs does not show).
+pub fn validate_named(input: &ValidationInput, addresses: Option<&GpuAddresses>) -> Vec<Check> {
     let mut checks = vec![check_nvml(input)];
     if let Ok(nvml) = &input.nvml {
-        checks.push(check_gpu_count(input.pci_gpus, nvml.gpu_count));
+        checks.push(check_gpu_count(input.pci_gpus, nvml.gpu_count, addresses));
     }
     checks.push(check_version(input));
     checks.push(check_modules(input.loaded.as_ref()));
@@ -126,7 +187,7 @@ fn check_nvml(input: &ValidationInput) -> Check {
     }
 }
 
-fn check_gpu_count(pci: usize, nvml: usize) -> Check {
+fn check_gpu_count(pci: usize, nvml: usize, addresses: Option<&GpuAddresses>) -> Check {
     let observed = Some(nvml.to_string());
     if pci == 0 && nvml == 0 {
         return Check::fail(
@@ -144,15 +205,45 @@ fn check_gpu_count(pci: usize, nvml: usize) -> Check {
             observed,
         );
     }
+    // Matched on the sysfs form: NVML writes `00000000:07:00.0`, sysfs `0000:07:00.0`. Only lists
+    // that agree with the counts name anything (a list NVML would not give is empty).
+    let (unlisted, unseen) = match addresses {
+        Some(a) if a.pci.len() == pci && a.nvml.len() == nvml => {
+            let nvml_buses: Vec<String> = a.nvml.iter().map(|g| normalise_bus_id(&g.pci_bus_id)).collect();
+            let pci_buses: Vec<String> = a.pci.iter().map(|p| normalise_bus_id(p)).collect();
+            let unlisted: Vec<String> = pci_buses.iter().filter(|p| !nvml_buses.contains(p)).cloned().collect();
+            let unseen: Vec<String> = a
+                .nvml
+                .iter()
+                .filter(|g| !pci_buses.contains(&normalise_bus_id(&g.pci_bus_id)))
+                .map(|g| g.to_string())
+                .collect();
+            (unlisted, unseen)
+        }
+        _ => (Vec::new(), Vec::new()),
+    };
     let message = if nvml < pci {
+        let (which, lspci) = match unlisted.as_slice() {
+            [] => (String::new(), "-d 10de:".to_string()),
+            [one] => (format!(": NVML does not list {one}"), format!("-s {one}")),
+            many => (
+                format!(": NVML does not list {}", many.join(", ")),
+                "-d 10de:".to_string(),
+            ),
+        };
         format!(
-            "NVML sees {nvml} GPU(s) but {pci} NVIDIA PCI devices are present: a GPU fell off the bus or is bound to \
-             another driver (vfio-pci?), check `dmesg` for Xid 79 and `lspci -k -d 10de:`"
+            "NVML sees {nvml} GPU(s) but {pci} NVIDIA PCI devices are present{which}: a GPU fell off the bus or is \
+             bound to another driver (vfio-pci?), check `dmesg` for Xid 79 and `lspci -k {lspci}`"
         )
     } else {
+        let which = if unseen.is_empty() {
+            String::new()
+        } else {
+            format!(": {} not in sysfs", unseen.join(", "))
+        };
         format!(
-            "NVML sees {nvml} GPU(s) but only {pci} NVIDIA PCI device(s) are visible in /sys/bus/pci/devices: the \
-             host's /sys is not under --root, or the PCI scan missed a device class"
+            "NVML sees {nvml} GPU(s) but only {pci} NVIDIA PCI device(s) are visible in /sys/bus/pci/devices{which}: \
+             the host's /sys is not under --root, or the PCI scan missed a device class"
         )
     };
     Check::fail("gpu-count", message, observed)
@@ -380,6 +471,78 @@ mod tests {
             "NVML sees 7 GPU(s) but 8 NVIDIA PCI devices are present: a GPU fell off the bus or is bound to another \
              driver (vfio-pci?), check `dmesg` for Xid 79 and `lspci -k -d 10de:`"
         );
+    }
+
+    /// Two GPUs NVML lists (bus ids in NVML's form) and the sysfs addresses `pci`.
+    fn addresses(pci: &[&str]) -> GpuAddresses {
+        GpuAddresses {
+            pci: pci.iter().map(|p| p.to_string()).collect(),
+            nvml: [(0, "00000000:07:00.0"), (1, "00000000:0F:00.0")]
+                .into_iter()
+                .map(|(index, bus)| NvmlGpu {
+                    index,
+                    uuid: format!("GPU-{index}"),
+                    pci_bus_id: bus.into(),
+                })
+                .collect(),
+        }
+    }
+
+    fn named(pci_gpus: usize, addresses: &GpuAddresses) -> String {
+        let mut input = healthy();
+        input.pci_gpus = pci_gpus;
+        input.nvml = Ok(NvmlView {
+            driver_version: "550.54.15".into(),
+            gpu_count: addresses.nvml.len(),
+        });
+        let checks = validate_named(&input, Some(addresses));
+        check(&checks, "gpu-count").message.clone()
+    }
+
+    #[test]
+    fn a_count_mismatch_names_the_gpus_only_one_side_lists() {
+        // sysfs has a GPU NVML does not list; the formats differ (domain width, case).
+        let a = addresses(&["0000:07:00.0", "0000:0f:00.0", "0000:c1:00.0"]);
+        assert_eq!(
+            named(3, &a),
+            "NVML sees 2 GPU(s) but 3 NVIDIA PCI devices are present: NVML does not list 0000:c1:00.0: a GPU fell \
+             off the bus or is bound to another driver (vfio-pci?), check `dmesg` for Xid 79 and `lspci -k -s \
+             0000:c1:00.0`"
+        );
+        let a = addresses(&["0000:07:00.0", "0000:0f:00.0", "0000:c1:00.0", "0000:c2:00.0"]);
+        assert!(
+            named(4, &a).contains(": NVML does not list 0000:c1:00.0, 0000:c2:00.0: ")
+                && named(4, &a).contains("-d 10de:"),
+            "{}",
+            named(4, &a)
+        );
+        // NVML lists a GPU sysfs does not show: named by index, UUID and bus id.
+        let a = addresses(&["0000:07:00.0"]);
+        assert_eq!(
+            named(1, &a),
+            "NVML sees 2 GPU(s) but only 1 NVIDIA PCI device(s) are visible in /sys/bus/pci/devices: GPU 1 (GPU-1, \
+             00000000:0F:00.0) not in sysfs: the host's /sys is not under --root, or the PCI scan missed a device \
+             class"
+        );
+        // Lists that do not agree with the counts (NVML's could not be read) name nothing.
+        let mut unread = addresses(&["0000:07:00.0", "0000:0f:00.0", "0000:c1:00.0"]);
+        unread.nvml.clear();
+        let mut input = healthy();
+        input.pci_gpus = 3;
+        input.nvml = Ok(NvmlView {
+            driver_version: "550.54.15".into(),
+            gpu_count: 2,
+        });
+        let message = check(&validate_named(&input, Some(&unread)), "gpu-count")
+            .message
+            .clone();
+        assert!(
+            message.starts_with("NVML sees 2 GPU(s) but 3 NVIDIA PCI devices are present: a GPU"),
+            "{message}"
+        );
+        // Counts that agree pass, whatever the formats.
+        let a = addresses(&["0000:07:00.0", "0000:0f:00.0"]);
+        assert_eq!(named(2, &a), "NVML sees all 2 NVIDIA GPU(s) on the PCI bus");
     }
 
     #[test]

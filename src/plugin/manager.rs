@@ -54,6 +54,13 @@ pub struct ResourceStatus {
     pub devices: usize,
     pub healthy: usize,
     pub error: Option<String>,
+    /// How many `ListAndWatch` streams the kubelet has open for this resource (0: it does not
+    /// watch it).
+    #[serde(default)]
+    pub streams_open: usize,
+    /// How many devices the last `ListAndWatch` message listed; `None` before the first.
+    #[serde(default)]
+    pub devices_sent: Option<usize>,
 }
 
 struct Entry {
@@ -267,6 +274,7 @@ impl PluginManager {
             .iter()
             .map(|(name, e)| {
                 let resource = e.plugin.resource();
+                let streams = e.plugin.streams();
                 ResourceStatus {
                     name: name.clone(),
                     socket: e.plugin.socket.display().to_string(),
@@ -282,6 +290,8 @@ impl PluginManager {
                         .filter(|d| d.health == Health::Healthy)
                         .count(),
                     error: e.error.clone(),
+                    streams_open: streams.open,
+                    devices_sent: streams.devices_sent,
                 }
             })
             .collect();
