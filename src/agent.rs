@@ -58,6 +58,8 @@ const DRIVER_UPGRADE_RETRY: Duration = Duration::from_secs(30 * 60);
 const MIG_GAVE_UP_RECHECK: Duration = Duration::from_secs(10);
 /// How long to wait for `rebooting` to show on the Node before rebooting.
 const REBOOT_LABEL_WAIT: Duration = Duration::from_secs(10);
+/// The desired-state labels last seen, in the state dir (labels-file format).
+const LAST_DESIRED_FILE: &str = "desired-labels";
 /// How long to wait for `pending` to show on the Node before a MIG change.
 const PENDING_LABEL_WAIT: Duration = Duration::from_secs(5);
 
@@ -358,12 +360,29 @@ pub async fn run(config: Config, root: HostRoot, once: bool) -> Result<i32, Agen
                 }
             }
         });
-        if first.await.is_err() {
-            tracing::warn!(
-                "the desired state source did not answer within {FIRST_VIEW_WAIT:?}: starting with the config's defaults"
-            );
-        }
+        let answered = first.await.is_ok();
         agent.view = rx.borrow().clone();
+        if !answered {
+            match agent.last_desired() {
+                Some(labels) => {
+                    tracing::warn!(
+                        "the desired state source did not answer within {FIRST_VIEW_WAIT:?}: starting with what it \
+                         asked for last ({})",
+                        labels
+                            .iter()
+                            .map(|(k, v)| format!("{k}={v}"))
+                            .collect::<Vec<_>>()
+                            .join(", ")
+                    );
+                    agent.view.labels.extend(labels);
+                }
+                None => tracing::warn!(
+                    "the desired state source did not answer within {FIRST_VIEW_WAIT:?}: starting with the config's defaults"
+                ),
+            }
+        } else {
+            agent.remember_desired();
+        }
         agent.desired_sel = Desired::from_labels(&agent.view.labels, &agent.config.labels);
         let (dp, outcome) = choose_profile(
             &agent.config.device_plugin,
@@ -486,6 +505,7 @@ pub async fn run(config: Config, root: HostRoot, once: bool) -> Result<i32, Agen
             }
             Ok(view) = next_view(&mut view_rx) => {
                 agent.view = view;
+                agent.remember_desired();
                 let desired = Desired::from_labels(&agent.view.labels, &agent.config.labels);
                 let mig_changed = desired.mig_config != agent.desired_sel.mig_config;
                 agent.desired_sel = desired.clone();
@@ -1214,6 +1234,37 @@ impl Agent {
             }
             Step::Failed { reason } => self.mig_failed(reason),
         }
+    }
+
+    /// Keeps the desired-state labels the source gave last (the MIG layout and device plugin
+    /// profile) in the state dir: at boot a source that does not answer in time (an API server
+    /// still starting) must not mean whole GPUs advertised where a MIG layout was asked for.
+    fn remember_desired(&self) {
+        if !self.view.connected || self.view.source == crate::desired::Source::None {
+            return;
+        }
+        let keys = [&self.config.labels.mig_config, &self.config.labels.device_plugin_config];
+        let text: String = keys
+            .iter()
+            .filter_map(|k| self.view.labels.get(*k).map(|v| format!("{k}={v}\n")))
+            .collect();
+        let path = self.root.join(&self.config.agent.state_dir).join(LAST_DESIRED_FILE);
+        if std::fs::read_to_string(&path).ok().as_deref() == Some(text.as_str()) {
+            return;
+        }
+        if let Err(e) = crate::host::write_atomic(&path, text.as_bytes(), 0o644) {
+            tracing::warn!("cannot keep the desired state for the next start: {e}");
+        }
+    }
+
+    /// What [`Self::remember_desired`] kept, `None` when nothing was (or it does not parse).
+    fn last_desired(&self) -> Option<BTreeMap<String, String>> {
+        if self.view.source == crate::desired::Source::None {
+            return None;
+        }
+        let path = self.root.join(&self.config.agent.state_dir).join(LAST_DESIRED_FILE);
+        let text = std::fs::read_to_string(&path).ok()?;
+        crate::desired::parse_labels_file(&path.display().to_string(), &text).ok()
     }
 
     /// Gives the Node up to `wait` to show the MIG state label (when the Node is the source and

@@ -772,3 +772,30 @@ async fn rebooting_reaches_the_node_before_the_reboot() {
         .any(|r| r.method == "PATCH" && r.body.contains(&format!("\"{STATE}\":\"rebooting\"")));
     assert!(rebooting, "{:?}", api.labels(NODE));
 }
+
+/// Layouts do not survive a reboot, and at boot the API server may not answer yet: the agent
+/// re-applies the layout the Node asked for last (kept in its state dir) instead of advertising
+/// the bare GPUs, and follows the Node again once it answers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn at_boot_without_the_api_server_the_last_layout_is_applied_again() {
+    let (api, node, kubelet) = setup("").await;
+    let agent = node.spawn();
+    wait_label(&api, "nvidia.com/gpu.present", Some("true")).await;
+    api.set_label(NODE, "nvidia.com/mig.config", Some("all-1g.5gb"));
+    wait_label(&api, STATE, Some("success")).await;
+    assert_eq!(agent.stop(), 0);
+
+    // "Reboot": the MIG devices are gone, and the API server does not answer.
+    let out = node.run(&["mig", "apply", "all-enabled"]);
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    api.set_down(true);
+    let agent = node.spawn();
+    kubelet
+        .wait_for_devices("nvidia.com/mig-1g.5gb", T, |d| d.len() == 14)
+        .await
+        .unwrap_or_else(|e| panic!("{e:?}: {}", agent.log_text()));
+    assert!(agent.log_text().contains("starting with what it asked for last"));
+    assert_eq!(node.run(&["mig", "assert", "all-1g.5gb"]).status.code(), Some(0));
+    api.set_down(false);
+    assert_eq!(agent.stop(), 0);
+}
