@@ -27,10 +27,14 @@ fn two_a100s() -> String {
 }
 
 async fn setup(extra: &str) -> (TestApiServer, Node, TestKubelet) {
+    setup_with_strategy("mixed", extra).await
+}
+
+async fn setup_with_strategy(strategy: &str, extra: &str) -> (TestApiServer, Node, TestKubelet) {
     let api = TestApiServer::start().await;
     api.create_node(NODE, &[]);
     api.add_token(TOKEN, "system:node:gpu-node-1");
-    let config = format!("[device_plugin]\nmig_strategy = \"mixed\"\n{extra}");
+    let config = format!("[device_plugin]\nmig_strategy = \"{strategy}\"\n{extra}");
     let node = Node::new(&two_a100s(), &config);
     let options = KubeconfigOptions {
         file_name: "kubelet.conf".into(),
@@ -797,5 +801,30 @@ async fn at_boot_without_the_api_server_the_last_layout_is_applied_again() {
     assert!(agent.log_text().contains("starting with what it asked for last"));
     assert_eq!(node.run(&["mig", "assert", "all-1g.5gb"]).status.code(), Some(0));
     api.set_down(false);
+    assert_eq!(agent.stop(), 0);
+}
+
+/// Under `mig_strategy = "single"` a layout's MIG devices are advertised as `nvidia.com/gpu`, and
+/// the feature labels say what they are.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn under_the_single_strategy_a_layout_is_advertised_as_nvidia_com_gpu() {
+    let (api, node, kubelet) = setup_with_strategy("single", "").await;
+    let agent = node.spawn();
+    wait_label(&api, "nvidia.com/gpu.present", Some("true")).await;
+    api.set_label(NODE, "nvidia.com/mig.config", Some("all-3g.20gb"));
+    wait_label(&api, STATE, Some("success")).await;
+    kubelet
+        .wait_for_devices("nvidia.com/gpu", T, |d| {
+            d.len() == 4 && d.iter().all(|d| d.id.starts_with("MIG-"))
+        })
+        .await
+        .expect("2 × 3g.20gb per GPU as nvidia.com/gpu");
+    wait_label(&api, "nvidia.com/mig.strategy", Some("single")).await;
+    wait_label(
+        &api,
+        "nvidia.com/gpu.product",
+        Some("NVIDIA-A100-SXM4-40GB-MIG-3g.20gb"),
+    )
+    .await;
     assert_eq!(agent.stop(), 0);
 }
