@@ -1149,7 +1149,7 @@ impl Agent {
                 None,
                 Some(format!("layout {name}: changing {}", changing.join(", "))),
             );
-            self.write_status("running");
+            self.write_status_with_inventory(gpus);
             self.wait_for_label_on_node(MigLabelState::Pending.as_str(), PENDING_LABEL_WAIT)
                 .await;
         }
@@ -1210,16 +1210,7 @@ impl Agent {
                     self.mig_state = Some(MigLabelState::Rebooting);
                     self.mig_stage
                         .set(StageState::Pending, Some(format!("{reason}: rebooting the node")), None);
-                    // Labels are only reported with an inventory (none means "nothing known
-                    // yet"): at boot the MIG stage runs before it is read, so read one for this.
-                    let borrowed = self.inventory.is_none();
-                    if borrowed {
-                        self.inventory = gpus.inventory(&self.root.join("/sys")).ok();
-                    }
-                    self.write_status("running");
-                    if borrowed {
-                        self.inventory = None;
-                    }
+                    self.write_status_with_inventory(gpus);
                     self.wait_for_label_on_node(MigLabelState::Rebooting.as_str(), REBOOT_LABEL_WAIT)
                         .await;
                     self.reboot();
@@ -1233,6 +1224,21 @@ impl Agent {
                 }
             }
             Step::Failed { reason } => self.mig_failed(reason),
+        }
+    }
+
+    /// Writes the status and reports the labels now. Labels are only reported with an
+    /// inventory (none means "nothing known yet"), and at boot the MIG stage runs before the
+    /// inventory is read: one is read for this report and left for the device plugin stage to
+    /// read again (which also starts the health watch).
+    fn write_status_with_inventory(&mut self, gpus: &Gpus) {
+        let borrowed = self.inventory.is_none();
+        if borrowed {
+            self.inventory = gpus.inventory(&self.root.join("/sys")).ok();
+        }
+        self.write_status("running");
+        if borrowed {
+            self.inventory = None;
         }
     }
 

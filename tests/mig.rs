@@ -828,3 +828,31 @@ async fn under_the_single_strategy_a_layout_is_advertised_as_nvidia_com_gpu() {
     .await;
     assert_eq!(agent.stop(), 0);
 }
+
+/// At start, with the layout already on the Node (a reboot), `pending` reaches the Node before
+/// the change although the device plugin has not read the inventory yet.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn at_start_pending_reaches_the_node_before_the_layout_is_applied() {
+    let (api, node, kubelet) = setup("").await;
+    api.set_label(NODE, "nvidia.com/mig.config", Some("all-1g.5gb"));
+    let agent = node.spawn();
+    kubelet
+        .wait_for_devices("nvidia.com/mig-1g.5gb", T, |d| d.len() == 14)
+        .await
+        .expect("applied");
+    wait_label(&api, STATE, Some("success")).await;
+    let pending = format!("\"{STATE}\":\"pending\"");
+    assert!(
+        api.requests()
+            .iter()
+            .any(|r| r.method == "PATCH" && r.body.contains(&pending)),
+        "{:?}",
+        api.requests().iter().map(|r| &r.body).collect::<Vec<_>>()
+    );
+    assert!(
+        !agent.log_text().contains("did not show on the Node"),
+        "{}",
+        agent.log_text()
+    );
+    assert_eq!(agent.stop(), 0);
+}
