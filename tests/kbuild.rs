@@ -36,8 +36,8 @@ fn headers() -> (String, PathBuf) {
         })
 }
 
-/// The same module in the form of NVIDIA's kernel-open tree: a top-level Makefile taking
-/// `SYSSRC`/`SYSOUT` that calls kbuild itself.
+/// The same module (its source comes from [`FIXTURE`]) in the form of NVIDIA's kernel-open
+/// tree: a top-level Makefile taking `SYSSRC`/`SYSOUT` that calls kbuild itself.
 const FIXTURE_SYSSRC: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/kmod/hello-syssrc");
 
 /// A copy of the fixture in a temp dir (kbuild writes its objects into the tree).
@@ -52,6 +52,9 @@ fn copy_of(fixture: &str) -> (tempfile::TempDir, PathBuf) {
     for entry in fs::read_dir(fixture).expect("the fixture") {
         let entry = entry.expect("entry");
         fs::copy(entry.path(), tree.join(entry.file_name())).expect("copy the fixture");
+    }
+    if !tree.join("gna_hello.c").exists() {
+        fs::copy(Path::new(FIXTURE).join("gna_hello.c"), tree.join("gna_hello.c")).expect("copy the source");
     }
     (dir, tree)
 }
