@@ -220,16 +220,18 @@ impl Status {
         }
         if let Some(d) = &self.desired {
             let link = match (d.connected, &d.error) {
-                (_, Some(e)) => format!("error: {e}"),
-                (true, None) => "connected".to_string(),
-                (false, None) => "connecting".to_string(),
+                (_, Some(e)) => format!(" (error: {e})"),
+                (true, None) => " (connected)".to_string(),
+                // No source: the detail says why; there is nothing to connect to.
+                (false, None) if d.source == Source::None => String::new(),
+                (false, None) => " (connecting)".to_string(),
             };
             let source = match d.source {
                 Source::Node => "node labels",
                 Source::File => "labels file",
                 Source::None => "none",
             };
-            let _ = writeln!(out, "\nDESIRED STATE from {source}: {} ({link})", d.detail);
+            let _ = writeln!(out, "\nDESIRED STATE from {source}: {}{link}", d.detail);
             let show = |s: &Selection| match s {
                 Selection::Unset => "(not set)".to_string(),
                 Selection::Name { name } => name.clone(),
@@ -448,6 +450,43 @@ mod tests {
         assert!(view.contains("Unhealthy (critical Xid 79)"), "{view}");
         assert!(view.contains("nvidia.com/gpu"), "{view}");
         assert!(view.contains("10s ago"), "{view}");
+    }
+
+    #[test]
+    fn the_desired_state_line_says_connecting_only_when_there_is_a_source() {
+        let desired = |source: Source, connected: bool| DesiredStatus {
+            source,
+            detail: "why".into(),
+            connected,
+            error: None,
+            mig_config: Selection::Unset,
+            device_plugin_config: Selection::Unset,
+            profile: ProfileOutcome {
+                applied: None,
+                state: ProfileState::None,
+                reason: None,
+            },
+        };
+        let line = |d: DesiredStatus| {
+            let status = Status {
+                desired: Some(d),
+                ..sample()
+            };
+            let view = status.render(1005);
+            view.lines()
+                .find(|l| l.starts_with("DESIRED STATE"))
+                .map(str::to_string)
+                .unwrap_or_default()
+        };
+        assert_eq!(line(desired(Source::None, false)), "DESIRED STATE from none: why");
+        assert_eq!(
+            line(desired(Source::Node, false)),
+            "DESIRED STATE from node labels: why (connecting)"
+        );
+        assert_eq!(
+            line(desired(Source::Node, true)),
+            "DESIRED STATE from node labels: why (connected)"
+        );
     }
 
     #[test]
