@@ -412,18 +412,7 @@ async fn the_agent_terminates_a_pod_process_over_its_replicas_fair_share() {
                   [device_plugin.memory_limits]\naction = \"kill\"\ninterval = \"100ms\"\ngrace_period = \"1s\"\n";
     let node = common::Node::new(&common::machine("A100-SXM4-40GB", 1), config);
     // The Node the agent reports to: the action becomes an Event on it.
-    let api = test_apiserver::TestApiServer::start().await;
-    api.create_node("gpu-node-1", &[]);
-    api.add_token("agent-token-0123456789", "system:node:gpu-node-1");
-    let options = test_apiserver::KubeconfigOptions {
-        file_name: "kubelet.conf".into(),
-        ..test_apiserver::KubeconfigOptions::default()
-    };
-    api.write_kubeconfig_with(
-        &node.kubeconfig_dir(),
-        test_apiserver::KubeconfigAuth::Token("agent-token-0123456789".into()),
-        &options,
-    );
+    let api = common::api_server_for(&node, &[]).await;
     let mut child = node.pod_process();
     let pid = child.id();
     // The kubelet's log layout names the pod and container.

@@ -17,7 +17,6 @@ use std::time::Duration;
 use gpu_node_agent::metrics::{FIELDS, Metrics, MetricsServer, Sampler, SamplerConfig, XID_ERRORS};
 use gpu_node_agent::nvml::{Gpus, HealthEvent, Inventory};
 use prometheus_parse::{Scrape, Value};
-use test_apiserver::{KubeconfigAuth, KubeconfigOptions, TestApiServer};
 use test_kubelet::{KubeletOptions, PodContainer, TestKubelet};
 use tokio::sync::{oneshot, watch};
 
@@ -517,8 +516,6 @@ async fn scrape_reports_gpus_mig_instances_pods_and_agent_metrics() {
     the_running_agent_reports_its_own_work().await;
 }
 
-const NODE_TOKEN: &str = "agent-token-0123456789";
-
 /// The running binary's own series, scraped from its endpoint: a kubelet, an API server, a
 /// time-sliced GPU with a memory budget and a pod process over it, an Xid that recovers, and a
 /// GPU NVML loses and finds again.
@@ -536,18 +533,7 @@ async fn the_running_agent_reports_its_own_work() {
          [device_plugin.memory_limits]\naction = \"dry-run\"\ninterval = \"100ms\"\n"
     );
     let node = common::Node::new(&common::machine("A100-SXM4-40GB", 2), &config);
-    let api = TestApiServer::start().await;
-    api.create_node(HOST, &[]);
-    api.add_token(NODE_TOKEN, "system:node:gpu-node-1");
-    let options = KubeconfigOptions {
-        file_name: "kubelet.conf".into(),
-        ..KubeconfigOptions::default()
-    };
-    api.write_kubeconfig_with(
-        &node.kubeconfig_dir(),
-        KubeconfigAuth::Token(NODE_TOKEN.into()),
-        &options,
-    );
+    let _api = common::api_server_for(&node, &[]).await; // serves until the end of the test
     let kubelet = TestKubelet::start(&node.plugin_dir(), KubeletOptions::default())
         .await
         .expect("kubelet");

@@ -6,12 +6,11 @@ mod common;
 use std::time::Duration;
 
 use common::{Node, gpu_uuid};
-use test_apiserver::{KubeconfigAuth, KubeconfigOptions, TestApiServer};
+use test_apiserver::TestApiServer;
 use test_kubelet::{KubeletOptions, TestKubelet};
 
 const T: Duration = Duration::from_secs(15);
-const NODE: &str = "gpu-node-1";
-const TOKEN: &str = "agent-token-0123456789";
+const NODE: &str = common::NODE_NAME;
 const STATE: &str = "nvidia.com/mig.config.state";
 
 /// Two A100-40GB with MIG enabled and no MIG devices yet.
@@ -31,16 +30,9 @@ async fn setup(extra: &str) -> (TestApiServer, Node, TestKubelet) {
 }
 
 async fn setup_with_strategy(strategy: &str, extra: &str) -> (TestApiServer, Node, TestKubelet) {
-    let api = TestApiServer::start().await;
-    api.create_node(NODE, &[]);
-    api.add_token(TOKEN, "system:node:gpu-node-1");
     let config = format!("[device_plugin]\nmig_strategy = \"{strategy}\"\n{extra}");
     let node = Node::new(&two_a100s(), &config);
-    let options = KubeconfigOptions {
-        file_name: "kubelet.conf".into(),
-        ..KubeconfigOptions::default()
-    };
-    api.write_kubeconfig_with(&node.kubeconfig_dir(), KubeconfigAuth::Token(TOKEN.into()), &options);
+    let api = common::api_server_for(&node, &[]).await;
     let kubelet = TestKubelet::start(&node.plugin_dir(), KubeletOptions::default())
         .await
         .expect("kubelet");
@@ -660,18 +652,14 @@ async fn a_layout_given_up_on_stays_failed_until_the_work_ends_then_applies() {
         .wait_for_devices("nvidia.com/mig-1g.5gb", T, |d| d.len() == 14)
         .await
         .expect("advertised again");
-    // Longer than the gave-up recheck (10 s) and several resyncs: no pending again. (The
-    // request log gets an entry after its answer: wait for the failed PATCH first.)
-    let failed = format!("\"{STATE}\":\"failed\"");
-    assert!(
-        api.wait_for(T, |a| a.requests().iter().any(|r| r.body.contains(&failed)))
-            .await
-    );
-    let since = api.requests().len();
+    // Longer than the gave-up recheck (10 s) and several resyncs: no state PATCH arrives (by
+    // arrival time: a log entry is added after its answer, so the log's order can differ).
+    let since = std::time::Instant::now();
     tokio::time::sleep(Duration::from_secs(12)).await;
-    let flips: Vec<String> = api.requests()[since..]
+    let flips: Vec<String> = api
+        .requests()
         .iter()
-        .filter(|r| r.method == "PATCH" && r.body.contains(STATE))
+        .filter(|r| r.method == "PATCH" && r.at >= since && r.body.contains(STATE))
         .map(|r| r.body.clone())
         .collect();
     assert!(flips.is_empty(), "the state label did not move: {flips:?}");
@@ -703,29 +691,27 @@ async fn the_state_is_pending_while_a_layout_is_applied() {
     wait_label(&api, "nvidia.com/gpu.present", Some("true")).await;
     api.set_label(NODE, "nvidia.com/mig.config", Some("all-1g.5gb"));
     wait_label(&api, STATE, Some("success")).await;
-    // The request log gets an entry after its answer: wait for the first success's PATCH.
-    let success = format!("\"{STATE}\":\"success\"");
-    assert!(
-        api.wait_for(T, |a| a.requests().iter().any(|r| r.body.contains(&success)))
-            .await
-    );
-    let since = api.requests().len();
+    // The state PATCHes of the new layout, in the order they arrived (the log's own order can
+    // differ: an entry is added after its answer).
+    let asked = std::time::Instant::now();
     api.set_label(NODE, "nvidia.com/mig.config", Some("all-3g.20gb"));
-    assert!(
-        api.wait_for(T, |a| a.requests()[since..].iter().any(
-            |r| r.method == "PATCH" && r.body.contains(&format!("\"{STATE}\":\"success\""))
-        ))
-        .await
-    );
-    let states: Vec<&str> = api.requests()[since..]
-        .iter()
-        .filter(|r| r.method == "PATCH")
-        .filter_map(|r| {
-            ["pending", "success"]
-                .into_iter()
-                .find(|s| r.body.contains(&format!("\"{STATE}\":\"{s}\"")))
-        })
-        .collect();
+    let states = |a: &TestApiServer| -> Vec<&'static str> {
+        let mut patches: Vec<(std::time::Instant, &'static str)> = a
+            .requests()
+            .iter()
+            .filter(|r| r.method == "PATCH" && r.at >= asked)
+            .filter_map(|r| {
+                ["pending", "success"]
+                    .into_iter()
+                    .find(|s| r.body.contains(&format!("\"{STATE}\":\"{s}\"")))
+                    .map(|s| (r.at, s))
+            })
+            .collect();
+        patches.sort();
+        patches.into_iter().map(|(_, s)| s).collect()
+    };
+    assert!(api.wait_for(T, |a| states(a).len() >= 2).await, "{:?}", states(&api));
+    let states = states(&api);
     assert_eq!(states, ["pending", "success"], "{}", agent.log_text());
     assert_eq!(agent.stop(), 0);
 }
@@ -757,15 +743,8 @@ fn the_default_layout_applies_without_a_label() {
 /// after boot (before the device plugin has read the inventory).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rebooting_reaches_the_node_before_the_reboot() {
-    let api = TestApiServer::start().await;
-    api.create_node(NODE, &[("nvidia.com/mig.config", "all-1g.5gb")]);
-    api.add_token(TOKEN, "system:node:gpu-node-1");
     let node = reset_node_with("[mig]\nreboot_on_mode_change = true\n", false);
-    let options = KubeconfigOptions {
-        file_name: "kubelet.conf".into(),
-        ..KubeconfigOptions::default()
-    };
-    api.write_kubeconfig_with(&node.kubeconfig_dir(), KubeconfigAuth::Token(TOKEN.into()), &options);
+    let api = common::api_server_for(&node, &[("nvidia.com/mig.config", "all-1g.5gb")]).await;
     let out = tokio::task::spawn_blocking(move || node.run(&["run", "--once"]))
         .await
         .expect("run");

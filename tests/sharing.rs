@@ -7,12 +7,11 @@ mod common;
 use std::time::Duration;
 
 use common::{Node, gpu_uuid, machine};
-use test_apiserver::{KubeconfigAuth, KubeconfigOptions, TestApiServer};
+use test_apiserver::TestApiServer;
 use test_kubelet::{Event, KubeletOptions, TestKubelet};
 
 const T: Duration = Duration::from_secs(15);
-const NODE: &str = "gpu-node-1";
-const TOKEN: &str = "agent-token-0123456789";
+const NODE: &str = common::NODE_NAME;
 const PROFILE: &str = "nvidia.com/device-plugin.config";
 const PROFILE_STATE: &str = "nvidia.com/device-plugin.config.state";
 const SHARED: &str = "nvidia.com/gpu.shared";
@@ -29,15 +28,8 @@ fn profile(name: &str, policy: &str, compact: &[&str]) -> String {
 /// The API server with this node's Node (carrying `labels`), the node itself with `config`, its
 /// kubeconfig, and the kubelet.
 async fn setup(machine: &str, config: &str, labels: &[(&str, &str)]) -> (TestApiServer, Node, TestKubelet) {
-    let api = TestApiServer::start().await;
-    api.create_node(NODE, labels);
-    api.add_token(TOKEN, "system:node:gpu-node-1");
     let node = Node::new(machine, config);
-    let options = KubeconfigOptions {
-        file_name: "kubelet.conf".into(),
-        ..KubeconfigOptions::default()
-    };
-    api.write_kubeconfig_with(&node.kubeconfig_dir(), KubeconfigAuth::Token(TOKEN.into()), &options);
+    let api = common::api_server_for(&node, labels).await;
     let kubelet = TestKubelet::start(&node.plugin_dir(), KubeletOptions::default())
         .await
         .expect("kubelet");

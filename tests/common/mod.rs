@@ -382,3 +382,26 @@ impl Node {
         child
     }
 }
+
+/// The simulated node's name (its `/etc/hostname`) and the token its kubeconfig carries.
+pub const NODE_NAME: &str = "gpu-node-1";
+pub const NODE_TOKEN: &str = "agent-token-0123456789";
+
+/// A test API server holding this node's Node (with `labels`) and a token for
+/// `system:node:gpu-node-1`, written as the kubelet's kubeconfig where kubeadm keeps it, so the
+/// agent finds it by its default search.
+pub async fn api_server_for(node: &Node, labels: &[(&str, &str)]) -> test_apiserver::TestApiServer {
+    let api = test_apiserver::TestApiServer::start().await;
+    api.create_node(NODE_NAME, labels);
+    api.add_token(NODE_TOKEN, "system:node:gpu-node-1");
+    let options = test_apiserver::KubeconfigOptions {
+        file_name: "kubelet.conf".into(),
+        ..test_apiserver::KubeconfigOptions::default()
+    };
+    api.write_kubeconfig_with(
+        &node.kubeconfig_dir(),
+        test_apiserver::KubeconfigAuth::Token(NODE_TOKEN.into()),
+        &options,
+    );
+    api
+}
