@@ -1,6 +1,7 @@
 //! Compiles the vendored kubelet APIs with protox, a pure-Rust protobuf compiler, so building
 //! needs no `protoc` on the machine: the device plugin API (v1beta1; server and client) and the
-//! pod-resources API (v1; client only, for the pod labels on the GPU metrics).
+//! pod-resources API (v1; client only, for the pod labels on the GPU metrics), and the CRI's
+//! RuntimeService Version and Status (client, and a server for the tests' stand-in engine).
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let proto = "proto/deviceplugin/v1beta1/api.proto";
@@ -17,6 +18,14 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let fds = protox::compile([pod_resources], ["proto"])?;
     tonic_prost_build::configure()
         .build_server(false)
+        .build_client(true)
+        .compile_fds(fds)?;
+
+    let cri = "proto/cri/runtime/v1/api.proto";
+    println!("cargo:rerun-if-changed={cri}");
+    let fds = protox::compile([cri], ["proto"])?;
+    tonic_prost_build::configure()
+        .build_server(true)
         .build_client(true)
         .compile_fds(fds)?;
     Ok(())

@@ -345,6 +345,16 @@ fn runtime_command(config: &Config, root: &HostRoot, command: RuntimeCommand) ->
         RuntimeCommand::Configure { no_restart, dry_run } => (no_restart, dry_run, false),
         RuntimeCommand::Unconfigure { no_restart } => (no_restart, false, true),
     };
+    if !dry_run {
+        match runtime_stage::recover(config, root) {
+            Ok(Some(note)) => println!("{note}"),
+            Ok(None) => {}
+            Err(e) => {
+                eprintln!("gpu-node-agent: {e}");
+                return ExitCode::FAILURE;
+            }
+        }
+    }
     let planned = runtime_stage::observe(config, root, &runner).and_then(|o| {
         if unconfigure {
             runtime_stage::plan_unconfigure(&o, &config.runtime)
@@ -359,12 +369,28 @@ fn runtime_command(config: &Config, root: &HostRoot, command: RuntimeCommand) ->
             return ExitCode::FAILURE;
         }
     };
+    for remark in plan.remarks() {
+        println!("{remark}");
+    }
+    let failed_plans: Vec<String> = plan
+        .engines
+        .iter()
+        .filter_map(|e| e.error.as_ref().map(|m| format!("{}: {m}", e.engine.as_str())))
+        .collect();
     if plan.is_empty() {
         match &plan.note {
             Some(note) => println!("{note}"),
-            None => println!("{}: already configured, nothing to do", plan.summary()),
+            None if failed_plans.is_empty() => println!("{}: already configured, nothing to do", plan.summary()),
+            None => {}
         }
-        return ExitCode::SUCCESS;
+        for failure in &failed_plans {
+            eprintln!("gpu-node-agent: {failure}");
+        }
+        return if failed_plans.is_empty() {
+            ExitCode::SUCCESS
+        } else {
+            ExitCode::FAILURE
+        };
     }
     if dry_run {
         print!("{}", runtime_stage::diff(&plan));
@@ -373,22 +399,22 @@ fn runtime_command(config: &Config, root: &HostRoot, command: RuntimeCommand) ->
     let opts = runtime_stage::ApplyOptions {
         restart: config.runtime.restart && !no_restart && root.is_real(),
     };
-    match runtime_stage::apply(&plan, config, root, &runner, &opts) {
-        Ok(applied) => {
-            for f in &applied.files {
-                println!("{} {}", if unconfigure { "restored" } else { "wrote" }, f.display());
-            }
-            if applied.restarted.is_empty() {
-                println!("restarted nothing");
-            } else {
-                println!("restarted {}", applied.restarted.join(", "));
-            }
-            ExitCode::SUCCESS
-        }
-        Err(e) => {
-            eprintln!("gpu-node-agent: {e}");
-            ExitCode::FAILURE
-        }
+    let applied = runtime_stage::apply_all(&plan, config, root, &runner, &opts);
+    for f in &applied.files {
+        println!("{} {}", if unconfigure { "restored" } else { "wrote" }, f.display());
+    }
+    if applied.restarted.is_empty() {
+        println!("restarted nothing");
+    } else {
+        println!("restarted {}", applied.restarted.join(", "));
+    }
+    for failure in &applied.failures {
+        eprintln!("gpu-node-agent: {}", failure.error);
+    }
+    if applied.failures.is_empty() {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
     }
 }
 

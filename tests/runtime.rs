@@ -17,9 +17,9 @@ use common::{Node, gpu_uuid};
 use gpu_node_agent::config::{Config, Engine, Source};
 use gpu_node_agent::host::HostRoot;
 use gpu_node_agent::host::command::Runner;
-use gpu_node_agent::runtime::NvidiaRuntime;
 use gpu_node_agent::runtime::containerd::{dump_has_runtime, rebase_imports};
 use gpu_node_agent::runtime::stage::{Applied, ApplyOptions, RuntimeError, apply, observe, plan};
+use gpu_node_agent::runtime::{DefaultRuntime, NvidiaRuntime};
 
 const CONTAINERD_MAIN: &str = "/etc/containerd/config.toml";
 const CONTAINERD_DROP_IN: &str = "/etc/containerd/conf.d/99-nvidia.toml";
@@ -108,8 +108,14 @@ fn install_engine(root: &Path, engine: Engine, main: Option<&str>) {
 
 /// A node with one A100 (for `plan`'s NVML part), `engine` installed with `main`, the runtime
 /// binary, and `extra` agent config.
+///
+/// The golden files are edits without a default runtime, so this node has `set_as_default =
+/// false` (in `config.d/40-golden.toml`, which `extra` overrides); the default `"auto"` has
+/// tests of its own.
 fn engine_node(engine: Engine, main: Option<&str>, extra: &str) -> Node {
     let node = Node::new(&common::machine("A100-SXM4-40GB", 1), extra);
+    let dir = node.config_path().parent().expect("config dir").join("config.d");
+    fs::write(dir.join("40-golden.toml"), "[runtime]\nset_as_default = false\n").expect("golden drop-in");
     install_engine(&node.root, engine, main);
     node
 }
@@ -220,13 +226,14 @@ fn v2_runtime_options<'a>(table: &'a toml::Table, name: &str) -> &'a toml::Value
     at(table, &["plugins", CRI_V2, "containerd", "runtimes", name, "options"])
 }
 
-/// The runtime the default `[runtime]` config asks for.
+/// The runtime an [`engine_node`] asks for (`set_as_default = false`).
 fn default_runtime() -> NvidiaRuntime {
     NvidiaRuntime {
         name: "nvidia".into(),
         binary: RUNTIME_BINARY.into(),
-        set_as_default: false,
+        default: DefaultRuntime::Unset,
         enable_cdi: false,
+        also: Vec::new(),
     }
 }
 
@@ -855,6 +862,8 @@ struct RestartHost {
     root: PathBuf,
     config: Config,
     main: String,
+    /// containerd's CRI at its default socket under the root, serving runc and nvidia.
+    cri: common::cri::TestCri,
 }
 
 impl RestartHost {
@@ -874,14 +883,19 @@ impl RestartHost {
         script(&root, "/usr/bin/systemctl", &body);
         let config = Config::from_sources(&[Source::new(
             "t.toml",
-            "[agent]\nstate_dir = \"/var/lib/gpu-node-agent\"\n[runtime]\nrestart_timeout = \"1s\"\n",
+            "[agent]\nstate_dir = \"/var/lib/gpu-node-agent\"\n[runtime]\nrestart_timeout = \"1s\"\nset_as_default = false\n",
         )])
         .expect("config");
+        let cri = common::cri::TestCri::start(
+            &under(&root, "/run/containerd/containerd.sock"),
+            common::cri::serving(&["runc", "nvidia"]),
+        );
         RestartHost {
             _tmp: tmp,
             root,
             config,
             main,
+            cri,
         }
     }
 
@@ -988,6 +1002,51 @@ fn a_restart_that_fails_is_quoted_and_rolled_back() {
         "no is-active after a failed restart"
     );
     assert_eq!(host.log("restarts.log"), ["with-drop-in", "without-drop-in"]);
+}
+
+/// containerd came back active but without its CRI plugin (what the agent's old drop-in did to
+/// containerd 1.6): the files are rolled back and the engine restarted with them, and the
+/// error says the CRI did not load, quoting `ctr plugins ls --detailed`.
+#[test]
+fn an_engine_active_without_its_cri_is_rolled_back_quoting_the_plugin_error() {
+    let host = RestartHost::new("exit 0", "echo active");
+    host.cri
+        .set(common::cri::Answer::NoCriWith(under(&host.root, CONTAINERD_DROP_IN)));
+    // The real containerd under the root (its version and config dump), and a ctr beside it
+    // that lists the CRI plugin's error as containerd 1.6's does.
+    std::os::unix::fs::symlink(real_containerd(), under(&host.root, REAL_CONTAINERD)).expect("symlink containerd");
+    script(
+        &host.root,
+        "/usr/bin/ctr",
+        "cat <<'EOF'\nType:          io.containerd.grpc.v1\nID:            cri\nError:\n               Code:        Unknown\n               \
+         Message:     invalid plugin config: no corresponding runtime configured in `containerd.runtimes` for `containerd` \
+         `default_runtime_name = \"runc\"\nEOF",
+    );
+    let err = host.apply().expect_err("the CRI did not load");
+    let message = err.to_string();
+    assert!(
+        message.contains(
+            "containerd.service is active but its CRI plugin did not load: invalid plugin config: no corresponding \
+             runtime configured"
+        ) && message.contains("it was restarted with them"),
+        "{message}"
+    );
+    host.assert_rolled_back();
+    assert_eq!(host.log("restarts.log"), ["with-drop-in", "without-drop-in"]);
+}
+
+/// A CRI that loads but lacks the agent's runtime fails the same way, naming what it has.
+#[test]
+fn an_engine_whose_cri_lacks_the_runtime_is_rolled_back() {
+    let host = RestartHost::new("exit 0", "echo active");
+    host.cri.set(common::cri::serving(&["runc"]));
+    let err = host.apply().expect_err("no nvidia handler");
+    let message = err.to_string();
+    assert!(
+        message.contains("its CRI lists no runtime handler nvidia (it has: runc)"),
+        "{message}"
+    );
+    host.assert_rolled_back();
 }
 
 /// Files that are already as the agent wants them: no write and no systemctl call at all, even

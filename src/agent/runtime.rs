@@ -21,13 +21,16 @@ impl Agent {
         let _long = crate::notify::LongStep::start(&self.long_step);
         let result = tokio::task::spawn_blocking(move || {
             let runner = Runner::new(&root);
+            if let Some(note) = rt::recover(&config, &root)? {
+                tracing::warn!("runtime: {note}");
+            }
             let observed = rt::observe(&config, &root, &runner)?;
             let plan = rt::plan(&observed, &config.runtime)?;
             let opts = ApplyOptions {
                 // A root prefix is an image being built or a test: nothing to restart there.
                 restart: config.runtime.restart && root.is_real(),
             };
-            let applied = rt::apply(&plan, &config, &root, &runner, &opts)?;
+            let applied = rt::apply_all(&plan, &config, &root, &runner, &opts);
             Ok::<_, RuntimeError>((plan, applied))
         })
         .await;
@@ -54,6 +57,27 @@ impl Agent {
                 }
                 if !applied.restarted.is_empty() {
                     detail.push_str(&format!(" (restarted {})", applied.restarted.join(", ")));
+                }
+                for remark in plan.remarks() {
+                    tracing::info!("runtime: {remark}");
+                    detail.push_str(&format!("; {remark}"));
+                }
+                // One engine's failure is that engine's: the device plugin waits only for the
+                // engine the kubelet uses.
+                for failure in applied.failures.iter().filter(|f| !f.kubelet) {
+                    tracing::error!("runtime: {}: {}", failure.engine.as_str(), failure.error);
+                    detail.push_str(&format!("; {} failed: {}", failure.engine.as_str(), failure.error));
+                }
+                if let Some(failure) = applied.kubelet_failure() {
+                    let e = format!(
+                        "{} (the engine the kubelet uses) failed: {}",
+                        failure.engine.as_str(),
+                        failure.error
+                    );
+                    tracing::error!("runtime stage failed: {e}");
+                    self.runtime_plan = None;
+                    self.runtime_stage.set(StageState::Failed, Some(e), Some(detail));
+                    return false;
                 }
                 self.runtime_detail = detail;
                 self.runtime_plan = Some(plan);

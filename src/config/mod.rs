@@ -31,8 +31,8 @@ pub use error::{ConfigError, EXIT_CONFIG, Location};
 pub use sharing::{MemoryBudget, RESOURCE_PREFIX, SharedDevices, SharedResource, Sharing};
 pub use values::{
     DeviceIdStrategy, DeviceListStrategies, DeviceListStrategy, LogFormat, MemoryAction, MigStrategy,
-    ParseDurationError, ParseEnumError, SharedPolicy, SharingStrategy, check_label_key, check_label_value,
-    format_duration, parse_duration,
+    ParseDurationError, ParseEnumError, SetAsDefault, SharedPolicy, SharingStrategy, check_label_key,
+    check_label_value, format_duration, parse_duration,
 };
 
 use merge::{KeyPath, Merged};
@@ -157,6 +157,8 @@ pub const DEFAULT_RUNTIME_ENABLED: bool = true;
 pub const DEFAULT_RUNTIME_NAME: &str = "nvidia";
 /// `runtime.runtime_binary`: the NVIDIA Container Toolkit's runtime.
 pub const DEFAULT_RUNTIME_BINARY: &str = "/usr/bin/nvidia-container-runtime";
+/// `runtime.toolkit_config`: the NVIDIA Container Toolkit's config file.
+pub const DEFAULT_TOOLKIT_CONFIG: &str = "/etc/nvidia-container-runtime/config.toml";
 /// `runtime.restart_timeout`: how long a restarted engine has to become active again.
 pub const DEFAULT_RUNTIME_RESTART_TIMEOUT: Duration = Duration::from_secs(30);
 /// `runtime.systemctl`.
@@ -662,8 +664,19 @@ pub struct RuntimeConfig {
     pub runtime_name: String,
     /// The runtime binary (host path); must exist in `runtime` mode.
     pub runtime_binary: PathBuf,
-    /// Make it each engine's default runtime.
-    pub set_as_default: bool,
+    /// Make it the default runtime: `"auto"` in the engine the kubelet uses, `true` in every
+    /// engine, `false` in none.
+    pub set_as_default: SetAsDefault,
+    /// The kubelet's CRI endpoint (`unix:///run/containerd/containerd.sock`); empty: found on
+    /// the node (the running kubelet's flags, kubeadm's flags file, the kubelet config).
+    pub kubelet_runtime_endpoint: String,
+    /// Also add the GPU Operator's `nvidia-cdi` and `nvidia-legacy` runtimes, for the
+    /// `<runtime_binary>.cdi` and `.legacy` binaries the node has.
+    pub extra_runtimes: bool,
+    /// The NVIDIA Container Toolkit's config file (host path): with the `volume-mounts` device
+    /// list strategy the agent sets its two `accept-nvidia-visible-devices-*` keys there, so
+    /// unprivileged pods that request no GPU see none.
+    pub toolkit_config: PathBuf,
     /// Turn on CDI in containerd (`enable_cdi`) and docker (`features.cdi`); CRI-O always has it.
     pub enable_cdi: bool,
     /// Restart an engine (`systemctl restart`) when its files changed; `--no-restart` and a
@@ -736,7 +749,10 @@ impl Default for RuntimeConfig {
             engines: Vec::new(),
             runtime_name: DEFAULT_RUNTIME_NAME.into(),
             runtime_binary: DEFAULT_RUNTIME_BINARY.into(),
-            set_as_default: false,
+            set_as_default: SetAsDefault::Auto,
+            kubelet_runtime_endpoint: String::new(),
+            extra_runtimes: true,
+            toolkit_config: DEFAULT_TOOLKIT_CONFIG.into(),
             enable_cdi: false,
             restart: true,
             restart_timeout: DEFAULT_RUNTIME_RESTART_TIMEOUT,
@@ -1338,6 +1354,13 @@ impl RuntimeConfig {
             .map_err(|reason| invalid("runtime.runtime_name", format!("a runtime handler name: {reason}")))?;
         absolute_path("runtime.runtime_binary", &self.runtime_binary)?;
         absolute_path("runtime.systemctl", &self.systemctl)?;
+        absolute_path("runtime.toolkit_config", &self.toolkit_config)?;
+        if !self.kubelet_runtime_endpoint.is_empty() && !self.kubelet_runtime_endpoint.starts_with("unix:///") {
+            return Err(invalid(
+                "runtime.kubelet_runtime_endpoint",
+                "expected a unix:// endpoint such as \"unix:///run/containerd/containerd.sock\", or \"\" to find it",
+            ));
+        }
         positive("runtime.restart_timeout", self.restart_timeout)?;
         for (i, engine) in self.engines.iter().enumerate() {
             if self.engines[..i].contains(engine) {

@@ -116,6 +116,50 @@ impl<T: ClosedEnum> Visitor<'_> for EnumVisitor<T> {
     }
 }
 
+/// `runtime.set_as_default`: whether the `nvidia` runtime becomes an engine's default runtime.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SetAsDefault {
+    /// `"auto"`: in the engine the kubelet uses (an unmodified GPU pod gets its GPU, as under
+    /// the GPU Operator); the other engines' defaults stay as they are, `nvidia` included.
+    Auto,
+    /// `true`: in every engine.
+    Always,
+    /// `false`: in none; a default that names the agent's runtime goes back to the engine's own.
+    Never,
+}
+
+impl Serialize for SetAsDefault {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        match self {
+            SetAsDefault::Auto => s.serialize_str("auto"),
+            SetAsDefault::Always => s.serialize_bool(true),
+            SetAsDefault::Never => s.serialize_bool(false),
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for SetAsDefault {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl Visitor<'_> for V {
+            type Value = SetAsDefault;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("\"auto\", true or false")
+            }
+            fn visit_bool<E: de::Error>(self, v: bool) -> Result<SetAsDefault, E> {
+                Ok(if v { SetAsDefault::Always } else { SetAsDefault::Never })
+            }
+            fn visit_str<E: de::Error>(self, v: &str) -> Result<SetAsDefault, E> {
+                match v {
+                    "auto" => Ok(SetAsDefault::Auto),
+                    _ => Err(E::custom("expected \"auto\", true or false")),
+                }
+            }
+        }
+        d.deserialize_any(V)
+    }
+}
+
 closed_enum! {
     /// Log output format (`log.format`).
     pub enum LogFormat {

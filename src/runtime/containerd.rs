@@ -26,7 +26,7 @@
 
 use toml_edit::{Array, ArrayOfTables, DocumentMut, InlineTable, Item, Table, TableLike, Value, value};
 
-use super::{EditError, NvidiaRuntime};
+use super::{DefaultRuntime, EditError, NvidiaRuntime};
 
 /// CRI plugin of config version 2 (containerd 1.x; containerd 2.x migrates it on load).
 pub const CRI_PLUGIN_V2: &str = "io.containerd.grpc.v1.cri";
@@ -38,14 +38,17 @@ pub const CRI_PLUGIN_V3: &str = "io.containerd.cri.v1.runtime";
 /// The runc shim, the `runtime_type` containerd uses for runc-compatible runtimes.
 const RUNC_SHIM: &str = "io.containerd.runc.v2";
 
+/// containerd's default runtime when `default_runtime_name` is not set.
+const RUNC: &str = "runc";
+
 /// Runtimes whose options the `nvidia` runtime copies when the default runtime is not usable.
 const FALLBACK_TEMPLATES: [&str; 2] = ["runc", "crun"];
 
 /// First lines of every generated drop-in.
 const DROP_IN_HEADER: &str = "\
 # Written by gpu-node-agent, which rewrites this file on every run: edit the top-level config instead.
-# It holds a copy of the whole CRI plugin table of the top-level config because containerd before 2.1
-# replaces, rather than merges, plugin tables from imported files (containerd/containerd#5837).
+# It holds a copy of the whole CRI plugin table containerd would use without it, because containerd
+# before 2.1 replaces, rather than merges, plugin tables from imported files (containerd/containerd#5837).
 ";
 
 /// The two files [`configure`] renders.
@@ -60,23 +63,67 @@ pub struct ContainerdFiles {
     pub drop_in: String,
 }
 
-/// The config schema version (2 or 3) to edit `main` (the top-level config's text, `None` when
-/// the file does not exist) with.
+/// The config schema version (1, 2 or 3) to edit `main` (the top-level config's text, `None`
+/// when the file does not exist) with.
 ///
-/// A file with `version = N` is version N. A non-empty file without `version` is version 1, which
-/// is refused (it has no `imports`; `containerd config migrate` converts it). With no file, or one
-/// holding only comments and whitespace, the version follows the installed containerd:
-/// `binary_major` 2 or later gives 3, anything else (1.x, or unknown) gives 2, which every
-/// containerd from 1.5 on reads.
+/// A file with `version = N` is version N; a non-empty file without `version` is version 1 (the
+/// schema of Docker's `containerd.io` package, which containerd 1.x still reads, `imports`
+/// included, with plugins under short names such as `plugins.cri`, and 2.x migrates). With no file, or one holding only comments and whitespace, the
+/// version follows the installed containerd: `binary_major` 2 or later gives 3, anything else
+/// (1.x, or unknown) gives 2, which every containerd from 1.5 on reads.
 pub fn detect_version(main: Option<&str>, file: &str, binary_major: Option<u32>) -> Result<u32, EditError> {
     let doc = main.map(|text| parse_toml(text, file)).transpose()?;
     version_of(doc.as_ref(), file, binary_major)
 }
 
 /// The CRI plugin that holds the runtimes in a config of schema `version`: 3 and above give
-/// [`CRI_PLUGIN_V3`], anything lower [`CRI_PLUGIN_V2`] ([`detect_version`] only returns 2 or 3).
+/// [`CRI_PLUGIN_V3`], 2 [`CRI_PLUGIN_V2`], 1 the short name `cri`.
 pub fn cri_plugin(version: u32) -> &'static str {
-    if version >= 3 { CRI_PLUGIN_V3 } else { CRI_PLUGIN_V2 }
+    match version {
+        0 | 1 => CRI_PLUGIN_V1,
+        2 => CRI_PLUGIN_V2,
+        _ => CRI_PLUGIN_V3,
+    }
+}
+
+/// The CRI plugin's name in a version 1 config.
+pub const CRI_PLUGIN_V1: &str = "cri";
+
+/// The plugin IDs that, listed in `disabled_plugins`, turn containerd's CRI off.
+const CRI_PLUGIN_IDS: [&str; 3] = [CRI_PLUGIN_V1, CRI_PLUGIN_V2, CRI_PLUGIN_V3];
+
+/// Whether containerd's CRI plugin is off: `disabled_plugins` of `text` (the effective config,
+/// or the top-level file when containerd cannot be asked) names it. Docker's `containerd.io`
+/// package ships `disabled_plugins = ["cri"]`: no kubelet can use such a containerd, so the agent
+/// leaves it alone. A file that does not parse says nothing here (the edit reports it).
+pub fn cri_disabled(text: &str) -> bool {
+    let Ok(doc) = text.parse::<DocumentMut>() else {
+        return false;
+    };
+    doc.get("disabled_plugins").and_then(Item::as_array).is_some_and(|a| {
+        a.iter()
+            .any(|v| v.as_str().is_some_and(|id| CRI_PLUGIN_IDS.contains(&id)))
+    })
+}
+
+/// What [`configure_input`] works from: the files containerd reads and what it says itself.
+#[derive(Debug, Clone, Copy)]
+pub struct Input<'a> {
+    /// The top-level config's text (`None`: no file).
+    pub main: Option<&'a str>,
+    /// Its path, for error messages.
+    pub main_file: &'a str,
+    /// The drop-in's absolute host path, e.g. `/etc/containerd/conf.d/99-nvidia.toml`.
+    pub drop_in_path: &'a str,
+    /// The installed containerd's major version, used only when there is no config to read the
+    /// version from (see [`detect_version`]).
+    pub binary_major: Option<u32>,
+    /// The other files containerd imports, in its load order, without the drop-in.
+    pub imported: &'a [ImportedFile],
+    /// `containerd config dump` of the configured top-level file without the drop-in (see
+    /// [`effective_main`]): the configuration containerd would run with, its built-in defaults
+    /// included. `None` where containerd cannot be asked (not installed, or the dump failed).
+    pub effective: Option<&'a str>,
 }
 
 /// Adds the runtime `rt` to containerd.
@@ -112,16 +159,7 @@ pub struct ImportedFile {
 
 /// [`configure`], knowing the other files containerd imports: `imported` in containerd's load
 /// order (the top-level config's [`imports_after_configure`] breadth first, glob matches sorted,
-/// each file once), without the agent's drop-in.
-///
-/// For a version 2 config (containerd 1.x, which replaces a plugin table from an import as a
-/// whole) the drop-in copies the CRI plugin table of the last of [top-level config, `imported`...]
-/// that has one, the table containerd would use without the drop-in; otherwise the drop-in,
-/// imported last, would drop the CRI settings of the user's other imported files. For version 3
-/// only the top-level config's table is copied: containerd 2.1 and later merge imported plugin
-/// tables key by key, so copying a partial table from an import would lose the top-level
-/// config's runtime options in the `nvidia` runtime. An imported file that does not parse is an
-/// error naming it (containerd would not start with it either).
+/// each file once), without the agent's drop-in. See [`configure_input`].
 pub fn configure_with_imports(
     main: Option<&str>,
     main_file: &str,
@@ -130,41 +168,118 @@ pub fn configure_with_imports(
     rt: &NvidiaRuntime,
     imported: &[ImportedFile],
 ) -> Result<ContainerdFiles, EditError> {
-    let doc = main.map(|text| parse_toml(text, main_file)).transpose()?;
-    let version = version_of(doc.as_ref(), main_file, binary_major)?;
-    let imported = if version == 2 {
-        imported
+    let input = Input {
+        main,
+        main_file,
+        drop_in_path,
+        binary_major,
+        imported,
+        effective: None,
+    };
+    configure_input(&input, rt)
+}
+
+/// The two files that add `rt` to containerd.
+///
+/// The drop-in holds the whole CRI plugin table containerd would use without it, plus the
+/// runtimes, because containerd before 2.1 replaces a plugin table from an import as a whole:
+///
+/// - With `input.effective` (`containerd config dump`), that table is the dump's: every file
+///   and containerd's built-in defaults are already in it, `runc` and the default runtime
+///   included.
+/// - Without it, it is the CRI table of the last of [top-level config, `imported`...] that has
+///   one (version 1 and 2; for version 3 only the top-level config's, since containerd 2.1 and
+///   later merge imported plugin tables key by key), and `runc` is added as containerd defines it
+///   when the default runtime is `runc` and the files do not define it: containerd's CRI plugin
+///   refuses to load when `default_runtime_name` names no runtime (k8s-device-plugin#1145).
+///
+/// An imported file that does not parse is an error naming it (containerd would not start with
+/// it either).
+pub fn configure_input(input: &Input, rt: &NvidiaRuntime) -> Result<ContainerdFiles, EditError> {
+    let (version, main) = configured_main(input.main, input.main_file, input.drop_in_path, input.binary_major)?;
+    let doc = input.main.map(|text| parse_toml(text, input.main_file)).transpose()?;
+    let effective = input
+        .effective
+        .map(|text| parse_toml(text, "containerd config dump"))
+        .transpose()?;
+    let imported = if version <= 2 && effective.is_none() {
+        input
+            .imported
             .iter()
             .map(|f| Ok((f.file.as_str(), parse_toml(&f.text, &f.file)?)))
             .collect::<Result<Vec<_>, EditError>>()?
     } else {
         Vec::new()
     };
-    let drop_in = render_drop_in(doc.as_ref(), &imported, version, main_file, rt)?;
+    let source = match &effective {
+        Some(dump) => Source::Dump(dump),
+        None => Source::Files {
+            main: doc.as_ref(),
+            imported: &imported,
+        },
+    };
+    let (version, drop_in) = render_drop_in(&source, version, input.main_file, rt)?;
+    Ok(ContainerdFiles { version, main, drop_in })
+}
+
+/// The schema version and the text of the top-level config once [`configure`] is done with it:
+/// `main` with the drop-in's directory in `imports` (byte-identical when an entry already covers
+/// it), or a fresh file when there is none.
+pub fn configured_main(
+    main: Option<&str>,
+    main_file: &str,
+    drop_in_path: &str,
+    binary_major: Option<u32>,
+) -> Result<(u32, String), EditError> {
+    let doc = main.map(|text| parse_toml(text, main_file)).transpose()?;
+    let version = version_of(doc.as_ref(), main_file, binary_major)?;
     let glob = import_glob(drop_in_path);
-    let main = match (main, doc) {
+    let text = match (main, doc) {
         (Some(text), Some(doc)) => add_import(text, doc, main_file, version, &glob, drop_in_path)?,
         _ => fresh_main(version, &glob),
     };
-    Ok(ContainerdFiles { version, main, drop_in })
+    Ok((version, text))
+}
+
+/// `main` (a top-level config's text) with `imports` set to `entries` (added when missing),
+/// everything else kept: the stage's copy for `containerd config dump`, with absolute paths
+/// under the root and without the agent's drop-in.
+pub fn with_imports(main: &str, main_file: &str, entries: &[String]) -> Result<String, EditError> {
+    let mut doc = parse_toml(main, main_file)?;
+    if let Some(item) = doc.get_mut("imports") {
+        string_array(item, main_file, "imports")?;
+    }
+    doc.insert("imports", value(Array::from_iter(entries.iter().map(String::as_str))));
+    Ok(doc.to_string())
 }
 
 /// Removes the `imports` entry [`configure`] added for `drop_in_path` (the directory glob, or the
 /// drop-in path itself) from the top-level config `main`, and the `imports` key when it is left
 /// empty. Everything else stays byte-identical; with no such entry the input is returned as is.
+/// An entry that `original` (the file before the agent's first change, when known) already had
+/// is the user's own and stays.
 ///
 /// The stage normally restores its byte-exact backup instead; this is the fallback for a file the
 /// user edited since. A `version` line that [`configure`] added to an empty file stays: it is
 /// harmless and the user may rely on it by now.
-pub fn unconfigure(main: &str, main_file: &str, drop_in_path: &str) -> Result<String, EditError> {
+pub fn unconfigure(
+    main: &str,
+    main_file: &str,
+    drop_in_path: &str,
+    original: Option<&str>,
+) -> Result<String, EditError> {
     let mut doc = parse_toml(main, main_file)?;
     let before = doc.clone();
     let glob = import_glob(drop_in_path);
+    let theirs = original
+        .map(|text| imports(text, main_file).unwrap_or_default())
+        .unwrap_or_default();
     let Some(item) = doc.get_mut("imports") else {
         return Ok(main.to_owned());
     };
     let imports = string_array(item, main_file, "imports")?;
-    if !remove_values(imports, |entry| entry == glob || entry == drop_in_path) {
+    let ours = |entry: &str| (entry == glob || entry == drop_in_path) && !theirs.iter().any(|t| t == entry);
+    if !remove_values(imports, ours) {
         return Ok(main.to_owned());
     }
     if imports.is_empty() {
@@ -309,8 +424,10 @@ pub fn rebase_imports(main: &str, main_file: &str, map: impl Fn(&str) -> String)
 }
 
 /// Checks that `dump`, the output of `containerd config dump` (the merged config, version 2 or
-/// 3), has the runtime `rt`: `plugins.<cri>.containerd.runtimes.<name>.options.BinaryName` is
-/// `rt.binary`, and, when requested, `default_runtime_name` is `rt.name` and `enable_cdi` is true.
+/// 3), has the runtimes of `rt`: `plugins.<cri>.containerd.runtimes.<name>.options.BinaryName`
+/// is the runtime's binary, the runtime `default_runtime_name` names (`runc` when unset) is
+/// defined (the CRI plugin does not load otherwise), and, when requested, `default_runtime_name`
+/// is `rt.name` and `enable_cdi` is true.
 ///
 /// The error lists everything that is missing, in words.
 pub fn dump_has_runtime(dump: &str, rt: &NvidiaRuntime) -> Result<(), String> {
@@ -322,43 +439,46 @@ pub fn dump_has_runtime(dump: &str, rt: &NvidiaRuntime) -> Result<(), String> {
         Some(Some(v)) => u32::try_from(v).map_err(|_| format!("config dump has version {v}"))?,
         Some(None) => return Err("config dump has a non-integer version".to_owned()),
     };
-    let cri = cri_plugin(version);
+    let cri = cri_plugin(version.max(2));
     let cri_item = doc.get("plugins").and_then(|p| p.get(cri));
     let containerd = cri_item.and_then(|c| c.get("containerd"));
-    let runtime = containerd
-        .and_then(|c| c.get("runtimes"))
-        .and_then(|r| r.get(rt.name.as_str()));
-    let binary = rt.binary.to_string_lossy();
+    let runtimes = containerd.and_then(|c| c.get("runtimes"));
     let mut problems = Vec::new();
-    match runtime {
-        None => problems.push(format!(
-            "no runtime `{}` (plugins.\"{cri}\".containerd.runtimes.{})",
-            rt.name, rt.name
-        )),
-        Some(runtime) => match runtime
-            .get("options")
-            .and_then(|o| o.get("BinaryName"))
-            .and_then(Item::as_str)
-        {
-            Some(found) if found == binary => {}
-            Some(found) => problems.push(format!(
-                "runtime `{}` has BinaryName {found:?}, expected {binary:?}",
-                rt.name
+    for (name, binary) in rt.all() {
+        let binary = binary.to_string_lossy();
+        match runtimes.and_then(|r| r.get(name)) {
+            None => problems.push(format!(
+                "no runtime `{name}` (plugins.\"{cri}\".containerd.runtimes.{name})"
             )),
-            None => problems.push(format!("runtime `{}` has no options.BinaryName", rt.name)),
-        },
-    }
-    if rt.set_as_default {
-        let default = containerd
-            .and_then(|c| c.get("default_runtime_name"))
-            .and_then(Item::as_str);
-        if default != Some(rt.name.as_str()) {
-            problems.push(format!(
-                "default_runtime_name is {}, expected {:?}",
-                default.map_or_else(|| "unset".to_owned(), |d| format!("{d:?}")),
-                rt.name
-            ));
+            Some(runtime) => match runtime
+                .get("options")
+                .and_then(|o| o.get("BinaryName"))
+                .and_then(Item::as_str)
+            {
+                Some(found) if found == binary => {}
+                Some(found) => problems.push(format!(
+                    "runtime `{name}` has BinaryName {found:?}, expected {binary:?}"
+                )),
+                None => problems.push(format!("runtime `{name}` has no options.BinaryName")),
+            },
         }
+    }
+    let default = containerd
+        .and_then(|c| c.get("default_runtime_name"))
+        .and_then(Item::as_str);
+    if rt.default == DefaultRuntime::Set && default != Some(rt.name.as_str()) {
+        problems.push(format!(
+            "default_runtime_name is {}, expected {:?}",
+            default.map_or_else(|| "unset".to_owned(), |d| format!("{d:?}")),
+            rt.name
+        ));
+    }
+    let default = default.filter(|d| !d.is_empty()).unwrap_or(RUNC);
+    if runtimes.and_then(|r| r.get(default)).is_none() {
+        problems.push(format!(
+            "default_runtime_name {default:?} names no runtime in plugins.\"{cri}\".containerd.runtimes, \
+             so containerd's CRI plugin would not load"
+        ));
     }
     if rt.enable_cdi && cri_item.and_then(|c| c.get("enable_cdi")).and_then(Item::as_bool) != Some(true) {
         problems.push(format!("plugins.\"{cri}\".enable_cdi is not true"));
@@ -369,6 +489,33 @@ pub fn dump_has_runtime(dump: &str, rt: &NvidiaRuntime) -> Result<(), String> {
         Err(problems.join("; "))
     }
 }
+
+/// The CRI socket of the effective configuration `dump` (`[grpc] address`, containerd's default
+/// `/run/containerd/containerd.sock` when unset), and whether the dump has the `enable_cdi`
+/// key at all (containerd 1.7 and later list it; 1.6 has no CDI).
+pub fn dump_facts(dump: &str) -> (String, bool) {
+    let Ok(doc) = dump.parse::<DocumentMut>() else {
+        return (DEFAULT_ADDRESS.to_owned(), false);
+    };
+    let address = doc
+        .get("grpc")
+        .and_then(|g| g.get("address"))
+        .and_then(Item::as_str)
+        .filter(|a| !a.is_empty())
+        .unwrap_or(DEFAULT_ADDRESS)
+        .to_owned();
+    let version = doc.get("version").and_then(Item::as_integer).unwrap_or(2);
+    let cri = if version >= 3 { CRI_PLUGIN_V3 } else { CRI_PLUGIN_V2 };
+    let cdi = doc
+        .get("plugins")
+        .and_then(|p| p.get(cri))
+        .and_then(|c| c.get("enable_cdi"))
+        .is_some();
+    (address, cdi)
+}
+
+/// containerd's gRPC (and CRI) socket when `[grpc] address` is not set.
+pub const DEFAULT_ADDRESS: &str = "/run/containerd/containerd.sock";
 
 // === top-level config ===
 
@@ -386,23 +533,17 @@ fn version_of(doc: Option<&DocumentMut>, file: &str, binary_major: Option<u32>) 
             2
         });
     };
-    let Some(item) = doc.get("version") else {
-        return Err(shape(
-            "no `version` key, so this is a version 1 config, which is not supported (it has no `imports`): \
-             migrate it with `containerd config migrate`"
-                .to_owned(),
-        ));
+    let version = match doc.get("version") {
+        None => 1,
+        Some(item) => item
+            .as_integer()
+            .ok_or_else(|| shape("must be an integer".to_owned()))?,
     };
-    let version = item
-        .as_integer()
-        .ok_or_else(|| shape("must be an integer".to_owned()))?;
     match version {
-        2 | 3 => Ok(version as u32),
-        1 => Err(shape(
-            "config version 1 is not supported (it has no `imports`): migrate it with `containerd config migrate`"
-                .to_owned(),
-        )),
-        other => Err(shape(format!("config version {other} is not supported (2 and 3 are)"))),
+        1..=3 => Ok(version as u32),
+        other => Err(shape(format!(
+            "config version {other} is not supported (1, 2 and 3 are)"
+        ))),
     }
 }
 
@@ -450,7 +591,11 @@ fn add_import(
         // Only comments and whitespace, which toml_edit keeps as the document's trailing text:
         // keep them on top, before the keys.
         doc.insert("version", value(i64::from(version)));
-        let comments = doc.trailing().as_str().unwrap_or_default().to_owned();
+        let mut comments = doc.trailing().as_str().unwrap_or_default().to_owned();
+        if !comments.is_empty() && !comments.ends_with('\n') {
+            // A last comment line without its newline would swallow `version = N`.
+            comments.push('\n');
+        }
         doc.set_trailing("");
         if !comments.trim().is_empty()
             && let Some(mut key) = doc.key_mut("version")
@@ -578,95 +723,188 @@ fn to_crlf(text: &str) -> String {
 
 // === drop-in ===
 
-/// The drop-in: `version`, the CRI plugin table (the top-level config's, or that of the last
-/// `imported` file that has one), and the `nvidia` runtime.
+/// Where the drop-in's CRI table comes from.
+enum Source<'a> {
+    /// `containerd config dump` without the drop-in.
+    Dump(&'a DocumentMut),
+    /// The files: the top-level config and the others it imports, in load order.
+    Files {
+        main: Option<&'a DocumentMut>,
+        imported: &'a [(&'a str, DocumentMut)],
+    },
+}
+
+/// The drop-in's schema version and text: `version`, the CRI plugin table containerd would use
+/// without it (see [`configure_input`]), and the runtimes.
+///
+/// The drop-in has the top-level config's schema `version` (containerd 2.x refuses an import of
+/// a higher version than the file that imports it, and migrates lower ones). A version 3 dump
+/// comes from containerd 2.x, which merges imported plugin tables key by key: there the drop-in
+/// holds only what the agent sets, its runtimes' options taken from the dump.
 fn render_drop_in(
-    doc: Option<&DocumentMut>,
-    imported: &[(&str, DocumentMut)],
+    source: &Source,
     version: u32,
     main_file: &str,
     rt: &NvidiaRuntime,
-) -> Result<String, EditError> {
+) -> Result<(u32, String), EditError> {
     let cri = cri_plugin(version);
     let path = |rest: &str| format!("plugins.\"{cri}\"{rest}");
-    let binary = binary_str(
-        rt,
-        main_file,
-        &path(&format!(".containerd.runtimes.{}.options.BinaryName", rt.name)),
-    )?;
-
-    // Each file's CRI table replaces the one before, as containerd < 2.1 loads them.
-    let mut source = match doc {
-        Some(doc) => table_at(doc.as_table(), &["plugins", cri], main_file)?,
-        None => None,
-    };
-    let mut from_import = None;
-    for (imported_file, doc) in imported {
-        if let Some(table) = table_at(doc.as_table(), &["plugins", cri], imported_file)? {
-            (source, from_import) = (Some(table), Some(*imported_file));
+    let (found, file, note, whole) = match source {
+        Source::Dump(dump) => {
+            let merging = dump.get("version").and_then(Item::as_integer).is_some_and(|v| v >= 3);
+            let dumped = if merging { CRI_PLUGIN_V3 } else { CRI_PLUGIN_V2 };
+            let table = table_at(dump.as_table(), &["plugins", dumped], "containerd config dump")?;
+            let note = if merging {
+                "# containerd 2.x merges it key by key into the CRI table of the other files: it holds only the runtimes.\n"
+            } else {
+                "# Its CRI table is the one `containerd config dump` shows without this file (containerd's defaults included).\n"
+            };
+            (table, "containerd config dump", note.to_owned(), !merging)
         }
+        Source::Files { main, imported } => {
+            // Each file's CRI table replaces the one before, as containerd < 2.1 loads them.
+            let mut found = match main {
+                Some(doc) => table_at(doc.as_table(), &["plugins", cri], main_file)?,
+                None => None,
+            };
+            let mut from_import = None;
+            for (imported_file, doc) in imported.iter() {
+                if let Some(table) = table_at(doc.as_table(), &["plugins", cri], imported_file)? {
+                    (found, from_import) = (Some(table), Some(*imported_file));
+                }
+            }
+            let note = match from_import {
+                None => String::new(),
+                Some(f) => {
+                    format!(
+                        "# Here that is the CRI table of {f}: imported after the top-level config, it replaces that one.\n"
+                    )
+                }
+            };
+            (found, from_import.unwrap_or(main_file), note, true)
+        }
+    };
+    for (name, binary) in rt.all() {
+        binary_text(
+            binary,
+            main_file,
+            &path(&format!(".containerd.runtimes.{name}.options.BinaryName")),
+        )?;
     }
-    let file = from_import.unwrap_or(main_file);
-    let mut cri_table = source.map(plain_table).unwrap_or_default();
-
-    let containerd = child_table(&mut cri_table, "containerd", &path(".containerd"), file)?;
+    let mut source_table = found.map(plain_table).unwrap_or_default();
+    let source_containerd = child_table(&mut source_table, "containerd", &path(".containerd"), file)?;
     let default = optional_str(
-        containerd,
+        source_containerd,
         "default_runtime_name",
         &path(".containerd.default_runtime_name"),
         file,
     )?
     .map(str::to_owned);
-    let runtimes = child_table(containerd, "runtimes", &path(".containerd.runtimes"), file)?;
-    let candidates = default
-        .iter()
-        .map(String::as_str)
-        .filter(|name| !name.is_empty() && !name.starts_with(rt.name.as_str()))
-        .chain(FALLBACK_TEMPLATES);
-    let mut nvidia = None;
-    for name in candidates {
-        if let Some(item) = runtimes.get(name) {
-            let template = item.as_table().ok_or_else(|| EditError::Shape {
+    let ours = |name: &str| rt.names().any(|n| n == name);
+    let existing = child_table(source_containerd, "runtimes", &path(".containerd.runtimes"), file)?.clone();
+    let table_of = |name: &str| -> Result<Option<Table>, EditError> {
+        match existing.get(name) {
+            None => Ok(None),
+            Some(item) => item.as_table().cloned().map(Some).ok_or_else(|| EditError::Shape {
                 file: file.to_owned(),
                 key: path(&format!(".containerd.runtimes.{name}")),
                 message: "must be a table".to_owned(),
-            })?;
-            nvidia = Some(template.clone());
+            }),
+        }
+    };
+    // The runtime the NVIDIA runtimes wrap: the default (unless it is one of them), else runc,
+    // else crun, else the user's own `nvidia` runtime.
+    let mut base = None;
+    for name in default
+        .iter()
+        .map(String::as_str)
+        .filter(|name| !name.is_empty() && !ours(name))
+        .chain(FALLBACK_TEMPLATES)
+        .chain([rt.name.as_str()])
+    {
+        if let Some(table) = table_of(name)? {
+            base = Some(table);
             break;
         }
     }
-    let mut nvidia = nvidia.unwrap_or_default();
-    let runtime_key = |rest: &str| path(&format!(".containerd.runtimes.{}{rest}", rt.name));
-    if optional_str(&nvidia, "runtime_type", &runtime_key(".runtime_type"), file)?.is_none_or(str::is_empty) {
-        nvidia.insert("runtime_type", value(RUNC_SHIM));
-    }
-    child_table(&mut nvidia, "options", &runtime_key(".options"), file)?.insert("BinaryName", value(binary));
-    runtimes.insert(&rt.name, Item::Table(nvidia));
+    let base = base.unwrap_or_default();
 
+    let mut cri_table = if whole { source_table.clone() } else { Table::new() };
     let containerd = child_table(&mut cri_table, "containerd", &path(".containerd"), file)?;
-    if rt.set_as_default {
-        containerd.insert("default_runtime_name", value(rt.name.as_str()));
-    } else if default.as_deref() == Some(rt.name.as_str()) {
-        containerd.remove("default_runtime_name");
+    let runtimes = child_table(containerd, "runtimes", &path(".containerd.runtimes"), file)?;
+    for (name, binary) in rt.all() {
+        // A runtime of that name the files already define keeps its own settings (EKS's
+        // `nvidia` runtime with its base_runtime_spec): they win over the wrapped runtime's,
+        // which fill in only what it leaves out; then the binary is the agent's.
+        let mut table = base.clone();
+        if let Some(own) = table_of(name)? {
+            overlay(&mut table, &own);
+        }
+        let key = |rest: &str| path(&format!(".containerd.runtimes.{name}{rest}"));
+        if optional_str(&table, "runtime_type", &key(".runtime_type"), file)?.is_none_or(str::is_empty) {
+            table.insert("runtime_type", value(RUNC_SHIM));
+        }
+        let binary = binary_text(binary, file, &key(".options.BinaryName"))?;
+        child_table(&mut table, "options", &key(".options"), file)?.insert("BinaryName", value(binary));
+        runtimes.insert(name, Item::Table(table));
+    }
+    match rt.default {
+        DefaultRuntime::Set => {
+            containerd.insert("default_runtime_name", value(rt.name.as_str()));
+        }
+        DefaultRuntime::Unset if default.as_deref().is_some_and(ours) => {
+            if whole {
+                containerd.remove("default_runtime_name");
+            } else {
+                // Merged into the other files' table: only a value replaces theirs.
+                containerd.insert("default_runtime_name", value(RUNC));
+            }
+        }
+        DefaultRuntime::Unset | DefaultRuntime::Keep => {}
+    }
+    if whole {
+        // containerd's CRI plugin does not load when the default runtime is not defined; `runc`
+        // is containerd's own default, defined the way containerd's built-in configuration does.
+        let default = containerd
+            .get("default_runtime_name")
+            .and_then(Item::as_str)
+            .filter(|d| !d.is_empty())
+            .unwrap_or(RUNC)
+            .to_owned();
+        let runtimes = child_table(containerd, "runtimes", &path(".containerd.runtimes"), file)?;
+        if default == RUNC && !runtimes.contains_key(RUNC) {
+            let mut runc = Table::new();
+            runc.insert("runtime_type", value(RUNC_SHIM));
+            runtimes.insert(RUNC, Item::Table(runc));
+            runtimes.sort_values_by(|a, _, b, _| (a.get() != RUNC).cmp(&(b.get() != RUNC)));
+        }
     }
     if rt.enable_cdi {
         cri_table.insert("enable_cdi", value(true));
     }
 
     let mut out = DocumentMut::new();
-    let header = match from_import {
-        None => DROP_IN_HEADER.to_owned(),
-        Some(imported_file) => format!(
-            "{DROP_IN_HEADER}# Here that is the CRI table of {imported_file}: imported after the top-level config, it replaces that one.\n"
-        ),
-    };
-    out.decor_mut().set_prefix(header);
-    out.insert("version", value(i64::from(version)));
+    out.decor_mut().set_prefix(format!("{DROP_IN_HEADER}{note}"));
+    if version >= 2 {
+        out.insert("version", value(i64::from(version)));
+    }
     let mut plugins = Table::new();
     plugins.insert(cri, Item::Table(cri_table));
     out.insert("plugins", Item::Table(plugins));
     hide_grouping_headers(out.as_table_mut());
-    Ok(out.to_string())
+    Ok((version, out.to_string()))
+}
+
+/// `over`'s keys set in `table`; a table in both is overlaid key by key in turn.
+fn overlay(table: &mut Table, over: &Table) {
+    for (key, item) in over.iter() {
+        match (table.get_mut(key), item) {
+            (Some(Item::Table(mine)), Item::Table(theirs)) => overlay(mine, theirs),
+            _ => {
+                table.insert(key, item.clone());
+            }
+        }
+    }
 }
 
 // === TOML helpers, shared with the CRI-O module ===
@@ -697,13 +935,13 @@ pub(super) fn line_column(text: &str, offset: usize) -> (usize, usize) {
     (head.matches('\n').count() + 1, head[line_start..].chars().count() + 1)
 }
 
-/// The runtime binary as text, or a shape error naming `key` when the path is not UTF-8 (a TOML
+/// A runtime binary as text, or a shape error naming `key` when the path is not UTF-8 (a TOML
 /// or JSON file cannot hold it).
-pub(super) fn binary_str<'a>(rt: &'a NvidiaRuntime, file: &str, key: &str) -> Result<&'a str, EditError> {
-    rt.binary.to_str().ok_or_else(|| EditError::Shape {
+pub(super) fn binary_text<'a>(binary: &'a std::path::Path, file: &str, key: &str) -> Result<&'a str, EditError> {
+    binary.to_str().ok_or_else(|| EditError::Shape {
         file: file.to_owned(),
         key: key.to_owned(),
-        message: format!("the runtime binary {} is not valid UTF-8", rt.binary.display()),
+        message: format!("the runtime binary {} is not valid UTF-8", binary.display()),
     })
 }
 
@@ -867,8 +1105,13 @@ mod tests {
         NvidiaRuntime {
             name: "nvidia".to_owned(),
             binary: BINARY.into(),
-            set_as_default,
+            default: if set_as_default {
+                DefaultRuntime::Set
+            } else {
+                DefaultRuntime::Unset
+            },
             enable_cdi,
+            also: Vec::new(),
         }
     }
 
@@ -898,12 +1141,10 @@ mod tests {
     }
 
     #[test]
-    fn detect_version_refuses_version_1_and_unknown_versions() {
+    fn detect_version_reads_version_1_and_refuses_unknown_versions() {
+        // Docker's containerd.io package ships a file without `version`: version 1.
         for text in ["version = 1\n", "root = \"/var/lib/containerd\"\n", "[plugins.cri]\n"] {
-            let err = detect_version(Some(text), MAIN_FILE, Some(2)).unwrap_err();
-            let message = err.to_string();
-            assert!(message.contains("containerd config migrate"), "{message}");
-            assert_eq!(shape_key(err), "version");
+            assert_eq!(detect_version(Some(text), MAIN_FILE, Some(1)).unwrap(), 1, "{text}");
         }
         for text in ["version = 4\n", "version = 0\n", "version = -2\n", "version = \"2\"\n"] {
             let err = detect_version(Some(text), MAIN_FILE, Some(2)).unwrap_err();
@@ -913,6 +1154,7 @@ mod tests {
 
     #[test]
     fn cri_plugin_per_version() {
+        assert_eq!(cri_plugin(1), "cri");
         assert_eq!(cri_plugin(2), "io.containerd.grpc.v1.cri");
         assert_eq!(cri_plugin(3), "io.containerd.cri.v1.runtime");
     }
@@ -1080,7 +1322,7 @@ mod tests {
              [plugins.\"io.containerd.grpc.v1.cri\".containerd.runtimes.runc.options]\r\n  SystemdCgroup = true\r\n"
         );
         assert!(out.drop_in.contains("SystemdCgroup = true\nBinaryName"));
-        assert_eq!(unconfigure(&out.main, MAIN_FILE, DROP_IN).unwrap(), main);
+        assert_eq!(unconfigure(&out.main, MAIN_FILE, DROP_IN, None).unwrap(), main);
     }
 
     // === template runtime ===
@@ -1286,34 +1528,38 @@ mod tests {
     fn unconfigure_restores_the_main_file() {
         for main in [V2_MAIN, V3_MAIN] {
             let out = run(Some(main), &rt(true, true));
-            assert_eq!(unconfigure(&out.main, MAIN_FILE, DROP_IN).unwrap(), main);
+            assert_eq!(unconfigure(&out.main, MAIN_FILE, DROP_IN, None).unwrap(), main);
         }
         let fresh = run(None, &rt(false, false));
-        assert_eq!(unconfigure(&fresh.main, MAIN_FILE, DROP_IN).unwrap(), "version = 2\n");
+        assert_eq!(
+            unconfigure(&fresh.main, MAIN_FILE, DROP_IN, None).unwrap(),
+            "version = 2\n"
+        );
         // The version added to a comment-only file stays.
         let out = configure(Some(COMMENTS_MAIN), MAIN_FILE, DROP_IN, Some(2), &rt(false, false)).unwrap();
         assert_eq!(
-            unconfigure(&out.main, MAIN_FILE, DROP_IN).unwrap(),
+            unconfigure(&out.main, MAIN_FILE, DROP_IN, None).unwrap(),
             "# containerd 2.x: no settings yet\n\nversion = 3\n"
         );
     }
 
     #[test]
     fn unconfigure_removes_only_our_entries() {
-        assert_eq!(unconfigure(V2_MAIN, MAIN_FILE, DROP_IN).unwrap(), V2_MAIN);
+        assert_eq!(unconfigure(V2_MAIN, MAIN_FILE, DROP_IN, None).unwrap(), V2_MAIN);
         assert_eq!(
-            unconfigure(HAND_MAIN, MAIN_FILE, DROP_IN).unwrap(),
+            unconfigure(HAND_MAIN, MAIN_FILE, DROP_IN, None).unwrap(),
             HAND_MAIN.replace("  \"/etc/containerd/conf.d/*.toml\",\n", "")
         );
         let main = "version = 2\nimports = [\"/etc/containerd/conf.d/99-nvidia.toml\", \"/etc/containerd/a.toml\"]\n";
         assert_eq!(
-            unconfigure(main, MAIN_FILE, DROP_IN).unwrap(),
+            unconfigure(main, MAIN_FILE, DROP_IN, None).unwrap(),
             "version = 2\nimports = [\"/etc/containerd/a.toml\"]\n"
         );
         let err = unconfigure(
             "version = 2\nimports = \"/etc/containerd/conf.d/*.toml\"\n",
             MAIN_FILE,
             DROP_IN,
+            None,
         );
         assert_eq!(shape_key(err.unwrap_err()), "imports");
     }
@@ -1352,7 +1598,7 @@ mod tests {
         };
         assert_eq!((file.as_str(), line, column), (MAIN_FILE, 4, 27), "{message}");
         assert!(!message.is_empty());
-        let err = unconfigure("version = 2\nversion = 3\n", MAIN_FILE, DROP_IN).unwrap_err();
+        let err = unconfigure("version = 2\nversion = 3\n", MAIN_FILE, DROP_IN, None).unwrap_err();
         assert!(matches!(err, EditError::Parse { line: 2, column: 1, .. }), "{err:?}");
     }
 
@@ -1425,7 +1671,7 @@ mod tests {
         other.binary = "/usr/local/bin/nvidia-container-runtime".into();
         assert!(dump_has_runtime(DUMP_1_6, &other).unwrap_err().contains("BinaryName"));
         other.name = "nvidia-cdi".to_owned();
-        other.set_as_default = true;
+        other.default = DefaultRuntime::Set;
         let err = dump_has_runtime(DUMP_1_6, &other).unwrap_err();
         assert!(err.contains("no runtime `nvidia-cdi`"), "{err}");
         assert!(err.contains("default_runtime_name is \"nvidia\""), "{err}");
@@ -1435,13 +1681,218 @@ mod tests {
     fn dump_v3_uses_the_runtime_plugin() {
         let dump = "version = 3\n[plugins.'io.containerd.cri.v1.runtime']\nenable_cdi = true\n\
                     [plugins.'io.containerd.cri.v1.runtime'.containerd]\ndefault_runtime_name = 'runc'\n\
+                    [plugins.'io.containerd.cri.v1.runtime'.containerd.runtimes.runc]\n\
                     [plugins.'io.containerd.cri.v1.runtime'.containerd.runtimes.nvidia.options]\n\
                     BinaryName = '/usr/bin/nvidia-container-runtime'\n";
         assert_eq!(dump_has_runtime(dump, &rt(false, true)), Ok(()));
+        // The CRI plugin refuses a default runtime that is not defined (k8s-device-plugin#1145).
+        let no_runc = dump.replace(
+            "[plugins.'io.containerd.cri.v1.runtime'.containerd.runtimes.runc]\n",
+            "",
+        );
+        let err = dump_has_runtime(&no_runc, &rt(false, true)).unwrap_err();
+        assert!(err.contains("default_runtime_name \"runc\" names no runtime"), "{err}");
         let err = dump_has_runtime(dump, &rt(true, true)).unwrap_err();
         assert_eq!(err, "default_runtime_name is \"runc\", expected \"nvidia\"");
         let v2_layout = dump.replace("io.containerd.cri.v1.runtime", "io.containerd.grpc.v1.cri");
         assert!(dump_has_runtime(&v2_layout, &rt(false, false)).is_err());
         assert!(dump_has_runtime("version = [", &rt(false, false)).is_err());
+    }
+
+    // === the real nodes' inputs (issue 13) ===
+
+    #[test]
+    fn a_comment_only_file_without_a_final_newline_keeps_version_on_its_own_line() {
+        let main = "# containerd config, managed by hand";
+        let out = configure(Some(main), MAIN_FILE, DROP_IN, Some(1), &rt(false, false)).unwrap();
+        assert_eq!(
+            out.main,
+            "# containerd config, managed by hand\nversion = 2\nimports = [\"/etc/containerd/conf.d/*.toml\"]\n"
+        );
+        // The agent reads its own file back as version 2, not 1.
+        assert_eq!(detect_version(Some(&out.main), MAIN_FILE, Some(1)).unwrap(), 2);
+        let again = configure(Some(&out.main), MAIN_FILE, DROP_IN, Some(1), &rt(false, false)).unwrap();
+        assert_eq!(again, out);
+    }
+
+    #[test]
+    fn with_no_file_or_no_runtimes_runc_stays_defined() {
+        // containerd's own default runtime, `runc`, must be in the table the drop-in replaces.
+        for main in [
+            None,
+            Some("version = 2\n[plugins.\"io.containerd.grpc.v1.cri\"]\nsandbox_image = \"p\"\n"),
+        ] {
+            let out = run(main, &rt(false, false));
+            let doc = parse_toml(&out.drop_in, DROP_IN).unwrap();
+            let runtimes = &doc["plugins"][CRI_PLUGIN_V2]["containerd"]["runtimes"];
+            assert_eq!(runtimes["runc"]["runtime_type"].as_str(), Some(RUNC_SHIM), "{main:?}");
+        }
+        // A default that names another runtime is that runtime's business.
+        let crun = "version = 2\n[plugins.\"io.containerd.grpc.v1.cri\".containerd]\ndefault_runtime_name = \"crun\"\n\
+                    [plugins.\"io.containerd.grpc.v1.cri\".containerd.runtimes.crun]\nruntime_type = \"io.containerd.runc.v2\"\n";
+        let out = run(Some(crun), &rt(false, false));
+        assert!(!out.drop_in.contains("runtimes.runc"), "{}", out.drop_in);
+    }
+
+    /// `containerd config dump` of Debian's containerd 1.6.20 without a config file, cut to the
+    /// CRI plugin's runtimes.
+    const DUMP_1_6_DEFAULTS: &str = "version = 2\n\
+        [grpc]\n  address = \"/run/containerd/containerd.sock\"\n\
+        [plugins]\n  [plugins.\"io.containerd.grpc.v1.cri\"]\n    sandbox_image = \"registry.k8s.io/pause:3.6\"\n\
+        [plugins.\"io.containerd.grpc.v1.cri\".containerd]\n      default_runtime_name = \"runc\"\n      snapshotter = \"overlayfs\"\n\
+        [plugins.\"io.containerd.grpc.v1.cri\".containerd.runtimes]\n\
+        [plugins.\"io.containerd.grpc.v1.cri\".containerd.runtimes.runc]\n          runtime_type = \"io.containerd.runc.v2\"\n\
+        [plugins.\"io.containerd.grpc.v1.cri\".containerd.runtimes.runc.options]\n            SystemdCgroup = false\n";
+
+    fn from_dump(main: Option<&str>, dump: &str, rt: &NvidiaRuntime) -> ContainerdFiles {
+        let input = Input {
+            main,
+            main_file: MAIN_FILE,
+            drop_in_path: DROP_IN,
+            binary_major: Some(1),
+            imported: &[],
+            effective: Some(dump),
+        };
+        configure_input(&input, rt).unwrap()
+    }
+
+    #[test]
+    fn the_drop_in_copies_the_effective_cri_table_from_the_dump() {
+        let out = from_dump(None, DUMP_1_6_DEFAULTS, &rt(true, false));
+        let doc = parse_toml(&out.drop_in, DROP_IN).unwrap();
+        let cri = &doc["plugins"][CRI_PLUGIN_V2];
+        assert_eq!(cri["sandbox_image"].as_str(), Some("registry.k8s.io/pause:3.6"));
+        assert_eq!(cri["containerd"]["snapshotter"].as_str(), Some("overlayfs"));
+        assert_eq!(cri["containerd"]["default_runtime_name"].as_str(), Some("nvidia"));
+        assert_eq!(
+            cri["containerd"]["runtimes"]["runc"]["runtime_type"].as_str(),
+            Some(RUNC_SHIM)
+        );
+        let nvidia = &cri["containerd"]["runtimes"]["nvidia"]["options"];
+        assert_eq!(nvidia["SystemdCgroup"].as_bool(), Some(false));
+        assert_eq!(nvidia["BinaryName"].as_str(), Some(BINARY));
+        assert!(out.drop_in.contains("`containerd config dump`"), "{}", out.drop_in);
+        assert_eq!(
+            dump_facts(DUMP_1_6_DEFAULTS),
+            ("/run/containerd/containerd.sock".to_owned(), false)
+        );
+    }
+
+    #[test]
+    fn a_version_3_dump_gives_a_drop_in_with_only_the_runtimes_in_the_files_version() {
+        // containerd 2.x dumps version 3 and merges imports key by key; its drop-in may not be of
+        // a higher version than the top-level file.
+        let dump = DUMP_1_6_DEFAULTS
+            .replace("version = 2", "version = 3")
+            .replace(CRI_PLUGIN_V2, CRI_PLUGIN_V3)
+            .replace("SystemdCgroup = false", "SystemdCgroup = true");
+        let out = from_dump(Some("version = 2\n"), &dump, &rt(true, false));
+        assert_eq!(out.version, 2);
+        let doc = parse_toml(&out.drop_in, DROP_IN).unwrap();
+        assert_eq!(doc["version"].as_integer(), Some(2));
+        let cri = doc["plugins"][CRI_PLUGIN_V2].as_table().unwrap();
+        assert!(cri.get("sandbox_image").is_none(), "{}", out.drop_in);
+        let runtimes = cri["containerd"]["runtimes"].as_table().unwrap();
+        assert_eq!(runtimes.iter().map(|(k, _)| k).collect::<Vec<_>>(), ["nvidia"]);
+        assert_eq!(runtimes["nvidia"]["options"]["SystemdCgroup"].as_bool(), Some(true));
+        assert_eq!(cri["containerd"]["default_runtime_name"].as_str(), Some("nvidia"));
+    }
+
+    #[test]
+    fn an_existing_nvidia_runtime_keeps_its_options_and_the_default_stays_with_keep() {
+        // EKS AL2023's NVIDIA variant: nvidia is the default, with its own base_runtime_spec.
+        let main = "version = 2\n[plugins.\"io.containerd.grpc.v1.cri\".containerd]\ndefault_runtime_name = \"nvidia\"\n\
+                    [plugins.\"io.containerd.grpc.v1.cri\".containerd.runtimes.nvidia]\nruntime_type = \"io.containerd.runc.v2\"\n\
+                    base_runtime_spec = \"/etc/containerd/base-runtime-spec.json\"\n\
+                    [plugins.\"io.containerd.grpc.v1.cri\".containerd.runtimes.nvidia.options]\n\
+                    BinaryName = \"/usr/bin/nvidia-container-runtime\"\nSystemdCgroup = true\n";
+        let mut keep = rt(false, false);
+        keep.default = DefaultRuntime::Keep;
+        let out = run(Some(main), &keep);
+        let doc = parse_toml(&out.drop_in, DROP_IN).unwrap();
+        let containerd = &doc["plugins"][CRI_PLUGIN_V2]["containerd"];
+        assert_eq!(containerd["default_runtime_name"].as_str(), Some("nvidia"));
+        let nvidia = &containerd["runtimes"]["nvidia"];
+        assert_eq!(
+            nvidia["base_runtime_spec"].as_str(),
+            Some("/etc/containerd/base-runtime-spec.json")
+        );
+        assert_eq!(nvidia["options"]["SystemdCgroup"].as_bool(), Some(true));
+        // Without runc in the file the default is still defined: it is nvidia itself.
+        assert!(containerd["runtimes"].get("runc").is_none(), "{}", out.drop_in);
+    }
+
+    #[test]
+    fn extra_runtimes_get_the_same_options_and_their_own_binaries() {
+        let mut rt = rt(true, false);
+        rt.also = vec![
+            ("nvidia-cdi".to_owned(), "/usr/bin/nvidia-container-runtime.cdi".into()),
+            (
+                "nvidia-legacy".to_owned(),
+                "/usr/bin/nvidia-container-runtime.legacy".into(),
+            ),
+        ];
+        let out = run(Some(V2_MAIN), &rt);
+        let doc = parse_toml(&out.drop_in, DROP_IN).unwrap();
+        let runtimes = &doc["plugins"][CRI_PLUGIN_V2]["containerd"]["runtimes"];
+        for (name, binary) in rt.all() {
+            assert_eq!(
+                runtimes[name]["options"]["SystemdCgroup"].as_bool(),
+                Some(true),
+                "{name}"
+            );
+            assert_eq!(
+                runtimes[name]["options"]["BinaryName"].as_str(),
+                binary.to_str(),
+                "{name}"
+            );
+        }
+        assert_eq!(
+            doc["plugins"][CRI_PLUGIN_V2]["containerd"]["default_runtime_name"].as_str(),
+            Some("nvidia")
+        );
+    }
+
+    #[test]
+    fn a_version_1_file_gets_a_version_1_drop_in() {
+        let main =
+            "root = \"/var/lib/containerd\"\n[plugins.cri.containerd.runtimes.runc.options]\nSystemdCgroup = true\n";
+        let out = run(Some(main), &rt(false, false));
+        assert_eq!(out.version, 1);
+        assert_eq!(
+            out.main,
+            "root = \"/var/lib/containerd\"\nimports = [\"/etc/containerd/conf.d/*.toml\"]\n\
+             [plugins.cri.containerd.runtimes.runc.options]\nSystemdCgroup = true\n"
+        );
+        let doc = parse_toml(&out.drop_in, DROP_IN).unwrap();
+        assert!(doc.get("version").is_none(), "{}", out.drop_in);
+        assert_eq!(
+            doc["plugins"]["cri"]["containerd"]["runtimes"]["nvidia"]["options"]["SystemdCgroup"].as_bool(),
+            Some(true)
+        );
+    }
+
+    #[test]
+    fn cri_disabled_is_read_from_disabled_plugins() {
+        assert!(cri_disabled("disabled_plugins = [\"cri\"]\n"));
+        assert!(cri_disabled(
+            "version = 2\ndisabled_plugins = [\"io.containerd.grpc.v1.cri\"]\n"
+        ));
+        assert!(!cri_disabled(
+            "version = 2\ndisabled_plugins = [\"io.containerd.snapshotter.v1.zfs\"]\n"
+        ));
+        assert!(!cri_disabled("version = 2\n"));
+        assert!(!cri_disabled("not toml ["));
+    }
+
+    #[test]
+    fn unconfigure_keeps_an_import_the_original_file_had() {
+        let mine = "version = 2\nimports = [\"/etc/containerd/conf.d/*.toml\"]\n";
+        let edited = format!("{mine}# edited since\n");
+        assert_eq!(unconfigure(&edited, MAIN_FILE, DROP_IN, Some(mine)).unwrap(), edited);
+        assert_eq!(
+            unconfigure(&edited, MAIN_FILE, DROP_IN, Some("version = 2\n")).unwrap(),
+            "version = 2\n# edited since\n"
+        );
     }
 }

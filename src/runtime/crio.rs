@@ -14,8 +14,8 @@
 
 use toml_edit::{DocumentMut, Item, Table, value};
 
-use super::containerd::{binary_str, child_table, dotted, hide_grouping_headers, parse_toml, plain_table, table_at};
-use super::{EditError, NvidiaRuntime};
+use super::containerd::{binary_text, child_table, dotted, hide_grouping_headers, parse_toml, plain_table, table_at};
+use super::{DefaultRuntime, EditError, NvidiaRuntime};
 
 /// Runtimes whose table the `nvidia` runtime copies when the default runtime is not usable.
 const FALLBACK_TEMPLATES: [&str; 2] = ["runc", "crun"];
@@ -35,21 +35,29 @@ const DROP_IN_HEADER: &str = "\
 /// Without `rt.set_as_default` the drop-in says nothing about the default runtime: a
 /// `default_runtime` the user set in the top-level config stays in force.
 pub fn configure(main: Option<&str>, main_file: &str, rt: &NvidiaRuntime) -> Result<String, EditError> {
-    let runtime_path = ["crio", "runtime", "runtimes", rt.name.as_str()];
-    let binary = binary_str(rt, main_file, &dotted(&[&runtime_path[..], &["runtime_path"]].concat()))?;
-    let mut nvidia = match main {
+    let template = match main {
         Some(text) => template(&parse_toml(text, main_file)?, main_file, &rt.name)?,
         None => Table::new(),
     };
-    nvidia.insert("runtime_path", value(binary));
-    nvidia.insert("runtime_type", value("oci"));
-
     let mut crio = Table::new();
-    let runtime = child_table(&mut crio, "runtime", &dotted(&runtime_path[..2]), main_file)?;
-    if rt.set_as_default {
+    let runtime = child_table(&mut crio, "runtime", &dotted(&["crio", "runtime"]), main_file)?;
+    if rt.default == DefaultRuntime::Set {
         runtime.insert("default_runtime", value(rt.name.as_str()));
     }
-    child_table(runtime, "runtimes", &dotted(&runtime_path[..3]), main_file)?.insert(&rt.name, Item::Table(nvidia));
+    let runtimes = child_table(
+        runtime,
+        "runtimes",
+        &dotted(&["crio", "runtime", "runtimes"]),
+        main_file,
+    )?;
+    for (name, binary) in rt.all() {
+        let key = dotted(&["crio", "runtime", "runtimes", name, "runtime_path"]);
+        let binary = binary_text(binary, main_file, &key)?;
+        let mut table = template.clone();
+        table.insert("runtime_path", value(binary));
+        table.insert("runtime_type", value("oci"));
+        runtimes.insert(name, Item::Table(table));
+    }
 
     let mut out = DocumentMut::new();
     out.decor_mut().set_prefix(DROP_IN_HEADER);
@@ -104,8 +112,13 @@ mod tests {
         NvidiaRuntime {
             name: "nvidia".to_owned(),
             binary: "/usr/bin/nvidia-container-runtime".into(),
-            set_as_default,
+            default: if set_as_default {
+                DefaultRuntime::Set
+            } else {
+                DefaultRuntime::Unset
+            },
             enable_cdi,
+            also: Vec::new(),
         }
     }
 

@@ -17,8 +17,8 @@ use serde::de::{self, Deserialize, Deserializer, MapAccess, SeqAccess, Visitor};
 use serde::ser::{Serialize, Serializer};
 use serde_json::ser::PrettyFormatter;
 
-use super::containerd::binary_str;
-use super::{EditError, NvidiaRuntime};
+use super::containerd::binary_text;
+use super::{DefaultRuntime, EditError, NvidiaRuntime};
 
 /// Indentation of a file that has none to copy: four spaces, like `nvidia-ctk` writes.
 const DEFAULT_INDENT: &str = "    ";
@@ -29,29 +29,39 @@ const RUNC: &str = "runc";
 /// Key named in shape errors about the document itself.
 const TOP_LEVEL: &str = "(top level)";
 
-/// Adds the runtime `rt` to `daemon.json`.
+/// Adds the runtime `rt` (and its `also` runtimes) to `daemon.json`.
 ///
 /// `existing` is the file's text (`None` when it does not exist; an empty or whitespace-only file
-/// counts as `{}`), `file` its path for error messages. Without `rt.set_as_default`, a
-/// `default-runtime` that names `rt` (left by an earlier run that had it) goes back to `runc`, and
-/// any other `default-runtime` is left alone.
+/// counts as `{}`), `file` its path for error messages. With [`DefaultRuntime::Unset`], a
+/// `default-runtime` that names one of the agent's runtimes (left by an earlier run that had it)
+/// goes back to `runc`; with [`DefaultRuntime::Keep`] any `default-runtime` stays, `nvidia`
+/// included (EKS GPU AMIs ship it so).
 pub fn configure(existing: Option<&str>, file: &str, rt: &NvidiaRuntime) -> Result<String, EditError> {
-    let binary = binary_str(rt, file, &format!("runtimes.{}.path", rt.name))?;
     let text = existing.filter(|text| !text.trim().is_empty());
     let original = match text {
         Some(text) => parse(text, file)?,
         None => Object::default(),
     };
     let mut config = original.clone();
-    let runtime = Object(vec![
-        ("path".to_owned(), Json::String(binary.to_owned())),
-        ("args".to_owned(), Json::Array(Vec::new())),
-    ]);
-    object_entry(&mut config, "runtimes", file)?.insert(&rt.name, Json::Object(runtime));
-    if rt.set_as_default {
-        config.insert("default-runtime", Json::String(rt.name.clone()));
-    } else if config.get_str("default-runtime") == Some(rt.name.as_str()) {
-        config.insert("default-runtime", Json::String(RUNC.to_owned()));
+    for (name, binary) in rt.all() {
+        let key = format!("runtimes.{name}.path");
+        let binary = binary_text(binary, file, &key)?;
+        let runtime = Object(vec![
+            ("path".to_owned(), Json::String(binary.to_owned())),
+            ("args".to_owned(), Json::Array(Vec::new())),
+        ]);
+        object_entry(&mut config, "runtimes", file)?.insert(name, Json::Object(runtime));
+    }
+    match rt.default {
+        DefaultRuntime::Set => config.insert("default-runtime", Json::String(rt.name.clone())),
+        DefaultRuntime::Unset
+            if config
+                .get_str("default-runtime")
+                .is_some_and(|d| rt.names().any(|n| n == d)) =>
+        {
+            config.insert("default-runtime", Json::String(RUNC.to_owned()))
+        }
+        DefaultRuntime::Unset | DefaultRuntime::Keep => {}
     }
     if rt.enable_cdi {
         object_entry(&mut config, "features", file)?.insert("cdi", Json::Bool(true));
@@ -62,28 +72,44 @@ pub fn configure(existing: Option<&str>, file: &str, rt: &NvidiaRuntime) -> Resu
     }
 }
 
-/// Removes the runtime `rt_name` from `daemon.json`: `runtimes.<name>` (and `runtimes` when it is
-/// left empty), and `default-runtime` when it names the runtime (docker then uses `runc`).
+/// Removes the runtimes `names` from `daemon.json`: `runtimes.<name>` (and `runtimes` when it is
+/// left empty), and `default-runtime` when it names one of them (docker then uses `runc`).
+/// What `original` (the file before the agent's first change, when known) already had stays:
+/// a runtime or default that `nvidia-ctk` or the image put there is not the agent's to remove.
 ///
 /// `features.cdi` stays: CDI is a daemon-wide switch that other devices' CDI specs and the user's
 /// own `--device vendor/class=name` flags may rely on, and it is harmless without NVIDIA specs.
-/// A file without the runtime is returned byte-identical.
-pub fn unconfigure(existing: &str, file: &str, rt_name: &str) -> Result<String, EditError> {
+/// A file without the runtimes is returned byte-identical.
+pub fn unconfigure(existing: &str, file: &str, names: &[&str], original: Option<&str>) -> Result<String, EditError> {
     if existing.trim().is_empty() {
         return Ok(existing.to_owned());
     }
-    let original = parse(existing, file)?;
-    let mut config = original.clone();
+    let before = original
+        .filter(|t| !t.trim().is_empty())
+        .and_then(|t| parse(t, file).ok())
+        .unwrap_or_default();
+    let had_runtime = |name: &str| matches!(before.get("runtimes"), Some(Json::Object(r)) if r.get(name).is_some());
+    let original_default = before.get_str("default-runtime").map(str::to_owned);
+    let parsed = parse(existing, file)?;
+    let mut config = parsed.clone();
     if let Some(Json::Object(runtimes)) = config.get_mut("runtimes") {
-        runtimes.remove(rt_name);
+        for name in names.iter().filter(|n| !had_runtime(n)) {
+            runtimes.remove(name);
+        }
         if runtimes.0.is_empty() {
             config.remove("runtimes");
         }
     }
-    if config.get_str("default-runtime") == Some(rt_name) {
-        config.remove("default-runtime");
+    if let Some(default) = config.get_str("default-runtime")
+        && names.contains(&default)
+        && original_default.as_deref() != Some(default)
+    {
+        match original_default {
+            Some(d) => config.insert("default-runtime", Json::String(d)),
+            None => config.remove("default-runtime"),
+        }
     }
-    if config == original {
+    if config == parsed {
         return Ok(existing.to_owned());
     }
     render(&config, indent_unit(existing), file)
@@ -321,8 +347,13 @@ mod tests {
         NvidiaRuntime {
             name: "nvidia".to_owned(),
             binary: BINARY.into(),
-            set_as_default,
+            default: if set_as_default {
+                DefaultRuntime::Set
+            } else {
+                DefaultRuntime::Unset
+            },
             enable_cdi,
+            also: Vec::new(),
         }
     }
 
@@ -448,7 +479,7 @@ mod tests {
     fn unconfigure_round_trip() {
         for (set_as_default, enable_cdi) in [(false, false), (true, false)] {
             let configured = configure(Some(EXISTING), FILE, &rt(set_as_default, enable_cdi)).unwrap();
-            let restored = unconfigure(&configured, FILE, "nvidia").unwrap();
+            let restored = unconfigure(&configured, FILE, &["nvidia"], None).unwrap();
             assert_eq!(json(&restored), json(EXISTING));
             assert!(restored.starts_with("{\n  \"log-driver\""), "indent kept: {restored}");
         }
@@ -456,18 +487,21 @@ mod tests {
         let configured = configure(Some(EXISTING), FILE, &rt(true, true)).unwrap();
         let mut expected = json(EXISTING);
         expected["features"] = json(r#"{"cdi": true}"#);
-        assert_eq!(json(&unconfigure(&configured, FILE, "nvidia").unwrap()), expected);
+        assert_eq!(
+            json(&unconfigure(&configured, FILE, &["nvidia"], None).unwrap()),
+            expected
+        );
         // A fresh file comes back as an empty object.
         let fresh = configure(None, FILE, &rt(true, false)).unwrap();
-        assert_eq!(unconfigure(&fresh, FILE, "nvidia").unwrap(), "{}\n");
+        assert_eq!(unconfigure(&fresh, FILE, &["nvidia"], None).unwrap(), "{}\n");
     }
 
     #[test]
     fn unconfigure_without_the_runtime_is_byte_identical() {
-        assert_eq!(unconfigure(EXISTING, FILE, "nvidia").unwrap(), EXISTING);
-        assert_eq!(unconfigure("", FILE, "nvidia").unwrap(), "");
+        assert_eq!(unconfigure(EXISTING, FILE, &["nvidia"], None).unwrap(), EXISTING);
+        assert_eq!(unconfigure("", FILE, &["nvidia"], None).unwrap(), "");
         let odd = r#"{"runtimes": [], "default-runtime": "runsc"}"#;
-        assert_eq!(unconfigure(odd, FILE, "nvidia").unwrap(), odd);
+        assert_eq!(unconfigure(odd, FILE, &["nvidia"], None).unwrap(), odd);
     }
 
     #[test]
@@ -483,7 +517,7 @@ mod tests {
             }
         );
         assert!(matches!(
-            unconfigure(BROKEN, FILE, "nvidia"),
+            unconfigure(BROKEN, FILE, &["nvidia"], None),
             Err(EditError::Parse { line: 4, .. })
         ));
     }
@@ -499,7 +533,10 @@ mod tests {
             let err = configure(Some(text), FILE, &rt(false, true)).unwrap_err();
             assert_eq!(shape_key(err), key, "{text}");
         }
-        assert_eq!(shape_key(unconfigure("[1]", FILE, "nvidia").unwrap_err()), TOP_LEVEL);
+        assert_eq!(
+            shape_key(unconfigure("[1]", FILE, &["nvidia"], None).unwrap_err()),
+            TOP_LEVEL
+        );
         let mut rt = rt(false, false);
         rt.binary = std::ffi::OsStr::from_bytes(b"/usr/bin/\xff").into();
         assert_eq!(

@@ -7,8 +7,10 @@
 
 pub mod cdi;
 pub mod containerd;
+pub mod cri;
 pub mod crio;
 pub mod docker;
+pub mod kubelet;
 pub mod stage;
 
 use std::path::PathBuf;
@@ -20,11 +22,39 @@ pub struct NvidiaRuntime {
     pub name: String,
     /// Absolute host path of the runtime binary, e.g. `/usr/bin/nvidia-container-runtime`.
     pub binary: PathBuf,
-    /// Make it the engine's default runtime.
-    pub set_as_default: bool,
+    /// What happens to the engine's default runtime.
+    pub default: DefaultRuntime,
     /// Turn on the engine's CDI support (containerd `enable_cdi`, docker `features.cdi`; CRI-O
     /// always has it).
     pub enable_cdi: bool,
+    /// More runtimes added next to `name`, with the same options: the GPU Operator's
+    /// `nvidia-cdi` and `nvidia-legacy` (name, binary), for the toolkit binaries the node has.
+    pub also: Vec<(String, PathBuf)>,
+}
+
+impl NvidiaRuntime {
+    /// Every runtime name the agent adds: `name`, then the `also` names.
+    pub fn names(&self) -> impl Iterator<Item = &str> {
+        std::iter::once(self.name.as_str()).chain(self.also.iter().map(|(n, _)| n.as_str()))
+    }
+
+    /// Every runtime the agent adds, name and binary.
+    pub fn all(&self) -> impl Iterator<Item = (&str, &std::path::Path)> {
+        std::iter::once((self.name.as_str(), self.binary.as_path()))
+            .chain(self.also.iter().map(|(n, b)| (n.as_str(), b.as_path())))
+    }
+}
+
+/// What the edit does with the engine's default runtime.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DefaultRuntime {
+    /// The agent's runtime becomes the default (unmodified pods get GPUs through it).
+    Set,
+    /// Whatever the engine's files say stays, an earlier `nvidia` default included.
+    Keep,
+    /// A default that names the agent's runtime goes back to the engine's own (`runc`); any
+    /// other stays.
+    Unset,
 }
 
 /// An engine's configuration could not be edited. Nothing was written.

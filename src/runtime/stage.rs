@@ -20,17 +20,19 @@ use std::time::{Duration, Instant};
 
 use sha2::{Digest, Sha256};
 
-use super::{EditError, NvidiaRuntime, cdi, containerd, crio, docker};
-use crate::config::{AnyEngineFiles, Config, Engine, RuntimeConfig, RuntimeMode};
+use super::kubelet::{self, KubeletEndpoint};
+use super::{DefaultRuntime, EditError, NvidiaRuntime, cdi, containerd, cri, crio, docker};
+use crate::config::{AnyEngineFiles, Config, Engine, RuntimeConfig, RuntimeMode, SetAsDefault};
 use crate::host::command::{Cmd, Runner};
 use crate::host::{HostRoot, WriteError, write_atomic};
 use crate::nvml::Inventory;
 use crate::plugin::devnodes::DeviceNodes;
 
 /// Systemd unit directories searched to tell whether an engine is installed.
-const UNIT_DIRS: [&str; 4] = [
+const UNIT_DIRS: [&str; 5] = [
     "/etc/systemd/system",
     "/run/systemd/system",
+    "/usr/local/lib/systemd/system",
     "/lib/systemd/system",
     "/usr/lib/systemd/system",
 ];
@@ -86,6 +88,9 @@ pub enum RuntimeError {
     },
     #[error("CDI spec: {0}")]
     Cdi(#[from] cdi::CdiError),
+    /// The engine's files could not be planned (parse or shape error); nothing was written to it.
+    #[error("{message}")]
+    Engine { engine: &'static str, message: String },
 }
 
 fn restored(again: &Option<String>) -> String {
@@ -112,11 +117,21 @@ pub struct ObservedEngine {
     pub main_target: PathBuf,
     /// The same for the drop-in (empty for docker).
     pub drop_in_target: PathBuf,
-    /// containerd's major version from `containerd --version`, when it was needed and known.
-    pub containerd_major: Option<u32>,
+    /// The engine's binary (host path) where it was found: the configured path, or the same
+    /// name in another standard directory (`/usr/local/bin` for upstream tarballs).
+    pub binary: Option<PathBuf>,
+    /// containerd's version (major, minor) from `containerd --version`, when known.
+    pub containerd_version: Option<(u32, u32)>,
     /// containerd: the other files it loads through `imports` once the agent's entry is there,
     /// in its load order, without the agent's drop-in (see [`containerd_imports`]).
     pub imported: Vec<containerd::ImportedFile>,
+    /// containerd: `containerd config dump` of the configured top-level file without the
+    /// agent's drop-in (see [`containerd_effective`]); `None` without the binary, or when the
+    /// dump failed (logged; the files are read instead).
+    pub effective: Option<String>,
+    /// The engine's CRI socket (host path): containerd's `[grpc] address`, CRI-O's default;
+    /// `None` for docker, which serves no CRI itself.
+    pub cri_socket: Option<PathBuf>,
 }
 
 /// What the agent knows about a file it changed before.
@@ -133,12 +148,17 @@ pub struct Backup {
 pub struct Observed {
     pub engines: Vec<ObservedEngine>,
     pub runtime_binary_present: bool,
+    /// The GPU Operator's extra runtimes whose binaries the node has (`nvidia-cdi`,
+    /// `nvidia-legacy`), when `[runtime] extra_runtimes` is on.
+    pub also: Vec<(String, PathBuf)>,
+    /// The kubelet's CRI endpoint.
+    pub kubelet: KubeletEndpoint,
     /// Backups by host path.
     pub backups: BTreeMap<PathBuf, Backup>,
 }
 
 /// One file's change: `after == None` removes it.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct FileChange {
     /// Host path (the configured one, which names the backups).
     pub path: PathBuf,
@@ -156,6 +176,21 @@ pub struct EnginePlan {
     pub installed: bool,
     /// Only files whose bytes change.
     pub changes: Vec<FileChange>,
+    /// The engine the kubelet uses (its failure holds the device plugin back).
+    pub kubelet: bool,
+    /// The runtimes as this engine gets them (its default-runtime choice, CDI where supported).
+    pub runtime: NvidiaRuntime,
+    /// Its CRI socket (host path), asked after a restart.
+    pub cri_socket: Option<PathBuf>,
+    /// Its binary (host path), where found.
+    pub binary: Option<PathBuf>,
+    /// Why the engine is left alone (containerd with its CRI plugin disabled).
+    pub skipped: Option<String>,
+    /// Why the engine cannot be configured (its files do not parse, ...): nothing is written to
+    /// it; the other engines go on.
+    pub error: Option<String>,
+    /// What was left out and why (containerd 1.6 has no CDI).
+    pub warnings: Vec<String>,
 }
 
 /// Configure (the agent's own entries in) or unconfigure (back to the originals).
@@ -185,18 +220,48 @@ impl RuntimePlan {
         if let Some(note) = &self.note {
             return note.clone();
         }
-        let names: Vec<&str> = self.engines.iter().map(|e| e.engine.as_str()).collect();
+        let names: Vec<String> = self
+            .engines
+            .iter()
+            .filter(|e| e.skipped.is_none() && e.error.is_none())
+            .map(|e| {
+                if e.runtime.default == DefaultRuntime::Set {
+                    format!("{} (default)", e.engine.as_str())
+                } else {
+                    e.engine.as_str().to_owned()
+                }
+            })
+            .collect();
         names.join(", ")
+    }
+
+    /// The engines left alone, with why, and their warnings: lines for status and the log.
+    pub fn remarks(&self) -> Vec<String> {
+        let mut out = Vec::new();
+        for e in &self.engines {
+            if let Some(why) = &e.skipped {
+                out.push(format!("{} left alone: {why}", e.engine.as_str()));
+            }
+            out.extend(e.warnings.iter().map(|w| format!("{}: {w}", e.engine.as_str())));
+        }
+        out
     }
 }
 
-/// The runtime the config describes.
-pub fn nvidia_runtime(config: &RuntimeConfig) -> NvidiaRuntime {
+/// The runtimes the config describes, with the default-runtime choice of `set_as_default` for
+/// an engine that is (`kubelet`) or is not the kubelet's.
+pub fn nvidia_runtime(config: &RuntimeConfig, kubelet: bool, also: &[(String, PathBuf)]) -> NvidiaRuntime {
     NvidiaRuntime {
         name: config.runtime_name.clone(),
         binary: config.runtime_binary.clone(),
-        set_as_default: config.set_as_default,
+        default: match config.set_as_default {
+            SetAsDefault::Always => DefaultRuntime::Set,
+            SetAsDefault::Never => DefaultRuntime::Unset,
+            SetAsDefault::Auto if kubelet => DefaultRuntime::Set,
+            SetAsDefault::Auto => DefaultRuntime::Keep,
+        },
         enable_cdi: config.enable_cdi,
+        also: also.to_vec(),
     }
 }
 
@@ -231,8 +296,8 @@ fn digest(text: &str) -> String {
     })
 }
 
-/// Reads the engines' files and the backups. Runs `containerd --version` only when containerd
-/// has no config to read its schema version from.
+/// Reads the engines' files and the backups, finds the kubelet's engine, and asks an installed
+/// containerd for its version and its effective configuration (`config dump`).
 pub fn observe(config: &Config, root: &HostRoot, runner: &Runner) -> Result<Observed, RuntimeError> {
     let rc = &config.runtime;
     let mut engines = Vec::new();
@@ -240,7 +305,8 @@ pub fn observe(config: &Config, root: &HostRoot, runner: &Runner) -> Result<Obse
     let dir = backup_dir(config, root);
     for engine in Engine::ALL {
         let files = rc.files(engine);
-        let installed = runner.exists(&files.binary)
+        let binary = locate_binary(runner, &files.binary);
+        let installed = binary.is_some()
             || UNIT_DIRS
                 .iter()
                 .any(|d| root.join(Path::new(d).join(&files.unit)).exists());
@@ -278,19 +344,45 @@ pub fn observe(config: &Config, root: &HostRoot, runner: &Runner) -> Result<Obse
         };
         let (main, main_target) = read_file(&files.config)?;
         let (drop_in, drop_in_target) = read_file(&files.drop_in)?;
-        let containerd_major = if engine == Engine::Containerd
-            && selected
-            && main.as_deref().is_none_or(|m| m.trim().is_empty())
-            && runner.exists(&files.binary)
-        {
-            containerd_major(runner, &files.binary)
-        } else {
-            None
+        let containerd = engine == Engine::Containerd && selected;
+        let containerd_version = match &binary {
+            Some(binary) if containerd => containerd_version(runner, binary),
+            _ => None,
         };
-        let imported = if engine == Engine::Containerd && selected {
+        let imported = if containerd {
             containerd_imports(root, &files, main.as_deref())
         } else {
             Vec::new()
+        };
+        let effective = match &binary {
+            Some(binary) if containerd => {
+                match containerd_effective(
+                    config,
+                    root,
+                    runner,
+                    &files,
+                    binary,
+                    main.as_deref(),
+                    containerd_version,
+                ) {
+                    Ok(dump) => Some(dump),
+                    Err(e) => {
+                        tracing::warn!("containerd's effective configuration: {e}; reading its files instead");
+                        None
+                    }
+                }
+            }
+            _ => None,
+        };
+        let cri_socket = match engine {
+            Engine::Containerd => Some(PathBuf::from(
+                effective
+                    .as_deref()
+                    .map(|dump| containerd::dump_facts(dump).0)
+                    .unwrap_or_else(|| containerd::DEFAULT_ADDRESS.to_owned()),
+            )),
+            Engine::Crio => Some(PathBuf::from(CRIO_SOCKET)),
+            Engine::Docker => None,
         };
         engines.push(ObservedEngine {
             engine,
@@ -301,23 +393,62 @@ pub fn observe(config: &Config, root: &HostRoot, runner: &Runner) -> Result<Obse
             drop_in,
             main_target,
             drop_in_target,
-            containerd_major,
+            binary,
+            containerd_version,
             imported,
+            effective,
+            cri_socket,
         });
     }
+    let also = if rc.extra_runtimes {
+        ["cdi", "legacy"]
+            .iter()
+            .filter_map(|suffix| {
+                let mut binary = rc.runtime_binary.clone().into_os_string();
+                binary.push(format!(".{suffix}"));
+                let binary = PathBuf::from(binary);
+                root.join(&binary)
+                    .is_file()
+                    .then(|| (format!("{}-{suffix}", rc.runtime_name), binary))
+            })
+            .collect()
+    } else {
+        Vec::new()
+    };
     Ok(Observed {
         engines,
         runtime_binary_present: root.join(&rc.runtime_binary).is_file(),
+        also,
+        kubelet: kubelet::detect(root, &rc.kubelet_runtime_endpoint),
         backups,
     })
 }
 
-/// `containerd --version` → the major version (`containerd github.com/containerd/containerd
-/// v1.7.20 ...` → 1). `None` when it cannot be told (logged).
-fn containerd_major(runner: &Runner, binary: &Path) -> Option<u32> {
+/// CRI-O's CRI socket (its `listen` default).
+const CRIO_SOCKET: &str = "/var/run/crio/crio.sock";
+
+/// Directories where an engine's binary may be when it is not where the config says: the
+/// distributions' and the upstream tarballs' (`/usr/local/bin`).
+const BINARY_DIRS: [&str; 5] = ["/usr/bin", "/usr/local/bin", "/usr/sbin", "/usr/local/sbin", "/bin"];
+
+/// The configured binary when it exists, else the same name in [`BINARY_DIRS`].
+fn locate_binary(runner: &Runner, configured: &Path) -> Option<PathBuf> {
+    if runner.exists(configured) {
+        return Some(configured.to_path_buf());
+    }
+    let name = configured.file_name()?;
+    BINARY_DIRS
+        .iter()
+        .map(|d| Path::new(d).join(name))
+        .find(|p| runner.exists(p))
+}
+
+/// `containerd --version` → (major, minor) (`containerd github.com/containerd/containerd
+/// v1.7.20 ...` → (1, 7)). `None` when it cannot be told (logged).
+fn containerd_version(runner: &Runner, binary: &Path) -> Option<(u32, u32)> {
     let cmd = Cmd::new(binary).arg("--version").timeout(Duration::from_secs(10));
     match runner.run(&cmd) {
-        Ok(out) => parse_major(&out.stdout),
+        Ok(out) => parse_version(&out.stdout),
         Err(e) => {
             tracing::warn!("cannot tell containerd's version: {e}");
             None
@@ -325,12 +456,52 @@ fn containerd_major(runner: &Runner, binary: &Path) -> Option<u32> {
     }
 }
 
-fn parse_major(version_output: &str) -> Option<u32> {
+/// What containerd itself makes of its files once the agent's import is there but without the
+/// agent's drop-in: `containerd --config <copy> config dump`, the copy being the top-level
+/// config as [`containerd::configured_main`] leaves it, with every `imports` entry made an
+/// absolute path under the root and the drop-in left out of its glob. The copy is a private
+/// temp file, removed afterwards.
+fn containerd_effective(
+    config: &Config,
+    root: &HostRoot,
+    runner: &Runner,
+    files: &AnyEngineFiles,
+    binary: &Path,
+    main: Option<&str>,
+    version: Option<(u32, u32)>,
+) -> Result<String, String> {
+    let main_file = files.config.to_string_lossy();
+    let drop_in = files.drop_in.to_string_lossy();
+    let (_, configured) =
+        containerd::configured_main(main, &main_file, &drop_in, version.map(|v| v.0)).map_err(|e| e.to_string())?;
+    let entries = containerd::imports(&configured, &main_file).map_err(|e| e.to_string())?;
+    let mut paths = Vec::new();
+    for path in import_paths(root, &files.config, &entries) {
+        if path != files.drop_in {
+            paths.push(root.join(&path).to_string_lossy().into_owned());
+        }
+    }
+    let copy_text = containerd::with_imports(&configured, &main_file, &paths).map_err(|e| e.to_string())?;
+    let dir = backup_dir(config, root);
+    let copy = dir.join(format!(".containerd-effective-{}.toml", std::process::id()));
+    write_atomic(&copy, copy_text.as_bytes(), 0o600).map_err(|e| e.to_string())?;
+    let cmd = Cmd::new(binary)
+        .arg("--config")
+        .arg(&copy)
+        .args(["config", "dump"])
+        .timeout(Duration::from_secs(30));
+    let result = runner.run(&cmd);
+    let _ = std::fs::remove_file(&copy);
+    Ok(result.map_err(|e| e.to_string())?.stdout)
+}
+
+fn parse_version(version_output: &str) -> Option<(u32, u32)> {
     version_output.split_whitespace().find_map(|word| {
         let v = word.strip_prefix('v').unwrap_or(word);
-        let (major, rest) = v.split_once('.')?;
-        rest.chars().next().filter(char::is_ascii_digit)?;
-        major.parse().ok()
+        let mut parts = v.split('.');
+        let major = parts.next()?.parse().ok()?;
+        let minor: String = parts.next()?.chars().take_while(char::is_ascii_digit).collect();
+        Some((major, minor.parse().ok()?))
     })
 }
 
@@ -502,6 +673,11 @@ fn change(path: &Path, target: &Path, before: &Option<String>, after: Option<Str
 }
 
 /// The edits that put the agent's runtime into every selected engine. Pure.
+///
+/// An engine whose files cannot be edited gets an [`EnginePlan::error`] and no changes; the
+/// others are planned as usual (one engine's failure is that engine's). A containerd whose CRI
+/// plugin is disabled (Docker's `containerd.io` package) is [`EnginePlan::skipped`]: no kubelet
+/// can be using it.
 pub fn plan(observed: &Observed, config: &RuntimeConfig) -> Result<RuntimePlan, RuntimeError> {
     let mut out = RuntimePlan {
         purpose: Purpose::Configure,
@@ -525,46 +701,93 @@ pub fn plan(observed: &Observed, config: &RuntimeConfig) -> Result<RuntimePlan, 
             binary: config.runtime_binary.clone(),
         });
     }
-    let rt = nvidia_runtime(config);
+    let kubelet_engine = observed.kubelet.engine();
     for e in selected {
-        let main_file = e.files.config.to_string_lossy().into_owned();
-        let mut changes = Vec::new();
-        match e.engine {
-            Engine::Containerd => {
-                let drop_in_path = e.files.drop_in.to_string_lossy().into_owned();
-                let files = containerd::configure_with_imports(
-                    e.main.as_deref(),
-                    &main_file,
-                    &drop_in_path,
-                    e.containerd_major,
-                    &rt,
-                    &e.imported,
-                )?;
-                changes.extend(change(&e.files.config, &e.main_target, &e.main, Some(files.main)));
-                changes.extend(change(
-                    &e.files.drop_in,
-                    &e.drop_in_target,
-                    &e.drop_in,
-                    Some(files.drop_in),
-                ));
-            }
-            Engine::Docker => {
-                let text = docker::configure(e.main.as_deref(), &main_file, &rt)?;
-                changes.extend(change(&e.files.config, &e.main_target, &e.main, Some(text)));
-            }
-            Engine::Crio => {
-                let text = crio::configure(e.main.as_deref(), &main_file, &rt)?;
-                changes.extend(change(&e.files.drop_in, &e.drop_in_target, &e.drop_in, Some(text)));
-            }
+        let kubelet = kubelet_engine == Some(e.engine);
+        let mut rt = nvidia_runtime(config, kubelet, &observed.also);
+        let mut warnings = Vec::new();
+        if e.engine == Engine::Containerd
+            && rt.enable_cdi
+            && let Some((major, minor)) = e.containerd_version
+            && (major, minor) < (1, 7)
+        {
+            rt.enable_cdi = false;
+            warnings.push(format!(
+                "[runtime] enable_cdi is left out: containerd {major}.{minor} has no CDI (1.7 and later do)"
+            ));
         }
-        out.engines.push(EnginePlan {
+        let mut plan = EnginePlan {
             engine: e.engine,
             unit: e.files.unit.clone(),
             installed: e.installed,
-            changes,
-        });
+            changes: Vec::new(),
+            kubelet,
+            runtime: rt,
+            cri_socket: e.cri_socket.clone(),
+            binary: e.binary.clone(),
+            skipped: None,
+            error: None,
+            warnings,
+        };
+        match engine_changes(e, &plan.runtime) {
+            Ok(Changes::Files(changes)) => plan.changes = changes,
+            Ok(Changes::Skip(why)) => plan.skipped = Some(why),
+            Err(err) => plan.error = Some(err.to_string()),
+        }
+        out.engines.push(plan);
     }
     Ok(out)
+}
+
+/// What one engine needs.
+enum Changes {
+    Files(Vec<FileChange>),
+    /// Left alone, with why.
+    Skip(String),
+}
+
+fn engine_changes(e: &ObservedEngine, rt: &NvidiaRuntime) -> Result<Changes, RuntimeError> {
+    let main_file = e.files.config.to_string_lossy().into_owned();
+    let mut changes = Vec::new();
+    match e.engine {
+        Engine::Containerd => {
+            let disabled = match &e.effective {
+                Some(dump) => containerd::cri_disabled(dump),
+                None => e.main.as_deref().is_some_and(containerd::cri_disabled),
+            };
+            if disabled {
+                return Ok(Changes::Skip(format!(
+                    "its CRI plugin is disabled (disabled_plugins in {main_file}), so no kubelet uses this containerd"
+                )));
+            }
+            let drop_in_path = e.files.drop_in.to_string_lossy().into_owned();
+            let input = containerd::Input {
+                main: e.main.as_deref(),
+                main_file: &main_file,
+                drop_in_path: &drop_in_path,
+                binary_major: e.containerd_version.map(|v| v.0),
+                imported: &e.imported,
+                effective: e.effective.as_deref(),
+            };
+            let files = containerd::configure_input(&input, rt)?;
+            changes.extend(change(&e.files.config, &e.main_target, &e.main, Some(files.main)));
+            changes.extend(change(
+                &e.files.drop_in,
+                &e.drop_in_target,
+                &e.drop_in,
+                Some(files.drop_in),
+            ));
+        }
+        Engine::Docker => {
+            let text = docker::configure(e.main.as_deref(), &main_file, rt)?;
+            changes.extend(change(&e.files.config, &e.main_target, &e.main, Some(text)));
+        }
+        Engine::Crio => {
+            let text = crio::configure(e.main.as_deref(), &main_file, rt)?;
+            changes.extend(change(&e.files.drop_in, &e.drop_in_target, &e.drop_in, Some(text)));
+        }
+    }
+    Ok(Changes::Files(changes))
 }
 
 /// The edits that take the agent's runtime out of every engine: a file still as the agent
@@ -584,16 +807,25 @@ pub fn plan_unconfigure(observed: &Observed, config: &RuntimeConfig) -> Result<R
             let untouched = now.as_deref().map(digest) == backup.written;
             untouched.then(|| backup.original.clone())
         };
-        // The main file.
-        let main_after = match restore(&e.files.config, &e.main) {
-            Some(original) => original,
-            None => match (&e.main, e.engine) {
+        // The main file: only one the agent changed (a backup exists) is touched.
+        let names = [
+            config.runtime_name.clone(),
+            format!("{}-cdi", config.runtime_name),
+            format!("{}-legacy", config.runtime_name),
+        ];
+        let names: Vec<&str> = names.iter().map(String::as_str).collect();
+        let original = observed.backups.get(&e.files.config).map(|b| b.original.as_deref());
+        let main_after = match (restore(&e.files.config, &e.main), original) {
+            (Some(original), _) => original,
+            (None, None) => e.main.clone(),
+            (None, Some(original)) => match (&e.main, e.engine) {
                 (Some(text), Engine::Containerd) => Some(containerd::unconfigure(
                     text,
                     &main_file,
                     &e.files.drop_in.to_string_lossy(),
+                    original,
                 )?),
-                (Some(text), Engine::Docker) => Some(docker::unconfigure(text, &main_file, &config.runtime_name)?),
+                (Some(text), Engine::Docker) => Some(docker::unconfigure(text, &main_file, &names, original)?),
                 (other, _) => other.clone(),
             },
         };
@@ -609,6 +841,13 @@ pub fn plan_unconfigure(observed: &Observed, config: &RuntimeConfig) -> Result<R
                 unit: e.files.unit.clone(),
                 installed: e.installed,
                 changes,
+                kubelet: observed.kubelet.engine() == Some(e.engine),
+                runtime: nvidia_runtime(config, false, &[]),
+                cri_socket: e.cri_socket.clone(),
+                binary: e.binary.clone(),
+                skipped: None,
+                error: None,
+                warnings: Vec::new(),
             });
         }
     }
@@ -651,18 +890,103 @@ pub struct ApplyOptions {
 }
 
 /// What an apply did.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[derive(Debug, Default)]
 pub struct Applied {
     /// Host paths written or removed.
     pub files: Vec<PathBuf>,
     /// Units restarted.
     pub restarted: Vec<String>,
+    /// The engines that failed, each rolled back on its own; the others were applied.
+    pub failures: Vec<EngineFailure>,
 }
 
-/// Applies `plan`: per engine, backups first (configure), the files, containerd's own check of
-/// the result, then a restart when the engine is installed and restarts are allowed. A failed
-/// check or restart puts that engine's previous files back (and restarts it with them) and
-/// stops.
+impl PartialEq for Applied {
+    /// Files and restarts; failures compare by their messages.
+    fn eq(&self, other: &Applied) -> bool {
+        let messages = |a: &Applied| {
+            a.failures
+                .iter()
+                .map(|f| (f.engine, f.error.to_string()))
+                .collect::<Vec<_>>()
+        };
+        self.files == other.files && self.restarted == other.restarted && messages(self) == messages(other)
+    }
+}
+
+/// One engine's failure.
+#[derive(Debug)]
+pub struct EngineFailure {
+    pub engine: Engine,
+    /// The engine the kubelet uses.
+    pub kubelet: bool,
+    pub error: RuntimeError,
+}
+
+impl Applied {
+    /// The failure of the kubelet's engine, which holds the device plugin back.
+    pub fn kubelet_failure(&self) -> Option<&EngineFailure> {
+        self.failures.iter().find(|f| f.kubelet)
+    }
+}
+
+/// The name of the intent record: the changes of the engine being applied, written before its
+/// files and removed once they are checked, restarted and recorded (see [`recover`]).
+const INTENT: &str = "intent.json";
+
+/// A test hook: a process whose `GNA_TEST_KILL_AT` names `point` kills itself there with
+/// SIGKILL, so tests can stop the apply at each step as `kill -9` would.
+fn kill_point(point: &str) {
+    if std::env::var_os("GNA_TEST_KILL_AT").is_some_and(|v| v == point) {
+        let _ = nix::sys::signal::raise(nix::sys::signal::Signal::SIGKILL);
+    }
+}
+
+/// Finishes an apply that was interrupted (the agent was killed, the node lost power): the files
+/// its intent record lists that still hold what it was writing get their previous bytes back
+/// (the files were never checked or the engine never restarted with them), so the next plan
+/// sees the change again and applies it with its check and restart. A file someone changed
+/// since is left as it is. Returns what was put back, for the log; `None` when there was no
+/// record.
+pub fn recover(config: &Config, root: &HostRoot) -> Result<Option<String>, RuntimeError> {
+    let dir = backup_dir(config, root);
+    let record = dir.join(INTENT);
+    let Some(text) = read_optional(&record)? else {
+        return Ok(None);
+    };
+    let changes: Vec<FileChange> = match serde_json::from_str(&text) {
+        Ok(changes) => changes,
+        Err(e) => {
+            tracing::warn!("{}: unreadable ({e}); removed", record.display());
+            Vec::new()
+        }
+    };
+    let mut restored = Vec::new();
+    for c in &changes {
+        let now = read_optional(&root.join(&c.target))?;
+        if now == c.after && c.after != c.before {
+            write_changes(root, std::slice::from_ref(c), |c| c.before.as_deref())?;
+            if c.before.is_none() {
+                remove_created_dirs(root, &dir, &c.path)?;
+            }
+            restored.push(c.path.display().to_string());
+        }
+    }
+    std::fs::remove_file(&record).map_err(backup_err(&dir, &record))?;
+    Ok(Some(if restored.is_empty() {
+        "an interrupted runtime change left nothing to undo".to_owned()
+    } else {
+        format!(
+            "an interrupted runtime change was undone: {} put back as they were; it is applied again now",
+            restored.join(", ")
+        )
+    }))
+}
+
+/// Applies `plan`: per engine, backups first (configure), the intent record, the files,
+/// containerd's own check of the result, then a restart when the engine is installed and
+/// restarts are allowed, and the engine's CRI asked whether it serves the runtimes. A failed
+/// check or restart puts that engine's previous files back (and restarts it with them); the
+/// other engines go on. The first failure is the error; [`apply_all`] returns them all.
 pub fn apply(
     plan: &RuntimePlan,
     config: &Config,
@@ -670,50 +994,115 @@ pub fn apply(
     runner: &Runner,
     opts: &ApplyOptions,
 ) -> Result<Applied, RuntimeError> {
-    let dir = backup_dir(config, root);
+    let mut applied = apply_all(plan, config, root, runner, opts);
+    if applied.failures.is_empty() {
+        Ok(applied)
+    } else {
+        Err(applied.failures.remove(0).error)
+    }
+}
+
+/// [`apply`], every engine's failure in [`Applied::failures`].
+pub fn apply_all(
+    plan: &RuntimePlan,
+    config: &Config,
+    root: &HostRoot,
+    runner: &Runner,
+    opts: &ApplyOptions,
+) -> Applied {
     let mut applied = Applied::default();
-    for e in plan.engines.iter().filter(|e| !e.changes.is_empty()) {
-        if plan.purpose == Purpose::Configure {
-            for c in &e.changes {
-                keep_original(root, &dir, c)?;
-            }
-        }
-        write_changes(root, &e.changes, |c| c.after.as_deref())?;
-        applied.files.extend(e.changes.iter().map(|c| c.path.clone()));
-        let rollback = |e: &EnginePlan| {
-            write_changes(root, &e.changes, |c| c.before.as_deref())?;
-            e.changes
-                .iter()
-                .filter(|c| c.before.is_none())
-                .try_for_each(|c| remove_created_dirs(root, &dir, &c.path))
+    for e in &plan.engines {
+        let failed = match &e.error {
+            Some(message) => Err(RuntimeError::Engine {
+                engine: e.engine.as_str(),
+                message: message.clone(),
+            }),
+            None if e.changes.is_empty() => continue,
+            None => apply_engine(e, plan.purpose, config, root, runner, opts, &mut applied),
         };
-        if e.engine == Engine::Containerd
-            && plan.purpose == Purpose::Configure
-            && let Err(reason) = check_containerd(config, root, runner)
-        {
-            rollback(e)?;
-            return Err(RuntimeError::Check { reason });
-        }
-        if opts.restart && e.installed {
-            if let Err(reason) = restart(config, root, runner, &e.unit) {
-                rollback(e)?;
-                let again = restart(config, root, runner, &e.unit).err();
-                return Err(RuntimeError::Restart {
-                    engine: e.engine.as_str(),
-                    reason,
-                    again,
-                });
-            }
-            applied.restarted.push(e.unit.clone());
-        }
-        for c in &e.changes {
-            if plan.purpose == Purpose::Unconfigure && c.after.is_none() {
-                remove_created_dirs(root, &dir, &c.path)?;
-            }
-            record(&dir, c, plan.purpose)?;
+        if let Err(error) = failed {
+            applied.failures.push(EngineFailure {
+                engine: e.engine,
+                kubelet: e.kubelet,
+                error,
+            });
         }
     }
-    Ok(applied)
+    applied
+}
+
+fn apply_engine(
+    e: &EnginePlan,
+    purpose: Purpose,
+    config: &Config,
+    root: &HostRoot,
+    runner: &Runner,
+    opts: &ApplyOptions,
+    applied: &mut Applied,
+) -> Result<(), RuntimeError> {
+    let dir = backup_dir(config, root);
+    if purpose == Purpose::Configure {
+        for c in &e.changes {
+            keep_original(root, &dir, c)?;
+        }
+    }
+    kill_point("backup");
+    let intent = serde_json::to_string(&e.changes).unwrap_or_default();
+    write_atomic(&dir.join(INTENT), intent.as_bytes(), 0o600)?;
+    kill_point("intent");
+    write_changes(root, &e.changes, |c| c.after.as_deref())?;
+    kill_point("write");
+    let rollback = || -> Result<(), RuntimeError> {
+        write_changes(root, &e.changes, |c| c.before.as_deref())?;
+        e.changes
+            .iter()
+            .filter(|c| c.before.is_none())
+            .try_for_each(|c| remove_created_dirs(root, &dir, &c.path))?;
+        remove_intent(&dir)
+    };
+    if e.engine == Engine::Containerd
+        && purpose == Purpose::Configure
+        && let Err(reason) = check_containerd(config, root, runner, e)
+    {
+        rollback()?;
+        return Err(RuntimeError::Check { reason });
+    }
+    kill_point("check");
+    if opts.restart && e.installed {
+        let wanted: Vec<&str> = match purpose {
+            Purpose::Configure => e.runtime.names().collect(),
+            Purpose::Unconfigure => Vec::new(),
+        };
+        if let Err(reason) = restart(config, root, runner, e, &wanted) {
+            rollback()?;
+            let again = restart(config, root, runner, e, &[]).err();
+            return Err(RuntimeError::Restart {
+                engine: e.engine.as_str(),
+                reason,
+                again,
+            });
+        }
+        applied.restarted.push(e.unit.clone());
+    }
+    kill_point("restart");
+    for c in &e.changes {
+        if purpose == Purpose::Unconfigure && c.after.is_none() {
+            remove_created_dirs(root, &dir, &c.path)?;
+        }
+        record(&dir, c, purpose)?;
+    }
+    kill_point("record");
+    remove_intent(&dir)?;
+    applied.files.extend(e.changes.iter().map(|c| c.path.clone()));
+    Ok(())
+}
+
+fn remove_intent(dir: &Path) -> Result<(), RuntimeError> {
+    let path = dir.join(INTENT);
+    match std::fs::remove_file(&path) {
+        Err(e) if e.kind() != io::ErrorKind::NotFound => Err(backup_err(dir, &path)(e)),
+        _ => Ok(()),
+    }
 }
 
 fn backup_err(dir: &Path, path: &Path) -> impl FnOnce(io::Error) -> RuntimeError {
@@ -733,6 +1122,15 @@ fn keep_original(root: &HostRoot, dir: &Path, c: &FileChange) -> Result<(), Runt
     let written = read_optional(&dir.join(format!("{name}.written")))?.map(|s| s.trim().to_string());
     let ours = written.is_some() && c.before.as_deref().map(digest) == written;
     if ours && (orig.exists() || absent.exists()) {
+        return Ok(());
+    }
+    // A backup that already holds `before` stays (an apply interrupted and undone, then tried
+    // again): the `.absent` marker keeps the directories the first write created.
+    let same = match &c.before {
+        Some(text) => read_optional(&orig)?.as_deref() == Some(text.as_str()),
+        None => absent.exists() && !orig.exists(),
+    };
+    if same {
         return Ok(());
     }
     std::fs::create_dir_all(dir).map_err(backup_err(dir, &c.path))?;
@@ -827,14 +1225,15 @@ fn write_changes<'a>(
     Ok(())
 }
 
-/// `containerd --config <main> config dump` must succeed and show the runtime. Under a root
-/// prefix the main file's absolute imports are pointed into the root first (a copy in the
-/// backup dir is checked). Skipped (Ok) when containerd is not installed.
-fn check_containerd(config: &Config, root: &HostRoot, runner: &Runner) -> Result<(), String> {
+/// `containerd --config <main> config dump` must succeed and show the runtimes, with the
+/// default runtime defined. Under a root prefix the main file's absolute imports are pointed
+/// into the root first (a copy in the backup dir is checked). Skipped (Ok) when containerd is
+/// not installed.
+fn check_containerd(config: &Config, root: &HostRoot, runner: &Runner, e: &EnginePlan) -> Result<(), String> {
     let files = config.runtime.files(Engine::Containerd);
-    if !runner.exists(&files.binary) {
+    let Some(binary) = &e.binary else {
         return Ok(());
-    }
+    };
     let main_path = root.join(&files.config);
     let checked = if root.is_real() {
         main_path
@@ -855,7 +1254,7 @@ fn check_containerd(config: &Config, root: &HostRoot, runner: &Runner) -> Result
         write_atomic(&copy, rebased.as_bytes(), 0o600).map_err(|e| e.to_string())?;
         copy
     };
-    let cmd = Cmd::new(&files.binary)
+    let cmd = Cmd::new(binary)
         .arg("--config")
         .arg(&checked)
         .args(["config", "dump"])
@@ -865,12 +1264,17 @@ fn check_containerd(config: &Config, root: &HostRoot, runner: &Runner) -> Result
         let _ = std::fs::remove_file(&checked);
     }
     let dump = result?.stdout;
-    containerd::dump_has_runtime(&dump, &nvidia_runtime(&config.runtime))
+    containerd::dump_has_runtime(&dump, &e.runtime)
 }
 
-/// `systemctl restart <unit>`, then waits for `systemctl is-active` up to the restart timeout.
-fn restart(config: &Config, _root: &HostRoot, runner: &Runner, unit: &str) -> Result<(), String> {
+/// `systemctl restart <unit>`, then waits for `systemctl is-active` up to the restart timeout,
+/// then asks the engine's CRI (containerd, CRI-O) whether it serves the runtime handlers
+/// `wanted` and its default: an engine can be active without its CRI (containerd keeps running
+/// when its CRI plugin fails to load). For containerd the CRI plugin's own load error is quoted
+/// (`ctr plugins ls --detailed`).
+fn restart(config: &Config, root: &HostRoot, runner: &Runner, e: &EnginePlan, wanted: &[&str]) -> Result<(), String> {
     let systemctl = &config.runtime.systemctl;
+    let unit = e.unit.as_str();
     tracing::info!("restarting {unit}: its configuration changed");
     runner
         .run(
@@ -890,7 +1294,7 @@ fn restart(config: &Config, _root: &HostRoot, runner: &Runner, unit: &str) -> Re
             .map_err(|e| e.to_string())?;
         let state = out.stdout.trim().to_string();
         if out.success() && state == "active" {
-            return Ok(());
+            break;
         }
         if Instant::now() >= deadline {
             return Err(format!(
@@ -900,6 +1304,56 @@ fn restart(config: &Config, _root: &HostRoot, runner: &Runner, unit: &str) -> Re
             ));
         }
         std::thread::sleep(Duration::from_millis(250));
+    }
+    let Some(socket) = &e.cri_socket else {
+        return Ok(());
+    };
+    let socket = root.join(socket);
+    let wait = deadline
+        .saturating_duration_since(Instant::now())
+        .max(Duration::from_secs(1));
+    let status = cri::status_blocking(&socket, wait).map_err(|err| {
+        let own = match (&err, e.engine) {
+            (cri::CriError::NoCri { .. }, Engine::Containerd) => ctr_cri_error(runner, e, &socket),
+            _ => None,
+        };
+        match own {
+            Some(text) => format!("{unit} is active but its CRI plugin did not load: {text}"),
+            None => format!("{unit} is active but {err}"),
+        }
+    })?;
+    let mut wanted: Vec<&str> = wanted.to_vec();
+    if let Some(default) = status.default_handler.as_deref().filter(|d| !d.is_empty()) {
+        wanted.push(default);
+    }
+    match status.missing(&wanted) {
+        None => {
+            tracing::info!(
+                "{unit} is back: {} serves the runtime handlers {}",
+                status.runtime,
+                status.handlers.iter().cloned().collect::<Vec<_>>().join(", ")
+            );
+            Ok(())
+        }
+        Some(why) => Err(format!("{unit} is active but {why}")),
+    }
+}
+
+/// The CRI plugin's load error as containerd reports it: `ctr --address <socket> plugins ls
+/// --detailed`, with the `ctr` next to the containerd binary.
+fn ctr_cri_error(runner: &Runner, e: &EnginePlan, socket: &Path) -> Option<String> {
+    let ctr = e.binary.as_deref()?.with_file_name("ctr");
+    let cmd = Cmd::new(&ctr)
+        .arg("--address")
+        .arg(socket)
+        .args(["plugins", "ls", "--detailed"])
+        .timeout(Duration::from_secs(10));
+    match runner.run(&cmd) {
+        Ok(out) => cri::ctr_cri_errors(&out.stdout),
+        Err(err) => {
+            tracing::warn!("cannot read containerd's plugin errors: {err}");
+            None
+        }
     }
 }
 
@@ -953,18 +1407,18 @@ mod tests {
     #[test]
     fn containerd_versions_are_read_from_its_version_line() {
         assert_eq!(
-            parse_major("containerd github.com/containerd/containerd 1.6.20~ds1 1.6.20~ds1-1+b1\n"),
-            Some(1)
+            parse_version("containerd github.com/containerd/containerd 1.6.20~ds1 1.6.20~ds1-1+b1\n"),
+            Some((1, 6))
         );
         assert_eq!(
-            parse_major("containerd containerd.io v2.0.4 1a43cb6a1035441f9aca8f5666a9b3ef9e70ab20\n"),
-            Some(2)
+            parse_version("containerd containerd.io v2.0.4 1a43cb6a1035441f9aca8f5666a9b3ef9e70ab20\n"),
+            Some((2, 0))
         );
         assert_eq!(
-            parse_major("containerd github.com/containerd/containerd/v2 v2.1.1 cb1076646\n"),
-            Some(2)
+            parse_version("containerd github.com/containerd/containerd/v2 v2.1.1 cb1076646\n"),
+            Some((2, 1))
         );
-        assert_eq!(parse_major("nonsense"), None);
+        assert_eq!(parse_version("nonsense"), None);
     }
 
     /// A temp root with `files` (host path, text) and `links` (host path, target).

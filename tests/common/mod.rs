@@ -4,6 +4,8 @@
 
 #![allow(dead_code)]
 
+pub mod cri;
+
 use std::fs;
 use std::io::Write;
 use std::path::{Path, PathBuf};

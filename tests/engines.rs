@@ -1,0 +1,377 @@
+//! The real container engines started with the files the agent wrote.
+//!
+//! For each containerd configuration that real nodes ship (`tests/fixtures/runtime/nodes/`,
+//! each with its source in its header; plus no file at all, comment-only files and `containerd
+//! config default`), the agent configures it under a temp root, then Debian's containerd is
+//! started with the result and asked over the CRI (the `Status` call the kubelet makes) whether
+//! its CRI plugin loaded, with `runc`, `nvidia` and the default runtime. The same input is
+//! started unchanged first: the agent's edit must keep every CRI setting the node had.
+//!
+//! Every engine runs as root in a private mount and network namespace (`unshare -mn`) with
+//! copy-on-write overlays on /etc, /opt, /var and /run, its root, state and sockets in the
+//! test's temp dir: nothing it does reaches the machine the tests run on.
+
+mod common;
+
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::Node;
+use gpu_node_agent::runtime::containerd::rebase_imports;
+use gpu_node_agent::runtime::cri::{self, CriStatus};
+
+const CONTAINERD: &str = "/usr/bin/containerd";
+const CTR: &str = "/usr/bin/ctr";
+const MAIN: &str = "/etc/containerd/config.toml";
+const DROP_IN: &str = "/etc/containerd/conf.d/99-nvidia.toml";
+const RUNTIME_BINARY: &str = "/usr/bin/nvidia-container-runtime";
+
+/// Runs `argv` in a private mount and network namespace with overlays over the host's
+/// directories an engine writes to (their upper layers under `scratch`), loopback up.
+const ISOLATE: &str = r#"
+set -e
+scratch=$1; shift
+for d in /etc /opt /var /run; do
+  n=$(echo "$d" | tr / _)
+  mkdir -p "$scratch/ov$n/upper" "$scratch/ov$n/work"
+  mount -t overlay overlay -o "lowerdir=$d,upperdir=$scratch/ov$n/upper,workdir=$scratch/ov$n/work" "$d"
+done
+ip link set lo up 2>/dev/null || true
+exec "$@"
+"#;
+
+fn isolated(scratch: &Path, program: &str) -> Command {
+    fs::create_dir_all(scratch).expect("scratch dir");
+    let mut cmd = Command::new("unshare");
+    cmd.args([
+        "--mount",
+        "--net",
+        "--propagation",
+        "private",
+        "sh",
+        "-c",
+        ISOLATE,
+        "sh",
+    ])
+    .arg(scratch)
+    .arg(program);
+    cmd
+}
+
+fn require_root_and(program: &str) {
+    assert!(
+        nix::unistd::geteuid().is_root(),
+        "these tests start real engines and need root (CI runs as root)"
+    );
+    assert!(
+        Path::new(program).is_file(),
+        "{program} is missing: scripts/deps installs it (apt-get install containerd docker.io)"
+    );
+}
+
+/// A containerd of its own, killed when dropped.
+struct Containerd {
+    child: Child,
+    socket: PathBuf,
+    log: PathBuf,
+}
+
+impl Containerd {
+    /// Starts containerd with the config file `config` (its imports already pointing at real
+    /// paths), its root, state and socket under `dir`.
+    fn start(config: &Path, dir: &Path) -> Containerd {
+        require_root_and(CONTAINERD);
+        let socket = dir.join("c.sock");
+        let log = dir.join("containerd.log");
+        let child = isolated(&dir.join("scratch"), CONTAINERD)
+            .arg("--config")
+            .arg(config)
+            .arg("--root")
+            .arg(dir.join("root"))
+            .arg("--state")
+            .arg(dir.join("state"))
+            .arg("--address")
+            .arg(&socket)
+            .stdout(Stdio::null())
+            .stderr(fs::File::create(&log).expect("log"))
+            .spawn()
+            .expect("start containerd");
+        Containerd { child, socket, log }
+    }
+
+    /// Waits until the socket answers, then asks the CRI.
+    fn cri(&mut self) -> Result<CriStatus, String> {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while !self.socket.exists() {
+            if let Ok(Some(status)) = self.child.try_wait() {
+                return Err(format!("containerd exited with {status}:\n{}", self.log()));
+            }
+            assert!(Instant::now() < deadline, "containerd did not listen:\n{}", self.log());
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        cri::status_blocking(&self.socket, Duration::from_secs(20)).map_err(|e| {
+            let plugins = Command::new(CTR)
+                .arg("--address")
+                .arg(&self.socket)
+                .args(["plugins", "ls", "--detailed"])
+                .output()
+                .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
+                .unwrap_or_default();
+            format!(
+                "{e}\nCRI plugin error: {:?}\n{}",
+                cri::ctr_cri_errors(&plugins),
+                self.log()
+            )
+        })
+    }
+
+    fn log(&self) -> String {
+        fs::read_to_string(&self.log).unwrap_or_default()
+    }
+}
+
+impl Drop for Containerd {
+    fn drop(&mut self) {
+        let _ = nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(self.child.id() as i32),
+            nix::sys::signal::Signal::SIGKILL,
+        );
+        let _ = self.child.wait();
+    }
+}
+
+/// The verbose CRI configuration without what the agent sets (its runtimes and the default),
+/// for comparing a node's settings before and after.
+fn settings_without_ours(status: &CriStatus) -> serde_json::Value {
+    let mut config: serde_json::Value =
+        serde_json::from_str(status.config.as_deref().unwrap_or("{}")).expect("CRI config JSON");
+    // Where each test instance keeps its files.
+    if let Some(top) = config.as_object_mut() {
+        for key in ["containerdEndpoint", "containerdRootDir", "rootDir", "stateDir"] {
+            top.remove(key);
+        }
+    }
+    if let Some(containerd) = config.get_mut("containerd").and_then(|c| c.as_object_mut()) {
+        containerd.remove("defaultRuntimeName");
+        if let Some(runtimes) = containerd.get_mut("runtimes").and_then(|r| r.as_object_mut()) {
+            runtimes.retain(|name, _| !name.starts_with("nvidia"));
+        }
+        // containerd 1.6 also shows the default runtime's table here.
+        containerd.remove("defaultRuntime");
+    }
+    without_zero_values(config)
+}
+
+/// `value` without Go's zero values (null, "", false, 0, [] and {}): containerd shows a runtime
+/// read from a file with `[]` and `""` where its built-in one has `null` and no key, and both
+/// mean the same.
+fn without_zero_values(value: serde_json::Value) -> serde_json::Value {
+    use serde_json::Value;
+    match value {
+        Value::Object(map) => Value::Object(
+            map.into_iter()
+                .map(|(k, v)| (k, without_zero_values(v)))
+                .filter(|(_, v)| !is_zero(v))
+                .collect(),
+        ),
+        Value::Array(items) => Value::Array(items.into_iter().map(without_zero_values).collect()),
+        other => other,
+    }
+}
+
+fn is_zero(value: &serde_json::Value) -> bool {
+    use serde_json::Value;
+    match value {
+        Value::Null => true,
+        Value::Bool(b) => !b,
+        Value::Number(n) => n.as_f64() == Some(0.0),
+        Value::String(s) => s.is_empty(),
+        Value::Array(a) => a.is_empty(),
+        Value::Object(o) => o.is_empty(),
+    }
+}
+
+/// The node's main file as containerd under test reads it: imports pointed into the root, next
+/// to the original so relative imports resolve the same way.
+fn rebased_main(root: &Path) -> PathBuf {
+    let main = root.join(MAIN.trim_start_matches('/'));
+    let copy = main.with_file_name("under-test.toml");
+    let text = fs::read_to_string(&main).unwrap_or_default();
+    let rebased = rebase_imports(&text, MAIN, |p| {
+        if p.starts_with('/') {
+            root.join(p.trim_start_matches('/')).to_string_lossy().into_owned()
+        } else {
+            p.to_owned()
+        }
+    })
+    .expect("rebase imports");
+    fs::create_dir_all(copy.parent().expect("dir")).expect("mkdir");
+    fs::write(&copy, rebased).expect("write copy");
+    copy
+}
+
+/// A node with containerd (Debian's, under the root), the NVIDIA runtime (a stub) and `main`
+/// as its config (`None`: no file).
+fn containerd_node(main: Option<&str>) -> Node {
+    let node = Node::new(&common::machine("A100-SXM4-40GB", 1), "");
+    let root = &node.root;
+    for (path, target) in [(CONTAINERD, CONTAINERD), (CTR, CTR)] {
+        let link = root.join(path.trim_start_matches('/'));
+        fs::create_dir_all(link.parent().expect("dir")).expect("mkdir");
+        std::os::unix::fs::symlink(target, link).expect("symlink");
+    }
+    let stub = root.join(RUNTIME_BINARY.trim_start_matches('/'));
+    fs::write(&stub, "#!/bin/sh\nexit 0\n").expect("stub");
+    use std::os::unix::fs::PermissionsExt;
+    fs::set_permissions(&stub, fs::Permissions::from_mode(0o755)).expect("chmod");
+    if let Some(text) = main {
+        let path = root.join(MAIN.trim_start_matches('/'));
+        fs::create_dir_all(path.parent().expect("dir")).expect("mkdir");
+        fs::write(path, text).expect("write main");
+    }
+    node
+}
+
+fn run_agent(node: &Node, args: &[&str]) -> String {
+    let out = node.run(args);
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(out.status.success(), "gpu-node-agent {}:\n{text}", args.join(" "));
+    text
+}
+
+/// The whole check for one input; `name` names it in failures.
+fn containerd_loads_cri_with_the_agents_files(name: &str, main: Option<&str>) {
+    let node = containerd_node(main);
+    let root = node.root.clone();
+
+    // The input as it is: containerd loads its CRI (else the input is no working node).
+    let before = {
+        let dir = node.tmp.path().join("before");
+        let config = rebased_main(&root);
+        let mut engine = Containerd::start(&config, &dir);
+        engine
+            .cri()
+            .unwrap_or_else(|e| panic!("{name}: the input itself does not load containerd's CRI: {e}"))
+    };
+
+    let out = run_agent(&node, &["runtime", "configure", "--no-restart"]);
+    let drop_in = fs::read_to_string(root.join(DROP_IN.trim_start_matches('/'))).unwrap_or_default();
+    let after = {
+        let dir = node.tmp.path().join("after");
+        let config = rebased_main(&root);
+        let mut engine = Containerd::start(&config, &dir);
+        engine.cri().unwrap_or_else(|e| {
+            panic!(
+                "{name}: containerd's CRI does not load with the agent's files: {e}\nagent: {out}\ndrop-in:\n{drop_in}"
+            )
+        })
+    };
+    for handler in ["runc", "nvidia"] {
+        assert!(
+            after.handlers.contains(handler),
+            "{name}: no {handler} runtime: {:?}\ndrop-in:\n{drop_in}",
+            after.handlers
+        );
+    }
+    assert_eq!(
+        after.default_handler.as_deref(),
+        Some("nvidia"),
+        "{name}: the kubelet's engine gets nvidia as its default (set_as_default = \"auto\")"
+    );
+    assert_eq!(
+        settings_without_ours(&after),
+        settings_without_ours(&before),
+        "{name}: every other CRI setting is as before\ndrop-in:\n{drop_in}"
+    );
+
+    // Stable, and undone to the byte.
+    let again = run_agent(&node, &["runtime", "configure", "--no-restart"]);
+    assert!(again.contains("already configured"), "{name}: {again}");
+    run_agent(&node, &["runtime", "unconfigure", "--no-restart"]);
+    let now = fs::read_to_string(root.join(MAIN.trim_start_matches('/'))).ok();
+    assert_eq!(now.as_deref(), main, "{name}: unconfigure restores the original bytes");
+    assert!(
+        !root.join(DROP_IN.trim_start_matches('/')).exists(),
+        "{name}: drop-in gone"
+    );
+}
+
+fn node_fixture(name: &str) -> String {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures/runtime/nodes")
+        .join(name);
+    fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+}
+
+#[test]
+fn no_config_file() {
+    containerd_loads_cri_with_the_agents_files("no file", None);
+}
+
+#[test]
+fn a_comment_only_file() {
+    containerd_loads_cri_with_the_agents_files("comments", Some("# managed by hand\n# nothing yet\n"));
+}
+
+#[test]
+fn a_comment_only_file_without_a_final_newline() {
+    containerd_loads_cri_with_the_agents_files("comments, no newline", Some("# managed by hand"));
+}
+
+#[test]
+fn containerd_config_default() {
+    require_root_and(CONTAINERD);
+    let out = Command::new(CONTAINERD)
+        .args(["config", "default"])
+        .output()
+        .expect("containerd config default");
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    containerd_loads_cri_with_the_agents_files("containerd config default", Some(&text));
+}
+
+/// One test per node configuration in `tests/fixtures/runtime/nodes/` (each file's header
+/// names its source).
+macro_rules! node_inputs {
+    ($($test:ident => $file:literal,)*) => {$(
+        #[test]
+        fn $test() {
+            containerd_loads_cri_with_the_agents_files($file, Some(&node_fixture($file)));
+        }
+    )*};
+}
+
+node_inputs! {
+    debian_packaged_config => "containerd-debian.toml",
+    containerd_1_6_config_default => "containerd-default-1.6.toml",
+    kubeadm => "containerd-kubeadm.toml",
+    k3s => "containerd-k3s.toml",
+    rke2 => "containerd-rke2.toml",
+    eks_al2 => "containerd-eks-al2.toml",
+}
+
+/// Docker's containerd.io package: a version 1 file with the CRI plugin disabled. No kubelet
+/// uses such a containerd, so the agent leaves it alone and says so, without failing.
+#[test]
+fn docker_ce_containerd_with_cri_disabled_is_left_alone() {
+    let main = node_fixture("containerd-docker-ce.toml");
+    let node = containerd_node(Some(&main));
+    let out = run_agent(&node, &["runtime", "configure", "--no-restart"]);
+    assert!(
+        out.contains(
+            "containerd left alone: its CRI plugin is disabled (disabled_plugins in /etc/containerd/config.toml)"
+        ),
+        "{out}"
+    );
+    let root = &node.root;
+    assert_eq!(
+        fs::read_to_string(root.join(MAIN.trim_start_matches('/'))).ok(),
+        Some(main)
+    );
+    assert!(!root.join(DROP_IN.trim_start_matches('/')).exists());
+}
