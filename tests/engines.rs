@@ -272,7 +272,13 @@ fn containerd_loads_cri_with_the_agents_files(name: &str, main: Option<&str>) {
             )
         })
     };
-    for handler in ["runc", "nvidia"] {
+    // runc is there wherever the node had it (EKS AL2023's NVIDIA variant defines only nvidia).
+    let wanted = if before.handlers.contains("runc") {
+        vec!["runc", "nvidia"]
+    } else {
+        vec!["nvidia"]
+    };
+    for handler in wanted {
         assert!(
             after.handlers.contains(handler),
             "{name}: no {handler} runtime: {:?}\ndrop-in:\n{drop_in}",
@@ -348,11 +354,31 @@ macro_rules! node_inputs {
 
 node_inputs! {
     debian_packaged_config => "containerd-debian.toml",
+    gke_cos_configure_sh => "containerd-gke-cos.toml",
     containerd_1_6_config_default => "containerd-default-1.6.toml",
     kubeadm => "containerd-kubeadm.toml",
     k3s => "containerd-k3s.toml",
     rke2 => "containerd-rke2.toml",
     eks_al2 => "containerd-eks-al2.toml",
+}
+
+/// EKS AL2023 (nodeadm): the runc variant, the NVIDIA variant whose default runtime is already
+/// `nvidia` with its own `base_runtime_spec` (kept), and nodeadm's e2e rendering of it. The spec
+/// file the configs name is put under the root and the path pointed there, as imports are.
+#[test]
+fn eks_al2023_runc_and_nvidia_variants() {
+    let spec = node_fixture("eks-al2023-base-runtime-spec.json");
+    for file in [
+        "containerd-eks-al2023.toml",
+        "containerd-eks-al2023-nvidia.toml",
+        "containerd-eks-al2023-nvidia-nodeadm-e2e.toml",
+    ] {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let spec_path = dir.path().join("base-runtime-spec.json");
+        fs::write(&spec_path, &spec).expect("spec");
+        let main = node_fixture(file).replace("/etc/containerd/base-runtime-spec.json", &spec_path.to_string_lossy());
+        containerd_loads_cri_with_the_agents_files(file, Some(&main));
+    }
 }
 
 /// Docker's containerd.io package: a version 1 file with the CRI plugin disabled. No kubelet

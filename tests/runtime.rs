@@ -18,7 +18,9 @@ use gpu_node_agent::config::{Config, Engine, Source};
 use gpu_node_agent::host::HostRoot;
 use gpu_node_agent::host::command::Runner;
 use gpu_node_agent::runtime::containerd::{dump_has_runtime, rebase_imports};
-use gpu_node_agent::runtime::stage::{Applied, ApplyOptions, RuntimeError, apply, observe, plan};
+use gpu_node_agent::runtime::stage::{
+    Applied, ApplyOptions, RuntimeError, apply, observe, plan, plan_unconfigure, recover,
+};
 use gpu_node_agent::runtime::{DefaultRuntime, NvidiaRuntime};
 
 const CONTAINERD_MAIN: &str = "/etc/containerd/config.toml";
@@ -866,12 +868,44 @@ struct RestartHost {
     cri: common::cri::TestCri,
 }
 
+/// The config of a [`RestartHost`].
+fn restart_config() -> Config {
+    Config::from_sources(&[Source::new(
+        "t.toml",
+        "[agent]\nstate_dir = \"/var/lib/gpu-node-agent\"\n[runtime]\nrestart_timeout = \"1s\"\nset_as_default = false\n",
+    )])
+    .expect("config")
+}
+
+/// Observes, plans and applies (configure or unconfigure) on `root`, restarts on, after
+/// finishing what an interrupted apply left.
+fn apply_on(root: &Path, config: &Config, unconfigure: bool) -> Result<Applied, RuntimeError> {
+    let root = HostRoot::new(root);
+    let runner = Runner::new(&root);
+    recover(config, &root).expect("recover");
+    let observed = observe(config, &root, &runner).expect("observe");
+    let planned = if unconfigure {
+        plan_unconfigure(&observed, &config.runtime).expect("plan")
+    } else {
+        plan(&observed, &config.runtime).expect("plan")
+    };
+    apply(&planned, config, &root, &runner, &ApplyOptions { restart: true })
+}
+
 impl RestartHost {
     fn new(restart: &str, is_active: &str) -> RestartHost {
+        RestartHost::with_main(
+            Some(&fixture("containerd/v2-systemd-cgroup.main.toml")),
+            restart,
+            is_active,
+        )
+    }
+
+    fn with_main(main: Option<&str>, restart: &str, is_active: &str) -> RestartHost {
         let tmp = tempfile::tempdir().expect("tempdir");
         let root = tmp.path().to_path_buf();
-        let main = fixture("containerd/v2-systemd-cgroup.main.toml");
-        install_engine(&root, Engine::Containerd, Some(&main));
+        install_engine(&root, Engine::Containerd, main);
+        let main = main.unwrap_or_default().to_owned();
         let body = format!(
             "DROP_IN='{drop_in}'\necho \"$*\" >> '{log}'\ncase \"$1\" in\n\
              restart)\n  if [ -e \"$DROP_IN\" ]; then echo with-drop-in; else echo without-drop-in; fi >> '{restarts}'\n  \
@@ -881,11 +915,7 @@ impl RestartHost {
             restarts = root.join("restarts.log").display(),
         );
         script(&root, "/usr/bin/systemctl", &body);
-        let config = Config::from_sources(&[Source::new(
-            "t.toml",
-            "[agent]\nstate_dir = \"/var/lib/gpu-node-agent\"\n[runtime]\nrestart_timeout = \"1s\"\nset_as_default = false\n",
-        )])
-        .expect("config");
+        let config = restart_config();
         let cri = common::cri::TestCri::start(
             &under(&root, "/run/containerd/containerd.sock"),
             common::cri::serving(&["runc", "nvidia"]),
@@ -901,11 +931,7 @@ impl RestartHost {
 
     /// Observes, plans and applies with restarts on.
     fn apply(&self) -> Result<Applied, RuntimeError> {
-        let root = HostRoot::new(&self.root);
-        let runner = Runner::new(&root);
-        let observed = observe(&self.config, &root, &runner).expect("observe");
-        let planned = plan(&observed, &self.config.runtime).expect("plan");
-        apply(&planned, &self.config, &root, &runner, &ApplyOptions { restart: true })
+        apply_on(&self.root, &self.config, false)
     }
 
     fn log(&self, name: &str) -> Vec<String> {
@@ -1047,6 +1073,148 @@ fn an_engine_whose_cri_lacks_the_runtime_is_rolled_back() {
         "{message}"
     );
     host.assert_rolled_back();
+}
+
+// === kill -9 during an apply ===
+
+/// The steps of an apply after which the test hook `GNA_TEST_KILL_AT` kills the process.
+const KILL_POINTS: [&str; 6] = ["backup", "intent", "write", "check", "restart", "record"];
+
+/// The apply that [`an_apply_killed_at_any_step_converges_after_a_restart`] kills: run in a
+/// child process of this test binary (`GNA_CRASH_ROOT` names the host); does nothing otherwise.
+#[test]
+#[ignore = "the child of an_apply_killed_at_any_step_converges_after_a_restart"]
+fn crash_child() {
+    let Some(root) = std::env::var_os("GNA_CRASH_ROOT") else {
+        return;
+    };
+    let _ = apply_on(Path::new(&root), &restart_config(), false);
+}
+
+/// For every step of the apply, on a host with and without a containerd config: the agent is
+/// killed there (SIGKILL, from the test hook), started again (it recovers, then configures),
+/// ends configured exactly as an uninterrupted run, and `unconfigure` then gives back the
+/// original bytes (and removes the directories it created).
+#[test]
+fn an_apply_killed_at_any_step_converges_after_a_restart() {
+    let main = fixture("containerd/v2-systemd-cgroup.main.toml");
+    for original in [Some(main.as_str()), None] {
+        // What an uninterrupted run leaves.
+        let clean = RestartHost::with_main(original, "exit 0", "echo active");
+        clean.apply().expect("clean apply");
+        let expected = (
+            read(&clean.root, CONTAINERD_MAIN),
+            read(&clean.root, CONTAINERD_DROP_IN),
+        );
+        for point in KILL_POINTS {
+            let host = RestartHost::with_main(original, "exit 0", "echo active");
+            let before = contents(&host.root);
+            let status = std::process::Command::new(std::env::current_exe().expect("test binary"))
+                .args(["--exact", "crash_child", "--ignored", "--nocapture", "--test-threads=1"])
+                .env("GNA_CRASH_ROOT", &host.root)
+                .env("GNA_TEST_KILL_AT", point)
+                .stdout(std::process::Stdio::null())
+                .status()
+                .expect("run the child");
+            assert_eq!(
+                std::os::unix::process::ExitStatusExt::signal(&status),
+                Some(9),
+                "{point}: the child was killed there"
+            );
+            host.apply()
+                .unwrap_or_else(|e| panic!("{point}: the restarted agent converges: {e}"));
+            assert_eq!(
+                (read(&host.root, CONTAINERD_MAIN), read(&host.root, CONTAINERD_DROP_IN)),
+                expected,
+                "{point} ({}): configured as by an uninterrupted run",
+                if original.is_some() {
+                    "with a config"
+                } else {
+                    "no config"
+                }
+            );
+            let again = host.apply().expect("apply again");
+            assert!(again.files.is_empty(), "{point}: stable afterwards: {again:?}");
+            apply_on(&host.root, &host.config, true).expect("unconfigure");
+            let after: BTreeMap<PathBuf, Vec<u8>> = contents(&host.root)
+                .into_iter()
+                .filter(|(p, _)| !p.ends_with("systemctl.log") && !p.ends_with("restarts.log"))
+                .collect();
+            let before: BTreeMap<PathBuf, Vec<u8>> = before
+                .into_iter()
+                .filter(|(p, _)| !p.ends_with("systemctl.log") && !p.ends_with("restarts.log"))
+                .collect();
+            assert_same(
+                &before,
+                &after,
+                &format!("{point}: unconfigure gives back the original host"),
+            );
+        }
+    }
+}
+
+// === unconfigure takes out only what the agent put in ===
+
+/// The user's config already imported conf.d (for files of their own): after configure, a
+/// later edit of theirs, and unconfigure, their `imports` entry is still there.
+#[test]
+fn unconfigure_keeps_an_imports_glob_the_user_had() {
+    let main = "version = 2\nimports = [\"/etc/containerd/conf.d/*.toml\"]\n";
+    let node = engine_node(Engine::Containerd, Some(main), "");
+    write_file(&node.root, "/etc/containerd/conf.d/50-mine.toml", "version = 2\n");
+    succeeds(&node, CONFIGURE);
+    assert_eq!(
+        read(&node.root, CONTAINERD_MAIN).as_deref(),
+        Some(main),
+        "nothing to add"
+    );
+    // The user edits the file since.
+    let edited = format!("{main}oom_score = -999\n");
+    write_file(&node.root, CONTAINERD_MAIN, &edited);
+    succeeds(&node, UNCONFIGURE);
+    assert_eq!(read(&node.root, CONTAINERD_MAIN), Some(edited), "their import stays");
+    assert_eq!(read(&node.root, CONTAINERD_DROP_IN), None);
+    assert!(read(&node.root, "/etc/containerd/conf.d/50-mine.toml").is_some());
+}
+
+/// A daemon.json that nvidia-ctk (or an image) had already configured, the agent changing
+/// nothing in it: unconfigure leaves it as it is instead of emptying it.
+#[test]
+fn unconfigure_leaves_a_daemon_json_the_agent_never_changed() {
+    let main = "{\n    \"default-runtime\": \"nvidia\",\n    \"runtimes\": {\n        \"nvidia\": {\n            \
+                \"args\": [],\n            \"path\": \"/usr/bin/nvidia-container-runtime\"\n        }\n    }\n}\n";
+    // docker is not the kubelet's engine here (containerd is, by default): "auto" keeps docker's
+    // default; the agent adds nothing it does not already have.
+    let node = engine_node(Engine::Docker, Some(main), "[runtime]\nset_as_default = \"auto\"\n");
+    let stdout = succeeds(&node, CONFIGURE);
+    assert!(stdout.contains("already configured"), "{stdout}");
+    assert_eq!(read(&node.root, DOCKER_MAIN).as_deref(), Some(main));
+    succeeds(&node, UNCONFIGURE);
+    assert_eq!(
+        read(&node.root, DOCKER_MAIN).as_deref(),
+        Some(main),
+        "not the agent's to undo"
+    );
+    // Edited by the agent once (CDI on), then by the user: only the agent's key goes.
+    let node = engine_node(
+        Engine::Docker,
+        Some(main),
+        "[runtime]\nset_as_default = \"auto\"\nenable_cdi = true\n",
+    );
+    succeeds(&node, CONFIGURE);
+    let configured = read(&node.root, DOCKER_MAIN).expect("daemon.json");
+    assert!(configured.contains("\"cdi\": true"), "{configured}");
+    write_file(
+        &node.root,
+        DOCKER_MAIN,
+        &configured.replace("{\n", "{\n    \"debug\": true,\n"),
+    );
+    succeeds(&node, UNCONFIGURE);
+    let after: serde_json::Value =
+        serde_json::from_str(&read(&node.root, DOCKER_MAIN).expect("daemon.json")).expect("json");
+    assert_eq!(after["default-runtime"], "nvidia", "{after}");
+    assert_eq!(after["runtimes"]["nvidia"]["path"], RUNTIME_BINARY, "{after}");
+    assert_eq!(after["debug"], true, "{after}");
 }
 
 /// Files that are already as the agent wants them: no write and no systemctl call at all, even

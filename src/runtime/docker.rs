@@ -46,11 +46,19 @@ pub fn configure(existing: Option<&str>, file: &str, rt: &NvidiaRuntime) -> Resu
     for (name, binary) in rt.all() {
         let key = format!("runtimes.{name}.path");
         let binary = binary_text(binary, file, &key)?;
-        let runtime = Object(vec![
-            ("path".to_owned(), Json::String(binary.to_owned())),
-            ("args".to_owned(), Json::Array(Vec::new())),
-        ]);
-        object_entry(&mut config, "runtimes", file)?.insert(name, Json::Object(runtime));
+        let runtimes = object_entry(&mut config, "runtimes", file)?;
+        match runtimes.get_mut(name) {
+            // One that is there already (nvidia-ctk's, an image's) keeps its keys, its args and
+            // their order: only the path is the agent's.
+            Some(Json::Object(runtime)) => runtime.insert("path", Json::String(binary.to_owned())),
+            _ => {
+                let runtime = Object(vec![
+                    ("path".to_owned(), Json::String(binary.to_owned())),
+                    ("args".to_owned(), Json::Array(Vec::new())),
+                ]);
+                runtimes.insert(name, Json::Object(runtime));
+            }
+        }
     }
     match rt.default {
         DefaultRuntime::Set => config.insert("default-runtime", Json::String(rt.name.clone())),
@@ -443,14 +451,18 @@ mod tests {
     }
 
     #[test]
-    fn runtime_entry_is_replaced_in_place() {
+    fn an_existing_runtime_entry_keeps_its_keys_and_gets_the_path() {
         let old = "{\n  \"runtimes\": {\n    \"nvidia\": {\"path\": \"nvidia-container-runtime\", \"runtimeArgs\": [\"-d\"]},\n    \
                    \"runsc\": {\"path\": \"/usr/bin/runsc\"}\n  }\n}\n";
         assert_eq!(
             configure(Some(old), FILE, &rt(false, false)).unwrap(),
             "{\n  \"runtimes\": {\n    \"nvidia\": {\n      \"path\": \"/usr/bin/nvidia-container-runtime\",\n      \
-             \"args\": []\n    },\n    \"runsc\": {\n      \"path\": \"/usr/bin/runsc\"\n    }\n  }\n}\n"
+             \"runtimeArgs\": [\n        \"-d\"\n      ]\n    },\n    \"runsc\": {\n      \"path\": \"/usr/bin/runsc\"\n    }\n  }\n}\n"
         );
+        // nvidia-ctk's entry (keys sorted, as Go writes them) is already right: byte-identical.
+        let ctk = "{\n    \"runtimes\": {\n        \"nvidia\": {\n            \"args\": [],\n            \
+                   \"path\": \"/usr/bin/nvidia-container-runtime\"\n        }\n    }\n}\n";
+        assert_eq!(configure(Some(ctk), FILE, &rt(false, false)).unwrap(), ctk);
     }
 
     #[test]
