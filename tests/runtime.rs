@@ -1153,6 +1153,47 @@ fn an_apply_killed_at_any_step_converges_after_a_restart() {
     }
 }
 
+// === CRI-O with its runtimes only in crio.conf.d ===
+
+/// CRI-O's own packages (1.28 and later) keep crun and runc in `crio.conf.d/10-crio.conf` and
+/// ship no crio.conf: the agent's runtime wraps the default (crun) with its monitor, root and
+/// type as that drop-in has them.
+#[test]
+fn crio_runtimes_from_its_drop_ins_are_the_template() {
+    let node = engine_node(
+        Engine::Crio,
+        None,
+        "[runtime]\nset_as_default = \"auto\"\nkubelet_runtime_endpoint = \"unix:///var/run/crio/crio.sock\"\n",
+    );
+    let packaged = fs::read_to_string(
+        Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("tests/fixtures/runtime/nodes/crio-nvidia-dropin-only/crio.conf.d-10-crio.conf"),
+    )
+    .expect("fixture");
+    write_file(&node.root, "/etc/crio/crio.conf.d/10-crio.conf", &packaged);
+    succeeds(&node, CONFIGURE);
+    let drop_in = toml_table(&read(&node.root, CRIO_DROP_IN).expect("drop-in"));
+    let nvidia = at(&drop_in, &["crio", "runtime", "runtimes", "nvidia"]);
+    assert_eq!(nvidia["runtime_path"].as_str(), Some(RUNTIME_BINARY), "{drop_in}");
+    assert_eq!(
+        nvidia["monitor_path"].as_str(),
+        Some("/usr/libexec/crio/conmonrs"),
+        "{drop_in}"
+    );
+    assert_eq!(nvidia["runtime_root"].as_str(), Some("/run/crun"), "{drop_in}");
+    assert_eq!(nvidia["runtime_type"].as_str(), Some("pod"), "{drop_in}");
+    assert_eq!(
+        at(&drop_in, &["crio", "runtime", "default_runtime"]).as_str(),
+        Some("nvidia"),
+        "the kubelet's engine (its endpoint in the config) gets nvidia as its default"
+    );
+    assert_eq!(
+        read(&node.root, "/etc/crio/crio.conf.d/10-crio.conf").as_deref(),
+        Some(packaged.as_str()),
+        "the package's drop-in is not touched"
+    );
+}
+
 // === unconfigure takes out only what the agent put in ===
 
 /// The user's config already imported conf.d (for files of their own): after configure, a

@@ -35,10 +35,28 @@ const DROP_IN_HEADER: &str = "\
 /// Without `rt.set_as_default` the drop-in says nothing about the default runtime: a
 /// `default_runtime` the user set in the top-level config stays in force.
 pub fn configure(main: Option<&str>, main_file: &str, rt: &NvidiaRuntime) -> Result<String, EditError> {
-    let template = match main {
-        Some(text) => template(&parse_toml(text, main_file)?, main_file, &rt.name)?,
-        None => Table::new(),
-    };
+    configure_with_drop_ins(main, main_file, &[], rt)
+}
+
+/// [`configure`], knowing the other drop-ins CRI-O reads after the top-level config
+/// (`crio.conf.d/`, in name order, file and text, without the agent's): CRI-O packages from
+/// 1.28 on keep their runtimes (crun, runc) only there. A runtime table defined again in a later
+/// file replaces the earlier one whole, as CRI-O does, and the last `default_runtime` counts; a
+/// drop-in that does not parse is an error naming it (CRI-O would not start with it either).
+pub fn configure_with_drop_ins(
+    main: Option<&str>,
+    main_file: &str,
+    drop_ins: &[(String, String)],
+    rt: &NvidiaRuntime,
+) -> Result<String, EditError> {
+    let mut docs = Vec::new();
+    if let Some(text) = main {
+        docs.push((main_file.to_owned(), parse_toml(text, main_file)?));
+    }
+    for (file, text) in drop_ins {
+        docs.push((file.clone(), parse_toml(text, file)?));
+    }
+    let template = template(&docs, &rt.name)?;
     let mut crio = Table::new();
     let runtime = child_table(&mut crio, "runtime", &dotted(&["crio", "runtime"]), main_file)?;
     if rt.default == DefaultRuntime::Set {
@@ -55,7 +73,11 @@ pub fn configure(main: Option<&str>, main_file: &str, rt: &NvidiaRuntime) -> Res
         let binary = binary_text(binary, main_file, &key)?;
         let mut table = template.clone();
         table.insert("runtime_path", value(binary));
-        table.insert("runtime_type", value("oci"));
+        // An OCI runtime; "pod" (the same under conmon-rs, whose monitor_path the template
+        // has) stays, anything else ("vm") becomes "oci".
+        if table.get("runtime_type").and_then(Item::as_str) != Some("pod") {
+            table.insert("runtime_type", value("oci"));
+        }
         runtimes.insert(name, Item::Table(table));
     }
 
@@ -67,27 +89,35 @@ pub fn configure(main: Option<&str>, main_file: &str, rt: &NvidiaRuntime) -> Res
 }
 
 /// A copy of the table of the first runtime among [`crio.runtime.default_runtime` (unless it is
-/// an NVIDIA runtime itself), `runc`, `crun`] that the parsed top-level config declares; empty
-/// when it declares none of them.
-fn template(doc: &DocumentMut, file: &str, name: &str) -> Result<Table, EditError> {
-    let Some(runtime) = table_at(doc.as_table(), &["crio", "runtime"], file)? else {
-        return Ok(Table::new());
-    };
-    let default = match runtime.get("default_runtime") {
-        None => None,
-        Some(item) => Some(item.as_str().ok_or_else(|| EditError::Shape {
-            file: file.to_owned(),
-            key: "crio.runtime.default_runtime".to_owned(),
-            message: "must be a string".to_owned(),
-        })?),
-    };
+/// an NVIDIA runtime itself), `runc`, `crun`] that the files (in CRI-O's load order) declare,
+/// each name's last table; empty when they declare none of them.
+fn template(docs: &[(String, DocumentMut)], name: &str) -> Result<Table, EditError> {
+    let mut default = None;
+    for (file, doc) in docs {
+        let Some(runtime) = table_at(doc.as_table(), &["crio", "runtime"], file)? else {
+            continue;
+        };
+        if let Some(item) = runtime.get("default_runtime") {
+            default = Some(item.as_str().ok_or_else(|| EditError::Shape {
+                file: file.clone(),
+                key: "crio.runtime.default_runtime".to_owned(),
+                message: "must be a string".to_owned(),
+            })?);
+        }
+    }
     let candidates = default
         .filter(|default| !default.is_empty() && !default.starts_with(name))
         .into_iter()
         .chain(FALLBACK_TEMPLATES);
     for candidate in candidates {
-        if let Some(table) = table_at(doc.as_table(), &["crio", "runtime", "runtimes", candidate], file)? {
-            return Ok(plain_table(table));
+        let mut found = None;
+        for (file, doc) in docs {
+            if let Some(table) = table_at(doc.as_table(), &["crio", "runtime", "runtimes", candidate], file)? {
+                found = Some(plain_table(table));
+            }
+        }
+        if let Some(table) = found {
+            return Ok(table);
         }
     }
     Ok(Table::new())

@@ -123,7 +123,8 @@ pub struct ObservedEngine {
     /// containerd's version (major, minor) from `containerd --version`, when known.
     pub containerd_version: Option<(u32, u32)>,
     /// containerd: the other files it loads through `imports` once the agent's entry is there,
-    /// in its load order, without the agent's drop-in (see [`containerd_imports`]).
+    /// in its load order, without the agent's drop-in (see [`containerd_imports`]). CRI-O: the
+    /// other files of its drop-in directory, in name order (see [`crio_drop_ins`]).
     pub imported: Vec<containerd::ImportedFile>,
     /// containerd: `containerd config dump` of the configured top-level file without the
     /// agent's drop-in (see [`containerd_effective`]); `None` without the binary, or when the
@@ -351,6 +352,8 @@ pub fn observe(config: &Config, root: &HostRoot, runner: &Runner) -> Result<Obse
         };
         let imported = if containerd {
             containerd_imports(root, &files, main.as_deref())
+        } else if engine == Engine::Crio && selected {
+            crio_drop_ins(root, &files)
         } else {
             Vec::new()
         };
@@ -602,6 +605,44 @@ fn containerd_imports(root: &HostRoot, files: &AnyEngineFiles, main: Option<&str
     out
 }
 
+/// The files of CRI-O's drop-in directory (the agent's drop-in's directory, `crio.conf.d/`) in
+/// the name order CRI-O reads them, without the agent's own; unreadable ones are left out
+/// (logged).
+fn crio_drop_ins(root: &HostRoot, files: &AnyEngineFiles) -> Vec<containerd::ImportedFile> {
+    let Some(dir) = files.drop_in.parent() else {
+        return Vec::new();
+    };
+    let Ok(entries) = resolve(root, dir).and_then(|real| {
+        std::fs::read_dir(root.join(real)).map_err(|source| RuntimeError::Read {
+            path: dir.to_path_buf(),
+            source,
+        })
+    }) else {
+        return Vec::new();
+    };
+    let mut names: Vec<String> = entries
+        .filter_map(|e| e.ok()?.file_name().into_string().ok())
+        .filter(|n| !n.starts_with('.'))
+        .collect();
+    names.sort();
+    let mut out = Vec::new();
+    for name in names {
+        let path = dir.join(&name);
+        if path == files.drop_in {
+            continue;
+        }
+        match resolve(root, &path).and_then(|target| read_optional(&root.join(target))) {
+            Ok(Some(text)) => out.push(containerd::ImportedFile {
+                file: path.to_string_lossy().into_owned(),
+                text,
+            }),
+            Ok(None) => {}
+            Err(e) => tracing::warn!("CRI-O drop-in {}: {e}", path.display()),
+        }
+    }
+    out
+}
+
 /// containerd's `resolveImports`: each entry made absolute against the directory of `parent` (the
 /// host path of the file that names it) and cleaned; one with `*` becomes its glob's matches.
 fn import_paths(root: &HostRoot, parent: &Path, entries: &[String]) -> Vec<PathBuf> {
@@ -783,7 +824,8 @@ fn engine_changes(e: &ObservedEngine, rt: &NvidiaRuntime) -> Result<Changes, Run
             changes.extend(change(&e.files.config, &e.main_target, &e.main, Some(text)));
         }
         Engine::Crio => {
-            let text = crio::configure(e.main.as_deref(), &main_file, rt)?;
+            let drop_ins: Vec<(String, String)> = e.imported.iter().map(|f| (f.file.clone(), f.text.clone())).collect();
+            let text = crio::configure_with_drop_ins(e.main.as_deref(), &main_file, &drop_ins, rt)?;
             changes.extend(change(&e.files.drop_in, &e.drop_in_target, &e.drop_in, Some(text)));
         }
     }
