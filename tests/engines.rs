@@ -401,3 +401,156 @@ fn docker_ce_containerd_with_cri_disabled_is_left_alone() {
     );
     assert!(!root.join(DROP_IN.trim_start_matches('/')).exists());
 }
+
+// === docker ===
+
+const DOCKERD: &str = "/usr/sbin/dockerd";
+const DOCKER_CLI: &str = "/usr/bin/docker";
+const DAEMON_JSON: &str = "/etc/docker/daemon.json";
+
+/// A dockerd of its own (no bridge, no iptables), killed when dropped.
+struct Dockerd {
+    child: Child,
+    socket: PathBuf,
+    log: PathBuf,
+}
+
+impl Dockerd {
+    fn start(daemon_json: &Path, dir: &Path) -> Dockerd {
+        require_root_and(DOCKERD);
+        let socket = dir.join("d.sock");
+        let log = dir.join("dockerd.log");
+        let child = isolated(&dir.join("scratch"), DOCKERD)
+            .arg("--config-file")
+            .arg(daemon_json)
+            .arg("--data-root")
+            .arg(dir.join("data"))
+            .arg("--exec-root")
+            .arg(dir.join("exec"))
+            .arg("--pidfile")
+            .arg(dir.join("docker.pid"))
+            .arg("--host")
+            .arg(format!("unix://{}", socket.display()))
+            .args(["--bridge=none", "--iptables=false"])
+            .stdout(Stdio::null())
+            .stderr(fs::File::create(&log).expect("log"))
+            .spawn()
+            .expect("start dockerd");
+        Dockerd { child, socket, log }
+    }
+
+    /// `docker info`'s runtimes and default runtime.
+    fn runtimes(&mut self) -> (serde_json::Value, String) {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            let out = Command::new(DOCKER_CLI)
+                .arg("--host")
+                .arg(format!("unix://{}", self.socket.display()))
+                .args(["info", "--format", "{{json .}}"])
+                .output()
+                .expect("docker info");
+            // `docker info` also exits 0 while the daemon does not answer yet (ServerErrors).
+            let info: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap_or_default();
+            if out.status.success() && info["ServerErrors"].is_null() && !info["Runtimes"].is_null() {
+                let default = info["DefaultRuntime"].as_str().unwrap_or_default().to_owned();
+                return (info["Runtimes"].clone(), default);
+            }
+            if let Ok(Some(status)) = self.child.try_wait() {
+                panic!(
+                    "dockerd exited with {status}:\n{}",
+                    fs::read_to_string(&self.log).unwrap_or_default()
+                );
+            }
+            assert!(
+                Instant::now() < deadline,
+                "dockerd did not answer: {}\n{}",
+                String::from_utf8_lossy(&out.stderr),
+                fs::read_to_string(&self.log).unwrap_or_default()
+            );
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    }
+}
+
+impl Drop for Dockerd {
+    fn drop(&mut self) {
+        // SIGTERM first: dockerd stops the containerd it started.
+        let pid = nix::unistd::Pid::from_raw(self.child.id() as i32);
+        let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM);
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while Instant::now() < deadline && matches!(self.child.try_wait(), Ok(None)) {
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGKILL);
+        let _ = self.child.wait();
+    }
+}
+
+/// A node with docker installed (its unit), the NVIDIA runtime (a stub), `daemon` as its
+/// daemon.json (`None`: none) and `config` as the agent's config drop-in.
+fn docker_node(daemon: Option<&str>, config: &str) -> Node {
+    let node = Node::new(&common::machine("A100-SXM4-40GB", 1), config);
+    let root = &node.root;
+    let unit = root.join("lib/systemd/system/docker.service");
+    fs::create_dir_all(unit.parent().expect("dir")).expect("mkdir");
+    fs::write(unit, "[Service]\n").expect("unit");
+    let stub = root.join(RUNTIME_BINARY.trim_start_matches('/'));
+    fs::create_dir_all(stub.parent().expect("dir")).expect("mkdir");
+    fs::write(&stub, "#!/bin/sh\nexit 0\n").expect("stub");
+    use std::os::unix::fs::PermissionsExt;
+    fs::set_permissions(&stub, fs::Permissions::from_mode(0o755)).expect("chmod");
+    if let Some(text) = daemon {
+        let path = root.join(DAEMON_JSON.trim_start_matches('/'));
+        fs::create_dir_all(path.parent().expect("dir")).expect("mkdir");
+        fs::write(path, text).expect("daemon.json");
+    }
+    node
+}
+
+/// Configures docker, starts Debian's dockerd with the daemon.json the agent wrote and checks
+/// `docker info`: the nvidia runtime at the binary's path and `default` as the default runtime;
+/// then unconfigure gives back the original bytes.
+fn dockerd_reads_the_agents_daemon_json(name: &str, daemon: Option<&str>, config: &str, default: &str) {
+    let node = docker_node(daemon, config);
+    run_agent(&node, &["runtime", "configure", "--no-restart"]);
+    let path = node.root.join(DAEMON_JSON.trim_start_matches('/'));
+    let written = fs::read_to_string(&path).unwrap_or_default();
+    let (runtimes, found_default) = Dockerd::start(&path, &node.tmp.path().join("dockerd")).runtimes();
+    assert_eq!(
+        runtimes["nvidia"]["path"].as_str(),
+        Some(RUNTIME_BINARY),
+        "{name}: {runtimes}\n{written}"
+    );
+    assert_eq!(found_default, default, "{name}: default runtime\n{written}");
+    run_agent(&node, &["runtime", "unconfigure", "--no-restart"]);
+    assert_eq!(
+        fs::read_to_string(&path).ok().as_deref(),
+        daemon,
+        "{name}: original bytes"
+    );
+}
+
+#[test]
+fn dockerd_on_a_fresh_host_gets_the_runtime_and_keeps_runc_as_default() {
+    // The kubelet uses containerd (its default endpoint): docker's default stays runc.
+    dockerd_reads_the_agents_daemon_json("fresh", None, "", "runc");
+}
+
+#[test]
+fn dockerd_behind_cri_dockerd_gets_nvidia_as_its_default() {
+    let config = "[runtime]\nkubelet_runtime_endpoint = \"unix:///run/cri-dockerd.sock\"\n";
+    let daemon = "{\n  \"log-driver\": \"json-file\",\n  \"log-opts\": {\"max-size\": \"100m\"}\n}\n";
+    dockerd_reads_the_agents_daemon_json("cri-dockerd", Some(daemon), config, "nvidia");
+}
+
+#[test]
+fn dockerd_whose_default_was_already_nvidia_keeps_it() {
+    let daemon = node_fixture("docker-nvidia-default.daemon.json");
+    dockerd_reads_the_agents_daemon_json("nvidia default", Some(&daemon), "", "nvidia");
+    // Told otherwise, it goes back to runc.
+    let node = docker_node(Some(&daemon), "[runtime]\nset_as_default = false\n");
+    run_agent(&node, &["runtime", "configure", "--no-restart"]);
+    let path = node.root.join(DAEMON_JSON.trim_start_matches('/'));
+    let (_, default) = Dockerd::start(&path, &node.tmp.path().join("dockerd")).runtimes();
+    assert_eq!(default, "runc");
+}
