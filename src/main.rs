@@ -327,13 +327,27 @@ fn print_runtime_plan(config: &Config, root: &HostRoot) {
     }
     let runner = Runner::new(root);
     match runtime_stage::observe(config, root, &runner).and_then(|o| runtime_stage::plan(&o, &config.runtime)) {
-        Ok(p) if p.is_empty() => println!(
-            "Container runtimes: {}: no changes\n",
-            p.note
-                .clone()
-                .unwrap_or_else(|| format!("{} already configured", p.summary()))
-        ),
-        Ok(p) => println!("Container runtimes: would change\n{}", runtime_stage::diff(&p)),
+        Ok(p) => {
+            if p.is_empty() {
+                println!(
+                    "Container runtimes: {}: no changes",
+                    p.note
+                        .clone()
+                        .unwrap_or_else(|| format!("{} already configured", p.summary()))
+                );
+            } else {
+                println!("Container runtimes: would change\n{}", runtime_stage::diff(&p));
+            }
+            for remark in p.remarks() {
+                println!("  {remark}");
+            }
+            for e in &p.engines {
+                if let Some(error) = &e.error {
+                    println!("  {} would fail: {error}", e.engine.as_str());
+                }
+            }
+            println!();
+        }
         Err(e) => println!("Container runtimes: the stage would fail: {e}\n"),
     }
 }

@@ -1194,6 +1194,48 @@ fn crio_runtimes_from_its_drop_ins_are_the_template() {
     );
 }
 
+// === one engine's failure is that engine's ===
+
+/// containerd (the kubelet's engine) and docker with a broken daemon.json: `run --once`
+/// configures containerd, reports docker's error, and does not fail the pass; with the kubelet
+/// on docker (cri-dockerd) the same host fails the runtime stage, and the stages after it wait.
+#[test]
+fn only_the_kubelets_engine_failing_fails_the_runtime_stage() {
+    let broken = "{\n  \"log-driver\": \"json-file\",\n";
+    for (kubelet, code) in [
+        ("unix:///run/containerd/containerd.sock", 0),
+        ("unix:///run/cri-dockerd.sock", 1),
+    ] {
+        let config = format!("{NO_KUBERNETES}[runtime]\nkubelet_runtime_endpoint = \"{kubelet}\"\n");
+        let node = engine_node(Engine::Containerd, None, &config);
+        install_engine(&node.root, Engine::Docker, Some(broken));
+        let out = expect_exit(&node, &["run", "--once"], code);
+        assert!(
+            read(&node.root, CONTAINERD_DROP_IN).is_some(),
+            "{kubelet}: containerd is configured"
+        );
+        assert_eq!(
+            read(&node.root, DOCKER_MAIN).as_deref(),
+            Some(broken),
+            "{kubelet}: docker untouched"
+        );
+        let status = node.status_json();
+        let runtime = status["stages"]
+            .as_array()
+            .and_then(|stages| stages.iter().find(|s| s["name"] == "runtime"))
+            .cloned()
+            .unwrap_or_default();
+        let text = format!("{runtime}");
+        assert!(
+            text.contains("/etc/docker/daemon.json: line 3"),
+            "{kubelet}: {text}\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let expected = if code == 0 { "ok" } else { "failed" };
+        assert_eq!(runtime["state"], expected, "{kubelet}: {text}");
+    }
+}
+
 // === unconfigure takes out only what the agent put in ===
 
 /// The user's config already imported conf.d (for files of their own): after configure, a
@@ -1461,5 +1503,49 @@ fn the_cdi_spec_follows_a_mig_layout() {
     assert!(
         caps_seen.iter().all(|(gi, ci)| all.contains(gi) && all.contains(ci)),
         "all has every capability node: {all:?}"
+    );
+}
+
+// === the toolkit's config with the volume-mounts strategy ===
+
+const TOOLKIT_CONFIG: &str = "/etc/nvidia-container-runtime/config.toml";
+
+/// With `volume-mounts`, unprivileged pods that request no GPU must see none: the toolkit's
+/// config gets `accept-nvidia-visible-devices-envvar-when-unprivileged = false` and
+/// `accept-nvidia-visible-devices-as-volume-mounts = true` (backed up), and unconfigure gives
+/// back its bytes. Without that strategy the file is not touched.
+#[test]
+fn volume_mounts_make_the_toolkit_ignore_the_envvar_for_unprivileged_pods() {
+    let packaged = "#accept-nvidia-visible-devices-as-volume-mounts = false\ndisable-require = false\n\n\
+                    [nvidia-container-runtime]\nmode = \"auto\"\n";
+    let node = engine_node(
+        Engine::Containerd,
+        None,
+        "[device_plugin]\ndevice_list_strategy = [\"volume-mounts\"]\n",
+    );
+    write_file(&node.root, TOOLKIT_CONFIG, packaged);
+    let stdout = succeeds(&node, CONFIGURE);
+    assert!(stdout.contains(&format!("wrote {TOOLKIT_CONFIG}")), "{stdout}");
+    let written = toml_table(&read(&node.root, TOOLKIT_CONFIG).expect("toolkit config"));
+    assert_eq!(
+        written["accept-nvidia-visible-devices-envvar-when-unprivileged"].as_bool(),
+        Some(false)
+    );
+    assert_eq!(
+        written["accept-nvidia-visible-devices-as-volume-mounts"].as_bool(),
+        Some(true)
+    );
+    assert_eq!(written["nvidia-container-runtime"]["mode"].as_str(), Some("auto"));
+    assert!(succeeds(&node, CONFIGURE).contains("already configured"));
+    succeeds(&node, UNCONFIGURE);
+    assert_eq!(read(&node.root, TOOLKIT_CONFIG).as_deref(), Some(packaged));
+
+    let envvar = engine_node(Engine::Containerd, None, "");
+    write_file(&envvar.root, TOOLKIT_CONFIG, packaged);
+    succeeds(&envvar, CONFIGURE);
+    assert_eq!(
+        read(&envvar.root, TOOLKIT_CONFIG).as_deref(),
+        Some(packaged),
+        "envvar: not touched"
     );
 }

@@ -134,7 +134,11 @@ impl Agent {
             let mut inactive = Vec::new();
             // systemctl under the root: the node's own on a real root, a stand-in in tests.
             if runner.exists(&config.runtime.systemctl) {
-                for e in plan.engines.iter().filter(|e| e.installed) {
+                for e in plan
+                    .engines
+                    .iter()
+                    .filter(|e| e.installed && e.error.is_none() && e.skipped.is_none())
+                {
                     let cmd = Cmd::new(&config.runtime.systemctl)
                         .args(["is-active", e.unit.as_str()])
                         .timeout(Duration::from_secs(10));

@@ -12,6 +12,7 @@ pub mod crio;
 pub mod docker;
 pub mod kubelet;
 pub mod stage;
+pub mod toolkit;
 
 use std::path::PathBuf;
 

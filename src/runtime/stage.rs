@@ -21,8 +21,8 @@ use std::time::{Duration, Instant};
 use sha2::{Digest, Sha256};
 
 use super::kubelet::{self, KubeletEndpoint};
-use super::{DefaultRuntime, EditError, NvidiaRuntime, cdi, containerd, cri, crio, docker};
-use crate::config::{AnyEngineFiles, Config, Engine, RuntimeConfig, RuntimeMode, SetAsDefault};
+use super::{DefaultRuntime, EditError, NvidiaRuntime, cdi, containerd, cri, crio, docker, toolkit};
+use crate::config::{AnyEngineFiles, Config, DeviceListStrategy, Engine, RuntimeConfig, RuntimeMode, SetAsDefault};
 use crate::host::command::{Cmd, Runner};
 use crate::host::{HostRoot, WriteError, write_atomic};
 use crate::nvml::Inventory;
@@ -154,6 +154,11 @@ pub struct Observed {
     pub also: Vec<(String, PathBuf)>,
     /// The kubelet's CRI endpoint.
     pub kubelet: KubeletEndpoint,
+    /// The device plugin hands out `volume-mounts` (the config or one of its profiles).
+    pub volume_mounts: bool,
+    /// The NVIDIA Container Toolkit's config: host path, where its links lead, text (`None`: no
+    /// file).
+    pub toolkit: (PathBuf, PathBuf, Option<String>),
     /// Backups by host path.
     pub backups: BTreeMap<PathBuf, Backup>,
 }
@@ -208,12 +213,15 @@ pub struct RuntimePlan {
     pub engines: Vec<EnginePlan>,
     /// Why nothing is planned, when that is the case (cdi-only, no engine found).
     pub note: Option<String>,
+    /// The NVIDIA Container Toolkit's config, when it changes (see [`super::toolkit`]); no engine
+    /// restarts for it: the toolkit reads it for every container.
+    pub toolkit: Vec<FileChange>,
 }
 
 impl RuntimePlan {
     /// No file changes.
     pub fn is_empty(&self) -> bool {
-        self.engines.iter().all(|e| e.changes.is_empty())
+        self.engines.iter().all(|e| e.changes.is_empty()) && self.toolkit.is_empty()
     }
 
     /// One line for status: what is configured or what would change.
@@ -418,9 +426,34 @@ pub fn observe(config: &Config, root: &HostRoot, runner: &Runner) -> Result<Obse
     } else {
         Vec::new()
     };
+    let dp = &config.device_plugin;
+    let volume_mounts = dp.device_list_strategy.contains(DeviceListStrategy::VolumeMounts)
+        || dp.profiles.values().any(|p| {
+            p.device_list_strategy
+                .as_ref()
+                .is_some_and(|s| s.contains(DeviceListStrategy::VolumeMounts))
+        });
+    let toolkit = match resolve(root, &rc.toolkit_config) {
+        Ok(target) => {
+            let text = read_optional(&root.join(&target))?;
+            (rc.toolkit_config.clone(), target, text)
+        }
+        Err(e) if volume_mounts => return Err(e),
+        Err(_) => (rc.toolkit_config.clone(), rc.toolkit_config.clone(), None),
+    };
+    {
+        let name = backup_name(&rc.toolkit_config);
+        let original = read_optional(&dir.join(format!("{name}.orig")))?;
+        if original.is_some() || dir.join(format!("{name}.absent")).exists() {
+            let written = read_optional(&dir.join(format!("{name}.written")))?.map(|s| s.trim().to_string());
+            backups.insert(rc.toolkit_config.clone(), Backup { original, written });
+        }
+    }
     Ok(Observed {
         engines,
         runtime_binary_present: root.join(&rc.runtime_binary).is_file(),
+        volume_mounts,
+        toolkit,
         also,
         kubelet: kubelet::detect(root, &rc.kubelet_runtime_endpoint),
         backups,
@@ -724,6 +757,7 @@ pub fn plan(observed: &Observed, config: &RuntimeConfig) -> Result<RuntimePlan, 
         purpose: Purpose::Configure,
         engines: Vec::new(),
         note: None,
+        toolkit: Vec::new(),
     };
     if config.mode == RuntimeMode::CdiOnly {
         out.note = Some("cdi-only: the container engines are not touched".into());
@@ -741,6 +775,11 @@ pub fn plan(observed: &Observed, config: &RuntimeConfig) -> Result<RuntimePlan, 
         return Err(RuntimeError::MissingRuntime {
             binary: config.runtime_binary.clone(),
         });
+    }
+    if observed.volume_mounts {
+        let (path, target, text) = &observed.toolkit;
+        let after = toolkit::configure(text.as_deref(), &path.to_string_lossy())?;
+        out.toolkit.extend(change(path, target, text, Some(after)));
     }
     let kubelet_engine = observed.kubelet.engine();
     for e in selected {
@@ -840,6 +879,7 @@ pub fn plan_unconfigure(observed: &Observed, config: &RuntimeConfig) -> Result<R
         purpose: Purpose::Unconfigure,
         engines: Vec::new(),
         note: None,
+        toolkit: Vec::new(),
     };
     for e in &observed.engines {
         let main_file = e.files.config.to_string_lossy().into_owned();
@@ -893,7 +933,21 @@ pub fn plan_unconfigure(observed: &Observed, config: &RuntimeConfig) -> Result<R
             });
         }
     }
-    if out.engines.is_empty() {
+    // The toolkit's config, when the agent changed it.
+    let (path, target, text) = &observed.toolkit;
+    if let (Some(backup), Some(now)) = (observed.backups.get(path), text) {
+        let after = if Some(digest(now)) == backup.written {
+            backup.original.clone()
+        } else {
+            Some(toolkit::unconfigure(
+                now,
+                &path.to_string_lossy(),
+                backup.original.as_deref(),
+            )?)
+        };
+        out.toolkit.extend(change(path, target, text, after));
+    }
+    if out.engines.is_empty() && out.toolkit.is_empty() {
         out.note = Some("no container engine has the agent's runtime; nothing to undo".into());
     }
     Ok(out)
@@ -903,23 +957,21 @@ pub fn plan_unconfigure(observed: &Observed, config: &RuntimeConfig) -> Result<R
 /// removed).
 pub fn diff(plan: &RuntimePlan) -> String {
     let mut out = String::new();
-    for e in &plan.engines {
-        for c in &e.changes {
-            let path = c.path.to_string_lossy();
-            let (a, b) = (c.before.as_deref().unwrap_or(""), c.after.as_deref().unwrap_or(""));
-            let old = if c.before.is_some() {
-                format!("a{path}")
-            } else {
-                "/dev/null".into()
-            };
-            let new = if c.after.is_some() {
-                format!("b{path}")
-            } else {
-                "/dev/null".into()
-            };
-            let text = similar::TextDiff::from_lines(a, b);
-            let _ = write!(out, "{}", text.unified_diff().context_radius(3).header(&old, &new));
-        }
+    for c in plan.engines.iter().flat_map(|e| &e.changes).chain(&plan.toolkit) {
+        let path = c.path.to_string_lossy();
+        let (a, b) = (c.before.as_deref().unwrap_or(""), c.after.as_deref().unwrap_or(""));
+        let old = if c.before.is_some() {
+            format!("a{path}")
+        } else {
+            "/dev/null".into()
+        };
+        let new = if c.after.is_some() {
+            format!("b{path}")
+        } else {
+            "/dev/null".into()
+        };
+        let text = similar::TextDiff::from_lines(a, b);
+        let _ = write!(out, "{}", text.unified_diff().context_radius(3).header(&old, &new));
     }
     out
 }
@@ -1053,6 +1105,22 @@ pub fn apply_all(
     opts: &ApplyOptions,
 ) -> Applied {
     let mut applied = Applied::default();
+    if !plan.toolkit.is_empty() {
+        match apply_files(&plan.toolkit, plan.purpose, config, root) {
+            Ok(()) => applied.files.extend(plan.toolkit.iter().map(|c| c.path.clone())),
+            // Read by the toolkit for each container, whatever the engine: it counts as the
+            // kubelet's engine's.
+            Err(error) => applied.failures.push(EngineFailure {
+                engine: plan
+                    .engines
+                    .iter()
+                    .find(|e| e.kubelet)
+                    .map_or(Engine::Containerd, |e| e.engine),
+                kubelet: true,
+                error,
+            }),
+        }
+    }
     for e in &plan.engines {
         let failed = match &e.error {
             Some(message) => Err(RuntimeError::Engine {
@@ -1137,6 +1205,26 @@ fn apply_engine(
     remove_intent(&dir)?;
     applied.files.extend(e.changes.iter().map(|c| c.path.clone()));
     Ok(())
+}
+
+/// Files no engine restart depends on (the toolkit's config): backups, intent, write, record.
+fn apply_files(changes: &[FileChange], purpose: Purpose, config: &Config, root: &HostRoot) -> Result<(), RuntimeError> {
+    let dir = backup_dir(config, root);
+    if purpose == Purpose::Configure {
+        for c in changes {
+            keep_original(root, &dir, c)?;
+        }
+    }
+    let intent = serde_json::to_string(changes).unwrap_or_default();
+    write_atomic(&dir.join(INTENT), intent.as_bytes(), 0o600)?;
+    write_changes(root, changes, |c| c.after.as_deref())?;
+    for c in changes {
+        if purpose == Purpose::Unconfigure && c.after.is_none() {
+            remove_created_dirs(root, &dir, &c.path)?;
+        }
+        record(&dir, c, purpose)?;
+    }
+    remove_intent(&dir)
 }
 
 fn remove_intent(dir: &Path) -> Result<(), RuntimeError> {
