@@ -1549,3 +1549,29 @@ fn volume_mounts_make_the_toolkit_ignore_the_envvar_for_unprivileged_pods() {
         "envvar: not touched"
     );
 }
+
+/// Every pass observes, but containerd is asked for its version and effective configuration
+/// only when its binary or a file it reads changed.
+#[test]
+fn containerd_is_asked_again_only_when_its_files_change() {
+    let host = RestartHost::new("exit 0", "echo active");
+    let calls = host.root.join("containerd-calls.log");
+    script(
+        &host.root,
+        REAL_CONTAINERD,
+        &format!(
+            "echo \"$*\" >> '{}'\nexec {} \"$@\"",
+            calls.display(),
+            real_containerd().display()
+        ),
+    );
+    let count = || fs::read_to_string(&calls).unwrap_or_default().lines().count();
+    host.apply().expect("first apply");
+    host.apply().expect("second apply (the main file changed: asked again)");
+    let settled = count();
+    host.apply().expect("third apply");
+    assert_eq!(count(), settled, "nothing changed: containerd was not run");
+    write_file(&host.root, "/etc/containerd/conf.d/50-registry.toml", "version = 2\n");
+    host.apply().expect("after a new imported file");
+    assert!(count() > settled, "a new imported file: asked again");
+}

@@ -354,10 +354,6 @@ pub fn observe(config: &Config, root: &HostRoot, runner: &Runner) -> Result<Obse
         let (main, main_target) = read_file(&files.config)?;
         let (drop_in, drop_in_target) = read_file(&files.drop_in)?;
         let containerd = engine == Engine::Containerd && selected;
-        let containerd_version = match &binary {
-            Some(binary) if containerd => containerd_version(runner, binary),
-            _ => None,
-        };
         let imported = if containerd {
             containerd_imports(root, &files, main.as_deref())
         } else if engine == Engine::Crio && selected {
@@ -365,25 +361,11 @@ pub fn observe(config: &Config, root: &HostRoot, runner: &Runner) -> Result<Obse
         } else {
             Vec::new()
         };
-        let effective = match &binary {
+        let (containerd_version, effective) = match &binary {
             Some(binary) if containerd => {
-                match containerd_effective(
-                    config,
-                    root,
-                    runner,
-                    &files,
-                    binary,
-                    main.as_deref(),
-                    containerd_version,
-                ) {
-                    Ok(dump) => Some(dump),
-                    Err(e) => {
-                        tracing::warn!("containerd's effective configuration: {e}; reading its files instead");
-                        None
-                    }
-                }
+                containerd_facts(config, root, runner, &files, binary, main.as_deref(), &imported)
             }
-            _ => None,
+            _ => (None, None),
         };
         let cri_socket = match engine {
             Engine::Containerd => Some(PathBuf::from(
@@ -477,6 +459,51 @@ fn locate_binary(runner: &Runner, configured: &Path) -> Option<PathBuf> {
         .iter()
         .map(|d| Path::new(d).join(name))
         .find(|p| runner.exists(p))
+}
+
+/// containerd's version and effective configuration (see [`containerd_effective`]), asked
+/// again only when the binary or one of the files it reads changed: every pass observes, and
+/// the two commands cost about 100 ms together.
+fn containerd_facts(
+    config: &Config,
+    root: &HostRoot,
+    runner: &Runner,
+    files: &AnyEngineFiles,
+    binary: &Path,
+    main: Option<&str>,
+    imported: &[containerd::ImportedFile],
+) -> (Option<(u32, u32)>, Option<String>) {
+    type Facts = (String, Option<(u32, u32)>, Option<String>);
+    static LAST: std::sync::Mutex<Option<Facts>> = std::sync::Mutex::new(None);
+    let meta = std::fs::metadata(root.join(binary)).ok();
+    let mut key = format!(
+        "{}\0{}\0{:?}\0{:?}\0{}",
+        root.path().display(),
+        binary.display(),
+        meta.as_ref().map(|m| m.len()),
+        meta.and_then(|m| m.modified().ok()),
+        main.map(digest).unwrap_or_default()
+    );
+    for f in imported {
+        key.push_str(&format!("\0{}={}", f.file, digest(&f.text)));
+    }
+    let mut last = LAST.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some((k, version, dump)) = last.as_ref()
+        && *k == key
+    {
+        return (*version, dump.clone());
+    }
+    let version = containerd_version(runner, binary);
+    let dump = match containerd_effective(config, root, runner, files, binary, main, version) {
+        Ok(dump) => Some(dump),
+        Err(e) => {
+            tracing::warn!("containerd's effective configuration: {e}; reading its files instead");
+            None
+        }
+    };
+    // A failed dump is tried again next time.
+    *last = dump.as_ref().map(|d| (key, version, Some(d.clone())));
+    (version, dump)
 }
 
 /// `containerd --version` → (major, minor) (`containerd github.com/containerd/containerd
