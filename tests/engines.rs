@@ -42,22 +42,38 @@ ip link set lo up 2>/dev/null || true
 exec "$@"
 "#;
 
-fn isolated(scratch: &Path, program: &str) -> Command {
-    fs::create_dir_all(scratch).expect("scratch dir");
-    let mut cmd = Command::new("unshare");
-    cmd.args([
-        "--mount",
-        "--net",
-        "--propagation",
-        "private",
-        "sh",
-        "-c",
-        ISOLATE,
-        "sh",
-    ])
-    .arg(scratch)
-    .arg(program);
-    cmd
+/// Starts `program` with `args` isolated as [`ISOLATE`] says (its overlays under `dir`), its
+/// stderr in `dir/<name>.log`; returns the child and the log's path.
+fn spawn_isolated(dir: &Path, program: &str, args: &[std::ffi::OsString]) -> (Child, PathBuf) {
+    require_root_and(program);
+    let scratch = dir.join("scratch");
+    fs::create_dir_all(&scratch).expect("scratch dir");
+    let name = Path::new(program).file_name().expect("program name").to_string_lossy();
+    let log = dir.join(format!("{name}.log"));
+    let child = Command::new("unshare")
+        .args([
+            "--mount",
+            "--net",
+            "--propagation",
+            "private",
+            "sh",
+            "-c",
+            ISOLATE,
+            "sh",
+        ])
+        .arg(&scratch)
+        .arg(program)
+        .args(args)
+        .stdout(Stdio::null())
+        .stderr(fs::File::create(&log).expect("log"))
+        .spawn()
+        .unwrap_or_else(|e| panic!("start {program}: {e}"));
+    (child, log)
+}
+
+/// `args` as OS strings.
+fn os_args(args: &[&dyn AsRef<std::ffi::OsStr>]) -> Vec<std::ffi::OsString> {
+    args.iter().map(|a| a.as_ref().to_os_string()).collect()
 }
 
 fn require_root_and(program: &str) {
@@ -82,22 +98,19 @@ impl Containerd {
     /// Starts containerd with the config file `config` (its imports already pointing at real
     /// paths), its root, state and socket under `dir`.
     fn start(config: &Path, dir: &Path) -> Containerd {
-        require_root_and(CONTAINERD);
         let socket = dir.join("c.sock");
-        let log = dir.join("containerd.log");
-        let child = isolated(&dir.join("scratch"), CONTAINERD)
-            .arg("--config")
-            .arg(config)
-            .arg("--root")
-            .arg(dir.join("root"))
-            .arg("--state")
-            .arg(dir.join("state"))
-            .arg("--address")
-            .arg(&socket)
-            .stdout(Stdio::null())
-            .stderr(fs::File::create(&log).expect("log"))
-            .spawn()
-            .expect("start containerd");
+        let (root, state) = (dir.join("root"), dir.join("state"));
+        let args = os_args(&[
+            &"--config",
+            &config,
+            &"--root",
+            &root,
+            &"--state",
+            &state,
+            &"--address",
+            &socket,
+        ]);
+        let (child, log) = spawn_isolated(dir, CONTAINERD, &args);
         Containerd { child, socket, log }
     }
 
@@ -417,25 +430,24 @@ struct Dockerd {
 
 impl Dockerd {
     fn start(daemon_json: &Path, dir: &Path) -> Dockerd {
-        require_root_and(DOCKERD);
         let socket = dir.join("d.sock");
-        let log = dir.join("dockerd.log");
-        let child = isolated(&dir.join("scratch"), DOCKERD)
-            .arg("--config-file")
-            .arg(daemon_json)
-            .arg("--data-root")
-            .arg(dir.join("data"))
-            .arg("--exec-root")
-            .arg(dir.join("exec"))
-            .arg("--pidfile")
-            .arg(dir.join("docker.pid"))
-            .arg("--host")
-            .arg(format!("unix://{}", socket.display()))
-            .args(["--bridge=none", "--iptables=false"])
-            .stdout(Stdio::null())
-            .stderr(fs::File::create(&log).expect("log"))
-            .spawn()
-            .expect("start dockerd");
+        let (data, exec, pid) = (dir.join("data"), dir.join("exec"), dir.join("docker.pid"));
+        let host = format!("unix://{}", socket.display());
+        let args = os_args(&[
+            &"--config-file",
+            &daemon_json,
+            &"--data-root",
+            &data,
+            &"--exec-root",
+            &exec,
+            &"--pidfile",
+            &pid,
+            &"--host",
+            &host,
+            &"--bridge=none",
+            &"--iptables=false",
+        ]);
+        let (child, log) = spawn_isolated(dir, DOCKERD, &args);
         Dockerd { child, socket, log }
     }
 

@@ -129,7 +129,7 @@ async fn status_once(socket: &Path) -> Result<CriStatus, CriError> {
             async move { Ok::<_, std::io::Error>(TokioIo::new(UnixStream::connect(path).await?)) }
         }))
         .await
-        .map_err(|e| connect(error_chain(&e)))?;
+        .map_err(|e| connect(crate::kube::error_chain(&e)))?;
     let mut client = RuntimeServiceClient::new(channel);
     let failed = |call: &'static str, status: tonic::Status| {
         let message = format!("{} ({:?})", status.message(), status.code());
@@ -201,20 +201,6 @@ pub fn handlers_of_config(json: &str) -> (BTreeSet<String>, Option<String>) {
         .unwrap_or_default();
     let default = containerd["defaultRuntimeName"].as_str().map(str::to_owned);
     (handlers, default)
-}
-
-fn error_chain(e: &dyn std::error::Error) -> String {
-    let mut text = e.to_string();
-    let mut source = e.source();
-    while let Some(s) = source {
-        let next = s.to_string();
-        if !text.contains(&next) {
-            text.push_str(": ");
-            text.push_str(&next);
-        }
-        source = s.source();
-    }
-    text
 }
 
 /// The load errors of containerd's CRI plugins in the output of `ctr plugins ls --detailed`
