@@ -43,6 +43,8 @@ pub struct Link {
     /// Labels the agent wants on its Node; `None` when there is no Node to write to.
     report: Option<watch::Sender<WantedLabels>>,
     events: Option<mpsc::UnboundedSender<EventRequest>>,
+    /// The runtime handlers the agent wants RuntimeClasses for.
+    classes: Option<watch::Sender<Vec<String>>>,
     /// Keeps a fixed view's sender alive, so `view.changed()` waits instead of failing.
     _fixed: Option<watch::Sender<LabelsView>>,
 }
@@ -54,6 +56,18 @@ impl Link {
             tx.send_if_modified(|current| {
                 let changed = current.as_ref() != Some(&labels);
                 *current = Some(labels);
+                changed
+            });
+        }
+    }
+
+    /// Asks for a RuntimeClass per handler (`nvidia`, `nvidia-cdi`, ...), created once the API
+    /// server is reachable unless it exists; see [`ensure_runtime_classes`].
+    pub fn runtime_classes(&self, handlers: Vec<String>) {
+        if let Some(tx) = &self.classes {
+            tx.send_if_modified(|current| {
+                let changed = *current != handlers;
+                *current = handlers;
                 changed
             });
         }
@@ -121,14 +135,21 @@ pub fn start(config: &Config, root: &HostRoot) -> Link {
             view: view_rx,
             report: None,
             events: None,
+            classes: None,
             _fixed: Some(view_tx),
         };
     }
     // Labels and Events wait in their channels until a Node can take them.
     let (report_tx, report_rx) = watch::channel(None);
     let (event_tx, event_rx) = mpsc::unbounded_channel();
+    let (classes_tx, classes_rx) = watch::channel(Vec::new());
     let node_view = (!labels_file).then(|| view_tx.clone());
-    let reporting = Reporting { report_rx, event_rx };
+    let reporting = Reporting {
+        report_rx,
+        event_rx,
+        classes_rx,
+        class_events: event_tx.clone(),
+    };
     match client {
         Ok(client) => connect(client, config, root, node_view, reporting),
         Err(why) => {
@@ -140,6 +161,7 @@ pub fn start(config: &Config, root: &HostRoot) -> Link {
         view: view_rx,
         report: Some(report_tx),
         events: Some(event_tx),
+        classes: Some(classes_tx),
         _fixed: Some(view_tx),
     }
 }
@@ -164,6 +186,9 @@ fn discover_client(config: &Config, root: &HostRoot) -> Result<KubeClient, Strin
 struct Reporting {
     report_rx: watch::Receiver<WantedLabels>,
     event_rx: mpsc::UnboundedReceiver<EventRequest>,
+    classes_rx: watch::Receiver<Vec<String>>,
+    /// Where [`ensure_runtime_classes`] posts its Warning.
+    class_events: mpsc::UnboundedSender<EventRequest>,
 }
 
 /// Watches the Node (forwarding its labels into `node_view` when the Node is the source) and
@@ -235,6 +260,7 @@ fn none_link(why: String) -> Link {
         view: rx,
         report: None,
         events: None,
+        classes: None,
         _fixed: Some(tx),
     }
 }
@@ -321,8 +347,86 @@ fn start_reporter(
         owned,
         backoff,
     ));
+    tokio::spawn(ensure_runtime_classes(
+        client.clone(),
+        reporting.classes_rx,
+        reporting.class_events,
+    ));
     if config.kubernetes.events {
         tokio::spawn(post_events(client, node_name, node_rx, reporting.event_rx));
+    }
+}
+
+/// The manifest of a RuntimeClass per handler, for a cluster admin to apply.
+pub fn runtime_class_manifest(handlers: &[String]) -> String {
+    handlers
+        .iter()
+        .map(|h| format!("apiVersion: node.k8s.io/v1\nkind: RuntimeClass\nmetadata:\n  name: {h}\nhandler: {h}\n"))
+        .collect::<Vec<_>>()
+        .join("---\n")
+}
+
+/// Creates a RuntimeClass for each handler the agent asks for, unless one of that name exists
+/// (pods that name `runtimeClassName: nvidia` need it; pods without one get the engine's
+/// default runtime). Node credentials usually may not create RuntimeClasses: then a Warning
+/// Event on the Node says exactly what to apply, once per set of handlers. Other failures are
+/// tried again a minute later.
+async fn ensure_runtime_classes(
+    client: KubeClient,
+    mut wanted: watch::Receiver<Vec<String>>,
+    events: mpsc::UnboundedSender<EventRequest>,
+) {
+    const RETRY: Duration = Duration::from_secs(60);
+    let mut done: Vec<String> = Vec::new();
+    loop {
+        let handlers = wanted.borrow_and_update().clone();
+        let mut forbidden = Vec::new();
+        let mut retry = false;
+        let todo: Vec<&String> = handlers.iter().filter(|h| !done.contains(h)).collect();
+        for handler in todo {
+            match client.create_runtime_class(handler).await {
+                Ok(created) => {
+                    if created {
+                        tracing::info!("created the RuntimeClass {handler}");
+                    }
+                    done.push(handler.clone());
+                }
+                Err(e) if e.status_code() == Some(403) => forbidden.push(handler.clone()),
+                Err(e) => {
+                    tracing::warn!("{e}; trying again in {}s", RETRY.as_secs());
+                    retry = true;
+                }
+            }
+        }
+        if !forbidden.is_empty() {
+            let manifest = runtime_class_manifest(&forbidden);
+            tracing::warn!(
+                "the agent's credentials may not create RuntimeClasses; pods that name runtimeClassName {} need \
+                 them: apply\n{manifest}",
+                forbidden.join(", ")
+            );
+            let _ = events.send((
+                EventType::Warning,
+                "RuntimeClassMissing".to_owned(),
+                format!(
+                    "pods that name runtimeClassName {} need RuntimeClasses the agent may not create; apply \
+                     (kubectl apply -f -):\n{manifest}",
+                    forbidden.join(", ")
+                ),
+            ));
+            done.extend(forbidden);
+        }
+        let again = async {
+            if retry {
+                tokio::time::sleep(RETRY).await;
+            } else {
+                std::future::pending::<()>().await;
+            }
+        };
+        tokio::select! {
+            r = wanted.changed() => if r.is_err() { return },
+            () = again => {}
+        }
     }
 }
 

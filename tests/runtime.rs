@@ -1575,3 +1575,55 @@ fn containerd_is_asked_again_only_when_its_files_change() {
     host.apply().expect("after a new imported file");
     assert!(count() > settled, "a new imported file: asked again");
 }
+
+// === RuntimeClasses ===
+
+/// Polls `check` for up to 20 s.
+async fn eventually(what: &str, agent: &common::Agent, check: impl Fn() -> bool) {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    while !check() {
+        assert!(std::time::Instant::now() < deadline, "{what}\n{}", agent.log_text());
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+}
+
+/// With credentials that may, the agent creates a RuntimeClass per runtime it configured
+/// (`nvidia`, and `nvidia-cdi` for the toolkit's `.cdi` binary); with node credentials that may
+/// not (403), a Warning Event on the Node carries the manifest to apply.
+#[tokio::test(flavor = "multi_thread")]
+async fn runtime_classes_are_created_or_the_node_says_what_to_apply() {
+    for allowed in [true, false] {
+        let node = engine_node(Engine::Containerd, None, "");
+        script(&node.root, &format!("{RUNTIME_BINARY}.cdi"), "exit 0");
+        let api = common::api_server_for(&node, &[]).await;
+        if !allowed {
+            api.forbid("system:node:gpu-node-1", "create", "runtimeclasses");
+        }
+        let agent = node.spawn();
+        if allowed {
+            eventually("the RuntimeClasses are created", &agent, || {
+                api.runtime_classes().len() == 2
+            })
+            .await;
+            let classes = api.runtime_classes();
+            for name in ["nvidia", "nvidia-cdi"] {
+                assert_eq!(classes[name]["handler"], name, "{classes:?}");
+            }
+        } else {
+            let warned = || api.events().iter().any(|e| e["reason"] == "RuntimeClassMissing");
+            eventually("a Warning Event says what to apply", &agent, warned).await;
+            let events = api.events();
+            let event = events
+                .iter()
+                .find(|e| e["reason"] == "RuntimeClassMissing")
+                .expect("event");
+            let message = event["message"].as_str().unwrap_or_default();
+            assert_eq!(event["type"], "Warning");
+            assert!(
+                message.contains("kind: RuntimeClass\nmetadata:\n  name: nvidia-cdi\nhandler: nvidia-cdi"),
+                "{message}"
+            );
+            assert!(api.runtime_classes().is_empty());
+        }
+    }
+}

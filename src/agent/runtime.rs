@@ -79,6 +79,20 @@ impl Agent {
                     self.runtime_stage.set(StageState::Failed, Some(e), Some(detail));
                     return false;
                 }
+                // A RuntimeClass per runtime the engines got, for pods that name one.
+                let mut handlers: Vec<String> = plan
+                    .engines
+                    .iter()
+                    .filter(|e| e.error.is_none() && e.skipped.is_none())
+                    .flat_map(|e| e.runtime.names().map(str::to_owned).collect::<Vec<_>>())
+                    .collect();
+                handlers.sort();
+                handlers.dedup();
+                if let Some(link) = &self.link
+                    && !handlers.is_empty()
+                {
+                    link.runtime_classes(handlers);
+                }
                 self.runtime_detail = detail;
                 self.runtime_plan = Some(plan);
                 self.show_runtime();

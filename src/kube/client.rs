@@ -311,6 +311,36 @@ impl KubeClient {
         Ok(())
     }
 
+    /// Creates the RuntimeClass `name` with the handler `name` (`node.k8s.io/v1`). `Ok(false)`:
+    /// it exists already (409 AlreadyExists), whoever made it; it is not changed.
+    pub async fn create_runtime_class(&self, name: &str) -> Result<bool, KubeError> {
+        let path = "/apis/node.k8s.io/v1/runtimeclasses".to_owned();
+        let body = serde_json::json!({
+            "apiVersion": "node.k8s.io/v1",
+            "kind": "RuntimeClass",
+            "metadata": {"name": name, "labels": {"app.kubernetes.io/managed-by": COMPONENT}},
+            "handler": name,
+        })
+        .to_string()
+        .into_bytes();
+        let limit = Limit::Total(self.inner.request_timeout);
+        match self
+            .send("create", Method::POST, &path, Some(("application/json", body)), limit)
+            .await
+        {
+            Ok(response) => {
+                let _ = response.bytes().await;
+                Ok(true)
+            }
+            Err(failure) if failure.http().is_some_and(|h| h.code == 409) => Ok(false),
+            Err(failure) => Err(KubeError::CreateRuntimeClass {
+                name: name.to_owned(),
+                path,
+                failure,
+            }),
+        }
+    }
+
     /// Sends one request, refreshing the credentials and retrying once on 401. `verb` is the
     /// Kubernetes verb (`get`, `watch`, `patch`, `create`) the request metrics count it under.
     async fn send(

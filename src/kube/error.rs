@@ -151,7 +151,7 @@ impl std::error::Error for ApiFailure {
 }
 
 impl ApiFailure {
-    fn http(&self) -> Option<&HttpFailure> {
+    pub(crate) fn http(&self) -> Option<&HttpFailure> {
         match self {
             ApiFailure::Http(h) => Some(h),
             _ => None,
@@ -297,6 +297,20 @@ pub enum KubeError {
         /// Why.
         failure: ApiFailure,
     },
+
+    /// Creating a RuntimeClass failed.
+    #[error(
+        "create RuntimeClass {name:?} (POST {path}): {failure}{}",
+        forbidden_hint(failure, "create runtimeclasses.node.k8s.io")
+    )]
+    CreateRuntimeClass {
+        /// The RuntimeClass's name (and handler).
+        name: String,
+        /// The URL path.
+        path: String,
+        /// Why.
+        failure: ApiFailure,
+    },
 }
 
 /// A 403 says what permission is missing and the two usual causes.
@@ -318,7 +332,8 @@ impl KubeError {
             KubeError::GetNode { failure, .. }
             | KubeError::WatchNode { failure, .. }
             | KubeError::PatchNode { failure, .. }
-            | KubeError::CreateEvent { failure, .. } => Some(failure),
+            | KubeError::CreateEvent { failure, .. }
+            | KubeError::CreateRuntimeClass { failure, .. } => Some(failure),
             _ => None,
         }
     }

@@ -98,6 +98,8 @@ enum Target {
     Node(String),
     Events(Option<String>),
     Event(String, String),
+    RuntimeClasses,
+    RuntimeClass(String),
     Unknown,
 }
 
@@ -171,6 +173,8 @@ fn route(method: &Method, path: &str, query: &HashMap<String, String>) -> Route 
         ["api", "v1", "events"] => (Target::Events(None), false),
         ["api", "v1", "namespaces", ns, "events"] => (Target::Events(Some((*ns).to_owned())), false),
         ["api", "v1", "namespaces", ns, "events", name] => (Target::Event((*ns).to_owned(), (*name).to_owned()), false),
+        ["apis", "node.k8s.io", "v1", "runtimeclasses"] => (Target::RuntimeClasses, false),
+        ["apis", "node.k8s.io", "v1", "runtimeclasses", name] => (Target::RuntimeClass((*name).to_owned()), false),
         _ => (Target::Unknown, false),
     };
     let watch = watch_path
@@ -178,7 +182,7 @@ fn route(method: &Method, path: &str, query: &HashMap<String, String>) -> Route 
             query.get("watch").map(String::as_str),
             Some("1" | "t" | "T" | "true" | "TRUE" | "True")
         );
-    let collection = matches!(target, Target::Nodes | Target::Events(_));
+    let collection = matches!(target, Target::Nodes | Target::Events(_) | Target::RuntimeClasses);
     let verb = match *method {
         Method::GET if watch_path || (collection && watch) => "watch",
         Method::GET if collection => "list",
@@ -198,6 +202,7 @@ fn route(method: &Method, path: &str, query: &HashMap<String, String>) -> Route 
     let resource = match target {
         Target::Nodes | Target::Node(_) => "nodes",
         Target::Events(_) | Target::Event(..) => "events",
+        Target::RuntimeClasses | Target::RuntimeClass(_) => "runtimeclasses",
         Target::Version | Target::Unknown => "",
     };
     Route {
@@ -251,7 +256,12 @@ fn forbidden(route: &Route, user: &str, path: &str) -> ApiError {
         Target::Node(n) => (Some(n.as_str()), None),
         Target::Event(ns, n) => (Some(n.as_str()), Some(ns.as_str())),
         Target::Events(ns) => (None, ns.as_deref()),
+        Target::RuntimeClass(n) => (Some(n.as_str()), None),
         _ => (None, None),
+    };
+    let group = match route.resource {
+        "runtimeclasses" => "node.k8s.io",
+        _ => "",
     };
     if route.resource.is_empty() {
         return ApiError::forbidden(
@@ -278,10 +288,11 @@ fn forbidden(route: &Route, user: &str, path: &str) -> ApiError {
     }
     ApiError::forbidden(
         format!(
-            "{subject} is forbidden: User {} cannot {} resource {} in API group \"\" {scope}",
+            "{subject} is forbidden: User {} cannot {} resource {} in API group {} {scope}",
             go_quote(user),
             route.verb,
-            go_quote(route.resource)
+            go_quote(route.resource),
+            go_quote(group)
         ),
         details,
     )
@@ -496,6 +507,22 @@ fn dispatch(
             state.touch();
             json_response(200, &updated)
         }
+        (Target::RuntimeClasses, "list") => {
+            let items: Vec<Value> = state.store().runtime_classes().values().cloned().collect();
+            json_response(
+                200,
+                &json!({"kind": "RuntimeClassList", "apiVersion": "node.k8s.io/v1", "metadata": {}, "items": items}),
+            )
+        }
+        (Target::RuntimeClasses, "create") => {
+            let created = state.store().create_runtime_class(parse_body(body)?)?;
+            state.touch();
+            json_response(201, &created)
+        }
+        (Target::RuntimeClass(name), "get") => match state.store().runtime_classes().get(name) {
+            Some(rc) => json_response(200, rc),
+            None => return Err(ApiError::not_found("runtimeclasses.node.k8s.io", name)),
+        },
         (Target::Unknown, _) => return Err(ApiError::no_route()),
         _ => return Err(ApiError::method_not_allowed()),
     };
@@ -562,6 +589,10 @@ mod tests {
         );
         let r = route(&Method::POST, "/api/v1/namespaces/default/events", &HashMap::new());
         assert_eq!((r.verb.as_str(), r.resource), ("create", "events"));
+        let r = route(&Method::POST, "/apis/node.k8s.io/v1/runtimeclasses", &HashMap::new());
+        assert_eq!((r.verb.as_str(), r.resource), ("create", "runtimeclasses"));
+        let r = route(&Method::GET, "/apis/node.k8s.io/v1/runtimeclasses/nvidia", &HashMap::new());
+        assert!(matches!(r.target, Target::RuntimeClass(ref n) if n == "nvidia"));
         assert_eq!(route(&Method::GET, "/apis/x", &HashMap::new()).target, Target::Unknown);
     }
 }

@@ -452,6 +452,13 @@ impl TestApiServer {
         result.unwrap_or_else(|e| panic!("patch_node {name}: {}", e.message))
     }
 
+    // ----- RuntimeClasses -----
+
+    /// The RuntimeClasses created, by name.
+    pub fn runtime_classes(&self) -> BTreeMap<String, Value> {
+        self.state().store().runtime_classes().clone()
+    }
+
     // ----- events -----
 
     /// Every stored Event (all namespaces), in creation order.

@@ -41,6 +41,8 @@ pub(crate) struct Store {
     floor: u64,
     nodes: BTreeMap<String, Value>,
     events: Vec<Value>,
+    /// `node.k8s.io/v1` RuntimeClasses by name (cluster-scoped).
+    runtime_classes: BTreeMap<String, Value>,
     history: VecDeque<Change>,
     history_limit: usize,
     watchers: Vec<Watcher>,
@@ -232,6 +234,7 @@ impl Store {
             floor: 0,
             nodes: BTreeMap::new(),
             events: Vec::new(),
+            runtime_classes: BTreeMap::new(),
             history: VecDeque::new(),
             history_limit: history_limit.max(1),
             watchers: Vec::new(),
@@ -492,6 +495,64 @@ impl Store {
         ev["metadata"]["resourceVersion"] = Value::String(rv.to_string());
         self.events.push(ev.clone());
         Ok(ev)
+    }
+
+    /// The RuntimeClasses, by name.
+    pub fn runtime_classes(&self) -> &BTreeMap<String, Value> {
+        &self.runtime_classes
+    }
+
+    /// Creates a RuntimeClass as the API server does: `metadata.name` and `handler` required
+    /// (a DNS label), a name that exists is 409 AlreadyExists.
+    pub fn create_runtime_class(&mut self, mut rc: Value) -> Result<Value, ApiError> {
+        let Some(obj) = rc.as_object_mut() else {
+            return Err(ApiError::bad_request("the RuntimeClass must be a JSON object"));
+        };
+        let name = obj
+            .get("metadata")
+            .and_then(|m| m.get("name"))
+            .and_then(Value::as_str)
+            .unwrap_or_default()
+            .to_owned();
+        let handler = obj
+            .get("handler")
+            .and_then(Value::as_str)
+            .unwrap_or_default()
+            .to_owned();
+        let mut causes = Vec::new();
+        if name.is_empty() {
+            causes.push(crate::status::Cause::required(
+                "metadata.name",
+                "name or generateName is required",
+            ));
+        }
+        if handler.is_empty() {
+            causes.push(crate::status::Cause::required("handler", "Required value"));
+        } else if handler.len() > 63
+            || !handler
+                .bytes()
+                .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+        {
+            causes.push(crate::status::Cause::invalid(
+                "handler",
+                &handler,
+                "a lowercase RFC 1123 label",
+            ));
+        }
+        if !causes.is_empty() {
+            return Err(ApiError::invalid("RuntimeClass", &name, causes));
+        }
+        if self.runtime_classes.contains_key(&name) {
+            return Err(ApiError::already_exists("runtimeclasses.node.k8s.io", &name));
+        }
+        obj.insert("kind".into(), Value::String("RuntimeClass".into()));
+        obj.insert("apiVersion".into(), Value::String("node.k8s.io/v1".into()));
+        let rv = self.next_rv();
+        rc["metadata"]["uid"] = Value::String(new_uid());
+        rc["metadata"]["creationTimestamp"] = Value::String(now_rfc3339());
+        rc["metadata"]["resourceVersion"] = Value::String(rv.to_string());
+        self.runtime_classes.insert(name, rc.clone());
+        Ok(rc)
     }
 
     pub fn update_event(&mut self, ns: &str, name: &str, new: Value) -> Result<Value, ApiError> {
