@@ -45,6 +45,8 @@ pub struct Link {
     events: Option<mpsc::UnboundedSender<EventRequest>>,
     /// The runtime handlers the agent wants RuntimeClasses for.
     classes: Option<watch::Sender<Vec<String>>>,
+    /// What is missing when the agent may not create them, for status.
+    classes_note: Option<watch::Receiver<Option<String>>>,
     /// Keeps a fixed view's sender alive, so `view.changed()` waits instead of failing.
     _fixed: Option<watch::Sender<LabelsView>>,
 }
@@ -71,6 +73,12 @@ impl Link {
                 changed
             });
         }
+    }
+
+    /// The RuntimeClasses the agent may not create, in words for status; `None` when there is
+    /// nothing to say.
+    pub fn runtime_class_note(&self) -> Option<String> {
+        self.classes_note.as_ref().and_then(|rx| rx.borrow().clone())
     }
 
     /// Posts a Kubernetes Event on the Node (best effort; dropped without a Node).
@@ -136,6 +144,7 @@ pub fn start(config: &Config, root: &HostRoot) -> Link {
             report: None,
             events: None,
             classes: None,
+            classes_note: None,
             _fixed: Some(view_tx),
         };
     }
@@ -143,12 +152,14 @@ pub fn start(config: &Config, root: &HostRoot) -> Link {
     let (report_tx, report_rx) = watch::channel(None);
     let (event_tx, event_rx) = mpsc::unbounded_channel();
     let (classes_tx, classes_rx) = watch::channel(Vec::new());
+    let (note_tx, note_rx) = watch::channel(None);
     let node_view = (!labels_file).then(|| view_tx.clone());
     let reporting = Reporting {
         report_rx,
         event_rx,
         classes_rx,
         class_events: event_tx.clone(),
+        class_note: note_tx,
     };
     match client {
         Ok(client) => connect(client, config, root, node_view, reporting),
@@ -162,6 +173,7 @@ pub fn start(config: &Config, root: &HostRoot) -> Link {
         report: Some(report_tx),
         events: Some(event_tx),
         classes: Some(classes_tx),
+        classes_note: Some(note_rx),
         _fixed: Some(view_tx),
     }
 }
@@ -189,6 +201,8 @@ struct Reporting {
     classes_rx: watch::Receiver<Vec<String>>,
     /// Where [`ensure_runtime_classes`] posts its Warning.
     class_events: mpsc::UnboundedSender<EventRequest>,
+    /// Where it says, for status, which RuntimeClasses it may not create.
+    class_note: watch::Sender<Option<String>>,
 }
 
 /// Watches the Node (forwarding its labels into `node_view` when the Node is the source) and
@@ -261,6 +275,7 @@ fn none_link(why: String) -> Link {
         report: None,
         events: None,
         classes: None,
+        classes_note: None,
         _fixed: Some(tx),
     }
 }
@@ -351,6 +366,7 @@ fn start_reporter(
         client.clone(),
         reporting.classes_rx,
         reporting.class_events,
+        reporting.class_note,
     ));
     if config.kubernetes.events {
         tokio::spawn(post_events(client, node_name, node_rx, reporting.event_rx));
@@ -375,6 +391,7 @@ async fn ensure_runtime_classes(
     client: KubeClient,
     mut wanted: watch::Receiver<Vec<String>>,
     events: mpsc::UnboundedSender<EventRequest>,
+    note: watch::Sender<Option<String>>,
 ) {
     const RETRY: Duration = Duration::from_secs(60);
     let mut done: Vec<String> = Vec::new();
@@ -414,6 +431,13 @@ async fn ensure_runtime_classes(
                     forbidden.join(", ")
                 ),
             ));
+            note.send_modify(|n| {
+                *n = Some(format!(
+                    "RuntimeClass {} missing: the agent may not create it; apply the manifest of the \
+                     RuntimeClassMissing Event on this Node",
+                    forbidden.join(", ")
+                ));
+            });
             done.extend(forbidden);
         }
         let again = async {

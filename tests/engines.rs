@@ -566,3 +566,44 @@ fn dockerd_whose_default_was_already_nvidia_keeps_it() {
     let (_, default) = Dockerd::start(&path, &node.tmp.path().join("dockerd")).runtimes();
     assert_eq!(default, "runc");
 }
+
+/// An upstream tarball install: containerd in /usr/local/bin with its unit in
+/// /usr/local/lib/systemd/system, and `enable_cdi` asked for on containerd 1.6 (which has no
+/// CDI): the engine is found and configured, the key left out with a warning, and containerd
+/// loads its CRI with the result.
+#[test]
+fn a_tarball_containerd_1_6_with_enable_cdi_asked_for() {
+    require_root_and(CONTAINERD);
+    let node = Node::new(&common::machine("A100-SXM4-40GB", 1), "[runtime]\nenable_cdi = true\n");
+    let root = node.root.clone();
+    for (path, target) in [("/usr/local/bin/containerd", CONTAINERD), ("/usr/local/bin/ctr", CTR)] {
+        let link = root.join(path.trim_start_matches('/'));
+        fs::create_dir_all(link.parent().expect("dir")).expect("mkdir");
+        std::os::unix::fs::symlink(target, link).expect("symlink");
+    }
+    let unit = root.join("usr/local/lib/systemd/system/containerd.service");
+    fs::create_dir_all(unit.parent().expect("dir")).expect("mkdir");
+    fs::write(unit, "[Service]\nExecStart=/usr/local/bin/containerd\n").expect("unit");
+    let stub = root.join(RUNTIME_BINARY.trim_start_matches('/'));
+    fs::create_dir_all(stub.parent().expect("dir")).expect("mkdir");
+    fs::write(&stub, "#!/bin/sh\nexit 0\n").expect("stub");
+    use std::os::unix::fs::PermissionsExt;
+    fs::set_permissions(&stub, fs::Permissions::from_mode(0o755)).expect("chmod");
+
+    let out = run_agent(&node, &["runtime", "configure", "--no-restart"]);
+    assert!(
+        out.contains("containerd: [runtime] enable_cdi is left out: containerd 1.6 has no CDI"),
+        "{out}"
+    );
+    let drop_in = fs::read_to_string(root.join(DROP_IN.trim_start_matches('/'))).expect("drop-in");
+    assert!(!drop_in.contains("enable_cdi"), "{drop_in}");
+    assert!(
+        drop_in.contains("`containerd config dump`"),
+        "the tarball's binary was asked: {drop_in}"
+    );
+    let config = rebased_main(&root);
+    let status = Containerd::start(&config, &node.tmp.path().join("after"))
+        .cri()
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(status.default_handler.as_deref(), Some("nvidia"));
+}

@@ -1593,7 +1593,8 @@ async fn eventually(what: &str, agent: &common::Agent, check: impl Fn() -> bool)
 #[tokio::test(flavor = "multi_thread")]
 async fn runtime_classes_are_created_or_the_node_says_what_to_apply() {
     for allowed in [true, false] {
-        let node = engine_node(Engine::Containerd, None, "");
+        // Passes every second, so that status catches up with the RuntimeClass outcome.
+        let node = engine_node(Engine::Containerd, None, "[agent]\nresync_interval = \"1s\"\n");
         script(&node.root, &format!("{RUNTIME_BINARY}.cdi"), "exit 0");
         let api = common::api_server_for(&node, &[]).await;
         if !allowed {
@@ -1624,6 +1625,11 @@ async fn runtime_classes_are_created_or_the_node_says_what_to_apply() {
                 "{message}"
             );
             assert!(api.runtime_classes().is_empty());
+            let says = || {
+                fs::read_to_string(node.status_path())
+                    .is_ok_and(|s| s.contains("RuntimeClass nvidia, nvidia-cdi missing: the agent may not create it"))
+            };
+            eventually("status says which RuntimeClasses are missing", &agent, says).await;
         }
     }
 }

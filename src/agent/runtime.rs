@@ -92,6 +92,9 @@ impl Agent {
                     && !handlers.is_empty()
                 {
                     link.runtime_classes(handlers);
+                    if let Some(note) = link.runtime_class_note() {
+                        detail.push_str(&format!("; {note}"));
+                    }
                 }
                 self.runtime_detail = detail;
                 self.runtime_plan = Some(plan);

@@ -591,7 +591,11 @@ mod tests {
         assert_eq!((r.verb.as_str(), r.resource), ("create", "events"));
         let r = route(&Method::POST, "/apis/node.k8s.io/v1/runtimeclasses", &HashMap::new());
         assert_eq!((r.verb.as_str(), r.resource), ("create", "runtimeclasses"));
-        let r = route(&Method::GET, "/apis/node.k8s.io/v1/runtimeclasses/nvidia", &HashMap::new());
+        let r = route(
+            &Method::GET,
+            "/apis/node.k8s.io/v1/runtimeclasses/nvidia",
+            &HashMap::new(),
+        );
         assert!(matches!(r.target, Target::RuntimeClass(ref n) if n == "nvidia"));
         assert_eq!(route(&Method::GET, "/apis/x", &HashMap::new()).target, Target::Unknown);
     }
