@@ -8,7 +8,7 @@
 //!   returned unchanged (the stage then writes nothing).
 //! - The drop-in (`/etc/containerd/conf.d/99-nvidia.toml`) is generated from scratch. It holds a copy
 //!   of the **whole** CRI plugin table of the top-level config plus the `nvidia` runtime, because
-//!   containerd before 2.1 replaces, rather than merges, a plugin table that comes from an imported
+//!   containerd 1.x replaces, rather than merges, a plugin table that comes from an imported
 //!   file (containerd/containerd#5837): a drop-in holding only the `nvidia` runtime would wipe the
 //!   user's CRI settings (`runc`'s `SystemdCgroup = true` among them). For a version 2 config
 //!   (containerd 1.x, which always replaces) the copied table is the one containerd ends up with
@@ -48,7 +48,7 @@ const FALLBACK_TEMPLATES: [&str; 2] = ["runc", "crun"];
 const DROP_IN_HEADER: &str = "\
 # Written by gpu-node-agent, which rewrites this file on every run: edit the top-level config instead.
 # It holds a copy of the whole CRI plugin table containerd would use without it, because containerd
-# before 2.1 replaces, rather than merges, plugin tables from imported files (containerd/containerd#5837).
+# 1.x replaces, rather than merges, plugin tables from imported files (containerd/containerd#5837).
 ";
 
 /// The two files [`configure`] renders.
@@ -182,13 +182,13 @@ pub fn configure_with_imports(
 /// The two files that add `rt` to containerd.
 ///
 /// The drop-in holds the whole CRI plugin table containerd would use without it, plus the
-/// runtimes, because containerd before 2.1 replaces a plugin table from an import as a whole:
+/// runtimes, because containerd 1.x replaces a plugin table from an import as a whole:
 ///
 /// - With `input.effective` (`containerd config dump`), that table is the dump's: every file
 ///   and containerd's built-in defaults are already in it, `runc` and the default runtime
 ///   included.
 /// - Without it, it is the CRI table of the last of [top-level config, `imported`...] that has
-///   one (version 1 and 2; for version 3 only the top-level config's, since containerd 2.1 and
+///   one (version 1 and 2; for version 3 only the top-level config's, since containerd 2.0 and
 ///   later merge imported plugin tables key by key), and `runc` is added as containerd defines it
 ///   when the default runtime is `runc` and the files do not define it: containerd's CRI plugin
 ///   refuses to load when `default_runtime_name` names no runtime (k8s-device-plugin#1145).
@@ -762,7 +762,7 @@ fn render_drop_in(
             (table, "containerd config dump", note.to_owned(), !merging)
         }
         Source::Files { main, imported } => {
-            // Each file's CRI table replaces the one before, as containerd < 2.1 loads them.
+            // Each file's CRI table replaces the one before, as containerd 1.x loads them.
             let mut found = match main {
                 Some(doc) => table_at(doc.as_table(), &["plugins", cri], main_file)?,
                 None => None,
