@@ -304,7 +304,7 @@ fn containerd_round_trip_keeps_comments_and_systemd_cgroup_and_restores_the_orig
         let nvidia = v2_runtime_options(&drop_in, "nvidia");
         assert_eq!(nvidia["BinaryName"].as_str(), Some(RUNTIME_BINARY));
         assert_eq!(nvidia["SystemdCgroup"].as_bool(), Some(true), "copied from runc");
-        // containerd < 2.1 replaces the CRI table from an import: runc must keep its setting.
+        // containerd 1.x replaces the CRI table from an import: runc must keep its setting.
         assert_eq!(
             v2_runtime_options(&drop_in, "runc")["SystemdCgroup"].as_bool(),
             Some(true)
@@ -785,7 +785,7 @@ fn containerd_itself_reads_the_nvidia_runtime_with_systemd_cgroup() {
     let nvidia = v2_runtime_options(&table, "nvidia");
     assert_eq!(nvidia["BinaryName"].as_str(), Some(RUNTIME_BINARY), "{dump}");
     assert_eq!(nvidia["SystemdCgroup"].as_bool(), Some(true), "{dump}");
-    // What the import would wipe on containerd < 2.1 if the drop-in held only the nvidia runtime.
+    // What the import would wipe on containerd 1.x if the drop-in held only the nvidia runtime.
     assert_eq!(
         v2_runtime_options(&table, "runc")["SystemdCgroup"].as_bool(),
         Some(true),
