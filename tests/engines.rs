@@ -225,24 +225,37 @@ fn rebased_main(root: &Path) -> PathBuf {
     copy
 }
 
+/// Writes `text` at the host path `path` under `root`, with its directories.
+fn put(root: &Path, path: &str, text: &str) {
+    let file = root.join(path.trim_start_matches('/'));
+    fs::create_dir_all(file.parent().expect("dir")).expect("mkdir");
+    fs::write(file, text).expect("write");
+}
+
+/// Links the host path `path` under `root` to this machine's `target` (a real engine binary).
+fn link(root: &Path, path: &str, target: &str) {
+    let file = root.join(path.trim_start_matches('/'));
+    fs::create_dir_all(file.parent().expect("dir")).expect("mkdir");
+    std::os::unix::fs::symlink(target, file).expect("symlink");
+}
+
+/// The NVIDIA runtime binary under `root`: a stub (the engines only need its path).
+fn runtime_stub(root: &Path) {
+    use std::os::unix::fs::PermissionsExt;
+    put(root, RUNTIME_BINARY, "#!/bin/sh\nexit 0\n");
+    let stub = root.join(RUNTIME_BINARY.trim_start_matches('/'));
+    fs::set_permissions(&stub, fs::Permissions::from_mode(0o755)).expect("chmod");
+}
+
 /// A node with containerd (Debian's, under the root), the NVIDIA runtime (a stub) and `main`
 /// as its config (`None`: no file).
 fn containerd_node(main: Option<&str>) -> Node {
     let node = Node::new(&common::machine("A100-SXM4-40GB", 1), "");
-    let root = &node.root;
-    for (path, target) in [(CONTAINERD, CONTAINERD), (CTR, CTR)] {
-        let link = root.join(path.trim_start_matches('/'));
-        fs::create_dir_all(link.parent().expect("dir")).expect("mkdir");
-        std::os::unix::fs::symlink(target, link).expect("symlink");
-    }
-    let stub = root.join(RUNTIME_BINARY.trim_start_matches('/'));
-    fs::write(&stub, "#!/bin/sh\nexit 0\n").expect("stub");
-    use std::os::unix::fs::PermissionsExt;
-    fs::set_permissions(&stub, fs::Permissions::from_mode(0o755)).expect("chmod");
+    link(&node.root, CONTAINERD, CONTAINERD);
+    link(&node.root, CTR, CTR);
+    runtime_stub(&node.root);
     if let Some(text) = main {
-        let path = root.join(MAIN.trim_start_matches('/'));
-        fs::create_dir_all(path.parent().expect("dir")).expect("mkdir");
-        fs::write(path, text).expect("write main");
+        put(&node.root, MAIN, text);
     }
     node
 }
@@ -502,19 +515,10 @@ impl Drop for Dockerd {
 /// daemon.json (`None`: none) and `config` as the agent's config drop-in.
 fn docker_node(daemon: Option<&str>, config: &str) -> Node {
     let node = Node::new(&common::machine("A100-SXM4-40GB", 1), config);
-    let root = &node.root;
-    let unit = root.join("lib/systemd/system/docker.service");
-    fs::create_dir_all(unit.parent().expect("dir")).expect("mkdir");
-    fs::write(unit, "[Service]\n").expect("unit");
-    let stub = root.join(RUNTIME_BINARY.trim_start_matches('/'));
-    fs::create_dir_all(stub.parent().expect("dir")).expect("mkdir");
-    fs::write(&stub, "#!/bin/sh\nexit 0\n").expect("stub");
-    use std::os::unix::fs::PermissionsExt;
-    fs::set_permissions(&stub, fs::Permissions::from_mode(0o755)).expect("chmod");
+    put(&node.root, "/lib/systemd/system/docker.service", "[Service]\n");
+    runtime_stub(&node.root);
     if let Some(text) = daemon {
-        let path = root.join(DAEMON_JSON.trim_start_matches('/'));
-        fs::create_dir_all(path.parent().expect("dir")).expect("mkdir");
-        fs::write(path, text).expect("daemon.json");
+        put(&node.root, DAEMON_JSON, text);
     }
     node
 }
@@ -576,19 +580,14 @@ fn a_tarball_containerd_1_6_with_enable_cdi_asked_for() {
     require_root_and(CONTAINERD);
     let node = Node::new(&common::machine("A100-SXM4-40GB", 1), "[runtime]\nenable_cdi = true\n");
     let root = node.root.clone();
-    for (path, target) in [("/usr/local/bin/containerd", CONTAINERD), ("/usr/local/bin/ctr", CTR)] {
-        let link = root.join(path.trim_start_matches('/'));
-        fs::create_dir_all(link.parent().expect("dir")).expect("mkdir");
-        std::os::unix::fs::symlink(target, link).expect("symlink");
-    }
-    let unit = root.join("usr/local/lib/systemd/system/containerd.service");
-    fs::create_dir_all(unit.parent().expect("dir")).expect("mkdir");
-    fs::write(unit, "[Service]\nExecStart=/usr/local/bin/containerd\n").expect("unit");
-    let stub = root.join(RUNTIME_BINARY.trim_start_matches('/'));
-    fs::create_dir_all(stub.parent().expect("dir")).expect("mkdir");
-    fs::write(&stub, "#!/bin/sh\nexit 0\n").expect("stub");
-    use std::os::unix::fs::PermissionsExt;
-    fs::set_permissions(&stub, fs::Permissions::from_mode(0o755)).expect("chmod");
+    link(&root, "/usr/local/bin/containerd", CONTAINERD);
+    link(&root, "/usr/local/bin/ctr", CTR);
+    put(
+        &root,
+        "/usr/local/lib/systemd/system/containerd.service",
+        "[Service]\nExecStart=/usr/local/bin/containerd\n",
+    );
+    runtime_stub(&root);
 
     let out = run_agent(&node, &["runtime", "configure", "--no-restart"]);
     assert!(

@@ -490,28 +490,14 @@ pub fn dump_has_runtime(dump: &str, rt: &NvidiaRuntime) -> Result<(), String> {
     }
 }
 
-/// The CRI socket of the effective configuration `dump` (`[grpc] address`, containerd's default
-/// `/run/containerd/containerd.sock` when unset), and whether the dump has the `enable_cdi`
-/// key at all (containerd 1.7 and later list it; 1.6 has no CDI).
-pub fn dump_facts(dump: &str) -> (String, bool) {
-    let Ok(doc) = dump.parse::<DocumentMut>() else {
-        return (DEFAULT_ADDRESS.to_owned(), false);
-    };
-    let address = doc
-        .get("grpc")
-        .and_then(|g| g.get("address"))
-        .and_then(Item::as_str)
+/// The CRI socket of the effective configuration `dump`: `[grpc] address`, containerd's
+/// default `/run/containerd/containerd.sock` when unset.
+pub fn dump_address(dump: &str) -> String {
+    dump.parse::<DocumentMut>()
+        .ok()
+        .and_then(|doc| doc.get("grpc")?.get("address")?.as_str().map(str::to_owned))
         .filter(|a| !a.is_empty())
-        .unwrap_or(DEFAULT_ADDRESS)
-        .to_owned();
-    let version = doc.get("version").and_then(Item::as_integer).unwrap_or(2);
-    let cri = if version >= 3 { CRI_PLUGIN_V3 } else { CRI_PLUGIN_V2 };
-    let cdi = doc
-        .get("plugins")
-        .and_then(|p| p.get(cri))
-        .and_then(|c| c.get("enable_cdi"))
-        .is_some();
-    (address, cdi)
+        .unwrap_or_else(|| DEFAULT_ADDRESS.to_owned())
 }
 
 /// containerd's gRPC (and CRI) socket when `[grpc] address` is not set.
@@ -784,13 +770,6 @@ fn render_drop_in(
             (found, from_import.unwrap_or(main_file), note, true)
         }
     };
-    for (name, binary) in rt.all() {
-        binary_text(
-            binary,
-            main_file,
-            &path(&format!(".containerd.runtimes.{name}.options.BinaryName")),
-        )?;
-    }
     let mut source_table = found.map(plain_table).unwrap_or_default();
     let source_containerd = child_table(&mut source_table, "containerd", &path(".containerd"), file)?;
     let default = optional_str(
@@ -844,7 +823,7 @@ fn render_drop_in(
         if optional_str(&table, "runtime_type", &key(".runtime_type"), file)?.is_none_or(str::is_empty) {
             table.insert("runtime_type", value(RUNC_SHIM));
         }
-        let binary = binary_text(binary, file, &key(".options.BinaryName"))?;
+        let binary = binary_text(binary, main_file, &key(".options.BinaryName"))?;
         child_table(&mut table, "options", &key(".options"), file)?.insert("BinaryName", value(binary));
         runtimes.insert(name, Item::Table(table));
     }
@@ -1772,10 +1751,7 @@ mod tests {
         assert_eq!(nvidia["SystemdCgroup"].as_bool(), Some(false));
         assert_eq!(nvidia["BinaryName"].as_str(), Some(BINARY));
         assert!(out.drop_in.contains("`containerd config dump`"), "{}", out.drop_in);
-        assert_eq!(
-            dump_facts(DUMP_1_6_DEFAULTS),
-            ("/run/containerd/containerd.sock".to_owned(), false)
-        );
+        assert_eq!(dump_address(DUMP_1_6_DEFAULTS), "/run/containerd/containerd.sock");
     }
 
     #[test]

@@ -325,15 +325,10 @@ pub fn observe(config: &Config, root: &HostRoot, runner: &Runner) -> Result<Obse
             rc.engines.contains(&engine)
         };
         for path in [&files.config, &files.drop_in] {
-            if path.as_os_str().is_empty() {
-                continue;
-            }
-            let name = backup_name(path);
-            let original = read_optional(&dir.join(format!("{name}.orig")))?;
-            let absent = dir.join(format!("{name}.absent")).exists();
-            if original.is_some() || absent {
-                let written = read_optional(&dir.join(format!("{name}.written")))?.map(|s| s.trim().to_string());
-                backups.insert(path.clone(), Backup { original, written });
+            if !path.as_os_str().is_empty()
+                && let Some(backup) = read_backup(&dir, path)?
+            {
+                backups.insert(path.clone(), backup);
             }
         }
         // A link that cannot be followed fails the stage only where the agent would write: for
@@ -371,7 +366,7 @@ pub fn observe(config: &Config, root: &HostRoot, runner: &Runner) -> Result<Obse
             Engine::Containerd => Some(PathBuf::from(
                 effective
                     .as_deref()
-                    .map(|dump| containerd::dump_facts(dump).0)
+                    .map(containerd::dump_address)
                     .unwrap_or_else(|| containerd::DEFAULT_ADDRESS.to_owned()),
             )),
             Engine::Crio => Some(PathBuf::from(CRIO_SOCKET)),
@@ -423,13 +418,8 @@ pub fn observe(config: &Config, root: &HostRoot, runner: &Runner) -> Result<Obse
         Err(e) if volume_mounts => return Err(e),
         Err(_) => (rc.toolkit_config.clone(), rc.toolkit_config.clone(), None),
     };
-    {
-        let name = backup_name(&rc.toolkit_config);
-        let original = read_optional(&dir.join(format!("{name}.orig")))?;
-        if original.is_some() || dir.join(format!("{name}.absent")).exists() {
-            let written = read_optional(&dir.join(format!("{name}.written")))?.map(|s| s.trim().to_string());
-            backups.insert(rc.toolkit_config.clone(), Backup { original, written });
-        }
+    if let Some(backup) = read_backup(&dir, &rc.toolkit_config)? {
+        backups.insert(rc.toolkit_config.clone(), backup);
     }
     Ok(Observed {
         engines,
@@ -440,6 +430,18 @@ pub fn observe(config: &Config, root: &HostRoot, runner: &Runner) -> Result<Obse
         kubelet: kubelet::detect(root, &rc.kubelet_runtime_endpoint),
         backups,
     })
+}
+
+/// What the backup dir `dir` knows about the host file `path`; `None` when the agent never
+/// changed it.
+fn read_backup(dir: &Path, path: &Path) -> Result<Option<Backup>, RuntimeError> {
+    let name = backup_name(path);
+    let original = read_optional(&dir.join(format!("{name}.orig")))?;
+    if original.is_none() && !dir.join(format!("{name}.absent")).exists() {
+        return Ok(None);
+    }
+    let written = read_optional(&dir.join(format!("{name}.written")))?.map(|s| s.trim().to_string());
+    Ok(Some(Backup { original, written }))
 }
 
 /// CRI-O's CRI socket (its `listen` default).
@@ -672,12 +674,10 @@ fn crio_drop_ins(root: &HostRoot, files: &AnyEngineFiles) -> Vec<containerd::Imp
     let Some(dir) = files.drop_in.parent() else {
         return Vec::new();
     };
-    let Ok(entries) = resolve(root, dir).and_then(|real| {
-        std::fs::read_dir(root.join(real)).map_err(|source| RuntimeError::Read {
-            path: dir.to_path_buf(),
-            source,
-        })
-    }) else {
+    let Some(entries) = resolve(root, dir)
+        .ok()
+        .and_then(|real| std::fs::read_dir(root.join(real)).ok())
+    else {
         return Vec::new();
     };
     let mut names: Vec<String> = entries
@@ -1178,17 +1178,7 @@ fn apply_engine(
     applied: &mut Applied,
 ) -> Result<(), RuntimeError> {
     let dir = backup_dir(config, root);
-    if purpose == Purpose::Configure {
-        for c in &e.changes {
-            keep_original(root, &dir, c)?;
-        }
-    }
-    kill_point("backup");
-    let intent = serde_json::to_string(&e.changes).unwrap_or_default();
-    write_atomic(&dir.join(INTENT), intent.as_bytes(), 0o600)?;
-    kill_point("intent");
-    write_changes(root, &e.changes, |c| c.after.as_deref())?;
-    kill_point("write");
+    begin(&e.changes, purpose, root, &dir)?;
     let rollback = || -> Result<(), RuntimeError> {
         write_changes(root, &e.changes, |c| c.before.as_deref())?;
         e.changes
@@ -1222,36 +1212,45 @@ fn apply_engine(
         applied.restarted.push(e.unit.clone());
     }
     kill_point("restart");
-    for c in &e.changes {
-        if purpose == Purpose::Unconfigure && c.after.is_none() {
-            remove_created_dirs(root, &dir, &c.path)?;
-        }
-        record(&dir, c, purpose)?;
-    }
-    kill_point("record");
-    remove_intent(&dir)?;
+    finish(&e.changes, purpose, root, &dir)?;
     applied.files.extend(e.changes.iter().map(|c| c.path.clone()));
     Ok(())
+}
+
+/// The first steps of applying `changes`: backups (configure), the intent record, the files.
+fn begin(changes: &[FileChange], purpose: Purpose, root: &HostRoot, dir: &Path) -> Result<(), RuntimeError> {
+    if purpose == Purpose::Configure {
+        for c in changes {
+            keep_original(root, dir, c)?;
+        }
+    }
+    kill_point("backup");
+    let intent = serde_json::to_string(changes).unwrap_or_default();
+    write_atomic(&dir.join(INTENT), intent.as_bytes(), 0o600)?;
+    kill_point("intent");
+    write_changes(root, changes, |c| c.after.as_deref())?;
+    kill_point("write");
+    Ok(())
+}
+
+/// The last steps, once the files are accepted: what was written is recorded (or the backups
+/// go, after an unconfigure, with the directories the agent created), then the intent record.
+fn finish(changes: &[FileChange], purpose: Purpose, root: &HostRoot, dir: &Path) -> Result<(), RuntimeError> {
+    for c in changes {
+        if purpose == Purpose::Unconfigure && c.after.is_none() {
+            remove_created_dirs(root, dir, &c.path)?;
+        }
+        record(dir, c, purpose)?;
+    }
+    kill_point("record");
+    remove_intent(dir)
 }
 
 /// Files no engine restart depends on (the toolkit's config): backups, intent, write, record.
 fn apply_files(changes: &[FileChange], purpose: Purpose, config: &Config, root: &HostRoot) -> Result<(), RuntimeError> {
     let dir = backup_dir(config, root);
-    if purpose == Purpose::Configure {
-        for c in changes {
-            keep_original(root, &dir, c)?;
-        }
-    }
-    let intent = serde_json::to_string(changes).unwrap_or_default();
-    write_atomic(&dir.join(INTENT), intent.as_bytes(), 0o600)?;
-    write_changes(root, changes, |c| c.after.as_deref())?;
-    for c in changes {
-        if purpose == Purpose::Unconfigure && c.after.is_none() {
-            remove_created_dirs(root, &dir, &c.path)?;
-        }
-        record(&dir, c, purpose)?;
-    }
-    remove_intent(&dir)
+    begin(changes, purpose, root, &dir)?;
+    finish(changes, purpose, root, &dir)
 }
 
 fn remove_intent(dir: &Path) -> Result<(), RuntimeError> {

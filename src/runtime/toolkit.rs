@@ -29,7 +29,7 @@ pub fn configure(existing: Option<&str>, file: &str) -> Result<String, EditError
     let mut changed = false;
     for (key, wanted) in WANTED {
         if doc.get(key).and_then(|v| v.as_bool()) != Some(wanted) {
-            set_top_level(&mut doc, key, wanted);
+            doc.insert(key, value(wanted));
             changed = true;
         }
     }
@@ -49,18 +49,15 @@ pub fn unconfigure(existing: &str, file: &str, original: Option<&str>) -> Result
         }
         changed = true;
         match had {
-            Some(v) => set_top_level(&mut doc, key, v),
+            Some(v) => {
+                doc.insert(key, value(v));
+            }
             None => {
                 doc.remove(key);
             }
         }
     }
     Ok(if changed { doc.to_string() } else { existing.to_owned() })
-}
-
-/// Sets a top-level key: in place when it is there, else before the first table.
-fn set_top_level(doc: &mut DocumentMut, key: &str, v: bool) {
-    doc.insert(key, value(v));
 }
 
 #[cfg(test)]
