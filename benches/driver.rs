@@ -86,7 +86,7 @@ fn main() {
         let planned = plan_now(&config, &root, Some(0)).expect("plan");
         assert_eq!(planned.plan.steps.is_empty(), expect_loaded, "{:?}", planned.plan);
         if !expect_loaded {
-            let applied = apply(&config, &root, &planned).expect("apply");
+            let applied = apply(&config, &root, &planned, None).expect("apply");
             assert!(!applied.built, "a cache hit builds nothing");
         }
         let facts = gpu_node_agent::driver::observe::observe(&root).expect("observe");

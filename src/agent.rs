@@ -8,8 +8,9 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use tokio::signal::unix::{SignalKind, signal};
+use tokio::signal::unix::{Signal, SignalKind, signal};
 use tokio::sync::{mpsc, watch};
+use tokio_util::sync::CancellationToken;
 
 use crate::cluster::{self, LabelsView, Link};
 use crate::config::{Config, DevicePluginConfig};
@@ -38,6 +39,7 @@ pub const STAGE_DRIVER: &str = "driver";
 pub const STAGE_VALIDATION: &str = "validation";
 
 mod driver;
+mod health;
 mod memlimit;
 mod metrics;
 mod runtime;
@@ -189,9 +191,13 @@ struct Agent {
     node: String,
     gpus: Option<Gpus>,
     inventory: Option<Inventory>,
-    tracker: HealthTracker,
+    /// Device health, kept by the health relay task (see [`health`]); read here for reports.
+    tracker: health::SharedTracker,
+    /// Cancelled at SIGTERM/SIGINT: every long step stops at its next safe point.
+    stop: CancellationToken,
     stage: Stage,
     plugin_status: PluginStatus,
+    /// To the health relay, which applies health and passes the resources to the manager.
     commands: Option<mpsc::Sender<Command>>,
     health_tx: mpsc::UnboundedSender<HealthEvent>,
     health_stop: Option<Arc<AtomicBool>>,
@@ -268,11 +274,16 @@ struct Agent {
 
 /// Runs the agent until SIGTERM/SIGINT (or one pass with `once`). Returns the process exit code.
 pub async fn run(config: Config, root: HostRoot, once: bool) -> Result<i32, AgentError> {
-    let mut sigterm = signal(SignalKind::terminate()).map_err(AgentError::Signals)?;
-    let mut sigint = signal(SignalKind::interrupt()).map_err(AgentError::Signals)?;
+    let sigterm = signal(SignalKind::terminate()).map_err(AgentError::Signals)?;
+    let sigint = signal(SignalKind::interrupt()).map_err(AgentError::Signals)?;
     let mut sighup = signal(SignalKind::hangup()).map_err(AgentError::Signals)?;
+    // SIGTERM and SIGINT cancel `stop`, whatever the agent is doing: every wait below races it,
+    // and the long steps (MIG apply, driver build, engine restart, CUDA check) stop at their
+    // next safe point.
+    let stop = CancellationToken::new();
+    tokio::spawn(stop_on_signals(sigterm, sigint, stop.clone()));
 
-    let (health_tx, mut health_rx) = mpsc::unbounded_channel();
+    let (health_tx, health_rx) = mpsc::unbounded_channel();
     let (dp, profile) = choose_profile(
         &config.device_plugin,
         &Selection::Unset,
@@ -286,7 +297,8 @@ pub async fn run(config: Config, root: HostRoot, once: bool) -> Result<i32, Agen
         shared_policy: dp.sharing.policy,
     };
     let mut agent = Agent {
-        tracker: HealthTracker::new(health_policy(&config)),
+        tracker: health::SharedTracker::new(HealthTracker::new(health_policy(&config))),
+        stop: stop.clone(),
         node: hostname(&root),
         stage: Stage::new(STAGE_DEVICE_PLUGIN),
         config,
@@ -360,7 +372,10 @@ pub async fn run(config: Config, root: HostRoot, once: bool) -> Result<i32, Agen
                 }
             }
         });
-        let answered = first.await.is_ok();
+        let answered = tokio::select! {
+            waited = first => waited.is_ok(),
+            () = stop.cancelled() => false,
+        };
         agent.view = rx.borrow().clone();
         if !answered {
             match agent.last_desired() {
@@ -400,7 +415,7 @@ pub async fn run(config: Config, root: HostRoot, once: bool) -> Result<i32, Agen
 
     // The plugin manager serves and registers; it runs for the whole life of the daemon.
     let stats = Arc::new(PluginStats::default());
-    let (mut plugin_rx, manager_task) = if once || !agent.config.device_plugin.enabled {
+    let (mut plugin_rx, manager) = if once || !agent.config.device_plugin.enabled {
         let (_tx, rx) = watch::channel(PluginStatus::default());
         (rx, None)
     } else {
@@ -412,20 +427,33 @@ pub async fn run(config: Config, root: HostRoot, once: bool) -> Result<i32, Agen
             stats,
         );
         let (tx, rx) = mpsc::channel(16);
-        agent.commands = Some(tx);
-        (status_rx, Some(tokio::spawn(manager.run(rx))))
+        (status_rx, Some((tokio::spawn(manager.run(rx)), tx)))
     };
+    let (manager_task, manager_tx) = manager.unzip();
 
     agent.metrics = metrics::start(&agent.config.metrics, once).await;
+    // The health relay: health events reach the manager from there, never waiting for a stage.
+    let (relay_task, mut health_changed) = if once {
+        (None, None)
+    } else {
+        let (relay, changed) = health::HealthRelay::new(
+            agent.tracker.clone(),
+            manager_tx,
+            agent.metrics.as_ref().map(|m| m.metrics.clone()),
+        );
+        let (tx, rx) = mpsc::channel(16);
+        agent.commands = Some(tx);
+        (Some(tokio::spawn(relay.run(rx, health_rx))), Some(changed))
+    };
     // The driver first: on a fresh node NVML only loads once the driver stage installed it.
     if agent.config.driver.enabled && agent.config.driver.source != crate::config::DriverSource::None {
-        agent.driver_step().await;
+        or_stop(&stop, agent.driver_step()).await;
     }
     // NVML: fatal when fail_on_init_error, else retried in the loop below.
     if agent.gpus.is_none()
         && let Err(e) = agent.open_nvml()
     {
-        if agent.config.nvml.fail_on_init_error || once {
+        if (agent.config.nvml.fail_on_init_error || once) && !stop.is_cancelled() {
             agent.stage.set(StageState::Failed, Some(e.to_string()), None);
             agent.write_status("stopped");
             return Err(e);
@@ -435,9 +463,16 @@ pub async fn run(config: Config, root: HostRoot, once: bool) -> Result<i32, Agen
             agent.config.nvml.retry_interval
         );
     }
-    agent.reconcile().await;
+    if !stop.is_cancelled() {
+        or_stop(&stop, agent.reconcile()).await;
+    }
 
     if once {
+        if stop.is_cancelled() {
+            // Not done: the bootstrap may run it again (75, "try again later").
+            agent.write_status("stopped");
+            return Ok(EXIT_PENDING);
+        }
         agent.write_status("once");
         // Pending counts as not done: the bootstrap should not go on as if MIG were applied. It
         // is EX_TEMPFAIL (75, "try again later": GPU work holds a change), a failure is 1.
@@ -472,34 +507,28 @@ pub async fn run(config: Config, root: HostRoot, once: bool) -> Result<i32, Agen
             agent.long_step.clone(),
         ));
     }
-    loop {
-        let expiry = agent.tracker.next_expiry();
+    while !stop.is_cancelled() {
         tokio::select! {
+            biased;
+            () = stop.cancelled() => break,
             _ = watchdog.tick(), if watchdog_every.is_some() => crate::notify::beat(&agent.heartbeat),
-            _ = sigterm.recv() => { tracing::info!("SIGTERM: stopping"); break; }
-            _ = sigint.recv() => { tracing::info!("SIGINT: stopping"); break; }
-            _ = sighup.recv() => { tracing::info!("SIGHUP: re-reading the inventory"); agent.reconcile().await; }
-            Some(event) = health_rx.recv() => {
-                agent.metrics_health(&event);
-                let mut changed = agent.tracker.on_event(&event, Instant::now());
-                // Drain what else is queued so a burst gives one update.
-                while let Ok(event) = health_rx.try_recv() {
-                    agent.metrics_health(&event);
-                    changed |= agent.tracker.on_event(&event, Instant::now());
-                }
-                if changed { agent.push_resources().await; }
+            _ = sighup.recv() => {
+                tracing::info!("SIGHUP: re-reading the inventory");
+                or_stop(&stop, agent.reconcile()).await;
+            }
+            Ok(()) = changed(&mut health_changed) => {
+                // The relay has told the kubelet already; the reports follow.
+                agent.update_stage();
+                agent.write_status("running");
             }
             () = sleep_until(agent.mig_retry) => {
                 agent.mig_retry = None;
-                agent.reconcile().await;
+                or_stop(&stop, agent.reconcile()).await;
             }
-            () = sleep_until(expiry) => {
-                if agent.tracker.expire(Instant::now()) { agent.push_resources().await; }
-            }
-            _ = resync.tick() => agent.reconcile().await,
+            _ = resync.tick() => { or_stop(&stop, agent.reconcile()).await; }
             _ = nvml_retry.tick(), if agent.gpus.is_none() => {
                 match agent.open_nvml() {
-                    Ok(()) => agent.reconcile().await,
+                    Ok(()) => { or_stop(&stop, agent.reconcile()).await; }
                     Err(e) => tracing::warn!("NVML still unavailable: {e}"),
                 }
             }
@@ -509,7 +538,7 @@ pub async fn run(config: Config, root: HostRoot, once: bool) -> Result<i32, Agen
                 let desired = Desired::from_labels(&agent.view.labels, &agent.config.labels);
                 let mig_changed = desired.mig_config != agent.desired_sel.mig_config;
                 agent.desired_sel = desired.clone();
-                agent.apply_desired(&desired, mig_changed).await;
+                or_stop(&stop, agent.apply_desired(&desired, mig_changed)).await;
             }
             Some(record) = memlimit::next_record(&mut agent.memory_records) => agent.on_memory_record(record),
             Ok(()) = plugin_rx.changed() => {
@@ -521,9 +550,13 @@ pub async fn run(config: Config, root: HostRoot, once: bool) -> Result<i32, Agen
         }
     }
 
-    // Stop: the manager stops every server and removes its sockets when its channel closes.
+    // Stop: the relay ends when its channel closes, and the manager (which stops every server
+    // and removes its sockets) when the relay's closes.
     agent.notifier.send("STOPPING=1\nSTATUS=stopping");
     agent.commands = None;
+    if let Some(task) = relay_task {
+        let _ = task.await;
+    }
     if let Some(task) = manager_task {
         let _ = task.await;
     }
@@ -533,6 +566,34 @@ pub async fn run(config: Config, root: HostRoot, once: bool) -> Result<i32, Agen
     agent.plugin_status = plugin_rx.borrow().clone();
     agent.write_status("stopped");
     Ok(0)
+}
+
+/// Cancels `stop` at the first SIGTERM or SIGINT.
+async fn stop_on_signals(mut sigterm: Signal, mut sigint: Signal, stop: CancellationToken) {
+    tokio::select! {
+        _ = sigterm.recv() => tracing::info!("SIGTERM: stopping"),
+        _ = sigint.recv() => tracing::info!("SIGINT: stopping"),
+    }
+    stop.cancel();
+}
+
+/// Runs `work` until it ends or `stop` is cancelled, whichever comes first. A cancelled step is
+/// dropped at its await point; what it runs off the loop (NVML calls, commands) looks at the same
+/// token and ends at its next safe point.
+async fn or_stop<T>(stop: &CancellationToken, work: impl std::future::Future<Output = T>) -> Option<T> {
+    tokio::select! {
+        biased;
+        () = stop.cancelled() => None,
+        done = work => Some(done),
+    }
+}
+
+/// The next change of a watch channel, or never when there is none.
+async fn changed<T>(rx: &mut Option<watch::Receiver<T>>) -> Result<(), watch::error::RecvError> {
+    match rx {
+        Some(rx) => rx.changed().await,
+        None => std::future::pending().await,
+    }
 }
 
 /// The next labels view, or never when there is no link.
@@ -739,8 +800,8 @@ impl Agent {
         }
     }
 
-    /// The resources from the current inventory with current health applied (replicas follow
-    /// their device).
+    /// The resources from the current inventory (health is the relay's to apply: replicas
+    /// follow their device).
     fn resources(&self) -> Result<Vec<Resource>, AgentError> {
         let Some(inventory) = &self.inventory else {
             return Ok(Vec::new());
@@ -751,9 +812,6 @@ impl Agent {
             resource
                 .devices
                 .retain(|_, d| !self.withdrawn.contains(d.physical_uuid()));
-            for device in resource.devices.values_mut() {
-                device.health = self.tracker.health(device);
-            }
         }
         resources.retain(|r| !r.devices.is_empty());
         Ok(resources)
@@ -858,15 +916,16 @@ impl Agent {
     fn write_status(&mut self, state: &str) {
         self.notify_status();
         self.metrics_stages(&[]);
+        let tracker = self.tracker.lock();
         let gpus = self
             .inventory
             .iter()
             .flat_map(|i| i.gpus.iter())
             .map(|g| {
-                let reason = self.tracker.reason(&whole_gpu(g));
+                let reason = tracker.reason(&whole_gpu(g));
                 let mig_devices = mig_plugin_devices(g)
                     .filter_map(|d| {
-                        let reason = self.tracker.reason(&d);
+                        let reason = tracker.reason(&d);
                         let mig = d.mig?;
                         Some(MigStatus {
                             uuid: d.uuid,
@@ -891,6 +950,7 @@ impl Agent {
                 }
             })
             .collect();
+        drop(tracker);
         let mut status = Status {
             version: STATUS_VERSION,
             agent_version: env!("CARGO_PKG_VERSION").into(),
@@ -1157,9 +1217,10 @@ impl Agent {
         let (g, l, n) = (gpus.clone(), layout, name.clone());
         let smi = self.root.join(&self.config.mig.nvidia_smi);
         let allow_reset = self.config.mig.gpu_reset;
+        let stop = self.stop.clone();
         let step = tokio::task::spawn_blocking(move || {
             let reset = |uuid: &str| crate::host::reset_gpu(&smi, uuid);
-            converge(&g, &n, &l, allow_reset.then_some(&reset as ResetGpu<'_>))
+            converge(&g, &n, &l, allow_reset.then_some(&reset as ResetGpu<'_>), Some(&stop))
         })
         .await
         .unwrap_or_else(|e| Step::Failed {
@@ -1224,6 +1285,16 @@ impl Agent {
                 }
             }
             Step::Failed { reason } => self.mig_failed(reason),
+            Step::Stopped { mutations } => {
+                // The agent is stopping: the next start converges from what was left.
+                self.mig_stage.set(
+                    StageState::Pending,
+                    Some(format!(
+                        "layout {name}: stopped after {mutations} NVML operation(s); the next start goes on"
+                    )),
+                    None,
+                );
+            }
         }
     }
 

@@ -140,7 +140,7 @@ pub fn reset_gpu(nvidia_smi: &Path, uuid: &str) -> Result<(), String> {
     let cmd = command::Cmd::new(nvidia_smi)
         .args(["--gpu-reset", "-i", uuid])
         .timeout(GPU_RESET_TIMEOUT);
-    match command::run_unrooted(&cmd) {
+    match command::run_unrooted(&cmd, None) {
         Ok(out) if out.success() => Ok(()),
         Ok(out) => Err(command::CmdError::Failed {
             cmd: cmd.to_string(),

@@ -280,7 +280,7 @@ fn driver_command(config: &Config, root: &HostRoot, command: DriverCommand) -> E
                 eprintln!("gpu-node-agent: driver: {wait}; nothing changed");
                 return ExitCode::from(EXIT_BUSY);
             }
-            match driver_stage::apply(config, root, &planned) {
+            match driver_stage::apply(config, root, &planned, None) {
                 Ok(applied) => {
                     if applied.done.is_empty() {
                         println!("{}: nothing to do", planned.plan.summary);
@@ -572,7 +572,7 @@ fn mig(config: &Config, root: &HostRoot, command: MigCommand) -> ExitCode {
             let smi = root.join(&config.mig.nvidia_smi);
             let reset = |uuid: &str| gpu_node_agent::host::reset_gpu(&smi, uuid);
             let reset: Option<ResetGpu<'_>> = config.mig.gpu_reset.then_some(&reset);
-            match converge(&gpus, &name, &layout, reset) {
+            match converge(&gpus, &name, &layout, reset, None) {
                 Step::Converged => {
                     println!("the GPUs already match MIG layout {name}: nothing to do");
                     ExitCode::SUCCESS
@@ -590,6 +590,10 @@ fn mig(config: &Config, root: &HostRoot, command: MigCommand) -> ExitCode {
                 }
                 Step::ModePending { reason, .. } | Step::Failed { reason } => {
                     eprintln!("gpu-node-agent: {reason}");
+                    ExitCode::FAILURE
+                }
+                Step::Stopped { mutations } => {
+                    eprintln!("gpu-node-agent: stopped after {mutations} NVML operations");
                     ExitCode::FAILURE
                 }
             }

@@ -1046,3 +1046,61 @@ fn the_gpu_count_check_names_the_pci_device_nvml_does_not_list() {
         .to_string();
     assert!(error.contains("NVML does not list 0000:c1:00.0"), "{error}");
 }
+
+/// SIGTERM while the daemon builds the driver's modules (a `make` that would take a minute)
+/// stops it within a second: the build's whole process group is killed, nothing is loaded or
+/// cached, and the next start plans the same build again.
+#[test]
+fn sigterm_during_a_slow_driver_build_stops_within_a_second_and_the_build_is_planned_again() {
+    let probe = tempfile::tempdir().expect("tmp");
+    let body = runfile(&probe.path().join("ran"));
+    let sha = sha256_hex(&body);
+    let server = serve(body);
+    let node = bare_node(&format!(
+        "[kubernetes]\nenabled = false\n[driver]\nsource = \"runfile\"\nversion = \"{VERSION}\"\n\
+         runfile_url = \"{}\"\nrunfile_sha256 = \"{sha}\"\n",
+        server.url
+    ));
+    headers_in_root(&node);
+    let make = node.root.join("usr/bin/make");
+    fs::remove_file(&make).expect("unlink make");
+    let pid_file = probe.path().join("make.pid");
+    stand_in(
+        &node,
+        "/usr/bin/make",
+        &log_path(&node),
+        &format!("echo $$ > \"{}\"\nsleep 60", pid_file.display()),
+    );
+    let agent = node.spawn();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    let make_pid = loop {
+        if let Some(pid) = fs::read_to_string(&pid_file)
+            .ok()
+            .and_then(|p| p.trim().parse::<i32>().ok())
+        {
+            break pid;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the build never started:\n{}",
+            agent.log_text()
+        );
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    };
+    let (code, took) = agent.stop_timed();
+    assert_eq!(code, 0);
+    assert!(took < std::time::Duration::from_secs(1), "SIGTERM took {took:?}");
+    // The build's process group went with it (a zombie would still answer kill -0 until reaped
+    // by init, so look at /proc's state too).
+    let alive = fs::read_to_string(format!("/proc/{make_pid}/stat"))
+        .is_ok_and(|stat| !stat.split(") ").nth(1).is_some_and(|rest| rest.starts_with('Z')));
+    assert!(!alive, "make ({make_pid}) still runs");
+    assert_eq!(node.status_json()["state"], "stopped");
+    assert!(
+        commands(&node).iter().all(|c| !c.starts_with("insmod")),
+        "{:?}",
+        commands(&node)
+    );
+    let status = node.run(&["driver", "status"]);
+    assert!(text(&status).contains("build"), "{}", text(&status));
+}

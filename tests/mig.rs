@@ -835,3 +835,104 @@ async fn at_start_pending_reaches_the_node_before_the_layout_is_applied() {
     );
     assert_eq!(agent.stop(), 0);
 }
+
+/// GPU 0 with MIG on and a layout of seven 1g.5gb for it alone; GPU 1 without MIG, left as it
+/// is: the layout is applied (slowly, `FAKE_NVML_MUTATION_DELAY_MS`) from the labels file.
+fn slow_layout_node() -> Node {
+    let mut machine = common::DGX_A100.to_string();
+    machine.push_str(&format!(
+        "\n[[gpu]]\nmodel = \"A100-SXM4-40GB\"\nuuid = \"{}\"\nmig_mode = true\n\
+         \n[[gpu]]\nmodel = \"A100-SXM4-40GB\"\nuuid = \"{}\"\n",
+        gpu_uuid(0),
+        gpu_uuid(1)
+    ));
+    let config = "[kubernetes]\nenabled = false\n[desired]\nlabels_file = \"/etc/gpu-node-agent/labels\"\n\
+                  [device_plugin]\nmig_strategy = \"mixed\"\n\
+                  [[mig.layouts.only-0]]\ndevices = [0]\nmig_enabled = true\nprofiles = { \"1g.5gb\" = 7 }\n\
+                  [[mig.layouts.only-0]]\ndevices = [1]\nmig_enabled = false\n";
+    let node = Node::new(&machine, config);
+    std::fs::write(
+        node.root.join("etc/gpu-node-agent/labels"),
+        "nvidia.com/mig.config=only-0\n",
+    )
+    .expect("labels");
+    node
+}
+
+/// How many GPU instances the fake NVML holds now.
+fn gpu_instances(node: &Node) -> usize {
+    std::fs::read_to_string(node.state.join("state.json"))
+        .unwrap_or_default()
+        .matches("\"profile_id\"")
+        .count()
+}
+
+/// SIGTERM in the middle of a MIG apply stops the agent within a second (between two NVML
+/// operations, not after the 14 of the layout), and the next start converges from what it left.
+#[test]
+fn sigterm_during_a_slow_mig_apply_stops_within_a_second_and_the_next_start_converges() {
+    let node = slow_layout_node();
+    let agent = node.spawn_with_env(&[("FAKE_NVML_MUTATION_DELAY_MS", "300")]);
+    let deadline = std::time::Instant::now() + T;
+    while gpu_instances(&node) < 2 {
+        assert!(std::time::Instant::now() < deadline, "the apply never started");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let (code, took) = agent.stop_timed();
+    assert_eq!(code, 0);
+    assert!(took < Duration::from_secs(1), "SIGTERM took {took:?}");
+    assert!(gpu_instances(&node) < 7, "stopped half way, not finished");
+    assert_eq!(node.status_json()["state"], "stopped");
+    assert_eq!(
+        node.run(&["mig", "assert", "only-0"]).status.code(),
+        Some(1),
+        "left half way"
+    );
+    let out = node.run(&["run", "--once"]);
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(node.run(&["mig", "assert", "only-0"]).status.code(), Some(0));
+}
+
+/// An Xid on a GPU the layout leaves alone reaches the kubelet while the MIG apply still runs:
+/// health does not wait for a stage.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_xid_during_a_slow_mig_apply_reaches_the_kubelet_before_the_apply_ends() {
+    let node = slow_layout_node();
+    let labels = node.root.join("etc/gpu-node-agent/labels");
+    std::fs::write(&labels, "").expect("no layout yet");
+    let kubelet = TestKubelet::start(&node.plugin_dir(), KubeletOptions::default())
+        .await
+        .expect("kubelet");
+    let agent = node.spawn_with_env(&[("FAKE_NVML_MUTATION_DELAY_MS", "300")]);
+    kubelet
+        .wait_for_devices("nvidia.com/gpu", T, |d| common::healthy(d, &gpu_uuid(1)) == Some(true))
+        .await
+        .expect("GPU 1 advertised");
+    std::fs::write(&labels, "nvidia.com/mig.config=only-0\n").expect("layout");
+    let deadline = std::time::Instant::now() + T;
+    while gpu_instances(&node) < 1 {
+        assert!(std::time::Instant::now() < deadline, "the apply never started");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let injected = std::time::Instant::now();
+    node.inject("xid", &format!("{} 79", gpu_uuid(1)));
+    kubelet
+        .wait_for_devices("nvidia.com/gpu", T, |d| common::healthy(d, &gpu_uuid(1)) == Some(false))
+        .await
+        .expect("GPU 1 unhealthy");
+    let arrived = kubelet
+        .updates("nvidia.com/gpu")
+        .into_iter()
+        .find(|(at, d)| *at >= injected && common::healthy(d, &gpu_uuid(1)) == Some(false))
+        .map(|(at, _)| at)
+        .expect("the update");
+    eprintln!("Xid to kubelet during a MIG apply: {:?}", arrived - injected);
+    assert!(
+        gpu_instances(&node) < 7,
+        "the update came before the apply ended ({} GPU instances now)",
+        gpu_instances(&node)
+    );
+    let status = node.wait_status(T, |s| common::stage(s, "mig")["state"] == "ok");
+    assert_eq!(status["labels"][STATE], "success");
+    assert_eq!(agent.stop(), 0);
+}

@@ -974,6 +974,38 @@ fn a_restarted_engine_that_comes_back_keeps_its_new_files() {
     assert!(read(&host.root, CONTAINERD_DROP_IN).is_some());
 }
 
+/// The daemon stopping (SIGTERM: its stop token) while `systemctl restart` hangs kills the
+/// restart within a second; the engine's files are put back, and the next plan has the same
+/// change to make.
+#[test]
+fn a_stop_during_a_hanging_engine_restart_ends_it_within_a_second_and_rolls_back() {
+    let host = RestartHost::new("sleep 30", "echo active");
+    let root = HostRoot::new(&host.root);
+    let stop = tokio_util::sync::CancellationToken::new();
+    let runner = Runner::new(&root).with_stop(&stop);
+    let observed = observe(&host.config, &root, &runner).expect("observe");
+    let planned = plan(&observed, &host.config.runtime).expect("plan");
+    assert!(!planned.is_empty());
+    let cancel = stop.clone();
+    let stopper = std::thread::spawn(move || {
+        std::thread::sleep(std::time::Duration::from_millis(300));
+        cancel.cancel();
+        std::time::Instant::now()
+    });
+    let err = apply(&planned, &host.config, &root, &runner, &ApplyOptions { restart: true })
+        .expect_err("the restart was stopped");
+    let took = stopper.join().expect("stopper").elapsed();
+    assert!(took < std::time::Duration::from_secs(1), "the stop took {took:?}");
+    assert!(err.to_string().contains("the agent is stopping"), "{err}");
+    host.assert_rolled_back();
+    let observed = observe(&host.config, &root, &Runner::new(&root)).expect("observe");
+    assert_eq!(
+        gpu_node_agent::runtime::stage::diff(&plan(&observed, &host.config.runtime).expect("plan")),
+        gpu_node_agent::runtime::stage::diff(&planned),
+        "the next start makes the same change"
+    );
+}
+
 #[test]
 fn an_engine_that_does_not_come_back_gets_its_old_files_and_another_restart() {
     // Failed with the new files, active again with the old ones.

@@ -95,8 +95,13 @@ impl Agent {
         }
         tracing::info!("driver: {}", crate::driver::plan::describe(&planned.plan));
         let _long = crate::notify::LongStep::start(&self.long_step);
-        let (config, root, p) = (self.config.clone(), self.root.clone(), planned.clone());
-        let applied = tokio::task::spawn_blocking(move || drv::apply(&config, &root, &p))
+        let (config, root, p, stop) = (
+            self.config.clone(),
+            self.root.clone(),
+            planned.clone(),
+            self.stop.clone(),
+        );
+        let applied = tokio::task::spawn_blocking(move || drv::apply(&config, &root, &p, Some(&stop)))
             .await
             .map_err(|e| format!("driver stage task failed: {e}"))
             .and_then(|r| r.map_err(|e| e.to_string()));

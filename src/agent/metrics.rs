@@ -104,13 +104,6 @@ impl Agent {
         handle.states = stages.iter().map(|s| (s.name.clone(), s.state)).collect();
     }
 
-    /// A health event in the metrics: the Xid series. Whether a device's health changed is up
-    /// to the health policy; [`Self::metrics_device_health`] counts what it decided.
-    pub(super) fn metrics_health(&self, event: &crate::nvml::HealthEvent) {
-        let Some(handle) = &self.metrics else { return };
-        handle.metrics.health_event(event);
-    }
-
     /// Counts `gpu_node_agent_health_transitions_total{to,reason}`: every GPU and MIG device of
     /// the inventory whose health (from the health tracker) differs from the last time. `to` is
     /// `Healthy` or `Unhealthy`; `reason` is `xid` (a critical Xid) or `lost` (NVML stopped
@@ -119,15 +112,17 @@ impl Agent {
     /// the first time counts nothing.
     fn metrics_device_health(&mut self) {
         let Some(inventory) = &self.inventory else { return };
+        let tracker = self.tracker.lock();
         let now: Vec<(String, Option<&'static str>)> = inventory
             .gpus
             .iter()
             .flat_map(|g| std::iter::once(whole_gpu(g)).chain(mig_plugin_devices(g)))
             .map(|d| {
-                let cause = self.tracker.reason(&d).map(|r| unhealthy_cause(&r));
+                let cause = tracker.reason(&d).map(|r| unhealthy_cause(&r));
                 (d.uuid, cause)
             })
             .collect();
+        drop(tracker);
         let Some(handle) = &mut self.metrics else { return };
         for (uuid, cause) in now {
             let Some(before) = handle.health.insert(uuid, cause) else {

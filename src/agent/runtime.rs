@@ -16,11 +16,11 @@ impl Agent {
                 .set(StageState::Disabled, None, Some("[runtime] enabled = false".into()));
             return true;
         }
-        let (config, root) = (self.config.clone(), self.root.clone());
+        let (config, root, stop) = (self.config.clone(), self.root.clone(), self.stop.clone());
         // Restarting an engine may take its restart timeout, twice when rolling back.
         let _long = crate::notify::LongStep::start(&self.long_step);
         let result = tokio::task::spawn_blocking(move || {
-            let runner = Runner::new(&root);
+            let runner = Runner::new(&root).with_stop(&stop);
             if let Some(note) = rt::recover(&config, &root)? {
                 tracing::warn!("runtime: {note}");
             }

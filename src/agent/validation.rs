@@ -128,9 +128,9 @@ impl Agent {
         if let Some(note) = &plan.note {
             return Outcome::Skipped(note.clone());
         }
-        let (config, root) = (self.config.clone(), self.root.clone());
+        let (config, root, stop) = (self.config.clone(), self.root.clone(), self.stop.clone());
         let result = tokio::task::spawn_blocking(move || {
-            let runner = Runner::new(&root);
+            let runner = Runner::new(&root).with_stop(&stop);
             let mut inactive = Vec::new();
             // systemctl under the root: the node's own on a real root, a stand-in in tests.
             if runner.exists(&config.runtime.systemctl) {
@@ -173,11 +173,12 @@ impl Agent {
         {
             return run.outcome.clone();
         }
-        let (root, driver_root) = (
+        let (root, driver_root, stop) = (
             self.root.path().to_path_buf(),
             self.config.device_plugin.driver_root.clone(),
+            self.stop.clone(),
         );
-        let outcome = match tokio::task::spawn_blocking(move || run_cuda_child(&root, &driver_root)).await {
+        let outcome = match tokio::task::spawn_blocking(move || run_cuda_child(&root, &driver_root, &stop)).await {
             Ok(Ok(check)) => cuda_outcome(check, self.inventory.as_ref()),
             Ok(Err(why)) => Outcome::Failed(why),
             Err(e) => Outcome::Failed(format!("CUDA check task failed: {e}")),
@@ -365,7 +366,11 @@ fn cuda_nvml_mismatch(cuda: &[CudaDevice], inventory: Option<&Inventory>) -> Opt
 }
 
 /// Runs `gpu-node-agent validate cuda` (this binary) and reads its JSON answer.
-fn run_cuda_child(root: &std::path::Path, driver_root: &std::path::Path) -> Result<CudaCheck, String> {
+fn run_cuda_child(
+    root: &std::path::Path,
+    driver_root: &std::path::Path,
+    stop: &tokio_util::sync::CancellationToken,
+) -> Result<CudaCheck, String> {
     let exe = std::env::current_exe().map_err(|e| format!("cannot find the agent's own binary: {e}"))?;
     let cmd = Cmd::new(exe)
         .arg("--root")
@@ -373,7 +378,7 @@ fn run_cuda_child(root: &std::path::Path, driver_root: &std::path::Path) -> Resu
         .args(["validate", "cuda", "--json", "--driver-root"])
         .arg(driver_root)
         .timeout(CUDA_TIMEOUT);
-    let out = crate::host::command::run_unrooted(&cmd).map_err(|e| e.to_string())?;
+    let out = crate::host::command::run_unrooted(&cmd, Some(stop)).map_err(|e| e.to_string())?;
     serde_json::from_str::<CudaCheck>(out.stdout.trim()).map_err(|_| {
         format!(
             "the CUDA check ended with {} and no answer{}",

@@ -3,6 +3,7 @@
 
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
+use tokio_util::sync::CancellationToken;
 
 use super::build::{BuildError, BuildRequest, build};
 use super::cache::{CacheError, CacheKey, CachedModules, ModuleCache};
@@ -230,11 +231,24 @@ struct Progress {
 /// Applies `planned.plan` (which must not be waiting). Blocking; downloads run on the current
 /// tokio runtime when there is one, else on a private one. When a step fails after the driver's
 /// services were stopped, they are started again (the old driver may still be loaded).
-pub fn apply(config: &Config, root: &HostRoot, planned: &Planned) -> Result<Applied, DriverError> {
+///
+/// `stop` (the daemon's SIGTERM) kills a running build or command at once (package managers and
+/// the installer are waited for): the step fails, the services stopped for it are started
+/// again, and the next start plans from what is on the host.
+pub fn apply(
+    config: &Config,
+    root: &HostRoot,
+    planned: &Planned,
+    stop: Option<&CancellationToken>,
+) -> Result<Applied, DriverError> {
+    let runner = Runner::new(root);
     let host = Host {
         config,
         root,
-        runner: Runner::new(root),
+        runner: match stop {
+            Some(stop) => runner.with_stop(stop),
+            None => runner,
+        },
     };
     let mut applied = Applied::default();
     let mut progress = Progress::default();
@@ -438,6 +452,7 @@ fn install_packages(host: &Host<'_>, manager: PackageManager, packages: &[String
                     .env("DEBIAN_FRONTEND", "noninteractive")
                     .args(["-o", lock.as_str()])
                     .timeout(PACKAGE_TIMEOUT)
+                    .finish_on_stop()
             };
             host.run("apt-get update", base().args(["-q", "update"]))?;
             host.run(
@@ -454,7 +469,8 @@ fn install_packages(host: &Host<'_>, manager: PackageManager, packages: &[String
                 Cmd::new(&dnf)
                     .args(["-y", "-q", "install"])
                     .args(packages)
-                    .timeout(PACKAGE_TIMEOUT),
+                    .timeout(PACKAGE_TIMEOUT)
+                    .finish_on_stop(),
             )?;
         }
     }
@@ -549,6 +565,7 @@ fn install_user_space(host: &Host<'_>, work: &Path) -> Result<bool, DriverError>
     host.run(
         "install the user space",
         Cmd::new(&installer)
+            .finish_on_stop()
             .args([
                 "--silent",
                 "--accept-license",

@@ -11,6 +11,8 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::Duration;
 
+use tokio_util::sync::CancellationToken;
+
 use super::HostRoot;
 
 /// Longest stdout/stderr tail quoted in an error.
@@ -23,6 +25,9 @@ pub struct Cmd {
     args: Vec<OsString>,
     env: Vec<(OsString, OsString)>,
     timeout: Duration,
+    /// Whether a stop (SIGTERM) may kill the program: false for programs whose interruption
+    /// would leave the host half-changed (package managers, the driver's installer).
+    interruptible: bool,
 }
 
 impl Cmd {
@@ -34,6 +39,7 @@ impl Cmd {
             args: Vec::new(),
             env: Vec::new(),
             timeout: Duration::from_secs(60),
+            interruptible: true,
         }
     }
 
@@ -60,6 +66,13 @@ impl Cmd {
     /// Kill the program after this long (default 60s).
     pub fn timeout(mut self, timeout: Duration) -> Cmd {
         self.timeout = timeout;
+        self
+    }
+
+    /// A stop does not kill this program: the agent waits for it (up to its timeout), for
+    /// programs that would leave the host half-changed (dpkg, rpm, the driver's installer).
+    pub fn finish_on_stop(mut self) -> Cmd {
+        self.interruptible = false;
         self
     }
 
@@ -117,6 +130,8 @@ pub enum CmdError {
     Spawn { cmd: String, source: std::io::Error },
     #[error("{cmd} did not finish within {}s and was killed", timeout.as_secs())]
     Timeout { cmd: String, timeout: Duration },
+    #[error("{cmd} was killed: the agent is stopping")]
+    Stopped { cmd: String },
     #[error("{cmd} exited with {status}{}", quote(stdout, stderr))]
     Failed {
         cmd: String,
@@ -142,11 +157,23 @@ fn quote(stdout: &str, stderr: &str) -> String {
 #[derive(Debug, Clone)]
 pub struct Runner {
     root: HostRoot,
+    stop: Option<CancellationToken>,
 }
 
 impl Runner {
     pub fn new(root: &HostRoot) -> Runner {
-        Runner { root: root.clone() }
+        Runner {
+            root: root.clone(),
+            stop: None,
+        }
+    }
+
+    /// Programs run from now on are killed (their whole process group) when `stop` is
+    /// cancelled, unless marked [`Cmd::finish_on_stop`]: the daemon's stop must not wait for a
+    /// kernel module build or a hanging `systemctl restart`.
+    pub fn with_stop(mut self, stop: &CancellationToken) -> Runner {
+        self.stop = Some(stop.clone());
+        self
     }
 
     /// Whether `program` (a host path) exists under the root.
@@ -156,7 +183,7 @@ impl Runner {
 
     /// Runs `cmd` to the end; any exit status is `Ok`.
     pub fn output(&self, cmd: &Cmd) -> Result<Output, CmdError> {
-        spawn(cmd, self.root.join(&cmd.program))
+        spawn(cmd, self.root.join(&cmd.program), self.stop.as_ref())
     }
 
     /// Runs `cmd`; a non-zero exit is [`CmdError::Failed`].
@@ -167,8 +194,9 @@ impl Runner {
 
 /// Runs `cmd` with its program as given, not under a root prefix: for the agent's own binary
 /// (child processes such as the CUDA check), never for host programs. A non-zero exit is `Ok`.
-pub fn run_unrooted(cmd: &Cmd) -> Result<Output, CmdError> {
-    spawn(cmd, cmd.program.clone())
+/// `stop` kills it as [`Runner::with_stop`] does.
+pub fn run_unrooted(cmd: &Cmd, stop: Option<&CancellationToken>) -> Result<Output, CmdError> {
+    spawn(cmd, cmd.program.clone(), stop)
 }
 
 fn succeeded(cmd: &Cmd, out: Output) -> Result<Output, CmdError> {
@@ -184,7 +212,7 @@ fn succeeded(cmd: &Cmd, out: Output) -> Result<Output, CmdError> {
     }
 }
 
-fn spawn(cmd: &Cmd, program: PathBuf) -> Result<Output, CmdError> {
+fn spawn(cmd: &Cmd, program: PathBuf, stop: Option<&CancellationToken>) -> Result<Output, CmdError> {
     let line = cmd.to_string();
     if !cmd.program.is_absolute() {
         return Err(CmdError::Spawn {
@@ -194,6 +222,10 @@ fn spawn(cmd: &Cmd, program: PathBuf) -> Result<Output, CmdError> {
     }
     if !program.is_file() {
         return Err(CmdError::NotFound { cmd: line, program });
+    }
+    let stop = stop.filter(|_| cmd.interruptible);
+    if stop.is_some_and(CancellationToken::is_cancelled) {
+        return Err(CmdError::Stopped { cmd: line });
     }
     tracing::debug!(command = %line, "running");
     let mut command = Command::new(&program);
@@ -208,24 +240,30 @@ fn spawn(cmd: &Cmd, program: PathBuf) -> Result<Output, CmdError> {
         cmd: line.clone(),
         source,
     })?;
-    wait(child, cmd.timeout).map_err(|e| match e {
+    wait(child, cmd.timeout, stop).map_err(|e| match e {
         Waited::Timeout => CmdError::Timeout {
             cmd: line,
             timeout: cmd.timeout,
         },
+        Waited::Stopped => CmdError::Stopped { cmd: line },
         Waited::Io(source) => CmdError::Spawn { cmd: line, source },
     })
 }
 
 enum Waited {
     Timeout,
+    Stopped,
     Io(std::io::Error),
 }
 
+/// How often a wait looks at its stop token: well inside the 1 s a stop may take.
+const STOP_POLL: Duration = Duration::from_millis(50);
+
 /// Waits for `child` (the leader of its own process group) with a deadline, reading its pipes
 /// on threads so a chatty program cannot block on a full pipe. The exit is awaited on a thread
-/// too, so a command costs what the program takes, not a polling interval.
-fn wait(mut child: Child, timeout: Duration) -> Result<Output, Waited> {
+/// too, so a command costs what the program takes, not a polling interval. A cancelled `stop`
+/// kills the group as a timeout does.
+fn wait(mut child: Child, timeout: Duration, stop: Option<&CancellationToken>) -> Result<Output, Waited> {
     let reader = |pipe: Option<Box<dyn Read + Send>>| {
         std::thread::spawn(move || {
             let mut buf = Vec::new();
@@ -242,16 +280,22 @@ fn wait(mut child: Child, timeout: Duration) -> Result<Output, Waited> {
     std::thread::spawn(move || {
         let _ = tx.send(child.wait());
     });
-    let status = match rx.recv_timeout(timeout) {
-        Ok(Ok(status)) => status,
-        Ok(Err(e)) => return Err(Waited::Io(e)),
-        Err(_) => {
-            // The whole group: a shell script's children go too. The waiting thread reaps it.
-            if let Ok(pid) = i32::try_from(pid) {
-                let _ = nix::sys::signal::killpg(nix::unistd::Pid::from_raw(pid), nix::sys::signal::Signal::SIGKILL);
-            }
-            return Err(Waited::Timeout);
+    let deadline = std::time::Instant::now() + timeout;
+    let status = loop {
+        let left = deadline.saturating_duration_since(std::time::Instant::now());
+        let slice = if stop.is_some() { left.min(STOP_POLL) } else { left };
+        let why = match rx.recv_timeout(slice) {
+            Ok(Ok(status)) => break status,
+            Ok(Err(e)) => return Err(Waited::Io(e)),
+            Err(_) if stop.is_some_and(CancellationToken::is_cancelled) => Waited::Stopped,
+            Err(_) if left > slice => continue,
+            Err(_) => Waited::Timeout,
+        };
+        // The whole group: a shell script's children go too. The waiting thread reaps it.
+        if let Ok(pid) = i32::try_from(pid) {
+            let _ = nix::sys::signal::killpg(nix::unistd::Pid::from_raw(pid), nix::sys::signal::Signal::SIGKILL);
         }
+        return Err(why);
     };
     Ok(Output {
         status,
@@ -324,5 +368,29 @@ mod tests {
             .unwrap_err();
         assert!(matches!(e, CmdError::Timeout { .. }), "{e}");
         assert!(started.elapsed() < Duration::from_secs(4), "killed, not waited for");
+    }
+
+    #[test]
+    fn a_stop_kills_what_may_be_killed_and_waits_for_the_rest() {
+        let dir = tempfile::tempdir().unwrap();
+        script(dir.path(), "/bin/slow", "sleep 5");
+        script(dir.path(), "/bin/short", "sleep 0.3; echo done");
+        let stop = CancellationToken::new();
+        let runner = Runner::new(&HostRoot::new(dir.path())).with_stop(&stop);
+        let cancel = stop.clone();
+        let canceller = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(100));
+            cancel.cancel();
+        });
+        let started = std::time::Instant::now();
+        let e = runner.run(&Cmd::new("/bin/slow")).unwrap_err();
+        assert!(matches!(e, CmdError::Stopped { .. }), "{e}");
+        assert!(started.elapsed() < Duration::from_secs(4), "killed at the stop");
+        canceller.join().unwrap();
+        // Already stopped: a program marked finish_on_stop still runs to its end.
+        let out = runner.run(&Cmd::new("/bin/short").finish_on_stop()).unwrap();
+        assert_eq!(out.stdout, "done\n");
+        let e = runner.run(&Cmd::new("/bin/slow")).unwrap_err();
+        assert!(matches!(e, CmdError::Stopped { .. }), "{e}");
     }
 }

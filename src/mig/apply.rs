@@ -19,6 +19,9 @@ pub struct Applied {
     pub mutations: usize,
     /// A mode change NVML accepted as pending (the GPU needs a reset or reboot to finish it).
     pub mode_pending: bool,
+    /// The apply stopped before the plan's end because the agent is stopping (between two
+    /// operations: the next start re-observes and converges from there).
+    pub stopped: bool,
 }
 
 /// Why an NVML MIG call failed, naming the GPU and the operation.
@@ -416,6 +419,12 @@ impl Gpus {
     /// Performs `plan` on its GPU, in order. Stops at the first failure (the caller re-observes
     /// and re-plans: every step converges from whatever state it left).
     pub fn mig_apply(&self, plan: &GpuPlan) -> Result<Applied, MigCallError> {
+        self.mig_apply_until(plan, &|| false)
+    }
+
+    /// [`Gpus::mig_apply`], looking at `stopped` before each operation: once it says so, the
+    /// rest of the plan is left (`Applied::stopped`). NVML operations are never interrupted.
+    pub fn mig_apply_until(&self, plan: &GpuPlan, stopped: &dyn Fn() -> bool) -> Result<Applied, MigCallError> {
         let raw = self.raw(plan.index).map_err(|e| MigCallError {
             uuid: plan.uuid.clone(),
             ..MigCallError::from_gpu(plan.index, e)
@@ -424,9 +433,14 @@ impl Gpus {
         let mut applied = Applied {
             mutations: 0,
             mode_pending: false,
+            stopped: false,
         };
         let mut created: Vec<sys::nvmlGpuInstance_t> = Vec::new();
         for op in &plan.ops {
+            if stopped() {
+                applied.stopped = true;
+                return Ok(applied);
+            }
             match op {
                 MigOp::DestroyCi { gi_id, ci_id } => {
                     let by_id = raw.sym(&lib.nvmlDeviceGetGpuInstanceById, "nvmlDeviceGetGpuInstanceById")?;

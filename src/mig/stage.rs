@@ -4,6 +4,7 @@
 use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
+use tokio_util::sync::CancellationToken;
 
 use super::layout::{DeviceSelector, LayoutEntry, MigLayout};
 use super::planner::{DesiredGpu, PlanError, plan_gpu};
@@ -144,6 +145,11 @@ pub enum Step {
     Failed {
         reason: String,
     },
+    /// The agent is stopping: the apply was left between two NVML operations after these many
+    /// (the next start re-observes and converges from there).
+    Stopped {
+        mutations: usize,
+    },
 }
 
 /// GPUs (UUIDs) a set of plans would change.
@@ -169,11 +175,21 @@ pub type ResetGpu<'a> = &'a dyn Fn(&str) -> Result<(), String>;
 /// (after enabling MIG mode when it is off), and the layout is planned with them. When it fails
 /// before its own plans are applied, a MIG mode enabled only to read them is disabled again
 /// (finished with `reset` where NVML leaves that pending), and the reason says so.
-pub fn converge(gpus: &Gpus, name: &str, layout: &MigLayout, reset: Option<ResetGpu<'_>>) -> Step {
+///
+/// `stop` (the daemon's SIGTERM) is looked at between NVML operations: once cancelled, the
+/// converge returns [`Step::Stopped`] without starting another.
+pub fn converge(
+    gpus: &Gpus,
+    name: &str,
+    layout: &MigLayout,
+    reset: Option<ResetGpu<'_>>,
+    stop: Option<&CancellationToken>,
+) -> Step {
     let mut run = Run {
         gpus,
         name,
         layout,
+        stop,
         learned: Learned::new(),
         enabled: Vec::new(),
         applying: false,
@@ -193,6 +209,7 @@ const MAX_ROUNDS: usize = 16;
 /// One converge.
 struct Run<'a> {
     gpus: &'a Gpus,
+    stop: Option<&'a CancellationToken>,
     name: &'a str,
     layout: &'a MigLayout,
     learned: Learned,
@@ -245,6 +262,9 @@ impl Run<'_> {
     }
 
     fn step(&mut self, reset: Option<ResetGpu<'_>>, round: usize) -> Step {
+        if self.stop.is_some_and(CancellationToken::is_cancelled) {
+            return Step::Stopped { mutations: 0 };
+        }
         let (gpus, name) = (self.gpus, self.name);
         let observed = match observe(gpus, &self.learned) {
             Ok(o) => o,
@@ -322,9 +342,20 @@ impl Run<'_> {
         self.applying = true;
         let mut mutations = 0;
         let mut pending = Vec::new();
+        let stop = self.stop;
+        let stopped = move || stop.is_some_and(CancellationToken::is_cancelled);
         for plan in plans.iter().filter(|p| !p.ops.is_empty()) {
             tracing::info!("{}", super::planner::describe(plan));
-            match gpus.mig_apply(plan) {
+            match gpus.mig_apply_until(plan, &stopped) {
+                Ok(applied) if applied.stopped => {
+                    tracing::warn!(
+                        "layout {name}: stopping after {} NVML operation(s); the next start converges from here",
+                        mutations + applied.mutations
+                    );
+                    return Step::Stopped {
+                        mutations: mutations + applied.mutations,
+                    };
+                }
                 Ok(applied) => {
                     mutations += applied.mutations;
                     if applied.mode_pending {

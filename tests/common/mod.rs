@@ -194,6 +194,11 @@ impl Node {
 
     /// Starts `gpu-node-agent run`; its log goes to a file shown when a test fails.
     pub fn spawn(&self) -> Agent {
+        self.spawn_with_env(&[])
+    }
+
+    /// [`Node::spawn`] with more environment (the fake NVML's `FAKE_NVML_MUTATION_DELAY_MS`).
+    pub fn spawn_with_env(&self, env: &[(&str, &str)]) -> Agent {
         let log = self
             .tmp
             .path()
@@ -201,6 +206,7 @@ impl Node {
         let file = fs::File::create(&log).expect("log file");
         let child = self
             .command(&["run"])
+            .envs(env.iter().copied())
             .stdout(Stdio::null())
             .stderr(file)
             .spawn()
@@ -285,6 +291,13 @@ impl Agent {
 
     pub fn log_text(&self) -> String {
         fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// SIGTERM, then waits for exit; returns the exit code and how long the exit took.
+    pub fn stop_timed(self) -> (i32, Duration) {
+        let started = Instant::now();
+        let code = self.stop();
+        (code, started.elapsed())
     }
 
     /// SIGTERM, then waits for exit; returns the exit code.
