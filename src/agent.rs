@@ -29,21 +29,17 @@ use crate::plugin::resources::{Health, Resource};
 use crate::plugin::server::{PluginContext, PluginStats};
 use crate::plugin::sharing::{SharingError, apply_sharing, feature_sharing};
 use crate::plugin::strategy::{StrategyError, build_resources, mig_plugin_devices, whole_gpu};
-use crate::status::{DesiredStatus, GpuStatus, MigStatus, STATUS_VERSION, StageState, StageStatus, Status, now_unix};
-
-/// Stage names as they appear in status and logs.
-pub const STAGE_DEVICE_PLUGIN: &str = "device-plugin";
-pub const STAGE_MIG: &str = "mig";
-pub const STAGE_RUNTIME: &str = "runtime";
-pub const STAGE_DRIVER: &str = "driver";
-pub const STAGE_VALIDATION: &str = "validation";
+use crate::status::{DesiredStatus, GpuStatus, MigStatus, STATUS_VERSION, StageId, StageState, Status, now_unix};
 
 mod driver;
 mod health;
 mod memlimit;
 mod metrics;
 mod runtime;
+mod stage;
 mod validation;
+
+use stage::Stage;
 
 /// `run --once` exit code when a stage waits (GPU work holds a MIG or driver change):
 /// EX_TEMPFAIL, try again later.
@@ -153,34 +149,6 @@ pub fn plan_device_plugin(gpus: &Gpus, config: &Config, root: &HostRoot) -> Resu
     );
     let resources = advertised_resources(&inventory, &dp)?;
     Ok(DevicePluginPlan { inventory, resources })
-}
-
-struct Stage {
-    status: StageStatus,
-}
-
-impl Stage {
-    fn new(name: &str) -> Stage {
-        Stage {
-            status: StageStatus {
-                name: name.into(),
-                state: StageState::Pending,
-                since: now_unix(),
-                error: None,
-                detail: None,
-            },
-        }
-    }
-
-    fn set(&mut self, state: StageState, error: Option<String>, detail: Option<String>) {
-        if self.status.state != state {
-            self.status.since = now_unix();
-            tracing::info!(stage = %self.status.name, "stage {} is now {:?}", self.status.name, state);
-        }
-        self.status.state = state;
-        self.status.error = error;
-        self.status.detail = detail;
-    }
 }
 
 /// The running agent's state.
@@ -296,11 +264,12 @@ pub async fn run(config: Config, root: HostRoot, once: bool) -> Result<i32, Agen
         topology: Topology::new(),
         shared_policy: dp.sharing.policy,
     };
+    let retry = (config.agent.retry_min, config.agent.retry_max);
     let mut agent = Agent {
         tracker: health::SharedTracker::new(HealthTracker::new(health_policy(&config))),
         stop: stop.clone(),
         node: hostname(&root),
-        stage: Stage::new(STAGE_DEVICE_PLUGIN),
+        stage: Stage::new(StageId::DevicePlugin, retry),
         config,
         root,
         once,
@@ -327,14 +296,14 @@ pub async fn run(config: Config, root: HostRoot, once: bool) -> Result<i32, Agen
         },
         desired_sel: Desired::none(),
         machine: None,
-        driver_stage: Stage::new(STAGE_DRIVER),
-        runtime_stage: Stage::new(STAGE_RUNTIME),
+        driver_stage: Stage::new(StageId::Driver, retry),
+        runtime_stage: Stage::new(StageId::Runtime, retry),
         runtime_detail: String::new(),
         runtime_plan: None,
         cdi_detail: None,
         cdi_error: None,
-        mig_stage: Stage::new(STAGE_MIG),
-        validation_stage: Stage::new(STAGE_VALIDATION),
+        mig_stage: Stage::new(StageId::Mig, retry),
+        validation_stage: Stage::new(StageId::Validation, retry),
         validation_checks: Vec::new(),
         validation_detail: Vec::new(),
         cuda_run: None,
@@ -513,9 +482,11 @@ pub async fn run(config: Config, root: HostRoot, once: bool) -> Result<i32, Agen
             () = stop.cancelled() => break,
             _ = watchdog.tick(), if watchdog_every.is_some() => crate::notify::beat(&agent.heartbeat),
             _ = sighup.recv() => {
-                tracing::info!("SIGHUP: re-reading the inventory");
+                tracing::info!("SIGHUP: re-reading the inventory, every stage runs now");
+                agent.retry_all_now();
                 or_stop(&stop, agent.reconcile()).await;
             }
+            () = sleep_until(agent.next_retry()) => { or_stop(&stop, agent.reconcile()).await; }
             Ok(()) = changed(&mut health_changed) => {
                 // The relay has told the kubelet already; the reports follow.
                 agent.update_stage();
@@ -523,12 +494,16 @@ pub async fn run(config: Config, root: HostRoot, once: bool) -> Result<i32, Agen
             }
             () = sleep_until(agent.mig_retry) => {
                 agent.mig_retry = None;
+                agent.mig_stage.now();
                 or_stop(&stop, agent.reconcile()).await;
             }
             _ = resync.tick() => { or_stop(&stop, agent.reconcile()).await; }
             _ = nvml_retry.tick(), if agent.gpus.is_none() => {
                 match agent.open_nvml() {
-                    Ok(()) => { or_stop(&stop, agent.reconcile()).await; }
+                    Ok(()) => {
+                        agent.retry_all_now();
+                        or_stop(&stop, agent.reconcile()).await;
+                    }
                     Err(e) => tracing::warn!("NVML still unavailable: {e}"),
                 }
             }
@@ -657,13 +632,58 @@ impl Agent {
 
     /// One pass over the stages: re-read the inventory and advertise what it gives.
     async fn reconcile(&mut self) {
-        let started = Instant::now();
-        let driver_ok = self.driver_step().await;
-        let mut durations = vec![(STAGE_DRIVER, started.elapsed())];
-        let started = Instant::now();
-        let runtime_ok = driver_ok && self.runtime_step().await;
-        durations.push((STAGE_RUNTIME, started.elapsed()));
-        self.reconcile_rest(durations, driver_ok && runtime_ok).await;
+        let now = Instant::now();
+        let mut passed = Vec::new();
+        let mut durations = Vec::new();
+        for id in [StageId::Driver, StageId::Runtime] {
+            if !stage::may_run(id, &passed) {
+                continue;
+            }
+            let started = Instant::now();
+            let ok = if self.stage_of(id).due(now) {
+                let ok = match id {
+                    StageId::Driver => self.driver_step().await,
+                    _ => self.runtime_step().await,
+                };
+                self.stage_of(id).ran(ok)
+            } else {
+                self.stage_of(id).held()
+            };
+            durations.push((id.as_str(), started.elapsed()));
+            if ok {
+                passed.push(id);
+            }
+        }
+        self.reconcile_rest(durations, stage::may_run(StageId::DevicePlugin, &passed))
+            .await;
+    }
+
+    fn stage_of(&mut self, id: StageId) -> &mut Stage {
+        match id {
+            StageId::Driver => &mut self.driver_stage,
+            StageId::Runtime => &mut self.runtime_stage,
+            StageId::Mig => &mut self.mig_stage,
+            StageId::DevicePlugin => &mut self.stage,
+            StageId::Validation => &mut self.validation_stage,
+        }
+    }
+
+    /// The soonest time a failed stage waits for (past ones are left to the next pass: a stage
+    /// held back by an earlier failed one must not wake the loop).
+    fn next_retry(&self) -> Option<Instant> {
+        let now = Instant::now();
+        self.stages()
+            .iter()
+            .filter_map(|s| s.retry_at())
+            .filter(|at| *at > now)
+            .min()
+    }
+
+    /// Every stage runs at the next pass, whatever its backoff says.
+    fn retry_all_now(&mut self) {
+        for id in StageId::ALL {
+            self.stage_of(id).now();
+        }
     }
 
     /// The stages after the driver and runtime (when those succeeded: stages after a failed one
@@ -672,7 +692,7 @@ impl Agent {
         if go_on {
             let started = Instant::now();
             self.reconcile_gpus().await;
-            durations.push((STAGE_DEVICE_PLUGIN, started.elapsed()));
+            durations.push((StageId::DevicePlugin.as_str(), started.elapsed()));
         } else {
             self.write_status("running");
         }
@@ -685,7 +705,13 @@ impl Agent {
             self.write_status("running");
             return;
         };
-        self.mig_step(&gpus).await;
+        if self.mig_stage.due(Instant::now()) {
+            self.mig_step(&gpus).await;
+            // A layout given up on looks again on its own timer, not the backoff's.
+            if self.mig_gave_up.is_none() {
+                self.mig_stage.ran(true);
+            }
+        }
         // The inventory is read with or without the device plugin: the CDI spec and the GPU
         // feature labels come from it too.
         match gpus.inventory(&self.root.join("/sys")) {
@@ -736,6 +762,7 @@ impl Agent {
         if mig_changed {
             // A new layout: the MIG stage runs now, then the inventory and resources follow.
             self.mig_pending_since = None;
+            self.mig_stage.now();
             self.reconcile().await;
         }
         let key = &self.config.labels.device_plugin_config;
@@ -1038,9 +1065,12 @@ impl Agent {
         let before = self.last_status.as_ref();
         // MIG: an Event whenever the state label or its reason changes (a second failure with a
         // different reason is news too).
-        if let (Some(state), Some(mig)) = (self.mig_state, status.stages.iter().find(|s| s.name == STAGE_MIG)) {
+        if let (Some(state), Some(mig)) = (
+            self.mig_state,
+            status.stages.iter().find(|s| s.name == StageId::Mig.as_str()),
+        ) {
             let text = mig.error.clone().or_else(|| mig.detail.clone()).unwrap_or_default();
-            let was = before.and_then(|b| b.stages.iter().find(|s| s.name == STAGE_MIG));
+            let was = before.and_then(|b| b.stages.iter().find(|s| s.name == StageId::Mig.as_str()));
             let was_text = was.map(|m| m.error.clone().or_else(|| m.detail.clone()).unwrap_or_default());
             let was_state = before
                 .and_then(|b| b.labels.get(&self.config.labels.mig_config_state))
@@ -1054,11 +1084,11 @@ impl Agent {
                 }
             }
         }
-        let Some(stage) = status.stages.iter().find(|s| s.name == STAGE_DEVICE_PLUGIN) else {
+        let Some(stage) = status.stages.iter().find(|s| s.name == StageId::DevicePlugin.as_str()) else {
             return;
         };
         let stage_before = before
-            .and_then(|b| b.stages.iter().find(|s| s.name == STAGE_DEVICE_PLUGIN))
+            .and_then(|b| b.stages.iter().find(|s| s.name == StageId::DevicePlugin.as_str()))
             .map(|s| &s.state);
         if stage_before != Some(&stage.state) {
             match stage.state {

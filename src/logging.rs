@@ -39,6 +39,8 @@ pub fn init(config: &LogConfig) {
     }
     let text = tracing_subscriber::fmt::layer()
         .with_writer(std::io::stderr)
+        // Colours only for a person at a terminal: a file or a pipe gets plain text.
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .with_target(false);
     registry.with(text).init();
 }

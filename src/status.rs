@@ -20,6 +20,38 @@ pub const STATUS_VERSION: u32 = 1;
 /// The file name under `[agent] run_dir`.
 pub const STATUS_FILE: &str = "status.json";
 
+/// The agent's stages, in the order a pass runs them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum StageId {
+    Driver,
+    Runtime,
+    Mig,
+    DevicePlugin,
+    Validation,
+}
+
+impl StageId {
+    /// Every stage, in pass order.
+    pub const ALL: [StageId; 5] = [
+        StageId::Driver,
+        StageId::Runtime,
+        StageId::Mig,
+        StageId::DevicePlugin,
+        StageId::Validation,
+    ];
+
+    /// The name status.json, logs and metrics use.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            StageId::Driver => "driver",
+            StageId::Runtime => "runtime",
+            StageId::Mig => "mig",
+            StageId::DevicePlugin => "device-plugin",
+            StageId::Validation => "validation",
+        }
+    }
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum StageState {
@@ -247,7 +279,7 @@ impl Status {
                 "  device plugin profile  {}  [{state}]",
                 show(&d.device_plugin_config)
             );
-            let mig = self.stages.iter().find(|s| s.name == crate::agent::STAGE_MIG).map(|s| {
+            let mig = self.stages.iter().find(|s| s.name == StageId::Mig.as_str()).map(|s| {
                 let text = s.error.as_deref().or(s.detail.as_deref()).unwrap_or("-");
                 format!("{}: {text}", s.state.as_str())
             });

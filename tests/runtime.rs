@@ -1665,3 +1665,70 @@ async fn runtime_classes_are_created_or_the_node_says_what_to_apply() {
         }
     }
 }
+
+// === retries ===
+
+/// Seconds of the day of a log line's timestamp (`2026-11-24T19:48:44.311072Z ...`).
+fn log_seconds(line: &str) -> Option<f64> {
+    let time = line.split_whitespace().next()?.split('T').nth(1)?.trim_end_matches('Z');
+    let mut parts = time.split(':');
+    let (h, m, s) = (parts.next()?, parts.next()?, parts.next()?);
+    Some(h.parse::<f64>().ok()? * 3600.0 + m.parse::<f64>().ok()? * 60.0 + s.parse::<f64>().ok()?)
+}
+
+/// A stage that fails the same way every time runs again on its backoff schedule (doubling
+/// from `retry_min` to `retry_max`, each wait jittered to between half and all of it), not at
+/// every pass: here passes come every 100 ms. SIGHUP runs it at once.
+#[test]
+fn a_failing_stage_is_retried_on_its_backoff_schedule_not_every_pass() {
+    let node = engine_node(
+        Engine::Containerd,
+        Some("version = 2\n[plugins\n"),
+        "[kubernetes]\nenabled = false\n[agent]\nresync_interval = \"100ms\"\nretry_min = \"400ms\"\nretry_max = \"1600ms\"\n",
+    );
+    let agent = node.spawn();
+    let attempts = |log: &str| -> Vec<f64> {
+        log.lines()
+            .filter(|l| l.contains("stage runtime failed: trying again in"))
+            .filter_map(log_seconds)
+            .collect()
+    };
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    while attempts(&agent.log_text()).len() < 5 {
+        assert!(std::time::Instant::now() < deadline, "{}", agent.log_text());
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    let log = agent.log_text();
+    let at = attempts(&log);
+    let gaps: Vec<f64> = at.windows(2).map(|w| w[1] - w[0]).collect();
+    // Steps 0.4, 0.8, 1.6, 1.6 s; each wait at least half its step (less a little for the log).
+    for (gap, step) in gaps.iter().zip([0.4, 0.8, 1.6, 1.6]) {
+        assert!(*gap >= step / 2.0 - 0.02, "gaps {gaps:?} (step {step})\n{log}");
+        assert!(*gap <= step + 0.5, "gaps {gaps:?} (step {step})\n{log}");
+    }
+    assert!(
+        log.contains("(attempt 5)"),
+        "the attempts of one cause are counted\n{log}"
+    );
+    // Passes kept coming every 100 ms meanwhile: the stage was not run at each.
+    let status = node.status_json();
+    let stage = common::stage(&status, "runtime");
+    assert_eq!(stage["state"], "failed", "{status}");
+    // SIGHUP: the operator asks for every stage now.
+    let before = at.len();
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(agent.pid()),
+        nix::sys::signal::Signal::SIGHUP,
+    )
+    .expect("SIGHUP");
+    let asked = std::time::Instant::now();
+    while attempts(&agent.log_text()).len() == before {
+        assert!(std::time::Instant::now() < deadline, "{}", agent.log_text());
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    assert!(
+        asked.elapsed() < std::time::Duration::from_millis(1200),
+        "SIGHUP ran the stage before its backoff ended"
+    );
+    assert_eq!(agent.stop(), 0);
+}

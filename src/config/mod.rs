@@ -53,6 +53,10 @@ pub const DEFAULT_STATE_DIR: &str = "/var/lib/gpu-node-agent";
 pub const DEFAULT_RUN_DIR: &str = "/run/gpu-node-agent";
 /// `agent.resync_interval`: full reconcile even without events.
 pub const DEFAULT_RESYNC_INTERVAL: Duration = Duration::from_secs(60);
+/// `agent.retry_min`: the first wait before a failed stage runs again.
+pub const DEFAULT_RETRY_MIN: Duration = Duration::from_secs(5);
+/// `agent.retry_max`: the longest wait between attempts of a failing stage.
+pub const DEFAULT_RETRY_MAX: Duration = Duration::from_secs(300);
 
 /// `nvml.library`: a soname, found by the dynamic loader.
 pub const DEFAULT_NVML_LIBRARY: &str = "libnvidia-ml.so.1";
@@ -334,6 +338,12 @@ pub struct AgentConfig {
     /// Period of the full reconcile that runs even without events.
     #[serde(with = "values::duration")]
     pub resync_interval: Duration,
+    /// A failed stage runs again after this, then after twice as long each time it fails the
+    /// same way (with jitter), up to `retry_max`; passes in between leave it be.
+    #[serde(with = "values::duration")]
+    pub retry_min: Duration,
+    #[serde(with = "values::duration")]
+    pub retry_max: Duration,
 }
 
 impl Default for AgentConfig {
@@ -342,6 +352,8 @@ impl Default for AgentConfig {
             state_dir: DEFAULT_STATE_DIR.into(),
             run_dir: DEFAULT_RUN_DIR.into(),
             resync_interval: DEFAULT_RESYNC_INTERVAL,
+            retry_min: DEFAULT_RETRY_MIN,
+            retry_max: DEFAULT_RETRY_MAX,
         }
     }
 }
@@ -1407,7 +1419,18 @@ impl AgentConfig {
     fn validate(&self) -> Check {
         absolute_path("agent.state_dir", &self.state_dir)?;
         absolute_path("agent.run_dir", &self.run_dir)?;
-        positive("agent.resync_interval", self.resync_interval)
+        positive("agent.resync_interval", self.resync_interval)?;
+        positive("agent.retry_min", self.retry_min)?;
+        if self.retry_max < self.retry_min {
+            return Err(invalid(
+                "agent.retry_max",
+                format!(
+                    "must not be shorter than agent.retry_min ({})",
+                    values::format_duration(self.retry_min)
+                ),
+            ));
+        }
+        Ok(())
     }
 }
 

@@ -1,0 +1,185 @@
+//! What every stage has: its reported status, its retry policy, and the rule of which failed
+//! stage holds back which later one. One mechanism for all stages: a failed stage runs again on
+//! an exponential backoff with jitter, capped, restarting from the shortest delay when the
+//! failure's cause changes; passes in between (a resync, an event) leave it as it is.
+
+use std::time::{Duration, Instant};
+
+use crate::kube::Backoff;
+use crate::status::{StageId, StageState, StageStatus, now_unix};
+
+/// Which stages must have passed for a stage to run in a pass: the gating rules, in one place.
+/// A stage "passes" when its step says the stages after it can work (the driver stage also
+/// passes with a failed upgrade while the old driver still serves).
+pub(super) const NEEDS: [(StageId, &[StageId]); 5] = [
+    (StageId::Driver, &[]),
+    (StageId::Runtime, &[StageId::Driver]),
+    (StageId::Mig, &[StageId::Driver, StageId::Runtime]),
+    (StageId::DevicePlugin, &[StageId::Driver, StageId::Runtime]),
+    (StageId::Validation, &[StageId::Driver, StageId::Runtime]),
+];
+
+/// Whether `id` may run, given the stages that passed so far in this pass.
+pub(super) fn may_run(id: StageId, passed: &[StageId]) -> bool {
+    NEEDS
+        .iter()
+        .find(|(stage, _)| *stage == id)
+        .is_none_or(|(_, needs)| needs.iter().all(|n| passed.contains(n)))
+}
+
+/// One stage's status and retry state.
+pub(super) struct Stage {
+    pub(super) id: StageId,
+    pub(super) status: StageStatus,
+    retry: Retry,
+    /// What the step said last: whether the stages after it could run. A stage held back by its
+    /// backoff answers the same until it runs again.
+    passed: bool,
+}
+
+impl Stage {
+    pub(super) fn new(id: StageId, policy: (Duration, Duration)) -> Stage {
+        Stage {
+            id,
+            status: StageStatus {
+                name: id.as_str().into(),
+                state: StageState::Pending,
+                since: now_unix(),
+                error: None,
+                detail: None,
+            },
+            retry: Retry::new(policy.0, policy.1),
+            passed: true,
+        }
+    }
+
+    pub(super) fn set(&mut self, state: StageState, error: Option<String>, detail: Option<String>) {
+        if self.status.state != state {
+            self.status.since = now_unix();
+            tracing::info!(stage = %self.status.name, "stage {} is now {:?}", self.status.name, state);
+        }
+        self.status.state = state;
+        self.status.error = error;
+        self.status.detail = detail;
+    }
+
+    /// Whether the stage's step runs in a pass at `now`: not while a failure's backoff lasts.
+    pub(super) fn due(&self, now: Instant) -> bool {
+        self.retry.at.is_none_or(|at| now >= at)
+    }
+
+    /// What the stage answered last (see [`Stage::passed`]), for a pass that leaves it be.
+    pub(super) fn held(&self) -> bool {
+        tracing::debug!(
+            stage = self.id.as_str(),
+            "stage {} waits for its next attempt",
+            self.id.as_str()
+        );
+        self.passed
+    }
+
+    /// After the step ran: a failure schedules the next attempt, anything else ends the backoff.
+    pub(super) fn ran(&mut self, passed: bool) -> bool {
+        self.passed = passed;
+        match (self.status.state, &self.status.error) {
+            (StageState::Failed, Some(error)) => {
+                let wait = self.retry.failed(error, Instant::now());
+                tracing::warn!(
+                    stage = self.id.as_str(),
+                    "stage {} failed: trying again in {wait:?} (attempt {})",
+                    self.id.as_str(),
+                    self.retry.attempts + 1
+                );
+            }
+            _ => self.retry.succeeded(),
+        }
+        passed
+    }
+
+    /// When the stage wants to run again, while it waits.
+    pub(super) fn retry_at(&self) -> Option<Instant> {
+        self.retry.at
+    }
+
+    /// Run at the next pass, whatever the backoff says (SIGHUP, a new desired state, NVML back):
+    /// the backoff's step is kept for the next failure of the same cause.
+    pub(super) fn now(&mut self) {
+        self.retry.at = None;
+    }
+}
+
+/// The backoff of a failing stage.
+struct Retry {
+    backoff: Backoff,
+    /// The failure the backoff counts (a different one starts again from the shortest delay).
+    cause: Option<String>,
+    /// When to run again.
+    at: Option<Instant>,
+    /// Failed attempts of this cause in a row.
+    attempts: u32,
+}
+
+impl Retry {
+    fn new(min: Duration, max: Duration) -> Retry {
+        Retry {
+            backoff: Backoff::new(min, max),
+            cause: None,
+            at: None,
+            attempts: 0,
+        }
+    }
+
+    fn failed(&mut self, cause: &str, now: Instant) -> Duration {
+        if self.cause.as_deref() != Some(cause) {
+            self.backoff.reset();
+            self.cause = Some(cause.to_string());
+            self.attempts = 0;
+        }
+        self.attempts += 1;
+        let wait = self.backoff.next();
+        self.at = Some(now + wait);
+        wait
+    }
+
+    fn succeeded(&mut self) {
+        self.backoff.reset();
+        self.cause = None;
+        self.at = None;
+        self.attempts = 0;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MS: Duration = Duration::from_millis(1);
+
+    #[test]
+    fn a_failing_cause_backs_off_doubling_to_the_cap_and_a_new_cause_starts_over() {
+        let mut r = Retry::new(100 * MS, 800 * MS);
+        let now = Instant::now();
+        let waits: Vec<Duration> = (0..6).map(|_| r.failed("a", now)).collect();
+        for (wait, base) in waits.iter().zip([100, 200, 400, 800, 800, 800]) {
+            // Equal jitter: between half the step and the step.
+            assert!(*wait >= base * MS / 2 && *wait <= base * MS, "{waits:?}");
+        }
+        assert_eq!(r.attempts, 6);
+        let wait = r.failed("b", now);
+        assert!(wait <= 100 * MS, "a new cause starts over: {wait:?}");
+        assert_eq!(r.attempts, 1);
+        r.succeeded();
+        assert_eq!(r.at, None);
+    }
+
+    #[test]
+    fn the_gates_hold_back_what_needs_a_failed_stage() {
+        assert!(may_run(StageId::Driver, &[]));
+        assert!(!may_run(StageId::Runtime, &[]));
+        assert!(may_run(StageId::Runtime, &[StageId::Driver]));
+        assert!(!may_run(StageId::Mig, &[StageId::Driver]));
+        assert!(may_run(StageId::DevicePlugin, &[StageId::Driver, StageId::Runtime]));
+        // Every stage has its rule, in pass order.
+        assert_eq!(NEEDS.map(|(id, _)| id), StageId::ALL);
+    }
+}
