@@ -13,6 +13,7 @@ pub mod cluster;
 pub mod config;
 pub mod cuda;
 pub mod desired;
+pub mod devices;
 pub mod driver;
 pub mod host;
 pub mod kube;
