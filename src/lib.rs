@@ -21,6 +21,8 @@ pub mod labels;
 pub mod logging;
 pub mod metrics;
 pub mod mig;
+pub mod mig_layout;
+pub mod names;
 pub mod net;
 pub mod notify;
 pub mod nvml;
