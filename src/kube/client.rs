@@ -28,7 +28,7 @@ use serde::Serialize;
 use crate::config::KubernetesConfig;
 
 use super::credentials::{Credentials, Material, MaterialSource, Secret, TokenSource};
-use super::error::{ApiFailure, ApiStatus, HttpFailure, KubeError};
+use super::error::{ApiFailure, ApiStatus, HttpFailure, KubeError, error_chain, request_failure};
 use super::exec::{ClusterInfo, ExecOutput, identity_pem, run_plugin};
 use super::node::Node;
 use super::time::format_rfc3339;
@@ -691,31 +691,6 @@ fn encode(text: &str) -> String {
         }
     }
     out
-}
-
-pub(crate) fn request_failure(e: reqwest::Error) -> ApiFailure {
-    let e = e.without_url();
-    if e.is_timeout() {
-        ApiFailure::Timeout
-    } else if e.is_connect() {
-        ApiFailure::Connect(error_chain(&e))
-    } else {
-        ApiFailure::Transport(error_chain(&e))
-    }
-}
-
-/// An error and its sources, `: `-joined, skipping repeats.
-pub(crate) fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
-    let mut parts: Vec<String> = Vec::new();
-    let mut next = Some(e);
-    while let Some(err) = next {
-        let text = err.to_string();
-        if !parts.iter().any(|p| p.contains(&text)) {
-            parts.push(text);
-        }
-        next = err.source();
-    }
-    parts.join(": ")
 }
 
 async fn http_failure(response: reqwest::Response, limit: Duration, token: Option<&Secret>) -> ApiFailure {
