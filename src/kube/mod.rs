@@ -29,7 +29,10 @@ mod watcher;
 mod testserver;
 
 pub use backoff::{Backoff, Jitter};
-pub use client::{COMPONENT, EVENT_NAMESPACE, EventType, KubeClient, MAX_EVENT_MESSAGE, NodeEvent, WATCH_IDLE_MARGIN};
+pub use client::{
+    COMPONENT, EVENT_NAMESPACE, EventType, KubeClient, MAX_EVENT_MESSAGE, NodeEvent, ResponseObserver,
+    WATCH_IDLE_MARGIN,
+};
 pub use credentials::{
     Auth, ClientCert, Credentials, ENV_KUBECONFIG, ENV_SERVICE_HOST, ENV_SERVICE_PORT, ExecApiVersion, ExecConfig,
     FoundBy, Material, MaterialSource, Origin, Secret, TokenSource, in_cluster,
