@@ -1,5 +1,6 @@
 //! gpu-node-agent: one privileged host agent that replaces the NVIDIA GPU Operator on a
-//! Kubernetes node. See DESIGN.md for the architecture; each module's docs say what it owns.
+//! Kubernetes node. See ARCHITECTURE.md for the modules and their layers (which module may import
+//! which); each module's docs say what it owns.
 
 /// The kubelet device plugin API, v1beta1, generated from the vendored proto.
 pub mod api {
