@@ -4,6 +4,7 @@
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 use serde::{Deserialize, Serialize};
@@ -182,15 +183,24 @@ pub fn start(config: &Config, root: &HostRoot) -> Link {
 fn discover_client(config: &Config, root: &HostRoot) -> Result<KubeClient, String> {
     let k = &config.kubernetes;
     match kube::discover(k, root) {
-        Ok(Some(credentials)) => {
-            KubeClient::new(credentials, k).map_err(|e| format!("cannot build the Kubernetes API client: {e}"))
-        }
+        Ok(Some(credentials)) => KubeClient::new(credentials, k)
+            .map(|client| client.with_response_observer(Arc::new(count_api_response)))
+            .map_err(|e| format!("cannot build the Kubernetes API client: {e}")),
         Ok(None) => Err(
             "no Kubernetes credentials found (no [kubernetes] kubeconfig, $KUBECONFIG, kubelet \
                          kubeconfig or in-cluster service account)"
                 .to_string(),
         ),
         Err(e) => Err(format!("Kubernetes credentials: {e}")),
+    }
+}
+
+/// Counts one API response in the process's metrics, when they are on. The registry is looked up
+/// per response, as the client did before the kube module stopped importing the metrics: the
+/// client may be built before the metrics are installed.
+fn count_api_response(verb: &'static str, code: u16) {
+    if let Some(metrics) = crate::metrics::global() {
+        metrics.api_request(verb, code);
     }
 }
 

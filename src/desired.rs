@@ -7,7 +7,8 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
-use crate::config::{DevicePluginConfig, LabelsConfig, check_label_key, check_label_value};
+use crate::config::{DevicePluginConfig, LabelsConfig};
+use crate::names::{check_label_key, check_label_value};
 
 /// What one desired-state label asks for.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

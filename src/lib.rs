@@ -1,5 +1,6 @@
 //! gpu-node-agent: one privileged host agent that replaces the NVIDIA GPU Operator on a
-//! Kubernetes node. See DESIGN.md for the architecture; each module's docs say what it owns.
+//! Kubernetes node. See ARCHITECTURE.md for the modules and their layers (which module may import
+//! which); each module's docs say what it owns.
 
 /// The kubelet device plugin API, v1beta1, generated from the vendored proto.
 pub mod api {
@@ -13,6 +14,7 @@ pub mod cluster;
 pub mod config;
 pub mod cuda;
 pub mod desired;
+pub mod devices;
 pub mod driver;
 pub mod host;
 pub mod kube;
@@ -20,6 +22,8 @@ pub mod labels;
 pub mod logging;
 pub mod metrics;
 pub mod mig;
+pub mod mig_layout;
+pub mod names;
 pub mod net;
 pub mod notify;
 pub mod nvml;

@@ -20,7 +20,7 @@ use nvml_wrapper::{Device, Nvml};
 use nvml_wrapper_sys::bindings as sys;
 use serde::Serialize;
 
-use crate::plugin::preferred::{Topology, TopologyLevel, link_score};
+use crate::devices::{Topology, TopologyLevel, link_score};
 
 /// NVML's "not attributable" GPU/compute instance id in event and process records.
 pub const NO_INSTANCE: u32 = 0xFFFF_FFFF;

@@ -15,7 +15,7 @@ use serde::de::{self, Deserializer, SeqAccess, Visitor};
 use serde::{Deserialize, Serialize, Serializer};
 
 use super::merge::KeyPath;
-use super::values::{self, SharedPolicy, SharingStrategy};
+use super::values::{SharedPolicy, SharingStrategy};
 use super::{Check, Invalid};
 
 /// `sharing.strategy`: nothing is shared.
@@ -324,7 +324,8 @@ fn check_resource_name(name: &str) -> Result<(), String> {
             "expected a resource under {RESOURCE_PREFIX}, e.g. \"nvidia.com/gpu\", \"gpu\" or \"mig-1g.5gb\""
         ));
     }
-    values::check_label_key(&full).map_err(|reason| format!("{full:?} is not a valid extended resource name: {reason}"))
+    crate::names::check_label_key(&full)
+        .map_err(|reason| format!("{full:?} is not a valid extended resource name: {reason}"))
 }
 
 // === serde ===

@@ -28,7 +28,7 @@ use serde::Serialize;
 use crate::config::KubernetesConfig;
 
 use super::credentials::{Credentials, Material, MaterialSource, Secret, TokenSource};
-use super::error::{ApiFailure, ApiStatus, HttpFailure, KubeError};
+use super::error::{ApiFailure, ApiStatus, HttpFailure, KubeError, error_chain, request_failure};
 use super::exec::{ClusterInfo, ExecOutput, identity_pem, run_plugin};
 use super::node::Node;
 use super::time::format_rfc3339;
@@ -45,10 +45,15 @@ pub const MAX_EVENT_MESSAGE: usize = 1024;
 
 const USER_AGENT: &str = concat!("gpu-node-agent/", env!("CARGO_PKG_VERSION"));
 
+/// Told the Kubernetes verb and HTTP status code of every response the API server sends (see
+/// [`KubeClient::with_response_observer`]).
+pub type ResponseObserver = Arc<dyn Fn(&'static str, u16) + Send + Sync>;
+
 /// An API client for the agent's own Node. Cheap to clone (shared state behind an `Arc`).
 #[derive(Clone)]
 pub struct KubeClient {
     inner: Arc<Inner>,
+    observer: Option<ResponseObserver>,
 }
 
 impl std::fmt::Debug for KubeClient {
@@ -205,7 +210,17 @@ impl KubeClient {
         let loaded = inner.load_files(&mut state, false)?;
         inner.ensure_http(&mut state, loaded.ca, loaded.identity)?;
         *inner.state.get_mut() = state;
-        Ok(KubeClient { inner: Arc::new(inner) })
+        Ok(KubeClient {
+            inner: Arc::new(inner),
+            observer: None,
+        })
+    }
+
+    /// This client, calling `observer` with the verb and status code of every response (the
+    /// agent counts them in its metrics; the kube module knows nothing of metrics).
+    pub fn with_response_observer(mut self, observer: ResponseObserver) -> KubeClient {
+        self.observer = Some(observer);
+        self
     }
 
     /// The credentials this client uses.
@@ -388,8 +403,8 @@ impl KubeClient {
                 Ok(Ok(response)) => response,
             };
             let status = response.status();
-            if let Some(metrics) = crate::metrics::global() {
-                metrics.api_request(verb, status.as_u16());
+            if let Some(observer) = &self.observer {
+                observer(verb, status.as_u16());
             }
             if status.is_success() {
                 return Ok(response);
@@ -691,31 +706,6 @@ fn encode(text: &str) -> String {
         }
     }
     out
-}
-
-pub(crate) fn request_failure(e: reqwest::Error) -> ApiFailure {
-    let e = e.without_url();
-    if e.is_timeout() {
-        ApiFailure::Timeout
-    } else if e.is_connect() {
-        ApiFailure::Connect(error_chain(&e))
-    } else {
-        ApiFailure::Transport(error_chain(&e))
-    }
-}
-
-/// An error and its sources, `: `-joined, skipping repeats.
-pub(crate) fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
-    let mut parts: Vec<String> = Vec::new();
-    let mut next = Some(e);
-    while let Some(err) = next {
-        let text = err.to_string();
-        if !parts.iter().any(|p| p.contains(&text)) {
-            parts.push(text);
-        }
-        next = err.source();
-    }
-    parts.join(": ")
 }
 
 async fn http_failure(response: reqwest::Response, limit: Duration, token: Option<&Secret>) -> ApiFailure {

@@ -168,6 +168,33 @@ impl ApiFailure {
     }
 }
 
+/// What a failed reqwest request (or body read) means to a caller: timed out, not connected,
+/// or broken in transport. Here, not in the client, because watch streams read bodies too.
+pub(crate) fn request_failure(e: reqwest::Error) -> ApiFailure {
+    let e = e.without_url();
+    if e.is_timeout() {
+        ApiFailure::Timeout
+    } else if e.is_connect() {
+        ApiFailure::Connect(error_chain(&e))
+    } else {
+        ApiFailure::Transport(error_chain(&e))
+    }
+}
+
+/// An error and its sources, `: `-joined, skipping repeats.
+pub(crate) fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut parts: Vec<String> = Vec::new();
+    let mut next = Some(e);
+    while let Some(err) = next {
+        let text = err.to_string();
+        if !parts.iter().any(|p| p.contains(&text)) {
+            parts.push(text);
+        }
+        next = err.source();
+    }
+    parts.join(": ")
+}
+
 /// Everything the kube module can fail at. Variants are named after the failed operation; the
 /// `Display` text is the whole message for the operator.
 #[derive(Debug, thiserror::Error)]

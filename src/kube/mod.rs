@@ -16,6 +16,7 @@
 mod backoff;
 mod client;
 mod credentials;
+mod discover;
 mod error;
 mod exec;
 mod kubeconfig;
@@ -28,13 +29,16 @@ mod watcher;
 mod testserver;
 
 pub use backoff::{Backoff, Jitter};
-pub(crate) use client::error_chain;
-pub use client::{COMPONENT, EVENT_NAMESPACE, EventType, KubeClient, MAX_EVENT_MESSAGE, NodeEvent, WATCH_IDLE_MARGIN};
+pub use client::{
+    COMPONENT, EVENT_NAMESPACE, EventType, KubeClient, MAX_EVENT_MESSAGE, NodeEvent, ResponseObserver,
+    WATCH_IDLE_MARGIN,
+};
 pub use credentials::{
     Auth, ClientCert, Credentials, ENV_KUBECONFIG, ENV_SERVICE_HOST, ENV_SERVICE_PORT, ExecApiVersion, ExecConfig,
-    FoundBy, Material, MaterialSource, Origin, Secret, TokenSource, discover, discover_with, in_cluster,
-    load_kubeconfig,
+    FoundBy, Material, MaterialSource, Origin, Secret, TokenSource, in_cluster,
 };
+pub use discover::{discover, discover_with, load_kubeconfig};
+pub(crate) use error::error_chain;
 pub use error::{ApiFailure, ApiStatus, HttpFailure, KubeError};
 pub use exec::{EXEC_TIMEOUT, EXPIRY_MARGIN};
 pub use node::Node;

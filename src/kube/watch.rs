@@ -8,7 +8,7 @@ use std::time::Duration;
 use futures_util::Stream;
 use serde::Deserialize;
 
-use super::error::{ApiFailure, ApiStatus, KubeError};
+use super::error::{ApiFailure, ApiStatus, KubeError, request_failure};
 use super::node::{Node, RawObject};
 
 /// Longest event line accepted (a Node with a long image list is a few hundred KiB).
@@ -110,7 +110,7 @@ impl ReadState {
                     let message = format!("no data for {}s: connection presumed dead", self.idle.as_secs());
                     return Some(Err(self.fail(ApiFailure::Transport(message))));
                 }
-                Ok(Err(e)) => return Some(Err(self.fail(super::client::request_failure(e)))),
+                Ok(Err(e)) => return Some(Err(self.fail(request_failure(e)))),
                 Ok(Ok(Some(chunk))) => {
                     if let Err(len) = self.lines.push(&chunk) {
                         let message = format!("an event line longer than {len} bytes");

@@ -17,7 +17,7 @@ use tonic::transport::Endpoint;
 
 use super::podresources::pod_resources_lister_client::PodResourcesListerClient;
 use super::podresources::{ListPodResourcesRequest, PodResources};
-use crate::plugin::allocate::split_replica_id;
+use crate::devices::split_replica_id;
 
 /// How long one `List` call (connect included) may take.
 pub const LIST_TIMEOUT: Duration = Duration::from_secs(5);

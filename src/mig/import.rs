@@ -17,11 +17,11 @@ use std::fmt::{self, Write as _};
 
 use serde_json::{Map, Value};
 
-use super::layout::{
+use crate::mig_layout::{
     DeviceSelector, Item, LayoutEntry, LayoutError, MigLayout, device_id_from_pci_id, format_device_id,
     parse_profile_name,
 };
-use crate::config::check_label_value;
+use crate::names::check_label_value;
 
 /// What is wrong with a mig-parted file, and where: the config name, the entry's position and
 /// the field (mig-parted's spelling).
@@ -402,7 +402,7 @@ fn toml_key(key: &str) -> String {
 mod tests {
     use super::*;
     use crate::config::{Config, Source};
-    use crate::mig::defaults::default_layouts;
+    use crate::mig_layout::defaults::default_layouts;
 
     /// In the style of the GPU Operator's default-mig-parted-config.
     const OPERATOR_STYLE: &str = r#"

@@ -60,12 +60,12 @@ pub enum PlanError {
     #[error("GPU {gpu} does not support MIG, but the layout enables MIG on it")]
     NotMigCapable { gpu: String },
     /// No entry of the layout applies to a GPU that supports MIG: mig-parted leaves it alone
-    /// and its assert then fails, so the layout is refused (see [`super::layout`]).
+    /// and its assert then fails, so the layout is refused (see [`crate::mig_layout`]).
     #[error(
         "no entry for GPU {index} ({uuid}, {}device {}), which supports MIG: every MIG-capable GPU \
          must be covered",
         model.as_deref().map(|m| format!("{m}, ")).unwrap_or_default(),
-        super::layout::format_device_id(*pci_device_id)
+        crate::mig_layout::format_device_id(*pci_device_id)
     )]
     NotCovered {
         index: u32,
@@ -745,9 +745,9 @@ mod tests {
     use std::collections::{BTreeMap, HashSet};
 
     use super::*;
-    use crate::mig::layout::{DeviceSelector, LayoutEntry, MigLayout};
     use crate::mig::stage::{gpus_to_change, plan_layout};
     use crate::mig::state::{ObservedCi, ObservedGi};
+    use crate::mig_layout::{DeviceSelector, LayoutEntry, MigLayout};
     use crate::nvml::MigState;
 
     // ---- Fixtures: test-peers §1.6 (hardware `nvidia-smi mig -lgip/-lgipp/-lcip` tables) ----

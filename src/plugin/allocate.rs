@@ -9,6 +9,7 @@ use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 
 use crate::api::{CdiDevice, ContainerAllocateRequest, ContainerAllocateResponse, DeviceSpec, Mount};
+use crate::devices::is_replica_id;
 use crate::plugin::devnodes::DeviceNodes;
 use crate::plugin::resources::{PluginDevice, Resource};
 
@@ -18,8 +19,6 @@ pub const VISIBLE_DEVICES_ENV: &str = "NVIDIA_VISIBLE_DEVICES";
 pub const VOLUME_MOUNTS_DIR: &str = "/var/run/nvidia-container-devices";
 /// Stem of the CDI annotation key after the prefix; a fresh UUID follows per response.
 pub const CDI_ANNOTATION_KEY_STEM: &str = "nvidia-device-plugin_";
-/// Separator between a device UUID and its replica number in time-slicing/MPS IDs.
-pub const REPLICA_SEPARATOR: &str = "::";
 
 /// The strategies are the config's types: `[device_plugin] device_list_strategy` and
 /// `device_id_strategy` (see the config module for what each does).
@@ -80,16 +79,6 @@ pub enum AllocateError {
     /// The driver's `mig-minors` table has no entry for a capability a MIG device needs.
     #[error("MIG device {device}: capability {key:?} not found in /proc/driver/nvidia-caps/mig-minors")]
     MissingMigCapability { key: String, device: String },
-}
-
-/// Splits a replica ID `<uuid>::<n>` into its parts; `None` for a plain device ID.
-pub fn split_replica_id(id: &str) -> Option<(&str, &str)> {
-    id.split_once(REPLICA_SEPARATOR)
-}
-
-/// Whether `id` names a time-slicing/MPS replica (`<uuid>::<n>`).
-pub fn is_replica_id(id: &str) -> bool {
-    split_replica_id(id).is_some()
 }
 
 /// Builds the response for one container request.

@@ -19,11 +19,12 @@ use tonic::{Request, Response, Status};
 
 use super::allocate::{AllocateOptions, allocate};
 use super::devnodes::DeviceNodes;
-use super::preferred::{SharedPolicy, Topology, preferred_allocation};
+use super::preferred::{SharedPolicy, preferred_allocation};
 use super::resources::Resource;
 use crate::api;
 use crate::api::device_plugin_server::{DevicePlugin, DevicePluginServer};
 use crate::api::registration_client::RegistrationClient;
+use crate::devices::Topology;
 
 /// The device plugin API version the kubelet speaks.
 pub const API_VERSION: &str = "v1beta1";

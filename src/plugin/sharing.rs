@@ -11,9 +11,9 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use crate::config::{MemoryBudget, MigStrategy, RESOURCE_PREFIX, SharedDevices, SharedResource, Sharing};
+use crate::devices::REPLICA_SEPARATOR;
 use crate::labels::gfd::ResourceSharing;
 use crate::nvml::Inventory;
-use crate::plugin::allocate::REPLICA_SEPARATOR;
 use crate::plugin::resources::{PluginDevice, Resource};
 use crate::plugin::strategy::build_resources;
 

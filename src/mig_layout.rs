@@ -1,0 +1,995 @@
+//! Named MIG layouts, the successor of mig-parted's `mig-configs`: a layout is a list of
+//! entries, each saying which GPUs it is for (indices and PCI device ids) and what they should
+//! look like (MIG mode and profile counts).
+//!
+//! Profile names are only checked for syntax here ([`parse_profile_name`]). What a name means
+//! depends on the card (`1g.10gb` is a different slice on an A100-40GB and an H100-80GB), so
+//! the planner resolves names against the profiles NVML reports for each GPU, never against a
+//! table.
+//!
+//! # Which entry applies to a GPU
+//!
+//! An entry applies to GPU `i` with PCI device id `d` when both hold (mig-parted's rule):
+//! - its `devices` is [`DeviceSelector::All`], or lists `i` (the NVML index);
+//! - its `device_filter` is empty, or lists `d`.
+//!
+//! [`MigLayout::entries_for`] returns every entry that applies, in order.
+//! - **None**: the layout does not cover that GPU. mig-parted's `apply` leaves such a GPU as it
+//!   is, and its `assert` then fails ("not all GPUs match the specified config"), so the node
+//!   never reports success. [`crate::mig::stage::plan_layout`] therefore refuses such a layout
+//!   before anything changes on any GPU, naming the GPU ([`crate::mig::planner::PlanError::NotCovered`]).
+//!   A GPU without MIG that no entry covers is simply left alone.
+//! - **A GPU without MIG** is skipped, as mig-parted's apply does, unless an entry that applies
+//!   to it lists its index explicitly and enables MIG (then the layout is refused, naming it):
+//!   `devices: all` and `mig_enabled = false` both leave it alone.
+//! - **Several**: mig-parted applies the entries one after the other, so the last one wins,
+//!   and its assert fails forever when they disagree. [`MigLayout::check`] therefore rejects
+//!   a layout in which two entries that can apply to the same GPU differ in `mig_enabled` or
+//!   `profiles`; in a checked layout all entries returned agree, and [`MigLayout::entry_for`]
+//!   (the last one, as mig-parted would end up with) is the one to use.
+
+pub mod defaults;
+
+use std::collections::BTreeMap;
+use std::fmt;
+
+use serde::de::{self, Deserializer, MapAccess, SeqAccess, Visitor};
+use serde::ser::{SerializeSeq, SerializeStruct};
+use serde::{Deserialize, Serialize, Serializer};
+
+/// NVIDIA's PCI vendor id, the low 16 bits of mig-parted's 32-bit device filters.
+pub const NVIDIA_VENDOR_ID: u16 = 0x10DE;
+
+/// One named layout: its entries, in order.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct MigLayout {
+    pub entries: Vec<LayoutEntry>,
+}
+
+/// One entry of a layout: which GPUs, and the MIG state they should have.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LayoutEntry {
+    /// The GPUs (NVML indices) it is for.
+    pub devices: DeviceSelector,
+    /// 16-bit PCI device ids (e.g. 0x20B0 for A100-SXM4-40GB); empty: any.
+    pub device_filter: Vec<u16>,
+    /// The MIG mode.
+    pub mig_enabled: bool,
+    /// Profile name → number of instances, e.g. `1g.5gb` → 7, `1c.4g.20gb` → 4. Empty with
+    /// `mig_enabled`: MIG on with no instances. Always empty without `mig_enabled`.
+    pub profiles: BTreeMap<String, u32>,
+}
+
+/// `devices`: every GPU, or the GPUs with these NVML indices.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum DeviceSelector {
+    All,
+    Indices(Vec<u32>),
+}
+
+impl DeviceSelector {
+    /// Whether the GPU with NVML index `gpu_index` is selected.
+    pub fn contains(&self, gpu_index: u32) -> bool {
+        match self {
+            DeviceSelector::All => true,
+            DeviceSelector::Indices(list) => list.contains(&gpu_index),
+        }
+    }
+
+    /// Whether some GPU index is selected by both.
+    fn intersects(&self, other: &DeviceSelector) -> bool {
+        match (self, other) {
+            (DeviceSelector::Indices(a), DeviceSelector::Indices(b)) => a.iter().any(|i| b.contains(i)),
+            (DeviceSelector::All, DeviceSelector::Indices(l)) | (DeviceSelector::Indices(l), DeviceSelector::All) => {
+                !l.is_empty()
+            }
+            (DeviceSelector::All, DeviceSelector::All) => true,
+        }
+    }
+}
+
+impl LayoutEntry {
+    /// Whether this entry applies to the GPU with NVML index `gpu_index` and PCI device id
+    /// `pci_device_id` (see the module docs).
+    pub fn matches(&self, gpu_index: u32, pci_device_id: u16) -> bool {
+        self.devices.contains(gpu_index)
+            && (self.device_filter.is_empty() || self.device_filter.contains(&pci_device_id))
+    }
+
+    /// Whether some GPU could be matched by both entries.
+    fn overlaps(&self, other: &LayoutEntry) -> bool {
+        let filters_meet = self.device_filter.is_empty()
+            || other.device_filter.is_empty()
+            || self.device_filter.iter().any(|d| other.device_filter.contains(d));
+        filters_meet && self.devices.intersects(&other.devices)
+    }
+
+    /// Whether both ask for the same MIG state.
+    fn same_state(&self, other: &LayoutEntry) -> bool {
+        self.mig_enabled == other.mig_enabled && self.profiles == other.profiles
+    }
+}
+
+impl MigLayout {
+    /// A layout of these entries.
+    pub fn new(entries: Vec<LayoutEntry>) -> Self {
+        MigLayout { entries }
+    }
+
+    /// Every entry that applies to the GPU with NVML index `gpu_index` and PCI device id
+    /// `pci_device_id`, in order. Empty: the layout does not cover that GPU. In a layout that
+    /// passed [`check`](Self::check), several entries returned all ask for the same state.
+    pub fn entries_for(&self, gpu_index: u32, pci_device_id: u16) -> Vec<&LayoutEntry> {
+        self.entries
+            .iter()
+            .filter(|e| e.matches(gpu_index, pci_device_id))
+            .collect()
+    }
+
+    /// The entry that decides the GPU's state: the last one that applies, which is what
+    /// mig-parted ends up with after applying entries in order. `None`: not covered.
+    pub fn entry_for(&self, gpu_index: u32, pci_device_id: u16) -> Option<&LayoutEntry> {
+        self.entries.iter().rev().find(|e| e.matches(gpu_index, pci_device_id))
+    }
+
+    /// The rules every layout follows, wherever it comes from (the config, an import, the
+    /// built-in defaults):
+    /// - at least one entry;
+    /// - `devices` is `All` or a non-empty list without duplicates;
+    /// - `device_filter` has no duplicates;
+    /// - without `mig_enabled`, no profiles;
+    /// - every profile name parses ([`parse_profile_name`]), no two name the same profile
+    ///   (attributes in another order), and every count is at least 1;
+    /// - two entries that can apply to the same GPU ask for the same state.
+    pub fn check(&self) -> Result<(), LayoutError> {
+        if self.entries.is_empty() {
+            return Err(LayoutError::NoEntries);
+        }
+        for (i, entry) in self.entries.iter().enumerate() {
+            check_entry(i, entry)?;
+        }
+        for (i, later) in self.entries.iter().enumerate() {
+            if let Some(j) = self.entries[..i]
+                .iter()
+                .position(|earlier| earlier.overlaps(later) && !earlier.same_state(later))
+            {
+                return Err(LayoutError::Entry {
+                    entry: i,
+                    field: EntryField::Devices,
+                    item: None,
+                    reason: format!(
+                        "entry {i} can apply to the same GPUs as entry {j} (their devices and device \
+                         filters overlap) but asks for a different MIG state; make them disjoint"
+                    ),
+                });
+            }
+        }
+        Ok(())
+    }
+}
+
+fn check_entry(index: usize, entry: &LayoutEntry) -> Result<(), LayoutError> {
+    let problem = |field, item, reason: String| LayoutError::Entry {
+        entry: index,
+        field,
+        item,
+        reason,
+    };
+    if let DeviceSelector::Indices(list) = &entry.devices {
+        if list.is_empty() {
+            return Err(problem(
+                EntryField::Devices,
+                None,
+                "an empty list selects no GPU; expected \"all\" or GPU indices".to_owned(),
+            ));
+        }
+        for (k, gpu) in list.iter().enumerate() {
+            if list[..k].contains(gpu) {
+                return Err(problem(
+                    EntryField::Devices,
+                    Some(Item::Index(k)),
+                    format!("GPU {gpu} is listed twice"),
+                ));
+            }
+        }
+    }
+    for (k, id) in entry.device_filter.iter().enumerate() {
+        if entry.device_filter[..k].contains(id) {
+            return Err(problem(
+                EntryField::DeviceFilter,
+                Some(Item::Index(k)),
+                format!("device id {} is listed twice", format_device_id(*id)),
+            ));
+        }
+    }
+    if !entry.mig_enabled && !entry.profiles.is_empty() {
+        return Err(problem(
+            EntryField::Profiles,
+            None,
+            "MIG devices need MIG enabled; leave the profiles out or set MIG enabled".to_owned(),
+        ));
+    }
+    let mut parsed: Vec<ProfileName> = Vec::with_capacity(entry.profiles.len());
+    for (name, &count) in &entry.profiles {
+        let item = || Some(Item::Profile(name.clone()));
+        let profile = parse_profile_name(name).map_err(|e| problem(EntryField::Profiles, item(), e.to_string()))?;
+        if let Some(same) = parsed.iter().find(|p| p.same_profile(&profile)) {
+            return Err(problem(
+                EntryField::Profiles,
+                item(),
+                format!("names the same profile as {:?}", same.text),
+            ));
+        }
+        if count == 0 {
+            return Err(problem(
+                EntryField::Profiles,
+                item(),
+                "expected a count of at least 1; leave the profile out instead".to_owned(),
+            ));
+        }
+        parsed.push(profile);
+    }
+    Ok(())
+}
+
+// === errors ===
+
+/// A field of a layout entry, for messages. Spelled `devices`, `device_filter`, `mig_enabled`,
+/// `profiles` in the agent's config and `devices`, `device-filter`, `mig-enabled`,
+/// `mig-devices` in mig-parted's.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EntryField {
+    Devices,
+    DeviceFilter,
+    MigEnabled,
+    Profiles,
+}
+
+impl EntryField {
+    /// The key in the agent's config.
+    pub fn config_key(self) -> &'static str {
+        match self {
+            EntryField::Devices => "devices",
+            EntryField::DeviceFilter => "device_filter",
+            EntryField::MigEnabled => "mig_enabled",
+            EntryField::Profiles => "profiles",
+        }
+    }
+
+    /// The key in a mig-parted config file.
+    pub fn mig_parted_key(self) -> &'static str {
+        match self {
+            EntryField::Devices => "devices",
+            EntryField::DeviceFilter => "device-filter",
+            EntryField::MigEnabled => "mig-enabled",
+            EntryField::Profiles => "mig-devices",
+        }
+    }
+}
+
+/// The part of a field a problem is about.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Item {
+    /// The n-th element of a list (`devices`, `device_filter`).
+    Index(usize),
+    /// A profile of `profiles`, by name.
+    Profile(String),
+}
+
+/// A profile name that is not well-formed, or a layout breaking a rule of
+/// [`MigLayout::check`].
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum LayoutError {
+    /// Not `[<C>c.]<G>g.<GB>gb[+attr[,attr]|-attr[,attr]]`.
+    #[error(
+        "{text:?} is not a MIG profile name: {reason} (expected [<C>c.]<G>g.<GB>gb with an optional \
+         +attr[,attr] or -attr suffix, e.g. 1g.5gb, 1c.4g.20gb, 1g.5gb+me, 1g.24gb-me)"
+    )]
+    ProfileName { text: String, reason: String },
+    /// A layout without entries.
+    #[error("a layout needs at least one entry")]
+    NoEntries,
+    /// An entry breaks a rule.
+    #[error("entry {entry}, {}{}: {reason}", field.config_key(), ItemDisplay(item.as_ref()))]
+    Entry {
+        /// 0-based position of the entry.
+        entry: usize,
+        field: EntryField,
+        item: Option<Item>,
+        reason: String,
+    },
+}
+
+struct ItemDisplay<'a>(Option<&'a Item>);
+
+impl fmt::Display for ItemDisplay<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.0 {
+            None => Ok(()),
+            Some(Item::Index(i)) => write!(f, "[{i}]"),
+            Some(Item::Profile(p)) => write!(f, "[{p:?}]"),
+        }
+    }
+}
+
+// === profile names ===
+
+/// A syntactically valid MIG profile name, e.g. `1g.5gb`, `1g.5gb+me`, `1g.24gb-me`,
+/// `1c.4g.20gb`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ProfileName {
+    /// `C` of `<C>c.<G>g...`: the compute slices of a compute-instance sub-profile; `None` when
+    /// the compute instance spans the GPU instance (C = G, which is written without `c.`).
+    pub compute_slices: Option<u32>,
+    /// `G`: the GPU instance's compute slices.
+    pub gpu_slices: u32,
+    /// `GB`: memory as NVIDIA's naming rounds it.
+    pub memory_gb: u32,
+    /// Attributes after `+`, in the order written (`me`, `me.all`, `gfx`).
+    pub attrs: Vec<String>,
+    /// Attributes after `-`, in the order written (`me` of `1g.24gb-me`).
+    pub neg_attrs: Vec<String>,
+    /// The name as given.
+    pub text: String,
+}
+
+impl ProfileName {
+    /// Whether both name the same profile: equal numbers and the same attribute sets, in any
+    /// order.
+    pub fn same_profile(&self, other: &ProfileName) -> bool {
+        let sorted = |v: &[String]| {
+            let mut v = v.to_vec();
+            v.sort();
+            v
+        };
+        self.compute_slices == other.compute_slices
+            && self.gpu_slices == other.gpu_slices
+            && self.memory_gb == other.memory_gb
+            && sorted(&self.attrs) == sorted(&other.attrs)
+            && sorted(&self.neg_attrs) == sorted(&other.neg_attrs)
+    }
+
+    /// The GPU instance part of the name: `1c.4g.20gb+me` → `4g.20gb+me`.
+    pub fn gpu_instance_name(&self) -> String {
+        match self.compute_slices {
+            None => self.text.clone(),
+            Some(_) => self
+                .text
+                .split_once('.')
+                .map_or_else(|| self.text.clone(), |(_, rest)| rest.to_owned()),
+        }
+    }
+}
+
+impl fmt::Display for ProfileName {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.text)
+    }
+}
+
+/// Checks the syntax of a MIG profile name: `[<C>c.]<G>g.<GB>gb`, then optionally `+` or `-`
+/// and comma-separated attributes. Numbers are positive decimals without leading zeros; `C`,
+/// when written, is less than `G` (C = G is written without `c.`); attributes are lower-case
+/// letters and digits starting with a letter, with `.` between parts (`me.all`), and unique;
+/// `+` and `-` are not combined.
+pub fn parse_profile_name(name: &str) -> Result<ProfileName, LayoutError> {
+    let fail = |reason: &str| LayoutError::ProfileName {
+        text: name.to_owned(),
+        reason: reason.to_owned(),
+    };
+    if name.is_empty() {
+        return Err(fail("it is empty"));
+    }
+    let (base, attrs, neg_attrs) = match name.find(['+', '-']) {
+        None => (name, Vec::new(), Vec::new()),
+        Some(at) => {
+            let (base, suffix) = name.split_at(at);
+            let (sign, list) = suffix.split_at(1);
+            if list.contains(['+', '-']) {
+                return Err(fail("only one + or - attribute suffix is allowed"));
+            }
+            let list = parse_attrs(list).map_err(|r| fail(&r))?;
+            if sign == "+" {
+                (base, list, Vec::new())
+            } else {
+                (base, Vec::new(), list)
+            }
+        }
+    };
+    let parts: Vec<&str> = base.split('.').collect();
+    let (c, g, gb) = match parts.as_slice() {
+        [g, gb] => (None, *g, *gb),
+        [c, g, gb] => (Some(*c), *g, *gb),
+        _ => return Err(fail("expected 2 or 3 dot-separated fields before the attributes")),
+    };
+    let number = |field: &str, unit: &str| -> Result<u32, LayoutError> {
+        let digits = field
+            .strip_suffix(unit)
+            .ok_or_else(|| fail(&format!("{field:?} does not end in {unit:?}")))?;
+        parse_positive(digits).ok_or_else(|| fail(&format!("{field:?} does not start with a positive number")))
+    };
+    let compute_slices = c.map(|c| number(c, "c")).transpose()?;
+    let gpu_slices = number(g, "g")?;
+    let memory_gb = number(gb, "gb")?;
+    match compute_slices {
+        Some(c) if c == gpu_slices => {
+            return Err(fail(&format!(
+                "a compute instance spanning its GPU instance is written without \"{c}c.\""
+            )));
+        }
+        Some(c) if c > gpu_slices => return Err(fail("more compute slices than GPU slices")),
+        _ => {}
+    }
+    Ok(ProfileName {
+        compute_slices,
+        gpu_slices,
+        memory_gb,
+        attrs,
+        neg_attrs,
+        text: name.to_owned(),
+    })
+}
+
+/// A positive decimal without sign or leading zeros.
+fn parse_positive(digits: &str) -> Option<u32> {
+    let ok = !digits.is_empty() && digits.bytes().all(|b| b.is_ascii_digit()) && !digits.starts_with('0');
+    if ok { digits.parse().ok() } else { None }
+}
+
+fn parse_attrs(list: &str) -> Result<Vec<String>, String> {
+    let mut out: Vec<String> = Vec::new();
+    for attr in list.split(',') {
+        let part_ok = |p: &str| !p.is_empty() && p.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit());
+        let ok = attr.as_bytes().first().is_some_and(u8::is_ascii_lowercase) && attr.split('.').all(part_ok);
+        if !ok {
+            return Err(format!(
+                "attribute {attr:?} is not lower-case letters and digits starting with a letter, e.g. me, me.all, gfx"
+            ));
+        }
+        if out.iter().any(|a| a == attr) {
+            return Err(format!("attribute {attr:?} is listed twice"));
+        }
+        out.push(attr.to_owned());
+    }
+    Ok(out)
+}
+
+// === PCI device ids ===
+
+/// Writes a device id the way the config does: `0x20B0`.
+pub fn format_device_id(id: u16) -> String {
+    format!("0x{id:04X}")
+}
+
+/// A device id from mig-parted's 32-bit form, device id in the high half and vendor id in the
+/// low half (`0x20B010DE`). The vendor must be NVIDIA's.
+pub fn device_id_from_pci_id(value: u32) -> Result<u16, String> {
+    let device = (value >> 16) as u16;
+    let vendor = (value & 0xFFFF) as u16;
+    if vendor == NVIDIA_VENDOR_ID {
+        Ok(device)
+    } else {
+        Err(format!(
+            "0x{value:08X} has vendor id 0x{vendor:04X}, not NVIDIA's 0x10DE; expected 0x<device id>10DE, \
+             e.g. \"0x20B010DE\""
+        ))
+    }
+}
+
+const DEVICE_ID_EXPECTED: &str = "expected a PCI device id such as \"0x20B0\", or device and vendor id such as \
+     \"0x20B010DE\", or an integer";
+
+/// A device id as the config accepts it: `"0x20B0"` (1 to 4 hex digits: the device id),
+/// `"0x20B010DE"` (5 to 8 hex digits: device and NVIDIA's vendor id, mig-parted's form).
+/// mig-parted's subsystem qualifier (`...:0x...`) is not supported.
+pub fn parse_device_id(text: &str) -> Result<u16, String> {
+    if text.contains(':') {
+        return Err(format!(
+            "subsystem qualifiers are not supported (only the device id is matched); {DEVICE_ID_EXPECTED}"
+        ));
+    }
+    let hex = text
+        .strip_prefix("0x")
+        .or_else(|| text.strip_prefix("0X"))
+        .filter(|h| !h.is_empty() && h.len() <= 8 && h.bytes().all(|b| b.is_ascii_hexdigit()))
+        .ok_or_else(|| DEVICE_ID_EXPECTED.to_owned())?;
+    let value = u32::from_str_radix(hex, 16).map_err(|_| DEVICE_ID_EXPECTED.to_owned())?;
+    if hex.len() <= 4 {
+        Ok(value as u16)
+    } else {
+        device_id_from_pci_id(value)
+    }
+}
+
+/// A device id given as an integer: up to 0xFFFF the device id, above it mig-parted's 32-bit
+/// device-and-vendor form.
+fn device_id_from_int(value: i64) -> Result<u16, String> {
+    match u32::try_from(value) {
+        Ok(v) if v <= 0xFFFF => Ok(v as u16),
+        Ok(v) => device_id_from_pci_id(v),
+        Err(_) => Err(DEVICE_ID_EXPECTED.to_owned()),
+    }
+}
+
+// === serde (the config's spelling) ===
+
+impl Serialize for DeviceSelector {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        match self {
+            DeviceSelector::All => s.serialize_str("all"),
+            DeviceSelector::Indices(list) => list.serialize(s),
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for DeviceSelector {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+
+        impl<'de> Visitor<'de> for V {
+            type Value = DeviceSelector;
+
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("\"all\" or an array of GPU indices")
+            }
+
+            fn visit_str<E: de::Error>(self, v: &str) -> Result<DeviceSelector, E> {
+                if v == "all" {
+                    Ok(DeviceSelector::All)
+                } else {
+                    Err(E::custom("expected \"all\" or an array of GPU indices"))
+                }
+            }
+
+            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<DeviceSelector, A::Error> {
+                let mut out = Vec::new();
+                while let Some(i) = seq.next_element::<u32>()? {
+                    out.push(i);
+                }
+                Ok(DeviceSelector::Indices(out))
+            }
+        }
+
+        d.deserialize_any(V)
+    }
+}
+
+/// One element of `device_filter`.
+struct DeviceId(u16);
+
+impl<'de> Deserialize<'de> for DeviceId {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        d.deserialize_any(DeviceIdVisitor)
+    }
+}
+
+struct DeviceIdVisitor;
+
+impl<'de> Visitor<'de> for DeviceIdVisitor {
+    type Value = DeviceId;
+
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(DEVICE_ID_EXPECTED.trim_start_matches("expected "))
+    }
+
+    fn visit_str<E: de::Error>(self, v: &str) -> Result<DeviceId, E> {
+        parse_device_id(v).map(DeviceId).map_err(E::custom)
+    }
+
+    fn visit_i64<E: de::Error>(self, v: i64) -> Result<DeviceId, E> {
+        device_id_from_int(v).map(DeviceId).map_err(E::custom)
+    }
+
+    fn visit_u64<E: de::Error>(self, v: u64) -> Result<DeviceId, E> {
+        let v = i64::try_from(v).map_err(|_| E::custom(DEVICE_ID_EXPECTED))?;
+        self.visit_i64(v)
+    }
+}
+
+/// `device_filter`: one device id or an array of them.
+struct DeviceFilter(Vec<u16>);
+
+impl<'de> Deserialize<'de> for DeviceFilter {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+
+        impl<'de> Visitor<'de> for V {
+            type Value = DeviceFilter;
+
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a PCI device id such as \"0x20B0\" or an array of them")
+            }
+
+            fn visit_str<E: de::Error>(self, v: &str) -> Result<DeviceFilter, E> {
+                DeviceIdVisitor.visit_str(v).map(|id| DeviceFilter(vec![id.0]))
+            }
+
+            fn visit_i64<E: de::Error>(self, v: i64) -> Result<DeviceFilter, E> {
+                DeviceIdVisitor.visit_i64(v).map(|id| DeviceFilter(vec![id.0]))
+            }
+
+            fn visit_u64<E: de::Error>(self, v: u64) -> Result<DeviceFilter, E> {
+                DeviceIdVisitor.visit_u64(v).map(|id| DeviceFilter(vec![id.0]))
+            }
+
+            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<DeviceFilter, A::Error> {
+                let mut out = Vec::new();
+                while let Some(DeviceId(id)) = seq.next_element()? {
+                    out.push(id);
+                }
+                Ok(DeviceFilter(out))
+            }
+        }
+
+        d.deserialize_any(V)
+    }
+}
+
+struct DeviceIds<'a>(&'a [u16]);
+
+impl Serialize for DeviceIds<'_> {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        let mut seq = s.serialize_seq(Some(self.0.len()))?;
+        for id in self.0 {
+            seq.serialize_element(&format_device_id(*id))?;
+        }
+        seq.end()
+    }
+}
+
+impl Serialize for LayoutEntry {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        let mut st = s.serialize_struct("LayoutEntry", 4)?;
+        st.serialize_field("devices", &self.devices)?;
+        if self.device_filter.is_empty() {
+            st.skip_field("device_filter")?;
+        } else {
+            st.serialize_field("device_filter", &DeviceIds(&self.device_filter))?;
+        }
+        st.serialize_field("mig_enabled", &self.mig_enabled)?;
+        if self.mig_enabled || !self.profiles.is_empty() {
+            st.serialize_field("profiles", &self.profiles)?;
+        } else {
+            st.skip_field("profiles")?;
+        }
+        st.end()
+    }
+}
+
+const ENTRY_FIELDS: &[&str] = &["devices", "device_filter", "mig_enabled", "profiles"];
+
+impl<'de> Deserialize<'de> for LayoutEntry {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        #[derive(Deserialize)]
+        #[serde(field_identifier, rename_all = "snake_case")]
+        enum Field {
+            Devices,
+            DeviceFilter,
+            MigEnabled,
+            Profiles,
+        }
+
+        struct V;
+
+        impl<'de> Visitor<'de> for V {
+            type Value = LayoutEntry;
+
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a layout entry (a table with devices, device_filter, mig_enabled, profiles)")
+            }
+
+            fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<LayoutEntry, A::Error> {
+                let mut devices = None;
+                let mut device_filter = None;
+                let mut mig_enabled = None;
+                let mut profiles = None;
+                while let Some(key) = map.next_key()? {
+                    let dup = |name| de::Error::duplicate_field(name);
+                    match key {
+                        Field::Devices if devices.is_some() => return Err(dup("devices")),
+                        Field::Devices => devices = Some(map.next_value()?),
+                        Field::DeviceFilter if device_filter.is_some() => return Err(dup("device_filter")),
+                        Field::DeviceFilter => device_filter = Some(map.next_value::<DeviceFilter>()?.0),
+                        Field::MigEnabled if mig_enabled.is_some() => return Err(dup("mig_enabled")),
+                        Field::MigEnabled => mig_enabled = Some(map.next_value()?),
+                        Field::Profiles if profiles.is_some() => return Err(dup("profiles")),
+                        Field::Profiles => profiles = Some(map.next_value()?),
+                    }
+                }
+                let devices = devices.ok_or_else(|| de::Error::missing_field("devices"))?;
+                let mig_enabled = mig_enabled.ok_or_else(|| de::Error::missing_field("mig_enabled"))?;
+                // mig-parted's rule: MIG on needs the devices spelled out, `{}` for none, so a
+                // forgotten key does not silently mean "destroy every instance".
+                if mig_enabled && profiles.is_none() {
+                    return Err(de::Error::custom(
+                        "missing field `profiles` (required when mig_enabled = true; {} for none)",
+                    ));
+                }
+                Ok(LayoutEntry {
+                    devices,
+                    device_filter: device_filter.unwrap_or_default(),
+                    mig_enabled,
+                    profiles: profiles.unwrap_or_default(),
+                })
+            }
+        }
+
+        d.deserialize_struct("LayoutEntry", ENTRY_FIELDS, V)
+    }
+}
+
+impl Serialize for MigLayout {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        self.entries.serialize(s)
+    }
+}
+
+impl<'de> Deserialize<'de> for MigLayout {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+
+        impl<'de> Visitor<'de> for V {
+            type Value = MigLayout;
+
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("an array of layout entries, written [[mig.layouts.<name>]]")
+            }
+
+            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<MigLayout, A::Error> {
+                let mut entries = Vec::new();
+                while let Some(e) = seq.next_element()? {
+                    entries.push(e);
+                }
+                Ok(MigLayout { entries })
+            }
+        }
+
+        d.deserialize_seq(V)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn entry(devices: DeviceSelector, filter: &[u16], enabled: bool, profiles: &[(&str, u32)]) -> LayoutEntry {
+        LayoutEntry {
+            devices,
+            device_filter: filter.to_vec(),
+            mig_enabled: enabled,
+            profiles: profiles.iter().map(|(p, n)| (p.to_string(), *n)).collect(),
+        }
+    }
+
+    #[test]
+    fn profile_names_parse() {
+        let p = parse_profile_name("1g.5gb").unwrap();
+        assert_eq!((p.compute_slices, p.gpu_slices, p.memory_gb), (None, 1, 5));
+        assert!(p.attrs.is_empty() && p.neg_attrs.is_empty());
+
+        let p = parse_profile_name("1g.5gb+me").unwrap();
+        assert_eq!(p.attrs, ["me"]);
+        let p = parse_profile_name("1g.24gb-me").unwrap();
+        assert_eq!(
+            (p.attrs.len(), p.neg_attrs.as_slice()),
+            (0, ["me".to_owned()].as_slice())
+        );
+        let p = parse_profile_name("1g.24gb+me.all").unwrap();
+        assert_eq!(p.attrs, ["me.all"]);
+        let p = parse_profile_name("4g.96gb+gfx,me").unwrap();
+        assert_eq!(p.attrs, ["gfx", "me"]);
+
+        let p = parse_profile_name("1c.4g.20gb").unwrap();
+        assert_eq!((p.compute_slices, p.gpu_slices, p.memory_gb), (Some(1), 4, 20));
+        assert_eq!(p.gpu_instance_name(), "4g.20gb");
+        assert_eq!(p.to_string(), "1c.4g.20gb");
+        let p = parse_profile_name("7g.80gb").unwrap();
+        assert_eq!((p.gpu_slices, p.memory_gb), (7, 80));
+        assert_eq!(parse_profile_name("7g.141gb").unwrap().memory_gb, 141);
+
+        assert!(
+            parse_profile_name("1g.5gb+gfx,me")
+                .unwrap()
+                .same_profile(&parse_profile_name("1g.5gb+me,gfx").unwrap())
+        );
+        assert!(
+            !parse_profile_name("1g.5gb+me")
+                .unwrap()
+                .same_profile(&parse_profile_name("1g.5gb").unwrap())
+        );
+    }
+
+    #[test]
+    fn bad_profile_names() {
+        for bad in [
+            "",
+            "1x.5gb",
+            "g.5gb",
+            "1g.5",
+            "1g.5GB",
+            "1g",
+            "1g.5gb.",
+            "0g.5gb",
+            "01g.5gb",
+            "1g.0gb",
+            "-1g.5gb",
+            "1g.5gb+",
+            "1g.5gb+me,",
+            "1g.5gb+me,me",
+            "1g.5gb+me-gfx",
+            "1g.5gb+ME",
+            "1g.5gb+1x",
+            "1g.5gb+me..all",
+            "1c.1g.5gb",
+            "2c.1g.5gb",
+            "1c.2c.4g.20gb",
+            " 1g.5gb",
+            "1g.5gb ",
+            "1d.4g.20gb",
+            "1g.99999999999gb",
+        ] {
+            let e = parse_profile_name(bad).expect_err(bad);
+            assert!(matches!(e, LayoutError::ProfileName { .. }), "{bad:?}: {e}");
+        }
+        let e = parse_profile_name("1x.5gb").unwrap_err().to_string();
+        assert!(
+            e.starts_with("\"1x.5gb\" is not a MIG profile name: \"1x\" does not end in \"g\""),
+            "{e}"
+        );
+        let e = parse_profile_name("4c.4g.20gb").unwrap_err().to_string();
+        assert!(e.contains("written without \"4c.\""), "{e}");
+    }
+
+    #[test]
+    fn entries_for_matches_devices_and_filter() {
+        let layout = MigLayout::new(vec![
+            entry(DeviceSelector::Indices(vec![0, 1]), &[], true, &[("1g.5gb", 7)]),
+            entry(DeviceSelector::Indices(vec![3]), &[0x20B0], false, &[]),
+        ]);
+        layout.check().unwrap();
+        // By index, any model.
+        assert_eq!(layout.entries_for(0, 0x20B0), [&layout.entries[0]]);
+        assert_eq!(layout.entries_for(1, 0x1234), [&layout.entries[0]]);
+        assert!(layout.entries_for(2, 0x20B0).is_empty());
+        // Index and filter both needed.
+        assert_eq!(layout.entries_for(3, 0x20B0), [&layout.entries[1]]);
+        assert!(layout.entries_for(3, 0x20B5).is_empty());
+        assert_eq!(layout.entry_for(3, 0x20B5), None);
+
+        // `all` restricted by the filter: one entry per model.
+        let per_model = MigLayout::new(vec![
+            entry(DeviceSelector::All, &[0x20B2, 0x2330], true, &[("1g.10gb", 7)]),
+            entry(DeviceSelector::All, &[0x20B0], true, &[("1g.10gb", 4)]),
+        ]);
+        per_model.check().unwrap();
+        assert_eq!(per_model.entries_for(5, 0x2330), [&per_model.entries[0]]);
+        assert_eq!(per_model.entries_for(2, 0x20B2), [&per_model.entries[0]]);
+        assert_eq!(per_model.entries_for(2, 0x20B0), [&per_model.entries[1]]);
+        assert!(per_model.entries_for(2, 0x20B5).is_empty());
+
+        let all = MigLayout::new(vec![entry(DeviceSelector::All, &[], false, &[])]);
+        assert_eq!(all.entries_for(7, 0xFFFF).len(), 1);
+    }
+
+    #[test]
+    fn overlapping_entries_must_agree() {
+        // GPU 0 with device 0x20B2 is matched by both; same state is fine.
+        let same = MigLayout::new(vec![
+            entry(DeviceSelector::All, &[0x20B2], true, &[("1g.10gb", 7)]),
+            entry(DeviceSelector::Indices(vec![0]), &[], true, &[("1g.10gb", 7)]),
+        ]);
+        same.check().unwrap();
+        assert_eq!(same.entries_for(0, 0x20B2).len(), 2);
+        assert_eq!(same.entry_for(0, 0x20B2), Some(&same.entries[1]));
+
+        let conflict = MigLayout::new(vec![
+            entry(DeviceSelector::All, &[0x20B2], true, &[("1g.10gb", 7)]),
+            entry(DeviceSelector::Indices(vec![0]), &[], false, &[]),
+        ]);
+        let e = conflict.check().unwrap_err();
+        assert!(
+            matches!(
+                e,
+                LayoutError::Entry {
+                    entry: 1,
+                    field: EntryField::Devices,
+                    ..
+                }
+            ),
+            "{e}"
+        );
+        assert!(e.to_string().contains("same GPUs as entry 0"), "{e}");
+
+        // An index entry without a filter can meet an `all` entry with one.
+        MigLayout::new(vec![
+            entry(DeviceSelector::All, &[0x20B0], true, &[("1g.10gb", 4)]),
+            entry(DeviceSelector::All, &[0x20B2], true, &[("1g.10gb", 7)]),
+            entry(DeviceSelector::Indices(vec![1]), &[], false, &[]),
+            entry(DeviceSelector::Indices(vec![2]), &[], true, &[]),
+        ])
+        .check()
+        .unwrap_err();
+        // Disjoint indices, or the same index with disjoint filters, never conflict.
+        MigLayout::new(vec![
+            entry(DeviceSelector::Indices(vec![1]), &[], false, &[]),
+            entry(DeviceSelector::Indices(vec![2]), &[], true, &[]),
+            entry(DeviceSelector::Indices(vec![3]), &[0x20B0], true, &[("1g.10gb", 4)]),
+            entry(DeviceSelector::Indices(vec![3]), &[0x20B2], true, &[("1g.10gb", 7)]),
+        ])
+        .check()
+        .unwrap();
+    }
+
+    #[test]
+    fn check_rules() {
+        assert_eq!(MigLayout::default().check(), Err(LayoutError::NoEntries));
+        let one = |e: LayoutEntry| MigLayout::new(vec![e]).check().unwrap_err();
+        let e = one(entry(DeviceSelector::Indices(vec![]), &[], false, &[]));
+        assert!(e.to_string().starts_with("entry 0, devices: an empty list"), "{e}");
+        let e = one(entry(DeviceSelector::Indices(vec![0, 1, 0]), &[], false, &[]));
+        assert_eq!(e.to_string(), "entry 0, devices[2]: GPU 0 is listed twice");
+        let e = one(entry(DeviceSelector::All, &[0x20B0, 0x20B0], false, &[]));
+        assert_eq!(
+            e.to_string(),
+            "entry 0, device_filter[1]: device id 0x20B0 is listed twice"
+        );
+        let e = one(entry(DeviceSelector::All, &[], false, &[("1g.5gb", 1)]));
+        assert!(
+            e.to_string()
+                .starts_with("entry 0, profiles: MIG devices need MIG enabled"),
+            "{e}"
+        );
+        let e = one(entry(DeviceSelector::All, &[], true, &[("1g.5gb", 0)]));
+        assert!(
+            e.to_string()
+                .starts_with("entry 0, profiles[\"1g.5gb\"]: expected a count"),
+            "{e}"
+        );
+        let e = one(entry(DeviceSelector::All, &[], true, &[("1x.5gb", 1)]));
+        assert!(
+            e.to_string()
+                .starts_with("entry 0, profiles[\"1x.5gb\"]: \"1x.5gb\" is not a MIG profile name"),
+            "{e}"
+        );
+        let e = one(entry(
+            DeviceSelector::All,
+            &[],
+            true,
+            &[("1g.5gb+me,gfx", 1), ("1g.5gb+gfx,me", 1)],
+        ));
+        assert!(
+            e.to_string().contains("names the same profile as \"1g.5gb+gfx,me\""),
+            "{e}"
+        );
+        // MIG on with no instances is a layout (all-enabled).
+        MigLayout::new(vec![entry(DeviceSelector::All, &[], true, &[])])
+            .check()
+            .unwrap();
+    }
+
+    #[test]
+    fn device_ids() {
+        assert_eq!(parse_device_id("0x20B0"), Ok(0x20B0));
+        assert_eq!(parse_device_id("0x20b0"), Ok(0x20B0));
+        assert_eq!(parse_device_id("0X20B010DE"), Ok(0x20B0));
+        assert_eq!(parse_device_id("0x233010de"), Ok(0x2330));
+        for bad in [
+            "20B0",
+            "0x",
+            "0xG0",
+            "0x20B010DE0",
+            "0x20B01002",
+            "0x20B010DE:0x134F10DE",
+            "",
+        ] {
+            assert!(parse_device_id(bad).is_err(), "{bad:?} accepted");
+        }
+        assert!(parse_device_id("0x20B01002").unwrap_err().contains("vendor id 0x1002"));
+        assert_eq!(device_id_from_int(0x20B0), Ok(0x20B0));
+        assert_eq!(device_id_from_int(0x20B010DE), Ok(0x20B0));
+        assert!(device_id_from_int(-1).is_err());
+        assert!(device_id_from_int(0x1_0000_0000).is_err());
+        assert_eq!(format_device_id(0x20B0), "0x20B0");
+        assert_eq!(format_device_id(0x0A), "0x000A");
+    }
+}
