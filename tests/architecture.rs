@@ -70,12 +70,7 @@ const LAYERS: &[(&str, u32)] = &[
 ];
 
 /// Imports allowed although they point upwards, each with the reason it is still there.
-const EXCEPTIONS: &[(&str, &str, &str)] = &[
-    // TEMPORARY (issue 14): `status` imports the agent's stage types while `agent` imports
-    // `status`, a cycle. It is being untangled in agent.rs/status.rs; delete this entry then,
-    // and the test holds `status` below `agent`.
-    ("status", "agent", "agent <-> status cycle, being untangled (issue 14)"),
-];
+const EXCEPTIONS: &[(&str, &str, &str)] = &[];
 
 /// Top-level modules whose submodules are checked against each other too.
 const SPLIT: &[&str] = &["kube"];

@@ -17,8 +17,8 @@ mod sharing;
 mod values;
 
 use crate::host::rooted;
-use crate::mig::defaults::default_layouts;
-use crate::mig::layout::{EntryField, Item, LayoutError, MigLayout};
+use crate::mig_layout::defaults::default_layouts;
+use crate::mig_layout::{EntryField, Item, LayoutError, MigLayout};
 use std::collections::BTreeMap;
 use std::fs;
 use std::io;
@@ -31,8 +31,7 @@ pub use error::{ConfigError, EXIT_CONFIG, Location};
 pub use sharing::{MemoryBudget, RESOURCE_PREFIX, SharedDevices, SharedResource, Sharing};
 pub use values::{
     DeviceIdStrategy, DeviceListStrategies, DeviceListStrategy, LogFormat, MemoryAction, MigStrategy,
-    ParseDurationError, ParseEnumError, SetAsDefault, SharedPolicy, SharingStrategy, check_label_key,
-    check_label_value, format_duration, parse_duration,
+    ParseDurationError, ParseEnumError, SetAsDefault, SharedPolicy, SharingStrategy, format_duration, parse_duration,
 };
 
 use merge::{KeyPath, Merged};
@@ -1362,7 +1361,7 @@ impl DriverConfig {
 
 impl RuntimeConfig {
     fn validate(&self) -> Check {
-        values::check_label_value(&self.runtime_name)
+        crate::names::check_label_value(&self.runtime_name)
             .map_err(|reason| invalid("runtime.runtime_name", format!("a runtime handler name: {reason}")))?;
         absolute_path("runtime.runtime_binary", &self.runtime_binary)?;
         absolute_path("runtime.systemctl", &self.systemctl)?;
@@ -1462,7 +1461,7 @@ impl DevicePluginConfig {
         )?;
         for (name, profile) in &self.profiles {
             let at = KeyPath::dotted("device_plugin.profiles").key(name);
-            values::check_label_value(name).map_err(|reason| Invalid {
+            crate::names::check_label_value(name).map_err(|reason| Invalid {
                 key: at.clone(),
                 reason: format!("a profile name is selected by a label value: {reason}"),
             })?;
@@ -1483,7 +1482,7 @@ impl DevicePluginConfig {
         }
 
         let prefix = &self.cdi_annotation_prefix;
-        let prefix_ok = prefix.strip_suffix('/').is_some_and(values::is_dns_subdomain);
+        let prefix_ok = prefix.strip_suffix('/').is_some_and(crate::names::is_dns_subdomain);
         if !prefix_ok {
             return Err(invalid(
                 "device_plugin.cdi_annotation_prefix",
@@ -1514,7 +1513,7 @@ impl MigConfig {
                     reason: "a layout name cannot be empty".to_owned(),
                 });
             }
-            values::check_label_value(name).map_err(|reason| Invalid {
+            crate::names::check_label_value(name).map_err(|reason| Invalid {
                 key: at.clone(),
                 reason: format!("a layout name is selected by a label value: {reason}"),
             })?;
@@ -1562,7 +1561,7 @@ impl KubernetesConfig {
             absolute_path(&format!("kubernetes.kubeconfig_search[{i}]"), p)?;
         }
         absolute_path("kubernetes.in_cluster_dir", &self.in_cluster_dir)?;
-        if !self.node_name.is_empty() && !values::is_dns_subdomain(&self.node_name) {
+        if !self.node_name.is_empty() && !crate::names::is_dns_subdomain(&self.node_name) {
             return Err(invalid(
                 "kubernetes.node_name",
                 "expected a DNS subdomain name, as Node names are",
@@ -1600,12 +1599,12 @@ impl LabelsConfig {
             ("labels.device_plugin_config_state", &self.device_plugin_config_state),
             ("labels.validation_state", &self.validation_state),
         ] {
-            values::check_label_key(value).map_err(|reason| invalid(key, reason))?;
+            crate::names::check_label_key(value).map_err(|reason| invalid(key, reason))?;
         }
         let prefix_ok = self
             .feature_prefix
             .strip_suffix('/')
-            .is_some_and(values::is_dns_subdomain);
+            .is_some_and(crate::names::is_dns_subdomain);
         if !prefix_ok {
             return Err(invalid(
                 "labels.feature_prefix",
@@ -2236,7 +2235,7 @@ mod tests {
     }
     #[test]
     fn mig_layouts_parse_and_merge_with_defaults() {
-        use crate::mig::layout::DeviceSelector;
+        use crate::mig_layout::DeviceSelector;
         let config = parse(&[(
             "10-mig.toml",
             "[mig]\nprocess_wait_timeout = \"0s\"\n\n[[mig.layouts.custom-1]]\ndevices = \"all\"\n\
@@ -2270,7 +2269,7 @@ mod tests {
         assert!(only_mine.mig.layout("all-disabled").is_none());
         assert_eq!(
             Config::default().mig.layout_names().len(),
-            crate::mig::defaults::default_layouts().len()
+            crate::mig_layout::defaults::default_layouts().len()
         );
     }
 

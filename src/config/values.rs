@@ -9,10 +9,7 @@ use std::time::Duration;
 use serde::de::{self, Deserializer, SeqAccess, Visitor};
 use serde::{Deserialize, Serialize, Serializer};
 
-/// Kubernetes name syntax lives in the leaf `crate::names`; re-exported here because
-/// `config/mod.rs` still calls them as `values::…` (issue 14: import them from `crate::names`).
-pub(crate) use crate::names::is_dns_subdomain;
-pub use crate::names::{check_label_key, check_label_value};
+use crate::names::is_dns_subdomain;
 
 /// The value given for a closed set was not one of its members.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]

@@ -6,9 +6,9 @@ use std::collections::BTreeMap;
 use serde::{Deserialize, Serialize};
 use tokio_util::sync::CancellationToken;
 
-use super::layout::{DeviceSelector, LayoutEntry, MigLayout};
 use super::planner::{DesiredGpu, PlanError, plan_gpu};
 use super::state::{CiProfile, GpuPlan, MigOp, ObservedGpu};
+use crate::mig_layout::{DeviceSelector, LayoutEntry, MigLayout};
 use crate::nvml::Gpus;
 
 /// The plan for every GPU the layout covers. A MIG-capable GPU that no entry covers is an
@@ -602,7 +602,7 @@ fn merged(mut gpus: Vec<String>, uuid: &str) -> Vec<String> {
 
 /// The current state of every MIG-capable GPU as a layout (`mig export`): one entry per GPU.
 pub fn export(observed: &[ObservedGpu]) -> MigLayout {
-    use super::layout::{DeviceSelector, LayoutEntry};
+    use crate::mig_layout::{DeviceSelector, LayoutEntry};
     let entries = observed
         .iter()
         .filter(|g| g.mode.is_some())

@@ -17,16 +17,12 @@
 use std::cmp::Reverse;
 use std::collections::{BTreeMap, BTreeSet};
 
-use crate::devices::split_replica_id;
+use crate::devices::{Topology, split_replica_id};
 use crate::plugin::resources::{PluginDevice, Resource};
 
 /// Combination count up to which the topology policy searches exhaustively (covers every
 /// `size` for up to 16 candidate GPUs: C(16, 8) = 12870); beyond it, greedy.
 pub const EXACT_SEARCH_LIMIT: u64 = 1 << 15;
-
-/// The GPU topology the inventory reads; the plugin only scores sets with it. Re-exported for
-/// `agent.rs`, which still names it here (issue 14: import it from `crate::devices`).
-pub use crate::devices::Topology;
 
 /// How shared devices (MIG devices, time-slicing replicas) are chosen: the config's
 /// `[device_plugin.sharing] policy` (NVIDIA's `sharedDevicesAllocationPolicy`).
