@@ -35,6 +35,7 @@ mod driver;
 mod health;
 mod memlimit;
 mod metrics;
+pub mod plan;
 mod runtime;
 mod stage;
 mod validation;
@@ -129,26 +130,6 @@ pub fn advertised_resources(inventory: &Inventory, dp: &DevicePluginConfig) -> R
 /// The NVML library to load: a soname as-is, a path under the root.
 pub fn nvml_library(config: &Config, root: &HostRoot) -> PathBuf {
     config.nvml.library_path(root.path())
-}
-
-/// Everything `plan` prints and the daemon applies for the device plugin.
-#[derive(Debug, Clone)]
-pub struct DevicePluginPlan {
-    pub inventory: Inventory,
-    pub resources: Vec<Resource>,
-}
-
-/// Reads the inventory and computes the resources to advertise (no side effects).
-pub fn plan_device_plugin(gpus: &Gpus, config: &Config, root: &HostRoot) -> Result<DevicePluginPlan, AgentError> {
-    let inventory = gpus.inventory(&root.join("/sys"))?;
-    let (dp, _) = choose_profile(
-        &config.device_plugin,
-        &Selection::Unset,
-        None,
-        &config.labels.device_plugin_config,
-    );
-    let resources = advertised_resources(&inventory, &dp)?;
-    Ok(DevicePluginPlan { inventory, resources })
 }
 
 /// The running agent's state.
@@ -321,50 +302,17 @@ pub async fn run(config: Config, root: HostRoot, once: bool) -> Result<i32, Agen
         mig_gave_up: None,
         driver_failed: None,
     };
-    agent.machine = std::fs::read_to_string(agent.root.join("/sys/class/dmi/id/product_name"))
-        .ok()
-        .map(|s| s.trim().to_string())
-        .filter(|s| !s.is_empty());
+    agent.machine = machine_name(&agent.root);
 
     // The cluster link: the desired state comes from it before the first reconcile. Under
     // `run --once` too: a bootstrap applies the MIG layout the labels ask for before the
     // kubelet joins.
     let mut view_rx = {
         let link = cluster::start(&agent.config, &agent.root);
-        let mut rx = link.view.clone();
-        // The desired MIG layout must be known before devices are advertised (layouts do not
-        // survive a reboot): give the source a moment to answer before the first reconcile.
-        let first = tokio::time::timeout(FIRST_VIEW_WAIT, async {
-            while !rx.borrow().connected && rx.borrow().source != crate::desired::Source::None {
-                if rx.changed().await.is_err() {
-                    break;
-                }
-            }
-        });
-        let answered = tokio::select! {
-            waited = first => waited.is_ok(),
-            () = stop.cancelled() => false,
-        };
-        agent.view = rx.borrow().clone();
-        if !answered {
-            match agent.last_desired() {
-                Some(labels) => {
-                    tracing::warn!(
-                        "the desired state source did not answer within {FIRST_VIEW_WAIT:?}: starting with what it \
-                         asked for last ({})",
-                        labels
-                            .iter()
-                            .map(|(k, v)| format!("{k}={v}"))
-                            .collect::<Vec<_>>()
-                            .join(", ")
-                    );
-                    agent.view.labels.extend(labels);
-                }
-                None => tracing::warn!(
-                    "the desired state source did not answer within {FIRST_VIEW_WAIT:?}: starting with the config's defaults"
-                ),
-            }
-        } else {
+        let rx = link.view.clone();
+        let (view, answered) = first_view(&agent.config, &agent.root, &link, &stop).await;
+        agent.view = view;
+        if answered {
             agent.remember_desired();
         }
         agent.desired_sel = Desired::from_labels(&agent.view.labels, &agent.config.labels);
@@ -541,6 +489,61 @@ pub async fn run(config: Config, root: HostRoot, once: bool) -> Result<i32, Agen
     agent.plugin_status = plugin_rx.borrow().clone();
     agent.write_status("stopped");
     Ok(0)
+}
+
+/// The desired-state labels to start from, and whether the source answered: the desired MIG
+/// layout must be known before devices are advertised (layouts do not survive a reboot), so the
+/// source gets [`FIRST_VIEW_WAIT`] to answer; one that does not gives way to what it asked for
+/// last ([`LAST_DESIRED_FILE`]), else to the config's defaults. `run` and `plan` start alike.
+pub(crate) async fn first_view(
+    config: &Config,
+    root: &HostRoot,
+    link: &Link,
+    stop: &CancellationToken,
+) -> (LabelsView, bool) {
+    let mut rx = link.view.clone();
+    let first = tokio::time::timeout(FIRST_VIEW_WAIT, async {
+        while !rx.borrow().connected && rx.borrow().source != crate::desired::Source::None {
+            if rx.changed().await.is_err() {
+                break;
+            }
+        }
+    });
+    let answered = tokio::select! {
+        waited = first => waited.is_ok(),
+        () = stop.cancelled() => false,
+    };
+    let mut view = rx.borrow().clone();
+    if !answered {
+        match last_desired(config, root, &view) {
+            Some(labels) => {
+                tracing::warn!(
+                    "the desired state source did not answer within {FIRST_VIEW_WAIT:?}: starting with what it asked \
+                     for last ({})",
+                    labels
+                        .iter()
+                        .map(|(k, v)| format!("{k}={v}"))
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                );
+                view.labels.extend(labels);
+            }
+            None => tracing::warn!(
+                "the desired state source did not answer within {FIRST_VIEW_WAIT:?}: starting with the config's defaults"
+            ),
+        }
+    }
+    (view, answered)
+}
+
+/// What [`Agent::remember_desired`] kept, `None` when nothing was (or it does not parse).
+fn last_desired(config: &Config, root: &HostRoot, view: &LabelsView) -> Option<BTreeMap<String, String>> {
+    if view.source == crate::desired::Source::None {
+        return None;
+    }
+    let path = root.join(&config.agent.state_dir).join(LAST_DESIRED_FILE);
+    let text = std::fs::read_to_string(&path).ok()?;
+    crate::desired::parse_labels_file(&path.display().to_string(), &text).ok()
 }
 
 /// Cancels `stop` at the first SIGTERM or SIGINT.
@@ -1020,37 +1023,21 @@ impl Agent {
     /// The labels the agent wants on its Node: the GPU feature labels and the profile state.
     /// `None` before the first inventory (nothing is known yet, so nothing is reported).
     fn wanted_labels(&self) -> Option<BTreeMap<String, String>> {
-        let inventory = self.inventory.as_ref()?;
-        let keys = &self.config.labels;
-        let shared = feature_sharing(&self.dp.sharing);
-        let mut labels = if keys.report_features {
-            feature_labels(&FeatureInputs {
-                inventory,
-                mig_strategy: self.dp.mig_strategy,
-                prefix: &keys.feature_prefix,
-                machine: self.machine.as_deref(),
-                sharing_strategy: self.dp.sharing.strategy.as_str(),
-                shared: &shared,
-            })
-        } else {
-            BTreeMap::new()
-        };
-        if let Some(state) = self.profile.state.as_str() {
-            labels.insert(keys.device_plugin_config_state.clone(), state.to_string());
-        }
-        if let Some(state) = self.mig_state {
-            labels.insert(keys.mig_config_state.clone(), state.as_str().to_string());
-        }
         let validation = match self.validation_stage.status.state {
             StageState::Ok => Some("success"),
             StageState::Failed => Some("failed"),
             StageState::Pending => Some("pending"),
             StageState::Disabled | StageState::Skipped => None,
         };
-        if let Some(state) = validation {
-            labels.insert(keys.validation_state.clone(), state.to_string());
-        }
-        Some(labels)
+        Some(node_labels(&NodeLabels {
+            config: &self.config,
+            inventory: self.inventory.as_ref()?,
+            dp: &self.dp,
+            machine: self.machine.as_deref(),
+            profile: &self.profile,
+            mig_state: self.mig_state,
+            validation,
+        }))
     }
 
     /// Sends what changed to the cluster: the wanted labels, and Events for state transitions
@@ -1364,16 +1351,6 @@ impl Agent {
         }
     }
 
-    /// What [`Self::remember_desired`] kept, `None` when nothing was (or it does not parse).
-    fn last_desired(&self) -> Option<BTreeMap<String, String>> {
-        if self.view.source == crate::desired::Source::None {
-            return None;
-        }
-        let path = self.root.join(&self.config.agent.state_dir).join(LAST_DESIRED_FILE);
-        let text = std::fs::read_to_string(&path).ok()?;
-        crate::desired::parse_labels_file(&path.display().to_string(), &text).ok()
-    }
-
     /// Gives the Node up to `wait` to show the MIG state label (when the Node is the source and
     /// reachable), so the cluster sees `pending` before a change and `rebooting` before a
     /// reboot: the reporter sends only the latest labels, and a quick change would hide them.
@@ -1450,6 +1427,56 @@ impl Agent {
             tracing::error!("cannot reboot: {e}");
         }
     }
+}
+
+/// What the labels the agent writes on its Node are made of.
+pub(crate) struct NodeLabels<'a> {
+    pub config: &'a Config,
+    pub inventory: &'a Inventory,
+    /// The effective `[device_plugin]` settings (the selected profile applied).
+    pub dp: &'a DevicePluginConfig,
+    /// The machine's DMI product name ([`machine_name`]).
+    pub machine: Option<&'a str>,
+    pub profile: &'a ProfileOutcome,
+    pub mig_state: Option<MigLabelState>,
+    /// The validation state label's value, when validation has an answer.
+    pub validation: Option<&'a str>,
+}
+
+/// The labels the agent wants on its Node: the GPU feature labels and the states.
+pub(crate) fn node_labels(n: &NodeLabels<'_>) -> BTreeMap<String, String> {
+    let keys = &n.config.labels;
+    let shared = feature_sharing(&n.dp.sharing);
+    let mut labels = if keys.report_features {
+        feature_labels(&FeatureInputs {
+            inventory: n.inventory,
+            mig_strategy: n.dp.mig_strategy,
+            prefix: &keys.feature_prefix,
+            machine: n.machine,
+            sharing_strategy: n.dp.sharing.strategy.as_str(),
+            shared: &shared,
+        })
+    } else {
+        BTreeMap::new()
+    };
+    if let Some(state) = n.profile.state.as_str() {
+        labels.insert(keys.device_plugin_config_state.clone(), state.to_string());
+    }
+    if let Some(state) = n.mig_state {
+        labels.insert(keys.mig_config_state.clone(), state.as_str().to_string());
+    }
+    if let Some(state) = n.validation {
+        labels.insert(keys.validation_state.clone(), state.to_string());
+    }
+    labels
+}
+
+/// The machine's DMI product name, for the `gpu.machine` label.
+pub(crate) fn machine_name(root: &HostRoot) -> Option<String> {
+    std::fs::read_to_string(root.join("/sys/class/dmi/id/product_name"))
+        .ok()
+        .map(|s| s.trim().to_string())
+        .filter(|s| !s.is_empty())
 }
 
 /// `nvidia.com/gpu ×8, nvidia.com/mig-1g.5gb ×7`.

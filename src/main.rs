@@ -4,7 +4,7 @@ use std::process::ExitCode;
 
 use clap::Parser;
 
-use gpu_node_agent::agent::{self, plan_device_plugin, summary};
+use gpu_node_agent::agent::{self, summary};
 use gpu_node_agent::cli::{
     CdiCommand, Cli, Command, ConfigCommand, DriverCommand, MigCommand, RuntimeCommand, ValidateCommand,
 };
@@ -12,7 +12,6 @@ use gpu_node_agent::config::Config;
 use gpu_node_agent::driver::stage as driver_stage;
 use gpu_node_agent::host::HostRoot;
 use gpu_node_agent::host::command::Runner;
-use gpu_node_agent::mig::planner::PlanError;
 use gpu_node_agent::mig::stage::{ResetGpu, Step, converge, export, plan_layout};
 use gpu_node_agent::mig::{import, planner};
 use gpu_node_agent::nvml::Gpus;
@@ -100,63 +99,41 @@ fn main() -> ExitCode {
         } => cdi_generate(&config, &root, output.as_deref()),
         Command::Plan { json, mig_layout } => {
             logging::init(&config.log);
-            if !json {
-                print_driver_plan(&config, &root);
-                print_runtime_plan(&config, &root);
+            if let Some(name) = &mig_layout
+                && config.mig.layout(name).is_none()
+            {
+                eprintln!(
+                    "gpu-node-agent: no MIG layout named {name:?}; defined: {}",
+                    config.mig.layout_names().join(", ")
+                );
+                return ExitCode::from(64);
             }
-            let gpus = match Gpus::open(&agent::nvml_library(&config, &root)) {
-                Ok(gpus) => gpus,
+            let runtime = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
+                Ok(rt) => rt,
                 Err(e) => {
-                    eprintln!("gpu-node-agent: {e}");
-                    return ExitCode::from(EXIT_NO_NVML);
+                    eprintln!("gpu-node-agent: cannot start the async runtime: {e}");
+                    return ExitCode::FAILURE;
                 }
             };
-            if let Some(name) = &mig_layout {
-                let Some(layout) = config.mig.layout(name) else {
-                    eprintln!(
-                        "gpu-node-agent: no MIG layout named {name:?}; defined: {}",
-                        config.mig.layout_names().join(", ")
-                    );
-                    return ExitCode::from(64);
-                };
-                let observed = match gpus.mig_observe() {
-                    Ok(o) => o,
-                    Err(e) => {
-                        eprintln!("gpu-node-agent: {e}");
-                        return ExitCode::from(EXIT_NO_NVML);
-                    }
-                };
-                match plan_layout(&observed, &layout) {
-                    Ok(plans) => {
-                        println!("MIG plan for layout {name}:");
-                        for p in &plans {
-                            println!("{}", planner::describe(p));
-                        }
-                        println!();
-                    }
-                    Err(e @ PlanError::CiProfilesUnknown { .. }) => {
-                        println!("MIG plan for layout {name}: not complete yet:");
-                        println!("  {e}");
-                        println!(
-                            "  (applying enables MIG mode where it is off, reads those compute instance profiles from \
-                             a short-lived GPU instance, then plans and applies the whole layout)"
-                        );
-                        println!();
-                    }
-                    Err(e) => {
-                        eprintln!("gpu-node-agent: MIG layout {name}: {e}");
-                        return ExitCode::FAILURE;
-                    }
-                }
-            }
-            match plan_device_plugin(&gpus, &config, &root) {
-                Ok(p) if json => {
-                    println!("{}", plan::to_json(&p));
-                    ExitCode::SUCCESS
-                }
+            let planned = runtime.block_on(agent::plan::node_plan(&config, &root, mig_layout.as_deref()));
+            match planned {
                 Ok(p) => {
-                    print!("{}", plan::render(&p, &config));
-                    ExitCode::SUCCESS
+                    if json {
+                        println!("{}", plan::to_json(&p));
+                    } else {
+                        print!("{}", plan::render(&p));
+                    }
+                    match &p.mig {
+                        Some(m) if !m.incomplete && m.error.is_some() => {
+                            eprintln!(
+                                "gpu-node-agent: MIG layout {}: {}",
+                                m.layout,
+                                m.error.as_deref().unwrap_or_default()
+                            );
+                            ExitCode::FAILURE
+                        }
+                        _ => ExitCode::SUCCESS,
+                    }
                 }
                 Err(e) => {
                     eprintln!("gpu-node-agent: {e}");
@@ -205,18 +182,6 @@ fn gpu_processes(config: &Config, root: &HostRoot) -> Option<usize> {
         .iter()
         .map(|g| gpus.process_count(&g.uuid))
         .sum::<Option<usize>>()
-}
-
-/// The driver stage's plan (`plan`).
-fn print_driver_plan(config: &Config, root: &HostRoot) {
-    if !config.driver.enabled {
-        println!("Driver: [driver] enabled = false\n");
-        return;
-    }
-    match driver_stage::plan_now(config, root, gpu_processes(config, root)) {
-        Ok(p) => println!("Driver: {}\n", gpu_node_agent::driver::plan::describe(&p.plan)),
-        Err(e) => println!("Driver: the stage would fail: {e}\n"),
-    }
 }
 
 fn driver_command(config: &Config, root: &HostRoot, command: DriverCommand) -> ExitCode {
@@ -316,39 +281,6 @@ fn driver_command(config: &Config, root: &HostRoot, command: DriverCommand) -> E
                 }
             }
         }
-    }
-}
-
-/// The runtime stage's plan as a unified diff (`plan`).
-fn print_runtime_plan(config: &Config, root: &HostRoot) {
-    if !config.runtime.enabled {
-        println!("Container runtimes: [runtime] enabled = false\n");
-        return;
-    }
-    let runner = Runner::new(root);
-    match runtime_stage::observe(config, root, &runner).and_then(|o| runtime_stage::plan(&o, &config.runtime)) {
-        Ok(p) => {
-            if p.is_empty() {
-                println!(
-                    "Container runtimes: {}: no changes",
-                    p.note
-                        .clone()
-                        .unwrap_or_else(|| format!("{} already configured", p.summary()))
-                );
-            } else {
-                println!("Container runtimes: would change\n{}", runtime_stage::diff(&p));
-            }
-            for remark in p.remarks() {
-                println!("  {remark}");
-            }
-            for e in &p.engines {
-                if let Some(error) = &e.error {
-                    println!("  {} would fail: {error}", e.engine.as_str());
-                }
-            }
-            println!();
-        }
-        Err(e) => println!("Container runtimes: the stage would fail: {e}\n"),
     }
 }
 

@@ -1,23 +1,80 @@
-//! `gpu-node-agent plan`: what the agent would do, printed for a person or as JSON.
+//! `gpu-node-agent plan`: the node's plan ([`NodePlan`]: what `run` would do), printed for a
+//! person or as JSON.
 
+use std::collections::BTreeMap;
 use std::fmt::Write as _;
 
 use serde::Serialize;
 
-use crate::agent::DevicePluginPlan;
-use crate::config::Config;
+use crate::agent::plan::{MigPlan, NodePlan};
+use crate::agent::summary;
+use crate::driver::plan::DriverPlan;
+use crate::mig::planner;
+use crate::mig::state::GpuPlan;
 use crate::nvml::Inventory;
+use crate::runtime::stage::{self as rt, RuntimePlan};
 
 #[derive(Serialize)]
 struct PlanJson<'a> {
+    desired: DesiredJson<'a>,
+    driver: Option<StageJson<&'a DriverPlan>>,
+    runtime: Option<StageJson<RuntimeJson>>,
     inventory: &'a Inventory,
+    mig: Option<MigJson<'a>>,
+    cdi: Option<CdiJson<'a>>,
     resources: Vec<ResourceJson<'a>>,
+    labels: &'a BTreeMap<String, String>,
+}
+
+#[derive(Serialize)]
+struct DesiredJson<'a> {
+    source: &'a str,
+    labels: &'a BTreeMap<String, String>,
+    device_plugin_profile: Option<&'a str>,
+    device_plugin_profile_error: Option<&'a str>,
+}
+
+/// A stage's plan, or why it would fail.
+#[derive(Serialize)]
+#[serde(rename_all = "lowercase")]
+enum StageJson<T> {
+    Plan(T),
+    Error(String),
+}
+
+#[derive(Serialize)]
+struct RuntimeJson {
+    summary: String,
+    changes: bool,
+    /// The unified diff of every file it would write.
+    diff: String,
+    remarks: Vec<String>,
+    /// Engines that would fail, with why.
+    errors: BTreeMap<String, String>,
+}
+
+#[derive(Serialize)]
+struct MigJson<'a> {
+    layout: &'a str,
+    /// NVML operations in all.
+    operations: usize,
+    gpus: &'a [GpuPlan],
+    error: Option<&'a str>,
+    incomplete: bool,
+}
+
+#[derive(Serialize)]
+struct CdiJson<'a> {
+    path: &'a std::path::Path,
+    write: bool,
+    error: Option<&'a str>,
 }
 
 #[derive(Serialize)]
 struct ResourceJson<'a> {
     name: &'a str,
     socket: String,
+    count: usize,
     devices: Vec<DeviceJson<'a>>,
 }
 
@@ -28,13 +85,21 @@ struct DeviceJson<'a> {
     numa_node: Option<i64>,
 }
 
-pub fn to_json(plan: &DevicePluginPlan) -> String {
+fn stage_json<'a, T, U>(r: &'a Option<Result<T, String>>, f: impl FnOnce(&'a T) -> U) -> Option<StageJson<U>> {
+    r.as_ref().map(|r| match r {
+        Ok(p) => StageJson::Plan(f(p)),
+        Err(e) => StageJson::Error(e.clone()),
+    })
+}
+
+pub fn to_json(plan: &NodePlan) -> String {
     let resources = plan
         .resources
         .iter()
         .map(|r| ResourceJson {
             name: &r.name,
             socket: r.socket_name(),
+            count: r.devices.len(),
             devices: r
                 .devices
                 .iter()
@@ -46,14 +111,166 @@ pub fn to_json(plan: &DevicePluginPlan) -> String {
                 .collect(),
         })
         .collect();
-    serde_json::to_string_pretty(&PlanJson {
+    let json = PlanJson {
+        desired: DesiredJson {
+            source: &plan.desired.source,
+            labels: &plan.desired.labels,
+            device_plugin_profile: plan.desired.profile.applied.as_deref(),
+            device_plugin_profile_error: plan.desired.profile.reason.as_deref(),
+        },
+        driver: stage_json(&plan.driver, |p| p),
+        runtime: stage_json(&plan.runtime, |p| RuntimeJson {
+            summary: p.note.clone().unwrap_or_else(|| p.summary()),
+            changes: !p.is_empty(),
+            diff: if p.is_empty() { String::new() } else { rt::diff(p) },
+            remarks: p.remarks(),
+            errors: p
+                .engines
+                .iter()
+                .filter_map(|e| e.error.as_ref().map(|err| (e.engine.as_str().to_string(), err.clone())))
+                .collect(),
+        }),
         inventory: &plan.inventory,
+        mig: plan.mig.as_ref().map(|m| MigJson {
+            layout: &m.layout,
+            operations: m.operations,
+            gpus: &m.gpus,
+            error: m.error.as_deref(),
+            incomplete: m.incomplete,
+        }),
+        cdi: plan.cdi.as_ref().map(|c| CdiJson {
+            path: &c.path,
+            write: c.write,
+            error: c.error.as_deref(),
+        }),
         resources,
-    })
-    .unwrap_or_default()
+        labels: &plan.labels,
+    };
+    serde_json::to_string_pretty(&json).unwrap_or_default()
 }
 
-pub fn render(plan: &DevicePluginPlan, config: &Config) -> String {
+/// The driver stage's plan, for a person.
+fn render_driver(out: &mut String, driver: &Option<Result<DriverPlan, String>>) {
+    match driver {
+        None => {
+            let _ = writeln!(out, "Driver: [driver] enabled = false\n");
+        }
+        Some(Ok(p)) => {
+            let _ = writeln!(out, "Driver: {}\n", crate::driver::plan::describe(p));
+        }
+        Some(Err(e)) => {
+            let _ = writeln!(out, "Driver: the stage would fail: {e}\n");
+        }
+    }
+}
+
+/// The runtime stage's plan as a unified diff, for a person.
+fn render_runtime(out: &mut String, runtime: &Option<Result<RuntimePlan, String>>) {
+    let p = match runtime {
+        None => {
+            let _ = writeln!(out, "Container runtimes: [runtime] enabled = false\n");
+            return;
+        }
+        Some(Err(e)) => {
+            let _ = writeln!(out, "Container runtimes: the stage would fail: {e}\n");
+            return;
+        }
+        Some(Ok(p)) => p,
+    };
+    if p.is_empty() {
+        let what = p
+            .note
+            .clone()
+            .unwrap_or_else(|| format!("{} already configured", p.summary()));
+        let _ = writeln!(out, "Container runtimes: {what}: no changes");
+    } else {
+        let _ = writeln!(out, "Container runtimes: would change\n{}", rt::diff(p));
+    }
+    for remark in p.remarks() {
+        let _ = writeln!(out, "  {remark}");
+    }
+    for e in &p.engines {
+        if let Some(error) = &e.error {
+            let _ = writeln!(out, "  {} would fail: {error}", e.engine.as_str());
+        }
+    }
+    let _ = writeln!(out);
+}
+
+/// The MIG stage's plan, for a person.
+fn render_mig(out: &mut String, mig: &MigPlan) {
+    let name = &mig.layout;
+    match &mig.error {
+        None if mig.gpus.is_empty() => {
+            let _ = writeln!(out, "MIG plan for layout {name}: in place, nothing to change\n");
+        }
+        None => {
+            let _ = writeln!(out, "MIG plan for layout {name} ({} NVML operations):", mig.operations);
+            for p in &mig.gpus {
+                let _ = writeln!(out, "{}", planner::describe(p));
+            }
+            let _ = writeln!(out);
+        }
+        Some(e) if mig.incomplete => {
+            let _ = writeln!(
+                out,
+                "MIG plan for layout {name}: not complete yet:\n  {e}\n  (applying enables MIG mode where it is \
+                 off, reads those compute instance profiles from a short-lived GPU instance, then plans and applies \
+                 the whole layout)\n"
+            );
+        }
+        Some(e) => {
+            let _ = writeln!(out, "MIG plan for layout {name}: would fail: {e}\n");
+        }
+    }
+}
+
+pub fn render(plan: &NodePlan) -> String {
+    let mut out = String::new();
+    let d = &plan.desired;
+    let labels = if d.labels.is_empty() {
+        "no labels".to_string()
+    } else {
+        d.labels
+            .iter()
+            .map(|(k, v)| format!("{k}={v}"))
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    let _ = writeln!(out, "Desired state: {labels} ({})", d.source);
+    let profile = match (&d.profile.applied, &d.profile.reason) {
+        (_, Some(reason)) => format!("rejected: {reason}"),
+        (Some(name), None) => name.clone(),
+        (None, None) => "none (the [device_plugin] keys as configured)".into(),
+    };
+    let _ = writeln!(out, "Device plugin profile: {profile}\n");
+    render_driver(&mut out, &plan.driver);
+    render_runtime(&mut out, &plan.runtime);
+    if let Some(mig) = &plan.mig {
+        render_mig(&mut out, mig);
+    }
+    out.push_str(&render_inventory(plan));
+    if let Some(cdi) = &plan.cdi {
+        let what = match (&cdi.error, cdi.write) {
+            (Some(e), _) => format!("cannot be made: {e}"),
+            (None, true) => "would be written".into(),
+            (None, false) => "unchanged".into(),
+        };
+        let _ = writeln!(out, "\nCDI spec {}: {what}", cdi.path.display());
+    }
+    let _ = writeln!(out, "\nNode labels ({}):", summary_of_labels(&plan.labels));
+    for (k, v) in &plan.labels {
+        let _ = writeln!(out, "  {k}={v}");
+    }
+    out
+}
+
+fn summary_of_labels(labels: &BTreeMap<String, String>) -> String {
+    format!("{} label(s)", labels.len())
+}
+
+fn render_inventory(plan: &NodePlan) -> String {
+    let config = &plan.device_plugin;
     let inv = &plan.inventory;
     let mut out = String::new();
     let _ = writeln!(
@@ -94,9 +311,8 @@ pub fn render(plan: &DevicePluginPlan, config: &Config) -> String {
     let _ = writeln!(
         out,
         "\nWould advertise (mig_strategy = {}, device_list_strategy = {}):",
-        config.device_plugin.mig_strategy.as_str(),
+        config.mig_strategy.as_str(),
         config
-            .device_plugin
             .device_list_strategy
             .as_slice()
             .iter()
@@ -106,6 +322,12 @@ pub fn render(plan: &DevicePluginPlan, config: &Config) -> String {
     );
     if plan.resources.is_empty() {
         let _ = writeln!(out, "  nothing");
+    } else if plan.mig.as_ref().is_some_and(|m| m.operations > 0 && m.error.is_none()) {
+        let _ = writeln!(
+            out,
+            "  ({}, once the MIG plan is applied: NVML names the new MIG devices)",
+            summary(&plan.resources)
+        );
     }
     for r in &plan.resources {
         let _ = writeln!(

@@ -936,3 +936,69 @@ async fn an_xid_during_a_slow_mig_apply_reaches_the_kubelet_before_the_apply_end
     assert_eq!(status["labels"][STATE], "success");
     assert_eq!(agent.stop(), 0);
 }
+
+/// `plan` is the daemon's plan: on a node whose labels ask for a MIG layout and a sharing
+/// profile, `plan --json` lists the NVML operations, the resources with their replicas and the
+/// labels, and `run --once` then does exactly that.
+#[test]
+fn plan_lists_exactly_what_run_once_then_does() {
+    let config = "[kubernetes]\nenabled = false\n[desired]\nlabels_file = \"/etc/gpu-node-agent/labels\"\n\
+                  [device_plugin]\nmig_strategy = \"mixed\"\n\
+                  [device_plugin.profiles.share.sharing]\nstrategy = \"time-slicing\"\nrename_by_default = true\n\
+                  compact = [\"mig-1g.5gb::4\"]\n";
+    let node = Node::new(&two_a100s(), config);
+    std::fs::write(
+        node.root.join("etc/gpu-node-agent/labels"),
+        "nvidia.com/mig.config=all-1g.5gb\nnvidia.com/device-plugin.config=share\n",
+    )
+    .expect("labels");
+    let out = node.run(&["plan", "--json"]);
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    let plan: serde_json::Value = serde_json::from_slice(&out.stdout).expect("plan --json");
+    assert_eq!(plan["desired"]["device_plugin_profile"], "share");
+    assert_eq!(plan["mig"]["layout"], "all-1g.5gb");
+    let operations = plan["mig"]["operations"].as_u64().expect("operations");
+    assert_eq!(operations, 28, "{}", plan["mig"]);
+    let resources: Vec<String> = plan["resources"]
+        .as_array()
+        .expect("resources")
+        .iter()
+        .map(|r| format!("{} ×{}", r["name"].as_str().unwrap_or_default(), r["count"]))
+        .collect();
+    assert_eq!(resources, ["nvidia.com/mig-1g.5gb.shared ×56"]);
+    assert_eq!(plan["cdi"]["write"], true);
+    assert!(plan["driver"].is_object() && plan["runtime"].is_object(), "{plan}");
+    let text = String::from_utf8_lossy(&node.run(&["plan"]).stdout).into_owned();
+    assert!(
+        text.contains("MIG plan for layout all-1g.5gb (28 NVML operations):"),
+        "{text}"
+    );
+    assert!(!node.status_path().exists(), "plan changes nothing");
+    assert_eq!(node.run(&["mig", "assert", "all-1g.5gb"]).status.code(), Some(1));
+
+    let out = node.run(&["run", "--once"]);
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    let status = node.status_json();
+    let mig = common::stage(&status, "mig")["detail"]
+        .as_str()
+        .unwrap_or_default()
+        .to_string();
+    assert!(mig.contains(&format!("({operations} NVML operations)")), "{mig}");
+    let advertised = common::stage(&status, "device-plugin")["detail"]
+        .as_str()
+        .unwrap_or_default()
+        .to_string();
+    assert!(
+        advertised.ends_with(&format!("would advertise {}", resources.join(", "))),
+        "{advertised}"
+    );
+    // Every label the plan listed is written with that value.
+    for (key, value) in plan["labels"].as_object().expect("labels") {
+        assert_eq!(&status["labels"][key], value, "label {key}");
+    }
+    // Planned again: nothing left to do, and the same resources.
+    let again: serde_json::Value = serde_json::from_slice(&node.run(&["plan", "--json"]).stdout).expect("plan");
+    assert_eq!(again["mig"]["operations"], 0);
+    assert_eq!(again["resources"][0]["count"], 56);
+    assert_eq!(again["cdi"]["write"], false);
+}

@@ -7,9 +7,9 @@ use serde::{Deserialize, Serialize};
 use tokio_util::sync::CancellationToken;
 
 use super::planner::{DesiredGpu, PlanError, plan_gpu};
-use super::state::{CiProfile, GpuPlan, MigOp, ObservedGpu};
+use super::state::{CiProfile, GiRef, GpuPlan, MigOp, ObservedGpu};
 use crate::mig_layout::{DeviceSelector, LayoutEntry, MigLayout};
-use crate::nvml::Gpus;
+use crate::nvml::{Gpus, Inventory, MigDeviceInfo};
 
 /// The plan for every GPU the layout covers. A MIG-capable GPU that no entry covers is an
 /// error ([`PlanError::NotCovered`]: mig-parted's assert would never pass); a GPU without MIG
@@ -598,6 +598,81 @@ fn merged(mut gpus: Vec<String>, uuid: &str) -> Vec<String> {
         gpus.insert(0, uuid.to_string());
     }
     gpus
+}
+
+/// The inventory once `plans` are applied, as far as it can be known before (for `plan`): each
+/// changed GPU's MIG devices as the plans leave them, named by their compute instance profile,
+/// with their GPU instance's memory. NVML gives the new devices their UUIDs and attributes when
+/// it creates them: `MIG-planned-<gpu>-<gpu instance>-<compute instance>` stands in, with no
+/// attributes.
+pub fn predict_inventory(inventory: &Inventory, observed: &[ObservedGpu], plans: &[GpuPlan]) -> Inventory {
+    let mut out = inventory.clone();
+    for plan in plans.iter().filter(|p| !p.ops.is_empty()) {
+        let Some(gpu) = out.gpus.iter_mut().find(|g| g.uuid == plan.uuid) else {
+            continue;
+        };
+        let seen = observed.iter().find(|o| o.uuid == plan.uuid);
+        let memory_of = |profile_id: u32| {
+            seen.and_then(|o| o.profiles.iter().find(|p| p.id == profile_id))
+                .map_or(0, |p| p.memory_mib)
+        };
+        // New GPU instances get ids past any NVML could have given: their real ones are NVML's.
+        let mut new_gis: Vec<(u32, u64)> = Vec::new();
+        let first_new = seen
+            .and_then(|o| o.gpu_instances.iter().map(|gi| gi.id).max())
+            .unwrap_or(0)
+            + 1;
+        for op in &plan.ops {
+            match op {
+                MigOp::DestroyCi { gi_id, ci_id } => {
+                    gpu.mig_devices.retain(|d| !(d.gi_id == *gi_id && d.ci_id == *ci_id));
+                }
+                MigOp::DestroyGi { gi_id } => gpu.mig_devices.retain(|d| d.gi_id != *gi_id),
+                MigOp::SetMode { enabled } => {
+                    if let Some(mode) = &mut gpu.mig {
+                        mode.current = *enabled;
+                        mode.pending = *enabled;
+                    }
+                    if !enabled {
+                        gpu.mig_devices.clear();
+                    }
+                }
+                MigOp::CreateGi { profile_id, .. } => {
+                    let id = first_new + u32::try_from(new_gis.len()).unwrap_or(u32::MAX - first_new);
+                    new_gis.push((id, memory_of(*profile_id)));
+                }
+                MigOp::CreateCi { gi, name, .. } => {
+                    let (gi_id, memory_mib) = match gi {
+                        GiRef::New(n) => new_gis.get(*n).copied().unwrap_or_default(),
+                        GiRef::Existing(id) => {
+                            let profile = seen
+                                .and_then(|o| o.gpu_instances.iter().find(|g| g.id == *id))
+                                .map_or(u32::MAX, |g| g.profile_id);
+                            (*id, memory_of(profile))
+                        }
+                    };
+                    let ci_id = gpu
+                        .mig_devices
+                        .iter()
+                        .filter(|d| d.gi_id == gi_id)
+                        .map(|d| d.ci_id + 1)
+                        .max()
+                        .unwrap_or(0);
+                    let index = gpu.mig_devices.iter().map(|d| d.index + 1).max().unwrap_or(0);
+                    gpu.mig_devices.push(MigDeviceInfo {
+                        index,
+                        uuid: format!("MIG-planned-{}-{gi_id}-{ci_id}", gpu.index),
+                        gi_id,
+                        ci_id,
+                        profile: name.clone(),
+                        memory_mib,
+                        attributes: None,
+                    });
+                }
+            }
+        }
+    }
+    out
 }
 
 /// The current state of every MIG-capable GPU as a layout (`mig export`): one entry per GPU.

@@ -1,0 +1,231 @@
+//! `gpu-node-agent plan`: what `run` would do on this node now, built from the same inputs the
+//! daemon uses (the config, the desired-state labels from the Node, the labels file or the ones
+//! last seen, and the observed host) with the same functions, and nothing applied.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+
+use tokio_util::sync::CancellationToken;
+
+use super::{AgentError, NodeLabels, advertised_resources, first_view, machine_name, node_labels, nvml_library};
+use crate::cluster;
+use crate::config::{Config, DevicePluginConfig};
+use crate::desired::{Desired, ProfileOutcome, Selection, choose_profile};
+use crate::driver::plan::DriverPlan;
+use crate::driver::stage as drv;
+use crate::host::HostRoot;
+use crate::host::command::Runner;
+use crate::mig::planner::PlanError;
+use crate::mig::stage::{MigState, plan_layout, predict_inventory};
+use crate::mig::state::GpuPlan;
+use crate::nvml::{Gpus, Inventory};
+use crate::plugin::devnodes::DeviceNodes;
+use crate::plugin::resources::Resource;
+use crate::runtime::stage::{self as rt, RuntimePlan};
+
+/// Every stage's plan for this node.
+#[derive(Debug, Clone)]
+pub struct NodePlan {
+    pub desired: DesiredPlan,
+    /// `None` with `[driver] enabled = false`; `Err`: why the stage would fail.
+    pub driver: Option<Result<DriverPlan, String>>,
+    /// `None` with `[runtime] enabled = false`; `Err`: why the stage would fail.
+    pub runtime: Option<Result<RuntimePlan, String>>,
+    /// The GPUs as NVML reports them now.
+    pub inventory: Inventory,
+    /// `None` when no layout is asked for (or `[mig] enabled = false`).
+    pub mig: Option<MigPlan>,
+    /// `None` with `[cdi] enabled = false`.
+    pub cdi: Option<CdiPlan>,
+    /// The effective `[device_plugin]` settings (the selected profile applied).
+    pub device_plugin: DevicePluginConfig,
+    /// What the device plugin would advertise once the MIG plan is applied.
+    pub resources: Vec<Resource>,
+    /// The labels the agent would write on its Node (the validation state is left out: it
+    /// comes from checks `plan` does not run).
+    pub labels: BTreeMap<String, String>,
+}
+
+/// The desired state `plan` read.
+#[derive(Debug, Clone)]
+pub struct DesiredPlan {
+    /// Where it came from, for a person.
+    pub source: String,
+    pub labels: BTreeMap<String, String>,
+    pub profile: ProfileOutcome,
+}
+
+/// The MIG stage's plan.
+#[derive(Debug, Clone)]
+pub struct MigPlan {
+    pub layout: String,
+    /// The GPUs that change, with their NVML operations in order.
+    pub gpus: Vec<GpuPlan>,
+    /// NVML operations in all.
+    pub operations: usize,
+    /// Why the layout would fail, or why its plan is not complete yet (compute instance
+    /// profiles NVML lists only inside a GPU instance, read while applying).
+    pub error: Option<String>,
+    /// Whether `error` is the not-complete-yet case (applying would go on), not a failure.
+    pub incomplete: bool,
+}
+
+/// The CDI spec's plan.
+#[derive(Debug, Clone)]
+pub struct CdiPlan {
+    /// The spec's host path.
+    pub path: PathBuf,
+    /// Whether `run` would write it (absent, different, or the MIG devices change).
+    pub write: bool,
+    /// Why it could not be made.
+    pub error: Option<String>,
+}
+
+/// The node's plan. `mig_layout` overrides the layout the labels ask for (`plan --mig-layout`).
+pub async fn node_plan(config: &Config, root: &HostRoot, mig_layout: Option<&str>) -> Result<NodePlan, AgentError> {
+    let link = cluster::start(config, root);
+    let (view, _) = first_view(config, root, &link, &CancellationToken::new()).await;
+    let selected = Desired::from_labels(&view.labels, &config.labels);
+    let (dp, profile) = choose_profile(
+        &config.device_plugin,
+        &selected.device_plugin_config,
+        None,
+        &config.labels.device_plugin_config,
+    );
+    let desired = DesiredPlan {
+        source: view.detail.clone(),
+        labels: view.labels.clone(),
+        profile: profile.clone(),
+    };
+    let gpus = Gpus::open(&nvml_library(config, root));
+    let processes = gpus.as_ref().ok().and_then(|g| gpu_processes(g, root));
+    let driver = config.driver.enabled.then(|| {
+        drv::plan_now(config, root, processes)
+            .map(|p| p.plan)
+            .map_err(|e| e.to_string())
+    });
+    let runtime = config.runtime.enabled.then(|| {
+        let runner = Runner::new(root);
+        rt::observe(config, root, &runner)
+            .and_then(|o| rt::plan(&o, &config.runtime))
+            .map_err(|e| e.to_string())
+    });
+    let gpus = gpus?;
+    let inventory = gpus.inventory(&root.join("/sys"))?;
+    let mig = mig_plan(config, &gpus, &selected.mig_config, mig_layout);
+    let after = match &mig {
+        Some((plan, observed)) if plan.error.is_none() => predict_inventory(&inventory, observed, &plan.gpus),
+        _ => inventory.clone(),
+    };
+    let mig = mig.map(|(plan, _)| plan);
+    let mig_changes = mig.as_ref().is_some_and(|m| m.operations > 0 && m.error.is_none());
+    let cdi = config.cdi.enabled.then(|| {
+        let nodes = DeviceNodes::gather(&root.join(&config.device_plugin.dev_root), &root.join("/proc"));
+        let path = rt::cdi_path(config);
+        match rt::cdi_spec(config, root, &inventory, &nodes) {
+            Ok(text) => CdiPlan {
+                write: mig_changes || std::fs::read_to_string(root.join(&path)).ok().as_deref() != Some(text.as_str()),
+                path,
+                error: None,
+            },
+            Err(e) => CdiPlan {
+                path,
+                write: false,
+                error: Some(e.to_string()),
+            },
+        }
+    });
+    let resources = advertised_resources(&after, &dp)?;
+    let mig_state = mig.as_ref().map(|m| match &m.error {
+        Some(_) if !m.incomplete => MigState::Failed,
+        _ => MigState::Success,
+    });
+    let labels = node_labels(&NodeLabels {
+        config,
+        inventory: &after,
+        dp: &dp,
+        machine: machine_name(root).as_deref(),
+        profile: &profile,
+        mig_state,
+        validation: None,
+    });
+    Ok(NodePlan {
+        desired,
+        driver,
+        runtime,
+        inventory,
+        mig,
+        cdi,
+        device_plugin: dp,
+        resources,
+        labels,
+    })
+}
+
+/// Processes on the GPUs, when NVML can tell.
+fn gpu_processes(gpus: &Gpus, root: &HostRoot) -> Option<usize> {
+    let inventory = gpus.inventory(&root.join("/sys")).ok()?;
+    inventory.gpus.iter().map(|g| gpus.process_count(&g.uuid)).sum()
+}
+
+/// The MIG stage's plan for the layout the labels (or `--mig-layout`) ask for, as the MIG stage
+/// chooses it, with what was observed; `None` when no layout is asked for.
+fn mig_plan(
+    config: &Config,
+    gpus: &Gpus,
+    selection: &Selection,
+    chosen: Option<&str>,
+) -> Option<(MigPlan, Vec<crate::mig::state::ObservedGpu>)> {
+    let key = &config.labels.mig_config;
+    let failed = |layout: String, error: String| {
+        let plan = MigPlan {
+            layout,
+            gpus: Vec::new(),
+            operations: 0,
+            error: Some(error),
+            incomplete: false,
+        };
+        Some((plan, Vec::new()))
+    };
+    let name = match (chosen, selection) {
+        (Some(name), _) => name.to_string(),
+        _ if !config.mig.enabled => return None,
+        (None, Selection::Unset) if !config.mig.default_layout.is_empty() => config.mig.default_layout.clone(),
+        (None, Selection::Unset) => return None,
+        (None, Selection::Invalid { value, reason }) => {
+            return failed(value.clone(), format!("label {key}={value:?} is not valid: {reason}"));
+        }
+        (None, Selection::Name { name }) => name.clone(),
+    };
+    let Some(layout) = config.mig.layout(&name) else {
+        let defined = config.mig.layout_names().join(", ");
+        return failed(
+            name.clone(),
+            format!("no MIG layout named {name:?}; defined: {defined}"),
+        );
+    };
+    let observed = match gpus.mig_observe() {
+        Ok(o) => o,
+        Err(e) => return failed(name, e.to_string()),
+    };
+    let plan = match plan_layout(&observed, &layout) {
+        Ok(plans) => {
+            let gpus: Vec<GpuPlan> = plans.into_iter().filter(|p| !p.ops.is_empty()).collect();
+            MigPlan {
+                operations: gpus.iter().map(|p| p.ops.len()).sum(),
+                layout: name,
+                gpus,
+                error: None,
+                incomplete: false,
+            }
+        }
+        Err(e) => MigPlan {
+            incomplete: matches!(e, PlanError::CiProfilesUnknown { .. }),
+            layout: name,
+            gpus: Vec::new(),
+            operations: 0,
+            error: Some(e.to_string()),
+        },
+    };
+    Some((plan, observed))
+}
