@@ -40,7 +40,7 @@ mod runtime;
 mod stage;
 mod validation;
 
-use stage::Stage;
+use stage::Stages;
 
 /// `run --once` exit code when a stage waits (GPU work holds a MIG or driver change):
 /// EX_TEMPFAIL, try again later.
@@ -144,7 +144,8 @@ struct Agent {
     tracker: health::SharedTracker,
     /// Cancelled at SIGTERM/SIGINT: every long step stops at its next safe point.
     stop: CancellationToken,
-    stage: Stage,
+    /// Every stage's status and retry state, by id.
+    stages: Stages,
     plugin_status: PluginStatus,
     /// To the health relay, which applies health and passes the resources to the manager.
     commands: Option<mpsc::Sender<Command>>,
@@ -169,10 +170,6 @@ struct Agent {
     desired_sel: Desired,
     /// The machine's DMI product name, for the `gpu.machine` label.
     machine: Option<String>,
-    /// The driver stage (first).
-    driver_stage: Stage,
-    /// The runtime stage.
-    runtime_stage: Stage,
     /// What the last runtime pass did (empty before one succeeded).
     runtime_detail: String,
     /// The last runtime pass's plan, once it succeeded (the engines now hold the runtime).
@@ -181,10 +178,6 @@ struct Agent {
     cdi_detail: Option<String>,
     /// Why the CDI spec could not be written.
     cdi_error: Option<String>,
-    /// The MIG stage (before the device plugin's).
-    mig_stage: Stage,
-    /// The validation stage (last).
-    validation_stage: Stage,
     /// The last pass's validation checks (the device plugin's is added as its status changes).
     validation_checks: Vec<(&'static str, validation::Outcome)>,
     /// Every check as last shown.
@@ -250,7 +243,7 @@ pub async fn run(config: Config, root: HostRoot, once: bool) -> Result<i32, Agen
         tracker: health::SharedTracker::new(HealthTracker::new(health_policy(&config))),
         stop: stop.clone(),
         node: hostname(&root),
-        stage: Stage::new(StageId::DevicePlugin, retry),
+        stages: Stages::new(retry),
         config,
         root,
         once,
@@ -277,14 +270,10 @@ pub async fn run(config: Config, root: HostRoot, once: bool) -> Result<i32, Agen
         },
         desired_sel: Desired::none(),
         machine: None,
-        driver_stage: Stage::new(StageId::Driver, retry),
-        runtime_stage: Stage::new(StageId::Runtime, retry),
         runtime_detail: String::new(),
         runtime_plan: None,
         cdi_detail: None,
         cdi_error: None,
-        mig_stage: Stage::new(StageId::Mig, retry),
-        validation_stage: Stage::new(StageId::Validation, retry),
         validation_checks: Vec::new(),
         validation_detail: Vec::new(),
         cuda_run: None,
@@ -371,7 +360,7 @@ pub async fn run(config: Config, root: HostRoot, once: bool) -> Result<i32, Agen
         && let Err(e) = agent.open_nvml()
     {
         if (agent.config.nvml.fail_on_init_error || once) && !stop.is_cancelled() {
-            agent.stage.set(StageState::Failed, Some(e.to_string()), None);
+            agent.stages[StageId::DevicePlugin].set(StageState::Failed, Some(e.to_string()), None);
             agent.write_status("stopped");
             return Err(e);
         }
@@ -393,7 +382,7 @@ pub async fn run(config: Config, root: HostRoot, once: bool) -> Result<i32, Agen
         agent.write_status("once");
         // Pending counts as not done: the bootstrap should not go on as if MIG were applied. It
         // is EX_TEMPFAIL (75, "try again later": GPU work holds a change), a failure is 1.
-        let states: Vec<StageState> = agent.stages().iter().map(|s| s.status.state).collect();
+        let states: Vec<StageState> = agent.stages.iter().map(|s| s.status.state).collect();
         return Ok(if states.contains(&StageState::Failed) {
             1
         } else if states.contains(&StageState::Pending) {
@@ -442,7 +431,7 @@ pub async fn run(config: Config, root: HostRoot, once: bool) -> Result<i32, Agen
             }
             () = sleep_until(agent.mig_retry) => {
                 agent.mig_retry = None;
-                agent.mig_stage.now();
+                agent.stages[StageId::Mig].now();
                 or_stop(&stop, agent.reconcile()).await;
             }
             _ = resync.tick() => { or_stop(&stop, agent.reconcile()).await; }
@@ -593,17 +582,6 @@ async fn sleep_until(at: Option<Instant>) {
 }
 
 impl Agent {
-    /// Every stage, in reconcile order.
-    fn stages(&self) -> [&Stage; 5] {
-        [
-            &self.driver_stage,
-            &self.runtime_stage,
-            &self.mig_stage,
-            &self.stage,
-            &self.validation_stage,
-        ]
-    }
-
     /// Drops NVML (before the driver under it is unloaded): the health watcher stops, the
     /// inventory is forgotten.
     fn close_nvml(&mut self) {
@@ -626,7 +604,7 @@ impl Agent {
                 Ok(())
             }
             Err(e) => {
-                self.stage.set(StageState::Failed, Some(e.to_string()), None);
+                self.stages[StageId::DevicePlugin].set(StageState::Failed, Some(e.to_string()), None);
                 self.write_status("running");
                 Err(e.into())
             }
@@ -643,14 +621,14 @@ impl Agent {
                 continue;
             }
             let started = Instant::now();
-            let ok = if self.stage_of(id).due(now) {
+            let ok = if self.stages[id].due(now) {
                 let ok = match id {
                     StageId::Driver => self.driver_step().await,
                     _ => self.runtime_step().await,
                 };
-                self.stage_of(id).ran(ok)
+                self.stages[id].ran(ok)
             } else {
-                self.stage_of(id).held()
+                self.stages[id].held()
             };
             durations.push((id.as_str(), started.elapsed()));
             if ok {
@@ -661,21 +639,11 @@ impl Agent {
             .await;
     }
 
-    fn stage_of(&mut self, id: StageId) -> &mut Stage {
-        match id {
-            StageId::Driver => &mut self.driver_stage,
-            StageId::Runtime => &mut self.runtime_stage,
-            StageId::Mig => &mut self.mig_stage,
-            StageId::DevicePlugin => &mut self.stage,
-            StageId::Validation => &mut self.validation_stage,
-        }
-    }
-
     /// The soonest time a failed stage waits for (past ones are left to the next pass: a stage
     /// held back by an earlier failed one must not wake the loop).
     fn next_retry(&self) -> Option<Instant> {
         let now = Instant::now();
-        self.stages()
+        self.stages
             .iter()
             .filter_map(|s| s.retry_at())
             .filter(|at| *at > now)
@@ -684,8 +652,8 @@ impl Agent {
 
     /// Every stage runs at the next pass, whatever its backoff says.
     fn retry_all_now(&mut self) {
-        for id in StageId::ALL {
-            self.stage_of(id).now();
+        for stage in self.stages.iter_mut() {
+            stage.now();
         }
     }
 
@@ -708,11 +676,11 @@ impl Agent {
             self.write_status("running");
             return;
         };
-        if self.mig_stage.due(Instant::now()) {
+        if self.stages[StageId::Mig].due(Instant::now()) {
             self.mig_step(&gpus).await;
             // A layout given up on looks again on its own timer, not the backoff's.
             if self.mig_gave_up.is_none() {
-                self.mig_stage.ran(true);
+                self.stages[StageId::Mig].ran(true);
             }
         }
         // The inventory is read with or without the device plugin: the CDI spec and the GPU
@@ -746,7 +714,7 @@ impl Agent {
             }
         }
         if !self.config.device_plugin.enabled {
-            self.stage.set(
+            self.stages[StageId::DevicePlugin].set(
                 StageState::Disabled,
                 None,
                 Some("[device_plugin] enabled = false".into()),
@@ -765,7 +733,7 @@ impl Agent {
         if mig_changed {
             // A new layout: the MIG stage runs now, then the inventory and resources follow.
             self.mig_pending_since = None;
-            self.mig_stage.now();
+            self.stages[StageId::Mig].now();
             self.reconcile().await;
         }
         let key = &self.config.labels.device_plugin_config;
@@ -864,7 +832,7 @@ impl Agent {
             if self.plan_error.is_none() {
                 let detail = summary(&resources);
                 let detail = format!("run --once does not serve the kubelet; would advertise {detail}");
-                self.stage.set(StageState::Skipped, None, Some(detail));
+                self.stages[StageId::DevicePlugin].set(StageState::Skipped, None, Some(detail));
             }
         } else if let Some(tx) = &self.commands {
             if self.plan_error.is_none() {
@@ -887,10 +855,10 @@ impl Agent {
     /// The device-plugin stage state from what the manager reports.
     fn update_stage(&mut self) {
         if let Some(e) = &self.plan_error {
-            self.stage.set(StageState::Failed, Some(e.clone()), None);
+            self.stages[StageId::DevicePlugin].set(StageState::Failed, Some(e.clone()), None);
             return;
         }
-        if self.once || self.gpus.is_none() || self.stage.status.state == StageState::Disabled {
+        if self.once || self.gpus.is_none() || self.stages[StageId::DevicePlugin].status.state == StageState::Disabled {
             return;
         }
         let p = &self.plugin_status;
@@ -907,18 +875,17 @@ impl Agent {
         );
         if !p.kubelet_present {
             let dir = self.config.kubelet.device_plugin_dir.display();
-            self.stage.set(
+            self.stages[StageId::DevicePlugin].set(
                 StageState::Pending,
                 Some(format!("waiting for the kubelet ({dir}/kubelet.sock)")),
                 Some(detail),
             );
         } else if !errors.is_empty() {
-            self.stage
-                .set(StageState::Pending, Some(errors.join("; ")), Some(detail));
+            self.stages[StageId::DevicePlugin].set(StageState::Pending, Some(errors.join("; ")), Some(detail));
         } else if registered == self.desired.len() {
-            self.stage.set(StageState::Ok, None, Some(detail));
+            self.stages[StageId::DevicePlugin].set(StageState::Ok, None, Some(detail));
         } else {
-            self.stage.set(StageState::Pending, None, Some(detail));
+            self.stages[StageId::DevicePlugin].set(StageState::Pending, None, Some(detail));
         }
     }
 
@@ -927,7 +894,7 @@ impl Agent {
         if !self.notifier.enabled() {
             return;
         }
-        let stages = self.stages();
+        let stages = &self.stages;
         let mut line = stages
             .iter()
             .map(|s| format!("{} {}", s.status.name, s.status.state.as_str()))
@@ -990,7 +957,7 @@ impl Agent {
             updated: 0,
             driver_version: self.inventory.as_ref().map(|i| i.driver_version.clone()),
             cuda_driver_version: self.inventory.as_ref().map(|i| i.cuda_driver_version.clone()),
-            stages: self.stages().iter().map(|s| s.status.clone()).collect(),
+            stages: self.stages.iter().map(|s| s.status.clone()).collect(),
             gpus,
             kubelet_present: self.plugin_status.kubelet_present,
             resources: self.plugin_status.resources.clone(),
@@ -1023,7 +990,7 @@ impl Agent {
     /// The labels the agent wants on its Node: the GPU feature labels and the profile state.
     /// `None` before the first inventory (nothing is known yet, so nothing is reported).
     fn wanted_labels(&self) -> Option<BTreeMap<String, String>> {
-        let validation = match self.validation_stage.status.state {
+        let validation = match self.stages[StageId::Validation].status.state {
             StageState::Ok => Some("success"),
             StageState::Failed => Some("failed"),
             StageState::Pending => Some("pending"),
@@ -1151,15 +1118,14 @@ impl Agent {
     async fn mig_step(&mut self, gpus: &Gpus) {
         let key = self.config.labels.mig_config.clone();
         if !self.config.mig.enabled {
-            self.mig_stage
-                .set(StageState::Disabled, None, Some("[mig] enabled = false".into()));
+            self.stages[StageId::Mig].set(StageState::Disabled, None, Some("[mig] enabled = false".into()));
             self.mig_state = None;
             return;
         }
         let name = match self.desired_sel.mig_config.clone() {
             Selection::Unset if !self.config.mig.default_layout.is_empty() => self.config.mig.default_layout.clone(),
             Selection::Unset => {
-                self.mig_stage.set(
+                self.stages[StageId::Mig].set(
                     StageState::Ok,
                     None,
                     Some(format!("no layout requested ({key} not set)")),
@@ -1221,7 +1187,7 @@ impl Agent {
         // script waiting for `success` must not see the previous layout's.
         if self.mig_state != Some(MigLabelState::Pending) {
             self.mig_state = Some(MigLabelState::Pending);
-            self.mig_stage.set(
+            self.stages[StageId::Mig].set(
                 StageState::Pending,
                 None,
                 Some(format!("layout {name}: changing {}", changing.join(", "))),
@@ -1274,8 +1240,7 @@ impl Agent {
                     return;
                 }
                 self.mig_state = Some(MigLabelState::Pending);
-                self.mig_stage
-                    .set(StageState::Pending, Some(reason), Some(format!("layout {name}")));
+                self.stages[StageId::Mig].set(StageState::Pending, Some(reason), Some(format!("layout {name}")));
                 self.mig_retry = Some(Instant::now() + MIG_BUSY_RECHECK);
             }
             Step::ModePending { reason, .. } => {
@@ -1286,8 +1251,11 @@ impl Agent {
                         return self.mig_failed(format!("{reason}; cannot record the reboot ({e}), not rebooting"));
                     }
                     self.mig_state = Some(MigLabelState::Rebooting);
-                    self.mig_stage
-                        .set(StageState::Pending, Some(format!("{reason}: rebooting the node")), None);
+                    self.stages[StageId::Mig].set(
+                        StageState::Pending,
+                        Some(format!("{reason}: rebooting the node")),
+                        None,
+                    );
                     self.write_status_with_inventory(gpus);
                     self.wait_for_label_on_node(MigLabelState::Rebooting.as_str(), REBOOT_LABEL_WAIT)
                         .await;
@@ -1304,7 +1272,7 @@ impl Agent {
             Step::Failed { reason } => self.mig_failed(reason),
             Step::Stopped { mutations } => {
                 // The agent is stopping: the next start converges from what was left.
-                self.mig_stage.set(
+                self.stages[StageId::Mig].set(
                     StageState::Pending,
                     Some(format!(
                         "layout {name}: stopped after {mutations} NVML operation(s); the next start goes on"
@@ -1384,7 +1352,7 @@ impl Agent {
         self.mig_gave_up = None;
         self.mig_pending_since = None;
         self.mig_state = Some(MigLabelState::Success);
-        self.mig_stage.set(StageState::Ok, None, Some(detail));
+        self.stages[StageId::Mig].set(StageState::Ok, None, Some(detail));
         let marker = self.root.join(&self.config.agent.state_dir).join(MIG_REBOOT_MARKER);
         let _ = std::fs::remove_file(marker);
         tracing::info!("MIG layout {name}: success");
@@ -1395,7 +1363,7 @@ impl Agent {
         tracing::error!("MIG stage failed: {reason}");
         self.mig_pending_since = None;
         self.mig_state = Some(MigLabelState::Failed);
-        self.mig_stage.set(StageState::Failed, Some(reason), None);
+        self.stages[StageId::Mig].set(StageState::Failed, Some(reason), None);
         self.restore_withdrawn();
     }
 

@@ -39,13 +39,14 @@ pub enum Command {
         #[arg(long)]
         once: bool,
     },
-    /// Print what the agent would do, changing nothing: the container runtime edits as a unified
-    /// diff, the GPU inventory and what would be advertised.
+    /// Print what `run` would do now, changing nothing: from the config, the desired labels (Node,
+    /// labels file or the ones last seen) and the host, every stage's plan: driver, container
+    /// runtime edits as a unified diff, MIG operations, CDI spec, resources and Node labels.
     Plan {
-        /// Print JSON instead of text.
+        /// Print JSON instead of text (every stage).
         #[arg(long)]
         json: bool,
-        /// Also show the MIG plan for this layout: what the MIG stage would do to each GPU.
+        /// Plan this MIG layout instead of the one the labels ask for.
         #[arg(long, value_name = "LAYOUT")]
         mig_layout: Option<String>,
     },

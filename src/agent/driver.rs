@@ -3,7 +3,7 @@
 //! from the kubelet first and NVML reopened after, also when the change failed), then validates
 //! what NVML reports.
 
-use super::{Agent, DRIVER_UPGRADE_RETRY, StageState};
+use super::{Agent, DRIVER_UPGRADE_RETRY, StageId, StageState};
 use crate::driver::stage::{self as drv, Planned};
 use crate::driver::{observe, plan::Step, validate};
 
@@ -18,8 +18,7 @@ impl Agent {
     /// Runs the driver stage; `false` when the stages after it cannot run (no working driver).
     pub(super) async fn driver_step(&mut self) -> bool {
         if !self.config.driver.enabled {
-            self.driver_stage
-                .set(StageState::Disabled, None, Some("[driver] enabled = false".into()));
+            self.stages[StageId::Driver].set(StageState::Disabled, None, Some("[driver] enabled = false".into()));
             return true;
         }
         let processes = self.gpu_processes();
@@ -32,13 +31,13 @@ impl Agent {
             Ok(p) => p,
             Err(e) => {
                 tracing::error!("driver stage failed: {e}");
-                self.driver_stage.set(StageState::Failed, Some(e), None);
+                self.stages[StageId::Driver].set(StageState::Failed, Some(e), None);
                 return self.gpus.is_some();
             }
         };
         if let Some(wait) = &planned.plan.wait {
             // The loaded driver keeps serving meanwhile.
-            self.driver_stage.set(
+            self.stages[StageId::Driver].set(
                 StageState::Pending,
                 Some(wait.clone()),
                 Some(planned.plan.summary.clone()),
@@ -55,12 +54,11 @@ impl Agent {
             // The GPUs stay with the kubelet on the driver still loaded.
             let left = DRIVER_UPGRADE_RETRY.saturating_sub(at.elapsed()).as_secs().div_ceil(60);
             let reason = format!("{error} (tried again in {left} min, or at `systemctl restart gpu-node-agent`)");
-            self.driver_stage
-                .set(StageState::Failed, Some(reason), Some(planned.plan.summary.clone()));
+            self.stages[StageId::Driver].set(StageState::Failed, Some(reason), Some(planned.plan.summary.clone()));
             return self.gpus.is_some();
         }
         if changed && let Err(go_on) = self.apply_driver(&planned).await {
-            if upgrade && let Some(error) = self.driver_stage.status.error.clone() {
+            if upgrade && let Some(error) = self.stages[StageId::Driver].status.error.clone() {
                 self.driver_failed = Some((planned.plan.summary.clone(), std::time::Instant::now(), error));
             }
             return go_on;
@@ -114,7 +112,7 @@ impl Agent {
             Err(e) => {
                 tracing::error!("driver stage failed: {e}");
                 let go_on = upgrade && self.recover_from_failed_upgrade();
-                self.driver_stage.set(StageState::Failed, Some(e), None);
+                self.stages[StageId::Driver].set(StageState::Failed, Some(e), None);
                 return Err(go_on);
             }
         }
@@ -155,17 +153,20 @@ impl Agent {
         };
         let facts = match observed {
             Ok(Ok(f)) if f.gpus.is_empty() => {
-                self.driver_stage.set(StageState::Ok, None, Some(summary.to_string()));
+                self.stages[StageId::Driver].set(StageState::Ok, None, Some(summary.to_string()));
                 return;
             }
             Ok(Ok(f)) => f,
             Ok(Err(e)) => {
-                self.driver_stage.set(StageState::Failed, Some(e.to_string()), None);
+                self.stages[StageId::Driver].set(StageState::Failed, Some(e.to_string()), None);
                 return;
             }
             Err(e) => {
-                self.driver_stage
-                    .set(StageState::Failed, Some(format!("driver stage task failed: {e}")), None);
+                self.stages[StageId::Driver].set(
+                    StageState::Failed,
+                    Some(format!("driver stage task failed: {e}")),
+                    None,
+                );
                 return;
             }
         };
@@ -175,12 +176,8 @@ impl Agent {
         };
         let checks = drv::validate_now(&self.config, &facts, view);
         match validate::summary(&checks) {
-            Ok(line) => self
-                .driver_stage
-                .set(StageState::Ok, None, Some(format!("{line}; {summary}"))),
-            Err(e) => self
-                .driver_stage
-                .set(StageState::Failed, Some(e), Some(summary.to_string())),
+            Ok(line) => self.stages[StageId::Driver].set(StageState::Ok, None, Some(format!("{line}; {summary}"))),
+            Err(e) => self.stages[StageId::Driver].set(StageState::Failed, Some(e), Some(summary.to_string())),
         }
     }
 }

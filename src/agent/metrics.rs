@@ -91,7 +91,7 @@ impl Agent {
             return;
         }
         self.metrics_device_health();
-        let stages = self.stages().map(|s| s.status.clone());
+        let stages: Vec<_> = self.stages.iter().map(|s| s.status.clone()).collect();
         let Some(handle) = &mut self.metrics else { return };
         for s in &stages {
             let duration = durations.iter().find(|(n, _)| *n == s.name).map(|(_, d)| *d);

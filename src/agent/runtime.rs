@@ -2,7 +2,7 @@
 //! (first in the order: MIG and the device plugin wait for it), and the CDI spec, rewritten
 //! whenever the GPU inventory changes (at start and after every MIG change).
 
-use super::{Agent, StageState};
+use super::{Agent, StageId, StageState};
 use crate::host::command::Runner;
 use crate::runtime::cdi::CdiError;
 use crate::runtime::stage::{self as rt, ApplyOptions, RuntimeError};
@@ -12,8 +12,7 @@ impl Agent {
     /// stages after it then wait for the next pass).
     pub(super) async fn runtime_step(&mut self) -> bool {
         if !self.config.runtime.enabled {
-            self.runtime_stage
-                .set(StageState::Disabled, None, Some("[runtime] enabled = false".into()));
+            self.stages[StageId::Runtime].set(StageState::Disabled, None, Some("[runtime] enabled = false".into()));
             return true;
         }
         let (config, root, stop) = (self.config.clone(), self.root.clone(), self.stop.clone());
@@ -76,7 +75,7 @@ impl Agent {
                     );
                     tracing::error!("runtime stage failed: {e}");
                     self.runtime_plan = None;
-                    self.runtime_stage.set(StageState::Failed, Some(e), Some(detail));
+                    self.stages[StageId::Runtime].set(StageState::Failed, Some(e), Some(detail));
                     return false;
                 }
                 // A RuntimeClass per runtime the engines got, for pods that name one.
@@ -104,7 +103,7 @@ impl Agent {
             Err(e) => {
                 tracing::error!("runtime stage failed: {e}");
                 self.runtime_plan = None;
-                self.runtime_stage.set(StageState::Failed, Some(e), None);
+                self.stages[StageId::Runtime].set(StageState::Failed, Some(e), None);
                 false
             }
         }
@@ -148,7 +147,7 @@ impl Agent {
 
     /// The runtime stage's status from the engines' and the CDI spec's outcome.
     fn show_runtime(&mut self) {
-        if self.runtime_stage.status.state == StageState::Failed && self.cdi_error.is_none() {
+        if self.stages[StageId::Runtime].status.state == StageState::Failed && self.cdi_error.is_none() {
             // An engine failure stays until the next runtime pass says otherwise.
             if self.runtime_detail.is_empty() {
                 return;
@@ -160,10 +159,8 @@ impl Agent {
             None => self.runtime_detail.clone(),
         };
         match &self.cdi_error {
-            Some(e) => self
-                .runtime_stage
-                .set(StageState::Failed, Some(e.clone()), Some(detail)),
-            None => self.runtime_stage.set(StageState::Ok, None, Some(detail)),
+            Some(e) => self.stages[StageId::Runtime].set(StageState::Failed, Some(e.clone()), Some(detail)),
+            None => self.stages[StageId::Runtime].set(StageState::Ok, None, Some(detail)),
         }
     }
 }

@@ -27,6 +27,37 @@ pub(super) fn may_run(id: StageId, passed: &[StageId]) -> bool {
         .is_none_or(|(_, needs)| needs.iter().all(|n| passed.contains(n)))
 }
 
+/// Every stage, indexed by its id, in pass order.
+pub(super) struct Stages([Stage; StageId::ALL.len()]);
+
+impl Stages {
+    pub(super) fn new(policy: (Duration, Duration)) -> Stages {
+        Stages(StageId::ALL.map(|id| Stage::new(id, policy)))
+    }
+
+    pub(super) fn iter(&self) -> impl Iterator<Item = &Stage> {
+        self.0.iter()
+    }
+
+    pub(super) fn iter_mut(&mut self) -> impl Iterator<Item = &mut Stage> {
+        self.0.iter_mut()
+    }
+}
+
+impl std::ops::Index<StageId> for Stages {
+    type Output = Stage;
+    fn index(&self, id: StageId) -> &Stage {
+        // `ALL` lists every id once, in declaration order: the id is its own index.
+        &self.0[id as usize]
+    }
+}
+
+impl std::ops::IndexMut<StageId> for Stages {
+    fn index_mut(&mut self, id: StageId) -> &mut Stage {
+        &mut self.0[id as usize]
+    }
+}
+
 /// One stage's status and retry state.
 pub(super) struct Stage {
     pub(super) id: StageId,
@@ -181,5 +212,10 @@ mod tests {
         assert!(may_run(StageId::DevicePlugin, &[StageId::Driver, StageId::Runtime]));
         // Every stage has its rule, in pass order.
         assert_eq!(NEEDS.map(|(id, _)| id), StageId::ALL);
+        // Indexing by id finds that stage.
+        let stages = Stages::new((MS, MS));
+        for id in StageId::ALL {
+            assert_eq!(stages[id].id, id);
+        }
     }
 }

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use serde::Serialize;
 
-use super::{Agent, StageState};
+use super::{Agent, StageId, StageState};
 use crate::cuda::{CudaCheck, CudaDevice};
 use crate::host::command::{Cmd, Runner};
 use crate::nvml::{Inventory, normalise_bus_id};
@@ -46,8 +46,11 @@ impl Agent {
     /// error for failures).
     pub(super) async fn validation_step(&mut self) {
         if !self.config.validation.enabled {
-            self.validation_stage
-                .set(StageState::Disabled, None, Some("[validation] enabled = false".into()));
+            self.stages[StageId::Validation].set(
+                StageState::Disabled,
+                None,
+                Some("[validation] enabled = false".into()),
+            );
             return;
         }
         let driver = self.check_driver();
@@ -59,7 +62,7 @@ impl Agent {
 
     /// The device plugin check follows the plugin's status, which changes between passes.
     pub(super) fn show_validation(&mut self) {
-        if self.validation_stage.status.state == StageState::Disabled || self.validation_checks.is_empty() {
+        if self.stages[StageId::Validation].status.state == StageState::Disabled || self.validation_checks.is_empty() {
             return;
         }
         let mut checks = self.validation_checks.clone();
@@ -90,18 +93,17 @@ impl Agent {
             _ => None,
         });
         if !failed.is_empty() {
-            self.validation_stage
-                .set(StageState::Failed, Some(failed.join("; ")), Some(summary));
+            self.stages[StageId::Validation].set(StageState::Failed, Some(failed.join("; ")), Some(summary));
         } else if let Some(why) = pending {
-            self.validation_stage.set(StageState::Pending, Some(why), Some(summary));
+            self.stages[StageId::Validation].set(StageState::Pending, Some(why), Some(summary));
         } else {
-            self.validation_stage.set(StageState::Ok, None, Some(summary));
+            self.stages[StageId::Validation].set(StageState::Ok, None, Some(summary));
         }
         self.validation_detail = checks;
     }
 
     fn check_driver(&self) -> Outcome {
-        let s = &self.driver_stage.status;
+        let s = &self.stages[StageId::Driver].status;
         match s.state {
             StageState::Ok => Outcome::Passed(s.detail.clone().unwrap_or_default()),
             StageState::Disabled => Outcome::Skipped("[driver] enabled = false".into()),
@@ -118,7 +120,7 @@ impl Agent {
             return Outcome::Skipped("[runtime] enabled = false".into());
         }
         let Some(plan) = self.runtime_plan.clone() else {
-            let s = &self.runtime_stage.status;
+            let s = &self.stages[StageId::Runtime].status;
             return Outcome::Failed(
                 s.error
                     .clone()
