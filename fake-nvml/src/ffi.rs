@@ -42,11 +42,16 @@ const NVLINK_MAX_LINKS: c_uint = 18;
 // === plumbing ===
 
 fn guard(f: impl FnOnce() -> NvmlResult<()>) -> nvmlReturn_t {
-    match catch_unwind(AssertUnwindSafe(f)) {
+    let rc = match catch_unwind(AssertUnwindSafe(f)) {
         Ok(Ok(())) => SUCCESS,
         Ok(Err(e)) => e.code(),
         Err(_) => NvmlError::Unknown.code(),
+    };
+    // A slowed state change takes its time here, with the library unlocked.
+    if let Some(delay) = crate::runtime::take_mutation_delay() {
+        sleep(delay);
     }
+    rc
 }
 
 /// Runs `f` with the library locked; UNINITIALIZED before init.

@@ -172,17 +172,29 @@ impl Lib {
         }
         // `FAKE_NVML_MUTATION_DELAY_MS`: each state change takes this long, like MIG operations on
         // real GPUs (tenths of seconds), so a test can kill a process in the middle of an apply.
+        // The caller waits once the library is unlocked again ([`take_mutation_delay`]): a MIG
+        // operation on one thread does not hold the others' calls (health events, readings).
         if let Some(ms) = std::env::var("FAKE_NVML_MUTATION_DELAY_MS")
             .ok()
             .and_then(|v| v.parse::<u64>().ok())
         {
-            std::thread::sleep(std::time::Duration::from_millis(ms));
+            MUTATION_DELAY.with(|d| d.set(Some(std::time::Duration::from_millis(ms))));
         }
     }
 
     fn spec(&self, gpu: usize) -> &GpuSpec {
         &self.machine.gpus[gpu]
     }
+}
+
+thread_local! {
+    /// The delay the current call's state change asked for, served after the lock is released.
+    static MUTATION_DELAY: std::cell::Cell<Option<std::time::Duration>> = const { std::cell::Cell::new(None) };
+}
+
+/// The delay this thread's last state change asked for (`FAKE_NVML_MUTATION_DELAY_MS`), once.
+pub fn take_mutation_delay() -> Option<std::time::Duration> {
+    MUTATION_DELAY.with(std::cell::Cell::take)
 }
 
 /// Loads `state.json` if it exists and fits the machine; otherwise `None` (with a note).
