@@ -13,7 +13,8 @@ use tokio::sync::{mpsc, watch};
 use crate::config::Config;
 use crate::desired::{Source, parse_labels_file};
 use crate::host::HostRoot;
-use crate::kube::{self, Backoff, EventType, KubeClient, NodeEvent, NodeView};
+use crate::host::backoff::Backoff;
+use crate::kube::{self, EventType, KubeClient, NodeEvent, NodeView};
 use crate::labels::report::{OwnedLabels, label_patch};
 
 /// The labels the agent wants on its Node; `None` until it has said once.

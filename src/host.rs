@@ -1,6 +1,7 @@
 //! The node's OS surface: the root prefix every host path goes through, atomic file writes, and
 //! running host programs ([`command`]).
 
+pub mod backoff;
 pub mod command;
 
 use std::fs::{self, File, OpenOptions};

@@ -79,9 +79,8 @@ const SPLIT: &[&str] = &["kube"];
 /// (`kube/mod.rs`, named `kube`) is above its children: a child imports a sibling directly, never
 /// an item the facade defines.
 const SUBLAYERS: &[(&str, u32)] = &[
-    // Leaves: time formats, backoff, and the test API server (tests only).
+    // Leaves: time formats and the test API server (tests only).
     ("kube/time", 0),
-    ("kube/backoff", 0),
     ("kube/testserver", 0),
     // Errors, and what a failed request means.
     ("kube/error", 1),

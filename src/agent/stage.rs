@@ -5,7 +5,7 @@
 
 use std::time::{Duration, Instant};
 
-use crate::kube::Backoff;
+use crate::host::backoff::Backoff;
 use crate::status::{StageId, StageState, StageStatus, now_unix};
 
 /// Which stages must have passed for a stage to run in a pass: the gating rules, in one place.

@@ -13,7 +13,6 @@
 //!   `watch_timeout` at steady state;
 //! - [`node_name`] says which Node is ours.
 
-mod backoff;
 mod client;
 mod credentials;
 mod discover;
@@ -28,7 +27,6 @@ mod watcher;
 #[cfg(test)]
 mod testserver;
 
-pub use backoff::{Backoff, Jitter};
 pub use client::{
     COMPONENT, EVENT_NAMESPACE, EventType, KubeClient, MAX_EVENT_MESSAGE, NodeEvent, ResponseObserver,
     WATCH_IDLE_MARGIN,

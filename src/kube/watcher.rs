@@ -31,11 +31,11 @@ use tokio::time::Instant;
 
 use crate::config::KubernetesConfig;
 
-use super::backoff::Backoff;
 use super::client::KubeClient;
 use super::error::{ApiFailure, HttpFailure, KubeError};
 use super::node::Node;
 use super::watch::{WatchEvent, WatchStream};
+use crate::host::backoff::Backoff;
 
 /// A watch that lasted this long (or half the watch timeout, if shorter) was healthy: the
 /// backoff starts over after it.

@@ -16,6 +16,7 @@ use tokio::sync::{Notify, mpsc, watch};
 use super::resources::{Health, Resource};
 pub use super::server::StreamStatus;
 use super::server::{PluginContext, PluginStats, ServedPlugin, file_id, register};
+use crate::host::backoff::{Backoff, Jitter};
 
 /// The kubelet's registration socket name inside the device-plugin directory.
 pub const KUBELET_SOCKET: &str = "kubelet.sock";
@@ -77,7 +78,8 @@ pub struct PluginManager {
     ctx: watch::Sender<Arc<PluginContext>>,
     served: BTreeMap<String, Entry>,
     kubelet_id: Option<(u64, u64)>,
-    retry_delay: Duration,
+    /// Registration retries: doubling from RETRY_MIN to RETRY_MAX.
+    retry: Backoff,
     retry_at: Option<Instant>,
     stats: Arc<PluginStats>,
     status: watch::Sender<PluginStatus>,
@@ -101,7 +103,7 @@ impl PluginManager {
             ctx,
             served: BTreeMap::new(),
             kubelet_id: None,
-            retry_delay: RETRY_MIN,
+            retry: Backoff::with_jitter(RETRY_MIN, RETRY_MAX, Jitter::None),
             retry_at: None,
             stats,
             status,
@@ -181,7 +183,7 @@ impl PluginManager {
             for entry in self.served.values_mut() {
                 entry.registered_at = None;
             }
-            self.retry_delay = RETRY_MIN;
+            self.retry.reset();
             self.retry_at = None;
         }
 
@@ -257,15 +259,14 @@ impl PluginManager {
         if failed {
             self.schedule_retry();
         } else {
-            self.retry_delay = RETRY_MIN;
+            self.retry.reset();
             self.retry_at = None;
         }
         self.publish();
     }
 
     fn schedule_retry(&mut self) {
-        self.retry_at = Some(Instant::now() + self.retry_delay);
-        self.retry_delay = (self.retry_delay * 2).min(RETRY_MAX);
+        self.retry_at = Some(Instant::now() + self.retry.next());
     }
 
     fn publish(&self) {

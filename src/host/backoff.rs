@@ -1,4 +1,4 @@
-//! Exponential backoff with jitter for API retries.
+//! Exponential backoff with jitter: the API client's retries and the stages' (one policy).
 
 use std::time::Duration;
 
