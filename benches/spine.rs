@@ -5,7 +5,7 @@
 //! | start → device plugin registered | ≤ 200 ms |
 //! | Allocate latency / empty gRPC call on the same socket | ≤ 1.5× |
 //! | Xid → ListAndWatch update | ≤ 50 ms |
-//! | idle RSS | ≤ 15 MiB |
+//! | idle RSS | ≤ 12 MiB |
 
 #[path = "../tests/common/mod.rs"]
 mod common;
@@ -155,8 +155,8 @@ async fn main() {
     rows.push(Row {
         what: "idle RSS (8 GPUs registered), MiB",
         value: format!("{mib:.1}"),
-        budget: "≤ 15 MiB",
-        ok: mib <= 15.0,
+        budget: "≤ 12 MiB",
+        ok: mib <= 12.0,
     });
     agent.stop();
 
