@@ -16,6 +16,7 @@ use crate::cluster::{self, LabelsView, Link};
 use crate::config::{Config, DevicePluginConfig};
 use crate::desired::{Desired, ProfileOutcome, ProfileState, Selection, choose_profile};
 use crate::devices::Topology;
+use crate::exit::Exit;
 use crate::host::{HostRoot, hostname};
 use crate::kube::EventType;
 use crate::labels::gfd::{FeatureInputs, feature_labels};
@@ -44,7 +45,7 @@ use stage::Stages;
 
 /// `run --once` exit code when a stage waits (GPU work holds a MIG or driver change):
 /// EX_TEMPFAIL, try again later.
-pub const EXIT_PENDING: i32 = 75;
+pub const EXIT_PENDING: i32 = Exit::TryLater as i32;
 
 /// How long the first reconcile waits for the desired-state source (the Node's labels).
 const FIRST_VIEW_WAIT: Duration = Duration::from_secs(5);
@@ -86,8 +87,8 @@ impl AgentError {
     /// Exit code: 69 (EX_UNAVAILABLE) when NVML is missing, 1 otherwise.
     pub fn exit_code(&self) -> i32 {
         match self {
-            AgentError::Nvml(_) => 69,
-            _ => 1,
+            AgentError::Nvml(_) => Exit::NoNvml.code(),
+            _ => Exit::Failed.code(),
         }
     }
 }

@@ -16,6 +16,7 @@ pub mod cuda;
 pub mod desired;
 pub mod devices;
 pub mod driver;
+pub mod exit;
 pub mod host;
 pub mod kube;
 pub mod labels;

@@ -10,6 +10,7 @@ use gpu_node_agent::cli::{
 };
 use gpu_node_agent::config::Config;
 use gpu_node_agent::driver::stage as driver_stage;
+use gpu_node_agent::exit::Exit;
 use gpu_node_agent::host::HostRoot;
 use gpu_node_agent::host::command::Runner;
 use gpu_node_agent::mig::stage::{ResetGpu, Step, converge, export, plan_layout};
@@ -18,11 +19,6 @@ use gpu_node_agent::nvml::Gpus;
 use gpu_node_agent::runtime::stage as runtime_stage;
 use gpu_node_agent::status::{STATUS_FILE, now_unix};
 use gpu_node_agent::{logging, plan};
-
-/// Exit code when NVML cannot be loaded or initialised (EX_UNAVAILABLE).
-const EXIT_NO_NVML: u8 = 69;
-/// Exit code when there is no status to show (LSB "program is not running").
-const EXIT_NO_STATUS: u8 = 3;
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
@@ -106,7 +102,7 @@ fn main() -> ExitCode {
                     "gpu-node-agent: no MIG layout named {name:?}; defined: {}",
                     config.mig.layout_names().join(", ")
                 );
-                return ExitCode::from(64);
+                return Exit::Usage.into();
             }
             let runtime = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
                 Ok(rt) => rt,
@@ -243,7 +239,7 @@ fn driver_command(config: &Config, root: &HostRoot, command: DriverCommand) -> E
         DriverCommand::Install => {
             if let Some(wait) = &planned.plan.wait {
                 eprintln!("gpu-node-agent: driver: {wait}; nothing changed");
-                return ExitCode::from(EXIT_BUSY);
+                return Exit::TryLater.into();
             }
             match driver_stage::apply(config, root, &planned, None) {
                 Ok(applied) => {
@@ -370,14 +366,14 @@ fn cdi_generate(config: &Config, root: &HostRoot, output: Option<&std::path::Pat
         Ok(gpus) => gpus,
         Err(e) => {
             eprintln!("gpu-node-agent: {e}");
-            return ExitCode::from(EXIT_NO_NVML);
+            return Exit::NoNvml.into();
         }
     };
     let inventory = match gpus.inventory(&root.join("/sys")) {
         Ok(i) => i,
         Err(e) => {
             eprintln!("gpu-node-agent: {e}");
-            return ExitCode::from(EXIT_NO_NVML);
+            return Exit::NoNvml.into();
         }
     };
     let nodes = gpu_node_agent::plugin::devnodes::DeviceNodes::gather(
@@ -411,9 +407,6 @@ fn cdi_generate(config: &Config, root: &HostRoot, output: Option<&std::path::Pat
     }
 }
 
-/// Exit code when GPU work blocks a MIG change (EX_TEMPFAIL: try again later).
-const EXIT_BUSY: u8 = 75;
-
 fn mig(config: &Config, root: &HostRoot, command: MigCommand) -> ExitCode {
     if let MigCommand::Import { file } = &command {
         let text = match std::fs::read_to_string(file) {
@@ -431,7 +424,7 @@ fn mig(config: &Config, root: &HostRoot, command: MigCommand) -> ExitCode {
             }
             Err(e) => {
                 eprintln!("gpu-node-agent: {}: {e}", file.display());
-                ExitCode::from(64)
+                Exit::Usage.into()
             }
         };
     }
@@ -447,7 +440,7 @@ fn mig(config: &Config, root: &HostRoot, command: MigCommand) -> ExitCode {
         Ok(g) => g,
         Err(e) => {
             eprintln!("gpu-node-agent: {e}");
-            return ExitCode::from(EXIT_NO_NVML);
+            return Exit::NoNvml.into();
         }
     };
     match command {
@@ -468,7 +461,7 @@ fn mig(config: &Config, root: &HostRoot, command: MigCommand) -> ExitCode {
                 Ok(l) => l,
                 Err(e) => {
                     eprintln!("gpu-node-agent: {e}");
-                    return ExitCode::from(64);
+                    return Exit::Usage.into();
                 }
             };
             let plans = gpus
@@ -498,7 +491,7 @@ fn mig(config: &Config, root: &HostRoot, command: MigCommand) -> ExitCode {
                 Ok(l) => l,
                 Err(e) => {
                     eprintln!("gpu-node-agent: {e}");
-                    return ExitCode::from(64);
+                    return Exit::Usage.into();
                 }
             };
             let smi = root.join(&config.mig.nvidia_smi);
@@ -518,7 +511,7 @@ fn mig(config: &Config, root: &HostRoot, command: MigCommand) -> ExitCode {
                 }
                 Step::Busy { reason, .. } => {
                     eprintln!("gpu-node-agent: {reason}; nothing changed");
-                    ExitCode::from(EXIT_BUSY)
+                    Exit::TryLater.into()
                 }
                 Step::ModePending { reason, .. } | Step::Failed { reason } => {
                     eprintln!("gpu-node-agent: {reason}");
@@ -542,7 +535,7 @@ fn status(config: &Config, root: &HostRoot, json: bool) -> ExitCode {
                 "gpu-node-agent: no status at {} ({e}): is the agent running? (systemctl status gpu-node-agent)",
                 path.display()
             );
-            return ExitCode::from(EXIT_NO_STATUS);
+            return Exit::NotRunning.into();
         }
     };
     match gpu_node_agent::status::report(&text, root.path(), json, now_unix()) {

@@ -29,6 +29,7 @@ const LAYERS: &[(&str, u32)] = &[
     // 0. Leaves: generated API, plain data and helpers that import nothing from the crate.
     ("api", 0),
     ("devices", 0),
+    ("exit", 0),
     ("names", 0),
     ("net", 0),
     ("notify", 0),

@@ -20,6 +20,7 @@ use clap_mangen::Man;
 use clap_mangen::roff::{Roff, bold, italic, roman};
 
 use gpu_node_agent::cli::Cli;
+use gpu_node_agent::exit::Exit;
 
 const BIN: &str = "gpu-node-agent";
 /// Footer of every page (clap_mangen would put the subcommand's name there).
@@ -33,7 +34,7 @@ fn main() -> ExitCode {
         [what, dir] if what == "completions" => completions(Path::new(dir)),
         _ => {
             eprintln!("usage: gna-gen man DIR | gna-gen completions DIR");
-            return ExitCode::from(64);
+            return Exit::Usage.into();
         }
     };
     match result {

@@ -6,7 +6,7 @@ use std::io;
 use std::path::PathBuf;
 
 /// Exit status for any configuration error (`EX_USAGE` from sysexits.h).
-pub const EXIT_CONFIG: i32 = 64;
+pub const EXIT_CONFIG: i32 = crate::exit::Exit::Usage as i32;
 
 /// A place in a config file: the file as shown to the user and a 1-based line.
 #[derive(Debug, Clone, PartialEq, Eq)]
