@@ -297,8 +297,14 @@ pub async fn run(config: Config, root: HostRoot, once: bool) -> Result<i32, Agen
     // The cluster link: the desired state comes from it before the first reconcile. Under
     // `run --once` too: a bootstrap applies the MIG layout the labels ask for before the
     // kubelet joins.
+    // The metrics first: the API client, the plugin servers and the health relay count in them.
+    agent.metrics = metrics::start(&agent.config.metrics, once).await;
     let mut view_rx = {
-        let link = cluster::start(&agent.config, &agent.root);
+        let link = cluster::start(
+            &agent.config,
+            &agent.root,
+            agent.metrics.as_ref().map(|m| m.metrics.clone()),
+        );
         let rx = link.view.clone();
         let (view, answered) = first_view(&agent.config, &agent.root, &link, &stop).await;
         agent.view = view;
@@ -321,7 +327,10 @@ pub async fn run(config: Config, root: HostRoot, once: bool) -> Result<i32, Agen
     };
 
     // The plugin manager serves and registers; it runs for the whole life of the daemon.
-    let stats = Arc::new(PluginStats::default());
+    let stats = Arc::new(PluginStats {
+        metrics: agent.metrics.as_ref().map(|m| m.metrics.clone()),
+        ..PluginStats::default()
+    });
     let (mut plugin_rx, manager) = if once || !agent.config.device_plugin.enabled {
         let (_tx, rx) = watch::channel(PluginStatus::default());
         (rx, None)
@@ -338,7 +347,6 @@ pub async fn run(config: Config, root: HostRoot, once: bool) -> Result<i32, Agen
     };
     let (manager_task, manager_tx) = manager.unzip();
 
-    agent.metrics = metrics::start(&agent.config.metrics, once).await;
     // The health relay: health events reach the manager from there, never waiting for a stage.
     let (relay_task, mut health_changed) = if once {
         (None, None)

@@ -16,6 +16,7 @@ use crate::host::HostRoot;
 use crate::host::backoff::Backoff;
 use crate::kube::{self, EventType, KubeClient, NodeEvent, NodeView};
 use crate::labels::report::{OwnedLabels, label_patch};
+use crate::metrics::Metrics;
 
 /// The labels the agent wants on its Node; `None` until it has said once.
 type WantedLabels = Option<BTreeMap<String, String>>;
@@ -99,7 +100,7 @@ const DISCOVER_AGAIN: Duration = Duration::from_secs(10);
 /// config and the view says why. With `[kubernetes] enabled` but no credentials yet (or broken
 /// ones), they are looked for again every [`DISCOVER_AGAIN`]; once found, the Node becomes the
 /// source (unless a labels file is) and reporting starts, without a restart.
-pub fn start(config: &Config, root: &HostRoot) -> Link {
+pub fn start(config: &Config, root: &HostRoot, metrics: Option<Metrics>) -> Link {
     let k = &config.kubernetes;
     let labels_file = !config.desired.labels_file.as_os_str().is_empty();
     if !k.enabled && !labels_file {
@@ -108,7 +109,7 @@ pub fn start(config: &Config, root: &HostRoot) -> Link {
         return none_link(why.to_string());
     }
     let client = if k.enabled {
-        discover_client(config, root)
+        discover_client(config, root, &metrics)
     } else {
         Err(String::new())
     };
@@ -167,7 +168,14 @@ pub fn start(config: &Config, root: &HostRoot) -> Link {
         Ok(client) => connect(client, config, root, node_view, reporting),
         Err(why) => {
             tracing::warn!("{why}; looking for Kubernetes credentials again every {DISCOVER_AGAIN:?}");
-            tokio::spawn(discover_later(config.clone(), root.clone(), why, node_view, reporting));
+            tokio::spawn(discover_later(
+                config.clone(),
+                root.clone(),
+                why,
+                node_view,
+                reporting,
+                metrics,
+            ));
         }
     }
     Link {
@@ -181,11 +189,15 @@ pub fn start(config: &Config, root: &HostRoot) -> Link {
 }
 
 /// The API client from the credentials found now, or why there is none.
-fn discover_client(config: &Config, root: &HostRoot) -> Result<KubeClient, String> {
+fn discover_client(config: &Config, root: &HostRoot, metrics: &Option<Metrics>) -> Result<KubeClient, String> {
     let k = &config.kubernetes;
     match kube::discover(k, root) {
         Ok(Some(credentials)) => KubeClient::new(credentials, k)
-            .map(|client| client.with_response_observer(Arc::new(count_api_response)))
+            .map(|client| match metrics.clone() {
+                // Every API response is counted in the agent's metrics, when they are on.
+                Some(m) => client.with_response_observer(Arc::new(move |verb, code| m.api_request(verb, code))),
+                None => client,
+            })
             .map_err(|e| format!("cannot build the Kubernetes API client: {e}")),
         Ok(None) => Err(
             "no Kubernetes credentials found (no [kubernetes] kubeconfig, $KUBECONFIG, kubelet \
@@ -193,15 +205,6 @@ fn discover_client(config: &Config, root: &HostRoot) -> Result<KubeClient, Strin
                 .to_string(),
         ),
         Err(e) => Err(format!("Kubernetes credentials: {e}")),
-    }
-}
-
-/// Counts one API response in the process's metrics, when they are on. The registry is looked up
-/// per response, as the client did before the kube module stopped importing the metrics: the
-/// client may be built before the metrics are installed.
-fn count_api_response(verb: &'static str, code: u16) {
-    if let Some(metrics) = crate::metrics::global() {
-        metrics.api_request(verb, code);
     }
 }
 
@@ -244,13 +247,14 @@ async fn discover_later(
     mut why: String,
     node_view: Option<watch::Sender<LabelsView>>,
     reporting: Reporting,
+    metrics: Option<Metrics>,
 ) {
     loop {
         tokio::time::sleep(DISCOVER_AGAIN).await;
         if node_view.as_ref().is_some_and(|tx| tx.is_closed()) {
             return;
         }
-        match discover_client(&config, &root) {
+        match discover_client(&config, &root, &metrics) {
             Ok(client) => {
                 tracing::info!(
                     "Kubernetes credentials found ({}): the Node is now in the loop",

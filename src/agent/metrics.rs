@@ -35,7 +35,6 @@ pub(super) async fn start(config: &crate::config::MetricsConfig, once: bool) -> 
         return None;
     }
     let registry = Metrics::new();
-    metrics::install(&registry);
     match config.address.parse() {
         Ok(addr) => match MetricsServer::bind(addr, registry.clone(), &config.path).await {
             Ok(server) => {

@@ -83,7 +83,7 @@ pub struct CdiPlan {
 
 /// The node's plan. `mig_layout` overrides the layout the labels ask for (`plan --mig-layout`).
 pub async fn node_plan(config: &Config, root: &HostRoot, mig_layout: Option<&str>) -> Result<NodePlan, AgentError> {
-    let link = cluster::start(config, root);
+    let link = cluster::start(config, root, None);
     let (view, _) = first_view(config, root, &link, &CancellationToken::new()).await;
     let selected = Desired::from_labels(&view.labels, &config.labels);
     let (dp, profile) = choose_profile(

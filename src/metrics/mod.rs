@@ -47,19 +47,6 @@ pub use sampler::{DEFAULT_INTERVAL, MIN_INTERVAL, Sampler, SamplerConfig, run_sa
 
 use crate::nvml::HealthEvent;
 
-static GLOBAL: std::sync::OnceLock<Metrics> = std::sync::OnceLock::new();
-
-/// Makes `metrics` the process's registry for the counters code deep in the agent increments
-/// (Kubernetes API requests, Allocate calls, registrations). The first call wins.
-pub fn install(metrics: &Metrics) {
-    let _ = GLOBAL.set(metrics.clone());
-}
-
-/// The registry [`install`] set, if any (none in tools and most tests).
-pub fn global() -> Option<&'static Metrics> {
-    GLOBAL.get()
-}
-
 /// The content type of [`Metrics::encode`]'s text.
 pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
 /// The port dcgm-exporter listens on, and so the default of this endpoint.

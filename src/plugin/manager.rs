@@ -245,7 +245,7 @@ impl PluginManager {
                     tracing::info!(resource = %name, socket = %entry.plugin.socket.display(), "registered with the kubelet");
                     entry.registered_at = Some(SystemTime::now());
                     entry.error = None;
-                    if let Some(metrics) = crate::metrics::global() {
+                    if let Some(metrics) = &self.stats.metrics {
                         metrics.registration(name);
                     }
                 }

@@ -43,6 +43,8 @@ pub struct PluginContext {
 pub struct PluginStats {
     pub allocations: AtomicU64,
     pub allocation_errors: AtomicU64,
+    /// The agent's metrics, when they are on: registrations and Allocate calls are counted there.
+    pub metrics: Option<crate::metrics::Metrics>,
 }
 
 /// The options this agent registers with and returns from `GetDevicePluginOptions` (the kubelet
@@ -213,7 +215,7 @@ impl DevicePlugin for DevicePluginService {
             }
         }
         self.stats.allocations.fetch_add(1, Ordering::Relaxed);
-        if let Some(metrics) = crate::metrics::global() {
+        if let Some(metrics) = &self.stats.metrics {
             metrics.allocation(&resource.name);
         }
         tracing::info!(resource = %resource.name, devices = ?request.get_ref().container_requests.iter().map(|r| &r.devices_ids).collect::<Vec<_>>(), "Allocate");
