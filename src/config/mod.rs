@@ -46,7 +46,7 @@ pub const DEFAULT_LOG_LEVEL: &str = "info";
 /// `log.format`: journald when stderr is the journal, text otherwise.
 pub const DEFAULT_LOG_FORMAT: LogFormat = LogFormat::Auto;
 
-/// `agent.state_dir`: driver cache, backups, applied digests, in-progress journal.
+/// `agent.state_dir`: driver cache, backups, applied digests, the runtime stage's intent record.
 pub const DEFAULT_STATE_DIR: &str = "/var/lib/gpu-node-agent";
 /// `agent.run_dir`: `status.json` and other runtime files.
 pub const DEFAULT_RUN_DIR: &str = "/run/gpu-node-agent";
