@@ -625,17 +625,19 @@ impl Agent {
         let now = Instant::now();
         let mut passed = Vec::new();
         let mut durations = Vec::new();
-        for id in [StageId::Driver, StageId::Runtime] {
+        for id in StageId::ALL {
             if !stage::may_run(id, &passed) {
                 continue;
             }
             let started = Instant::now();
             let ok = if self.stages[id].due(now) {
-                let ok = match id {
-                    StageId::Driver => self.driver_step().await,
-                    _ => self.runtime_step().await,
-                };
-                self.stages[id].ran(ok)
+                let ok = self.step(id).await;
+                let ok = self.stages[id].ran(ok);
+                if id == StageId::Mig && self.mig_gave_up.is_some() {
+                    // A layout given up on looks again on its own timer, not the backoff's.
+                    self.stages[id].now();
+                }
+                ok
             } else {
                 self.stages[id].held()
             };
@@ -644,8 +646,22 @@ impl Agent {
                 passed.push(id);
             }
         }
-        self.reconcile_rest(durations, stage::may_run(StageId::DevicePlugin, &passed))
-            .await;
+        self.write_status("running");
+        self.metrics_stages(&durations);
+    }
+
+    /// Runs one stage's step: `true` when the stages that need it may run.
+    async fn step(&mut self, id: StageId) -> bool {
+        match id {
+            StageId::Driver => self.driver_step().await,
+            StageId::Runtime => self.runtime_step().await,
+            StageId::Mig => self.mig_stage_step().await,
+            StageId::DevicePlugin => self.device_plugin_step().await,
+            StageId::Validation => {
+                self.validation_step().await;
+                true
+            }
+        }
     }
 
     /// The soonest time a failed stage waits for (past ones are left to the next pass: a stage
@@ -666,34 +682,22 @@ impl Agent {
         }
     }
 
-    /// The stages after the driver and runtime (when those succeeded: stages after a failed one
-    /// wait for the next pass), then the stage metrics.
-    async fn reconcile_rest(&mut self, mut durations: Vec<(&'static str, Duration)>, go_on: bool) {
-        if go_on {
-            let started = Instant::now();
-            self.reconcile_gpus().await;
-            durations.push((StageId::DevicePlugin.as_str(), started.elapsed()));
-        } else {
-            self.write_status("running");
-        }
-        self.metrics_stages(&durations);
+    /// The MIG stage, once NVML is up.
+    async fn mig_stage_step(&mut self) -> bool {
+        let Some(gpus) = self.gpus.clone() else {
+            return false;
+        };
+        self.mig_step(&gpus).await;
+        true
     }
 
-    /// MIG, the inventory, the device plugin and validation.
-    async fn reconcile_gpus(&mut self) {
+    /// The device plugin stage: reads the inventory (also for the CDI spec and the GPU feature
+    /// labels, with or without the device plugin) and advertises what it gives. `false` when
+    /// there is nothing to validate: no NVML, no inventory, or the device plugin is off.
+    async fn device_plugin_step(&mut self) -> bool {
         let Some(gpus) = self.gpus.clone() else {
-            self.write_status("running");
-            return;
+            return false;
         };
-        if self.stages[StageId::Mig].due(Instant::now()) {
-            self.mig_step(&gpus).await;
-            // A layout given up on looks again on its own timer, not the backoff's.
-            if self.mig_gave_up.is_none() {
-                self.stages[StageId::Mig].ran(true);
-            }
-        }
-        // The inventory is read with or without the device plugin: the CDI spec and the GPU
-        // feature labels come from it too.
         match gpus.inventory(&self.root.join("/sys")) {
             Ok(inventory) => {
                 if self.inventory.as_ref() != Some(&inventory) {
@@ -718,8 +722,7 @@ impl Agent {
                 tracing::error!("cannot read the GPU inventory: {e}");
                 self.plan_error = Some(e.to_string());
                 self.update_stage();
-                self.write_status("running");
-                return;
+                return false;
             }
         }
         if !self.config.device_plugin.enabled {
@@ -728,12 +731,10 @@ impl Agent {
                 None,
                 Some("[device_plugin] enabled = false".into()),
             );
-            self.write_status("running");
-            return;
+            return false;
         }
         self.push_resources().await;
-        self.validation_step().await;
-        self.write_status("running");
+        true
     }
 
     /// Applies what the labels ask for: the device plugin profile (a changed profile swaps the

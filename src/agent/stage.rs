@@ -16,7 +16,7 @@ pub(super) const NEEDS: [(StageId, &[StageId]); 5] = [
     (StageId::Runtime, &[StageId::Driver]),
     (StageId::Mig, &[StageId::Driver, StageId::Runtime]),
     (StageId::DevicePlugin, &[StageId::Driver, StageId::Runtime]),
-    (StageId::Validation, &[StageId::Driver, StageId::Runtime]),
+    (StageId::Validation, &[StageId::Driver, StageId::Runtime, StageId::DevicePlugin]),
 ];
 
 /// Whether `id` may run, given the stages that passed so far in this pass.
@@ -210,6 +210,7 @@ mod tests {
         assert!(may_run(StageId::Runtime, &[StageId::Driver]));
         assert!(!may_run(StageId::Mig, &[StageId::Driver]));
         assert!(may_run(StageId::DevicePlugin, &[StageId::Driver, StageId::Runtime]));
+        assert!(!may_run(StageId::Validation, &[StageId::Driver, StageId::Runtime]));
         // Every stage has its rule, in pass order.
         assert_eq!(NEEDS.map(|(id, _)| id), StageId::ALL);
         // Indexing by id finds that stage.
