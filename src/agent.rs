@@ -36,11 +36,15 @@ mod driver;
 mod health;
 mod memlimit;
 mod metrics;
+mod mig;
 pub mod plan;
 mod runtime;
 mod stage;
 mod validation;
 
+pub use driver::driver_command;
+pub use mig::mig_command;
+pub use runtime::{cdi_generate, runtime_command};
 use stage::Stages;
 
 /// `run --once` exit code when a stage waits (GPU work holds a MIG or driver change):

@@ -11,8 +11,12 @@ use serde::{Deserialize, Serialize};
 
 use crate::desired::{ProfileOutcome, ProfileState, Selection, Source};
 
+use crate::config::Config;
+use crate::exit::Exit;
+use crate::host::HostRoot;
 use crate::host::{WriteError, write_atomic};
 pub use crate::plugin::manager::ResourceStatus;
+use std::process::ExitCode;
 
 /// Bumped when a field changes meaning; scripts check it.
 pub const STATUS_VERSION: u32 = 1;
@@ -418,6 +422,34 @@ fn ago(secs: u64) -> String {
         60..=3599 => format!("{}m ago", secs / 60),
         3600..=86399 => format!("{}h ago", secs / 3600),
         _ => format!("{}d ago", secs / 86400),
+    }
+}
+
+/// `gpu-node-agent status`: the running agent's status file, for a person or as JSON.
+pub fn status_command(config: &Config, root: &HostRoot, json: bool) -> ExitCode {
+    let path = root.join(&config.agent.run_dir).join(STATUS_FILE);
+    let text = match std::fs::read_to_string(&path) {
+        Ok(text) => text,
+        Err(e) => {
+            eprintln!(
+                "gpu-node-agent: no status at {} ({e}): is the agent running? (systemctl status gpu-node-agent)",
+                path.display()
+            );
+            return Exit::NotRunning.into();
+        }
+    };
+    match crate::status::report(&text, root.path(), json, now_unix()) {
+        Ok(out) => {
+            print!("{out}");
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!(
+                "gpu-node-agent: {} is not a status file this version understands: {e}",
+                path.display()
+            );
+            ExitCode::FAILURE
+        }
     }
 }
 

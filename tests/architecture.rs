@@ -28,6 +28,7 @@ use std::path::{Path, PathBuf};
 const LAYERS: &[(&str, u32)] = &[
     // 0. Leaves: generated API, plain data and helpers that import nothing from the crate.
     ("api", 0),
+    ("cli", 0),
     ("devices", 0),
     ("exit", 0),
     ("names", 0),
@@ -63,7 +64,6 @@ const LAYERS: &[(&str, u32)] = &[
     // 9. The agent: the stage pipeline, in reconcile order.
     ("agent", 9),
     // 10. The commands: the command line and `plan`.
-    ("cli", 10),
     ("plan", 10),
     // 11. The binaries.
     ("main", 11),

@@ -4,8 +4,15 @@
 //! what NVML reports.
 
 use super::{Agent, DRIVER_UPGRADE_RETRY, StageId, StageState};
+use crate::cli::DriverCommand;
+use crate::config::Config;
 use crate::driver::stage::{self as drv, Planned};
 use crate::driver::{observe, plan::Step, validate};
+use crate::exit::Exit;
+use crate::host::HostRoot;
+use crate::logging;
+use crate::nvml::Gpus;
+use std::process::ExitCode;
 
 impl Agent {
     /// Processes on the GPUs NVML knows, `None` when NVML is not up or cannot tell.
@@ -178,6 +185,107 @@ impl Agent {
         match validate::summary(&checks) {
             Ok(line) => self.stages[StageId::Driver].set(StageState::Ok, None, Some(format!("{line}; {summary}"))),
             Err(e) => self.stages[StageId::Driver].set(StageState::Failed, Some(e), Some(summary.to_string())),
+        }
+    }
+}
+
+/// `gpu-node-agent driver …`: the driver stage by itself.
+pub fn driver_command(config: &Config, root: &HostRoot, command: DriverCommand) -> ExitCode {
+    logging::init(&config.log);
+    let nvml_view = |pci_gpus: usize| {
+        Gpus::open(&super::nvml_library(config, root))
+            .map_err(|e| e.to_string())
+            .and_then(|g| drv::nvml_view(&g, pci_gpus))
+    };
+    let planned = match drv::plan_now(config, root, crate::agent::plan::gpu_processes_now(config, root)) {
+        Ok(p) => p,
+        Err(e) => {
+            eprintln!("gpu-node-agent: driver: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match command {
+        DriverCommand::Status { json } => {
+            let checks = drv::validate_now(config, &planned.facts, nvml_view(planned.facts.gpus.len()));
+            if json {
+                let value = serde_json::json!({
+                    "host": planned.facts,
+                    "plan": planned.plan,
+                    "checks": checks,
+                });
+                println!("{}", serde_json::to_string_pretty(&value).unwrap_or_default());
+            } else {
+                let f = &planned.facts;
+                println!("kernel        {}", f.kernel_release);
+                println!(
+                    "distribution  {}",
+                    if f.os.pretty_name.is_empty() {
+                        &f.os.id
+                    } else {
+                        &f.os.pretty_name
+                    }
+                );
+                println!("NVIDIA GPUs   {} on the PCI bus", f.gpus.len());
+                let loaded = f.loaded.as_ref().map_or("none".to_string(), |l| {
+                    format!("{} ({})", l.version.as_deref().unwrap_or("?"), l.modules.join(", "))
+                });
+                println!("loaded        {loaded}");
+                println!("nouveau       {}", if f.nouveau { "loaded" } else { "not loaded" });
+                println!(
+                    "headers       {}",
+                    f.headers
+                        .as_ref()
+                        .map_or("not installed".to_string(), |h| h.display().to_string())
+                );
+                println!("secure boot   {:?}", f.secure_boot);
+                println!("\nplan: {}", crate::driver::plan::describe(&planned.plan));
+                println!();
+                for c in &checks {
+                    println!("{} {:<10} {}", if c.ok { "ok  " } else { "FAIL" }, c.name, c.message);
+                }
+            }
+            ExitCode::SUCCESS
+        }
+        DriverCommand::Install => {
+            if let Some(wait) = &planned.plan.wait {
+                eprintln!("gpu-node-agent: driver: {wait}; nothing changed");
+                return Exit::TryLater.into();
+            }
+            match drv::apply(config, root, &planned, None) {
+                Ok(applied) => {
+                    if applied.done.is_empty() {
+                        println!("{}: nothing to do", planned.plan.summary);
+                    }
+                    for line in &applied.done {
+                        println!("{line}");
+                    }
+                }
+                Err(e) => {
+                    eprintln!("gpu-node-agent: driver: {e}");
+                    return ExitCode::FAILURE;
+                }
+            }
+            let facts = match crate::driver::observe::observe(root) {
+                Ok(f) => f,
+                Err(e) => {
+                    eprintln!("gpu-node-agent: driver: {e}");
+                    return ExitCode::FAILURE;
+                }
+            };
+            if facts.gpus.is_empty() {
+                return ExitCode::SUCCESS;
+            }
+            let checks = drv::validate_now(config, &facts, nvml_view(facts.gpus.len()));
+            match crate::driver::validate::summary(&checks) {
+                Ok(line) => {
+                    println!("{line}");
+                    ExitCode::SUCCESS
+                }
+                Err(e) => {
+                    eprintln!("gpu-node-agent: driver validation failed: {e}");
+                    ExitCode::FAILURE
+                }
+            }
         }
     }
 }

@@ -162,6 +162,11 @@ pub async fn node_plan(config: &Config, root: &HostRoot, mig_layout: Option<&str
     })
 }
 
+/// Processes on the GPUs, when NVML loads and can tell.
+pub(crate) fn gpu_processes_now(config: &Config, root: &HostRoot) -> Option<usize> {
+    gpu_processes(&Gpus::open(&nvml_library(config, root)).ok()?, root)
+}
+
 /// Processes on the GPUs, when NVML can tell.
 fn gpu_processes(gpus: &Gpus, root: &HostRoot) -> Option<usize> {
     let inventory = gpus.inventory(&root.join("/sys")).ok()?;

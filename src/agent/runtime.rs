@@ -3,9 +3,16 @@
 //! whenever the GPU inventory changes (at start and after every MIG change).
 
 use super::{Agent, StageId, StageState};
+use crate::cli::RuntimeCommand;
+use crate::config::Config;
+use crate::exit::Exit;
+use crate::host::HostRoot;
 use crate::host::command::Runner;
+use crate::logging;
+use crate::nvml::Gpus;
 use crate::runtime::cdi::CdiError;
 use crate::runtime::stage::{self as rt, ApplyOptions, RuntimeError};
+use std::process::ExitCode;
 
 impl Agent {
     /// Brings the engines' files to what `[runtime]` asks for; `false` when the stage failed (the
@@ -161,6 +168,133 @@ impl Agent {
         match &self.cdi_error {
             Some(e) => self.stages[StageId::Runtime].set(StageState::Failed, Some(e.clone()), Some(detail)),
             None => self.stages[StageId::Runtime].set(StageState::Ok, None, Some(detail)),
+        }
+    }
+}
+
+/// `gpu-node-agent runtime …`: the runtime stage by itself.
+pub fn runtime_command(config: &Config, root: &HostRoot, command: RuntimeCommand) -> ExitCode {
+    logging::init(&config.log);
+    let runner = Runner::new(root);
+    let (no_restart, dry_run, unconfigure) = match command {
+        RuntimeCommand::Configure { no_restart, dry_run } => (no_restart, dry_run, false),
+        RuntimeCommand::Unconfigure { no_restart } => (no_restart, false, true),
+    };
+    if !dry_run {
+        match rt::recover(config, root) {
+            Ok(Some(note)) => println!("{note}"),
+            Ok(None) => {}
+            Err(e) => {
+                eprintln!("gpu-node-agent: {e}");
+                return ExitCode::FAILURE;
+            }
+        }
+    }
+    let planned = rt::observe(config, root, &runner).and_then(|o| {
+        if unconfigure {
+            rt::plan_unconfigure(&o, &config.runtime)
+        } else {
+            rt::plan(&o, &config.runtime)
+        }
+    });
+    let plan = match planned {
+        Ok(p) => p,
+        Err(e) => {
+            eprintln!("gpu-node-agent: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    for remark in plan.remarks() {
+        println!("{remark}");
+    }
+    let failed_plans: Vec<String> = plan
+        .engines
+        .iter()
+        .filter_map(|e| e.error.as_ref().map(|m| format!("{}: {m}", e.engine.as_str())))
+        .collect();
+    if plan.is_empty() {
+        match &plan.note {
+            Some(note) => println!("{note}"),
+            None if failed_plans.is_empty() => println!("{}: already configured, nothing to do", plan.summary()),
+            None => {}
+        }
+        for failure in &failed_plans {
+            eprintln!("gpu-node-agent: {failure}");
+        }
+        return if failed_plans.is_empty() {
+            ExitCode::SUCCESS
+        } else {
+            ExitCode::FAILURE
+        };
+    }
+    if dry_run {
+        print!("{}", rt::diff(&plan));
+        return ExitCode::SUCCESS;
+    }
+    let opts = rt::ApplyOptions {
+        restart: config.runtime.restart && !no_restart && root.is_real(),
+    };
+    let applied = rt::apply_all(&plan, config, root, &runner, &opts);
+    for f in &applied.files {
+        println!("{} {}", if unconfigure { "restored" } else { "wrote" }, f.display());
+    }
+    if applied.restarted.is_empty() {
+        println!("restarted nothing");
+    } else {
+        println!("restarted {}", applied.restarted.join(", "));
+    }
+    for failure in &applied.failures {
+        eprintln!("gpu-node-agent: {}", failure.error);
+    }
+    if applied.failures.is_empty() {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    }
+}
+
+/// `gpu-node-agent cdi generate`: the CDI spec for the GPUs NVML reports.
+pub fn cdi_generate(config: &Config, root: &HostRoot, output: Option<&std::path::Path>) -> ExitCode {
+    logging::init(&config.log);
+    let gpus = match Gpus::open(&super::nvml_library(config, root)) {
+        Ok(gpus) => gpus,
+        Err(e) => {
+            eprintln!("gpu-node-agent: {e}");
+            return Exit::NoNvml.into();
+        }
+    };
+    let inventory = match gpus.inventory(&root.join("/sys")) {
+        Ok(i) => i,
+        Err(e) => {
+            eprintln!("gpu-node-agent: {e}");
+            return Exit::NoNvml.into();
+        }
+    };
+    let nodes =
+        crate::plugin::devnodes::DeviceNodes::gather(&root.join(&config.device_plugin.dev_root), &root.join("/proc"));
+    let result = match output {
+        Some(p) if p == std::path::Path::new("-") => {
+            rt::cdi_spec(config, root, &inventory, &nodes).map(|text| print!("{text}"))
+        }
+        Some(p) => rt::cdi_spec(config, root, &inventory, &nodes).and_then(|text| {
+            crate::host::write_atomic(p, text.as_bytes(), 0o644)
+                .map(|()| println!("wrote {}", p.display()))
+                .map_err(Into::into)
+        }),
+        None => rt::write_cdi(config, root, &inventory, &nodes).map(|written| {
+            let path = rt::cdi_path(config);
+            if written {
+                println!("wrote {}", path.display());
+            } else {
+                println!("{} is up to date", path.display());
+            }
+        }),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("gpu-node-agent: {e}");
+            ExitCode::FAILURE
         }
     }
 }

@@ -16,7 +16,10 @@ pub(super) const NEEDS: [(StageId, &[StageId]); 5] = [
     (StageId::Runtime, &[StageId::Driver]),
     (StageId::Mig, &[StageId::Driver, StageId::Runtime]),
     (StageId::DevicePlugin, &[StageId::Driver, StageId::Runtime]),
-    (StageId::Validation, &[StageId::Driver, StageId::Runtime, StageId::DevicePlugin]),
+    (
+        StageId::Validation,
+        &[StageId::Driver, StageId::Runtime, StageId::DevicePlugin],
+    ),
 ];
 
 /// Whether `id` may run, given the stages that passed so far in this pass.
