@@ -1,14 +1,321 @@
-//! `gpu-node-agent mig …`: apply, assert, export and import MIG layouts outside the daemon.
+//! The MIG stage inside the reconcile loop (the layout `nvidia.com/mig.config` names, with the
+//! GPUs that change withdrawn from the kubelet first, `pending` while GPU work runs, a reboot
+//! where a mode change needs one), and `gpu-node-agent mig …` outside the daemon.
 
 use std::process::ExitCode;
+use std::time::{Duration, Instant};
 
+use super::{Agent, StageId, StageState};
 use crate::cli::MigCommand;
 use crate::config::Config;
+use crate::desired::Selection;
 use crate::exit::Exit;
 use crate::host::HostRoot;
-use crate::mig::stage::{ResetGpu, Step, converge, export, plan_layout};
+use crate::mig::stage::{MigState as MigLabelState, ResetGpu, Step, converge, export, gpus_to_change, plan_layout};
 use crate::mig::{import, planner};
 use crate::nvml::Gpus;
+
+/// How often the MIG stage looks again while GPU work blocks a layout change.
+const MIG_BUSY_RECHECK: Duration = Duration::from_secs(2);
+/// How often a layout given up on looks whether the GPU work it waited for has ended.
+const MIG_GAVE_UP_RECHECK: Duration = Duration::from_secs(10);
+/// How long to wait for `rebooting` to show on the Node before rebooting.
+const REBOOT_LABEL_WAIT: Duration = Duration::from_secs(10);
+/// How long to wait for `pending` to show on the Node before a MIG change.
+const PENDING_LABEL_WAIT: Duration = Duration::from_secs(5);
+/// Marker in the state dir: a reboot was requested to finish a MIG mode change for this
+/// layout. Present at the next start with the change still pending means the reboot did not
+/// help: fail instead of rebooting again.
+const MIG_REBOOT_MARKER: &str = "mig-reboot-requested";
+
+/// What the MIG stage keeps between passes.
+#[derive(Debug, Default)]
+pub(super) struct MigStage {
+    /// `nvidia.com/mig.config.state`, when a layout is asked for.
+    pub(super) state: Option<MigLabelState>,
+    /// Since when the stage waits for GPU work to end.
+    pub(super) pending_since: Option<Instant>,
+    /// When to look again while waiting.
+    pub(super) retry: Option<Instant>,
+    /// The layout given up on after `[mig] process_wait_timeout`: it stays failed, with the GPUs
+    /// advertised, until their work has ended (or another layout is asked for).
+    pub(super) gave_up: Option<String>,
+}
+
+impl Agent {
+    /// The MIG stage, once NVML is up.
+    pub(super) async fn mig_stage_step(&mut self) -> bool {
+        let Some(gpus) = self.gpus.clone() else {
+            return false;
+        };
+        self.mig_step(&gpus).await;
+        true
+    }
+
+    /// The MIG stage: brings the GPUs to the layout `nvidia.com/mig.config` names. Devices of
+    /// GPUs about to change are withdrawn from the kubelet first; with GPU work running it waits
+    /// in `pending` (failing after `[mig] process_wait_timeout`); a layout that cannot fit, or a
+    /// name that is not defined, changes nothing and fails with the reason.
+    pub(super) async fn mig_step(&mut self, gpus: &Gpus) {
+        let key = self.config.labels.mig_config.clone();
+        if !self.config.mig.enabled {
+            self.stages[StageId::Mig].set(StageState::Disabled, None, Some("[mig] enabled = false".into()));
+            self.mig.state = None;
+            return;
+        }
+        let name = match self.desired_sel.mig_config.clone() {
+            Selection::Unset if !self.config.mig.default_layout.is_empty() => self.config.mig.default_layout.clone(),
+            Selection::Unset => {
+                self.stages[StageId::Mig].set(
+                    StageState::Ok,
+                    None,
+                    Some(format!("no layout requested ({key} not set)")),
+                );
+                self.mig.state = None;
+                self.restore_withdrawn();
+                return;
+            }
+            Selection::Invalid { value, reason } => {
+                return self.mig_failed(format!("label {key}={value:?} is not valid: {reason}; nothing changed"));
+            }
+            Selection::Name { name } => name,
+        };
+        let Some(layout) = self.config.mig.layout(&name) else {
+            let defined = self.config.mig.layout_names().join(", ");
+            return self.mig_failed(format!(
+                "label {key}={name} names no MIG layout (defined: {defined}); nothing changed"
+            ));
+        };
+        // What would change: withdraw those GPUs from the kubelet before touching them.
+        let (g, l) = (gpus.clone(), layout.clone());
+        let planned = tokio::task::spawn_blocking(move || {
+            g.mig_observe()
+                .map_err(|e| e.to_string())
+                .and_then(|o| gpus_to_change(&o, &l).map_err(|e| e.to_string()))
+        })
+        .await
+        .unwrap_or_else(|e| Err(format!("MIG planning task failed: {e}")));
+        let changing = match planned {
+            Ok(uuids) => uuids,
+            Err(e) => return self.mig_failed(format!("layout {name}: {e}; nothing changed")),
+        };
+        if changing.is_empty() {
+            // The same observation converge would start from: nothing to do, nothing to read twice.
+            return self.mig_done(&name, format!("layout {name} in place"));
+        }
+        if self.mig.gave_up.as_deref() == Some(name.as_str()) {
+            // Given up on while GPU work ran: stay failed, GPUs advertised, until the work ends.
+            let (g, u) = (gpus.clone(), changing.clone());
+            let busy = tokio::task::spawn_blocking(move || u.iter().any(|uuid| g.process_count(uuid) != Some(0)))
+                .await
+                .unwrap_or(true);
+            if busy {
+                self.mig.retry = Some(Instant::now() + MIG_GAVE_UP_RECHECK);
+                return;
+            }
+            tracing::info!("MIG layout {name}: the GPU work it waited for has ended; applying it now");
+            self.mig.gave_up = None;
+        }
+        if changing.iter().any(|u| !self.withdrawn.contains(u)) {
+            tracing::info!(
+                "MIG layout {name}: withdrawing {} from the kubelet before changing them",
+                changing.join(", ")
+            );
+            self.withdrawn.extend(changing.iter().cloned());
+            self.push_resources().await;
+        }
+        // `pending` while the change is made, as the GPU Operator's MIG manager reports it: a
+        // script waiting for `success` must not see the previous layout's.
+        if self.mig.state != Some(MigLabelState::Pending) {
+            self.mig.state = Some(MigLabelState::Pending);
+            self.stages[StageId::Mig].set(
+                StageState::Pending,
+                None,
+                Some(format!("layout {name}: changing {}", changing.join(", "))),
+            );
+            self.write_status_with_inventory(gpus);
+            self.wait_for_label_on_node(MigLabelState::Pending.as_str(), PENDING_LABEL_WAIT)
+                .await;
+        }
+        // Observed again inside converge: the GPUs' state after the withdrawal is what counts.
+        let (g, l, n) = (gpus.clone(), layout, name.clone());
+        let smi = self.root.join(&self.config.mig.nvidia_smi);
+        let allow_reset = self.config.mig.gpu_reset;
+        let stop = self.stop.clone();
+        let step = tokio::task::spawn_blocking(move || {
+            let reset = |uuid: &str| crate::host::reset_gpu(&smi, uuid);
+            converge(&g, &n, &l, allow_reset.then_some(&reset as ResetGpu<'_>), Some(&stop))
+        })
+        .await
+        .unwrap_or_else(|e| Step::Failed {
+            reason: format!("MIG apply task failed: {e}"),
+        });
+        match step {
+            Step::Converged => {
+                self.mig_done(&name, format!("layout {name} in place"));
+            }
+            Step::Applied {
+                mutations,
+                gpus: changed,
+            } => {
+                self.mig_done(
+                    &name,
+                    format!(
+                        "layout {name} applied to {} ({mutations} NVML operations)",
+                        changed.join(", ")
+                    ),
+                );
+                // The MIG devices changed: read the inventory again before advertising.
+                self.inventory = None;
+            }
+            Step::Busy { reason, .. } => {
+                let since = *self.mig.pending_since.get_or_insert_with(Instant::now);
+                let limit = self.config.mig.process_wait_timeout;
+                if !limit.is_zero() && since.elapsed() >= limit {
+                    self.mig.pending_since = None;
+                    self.mig_failed(format!(
+                        "layout {name}: gave up after {limit:?}: {reason}; nothing changed (applied once the work ends)"
+                    ));
+                    self.mig.gave_up = Some(name);
+                    self.mig.retry = Some(Instant::now() + MIG_GAVE_UP_RECHECK);
+                    return;
+                }
+                self.mig.state = Some(MigLabelState::Pending);
+                self.stages[StageId::Mig].set(StageState::Pending, Some(reason), Some(format!("layout {name}")));
+                self.mig.retry = Some(Instant::now() + MIG_BUSY_RECHECK);
+            }
+            Step::ModePending { reason, .. } => {
+                let marker = self.root.join(&self.config.agent.state_dir).join(MIG_REBOOT_MARKER);
+                let rebooted_for = std::fs::read_to_string(&marker).ok();
+                if self.config.mig.reboot_on_mode_change && rebooted_for.as_deref() != Some(name.as_str()) {
+                    if let Err(e) = crate::host::write_atomic(&marker, name.as_bytes(), 0o644) {
+                        return self.mig_failed(format!("{reason}; cannot record the reboot ({e}), not rebooting"));
+                    }
+                    self.mig.state = Some(MigLabelState::Rebooting);
+                    self.stages[StageId::Mig].set(
+                        StageState::Pending,
+                        Some(format!("{reason}: rebooting the node")),
+                        None,
+                    );
+                    self.write_status_with_inventory(gpus);
+                    self.wait_for_label_on_node(MigLabelState::Rebooting.as_str(), REBOOT_LABEL_WAIT)
+                        .await;
+                    self.reboot();
+                } else {
+                    let hint = if rebooted_for.as_deref() == Some(name.as_str()) {
+                        "a reboot for this layout did not finish it"
+                    } else {
+                        "reset the GPU or reboot the node, or set [mig] reboot_on_mode_change = true"
+                    };
+                    self.mig_failed(format!("{reason} ({hint})"));
+                }
+            }
+            Step::Failed { reason } => self.mig_failed(reason),
+            Step::Stopped { mutations } => {
+                // The agent is stopping: the next start converges from what was left.
+                self.stages[StageId::Mig].set(
+                    StageState::Pending,
+                    Some(format!(
+                        "layout {name}: stopped after {mutations} NVML operation(s); the next start goes on"
+                    )),
+                    None,
+                );
+            }
+        }
+    }
+
+    /// Writes the status and reports the labels now. Labels are only reported with an
+    /// inventory (none means "nothing known yet"), and at boot the MIG stage runs before the
+    /// inventory is read: one is read for this report and left for the device plugin stage to
+    /// read again (which also starts the health watch).
+    fn write_status_with_inventory(&mut self, gpus: &Gpus) {
+        let borrowed = self.inventory.is_none();
+        if borrowed {
+            self.inventory = gpus.inventory(&self.root.join("/sys")).ok();
+        }
+        self.write_status("running");
+        if borrowed {
+            self.inventory = None;
+        }
+    }
+
+    /// Gives the Node up to `wait` to show the MIG state label (when the Node is the source and
+    /// reachable), so the cluster sees `pending` before a change and `rebooting` before a
+    /// reboot: the reporter sends only the latest labels, and a quick change would hide them.
+    async fn wait_for_label_on_node(&mut self, state: &str, wait: Duration) {
+        let Some(link) = &self.link else { return };
+        let mut rx = link.view.clone();
+        let key = self.config.labels.mig_config_state.clone();
+        let shown = tokio::time::timeout(wait, async {
+            loop {
+                {
+                    let view = rx.borrow_and_update();
+                    if view.source != crate::desired::Source::Node || !view.connected {
+                        return false;
+                    }
+                    if view.labels.get(&key).map(String::as_str) == Some(state) {
+                        return true;
+                    }
+                }
+                if rx.changed().await.is_err() {
+                    return false;
+                }
+            }
+        })
+        .await;
+        if shown != Ok(true) {
+            tracing::warn!("{key}={state} did not show on the Node within {wait:?}; going on");
+        }
+    }
+
+    fn mig_done(&mut self, name: &str, detail: String) {
+        self.mig.gave_up = None;
+        self.mig.pending_since = None;
+        self.mig.state = Some(MigLabelState::Success);
+        self.stages[StageId::Mig].set(StageState::Ok, None, Some(detail));
+        let marker = self.root.join(&self.config.agent.state_dir).join(MIG_REBOOT_MARKER);
+        let _ = std::fs::remove_file(marker);
+        tracing::info!("MIG layout {name}: success");
+        self.restore_withdrawn();
+    }
+
+    fn mig_failed(&mut self, reason: String) {
+        tracing::error!("MIG stage failed: {reason}");
+        self.mig.pending_since = None;
+        self.mig.state = Some(MigLabelState::Failed);
+        self.stages[StageId::Mig].set(StageState::Failed, Some(reason), None);
+        self.restore_withdrawn();
+    }
+
+    /// Gives withdrawn GPUs back to the kubelet (the next push advertises them).
+    pub(super) fn restore_withdrawn(&mut self) {
+        if !self.withdrawn.is_empty() {
+            tracing::info!(
+                "advertising {} again",
+                self.withdrawn.iter().cloned().collect::<Vec<_>>().join(", ")
+            );
+            self.withdrawn.clear();
+        }
+    }
+
+    /// Reboots the node to finish a MIG mode change (only on a real root; a --root run reports).
+    fn reboot(&self) {
+        if !self.root.is_real() {
+            tracing::warn!(
+                "MIG mode change needs a reboot; not rebooting under --root {}",
+                self.root.path().display()
+            );
+            return;
+        }
+        tracing::warn!("rebooting the node to finish a MIG mode change");
+        let cmd = crate::host::command::Cmd::new(&self.config.runtime.systemctl)
+            .arg("reboot")
+            .timeout(Duration::from_secs(60));
+        if let Err(e) = crate::host::command::Runner::new(&self.root).run(&cmd) {
+            tracing::error!("cannot reboot: {e}");
+        }
+    }
+}
 
 /// `gpu-node-agent mig …`: the MIG stage's operations by themselves.
 pub fn mig_command(config: &Config, root: &HostRoot, command: MigCommand) -> ExitCode {
