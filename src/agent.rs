@@ -54,8 +54,6 @@ pub const EXIT_PENDING: i32 = Exit::TryLater as i32;
 /// How long the first reconcile waits for the desired-state source (the Node's labels).
 const FIRST_VIEW_WAIT: Duration = Duration::from_secs(5);
 
-/// How long a failed driver upgrade waits before it is tried again.
-const DRIVER_UPGRADE_RETRY: Duration = Duration::from_secs(30 * 60);
 /// The desired-state labels last seen, in the state dir (labels-file format).
 const LAST_DESIRED_FILE: &str = "desired-labels";
 
@@ -162,14 +160,8 @@ struct Agent {
     desired_sel: Desired,
     /// The machine's DMI product name, for the `gpu.machine` label.
     machine: Option<String>,
-    /// What the last runtime pass did (empty before one succeeded).
-    runtime_detail: String,
-    /// The last runtime pass's plan, once it succeeded (the engines now hold the runtime).
-    runtime_plan: Option<crate::runtime::stage::RuntimePlan>,
-    /// Where the CDI spec is, once written.
-    cdi_detail: Option<String>,
-    /// Why the CDI spec could not be written.
-    cdi_error: Option<String>,
+    /// What the runtime stage keeps between passes.
+    runtime: runtime::RuntimeStage,
     /// The last pass's validation checks (the device plugin's is added as its status changes).
     validation_checks: Vec<(&'static str, validation::Outcome)>,
     /// Every check as last shown.
@@ -194,9 +186,8 @@ struct Agent {
     notified_status: String,
     /// GPUs (UUIDs) withdrawn from the kubelet while their MIG layout changes.
     withdrawn: BTreeSet<String>,
-    /// A driver upgrade that failed: its plan summary, when, and why. The same upgrade is not
-    /// tried again (withdrawing the GPUs each time) before [`DRIVER_UPGRADE_RETRY`] has passed.
-    driver_failed: Option<(String, Instant, String)>,
+    /// What the driver stage keeps between passes.
+    driver: driver::DriverStage,
 }
 
 /// Runs the agent until SIGTERM/SIGINT (or one pass with `once`). Returns the process exit code.
@@ -255,10 +246,7 @@ pub async fn run(config: Config, root: HostRoot, once: bool) -> Result<i32, Agen
         },
         desired_sel: Desired::none(),
         machine: None,
-        runtime_detail: String::new(),
-        runtime_plan: None,
-        cdi_detail: None,
-        cdi_error: None,
+        runtime: runtime::RuntimeStage::default(),
         validation_checks: Vec::new(),
         validation_detail: Vec::new(),
         cuda_run: None,
@@ -271,7 +259,7 @@ pub async fn run(config: Config, root: HostRoot, once: bool) -> Result<i32, Agen
         withdrawn: BTreeSet::new(),
         notifier: crate::notify::Notifier::from_env(),
         notified_status: String::new(),
-        driver_failed: None,
+        driver: driver::DriverStage::default(),
     };
     agent.machine = machine_name(&agent.root);
 
@@ -684,7 +672,7 @@ impl Agent {
                     self.watch_health(&gpus);
                     self.cdi_step();
                     self.metrics_inventory();
-                } else if self.cdi_error.is_some() || self.cdi_spec_missing() {
+                } else if self.runtime.cdi_error.is_some() || self.cdi_spec_missing() {
                     // A failed write is tried again, a removed spec written again.
                     self.cdi_step();
                 }

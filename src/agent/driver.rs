@@ -3,7 +3,7 @@
 //! from the kubelet first and NVML reopened after, also when the change failed), then validates
 //! what NVML reports.
 
-use super::{Agent, DRIVER_UPGRADE_RETRY, StageId, StageState};
+use super::{Agent, StageId, StageState};
 use crate::cli::DriverCommand;
 use crate::config::Config;
 use crate::driver::stage::{self as drv, Planned};
@@ -13,6 +13,17 @@ use crate::host::HostRoot;
 use crate::logging;
 use crate::nvml::Gpus;
 use std::process::ExitCode;
+
+/// How long a failed driver upgrade waits before it is tried again.
+const DRIVER_UPGRADE_RETRY: std::time::Duration = std::time::Duration::from_secs(30 * 60);
+
+/// What the driver stage keeps between passes.
+#[derive(Debug, Default)]
+pub(super) struct DriverStage {
+    /// A driver upgrade that failed: its plan summary, when, and why. The same upgrade is not
+    /// tried again (withdrawing the GPUs each time) before [`DRIVER_UPGRADE_RETRY`] has passed.
+    pub(super) failed: Option<(String, std::time::Instant, String)>,
+}
 
 impl Agent {
     /// Processes on the GPUs NVML knows, `None` when NVML is not up or cannot tell.
@@ -54,7 +65,7 @@ impl Agent {
         let changed = !planned.plan.steps.is_empty();
         let upgrade = planned.plan.steps.iter().any(|s| matches!(s, Step::Unload { .. }));
         if upgrade
-            && let Some((summary, at, error)) = &self.driver_failed
+            && let Some((summary, at, error)) = &self.driver.failed
             && *summary == planned.plan.summary
             && at.elapsed() < DRIVER_UPGRADE_RETRY
         {
@@ -66,11 +77,11 @@ impl Agent {
         }
         if changed && let Err(go_on) = self.apply_driver(&planned).await {
             if upgrade && let Some(error) = self.stages[StageId::Driver].status.error.clone() {
-                self.driver_failed = Some((planned.plan.summary.clone(), std::time::Instant::now(), error));
+                self.driver.failed = Some((planned.plan.summary.clone(), std::time::Instant::now(), error));
             }
             return go_on;
         }
-        self.driver_failed = None;
+        self.driver.failed = None;
         // The host facts the plan was made from still hold unless the plan changed something.
         let facts = if changed { None } else { Some(planned.facts) };
         self.validate_driver(&planned.plan.summary, facts).await;

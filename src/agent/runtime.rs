@@ -14,6 +14,19 @@ use crate::runtime::cdi::CdiError;
 use crate::runtime::stage::{self as rt, ApplyOptions, RuntimeError};
 use std::process::ExitCode;
 
+/// What the runtime stage keeps between passes.
+#[derive(Debug, Default)]
+pub(super) struct RuntimeStage {
+    /// What the last runtime pass did (empty before one succeeded).
+    pub(super) detail: String,
+    /// The last runtime pass's plan, once it succeeded (the engines now hold the runtime).
+    pub(super) plan: Option<rt::RuntimePlan>,
+    /// Where the CDI spec is, once written.
+    pub(super) cdi_detail: Option<String>,
+    /// Why the CDI spec could not be written.
+    pub(super) cdi_error: Option<String>,
+}
+
 impl Agent {
     /// Brings the engines' files to what `[runtime]` asks for; `false` when the stage failed (the
     /// stages after it then wait for the next pass).
@@ -81,7 +94,7 @@ impl Agent {
                         failure.error
                     );
                     tracing::error!("runtime stage failed: {e}");
-                    self.runtime_plan = None;
+                    self.runtime.plan = None;
                     self.stages[StageId::Runtime].set(StageState::Failed, Some(e), Some(detail));
                     return false;
                 }
@@ -102,14 +115,14 @@ impl Agent {
                         detail.push_str(&format!("; {note}"));
                     }
                 }
-                self.runtime_detail = detail;
-                self.runtime_plan = Some(plan);
+                self.runtime.detail = detail;
+                self.runtime.plan = Some(plan);
                 self.show_runtime();
                 true
             }
             Err(e) => {
                 tracing::error!("runtime stage failed: {e}");
-                self.runtime_plan = None;
+                self.runtime.plan = None;
                 self.stages[StageId::Runtime].set(StageState::Failed, Some(e), None);
                 false
             }
@@ -119,8 +132,8 @@ impl Agent {
     /// Rewrites the CDI spec for the current inventory when its bytes change.
     pub(super) fn cdi_step(&mut self) {
         if !self.config.cdi.enabled {
-            self.cdi_detail = None;
-            self.cdi_error = None;
+            self.runtime.cdi_detail = None;
+            self.runtime.cdi_error = None;
             return;
         }
         let Some(inventory) = &self.inventory else { return };
@@ -130,16 +143,16 @@ impl Agent {
                 if written {
                     tracing::info!("CDI spec written to {}", path.display());
                 }
-                self.cdi_detail = Some(format!("CDI spec {}", path.display()));
-                self.cdi_error = None;
+                self.runtime.cdi_detail = Some(format!("CDI spec {}", path.display()));
+                self.runtime.cdi_error = None;
             }
             Err(RuntimeError::Cdi(CdiError::NoGpus)) => {
-                self.cdi_detail = Some("no GPUs: no CDI spec".into());
-                self.cdi_error = None;
+                self.runtime.cdi_detail = Some("no GPUs: no CDI spec".into());
+                self.runtime.cdi_error = None;
             }
             Err(e) => {
                 tracing::error!("CDI spec {}: {e}", path.display());
-                self.cdi_error = Some(e.to_string());
+                self.runtime.cdi_error = Some(e.to_string());
             }
         }
         self.show_runtime();
@@ -154,18 +167,18 @@ impl Agent {
 
     /// The runtime stage's status from the engines' and the CDI spec's outcome.
     fn show_runtime(&mut self) {
-        if self.stages[StageId::Runtime].status.state == StageState::Failed && self.cdi_error.is_none() {
+        if self.stages[StageId::Runtime].status.state == StageState::Failed && self.runtime.cdi_error.is_none() {
             // An engine failure stays until the next runtime pass says otherwise.
-            if self.runtime_detail.is_empty() {
+            if self.runtime.detail.is_empty() {
                 return;
             }
         }
-        let detail = match &self.cdi_detail {
-            Some(cdi) if !self.runtime_detail.is_empty() => format!("{}; {cdi}", self.runtime_detail),
+        let detail = match &self.runtime.cdi_detail {
+            Some(cdi) if !self.runtime.detail.is_empty() => format!("{}; {cdi}", self.runtime.detail),
             Some(cdi) => cdi.clone(),
-            None => self.runtime_detail.clone(),
+            None => self.runtime.detail.clone(),
         };
-        match &self.cdi_error {
+        match &self.runtime.cdi_error {
             Some(e) => self.stages[StageId::Runtime].set(StageState::Failed, Some(e.clone()), Some(detail)),
             None => self.stages[StageId::Runtime].set(StageState::Ok, None, Some(detail)),
         }

@@ -119,7 +119,7 @@ impl Agent {
         if !self.config.runtime.enabled {
             return Outcome::Skipped("[runtime] enabled = false".into());
         }
-        let Some(plan) = self.runtime_plan.clone() else {
+        let Some(plan) = self.runtime.plan.clone() else {
             let s = &self.stages[StageId::Runtime].status;
             return Outcome::Failed(
                 s.error
