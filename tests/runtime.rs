@@ -1006,6 +1006,20 @@ fn a_stop_during_a_hanging_engine_restart_ends_it_within_a_second_and_rolls_back
     );
 }
 
+/// Right after a restart containerd's CRI answers "server is not initialized yet" for a moment:
+/// the check waits for it (within the restart timeout) instead of rolling a good change back.
+#[test]
+fn a_cri_still_initialising_after_the_restart_is_waited_for() {
+    let host = RestartHost::new("exit 0", "echo active");
+    host.cri.set(common::cri::Answer::Initializing {
+        until: std::time::Instant::now() + std::time::Duration::from_millis(600),
+        then: Box::new(common::cri::serving(&["runc", "nvidia"])),
+    });
+    let applied = host.apply().expect("applied, not rolled back");
+    assert_eq!(applied.restarted, ["containerd.service"]);
+    assert!(read(&host.root, CONTAINERD_DROP_IN).is_some());
+}
+
 #[test]
 fn an_engine_that_does_not_come_back_gets_its_old_files_and_another_restart() {
     // Failed with the new files, active again with the old ones.

@@ -75,18 +75,31 @@ pub enum CriError {
     },
 }
 
-/// Asks the CRI on `socket` for its version and verbose status; connection failures are tried
-/// again until `wait` has passed (an engine that was just restarted may not listen yet). A socket
-/// that answers without the RuntimeService is [`CriError::NoCri`] at once.
+/// Asks the CRI on `socket` for its version and verbose status; connection failures, and a CRI
+/// that says it is still starting, are tried again until `wait` has passed (an engine that was
+/// just restarted may not listen yet, and containerd's CRI answers "server is not initialized
+/// yet" for a moment after it listens). A socket that answers without the RuntimeService is
+/// [`CriError::NoCri`] at once.
 pub async fn status(socket: &Path, wait: Duration) -> Result<CriStatus, CriError> {
     let deadline = Instant::now() + wait;
     loop {
         match status_once(socket).await {
-            Err(CriError::Connect { .. }) if Instant::now() < deadline => {
+            Err(e) if starting(&e) && Instant::now() < deadline => {
                 tokio::time::sleep(Duration::from_millis(200)).await;
             }
             other => return other,
         }
+    }
+}
+
+/// Whether the error is an engine still coming up: not listening yet, or containerd's CRI
+/// before it has loaded (its interceptor answers every call with "server is not initialized
+/// yet" until then).
+fn starting(e: &CriError) -> bool {
+    match e {
+        CriError::Connect { .. } => true,
+        CriError::Call { message, .. } => message.contains("not initialized yet"),
+        CriError::NoCri { .. } => false,
     }
 }
 

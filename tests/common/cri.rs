@@ -24,6 +24,12 @@ pub enum Answer {
     /// [`Answer::NoCri`] while this file exists (the drop-in containerd's CRI fails with),
     /// else the runtimes `runc` and `nvidia` with `runc` the default.
     NoCriWith(PathBuf),
+    /// What containerd's CRI answers for a moment after it listens, until `until`: every call
+    /// fails with Unknown "server is not initialized yet"; then `then`.
+    Initializing {
+        until: std::time::Instant,
+        then: Box<Answer>,
+    },
 }
 
 #[derive(Clone)]
@@ -70,7 +76,13 @@ impl RuntimeService for Service {
 
 impl Service {
     fn check(&self) -> Result<Answer, tonic::Status> {
-        let answer = self.0.lock().expect("answer").clone();
+        let mut answer = self.0.lock().expect("answer").clone();
+        if let Answer::Initializing { until, then } = answer {
+            if std::time::Instant::now() < until {
+                return Err(tonic::Status::unknown("server is not initialized yet"));
+            }
+            answer = *then;
+        }
         match answer {
             Answer::NoCriWith(file) if !file.exists() => Ok(serving(&["runc", "nvidia"])),
             Answer::NoCri | Answer::NoCriWith(_) => Err(tonic::Status::unimplemented(
