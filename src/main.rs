@@ -13,6 +13,9 @@ use gpu_node_agent::{logging, plan};
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    if !matches!(cli.command, Command::Run { .. }) {
+        quiet_on_closed_pipe();
+    }
     let root = HostRoot::new(&cli.global.root);
     if let Command::Version = cli.command {
         println!("gpu-node-agent {}", env!("CARGO_PKG_VERSION"));
@@ -158,6 +161,16 @@ fn main() -> ExitCode {
             }
         }
     }
+}
+
+/// A command whose reader went away (`config check | head -1`) ends quietly, like a Unix tool:
+/// Rust ignores SIGPIPE and makes `println!` panic on EPIPE instead, so the default action is put
+/// back. Not for `run`: a daemon whose journal stream closes keeps running.
+fn quiet_on_closed_pipe() {
+    use nix::sys::signal::{SigHandler, Signal, signal};
+    // SAFETY: called first thing in `main`, before any thread exists; SIG_DFL installs no
+    // handler code.
+    let _ = unsafe { signal(Signal::SIGPIPE, SigHandler::SigDfl) };
 }
 
 fn exit(code: i32) -> ExitCode {

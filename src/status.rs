@@ -177,10 +177,11 @@ impl Status {
     }
 
     /// Why the agent that wrote this status is not running although the status says `running`
-    /// (see [`agent_process`]); `None` when it runs, or when the status does not say `running`.
-    pub fn stale_reason(&self, root: &Path) -> Option<String> {
+    /// (see [`agent_process`]; `proc` is the live `/proc`); `None` when it runs, or when the
+    /// status does not say `running`.
+    pub fn stale_reason(&self, proc: &Path) -> Option<String> {
         (self.state == "running")
-            .then(|| agent_process(root, self.pid).err())
+            .then(|| agent_process(proc, self.pid).err())
             .flatten()
     }
 
@@ -333,18 +334,20 @@ impl Status {
     }
 }
 
-/// What `gpu-node-agent status` prints for status.json `text`, read under `root`: the human view,
+/// What `gpu-node-agent status` prints for status.json `text`, the agent's process looked for in
+/// `proc` (the live `/proc`, never the one under `--root`: the pid in the file is a process of
+/// this kernel, whatever root the agent was given): the human view,
 /// or (`json`) the file as written with two fields added: `agent_running` (the file says
 /// `running` and its pid is a live gpu-node-agent) and, when the file says `running` but the agent
 /// is not, `stale_reason`. A status whose agent is gone shows as not running, with when it was
 /// written.
-pub fn report(text: &str, root: &Path, json: bool, now: u64) -> Result<String, serde_json::Error> {
+pub fn report(text: &str, proc: &Path, json: bool, now: u64) -> Result<String, serde_json::Error> {
     if json {
         let value: serde_json::Value = serde_json::from_str(text)?;
         let state = value.get("state").and_then(|s| s.as_str()).unwrap_or_default();
         let pid = value.get("pid").and_then(|p| p.as_u64()).unwrap_or(0);
         let stale = match state {
-            "running" => agent_process(root, u32::try_from(pid).unwrap_or(0)).err(),
+            "running" => agent_process(proc, u32::try_from(pid).unwrap_or(0)).err(),
             _ => None,
         };
         let mut added = format!("\"agent_running\": {}", state == "running" && stale.is_none());
@@ -364,18 +367,19 @@ pub fn report(text: &str, root: &Path, json: bool, now: u64) -> Result<String, s
         return Ok(format!("{inner}{sep}\n  {added}\n}}\n"));
     }
     let status = Status::parse(text)?;
-    let stale = status.stale_reason(root);
+    let stale = status.stale_reason(proc);
     Ok(status.render_checked(now, stale.as_deref()))
 }
 
-/// Whether `pid` is a running gpu-node-agent, from `/proc/<pid>` under `root`: `Err` says why
-/// not (no such process, or the pid now belongs to another program). Where `/proc/<pid>` is
-/// there but neither `comm` nor `cmdline` can be read, it counts as running.
-pub fn agent_process(root: &Path, pid: u32) -> Result<(), String> {
+/// Whether `pid` is a running gpu-node-agent, from `<proc>/<pid>` (`proc` is `/proc`, a temp dir
+/// in tests): `Err` says why not (no such process, or the pid now belongs to another program).
+/// Where `<proc>/<pid>` is there but neither `comm` nor `cmdline` can be read, it counts as
+/// running.
+pub fn agent_process(proc: &Path, pid: u32) -> Result<(), String> {
     if pid == 0 {
         return Err("the status records no pid".into());
     }
-    let dir = crate::host::rooted(root, Path::new(&format!("/proc/{pid}")));
+    let dir = proc.join(pid.to_string());
     if !dir.is_dir() {
         return Err(format!("no process {pid}"));
     }
@@ -425,7 +429,11 @@ fn ago(secs: u64) -> String {
     }
 }
 
-/// `gpu-node-agent status`: the running agent's status file, for a person or as JSON.
+/// The kernel's process table: the pid in status.json is this kernel's, whatever `--root` says.
+const LIVE_PROC: &str = "/proc";
+
+/// `gpu-node-agent status`: the running agent's status file, for a person or as JSON. Exits 0
+/// while the agent runs (or for a `run --once` report), 3 (not running) otherwise.
 pub fn status_command(config: &Config, root: &HostRoot, json: bool) -> ExitCode {
     let path = root.join(&config.agent.run_dir).join(STATUS_FILE);
     let text = match std::fs::read_to_string(&path) {
@@ -438,10 +446,16 @@ pub fn status_command(config: &Config, root: &HostRoot, json: bool) -> ExitCode 
             return Exit::NotRunning.into();
         }
     };
-    match crate::status::report(&text, root.path(), json, now_unix()) {
+    match crate::status::report(&text, Path::new(LIVE_PROC), json, now_unix()) {
         Ok(out) => {
             print!("{out}");
-            ExitCode::SUCCESS
+            // LSB status codes: 3 for a daemon that is not running (stopped, or gone without
+            // saying so); a `run --once` report is a finished run, not a stopped daemon.
+            match Status::parse(&text) {
+                Ok(s) if s.state == "running" && s.stale_reason(Path::new(LIVE_PROC)).is_none() => ExitCode::SUCCESS,
+                Ok(s) if s.state == "once" => ExitCode::SUCCESS,
+                _ => Exit::NotRunning.into(),
+            }
         }
         Err(e) => {
             eprintln!(
@@ -584,7 +598,7 @@ mod tests {
             serde_json::from_str(&report(text, root.path(), true, 1005).expect("report")).expect("json")
         };
 
-        // No /proc/42 under the root.
+        // No process 42 in this proc dir.
         let out = json(&text);
         assert_eq!(out["agent_running"], false);
         assert_eq!(out["stale_reason"], "no process 42");
@@ -600,7 +614,7 @@ mod tests {
         assert!(!view.contains("— running"), "{view}");
 
         // The pid now belongs to another program.
-        let proc = root.path().join("proc/42");
+        let proc = root.path().join("42");
         std::fs::create_dir_all(&proc).unwrap();
         std::fs::write(proc.join("comm"), "bash\n").unwrap();
         std::fs::write(proc.join("cmdline"), "/bin/bash\0-l\0").unwrap();

@@ -197,20 +197,19 @@ async fn status_shows_each_resources_listandwatch_streams() {
     drop(kubelet);
 }
 
-/// status.json that says `running` for an agent that is gone (killed without a chance to write
-/// `stopped`) shows as not running, with when it was written; `--json` keeps the file's fields
-/// and adds `agent_running` and `stale_reason`. The process is looked for under the root's /proc.
+/// `status` finds a live agent started with `--root` (the pid in status.json is a process of this
+/// kernel: it is looked for in the live /proc, not the root's). status.json that says `running`
+/// for an agent that is gone (killed without a chance to write `stopped`) shows as not running,
+/// with when it was written, and exits 3; `--json` keeps the file's fields and adds
+/// `agent_running` and `stale_reason`.
 #[test]
 fn status_of_an_agent_that_is_gone_says_not_running() {
     let node = Node::new(&machine("A100-SXM4-40GB", 2), "[kubernetes]\nenabled = false\n");
     let agent = node.spawn();
     let pid = agent.pid();
     node.wait_status(Duration::from_secs(15), |s| s["state"] == "running");
-    // The root's /proc shows the agent.
-    let proc = node.root.join(format!("proc/{pid}"));
-    std::fs::create_dir_all(&proc).expect("mkdir proc");
-    std::fs::write(proc.join("comm"), "gpu-node-agent\n").expect("comm");
     let out = node.run(&["status", "--json"]);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
     let status: serde_json::Value = serde_json::from_slice(&out.stdout).expect("status --json parses");
     assert_eq!(
         (status["state"].as_str(), status["agent_running"].as_bool()),
@@ -218,20 +217,27 @@ fn status_of_an_agent_that_is_gone_says_not_running() {
         "{status}"
     );
     assert!(status.get("stale_reason").is_none(), "{status}");
-    assert!(text(&node.run(&["status"]).stdout).contains(&format!("— running (pid {pid},")));
+    let out = node.run(&["status"]);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    assert!(
+        text(&out.stdout).contains(&format!("— running (pid {pid},")),
+        "{}",
+        text(&out.stdout)
+    );
 
-    // SIGKILL: status.json still says running.
+    // SIGKILL (and reaped): status.json still says running.
     drop(agent);
-    std::fs::remove_dir_all(&proc).expect("the process is gone");
     assert_eq!(node.status_json()["state"], "running");
     let out = node.run(&["status", "--json"]);
-    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    assert_eq!(out.status.code(), Some(3), "{}", text(&out.stderr));
     let status: serde_json::Value = serde_json::from_slice(&out.stdout).expect("status --json parses");
     assert_eq!(status["state"], "running", "the file's own fields are kept");
     assert_eq!(status["pid"], pid);
     assert_eq!(status["agent_running"], false);
     assert_eq!(status["stale_reason"], format!("no process {pid}"));
-    let view = text(&node.run(&["status"]).stdout);
+    let out = node.run(&["status"]);
+    assert_eq!(out.status.code(), Some(3));
+    let view = text(&out.stdout);
     let first = view.lines().next().unwrap_or_default();
     assert!(
         first.contains("— not running (status from ") && first.contains(&format!("no process {pid}")),
@@ -240,12 +246,56 @@ fn status_of_an_agent_that_is_gone_says_not_running() {
     assert!(!first.contains("— running"), "{view}");
 
     // The pid taken by another program is not the agent either.
-    std::fs::create_dir_all(&proc).expect("mkdir proc");
-    std::fs::write(proc.join("comm"), "sleep\n").expect("comm");
-    let status: serde_json::Value =
-        serde_json::from_slice(&node.run(&["status", "--json"]).stdout).expect("status --json parses");
+    let mut other = std::process::Command::new("sleep").arg("30").spawn().expect("sleep");
+    let mut file = node.status_json();
+    file["pid"] = serde_json::json!(other.id());
+    std::fs::write(node.status_path(), file.to_string()).expect("status.json");
+    let out = node.run(&["status", "--json"]);
+    let _ = other.kill();
+    let _ = other.wait();
+    assert_eq!(out.status.code(), Some(3));
+    let status: serde_json::Value = serde_json::from_slice(&out.stdout).expect("status --json parses");
     assert_eq!(
         status["stale_reason"],
-        format!("pid {pid} is now another program (sleep)")
+        format!("pid {} is now another program (sleep)", other.id())
     );
+}
+
+/// `gpu-node-agent ... | head -1`: a reader that goes away ends the command quietly, as for any
+/// Unix tool (killed by SIGPIPE, nothing on stderr), instead of a Rust panic and exit 101.
+#[test]
+fn a_closed_pipe_on_stdout_ends_a_command_quietly() {
+    use std::os::unix::process::ExitStatusExt;
+    let node = Node::new(&machine("A100-SXM4-40GB", 2), "[kubernetes]\nenabled = false\n");
+    assert_eq!(node.run(&["run", "--once"]).status.code(), Some(0));
+    for args in [
+        &["config", "check"][..],
+        &["plan"],
+        &["plan", "--json"],
+        &["mig", "assert", "all-disabled"],
+        &["status"],
+        &["driver", "status"],
+    ] {
+        let normal = node.run(args);
+        assert!(!normal.stdout.is_empty(), "{args:?} prints something");
+        // A pipe whose reader is already gone: the first write fails.
+        let (reader, writer) = nix::unistd::pipe().expect("pipe");
+        drop(reader);
+        let out = node
+            .command(args)
+            .stdout(std::process::Stdio::from(writer))
+            .output()
+            .expect("run gpu-node-agent");
+        let err = text(&out.stderr);
+        assert!(
+            !err.contains("panicked") && !err.contains("Broken pipe"),
+            "{args:?}: {err}"
+        );
+        assert_eq!(
+            out.status.signal(),
+            Some(nix::sys::signal::Signal::SIGPIPE as i32),
+            "{args:?}: {:?} {err}",
+            out.status
+        );
+    }
 }

@@ -1024,6 +1024,12 @@ fn the_gpu_count_check_names_the_pci_device_nvml_does_not_list() {
         write(&node.root, &format!("sys/bus/pci/devices/0000:c1:00.0/{file}"), value);
     }
     let out = node.run(&["driver", "status"]);
+    assert_eq!(out.status.code(), Some(1), "a failed check fails the command");
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("failed check(s): ") && text(&out).contains("gpu-count"),
+        "{}",
+        text(&out)
+    );
     let check = text(&out)
         .lines()
         .find(|l| l.contains("gpu-count"))

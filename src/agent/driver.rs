@@ -255,7 +255,13 @@ pub fn driver_command(config: &Config, root: &HostRoot, command: DriverCommand) 
                     println!("{} {:<10} {}", if c.ok { "ok  " } else { "FAIL" }, c.name, c.message);
                 }
             }
-            ExitCode::SUCCESS
+            let failed: Vec<&str> = checks.iter().filter(|c| !c.ok).map(|c| c.name).collect();
+            if failed.is_empty() {
+                ExitCode::SUCCESS
+            } else {
+                eprintln!("gpu-node-agent: driver: failed check(s): {}", failed.join(", "));
+                ExitCode::FAILURE
+            }
         }
         DriverCommand::Install => {
             if let Some(wait) = &planned.plan.wait {
