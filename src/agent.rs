@@ -188,6 +188,9 @@ struct Agent {
     withdrawn: BTreeSet<String>,
     /// What the driver stage keeps between passes.
     driver: driver::DriverStage,
+    /// Set on a node with no NVIDIA GPU (none on the PCI bus, and NVML cannot load): why. The
+    /// agent idles, every stage skipped, and looks again every `nvml.retry_interval`.
+    no_gpu: Option<String>,
 }
 
 /// Runs the agent until SIGTERM/SIGINT (or one pass with `once`). Returns the process exit code.
@@ -260,6 +263,7 @@ pub async fn run(config: Config, root: HostRoot, once: bool) -> Result<i32, Agen
         notifier: crate::notify::Notifier::from_env(),
         notified_status: String::new(),
         driver: driver::DriverStage::default(),
+        no_gpu: None,
     };
     agent.machine = machine_name(&agent.root);
 
@@ -333,19 +337,27 @@ pub async fn run(config: Config, root: HostRoot, once: bool) -> Result<i32, Agen
     if agent.config.driver.enabled && agent.config.driver.source != crate::config::DriverSource::None {
         or_stop(&stop, agent.driver_step()).await;
     }
-    // NVML: fatal when fail_on_init_error, else retried in the loop below.
+    // NVML: fatal when fail_on_init_error, else retried in the loop below. A node with no NVIDIA
+    // GPU at all (a CPU node of a fleet that installs the package everywhere) idles instead.
     if agent.gpus.is_none()
         && let Err(e) = agent.open_nvml()
     {
-        if (agent.config.nvml.fail_on_init_error || once) && !stop.is_cancelled() {
+        if let Some(why) = agent.without_gpus(&e) {
+            tracing::info!(
+                "{why}: idle, nothing is configured; looking for a GPU every {:?}",
+                agent.config.nvml.retry_interval
+            );
+            agent.idle(why);
+        } else if (agent.config.nvml.fail_on_init_error || once) && !stop.is_cancelled() {
             agent.stages[StageId::DevicePlugin].set(StageState::Failed, Some(e.to_string()), None);
             agent.write_status("stopped");
             return Err(e);
+        } else {
+            tracing::error!(
+                "{e}; running with no devices and retrying every {:?} ([nvml] fail_on_init_error = false)",
+                agent.config.nvml.retry_interval
+            );
         }
-        tracing::error!(
-            "{e}; running with no devices and retrying every {:?} ([nvml] fail_on_init_error = false)",
-            agent.config.nvml.retry_interval
-        );
     }
     if !stop.is_cancelled() {
         or_stop(&stop, agent.reconcile()).await;
@@ -414,12 +426,24 @@ pub async fn run(config: Config, root: HostRoot, once: bool) -> Result<i32, Agen
             }
             _ = resync.tick() => { or_stop(&stop, agent.reconcile()).await; }
             _ = nvml_retry.tick(), if agent.gpus.is_none() => {
-                match agent.open_nvml() {
-                    Ok(()) => {
+                if agent.no_gpu.is_some() {
+                    if agent.gpu_appeared() {
+                        // The driver stage first (it may install the driver), then NVML.
                         agent.retry_all_now();
                         or_stop(&stop, agent.reconcile()).await;
+                        if agent.gpus.is_none() && agent.open_nvml().is_ok() {
+                            agent.retry_all_now();
+                            or_stop(&stop, agent.reconcile()).await;
+                        }
                     }
-                    Err(e) => tracing::warn!("NVML still unavailable: {e}"),
+                } else {
+                    match agent.open_nvml() {
+                        Ok(()) => {
+                            agent.retry_all_now();
+                            or_stop(&stop, agent.reconcile()).await;
+                        }
+                        Err(e) => tracing::warn!("NVML still unavailable: {e}"),
+                    }
                 }
             }
             Ok(view) = next_view(&mut view_rx) => {
@@ -582,15 +606,74 @@ impl Agent {
                 Ok(())
             }
             Err(e) => {
-                self.stages[StageId::DevicePlugin].set(StageState::Failed, Some(e.to_string()), None);
-                self.write_status("running");
-                Err(e.into())
+                let e = AgentError::from(e);
+                // On a node with no GPU at all that is no failure: the caller idles.
+                if self.without_gpus(&e).is_none() {
+                    self.stages[StageId::DevicePlugin].set(StageState::Failed, Some(e.to_string()), None);
+                    self.write_status("running");
+                }
+                Err(e)
             }
         }
     }
 
+    /// Why this node has no NVIDIA GPU to manage, given that NVML failed with `nvml`: `None`
+    /// when a GPU is on the PCI bus (then NVML's failure is an error) or the bus cannot be read.
+    fn without_gpus(&self, nvml: &AgentError) -> Option<String> {
+        match crate::driver::observe::nvidia_gpus(&self.root) {
+            Ok(gpus) if gpus.is_empty() => Some(format!(
+                "no NVIDIA GPU on this node (none on the PCI bus, and NVML: {nvml})"
+            )),
+            _ => None,
+        }
+    }
+
+    /// Idles for `why`: every stage skipped, status and systemd say why.
+    fn idle(&mut self, why: String) {
+        for stage in self.stages.iter_mut() {
+            stage.idle(&why);
+        }
+        self.no_gpu = Some(why);
+        self.write_status("running");
+    }
+
+    /// While idle: whether a GPU has appeared (on the PCI bus, or NVML now loads: a driver
+    /// loaded later on a host whose sysfs shows no bus). Quiet while nothing changed.
+    fn gpu_appeared(&mut self) -> bool {
+        let library = nvml_library(&self.config, &self.root);
+        let found = match crate::driver::observe::nvidia_gpus(&self.root) {
+            Ok(gpus) if !gpus.is_empty() => Some(format!(
+                "NVIDIA GPU(s) on the PCI bus: {}",
+                gpus.iter().map(|g| g.address.as_str()).collect::<Vec<_>>().join(", ")
+            )),
+            _ => match Gpus::open(&library) {
+                Ok(gpus) => {
+                    self.gpus = Some(gpus);
+                    Some(format!("NVML loads from {}", library.display()))
+                }
+                Err(e) => {
+                    tracing::debug!("still no NVIDIA GPU: {e}");
+                    None
+                }
+            },
+        };
+        let Some(found) = found else {
+            return false;
+        };
+        tracing::info!("{found}: no longer idle, every stage runs");
+        self.no_gpu = None;
+        for stage in self.stages.iter_mut() {
+            stage.set(StageState::Pending, None, None);
+        }
+        true
+    }
+
     /// One pass over the stages: re-read the inventory and advertise what it gives.
     async fn reconcile(&mut self) {
+        if self.no_gpu.is_some() {
+            self.write_status("running");
+            return;
+        }
         let now = Instant::now();
         let mut passed = Vec::new();
         let mut durations = Vec::new();
@@ -862,6 +945,14 @@ impl Agent {
     /// `STATUS=` for systemd: each stage's state, with the first problem's reason.
     fn notify_status(&mut self) {
         if !self.notifier.enabled() {
+            return;
+        }
+        if let Some(why) = &self.no_gpu {
+            let line = crate::notify::status_line(why);
+            if line != self.notified_status {
+                self.notifier.send(&format!("STATUS={line}"));
+                self.notified_status = line;
+            }
             return;
         }
         let stages = &self.stages;

@@ -51,6 +51,7 @@ pub enum Command {
         mig_layout: Option<String>,
     },
     /// Show the running agent's status: stages, GPUs and their health, resources advertised.
+    /// Exit 0 while the agent runs (or for a `run --once` report), 3 when it is not running.
     Status {
         /// Print the raw status.json.
         #[arg(long)]
@@ -110,6 +111,7 @@ pub enum ValidateCommand {
 pub enum DriverCommand {
     /// What the host has (kernel, distribution, NVIDIA PCI devices, loaded modules, headers,
     /// Secure Boot), what the driver stage would do, and the validation checks. Changes nothing.
+    /// Exit 1 when a check failed.
     Status {
         /// Print JSON.
         #[arg(long)]

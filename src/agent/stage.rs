@@ -97,6 +97,17 @@ impl Stage {
         self.status.detail = detail;
     }
 
+    /// Skipped because the node has nothing for any stage to do (no NVIDIA GPU): the agent says
+    /// that once for all stages, so no line per stage.
+    pub(super) fn idle(&mut self, detail: &str) {
+        if self.status.state != StageState::Skipped {
+            self.status.since = now_unix();
+        }
+        self.status.state = StageState::Skipped;
+        self.status.error = None;
+        self.status.detail = Some(detail.to_string());
+    }
+
     /// Whether the stage's step runs in a pass at `now`: not while a failure's backoff lasts.
     pub(super) fn due(&self, now: Instant) -> bool {
         self.retry.at.is_none_or(|at| now >= at)
