@@ -166,3 +166,49 @@ fn the_unit_verifies_on_a_cpu_only_root() {
         text(&out.stderr)
     );
 }
+
+/// The kubelet restarted 20 times (its cleanup deletes the sockets in whatever order the
+/// directory lists them, then serves a new `kubelet.sock`): every restart gets exactly one
+/// `Register` per resource, within a second, whatever order the agent saw the socket events in.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_registration_per_kubelet_start() {
+    use test_kubelet::{KubeletOptions, TestKubelet};
+    const GPU: &str = "nvidia.com/gpu";
+    const RESTARTS: usize = 20;
+    let node = Node::new(&machine("A100-SXM4-40GB", 2), "[kubernetes]\nenabled = false\n");
+    let kubelet = TestKubelet::start(&node.plugin_dir(), KubeletOptions::default())
+        .await
+        .expect("start test kubelet");
+    let agent = node.spawn();
+    kubelet
+        .wait_for_registration(GPU, Duration::from_secs(10))
+        .await
+        .expect("first registration");
+    for restart in 0..RESTARTS {
+        let restarted = Instant::now();
+        kubelet.restart().await.expect("restart kubelet");
+        let reg = kubelet
+            .wait_for_registration_since(GPU, restarted, Duration::from_secs(10))
+            .await
+            .expect("re-registration");
+        let took = reg.at.duration_since(restarted);
+        assert!(
+            took < Duration::from_secs(1),
+            "restart {restart}: re-registered after {took:?}"
+        );
+        // Time for a second, needless registration to show up.
+        tokio::time::sleep(Duration::from_millis(50 + 10 * (restart as u64 % 5))).await;
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let records = kubelet.registrations();
+    let mut per_instance = std::collections::BTreeMap::new();
+    for r in records.iter().filter(|r| r.resource == GPU) {
+        *per_instance.entry(r.kubelet_instance).or_insert(0usize) += 1;
+    }
+    assert_eq!(per_instance.len(), RESTARTS + 1, "{per_instance:?}");
+    assert!(
+        per_instance.values().all(|n| *n == 1),
+        "registrations per kubelet start: {per_instance:?}"
+    );
+    assert_eq!(agent.stop(), 0);
+}

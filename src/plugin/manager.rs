@@ -67,6 +67,9 @@ pub struct ResourceStatus {
 struct Entry {
     plugin: ServedPlugin,
     registered_at: Option<SystemTime>,
+    /// The `kubelet.sock` (device, inode) the registration went to: a kubelet that started
+    /// since gets one registration, one that already has it none.
+    kubelet: Option<(u64, u64)>,
     error: Option<String>,
 }
 
@@ -126,7 +129,7 @@ impl PluginManager {
                     }
                     None => break,
                 },
-                () = watch.changed() => {}
+                () = watch.changed() => watch.settle().await,
                 () = sleep_until(retry) => {}
                 () = streams_changed.notified() => {}
             }
@@ -165,6 +168,7 @@ impl PluginManager {
             }
             for entry in self.served.values_mut() {
                 entry.registered_at = None;
+                entry.kubelet = None;
             }
             self.retry_at = None;
             self.publish();
@@ -180,7 +184,9 @@ impl PluginManager {
                 tracing::info!("kubelet found at {}", self.kubelet_socket().display());
             }
             self.kubelet_id = kubelet;
-            for entry in self.served.values_mut() {
+            // What registered with this kubelet already (the socket was replaced while the last
+            // pass ran) stays registered.
+            for entry in self.served.values_mut().filter(|e| e.kubelet != kubelet) {
                 entry.registered_at = None;
             }
             self.retry.reset();
@@ -216,6 +222,7 @@ impl PluginManager {
                                 Entry {
                                     plugin,
                                     registered_at: None,
+                                    kubelet: None,
                                     error: None,
                                 },
                             );
@@ -230,7 +237,12 @@ impl PluginManager {
             }
         }
 
-        // Register what is not registered yet with this kubelet.
+        // Register what is not registered yet with this kubelet: after a failure, when the
+        // backoff says (a new kubelet resets it), not at every event in the directory.
+        if self.retry_at.is_some_and(|at| Instant::now() < at) {
+            self.publish();
+            return;
+        }
         let mut failed = false;
         let kubelet_socket = self.kubelet_socket();
         for (name, entry) in self.served.iter_mut().filter(|(_, e)| e.registered_at.is_none()) {
@@ -240,9 +252,15 @@ impl PluginManager {
                 .file_name()
                 .map(|f| f.to_string_lossy().into_owned())
                 .unwrap_or_default();
+            // Which kubelet gets it: the socket as it is now, not as the pass found it (a
+            // restarting kubelet replaces it at any moment). Replaced during the call, the
+            // registration counts for neither and the next pass registers again.
+            let before = file_id(&kubelet_socket);
             match register(&kubelet_socket, &endpoint, name, self.register_timeout).await {
                 Ok(()) => {
                     tracing::info!(resource = %name, socket = %entry.plugin.socket.display(), "registered with the kubelet");
+                    let after = file_id(&kubelet_socket);
+                    entry.kubelet = before.filter(|b| Some(*b) == after);
                     entry.registered_at = Some(SystemTime::now());
                     entry.error = None;
                     if let Some(metrics) = &self.stats.metrics {
@@ -343,6 +361,11 @@ struct DirWatch {
     watching: bool,
 }
 
+/// A kubelet (re)start is a burst of socket events (its cleanup deletes every socket, then it
+/// binds a new `kubelet.sock`): the manager looks once the directory has been quiet this long...
+const SETTLE: Duration = Duration::from_millis(20);
+/// ...or this long after the first event, whichever comes first.
+const SETTLE_MAX: Duration = Duration::from_millis(200);
 const POLL_NO_INOTIFY: Duration = Duration::from_millis(250);
 const POLL_NO_DIR: Duration = Duration::from_millis(500);
 
@@ -360,6 +383,17 @@ impl DirWatch {
             dir: dir.to_path_buf(),
             inotify,
             watching: false,
+        }
+    }
+
+    /// Waits for the directory to be quiet for [`SETTLE`] (at most [`SETTLE_MAX`]): one look
+    /// at a kubelet restart's end state instead of one per event, in whatever order they came.
+    async fn settle(&mut self) {
+        let deadline = tokio::time::Instant::now() + SETTLE_MAX;
+        while tokio::time::Instant::now() < deadline {
+            if tokio::time::timeout(SETTLE, self.changed()).await.is_err() {
+                return;
+            }
         }
     }
 
