@@ -4,9 +4,9 @@
 pub mod backoff;
 pub mod command;
 
-use std::fs::{self, File, OpenOptions};
+use std::fs::{self, File};
 use std::io::{self, Write};
-use std::os::unix::fs::{MetadataExt, OpenOptionsExt, PermissionsExt};
+use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::path::{Component, Path, PathBuf};
 
 /// The prefix under which every host path is resolved (`--root`, `/` on a real node).
@@ -65,8 +65,13 @@ pub struct WriteError {
 
 /// Writes `bytes` to `path` atomically: a temp file in the same directory, fsync, rename over the
 /// target, fsync of the directory. Readers see the old or the new content, never a mix. The
-/// parent directory is created if missing. An existing file's mode and owner are kept; a new one
-/// gets `mode` and the agent's user.
+/// parent directory is created if missing. An existing regular file's mode and owner are kept; a
+/// new one, or one where a symlink was, gets `mode` and the agent's user (the symlink itself is
+/// replaced, its target neither written nor consulted).
+///
+/// The temp file has a random name and is created with `O_CREAT|O_EXCL` (which never follows a
+/// symlink) and mode 0600 until it is complete: nobody who can write to the directory can point
+/// the agent's write at another file or read a half-written one.
 pub fn write_atomic(path: &Path, bytes: &[u8], mode: u32) -> Result<(), WriteError> {
     let err = |action: &'static str, p: &Path| {
         let p = p.to_path_buf();
@@ -78,7 +83,8 @@ pub fn write_atomic(path: &Path, bytes: &[u8], mode: u32) -> Result<(), WriteErr
     };
     let dir = path.parent().unwrap_or(Path::new("."));
     fs::create_dir_all(dir).map_err(err("create directory", dir))?;
-    let existing = fs::metadata(path).ok();
+    // Not following a symlink: its target's mode and owner are not the agent's to copy.
+    let existing = fs::symlink_metadata(path).ok().filter(|m| m.file_type().is_file());
     let mode = existing
         .as_ref()
         .map(|m| m.permissions().mode() & 0o7777)
@@ -88,39 +94,35 @@ pub fn write_atomic(path: &Path, bytes: &[u8], mode: u32) -> Result<(), WriteErr
         .file_name()
         .map(|n| n.to_string_lossy().into_owned())
         .unwrap_or_default();
-    let tmp = dir.join(format!(".{name}.tmp-{}", std::process::id()));
-    let write = || -> io::Result<()> {
-        let mut file = OpenOptions::new()
-            .write(true)
-            .create(true)
-            .truncate(true)
-            .mode(mode)
-            .open(&tmp)?;
+    let mut tmp = tempfile::Builder::new()
+        .prefix(&format!(".{name}."))
+        .suffix(".tmp")
+        .permissions(fs::Permissions::from_mode(0o600))
+        .tempfile_in(dir)
+        .map_err(err("create a temp file in", dir))?;
+    let write = |file: &mut File| -> io::Result<()> {
         file.write_all(bytes)?;
         if let Some((uid, gid)) = owner {
             let (euid, egid) = (nix::unistd::geteuid().as_raw(), nix::unistd::getegid().as_raw());
             if (uid, gid) != (euid, egid) {
-                std::os::unix::fs::fchown(&file, Some(uid), Some(gid))?;
+                std::os::unix::fs::fchown(&*file, Some(uid), Some(gid))?;
             }
         }
         file.set_permissions(fs::Permissions::from_mode(mode))?;
         file.sync_all()
     };
-    if let Err(source) = write() {
-        let _ = fs::remove_file(&tmp);
+    if let Err(source) = write(tmp.as_file_mut()) {
         return Err(WriteError {
             action: "write",
-            path: tmp,
+            path: tmp.path().to_path_buf(),
             source,
         });
     }
-    fs::rename(&tmp, path).map_err(|source| {
-        let _ = fs::remove_file(&tmp);
-        WriteError {
-            action: "rename into place",
-            path: path.to_path_buf(),
-            source,
-        }
+    // On failure the temp file is removed when `tmp` drops.
+    tmp.persist(path).map_err(|e| WriteError {
+        action: "rename into place",
+        path: path.to_path_buf(),
+        source: e.error,
     })?;
     if let Ok(d) = File::open(dir) {
         let _ = d.sync_all();
@@ -193,5 +195,40 @@ mod tests {
         assert_eq!(fs::metadata(&path).expect("meta").permissions().mode() & 0o777, 0o600);
         let leftovers: Vec<_> = fs::read_dir(path.parent().expect("parent")).expect("ls").collect();
         assert_eq!(leftovers.len(), 1, "no temp files left behind");
+    }
+
+    /// Someone who can write to the output directory plants symlinks where the agent writes:
+    /// at the temp name the agent used to use (`.<name>.tmp-<pid>`) and at the target itself.
+    /// Neither link's target (a 0600 file standing for /etc/shadow) is written, chmod-ed or
+    /// consulted: the new file is the agent's own, with the mode asked for.
+    #[test]
+    fn write_atomic_follows_no_planted_symlink() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let victim = dir.path().join("victim");
+        fs::write(&victim, b"secret").expect("victim");
+        fs::set_permissions(&victim, fs::Permissions::from_mode(0o600)).expect("chmod");
+        let out = dir.path().join("out");
+        fs::create_dir(&out).expect("out dir");
+        fs::set_permissions(&out, fs::Permissions::from_mode(0o777)).expect("world-writable");
+        let path = out.join("spec.json");
+        std::os::unix::fs::symlink(&victim, out.join(format!(".spec.json.tmp-{}", std::process::id())))
+            .expect("plant temp link");
+        write_atomic(&path, b"{}", 0o644).expect("write");
+        assert_eq!(fs::read(&victim).expect("victim"), b"secret");
+        assert_eq!(fs::metadata(&victim).expect("meta").permissions().mode() & 0o777, 0o600);
+        assert_eq!(fs::read(&path).expect("written"), b"{}");
+
+        // The target itself a link to a world-writable file: replaced, its mode not copied.
+        let lure = dir.path().join("lure");
+        fs::write(&lure, b"mine").expect("lure");
+        fs::set_permissions(&lure, fs::Permissions::from_mode(0o666)).expect("chmod");
+        fs::remove_file(&path).expect("rm");
+        std::os::unix::fs::symlink(&lure, &path).expect("plant target link");
+        write_atomic(&path, b"{\"a\":1}", 0o644).expect("write");
+        let meta = fs::symlink_metadata(&path).expect("meta");
+        assert!(meta.file_type().is_file(), "the link was replaced by a file");
+        assert_eq!(meta.permissions().mode() & 0o777, 0o644);
+        assert_eq!(fs::read(&lure).expect("lure"), b"mine");
+        assert_eq!(fs::read(&path).expect("written"), b"{\"a\":1}");
     }
 }
