@@ -24,12 +24,23 @@ use super::{CONTENT_TYPE as METRICS_CONTENT_TYPE, Metrics};
 /// connection open forever).
 const HEADER_TIMEOUT: Duration = Duration::from_secs(10);
 
+/// How long one connection is served (Prometheus opens another at its next scrape).
+const CONNECTION_LIFETIME: Duration = Duration::from_secs(60);
+
+/// The most bytes a request's head may take (hyper's read buffer): a scrape's request is a few
+/// hundred bytes.
+const MAX_REQUEST_HEAD: usize = 16 * 1024;
+
+/// Connections served at once unless [`MetricsServer::with_max_connections`] says otherwise.
+pub const DEFAULT_MAX_CONNECTIONS: usize = 64;
+
 /// A bound metrics endpoint, not yet serving.
 #[derive(Debug)]
 pub struct MetricsServer {
     listener: TcpListener,
     metrics: Metrics,
     path: Arc<str>,
+    max_connections: usize,
 }
 
 impl MetricsServer {
@@ -40,7 +51,16 @@ impl MetricsServer {
             listener,
             metrics,
             path: Arc::from(path),
+            max_connections: DEFAULT_MAX_CONNECTIONS,
         })
+    }
+
+    /// Serves at most `max` connections at once; more wait in the kernel's listen backlog (they
+    /// hold none of the agent's file descriptors) until one ends. However many clients connect,
+    /// the agent keeps descriptors for the kubelet, the API server and the GPUs.
+    pub fn with_max_connections(mut self, max: usize) -> MetricsServer {
+        self.max_connections = max.max(1);
+        self
     }
 
     /// The address actually bound.
@@ -54,13 +74,14 @@ impl MetricsServer {
             listener,
             metrics,
             path,
+            max_connections,
         } = self;
         let mut connections = JoinSet::new();
         tokio::pin!(shutdown);
         loop {
             tokio::select! {
                 _ = &mut shutdown => break,
-                accepted = listener.accept() => match accepted {
+                accepted = listener.accept(), if connections.len() < max_connections => match accepted {
                     Ok((stream, _)) => {
                         let (metrics, path) = (metrics.clone(), path.clone());
                         connections.spawn(async move {
@@ -71,10 +92,14 @@ impl MetricsServer {
                             let served = hyper::server::conn::http1::Builder::new()
                                 .timer(TokioTimer::new())
                                 .header_read_timeout(HEADER_TIMEOUT)
-                                .serve_connection(TokioIo::new(stream), service)
-                                .await;
-                            if let Err(e) = served {
-                                tracing::debug!("metrics connection ended: {e}");
+                                .max_buf_size(MAX_REQUEST_HEAD)
+                                .serve_connection(TokioIo::new(stream), service);
+                            // A kept-alive connection gives its place up after a while, so
+                            // idle clients cannot hold every place for good.
+                            match tokio::time::timeout(CONNECTION_LIFETIME, served).await {
+                                Ok(Err(e)) => tracing::debug!("metrics connection ended: {e}"),
+                                Err(_) => tracing::debug!("metrics connection closed after {CONNECTION_LIFETIME:?}"),
+                                Ok(Ok(())) => {}
                             }
                         });
                     }

@@ -199,14 +199,21 @@ impl Node {
 
     /// [`Node::spawn`] with more environment (the fake NVML's `FAKE_NVML_MUTATION_DELAY_MS`).
     pub fn spawn_with_env(&self, env: &[(&str, &str)]) -> Agent {
+        self.spawn_with(|cmd| {
+            cmd.envs(env.iter().copied());
+        })
+    }
+
+    /// [`Node::spawn`] with the command adjusted by `adjust` first (limits, environment).
+    pub fn spawn_with(&self, adjust: impl FnOnce(&mut Command)) -> Agent {
         let log = self
             .tmp
             .path()
             .join(format!("agent-{}.log", Instant::now().elapsed().as_nanos()));
         let file = fs::File::create(&log).expect("log file");
-        let child = self
-            .command(&["run"])
-            .envs(env.iter().copied())
+        let mut cmd = self.command(&["run"]);
+        adjust(&mut cmd);
+        let child = cmd
             .stdout(Stdio::null())
             .stderr(file)
             .spawn()
