@@ -1,0 +1,153 @@
+//! `[mig]`: the MIG layouts a Node label selects; their defaults and validation.
+
+use super::merge::KeyPath;
+use super::values;
+use super::{Check, Invalid, absolute_path, invalid};
+use crate::mig_layout::defaults::default_layouts;
+use crate::mig_layout::{EntryField, Item, LayoutError, MigLayout};
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+/// `mig.enabled`: run the MIG stage (apply the layout a Node label names).
+pub const DEFAULT_MIG_ENABLED: bool = true;
+/// `mig.default_layouts`: offer the built-in layouts (`all-disabled`, `all-1g.10gb`, ...).
+pub const DEFAULT_MIG_DEFAULT_LAYOUTS: bool = true;
+/// `mig.process_wait_timeout`: how long a layout change waits in `pending` for processes on the
+/// GPUs to end before it is `failed`; zero waits forever.
+pub const DEFAULT_MIG_PROCESS_WAIT_TIMEOUT: Duration = Duration::from_secs(10 * 60);
+/// `mig.reboot_on_mode_change`: reboot when a MIG mode change needs a GPU reset that cannot be
+/// done (else fail with the reason).
+pub const DEFAULT_MIG_REBOOT_ON_MODE_CHANGE: bool = false;
+/// Reset an idle GPU to finish a pending MIG mode change.
+pub const DEFAULT_MIG_GPU_RESET: bool = true;
+/// Where the driver's nvidia-smi is.
+pub const DEFAULT_NVIDIA_SMI: &str = "/usr/bin/nvidia-smi";
+
+/// `[mig]`: MIG layouts, named like mig-parted's configs and selected by the
+/// `nvidia.com/mig.config` label.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct MigConfig {
+    /// Run the MIG stage at all.
+    pub enabled: bool,
+    /// Offer the built-in layouts ([`default_layouts`]); user layouts with the same name
+    /// replace them.
+    pub default_layouts: bool,
+    /// How long to wait in `pending` for processes on the GPUs to end before `failed`; zero
+    /// waits forever.
+    #[serde(with = "values::duration")]
+    pub process_wait_timeout: Duration,
+    /// When a MIG mode change needs a GPU reset that cannot be done: report `rebooting` and
+    /// reboot (`true`), or fail with the reason (`false`).
+    pub reboot_on_mode_change: bool,
+    /// When a MIG mode change waits for a GPU reset and nothing runs on the GPU, reset it with
+    /// `nvidia_smi --gpu-reset -i <uuid>` before falling back to `reboot_on_mode_change`.
+    pub gpu_reset: bool,
+    /// The nvidia-smi binary used for GPU resets (host path).
+    pub nvidia_smi: PathBuf,
+    /// The layout applied while the Node has no `nvidia.com/mig.config` label (empty: none,
+    /// the GPUs are left as they are). Lets a bootstrap apply a layout before the node joins.
+    pub default_layout: String,
+    /// User layouts by name (`[[mig.layouts.<name>]]`), each a list of entries.
+    pub layouts: BTreeMap<String, MigLayout>,
+}
+
+impl Default for MigConfig {
+    fn default() -> Self {
+        MigConfig {
+            enabled: DEFAULT_MIG_ENABLED,
+            default_layouts: DEFAULT_MIG_DEFAULT_LAYOUTS,
+            process_wait_timeout: DEFAULT_MIG_PROCESS_WAIT_TIMEOUT,
+            reboot_on_mode_change: DEFAULT_MIG_REBOOT_ON_MODE_CHANGE,
+            gpu_reset: DEFAULT_MIG_GPU_RESET,
+            nvidia_smi: DEFAULT_NVIDIA_SMI.into(),
+            default_layout: String::new(),
+            layouts: BTreeMap::new(),
+        }
+    }
+}
+
+impl MigConfig {
+    /// The layout a label value names: a user layout, else a built-in one when
+    /// `default_layouts` is on; `None` when neither has it.
+    pub fn layout(&self, name: &str) -> Option<MigLayout> {
+        if let Some(layout) = self.layouts.get(name) {
+            return Some(layout.clone());
+        }
+        if self.default_layouts {
+            return default_layouts().remove(name);
+        }
+        None
+    }
+
+    /// Every layout name a label may select, sorted.
+    pub fn layout_names(&self) -> Vec<String> {
+        self.all_layouts().into_keys().collect()
+    }
+
+    /// Every layout by name: the built-in ones (when `default_layouts`) with the user's over
+    /// them.
+    pub fn all_layouts(&self) -> BTreeMap<String, MigLayout> {
+        let mut out = if self.default_layouts {
+            default_layouts()
+        } else {
+            BTreeMap::new()
+        };
+        out.extend(self.layouts.iter().map(|(k, v)| (k.clone(), v.clone())));
+        out
+    }
+}
+
+impl MigConfig {
+    pub(super) fn validate(&self) -> Check {
+        absolute_path("mig.nvidia_smi", &self.nvidia_smi)?;
+        // process_wait_timeout = 0s means wait forever.
+        for (name, layout) in &self.layouts {
+            let at = KeyPath::dotted("mig.layouts").key(name);
+            if name.is_empty() {
+                return Err(Invalid {
+                    key: at,
+                    reason: "a layout name cannot be empty".to_owned(),
+                });
+            }
+            crate::names::check_label_value(name).map_err(|reason| Invalid {
+                key: at.clone(),
+                reason: format!("a layout name is selected by a label value: {reason}"),
+            })?;
+            layout.check().map_err(|e| match e {
+                LayoutError::Entry {
+                    entry,
+                    field,
+                    item,
+                    reason,
+                } => {
+                    let key = at.clone().index(entry).key(field.config_key());
+                    let key = match item {
+                        Some(Item::Index(i)) => key.index(i),
+                        Some(Item::Profile(p)) => key.key(&p),
+                        None => key,
+                    };
+                    let reason = match field {
+                        EntryField::Profiles => reason.replace("MIG enabled", "mig_enabled"),
+                        _ => reason,
+                    };
+                    Invalid { key, reason }
+                }
+                other => Invalid {
+                    key: at.clone(),
+                    reason: other.to_string(),
+                },
+            })?;
+        }
+        if !self.default_layout.is_empty() && self.layout(&self.default_layout).is_none() {
+            return Err(invalid(
+                "mig.default_layout",
+                format!("names no MIG layout (defined: {})", self.layout_names().join(", ")),
+            ));
+        }
+        Ok(())
+    }
+}

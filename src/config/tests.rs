@@ -1,0 +1,707 @@
+//! The configuration read, merged and validated end to end: defaults, the example file, files
+//! and drop-ins, and every error naming its file, line and key.
+
+use super::*;
+
+const EXAMPLE: &str = include_str!("../../config/gpu-node-agent.toml");
+
+fn parse(files: &[(&str, &str)]) -> Result<Config, ConfigError> {
+    let sources: Vec<Source> = files.iter().map(|(n, t)| Source::new(*n, *t)).collect();
+    Config::from_sources(&sources)
+}
+
+fn err(files: &[(&str, &str)]) -> String {
+    parse(files).expect_err("config accepted").to_string()
+}
+
+#[test]
+fn defaults() {
+    let config = parse(&[]).unwrap();
+    assert_eq!(config, Config::default());
+    assert_eq!(parse(&[("c.toml", "")]).unwrap(), Config::default());
+    assert_eq!(config.log.level, "info");
+    assert_eq!(config.agent.resync_interval, Duration::from_secs(60));
+    assert_eq!(config.nvml.library, Path::new("libnvidia-ml.so.1"));
+    assert_eq!(
+        config.device_plugin.device_list_strategy.as_slice(),
+        &[DeviceListStrategy::Envvar]
+    );
+    assert_eq!(config.health.ignored_xids, [13, 31, 43, 45, 68, 109]);
+    assert_eq!(config.health.recovery_after, Duration::from_secs(300));
+}
+
+#[test]
+fn example_file_is_the_defaults() {
+    let config = parse(&[("config/gpu-node-agent.toml", EXAMPLE)]).unwrap();
+    assert_eq!(config, Config::default());
+}
+
+/// Every key of the config is set in the example file, so a new key cannot go
+/// undocumented.
+#[test]
+fn example_file_sets_every_key() {
+    fn keys(prefix: &str, v: &toml::Value, out: &mut Vec<String>) {
+        if let toml::Value::Table(t) = v {
+            for (k, v) in t {
+                let key = format!("{prefix}{k}");
+                keys(&format!("{key}."), v, out);
+                out.push(key);
+            }
+        }
+    }
+    let mut want = Vec::new();
+    keys("", &toml::Value::try_from(Config::default()).unwrap(), &mut want);
+    let mut have = Vec::new();
+    keys("", &toml::from_str::<toml::Value>(EXAMPLE).unwrap(), &mut have);
+    want.sort();
+    have.sort();
+    assert_eq!(have, want);
+}
+
+#[test]
+fn later_sources_override_earlier() {
+    let config = parse(&[
+        ("main.toml", "[device_plugin]\nmig_strategy = \"single\"\n"),
+        ("10-a.toml", "[device_plugin]\nmig_strategy = \"mixed\"\n"),
+        ("20-b.toml", "device_plugin.mig_strategy = \"none\"\n"),
+    ])
+    .unwrap();
+    assert_eq!(config.device_plugin.mig_strategy, MigStrategy::None);
+}
+
+#[test]
+fn tables_merge_across_files() {
+    let config = parse(&[
+        (
+            "main.toml",
+            "log = { level = \"debug\" }\n[device_plugin]\nmig_strategy = \"mixed\"\n",
+        ),
+        (
+            "10-a.toml",
+            "[log]\nformat = \"text\"\n[device_plugin]\npass_device_specs = true\n",
+        ),
+    ])
+    .unwrap();
+    assert_eq!(config.log.level, "debug");
+    assert_eq!(config.log.format, LogFormat::Text);
+    assert_eq!(config.device_plugin.mig_strategy, MigStrategy::Mixed);
+    assert!(config.device_plugin.pass_device_specs);
+}
+
+#[test]
+fn arrays_replace() {
+    let config = parse(&[
+        ("main.toml", "[health]\nignored_xids = [1, 2, 3]\n"),
+        ("10-a.toml", "[health]\nignored_xids = [4]\n"),
+    ])
+    .unwrap();
+    assert_eq!(config.health.ignored_xids, [4]);
+}
+
+#[test]
+fn runtime_engine_sections_default_per_engine_and_check_their_keys() {
+    let c = parse(&[(
+        "c.toml",
+        "[runtime.crio]\nunit = \"cri-o.service\"\n[runtime.docker]\nconfig = \"/srv/daemon.json\"\n",
+    )])
+    .unwrap();
+    assert_eq!(c.runtime.crio.unit, "cri-o.service");
+    assert_eq!(
+        c.runtime.crio.drop_in,
+        Path::new(DEFAULT_CRIO_DROP_IN),
+        "keys left out keep the engine's defaults"
+    );
+    assert_eq!(c.runtime.docker.config, Path::new("/srv/daemon.json"));
+    assert_eq!(c.runtime.files(Engine::Docker).binary, Path::new(DEFAULT_DOCKER_BINARY));
+    assert_eq!(
+        err(&[("c.toml", "[runtime.docker]\ndrop_in = \"/etc/docker/x.json\"\n")]),
+        "c.toml:2: runtime.docker.drop_in = \"/etc/docker/x.json\" is not valid: docker reads no drop-in files; leave it out"
+    );
+    assert_eq!(
+        err(&[("c.toml", "[runtime]\nengines = [\"docker\", \"docker\"]\n")]),
+        "c.toml:2: runtime.engines = [\"docker\", \"docker\"] is not valid: docker is listed twice"
+    );
+    assert!(err(&[("c.toml", "[runtime]\nengines = [\"podman\"]\n")]).contains("podman"));
+    assert!(err(&[("c.toml", "[runtime]\nmode = \"hook\"\n")]).contains("cdi-only"));
+    assert!(err(&[("c.toml", "[cdi]\ndir = \"cdi\"\n")]).contains("cdi.dir"));
+}
+
+#[test]
+fn unknown_keys_name_file_line_and_key() {
+    assert_eq!(
+        err(&[("main.toml", "# top\n\nbogus = 1\n")]),
+        "main.toml:3: unknown key bogus: expected one of log, agent, nvml, kubelet, \
+         device_plugin, driver, runtime, cdi, mig, validation, metrics, health, kubernetes, desired, labels"
+    );
+    assert_eq!(
+        err(&[("main.toml", "[log]\nlevel = \"info\"\nformt = \"text\"\n")]),
+        "main.toml:3: unknown key log.formt: expected one of level, format"
+    );
+    assert_eq!(
+        err(&[
+            ("main.toml", "[device_plugin]\nenabled = true\n"),
+            (
+                "/etc/gpu-node-agent/config.d/10-x.toml",
+                "[device_plugin]\n\nmig_stratgy = \"mixed\"\n"
+            ),
+        ]),
+        "/etc/gpu-node-agent/config.d/10-x.toml:3: unknown key device_plugin.mig_stratgy: \
+         expected one of enabled, mig_strategy, device_list_strategy, device_id_strategy, \
+         pass_device_specs, cdi_annotation_prefix, cdi_kind, driver_root, dev_root, \
+         host_mounts_driver_dir, host_mounts_container_dir, default_profile, profiles, sharing, \
+         memory_limits"
+    );
+    // A section name typo is reported at its header.
+    let e = err(&[("main.toml", "[log]\n[helth]\nenabled = false\n")]);
+    assert!(e.starts_with("main.toml:2: unknown key helth: "), "{e}");
+}
+
+#[test]
+fn bad_enum_value() {
+    let e = parse(&[(
+        "/etc/gpu-node-agent/config.d/10-mig.toml",
+        "# MIG\n[device_plugin]\nmig_strategy = \"mixd\"\n",
+    )])
+    .unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        "/etc/gpu-node-agent/config.d/10-mig.toml:3: device_plugin.mig_strategy = \"mixd\" \
+         is not valid: expected one of none, single, mixed"
+    );
+    assert_eq!(e.exit_code(), 64);
+    assert_eq!(e.key(), Some("device_plugin.mig_strategy"));
+    assert_eq!(e.location().map(|l| l.line), Some(3));
+
+    assert_eq!(
+        err(&[("c.toml", "[log]\nformat = 1\n")]),
+        "c.toml:2: log.format = 1 is not valid: expected one of auto, journald, text"
+    );
+}
+
+#[test]
+fn wrong_types() {
+    assert_eq!(
+        err(&[("c.toml", "[health]\nenabled = \"yes\"\n")]),
+        "c.toml:2: health.enabled = \"yes\" is not valid: expected a boolean"
+    );
+    assert_eq!(
+        err(&[("c.toml", "[log]\nlevel = \"debug\"\n"), ("d.toml", "log = 5\n")]),
+        "d.toml:1: log = 5 is not valid: expected a table"
+    );
+}
+
+#[test]
+fn xids_out_of_range() {
+    assert_eq!(
+        err(&[("c.toml", "[health]\nignored_xids = [\n  13,\n  -1,\n]\n")]),
+        "c.toml:4: health.ignored_xids[1] = -1 is not valid: expected an integer in \
+         0..=4294967295"
+    );
+    let e = err(&[("c.toml", "health.critical_xids = [4294967296]\n")]);
+    assert!(
+        e.starts_with("c.toml:1: health.critical_xids[0] = 4294967296 is not valid"),
+        "{e}"
+    );
+    let config = parse(&[("c.toml", "health.critical_xids = [0, 4294967295]\n")]).unwrap();
+    assert_eq!(config.health.critical_xids, [0, u32::MAX]);
+}
+
+#[test]
+fn durations() {
+    let config = parse(&[(
+        "c.toml",
+        "[agent]\nresync_interval = \"1h30m\"\n[health]\nrecovery_after = \"0s\"\n\
+         lost_check_interval = \"500ms\"\n",
+    )])
+    .unwrap();
+    assert_eq!(config.agent.resync_interval, Duration::from_secs(5400));
+    assert_eq!(config.health.recovery_after, Duration::ZERO);
+    assert_eq!(config.health.lost_check_interval, Duration::from_millis(500));
+
+    assert_eq!(
+        err(&[("c.toml", "[agent]\nresync_interval = \"5 minutes\"\n")]),
+        "c.toml:2: agent.resync_interval = \"5 minutes\" is not valid: expected a duration \
+         such as \"500ms\", \"5s\", \"2m\", \"1h\" or \"1h30m\""
+    );
+    let e = err(&[("c.toml", "[nvml]\nretry_interval = 30\n")]);
+    assert!(
+        e.starts_with("c.toml:2: nvml.retry_interval = 30 is not valid: expected a duration"),
+        "{e}"
+    );
+    assert_eq!(
+        err(&[("c.toml", "[kubelet]\nregister_timeout = \"0s\"\n")]),
+        "c.toml:2: kubelet.register_timeout = \"0s\" is not valid: expected a duration \
+         greater than 0s"
+    );
+}
+
+#[test]
+fn relative_paths_rejected() {
+    assert_eq!(
+        err(&[("c.toml", "[agent]\nstate_dir = \"var/lib/gpu-node-agent\"\n")]),
+        "c.toml:2: agent.state_dir = \"var/lib/gpu-node-agent\" is not valid: expected an \
+         absolute path"
+    );
+    for key in [
+        "kubelet.device_plugin_dir",
+        "device_plugin.driver_root",
+        "device_plugin.host_mounts_driver_dir",
+    ] {
+        let e = err(&[("c.toml", &format!("{key} = \"relative\"\n"))]);
+        assert_eq!(
+            e,
+            format!("c.toml:1: {key} = \"relative\" is not valid: expected an absolute path")
+        );
+    }
+}
+
+#[test]
+fn nvml_library_soname_or_absolute() {
+    let config = parse(&[("c.toml", "nvml.library = \"libnvidia-ml.so\"\n")]).unwrap();
+    assert_eq!(
+        config.nvml.library_path(Path::new("/tmp/r")),
+        Path::new("libnvidia-ml.so")
+    );
+    let config = parse(&[("c.toml", "nvml.library = \"/usr/lib/libnvidia-ml.so.1\"\n")]).unwrap();
+    assert_eq!(
+        config.nvml.library_path(Path::new("/tmp/r")),
+        Path::new("/tmp/r/usr/lib/libnvidia-ml.so.1")
+    );
+    for bad in ["lib/libnvidia-ml.so.1", ""] {
+        let e = err(&[("c.toml", &format!("nvml.library = {bad:?}\n"))]);
+        assert!(
+            e.starts_with(&format!("c.toml:1: nvml.library = {bad:?} is not valid: ")),
+            "{e}"
+        );
+    }
+}
+
+#[test]
+fn device_list_strategy_string_or_list() {
+    use DeviceListStrategy::*;
+    let one = parse(&[("c.toml", "device_plugin.device_list_strategy = \"cdi-cri\"\n")]).unwrap();
+    assert_eq!(one.device_plugin.device_list_strategy.as_slice(), &[CdiCri]);
+    let many = parse(&[(
+        "c.toml",
+        "device_plugin.device_list_strategy = [\"envvar\", \"volume-mounts\", \
+         \"cdi-annotations\"]\n",
+    )])
+    .unwrap();
+    assert_eq!(
+        many.device_plugin.device_list_strategy.as_slice(),
+        &[Envvar, VolumeMounts, CdiAnnotations]
+    );
+    let mounts = parse(&[(
+        "c.toml",
+        "device_plugin.device_list_strategy = [\"host-mounts\", \"envvar\"]\n",
+    )])
+    .unwrap();
+    assert!(mounts.device_plugin.device_list_strategy.contains(HostMounts));
+
+    assert_eq!(
+        err(&[(
+            "c.toml",
+            "[device_plugin]\ndevice_list_strategy = [\"envvar\",\n  \"bogus\"]\n"
+        )]),
+        "c.toml:3: device_plugin.device_list_strategy[1] = \"bogus\" is not valid: expected \
+         one of envvar, volume-mounts, cdi-annotations, cdi-cri, host-mounts"
+    );
+    let e = err(&[("c.toml", "device_plugin.device_list_strategy = 1\n")]);
+    assert!(
+        e.starts_with(
+            "c.toml:1: device_plugin.device_list_strategy = 1 is not valid: expected a \
+             strategy or an array of strategies"
+        ),
+        "{e}"
+    );
+}
+
+#[test]
+fn device_list_strategy_rules() {
+    assert_eq!(
+        err(&[("c.toml", "[device_plugin]\ndevice_list_strategy = []\n")]),
+        "c.toml:2: device_plugin.device_list_strategy = [] is not valid: expected at least \
+         one of envvar, volume-mounts, cdi-annotations, cdi-cri, host-mounts"
+    );
+    assert_eq!(
+        err(&[(
+            "c.toml",
+            "[device_plugin]\ndevice_list_strategy = [\"envvar\", \"envvar\"]\n"
+        )]),
+        "c.toml:2: device_plugin.device_list_strategy = [\"envvar\", \"envvar\"] is not \
+         valid: envvar is listed twice"
+    );
+    // The rule breaks in the drop-in that set the key, and the message points there.
+    assert_eq!(
+        err(&[
+            ("main.toml", "[device_plugin]\ndevice_list_strategy = \"host-mounts\"\n"),
+            (
+                "10-cdi.toml",
+                "\n[device_plugin]\ndevice_list_strategy = [\"host-mounts\", \"cdi-cri\"]\n"
+            ),
+        ]),
+        "10-cdi.toml:3: device_plugin.device_list_strategy = [\"host-mounts\", \"cdi-cri\"] \
+         is not valid: host-mounts cannot be combined with cdi-cri"
+    );
+}
+
+#[test]
+fn cdi_settings() {
+    assert_eq!(
+        err(&[("c.toml", "device_plugin.cdi_annotation_prefix = \"cdi.k8s.io\"\n")]),
+        "c.toml:1: device_plugin.cdi_annotation_prefix = \"cdi.k8s.io\" is not valid: \
+         expected a DNS name followed by '/', e.g. \"cdi.k8s.io/\""
+    );
+    let e = err(&[("c.toml", "device_plugin.cdi_kind = \"gpu\"\n")]);
+    assert!(
+        e.starts_with("c.toml:1: device_plugin.cdi_kind = \"gpu\" is not valid: expected"),
+        "{e}"
+    );
+    let config = parse(&[("c.toml", "device_plugin.cdi_kind = \"nvidia.com/gpu\"\n")]);
+    assert_eq!(config.unwrap().device_plugin.cdi_kind, "nvidia.com/gpu");
+}
+
+#[test]
+fn log_level() {
+    let config = parse(&[("c.toml", "log.level = \"info,gpu_node_agent::plugin=trace\"\n")]);
+    assert_eq!(config.unwrap().log.level, "info,gpu_node_agent::plugin=trace");
+    let e = err(&[("c.toml", "[log]\nlevel = \"verbose\"\n")]);
+    assert!(
+        e.starts_with("c.toml:2: log.level = \"verbose\" is not valid: \"verbose\": expected a level"),
+        "{e}"
+    );
+}
+
+#[test]
+fn syntax_errors_name_file_and_line() {
+    let e = parse(&[("ok.toml", ""), ("bad.toml", "[log]\nlevel = \n")]).unwrap_err();
+    assert!(matches!(e, ConfigError::Syntax { .. }));
+    let text = e.to_string();
+    assert!(text.starts_with("bad.toml:2: TOML syntax error: "), "{text}");
+    assert_eq!(e.exit_code(), 64);
+
+    let e = err(&[("dup.toml", "[log]\nlevel = \"info\"\nlevel = \"debug\"\n")]);
+    assert!(e.starts_with("dup.toml:3: TOML syntax error: "), "{e}");
+}
+
+#[test]
+fn effective_config_round_trips() {
+    let config = parse(&[(
+        "c.toml",
+        "[device_plugin]\ndevice_list_strategy = \"cdi-cri\"\nmig_strategy = \"mixed\"\n\
+         [health]\nrecovery_after = \"90s\"\n",
+    )])
+    .unwrap();
+    let text = toml::to_string(&config).unwrap();
+    assert_eq!(parse(&[("effective", &text)]).unwrap(), config);
+    let json = serde_json::to_value(&config).unwrap();
+    assert_eq!(json["device_plugin"]["device_list_strategy"][0], "cdi-cri");
+    assert_eq!(json["health"]["recovery_after"], "90s");
+}
+
+#[test]
+fn rooted_paths() {
+    let p = Path::new("/etc/gpu-node-agent/config.toml");
+    assert_eq!(rooted(Path::new("/"), p), p);
+    assert_eq!(
+        rooted(Path::new("/tmp/r"), p),
+        Path::new("/tmp/r/etc/gpu-node-agent/config.toml")
+    );
+    assert_eq!(rooted(Path::new("/tmp/r"), Path::new("/")), Path::new("/tmp/r"));
+}
+
+// === load ===
+
+fn write(path: &Path, text: &str) {
+    fs::create_dir_all(path.parent().unwrap()).unwrap();
+    fs::write(path, text).unwrap();
+}
+
+#[test]
+fn load_without_files_gives_defaults() {
+    let root = tempfile::tempdir().unwrap();
+    let (config, files) = Config::load(root.path(), None).unwrap();
+    assert_eq!(config, Config::default());
+    assert!(files.is_empty());
+}
+
+#[test]
+fn load_explicit_missing_file_is_an_error() {
+    let root = tempfile::tempdir().unwrap();
+    let path = root.path().join("nope.toml");
+    let e = Config::load(Path::new("/"), Some(&path)).unwrap_err();
+    assert!(matches!(e, ConfigError::ReadFile { .. }));
+    let text = e.to_string();
+    assert!(
+        text.starts_with(&format!("{}: cannot read config file: ", path.display())),
+        "{text}"
+    );
+    assert!(text.contains("No such file"), "{text}");
+    assert_eq!(e.exit_code(), 64);
+}
+
+#[test]
+fn load_reads_main_and_drop_ins_in_name_order() {
+    let root = tempfile::tempdir().unwrap();
+    let etc = root.path().join("etc/gpu-node-agent");
+    let d = etc.join("config.d");
+    write(
+        &etc.join("config.toml"),
+        "[device_plugin]\nmig_strategy = \"single\"\npass_device_specs = true\n",
+    );
+    // Written in reverse order so directory order cannot pass for name order.
+    write(&d.join("20-b.toml"), "[device_plugin]\nmig_strategy = \"mixed\"\n");
+    write(
+        &d.join("10-a.toml"),
+        "[device_plugin]\nmig_strategy = \"none\"\n[log]\nformat = \"text\"\n",
+    );
+    write(&d.join("30-c.toml.bak"), "this is not toml");
+    write(&d.join("README"), "this is not toml");
+    write(&d.join(".40-hidden.toml"), "this is not toml");
+    fs::create_dir_all(d.join("50-dir.toml")).unwrap();
+
+    let (config, files) = Config::load(root.path(), None).unwrap();
+    assert_eq!(config.device_plugin.mig_strategy, MigStrategy::Mixed);
+    assert!(config.device_plugin.pass_device_specs);
+    assert_eq!(config.log.format, LogFormat::Text);
+    let shown = |p: PathBuf| p.display().to_string();
+    assert_eq!(
+        files,
+        [
+            shown(etc.join("config.toml")),
+            shown(d.join("10-a.toml")),
+            shown(d.join("20-b.toml")),
+        ]
+    );
+}
+
+#[test]
+fn load_drop_ins_without_main_file() {
+    let root = tempfile::tempdir().unwrap();
+    let d = root.path().join("etc/gpu-node-agent/config.d");
+    write(&d.join("10-a.toml"), "health.enabled = false\n");
+    let (config, files) = Config::load(root.path(), None).unwrap();
+    assert!(!config.health.enabled);
+    assert_eq!(files.len(), 1);
+}
+
+#[test]
+fn load_explicit_path_is_not_rooted_and_brings_its_drop_ins() {
+    let dir = tempfile::tempdir().unwrap();
+    let main = dir.path().join("custom/agent.toml");
+    write(&main, "log.level = \"debug\"\n");
+    write(&dir.path().join("custom/config.d/10-a.toml"), "log.format = \"text\"\n");
+    // A root that does not contain the file: the explicit path is used as given.
+    let elsewhere = tempfile::tempdir().unwrap();
+    let (config, files) = Config::load(elsewhere.path(), Some(&main)).unwrap();
+    assert_eq!(config.log.level, "debug");
+    assert_eq!(config.log.format, LogFormat::Text);
+    assert_eq!(files.len(), 2);
+}
+
+#[test]
+fn load_errors_name_the_drop_in() {
+    let root = tempfile::tempdir().unwrap();
+    let d = root.path().join("etc/gpu-node-agent/config.d");
+    let bad = d.join("10-mig.toml");
+    write(&bad, "[device_plugin]\nmig_strategy = \"mixd\"\n");
+    let e = Config::load(root.path(), None).unwrap_err().to_string();
+    assert!(
+        e.starts_with(&format!(
+            "{}:2: device_plugin.mig_strategy = \"mixd\" is not valid",
+            bad.display()
+        )),
+        "{e}"
+    );
+}
+
+#[test]
+fn load_unreadable_main_file_is_an_error() {
+    let root = tempfile::tempdir().unwrap();
+    // A directory where the main file should be: reading it fails even as root.
+    fs::create_dir_all(root.path().join("etc/gpu-node-agent/config.toml")).unwrap();
+    let e = Config::load(root.path(), None).unwrap_err();
+    assert!(matches!(e, ConfigError::ReadFile { .. }), "{e}");
+    assert!(e.to_string().contains("config.toml: cannot read config file: "), "{e}");
+}
+#[test]
+fn mig_layouts_parse_and_merge_with_defaults() {
+    use crate::mig_layout::DeviceSelector;
+    let config = parse(&[(
+        "10-mig.toml",
+        "[mig]\nprocess_wait_timeout = \"0s\"\n\n[[mig.layouts.custom-1]]\ndevices = \"all\"\n\
+         device_filter = [\"0x20B0\", \"0x20B210DE\", 0x2330]\nmig_enabled = true\n\
+         profiles = { \"1g.5gb\" = 7 }\n\n[[mig.layouts.custom-1]]\ndevices = [4, 5]\ndevice_filter = 0x20B5\nmig_enabled = false\n\n\
+         [[mig.layouts.all-balanced]]\ndevices = \"all\"\ndevice_filter = \"0x20B0\"\nmig_enabled = true\n\
+         profiles = {}\n",
+    )])
+    .unwrap();
+    assert_eq!(config.mig.process_wait_timeout, Duration::ZERO);
+    let custom = config.mig.layout("custom-1").unwrap();
+    assert_eq!(custom.entries.len(), 2);
+    assert_eq!(custom.entries[0].device_filter, [0x20B0, 0x20B2, 0x2330]);
+    assert_eq!(custom.entries[0].profiles["1g.5gb"], 7);
+    assert_eq!(custom.entries[1].devices, DeviceSelector::Indices(vec![4, 5]));
+    assert!(custom.entries[1].profiles.is_empty());
+    // A user layout replaces the built-in one of the same name; the others stay.
+    assert_eq!(config.mig.layout("all-balanced").unwrap().entries.len(), 1);
+    assert!(config.mig.layout("all-1g.10gb").is_some());
+    assert!(config.mig.layout("nope").is_none());
+    let names = config.mig.layout_names();
+    assert!(names.contains(&"custom-1".to_owned()) && names.contains(&"all-disabled".to_owned()));
+    assert!(names.windows(2).all(|w| w[0] < w[1]));
+
+    let only_mine = parse(&[(
+        "c.toml",
+        "[mig]\ndefault_layouts = false\n[[mig.layouts.x]]\ndevices = \"all\"\nmig_enabled = false\n",
+    )])
+    .unwrap();
+    assert_eq!(only_mine.mig.layout_names(), ["x"]);
+    assert!(only_mine.mig.layout("all-disabled").is_none());
+    assert_eq!(
+        Config::default().mig.layout_names().len(),
+        crate::mig_layout::defaults::default_layouts().len()
+    );
+}
+
+#[test]
+fn mig_layout_errors_name_file_line_and_key() {
+    let e = |text: &str| err(&[("m.toml", text)]);
+    const HEAD: &str = "[[mig.layouts.x]]\ndevices = \"all\"\n";
+    assert_eq!(
+        e(&format!(
+            "{HEAD}mig_enabled = true\nprofiles = {{ \"1g.5gb\" = 7, \"1x.5gb\" = 1 }}\n"
+        )),
+        "m.toml:4: mig.layouts.x[0].profiles.\"1x.5gb\" = 1 is not valid: \"1x.5gb\" is not a MIG profile name: \
+         \"1x\" does not end in \"g\" (expected [<C>c.]<G>g.<GB>gb with an optional +attr[,attr] or -attr \
+         suffix, e.g. 1g.5gb, 1c.4g.20gb, 1g.5gb+me, 1g.24gb-me)"
+    );
+    assert_eq!(
+        e(&format!("{HEAD}mig_enabled = true\nprofiles = {{ \"1g.5gb\" = 0 }}\n")),
+        "m.toml:4: mig.layouts.x[0].profiles.\"1g.5gb\" = 0 is not valid: expected a count of at least 1; \
+         leave the profile out instead"
+    );
+    assert_eq!(
+        e(&format!("{HEAD}mig_enabled = false\nprofiles = {{ \"1g.5gb\" = 7 }}\n")),
+        "m.toml:4: mig.layouts.x[0].profiles = { \"1g.5gb\" = 7 } is not valid: MIG devices need mig_enabled; \
+         leave the profiles out or set mig_enabled"
+    );
+    let missing = e(&format!("{HEAD}mig_enabled = true\n"));
+    assert!(
+        missing.starts_with("m.toml:1: mig.layouts.x[0] = ")
+            && missing
+                .ends_with("is not valid: missing field `profiles` (required when mig_enabled = true; {} for none)"),
+        "{missing}"
+    );
+    let missing = e("[[mig.layouts.x]]\nmig_enabled = false\n");
+    assert!(
+        missing.starts_with("m.toml:1: mig.layouts.x[0] = ") && missing.ends_with("missing field `devices`"),
+        "{missing}"
+    );
+    assert_eq!(
+        e("[[mig.layouts.x]]\ndevices = [0, 1,\n  0]\nmig_enabled = false\n"),
+        "m.toml:3: mig.layouts.x[0].devices[2] = 0 is not valid: GPU 0 is listed twice"
+    );
+    assert_eq!(
+        e("[[mig.layouts.x]]\ndevices = []\nmig_enabled = false\n"),
+        "m.toml:2: mig.layouts.x[0].devices = [] is not valid: an empty list selects no GPU; expected \"all\" \
+         or GPU indices"
+    );
+    assert_eq!(
+        e("[[mig.layouts.x]]\ndevices = \"some\"\nmig_enabled = false\n"),
+        "m.toml:2: mig.layouts.x[0].devices = \"some\" is not valid: expected \"all\" or an array of GPU indices"
+    );
+    assert_eq!(
+        e("[[mig.layouts.x]]\ndevices = [-1]\nmig_enabled = false\n"),
+        "m.toml:2: mig.layouts.x[0].devices[0] = -1 is not valid: expected an integer in 0..=4294967295"
+    );
+    assert_eq!(
+        e(&format!(
+            "{HEAD}device_filter = [\"0x20B0\", \"0x20B01002\"]\nmig_enabled = false\n"
+        )),
+        "m.toml:3: mig.layouts.x[0].device_filter[1] = \"0x20B01002\" is not valid: 0x20B01002 has vendor id \
+         0x1002, not NVIDIA's 0x10DE; expected 0x<device id>10DE, e.g. \"0x20B010DE\""
+    );
+    let bad_id = e(&format!("{HEAD}device_filter = \"A100\"\nmig_enabled = false\n"));
+    assert!(
+        bad_id
+            .starts_with("m.toml:3: mig.layouts.x[0].device_filter = \"A100\" is not valid: expected a PCI device id"),
+        "{bad_id}"
+    );
+    assert_eq!(
+        e(&format!("{HEAD}mig_enabled = false\nmig_devices = {{}}\n")),
+        "m.toml:4: unknown key mig.layouts.x[0].mig_devices: expected one of devices, device_filter, \
+         mig_enabled, profiles"
+    );
+    assert_eq!(
+        e("[mig.layouts]\nx = []\n"),
+        "m.toml:2: mig.layouts.x = [] is not valid: a layout needs at least one entry"
+    );
+    let table = e("[mig.layouts.x]\ndevices = \"all\"\nmig_enabled = false\n");
+    assert!(
+        table.starts_with("m.toml:1: mig.layouts.x = ")
+            && table.ends_with("is not valid: expected an array of layout entries, written [[mig.layouts.<name>]]"),
+        "{table}"
+    );
+    let name = e("[[mig.layouts.\"-x\"]]\ndevices = \"all\"\nmig_enabled = false\n");
+    assert!(
+        name.starts_with("m.toml:1: mig.layouts.-x = ") && name.contains("a layout name is selected by a label value"),
+        "{name}"
+    );
+    assert_eq!(
+        e(
+            "[[mig.layouts.x]]\ndevices = \"all\"\nmig_enabled = false\n\n[[mig.layouts.x]]\ndevices = [1]\n\
+           mig_enabled = true\nprofiles = {}\n"
+        ),
+        "m.toml:6: mig.layouts.x[1].devices = [1] is not valid: entry 1 can apply to the same GPUs as entry 0 \
+         (their devices and device filters overlap) but asks for a different MIG state; make them disjoint"
+    );
+    assert_eq!(
+        e("[mig]\nprocess_wait_timeout = \"10 minutes\"\n"),
+        "m.toml:2: mig.process_wait_timeout = \"10 minutes\" is not valid: expected a duration such as \
+         \"500ms\", \"5s\", \"2m\", \"1h\" or \"1h30m\""
+    );
+    assert_eq!(
+        e("[mig]\nreboot = true\n"),
+        "m.toml:2: unknown key mig.reboot: expected one of enabled, default_layouts, process_wait_timeout, \
+         reboot_on_mode_change, gpu_reset, nvidia_smi, default_layout, layouts"
+    );
+}
+
+#[test]
+fn device_plugin_profiles_override_keys_and_are_validated() {
+    let config = parse(&[(
+        "main.toml",
+        "[device_plugin]\ndefault_profile = \"mig-mixed\"\n\n[device_plugin.profiles.mig-mixed]\nmig_strategy = \"mixed\"\n\n[device_plugin.profiles.\"cdi.only\"]\ndevice_list_strategy = \"cdi-cri\"\n",
+    )])
+    .unwrap();
+    let mixed = config.device_plugin.with_profile("mig-mixed").expect("profile");
+    assert_eq!(mixed.mig_strategy, MigStrategy::Mixed);
+    assert_eq!(mixed.device_list_strategy, config.device_plugin.device_list_strategy);
+    let cdi = config.device_plugin.with_profile("cdi.only").expect("dotted name");
+    assert_eq!(cdi.device_list_strategy.as_slice(), [DeviceListStrategy::CdiCri]);
+    assert!(config.device_plugin.with_profile("nope").is_none());
+
+    assert_eq!(
+        err(&[("main.toml", "[device_plugin]\ndefault_profile = \"x\"\n")]),
+        "main.toml:2: device_plugin.default_profile = \"x\" is not valid: names no profile defined under [device_plugin.profiles]"
+    );
+    let e = err(&[(
+        "main.toml",
+        "[device_plugin.profiles.\"a.b\"]\ndevice_list_strategy = []\n",
+    )]);
+    assert!(
+        e.starts_with("main.toml:2: device_plugin.profiles.\"a.b\".device_list_strategy"),
+        "{e}"
+    );
+    let e = err(&[(
+        "main.toml",
+        "[device_plugin.profiles.\"-bad\"]\nmig_strategy = \"mixed\"\n",
+    )]);
+    assert!(e.contains("label value"), "{e}");
+    let e = err(&[("main.toml", "[device_plugin.profiles.p]\nmig_stratgy = \"mixed\"\n")]);
+    assert!(
+        e.starts_with("main.toml:2: unknown key device_plugin.profiles.p.mig_stratgy"),
+        "{e}"
+    );
+}

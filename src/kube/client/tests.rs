@@ -1,0 +1,419 @@
+//! The client against a test API server: requests, errors, rotated and refreshed credentials,
+//! patches and Events, watches, TLS material.
+
+use super::*;
+use crate::kube::credentials::{Auth, ExecApiVersion, ExecConfig, Material, Origin};
+use crate::kube::error::ApiFailure;
+use crate::kube::testserver::{Reply, TestServer};
+use crate::kube::time::format_rfc3339;
+use crate::kube::watch::WatchEvent;
+use futures_util::StreamExt;
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::sync::Mutex;
+
+const TOKEN: &str = "sekrit-token-4f9a8c";
+const NODE: &str = r#"{"kind":"Node","apiVersion":"v1","metadata":{"name":"gpu-1","uid":"u-1","resourceVersion":"5","labels":{"a":"b"}}}"#;
+
+fn creds(server: &str, auth: Auth) -> Credentials {
+    Credentials {
+        server: server.to_string(),
+        origin: Origin::Kubeconfig {
+            path: "/k".into(),
+            found_by: crate::kube::credentials::FoundBy::Config,
+        },
+        ca: None,
+        insecure_skip_tls_verify: false,
+        tls_server_name: None,
+        proxy_url: None,
+        auth,
+    }
+}
+
+fn token_file(path: &Path) -> Auth {
+    Auth {
+        token: Some(TokenSource::File {
+            field: "tokenFile".into(),
+            path: path.to_path_buf(),
+        }),
+        ..Auth::default()
+    }
+}
+
+fn client(server: &TestServer, auth: Auth) -> KubeClient {
+    KubeClient::new(creds(&server.url(), auth), &KubernetesConfig::default()).expect("client")
+}
+
+fn bearer(req: &crate::kube::testserver::Request) -> String {
+    req.header("authorization")
+        .unwrap_or_default()
+        .trim_start_matches("Bearer ")
+        .to_string()
+}
+
+#[tokio::test]
+async fn get_node_sends_token_and_parses() {
+    let server = TestServer::start(|req| {
+        assert_eq!(req.method, "GET");
+        assert_eq!(req.path, "/api/v1/nodes/gpu-1?resourceVersion=0");
+        assert_eq!(req.header("accept"), Some("application/json"));
+        if bearer(req) != TOKEN {
+            return Reply::status(401, "Unauthorized");
+        }
+        Reply::json(200, NODE)
+    })
+    .await;
+    let auth = Auth {
+        token: Some(TokenSource::Inline(Secret::new(TOKEN))),
+        ..Auth::default()
+    };
+    let node = client(&server, auth).get_node("gpu-1", true).await.expect("get");
+    assert_eq!((node.name.as_str(), node.uid.as_str()), ("gpu-1", "u-1"));
+    assert_eq!(node.labels["a"], "b");
+}
+
+#[tokio::test]
+async fn errors_carry_status_path_and_retry_after() {
+    let server = TestServer::start(|req| match req.path.as_str() {
+        "/api/v1/nodes/missing" => Reply::status(404, "NotFound"),
+        "/api/v1/nodes/busy" => Reply::status(429, "TooManyRequests").with_header("Retry-After", "7"),
+        _ => Reply::text(502, &format!("<html>bad gateway {TOKEN}</html>")),
+    })
+    .await;
+    let auth = Auth {
+        token: Some(TokenSource::Inline(Secret::new(TOKEN))),
+        ..Auth::default()
+    };
+    let c = client(&server, auth);
+    let err = c.get_node("missing", false).await.expect_err("404");
+    assert!(err.is_not_found() && !err.is_transient());
+    assert_eq!(
+        err.to_string(),
+        r#"get node "missing" (GET /api/v1/nodes/missing): HTTP 404 NotFound: test says NotFound"#
+    );
+    let err = c.get_node("busy", false).await.expect_err("429");
+    assert!(err.is_transient());
+    assert_eq!(err.retry_after(), Some(Duration::from_secs(7)));
+    let err = c.get_node("proxy", false).await.expect_err("502");
+    let text = err.to_string();
+    assert!(
+        text.contains("HTTP 502 Bad Gateway: <html>bad gateway <redacted></html>"),
+        "{text}"
+    );
+    assert!(!format!("{err:?}").contains(TOKEN));
+}
+
+#[tokio::test]
+async fn connection_refused_is_transient() {
+    // Bound but not listening: connections are refused, and no other test can take the port.
+    let socket = tokio::net::TcpSocket::new_v4().expect("socket");
+    socket.bind("127.0.0.1:0".parse().expect("addr")).expect("bind");
+    let addr = socket.local_addr().expect("addr");
+    let c = KubeClient::new(
+        creds(&format!("http://{addr}"), Auth::default()),
+        &KubernetesConfig::default(),
+    )
+    .expect("client");
+    let err = c.get_node("gpu-1", false).await.expect_err("refused");
+    assert!(err.is_transient(), "{err}");
+    assert!(matches!(err.failure(), Some(ApiFailure::Connect(_))), "{err:?}");
+}
+
+#[tokio::test]
+async fn rotated_token_file_is_picked_up_before_the_request() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("token");
+    fs::write(&path, "token-one\n").expect("write");
+    let accepted = Arc::new(Mutex::new("token-one".to_string()));
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let server = {
+        let (accepted, seen) = (accepted.clone(), seen.clone());
+        TestServer::start(move |req| {
+            seen.lock().unwrap().push(bearer(req));
+            if bearer(req) == *accepted.lock().unwrap() {
+                Reply::json(200, NODE)
+            } else {
+                Reply::status(401, "Unauthorized")
+            }
+        })
+        .await
+    };
+    let c = client(&server, token_file(&path));
+    c.get_node("gpu-1", false).await.expect("first");
+    // The file rotates and the server stops accepting the old token.
+    fs::write(&path, "token-two-longer\n").expect("rotate");
+    *accepted.lock().unwrap() = "token-two-longer".into();
+    c.get_node("gpu-1", false).await.expect("after rotation");
+    assert_eq!(
+        *seen.lock().unwrap(),
+        ["token-one", "token-two-longer"],
+        "no 401 round trip needed"
+    );
+}
+
+#[tokio::test]
+async fn a_401_rereads_the_token_file_once() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("token");
+    fs::write(&path, "token-aaa").expect("write");
+    let accepted = Arc::new(Mutex::new("token-aaa".to_string()));
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let server = {
+        let (accepted, seen) = (accepted.clone(), seen.clone());
+        TestServer::start(move |req| {
+            seen.lock().unwrap().push(bearer(req));
+            if bearer(req) == *accepted.lock().unwrap() {
+                Reply::json(200, NODE)
+            } else {
+                Reply::status(401, "Unauthorized")
+            }
+        })
+        .await
+    };
+    let c = client(&server, token_file(&path));
+    c.get_node("gpu-1", false).await.expect("first");
+    // Same size, same mtime: the stamp does not show the change, the 401 does.
+    let mtime = fs::metadata(&path).expect("meta").modified().expect("mtime");
+    fs::write(&path, "token-bbb").expect("rotate");
+    fs::File::options()
+        .write(true)
+        .open(&path)
+        .expect("open")
+        .set_modified(mtime)
+        .expect("set mtime");
+    *accepted.lock().unwrap() = "token-bbb".into();
+    c.get_node("gpu-1", false).await.expect("after 401 and refresh");
+    assert_eq!(*seen.lock().unwrap(), ["token-aaa", "token-aaa", "token-bbb"]);
+
+    // A token that stays rejected: one refresh, one retry, then the error.
+    *accepted.lock().unwrap() = "nobody".into();
+    seen.lock().unwrap().clear();
+    let err = c.get_node("gpu-1", false).await.expect_err("401");
+    assert!(err.is_unauthorized());
+    assert_eq!(seen.lock().unwrap().len(), 2);
+    assert!(!err.to_string().contains("token-bbb") && !format!("{err:?}").contains("token-bbb"));
+    assert!(!format!("{c:?}").contains("token-bbb"));
+}
+
+#[tokio::test]
+async fn exec_credential_is_cached_until_401() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let script = dir.path().join("plugin.sh");
+    let counter = dir.path().join("runs");
+    fs::write(
+        &script,
+        format!(
+            "#!/bin/sh\necho x >> '{}'\nn=$(wc -l < '{}' | tr -d ' ')\n\
+             printf '{{\"apiVersion\":\"client.authentication.k8s.io/v1beta1\",\"kind\":\"ExecCredential\",\"status\":{{\"token\":\"exec-%s\"}}}}' \"$n\"\n",
+            counter.display(),
+            counter.display()
+        ),
+    )
+    .expect("write");
+    let accepted = Arc::new(Mutex::new("exec-1".to_string()));
+    let server = {
+        let accepted = accepted.clone();
+        TestServer::start(move |req| {
+            if bearer(req) == *accepted.lock().unwrap() {
+                Reply::json(200, NODE)
+            } else {
+                Reply::status(401, "Unauthorized")
+            }
+        })
+        .await
+    };
+    let auth = Auth {
+        exec: Some(ExecConfig {
+            api_version: ExecApiVersion::V1Beta1,
+            command: "sh".into(),
+            program: "sh".into(),
+            args: vec![script.display().to_string()],
+            env: vec![],
+            provide_cluster_info: true,
+            install_hint: None,
+            kubeconfig: "/k".into(),
+        }),
+        ..Auth::default()
+    };
+    let c = client(&server, auth);
+    let runs = || fs::read_to_string(&counter).map(|t| t.lines().count()).unwrap_or(0);
+    assert_eq!(runs(), 0, "the plugin runs at the first request, not at construction");
+    c.get_node("gpu-1", false).await.expect("first");
+    c.get_node("gpu-1", false).await.expect("second");
+    assert_eq!(runs(), 1, "no expiry: cached");
+    *accepted.lock().unwrap() = "exec-2".into();
+    c.get_node("gpu-1", false).await.expect("after 401");
+    assert_eq!(runs(), 2, "re-run after a 401");
+}
+
+#[tokio::test]
+async fn expired_exec_credential_is_renewed() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let script = dir.path().join("plugin.sh");
+    let counter = dir.path().join("runs");
+    let soon = format_rfc3339(SystemTime::now() + Duration::from_secs(10));
+    fs::write(
+        &script,
+        format!(
+            "#!/bin/sh\necho x >> '{}'\nprintf '{{\"apiVersion\":\"client.authentication.k8s.io/v1\",\"kind\":\"ExecCredential\",\"status\":{{\"token\":\"t\",\"expirationTimestamp\":\"{soon}\"}}}}'\n",
+            counter.display()
+        ),
+    )
+    .expect("write");
+    let server = TestServer::start(|_| Reply::json(200, NODE)).await;
+    let auth = Auth {
+        exec: Some(ExecConfig {
+            api_version: ExecApiVersion::V1,
+            command: "sh".into(),
+            program: "sh".into(),
+            args: vec![script.display().to_string()],
+            env: vec![],
+            provide_cluster_info: false,
+            install_hint: None,
+            kubeconfig: "/k".into(),
+        }),
+        ..Auth::default()
+    };
+    let c = client(&server, auth);
+    c.get_node("gpu-1", false).await.expect("first");
+    c.get_node("gpu-1", false).await.expect("second");
+    // Expiring within the margin: every request renews.
+    assert_eq!(fs::read_to_string(&counter).expect("runs").lines().count(), 2);
+}
+
+#[tokio::test]
+async fn patch_and_event_bodies() {
+    let requests = Arc::new(Mutex::new(Vec::new()));
+    let server = {
+        let requests = requests.clone();
+        TestServer::start(move |req| {
+            requests.lock().unwrap().push(req.clone());
+            match req.method.as_str() {
+                "PATCH" => Reply::json(200, NODE),
+                _ => Reply::json(201, "{}"),
+            }
+        })
+        .await
+    };
+    let c = client(&server, Auth::default());
+    let labels = BTreeMap::from([
+        ("nvidia.com/mig.config.state".to_string(), Some("success".to_string())),
+        ("old".to_string(), None),
+    ]);
+    c.patch_node_metadata("gpu-1", &labels, &BTreeMap::new())
+        .await
+        .expect("patch");
+    let event = NodeEvent {
+        node_name: "gpu-1".into(),
+        node_uid: "u-1".into(),
+        event_type: EventType::Warning,
+        reason: "MigConfigFailed".into(),
+        message: "x".repeat(2000),
+    };
+    c.create_event(&event).await.expect("event");
+
+    let requests = requests.lock().unwrap();
+    let patch = &requests[0];
+    assert_eq!(
+        (patch.method.as_str(), patch.path.as_str()),
+        ("PATCH", "/api/v1/nodes/gpu-1")
+    );
+    assert_eq!(patch.header("content-type"), Some("application/merge-patch+json"));
+    let body: serde_json::Value = serde_json::from_slice(&patch.body).expect("json");
+    assert_eq!(
+        body,
+        serde_json::json!({"metadata": {"labels": {"nvidia.com/mig.config.state": "success", "old": null}}})
+    );
+    let post = &requests[1];
+    assert_eq!(
+        (post.method.as_str(), post.path.as_str()),
+        ("POST", "/api/v1/namespaces/default/events")
+    );
+    let body: serde_json::Value = serde_json::from_slice(&post.body).expect("json");
+    assert_eq!(
+        body["involvedObject"],
+        serde_json::json!({"apiVersion": "v1", "kind": "Node", "name": "gpu-1", "uid": "u-1"})
+    );
+    assert_eq!(body["metadata"]["generateName"], "gpu-1.");
+    assert_eq!(body["type"], "Warning");
+    assert_eq!(
+        body["source"],
+        serde_json::json!({"component": "gpu-node-agent", "host": "gpu-1"})
+    );
+    assert_eq!(body["count"], 1);
+    assert_eq!(body["message"].as_str().map(str::len), Some(MAX_EVENT_MESSAGE));
+    assert_eq!(body["firstTimestamp"], body["lastTimestamp"]);
+}
+
+#[tokio::test]
+async fn watch_streams_events_split_across_chunks() {
+    let server = TestServer::start(|req| {
+        assert_eq!(
+            req.path,
+            "/api/v1/nodes?watch=1&fieldSelector=metadata.name%3Dgpu-1&resourceVersion=5\
+             &allowWatchBookmarks=true&timeoutSeconds=300"
+        );
+        let modified = format!(r#"{{"type":"MODIFIED","object":{NODE}}}"#);
+        let (a, b) = modified.split_at(40);
+        Reply::chunks(vec![
+            a.as_bytes().to_vec(),
+            format!("{b}\n{{\"type\":\"BOOKMARK\",\"object\":{{\"kind\":\"Node\",\"metadata\":{{\"resourceVersion\":\"9\"}}}}}}\n{{\"type\":\"ERR")
+                .into_bytes(),
+            br#"OR","object":{"kind":"Status","code":410,"reason":"Expired","message":"too old"}}"#.to_vec(),
+        ])
+    })
+    .await;
+    let c = client(&server, Auth::default());
+    let mut stream = c
+        .watch_node("gpu-1", "5", Duration::from_secs(300))
+        .await
+        .expect("watch");
+    let mut events = Vec::new();
+    while let Some(event) = stream.next().await {
+        events.push(event.expect("event"));
+    }
+    assert_eq!(events.len(), 3, "{events:?}");
+    assert!(matches!(&events[0], WatchEvent::Modified(n) if n.resource_version == "5"));
+    assert_eq!(
+        events[1],
+        WatchEvent::Bookmark {
+            resource_version: "9".into()
+        }
+    );
+    assert_eq!(events[2], WatchEvent::Gone);
+}
+
+#[tokio::test]
+async fn watch_http_410_is_gone() {
+    let server = TestServer::start(|_| Reply::status(410, "Expired")).await;
+    let c = client(&server, Auth::default());
+    let err = c
+        .watch_node("gpu-1", "1", Duration::from_secs(1))
+        .await
+        .expect_err("410");
+    assert!(err.is_gone(), "{err}");
+}
+
+#[tokio::test]
+async fn tls_material_is_checked_at_construction() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let ca = dir.path().join("ca.crt");
+    fs::write(&ca, "not a certificate").expect("write");
+    let mut c = creds("https://127.0.0.1:6443", Auth::default());
+    c.ca = Some(Material {
+        field: "kubeconfig /k, cluster \"k\": certificate-authority".into(),
+        source: MaterialSource::File(ca),
+    });
+    let err = KubeClient::new(c.clone(), &KubernetesConfig::default())
+        .expect_err("bad CA")
+        .to_string();
+    assert!(
+        err.contains("certificate-authority") && err.contains("no PEM certificate"),
+        "{err}"
+    );
+    c.ca.as_mut().expect("ca").source = MaterialSource::File(dir.path().join("missing"));
+    let err = KubeClient::new(c, &KubernetesConfig::default())
+        .expect_err("missing CA")
+        .to_string();
+    assert!(err.contains("cannot read") && err.contains("missing"), "{err}");
+}

@@ -1,0 +1,660 @@
+//! The CDI spec end to end: discovery on a fake driver tree, the golden spec, the CDI schema, and
+//! every name the device plugin hands out resolving.
+
+use super::*;
+use crate::api::ContainerAllocateRequest;
+use crate::config::{DeviceIdStrategy, DeviceListStrategy, MigStrategy};
+use crate::nvml::{GpuInfo, Inventory, MigDeviceInfo, sample};
+use crate::plugin::allocate::{AllocateOptions, allocate};
+use crate::plugin::devnodes::DeviceNodes;
+use crate::plugin::resources::Resource;
+use crate::plugin::strategy::{build_resources, whole_gpu};
+use std::collections::{BTreeMap, BTreeSet};
+use std::fs;
+use std::path::{Path, PathBuf};
+
+const VERSION: &str = "550.54.15";
+const G0: &str = "GPU-0a1b2c3d-0000-1111-2222-333344445555";
+const G1: &str = "GPU-9f8e7d6c-aaaa-bbbb-cccc-ddddeeeeffff";
+const M0: &str = "MIG-11111111-2222-3333-4444-555555555555";
+const M1: &str = "MIG-66666666-7777-8888-9999-000000000000";
+const LIB: &str = "/usr/lib/x86_64-linux-gnu";
+
+fn fixture(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures/cdi")
+        .join(name)
+}
+
+fn gpu(index: u32, uuid: &str, minor: u32, mig: &[(u32, &str, u32)]) -> GpuInfo {
+    GpuInfo {
+        uuid: uuid.into(),
+        pci_bus_id: format!("00000000:{:02X}:00.0", 0x07 + index),
+        minor,
+        numa_node: Some(0),
+        mig: Some(sample::mig(!mig.is_empty())),
+        mig_devices: mig
+            .iter()
+            .map(|&(index, uuid, gi_id)| MigDeviceInfo {
+                index,
+                uuid: uuid.into(),
+                gi_id,
+                ci_id: 0,
+                profile: "3g.20gb".into(),
+                memory_mib: 19968,
+                attributes: None,
+            })
+            .collect(),
+        ..sample::a100(index)
+    }
+}
+
+/// Two GPUs; the second (device minor 3, so index and minor differ) has two MIG devices.
+fn inventory() -> Inventory {
+    sample::inventory(vec![gpu(0, G0, 0, &[]), gpu(1, G1, 3, &[(0, M0, 1), (1, M1, 2)])])
+}
+
+fn nodes() -> DeviceNodes {
+    DeviceNodes {
+        control: vec![
+            "/dev/nvidiactl".into(),
+            "/dev/nvidia-uvm".into(),
+            "/dev/nvidia-uvm-tools".into(),
+        ],
+        mig_minors: [
+            ("config", 1),
+            ("monitor", 2),
+            ("gpu3/gi1/access", 30),
+            ("gpu3/gi1/ci0/access", 31),
+            ("gpu3/gi2/access", 39),
+            ("gpu3/gi2/ci0/access", 40),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v))
+        .collect(),
+    }
+}
+
+fn touch(root: &Path, path: &str) {
+    let path = root.join(path.trim_start_matches('/'));
+    fs::create_dir_all(path.parent().unwrap()).unwrap();
+    fs::write(path, "").unwrap();
+}
+
+fn symlink(root: &Path, link: &str, target: &str) {
+    std::os::unix::fs::symlink(target, root.join(link.trim_start_matches('/'))).unwrap();
+}
+
+/// A driver install under `root/<driver_root>` with decoys that must not be picked up.
+fn fake_driver(root: &Path) {
+    for lib in ["libcuda", "libnvidia-ml", "libnvidia-ptxjitcompiler", "libnvidia-nvvm"] {
+        touch(root, &format!("{LIB}/{lib}.so.{VERSION}"));
+    }
+    symlink(root, &format!("{LIB}/libcuda.so.1"), &format!("libcuda.so.{VERSION}"));
+    symlink(root, &format!("{LIB}/libcuda.so"), "libcuda.so.1"); // a chain: not a soname link
+    symlink(
+        root,
+        &format!("{LIB}/libnvidia-ml.so.1"),
+        &format!("{LIB}/libnvidia-ml.so.{VERSION}"),
+    );
+    symlink(
+        root,
+        &format!("{LIB}/libnvidia-nvvm.so.4"),
+        &format!("libnvidia-nvvm.so.{VERSION}"),
+    );
+    symlink(root, &format!("{LIB}/libfoo.so.1"), &format!("libcuda.so.{VERSION}")); // wrong name
+    touch(root, "/usr/lib64/libnvidia-cfg.so.550.54.15");
+    symlink(root, "/usr/lib64/libnvidia-cfg.so.1", "libnvidia-cfg.so.550.54.15");
+    // Decoys: another version, a graphics library, a copy in a later directory.
+    touch(root, &format!("{LIB}/libnvidia-ml.so.535.161.08"));
+    touch(root, &format!("{LIB}/libGLX_nvidia.so.{VERSION}"));
+    touch(root, &format!("/usr/lib64/libcuda.so.{VERSION}"));
+
+    touch(root, "/usr/bin/nvidia-smi");
+    touch(root, "/bin/nvidia-smi");
+    touch(root, "/usr/sbin/nvidia-persistenced");
+    touch(root, "/usr/bin/nvidia-cuda-mps-control");
+    touch(root, "/usr/bin/nvidia-modprobe");
+
+    touch(root, &format!("/lib/firmware/nvidia/{VERSION}/gsp_tu10x.bin"));
+    touch(root, &format!("/lib/firmware/nvidia/{VERSION}/gsp_ga10x.bin"));
+    touch(root, &format!("/lib/firmware/nvidia/{VERSION}/README"));
+    touch(root, "/lib/firmware/nvidia/535.161.08/gsp_ga10x.bin");
+
+    touch(root, "/run/nvidia-persistenced/socket");
+}
+
+fn hook_candidates() -> Vec<PathBuf> {
+    DEFAULT_HOOK_CANDIDATES.iter().map(PathBuf::from).collect()
+}
+
+/// Driver files of [`fake_driver`] at driver root `/`, with `nvidia-cdi-hook` installed.
+fn files_with_hook() -> (tempfile::TempDir, DriverFiles) {
+    let root = tempfile::tempdir().unwrap();
+    fake_driver(root.path());
+    touch(root.path(), "/usr/bin/nvidia-cdi-hook");
+    let files = discover(root.path(), Path::new("/"), VERSION, &hook_candidates());
+    (root, files)
+}
+
+fn paths(list: &[&str]) -> Vec<PathBuf> {
+    list.iter().map(PathBuf::from).collect()
+}
+
+#[test]
+fn discovery_finds_exactly_the_driver_files() {
+    let (_root, files) = files_with_hook();
+    let lib = |name: &str| PathBuf::from(format!("{LIB}/{name}.so.{VERSION}"));
+    assert_eq!(
+        files,
+        DriverFiles {
+            driver_root: "/".into(),
+            version: VERSION.into(),
+            libraries: vec![
+                lib("libnvidia-ml"),
+                PathBuf::from("/usr/lib64/libnvidia-cfg.so.550.54.15"),
+                lib("libcuda"),
+                lib("libnvidia-ptxjitcompiler"),
+                lib("libnvidia-nvvm"),
+            ],
+            library_dirs: paths(&["/usr/lib/x86_64-linux-gnu", "/usr/lib64"]),
+            library_links: vec![
+                LibraryLink {
+                    link: format!("{LIB}/libcuda.so.1").into(),
+                    target: format!("libcuda.so.{VERSION}"),
+                },
+                LibraryLink {
+                    link: format!("{LIB}/libnvidia-ml.so.1").into(),
+                    target: format!("libnvidia-ml.so.{VERSION}"),
+                },
+                LibraryLink {
+                    link: format!("{LIB}/libnvidia-nvvm.so.4").into(),
+                    target: format!("libnvidia-nvvm.so.{VERSION}"),
+                },
+                LibraryLink {
+                    link: "/usr/lib64/libnvidia-cfg.so.1".into(),
+                    target: "libnvidia-cfg.so.550.54.15".into(),
+                },
+            ],
+            binaries: paths(&[
+                "/usr/bin/nvidia-smi",
+                "/usr/sbin/nvidia-persistenced",
+                "/usr/bin/nvidia-cuda-mps-control"
+            ]),
+            firmware: paths(&[
+                "/lib/firmware/nvidia/550.54.15/gsp_ga10x.bin",
+                "/lib/firmware/nvidia/550.54.15/gsp_tu10x.bin",
+            ]),
+            ipc_sockets: paths(&["/run/nvidia-persistenced/socket"]),
+            cdi_hook: Some("/usr/bin/nvidia-cdi-hook".into()),
+        }
+    );
+}
+
+#[test]
+fn discovery_of_nothing_is_empty_not_an_error() {
+    let root = tempfile::tempdir().unwrap();
+    let files = discover(root.path(), Path::new("/"), VERSION, &hook_candidates());
+    assert!(files.libraries.is_empty() && files.library_dirs.is_empty() && files.library_links.is_empty());
+    assert!(files.binaries.is_empty() && files.firmware.is_empty() && files.ipc_sockets.is_empty());
+    assert_eq!(files.cdi_hook, None);
+
+    // A version that is not a plain version string matches nothing, even if a file exists.
+    fake_driver(root.path());
+    for bad in ["", "..", "550/../550"] {
+        let files = discover(root.path(), Path::new("/"), bad, &[]);
+        assert!(files.libraries.is_empty() && files.firmware.is_empty(), "{bad:?}");
+    }
+}
+
+#[test]
+fn discovery_under_a_driver_root_reports_host_paths() {
+    let root = tempfile::tempdir().unwrap();
+    let driver = root.path().join("run/nvidia/driver");
+    fs::create_dir_all(&driver).unwrap();
+    fake_driver(&driver);
+    // The hook is on the host, not in the driver root; this one in the driver root is ignored.
+    touch(&driver, "/usr/bin/nvidia-ctk");
+    touch(root.path(), "/usr/local/nvidia/toolkit/nvidia-cdi-hook");
+    let files = discover(
+        root.path(),
+        Path::new("/run/nvidia/driver"),
+        VERSION,
+        &hook_candidates(),
+    );
+    assert_eq!(
+        files.libraries[0],
+        PathBuf::from(format!("/run/nvidia/driver{LIB}/libnvidia-ml.so.{VERSION}"))
+    );
+    assert_eq!(
+        files.library_links[0].link,
+        PathBuf::from(format!("/run/nvidia/driver{LIB}/libcuda.so.1"))
+    );
+    assert_eq!(
+        files.cdi_hook,
+        Some(PathBuf::from("/usr/local/nvidia/toolkit/nvidia-cdi-hook"))
+    );
+
+    let spec = spec(&inventory(), &nodes(), &files, &CdiOptions::default()).unwrap();
+    let libcuda = &spec.container_edits.mounts[2];
+    assert_eq!(
+        libcuda.host_path,
+        format!("/run/nvidia/driver{LIB}/libcuda.so.{VERSION}")
+    );
+    assert_eq!(libcuda.container_path, format!("{LIB}/libcuda.so.{VERSION}"));
+    let hooks = &spec.container_edits.hooks;
+    assert_eq!(hooks[0].path, "/usr/local/nvidia/toolkit/nvidia-cdi-hook");
+    assert_eq!(
+        hooks[0].args[..4],
+        [
+            "nvidia-cdi-hook".to_string(),
+            "create-symlinks".into(),
+            "--link".into(),
+            format!("libcuda.so.1::{LIB}/libcuda.so"),
+        ]
+    );
+    assert_eq!(
+        hooks[1].args,
+        [
+            "nvidia-cdi-hook",
+            "update-ldcache",
+            "--folder",
+            LIB,
+            "--folder",
+            "/usr/lib64"
+        ]
+    );
+}
+
+/// The generated spec, byte for byte. Run with `CDI_UPDATE_GOLDEN=1` to rewrite the fixture
+/// after an intended change, then review the diff.
+#[test]
+fn golden_spec() {
+    let (_root, files) = files_with_hook();
+    let spec = spec(&inventory(), &nodes(), &files, &CdiOptions::default()).unwrap();
+    let text = to_json(&spec).unwrap();
+    let path = fixture("nvidia.com-gpu.json");
+    if std::env::var_os("CDI_UPDATE_GOLDEN").is_some() {
+        fs::write(&path, &text).unwrap();
+    }
+    let expected = fs::read_to_string(&path).unwrap();
+    assert_eq!(
+        text,
+        expected,
+        "run with CDI_UPDATE_GOLDEN=1 to update {}",
+        path.display()
+    );
+    assert_eq!(to_json(&spec).unwrap(), text, "rendering is deterministic");
+    assert!(text.ends_with("}\n"));
+}
+
+#[test]
+fn spec_structure() {
+    let (_root, files) = files_with_hook();
+    let spec = spec(&inventory(), &nodes(), &files, &CdiOptions::default()).unwrap();
+    assert_eq!(spec.cdi_version, "0.5.0");
+    assert_eq!(spec.kind, "nvidia.com/gpu");
+    let names: Vec<&str> = spec.devices.iter().map(|d| d.name.as_str()).collect();
+    assert_eq!(names, ["0", G0, "1", G1, "1:0", M0, "1:1", M1, "all"]);
+    let device_paths = |name: &str| -> Vec<String> {
+        let device = spec.devices.iter().find(|d| d.name == name).unwrap();
+        device
+            .container_edits
+            .device_nodes
+            .iter()
+            .map(|n| n.path.clone())
+            .collect()
+    };
+    assert_eq!(device_paths(G1), ["/dev/nvidia3"]);
+    assert_eq!(
+        device_paths("1:1"),
+        [
+            "/dev/nvidia3",
+            "/dev/nvidia-caps/nvidia-cap39",
+            "/dev/nvidia-caps/nvidia-cap40"
+        ]
+    );
+    assert_eq!(
+        device_paths("all"),
+        [
+            "/dev/nvidia0",
+            "/dev/nvidia3",
+            "/dev/nvidia-caps/nvidia-cap30",
+            "/dev/nvidia-caps/nvidia-cap31",
+            "/dev/nvidia-caps/nvidia-cap39",
+            "/dev/nvidia-caps/nvidia-cap40",
+        ]
+    );
+    let edits = &spec.container_edits;
+    assert_eq!(edits.env, [VISIBLE_DEVICES_VOID]);
+    assert!(edits.device_nodes.iter().all(|n| n.host_path.is_none()));
+    assert_eq!(edits.mounts.len(), 5 + 1 + 2 + 3);
+    let socket = edits.mounts.iter().find(|m| m.host_path.ends_with("socket")).unwrap();
+    assert_eq!(socket.options, IPC_MOUNT_OPTIONS);
+    assert_eq!(edits.mounts[0].options, MOUNT_OPTIONS);
+    assert_eq!(
+        edits.hooks[0].args,
+        [
+            "nvidia-cdi-hook".to_string(),
+            "create-symlinks".into(),
+            "--link".into(),
+            format!("libcuda.so.1::{LIB}/libcuda.so"),
+            "--link".into(),
+            format!("libcuda.so.{VERSION}::{LIB}/libcuda.so.1"),
+            "--link".into(),
+            format!("libnvidia-ml.so.{VERSION}::{LIB}/libnvidia-ml.so.1"),
+            "--link".into(),
+            format!("libnvidia-nvvm.so.{VERSION}::{LIB}/libnvidia-nvvm.so.4"),
+            "--link".into(),
+            "libnvidia-cfg.so.550.54.15::/usr/lib64/libnvidia-cfg.so.1".into(),
+        ]
+    );
+}
+
+#[test]
+fn hooks_only_with_a_hook_binary() {
+    let root = tempfile::tempdir().unwrap();
+    fake_driver(root.path());
+    let files = discover(root.path(), Path::new("/"), VERSION, &hook_candidates());
+    assert_eq!(files.cdi_hook, None);
+    let without = spec(&inventory(), &nodes(), &files, &CdiOptions::default()).unwrap();
+    assert!(without.container_edits.hooks.is_empty());
+    assert!(!to_json(&without).unwrap().contains("hooks"));
+    assert!(!without.container_edits.mounts.is_empty());
+
+    // The older toolkit binary takes the hooks as `nvidia-ctk hook <name>`.
+    touch(root.path(), "/usr/bin/nvidia-ctk");
+    let files = discover(root.path(), Path::new("/"), VERSION, &hook_candidates());
+    let with = spec(&inventory(), &nodes(), &files, &CdiOptions::default()).unwrap();
+    let hooks = &with.container_edits.hooks;
+    assert_eq!(hooks.len(), 2);
+    assert!(
+        hooks
+            .iter()
+            .all(|h| h.path == "/usr/bin/nvidia-ctk" && h.hook_name == "createContainer")
+    );
+    assert_eq!(&hooks[0].args[..3], ["nvidia-ctk", "hook", "create-symlinks"]);
+    assert_eq!(
+        hooks[1].args,
+        [
+            "nvidia-ctk",
+            "hook",
+            "update-ldcache",
+            "--folder",
+            LIB,
+            "--folder",
+            "/usr/lib64"
+        ]
+    );
+
+    // No libraries: nothing to link or cache, so no hooks even with the binary.
+    let bare = DriverFiles {
+        libraries: Vec::new(),
+        library_dirs: Vec::new(),
+        library_links: Vec::new(),
+        ..files
+    };
+    let spec = spec(&inventory(), &nodes(), &bare, &CdiOptions::default()).unwrap();
+    assert!(spec.container_edits.hooks.is_empty());
+}
+
+#[test]
+fn dev_root_gives_host_paths() {
+    let (_root, files) = files_with_hook();
+    let opts = CdiOptions {
+        dev_root: "/run/nvidia/driver".into(),
+        ..CdiOptions::default()
+    };
+    let spec = spec(&inventory(), &nodes(), &files, &opts).unwrap();
+    assert_eq!(spec.cdi_version, "0.5.0");
+    let ctl = &spec.container_edits.device_nodes[0];
+    assert_eq!(ctl.path, "/dev/nvidiactl");
+    assert_eq!(ctl.host_path.as_deref(), Some("/run/nvidia/driver/dev/nvidiactl"));
+    let mig = spec.devices.iter().find(|d| d.name == M0).unwrap();
+    assert_eq!(
+        mig.container_edits.device_nodes[1],
+        DeviceNode {
+            path: "/dev/nvidia-caps/nvidia-cap30".into(),
+            host_path: Some("/run/nvidia/driver/dev/nvidia-caps/nvidia-cap30".into()),
+        }
+    );
+    // Mounts are about the driver root, not the device root.
+    assert!(
+        spec.container_edits
+            .mounts
+            .iter()
+            .all(|m| m.host_path == m.container_path)
+    );
+}
+
+#[test]
+fn minimum_version_follows_the_cdi_rules() {
+    let node = |host: Option<&str>| DeviceNode {
+        path: "/dev/x".into(),
+        host_path: host.map(String::from),
+    };
+    let device = |name: &str, host: Option<&str>| Device {
+        name: name.into(),
+        container_edits: ContainerEdits {
+            device_nodes: vec![node(host)],
+            ..ContainerEdits::default()
+        },
+    };
+    let mut spec = Spec {
+        cdi_version: String::new(),
+        kind: "example.com/gpu".into(),
+        devices: vec![device("gpu0", None), device("all", None)],
+        container_edits: ContainerEdits::default(),
+    };
+    assert_eq!(minimum_version(&spec), "0.3.0");
+    spec.devices.push(device("0", None));
+    assert_eq!(minimum_version(&spec), "0.5.0");
+    spec.devices.pop();
+    spec.container_edits.device_nodes.push(node(Some("/host/dev/x")));
+    assert_eq!(minimum_version(&spec), "0.5.0");
+    spec.kind = "example.com/gpu.shared".into();
+    assert_eq!(minimum_version(&spec), "0.6.0");
+}
+
+#[test]
+fn missing_mig_capability_is_an_error() {
+    let (_root, files) = files_with_hook();
+    let mut nodes = nodes();
+    nodes.mig_minors.remove("gpu3/gi2/access");
+    let err = spec(&inventory(), &nodes, &files, &CdiOptions::default()).unwrap_err();
+    assert_eq!(
+        err,
+        CdiError::MissingMigCapability {
+            device: M1.into(),
+            key: "gpu3/gi2/access".into(),
+        }
+    );
+    assert!(
+        err.to_string().contains(M1) && err.to_string().contains("gpu3/gi2/access"),
+        "{err}"
+    );
+
+    let mut nodes = self::nodes();
+    nodes.mig_minors.remove("gpu3/gi1/ci0/access");
+    let err = spec(&inventory(), &nodes, &files, &CdiOptions::default()).unwrap_err();
+    assert!(matches!(err, CdiError::MissingMigCapability { ref key, .. } if key == "gpu3/gi1/ci0/access"));
+}
+
+#[test]
+fn invalid_inputs() {
+    let (_root, files) = files_with_hook();
+    for kind in ["gpu", "/gpu", "nvidia.com/", "a/b/c"] {
+        let opts = CdiOptions {
+            kind: kind.into(),
+            ..CdiOptions::default()
+        };
+        assert_eq!(
+            spec(&inventory(), &nodes(), &files, &opts),
+            Err(CdiError::InvalidKind { kind: kind.into() })
+        );
+    }
+    let empty = Inventory {
+        gpus: Vec::new(),
+        ..inventory()
+    };
+    assert_eq!(
+        spec(&empty, &nodes(), &files, &CdiOptions::default()),
+        Err(CdiError::NoGpus)
+    );
+}
+
+#[test]
+fn file_names() {
+    assert_eq!(spec_file_name("nvidia.com/gpu"), "nvidia.com-gpu.json");
+    assert_eq!(
+        spec_file_name("k8s.device-plugin.nvidia.com/gpu"),
+        "k8s.device-plugin.nvidia.com-gpu.json"
+    );
+}
+
+// === Schema ===
+
+/// Hands the CDI `defs.json` fixture to the validator for `schema.json`'s relative
+/// `defs.json#/...` references; anything else is refused (no network, no files).
+struct DefsRetriever(serde_json::Value);
+
+impl jsonschema::Retrieve for DefsRetriever {
+    fn retrieve(
+        &self,
+        uri: &jsonschema::Uri<String>,
+    ) -> Result<serde_json::Value, Box<dyn std::error::Error + Send + Sync>> {
+        if uri.path().as_str().ends_with("/defs.json") {
+            Ok(self.0.clone())
+        } else {
+            Err(format!("unexpected schema reference {}", uri.as_str()).into())
+        }
+    }
+}
+
+fn read_json(name: &str) -> serde_json::Value {
+    serde_json::from_str(&fs::read_to_string(fixture(name)).unwrap()).unwrap()
+}
+
+/// Validators for the whole document (`schema.json`) and for the spec-level
+/// `containerEdits`, which `schema.json` does not list (see the schema README).
+fn validators() -> (jsonschema::Validator, jsonschema::Validator) {
+    let defs = read_json("schema/defs.json");
+    let build = |schema: &serde_json::Value| {
+        jsonschema::options()
+            .with_draft(jsonschema::Draft::Draft7)
+            .with_retriever(DefsRetriever(defs.clone()))
+            .build(schema)
+            .unwrap()
+    };
+    let whole = build(&read_json("schema/schema.json"));
+    let edits = build(&serde_json::json!({
+        "$schema": "http://json-schema.org/draft-07/schema#",
+        "$ref": "defs.json#/definitions/containerEdits",
+    }));
+    (whole, edits)
+}
+
+fn schema_errors(doc: &serde_json::Value) -> Vec<String> {
+    let (whole, edits) = validators();
+    let mut errors: Vec<String> = whole
+        .iter_errors(doc)
+        .map(|e| format!("{}: {e}", e.instance_path()))
+        .collect();
+    if let Some(spec_edits) = doc.get("containerEdits") {
+        errors.extend(
+            edits
+                .iter_errors(spec_edits)
+                .map(|e| format!("containerEdits{}: {e}", e.instance_path())),
+        );
+    }
+    errors
+}
+
+#[test]
+fn spec_validates_against_the_cdi_schema() {
+    let (_root, files) = files_with_hook();
+    for dev_root in ["/", "/run/nvidia/driver"] {
+        let opts = CdiOptions {
+            dev_root: dev_root.into(),
+            ..CdiOptions::default()
+        };
+        let spec = spec(&inventory(), &nodes(), &files, &opts).unwrap();
+        let doc: serde_json::Value = serde_json::from_str(&to_json(&spec).unwrap()).unwrap();
+        assert_eq!(schema_errors(&doc), Vec::<String>::new(), "dev_root {dev_root}");
+    }
+    let golden = read_json("nvidia.com-gpu.json");
+    assert_eq!(schema_errors(&golden), Vec::<String>::new());
+
+    // The validator does resolve defs.json: broken documents fail, at both levels.
+    let mut broken = golden.clone();
+    broken["devices"][0]["containerEdits"]["deviceNodes"][0] = serde_json::json!({"hostPath": "/dev/nvidia0"});
+    assert!(!schema_errors(&broken).is_empty());
+    let mut broken = golden.clone();
+    broken["containerEdits"]["mounts"][0]["options"] = serde_json::json!("ro,nosuid");
+    assert!(!schema_errors(&broken).is_empty());
+    let mut broken = golden;
+    broken.as_object_mut().unwrap().remove("kind");
+    assert!(!schema_errors(&broken).is_empty());
+}
+
+// === Names the device plugin hands out ===
+
+/// Every `cdi_devices` name Allocate returns for `resource`, with both id strategies.
+fn handed_out(resource: &Resource, kind: &str) -> Vec<String> {
+    let mut names = Vec::new();
+    let ids: Vec<String> = resource.devices.keys().cloned().collect();
+    for id_strategy in [DeviceIdStrategy::Uuid, DeviceIdStrategy::Index] {
+        let opts = AllocateOptions {
+            strategies: vec![DeviceListStrategy::CdiCri],
+            id_strategy,
+            cdi_kind: kind.to_string(),
+            ..AllocateOptions::default()
+        };
+        // One request per device and one for all of them.
+        let mut requests: Vec<Vec<String>> = ids.iter().map(|id| vec![id.clone()]).collect();
+        requests.push(ids.clone());
+        for devices_ids in requests {
+            let req = ContainerAllocateRequest { devices_ids };
+            let resp = allocate(resource, &req, &opts, &nodes()).unwrap();
+            assert!(!resp.cdi_devices.is_empty());
+            names.extend(resp.cdi_devices.into_iter().map(|d| d.name));
+        }
+    }
+    names
+}
+
+#[test]
+fn every_name_the_plugin_hands_out_resolves() {
+    let (_root, files) = files_with_hook();
+    let inventory = inventory();
+    let spec = spec(&inventory, &nodes(), &files, &CdiOptions::default()).unwrap();
+
+    let mut resources = Vec::new();
+    for strategy in [MigStrategy::None, MigStrategy::Mixed] {
+        resources.extend(build_resources(&inventory, strategy).unwrap());
+    }
+    // Time-slicing replicas: `<uuid>::<n>` IDs.
+    let mut replicas = BTreeMap::new();
+    for gpu in &inventory.gpus {
+        for n in 0..2 {
+            replicas.insert(format!("{}::{n}", gpu.uuid), whole_gpu(gpu));
+        }
+    }
+    resources.push(Resource {
+        name: "nvidia.com/gpu.shared".into(),
+        devices: replicas,
+    });
+
+    let mut seen = BTreeSet::new();
+    for resource in &resources {
+        for name in handed_out(resource, &spec.kind) {
+            let (kind, id) = name.split_once('=').unwrap();
+            assert_eq!(kind, spec.kind, "{name}");
+            assert!(spec.devices.iter().any(|d| d.name == id), "{name} is not in the spec");
+            seen.insert(id.to_string());
+        }
+    }
+    // Whole GPUs and MIG devices, by UUID and by index, were all exercised.
+    let expected: BTreeSet<String> = ["0", G0, "1", G1, "1:0", M0, "1:1", M1].map(String::from).into();
+    assert_eq!(seen, expected);
+}
