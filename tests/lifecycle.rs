@@ -212,3 +212,86 @@ async fn one_registration_per_kubelet_start() {
     );
     assert_eq!(agent.stop(), 0);
 }
+
+/// 2,000 clients connect to the metrics endpoint of an agent with the common 1,024-descriptor
+/// soft limit and stay idle: the agent keeps descriptors for its own sockets, and a kubelet
+/// restart still gets the device plugin re-registered within a second.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn many_metrics_clients_do_not_starve_the_kubelet_sockets() {
+    use nix::sys::resource::{Resource, getrlimit, setrlimit};
+    use test_kubelet::{KubeletOptions, TestKubelet};
+    const GPU: &str = "nvidia.com/gpu";
+    const CLIENTS: u64 = 2_000;
+    // This test's own process needs a descriptor per client.
+    let (_, hard) = getrlimit(Resource::RLIMIT_NOFILE).expect("getrlimit");
+    let want = (CLIENTS + 512).min(hard);
+    setrlimit(Resource::RLIMIT_NOFILE, want, hard).expect("raise the test's own soft limit");
+    let clients = want.saturating_sub(512);
+    assert!(
+        clients >= 1_500,
+        "the hard descriptor limit ({hard}) is too low for this test"
+    );
+
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .expect("bind")
+        .local_addr()
+        .expect("addr")
+        .port();
+    let node = Node::new(
+        &machine("A100-SXM4-40GB", 2),
+        &format!("[kubernetes]\nenabled = false\n[metrics]\naddress = \"127.0.0.1:{port}\"\n"),
+    );
+    let kubelet = TestKubelet::start(&node.plugin_dir(), KubeletOptions::default())
+        .await
+        .expect("start test kubelet");
+    let agent = node.spawn_with(|cmd| {
+        use std::os::unix::process::CommandExt;
+        // SAFETY: only setrlimit, async-signal-safe, between fork and exec.
+        unsafe {
+            cmd.pre_exec(|| setrlimit(Resource::RLIMIT_NOFILE, 1024, 1024).map_err(std::io::Error::from));
+        }
+    });
+    kubelet
+        .wait_for_registration(GPU, Duration::from_secs(10))
+        .await
+        .expect("first registration");
+
+    let addr: std::net::SocketAddr = format!("127.0.0.1:{port}").parse().expect("addr");
+    let mut connects = tokio::task::JoinSet::new();
+    for _ in 0..clients {
+        connects.spawn(async move {
+            tokio::time::timeout(Duration::from_secs(2), tokio::net::TcpStream::connect(addr))
+                .await
+                .ok()
+                .and_then(Result::ok)
+        });
+    }
+    let mut open = Vec::new();
+    while let Some(done) = connects.join_next().await {
+        if let Ok(Some(stream)) = done {
+            open.push(stream);
+        }
+    }
+    // The agent serves 64 of them; the kernel's listen backlog holds some more and drops the
+    // rest's SYNs (they retry). Without the cap the agent accepted until it ran out of
+    // descriptors (over 1,000 here) and could not open the kubelet's sockets any more: no
+    // re-registration within 10 s.
+    assert!(open.len() >= 64, "only {} clients connected", open.len());
+
+    for _ in 0..3 {
+        let restarted = Instant::now();
+        kubelet.restart().await.expect("restart kubelet");
+        let reg = kubelet
+            .wait_for_registration_since(GPU, restarted, Duration::from_secs(10))
+            .await
+            .expect("re-registration");
+        let took = reg.at.duration_since(restarted);
+        assert!(
+            took <= Duration::from_secs(1),
+            "re-registered after {took:?} with {} metrics clients",
+            open.len()
+        );
+    }
+    drop(open);
+    assert_eq!(agent.stop(), 0);
+}

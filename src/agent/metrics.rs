@@ -41,7 +41,11 @@ pub(super) async fn start(config: &crate::config::MetricsConfig, once: bool) -> 
                 if let Ok(local) = server.local_addr() {
                     tracing::info!("metrics on http://{local}{}", config.path);
                 }
-                tokio::spawn(server.run(std::future::pending()));
+                tokio::spawn(
+                    server
+                        .with_max_connections(config.max_connections)
+                        .run(std::future::pending()),
+                );
             }
             Err(e) => tracing::error!("cannot serve metrics on {}: {e} ([metrics] address)", config.address),
         },

@@ -51,8 +51,11 @@ pub const DEFAULT_VALIDATION_CUDA: bool = true;
 
 /// `metrics.enabled`: serve Prometheus metrics.
 pub const DEFAULT_METRICS_ENABLED: bool = true;
-/// `metrics.address`: dcgm-exporter's port.
-pub const DEFAULT_METRICS_ADDRESS: &str = "0.0.0.0:9400";
+/// `metrics.address`: dcgm-exporter's port, on the node's loopback only: a scraper on the pod
+/// network (Prometheus) needs `address` set to the node's address or `0.0.0.0:9400`.
+pub const DEFAULT_METRICS_ADDRESS: &str = "127.0.0.1:9400";
+/// `metrics.max_connections`: connections served at once; more wait in the listen backlog.
+pub const DEFAULT_METRICS_MAX_CONNECTIONS: usize = 64;
 /// `metrics.path`.
 pub const DEFAULT_METRICS_PATH: &str = "/metrics";
 /// `metrics.interval`: how often GPU readings are taken (dcgm-exporter's default collect
@@ -251,6 +254,8 @@ pub struct MetricsConfig {
     pub enabled: bool,
     /// Listen address, `host:port`.
     pub address: String,
+    /// Connections served at once.
+    pub max_connections: usize,
     /// HTTP path.
     pub path: String,
     /// How often GPU readings are taken (never per scrape).
@@ -265,6 +270,7 @@ impl Default for MetricsConfig {
         MetricsConfig {
             enabled: DEFAULT_METRICS_ENABLED,
             address: DEFAULT_METRICS_ADDRESS.into(),
+            max_connections: DEFAULT_METRICS_MAX_CONNECTIONS,
             path: DEFAULT_METRICS_PATH.into(),
             interval: DEFAULT_METRICS_INTERVAL,
             pod_resources_socket: DEFAULT_POD_RESOURCES_SOCKET.into(),
@@ -279,6 +285,9 @@ impl MetricsConfig {
             .map_err(|_| invalid("metrics.address", "expected host:port, e.g. \"0.0.0.0:9400\""))?;
         if !self.path.starts_with('/') {
             return Err(invalid("metrics.path", "expected a path starting with '/'"));
+        }
+        if !(1..=4096).contains(&self.max_connections) {
+            return Err(invalid("metrics.max_connections", "expected 1 to 4096"));
         }
         positive("metrics.interval", self.interval)?;
         absolute_path("metrics.pod_resources_socket", &self.pod_resources_socket)
