@@ -169,17 +169,19 @@ impl DriverConfig {
                 });
             }
         }
-        for module in self.module_params.keys().chain(self.extra_modules.iter()) {
-            if module.is_empty()
-                || !module
-                    .bytes()
-                    .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
-            {
-                return Err(invalid(
-                    "driver.module_params",
-                    format!("{module:?} is not a kernel module name"),
-                ));
-            }
+        let module_name =
+            |m: &str| !m.is_empty() && m.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_');
+        for module in self.module_params.keys().filter(|m| !module_name(m)) {
+            return Err(Invalid {
+                key: KeyPath::dotted("driver.module_params").key(module),
+                reason: format!("{module:?} is not a kernel module name"),
+            });
+        }
+        if let Some((i, module)) = self.extra_modules.iter().enumerate().find(|(_, m)| !module_name(m)) {
+            return Err(Invalid {
+                key: KeyPath::dotted("driver.extra_modules").index(i),
+                reason: format!("{module:?} is not a kernel module name"),
+            });
         }
         for (module, params) in &self.module_params {
             for p in params {

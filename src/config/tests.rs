@@ -705,3 +705,25 @@ fn device_plugin_profiles_override_keys_and_are_validated() {
         "{e}"
     );
 }
+
+/// List entries are blamed on their own file, line and index, not on a "(default)" key.
+#[test]
+fn list_entry_errors_name_file_line_and_index() {
+    let e = |text: &str| err(&[("d.toml", text)]);
+    assert_eq!(
+        e("[cdi]\nhook_paths = [\n  \"/usr/bin/nvidia-cdi-hook\",\n  \"relative\",\n]\n"),
+        "d.toml:4: cdi.hook_paths[1] = \"relative\" is not valid: expected an absolute path"
+    );
+    assert_eq!(
+        e("[kubernetes]\nkubeconfig_search = [\"/etc/k\", \"rel\"]\n"),
+        "d.toml:2: kubernetes.kubeconfig_search[1] = \"rel\" is not valid: expected an absolute path"
+    );
+    assert_eq!(
+        e("[driver]\nextra_modules = [\"nvidia_peermem\",\n  \"bad module!\"]\n"),
+        "d.toml:3: driver.extra_modules[1] = \"bad module!\" is not valid: \"bad module!\" is not a kernel module name"
+    );
+    assert_eq!(
+        e("[driver.module_params]\n\"bad mod\" = [\"a=1\"]\n"),
+        "d.toml:2: driver.module_params.\"bad mod\" = [\"a=1\"] is not valid: \"bad mod\" is not a kernel module name"
+    );
+}
