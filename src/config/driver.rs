@@ -171,7 +171,7 @@ impl DriverConfig {
         }
         let module_name =
             |m: &str| !m.is_empty() && m.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_');
-        for module in self.module_params.keys().filter(|m| !module_name(m)) {
+        if let Some(module) = self.module_params.keys().find(|m| !module_name(m)) {
             return Err(Invalid {
                 key: KeyPath::dotted("driver.module_params").key(module),
                 reason: format!("{module:?} is not a kernel module name"),
