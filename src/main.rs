@@ -5,10 +5,13 @@ use std::process::ExitCode;
 use clap::Parser;
 
 use gpu_node_agent::agent::{self, summary};
-use gpu_node_agent::cli::{CdiCommand, Cli, Command, ConfigCommand, ValidateCommand};
+use gpu_node_agent::cli::{
+    CdiCommand, Cli, Command, ConfigCommand, DriverCommand, MigCommand, RuntimeCommand, ValidateCommand,
+};
 use gpu_node_agent::config::Config;
 use gpu_node_agent::exit::Exit;
 use gpu_node_agent::host::HostRoot;
+use gpu_node_agent::host::lock::StateLock;
 use gpu_node_agent::{logging, plan};
 
 fn main() -> ExitCode {
@@ -28,6 +31,18 @@ fn main() -> ExitCode {
             eprintln!("gpu-node-agent: invalid configuration: {e}");
             return exit(e.exit_code());
         }
+    };
+    // One writer per node: the daemon and the commands that change the node hold the state
+    // dir's lock while they run; a second one is refused, naming the first.
+    let _lock = match writer(&cli.command) {
+        Some(what) => match StateLock::acquire(&root.join(&config.agent.state_dir), what) {
+            Ok(lock) => Some(lock),
+            Err(e) => {
+                eprintln!("gpu-node-agent: {what}: {e}");
+                return Exit::TryLater.into();
+            }
+        },
+        None => None,
     };
     match cli.command {
         Command::Version => ExitCode::SUCCESS,
@@ -160,6 +175,30 @@ fn main() -> ExitCode {
                 }
             }
         }
+    }
+}
+
+/// The commands that change the node, as the lock records them; `None` for those that only read.
+fn writer(command: &Command) -> Option<&'static str> {
+    match command {
+        Command::Run { once: false } => Some("run"),
+        Command::Run { once: true } => Some("run --once"),
+        Command::Mig {
+            command: MigCommand::Apply { .. },
+        } => Some("mig apply"),
+        Command::Runtime {
+            command: RuntimeCommand::Configure { dry_run: false, .. },
+        } => Some("runtime configure"),
+        Command::Runtime {
+            command: RuntimeCommand::Unconfigure { .. },
+        } => Some("runtime unconfigure"),
+        Command::Driver {
+            command: DriverCommand::Install,
+        } => Some("driver install"),
+        Command::Cdi {
+            command: CdiCommand::Generate { output: None },
+        } => Some("cdi generate"),
+        _ => None,
     }
 }
 

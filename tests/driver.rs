@@ -121,6 +121,10 @@ fn snapshot(root: &Path) -> BTreeMap<String, String> {
                 .to_string_lossy()
                 .into_owned();
             let meta = fs::symlink_metadata(&path).expect("metadata");
+            // The one-writer lock a command takes is the agent's, not a change to the node.
+            if rel == "var/lib/gpu-node-agent/lock" {
+                continue;
+            }
             if meta.file_type().is_symlink() {
                 let target = fs::read_link(&path).expect("link");
                 out.insert(rel, format!("-> {}", target.display()));

@@ -295,3 +295,49 @@ async fn many_metrics_clients_do_not_starve_the_kubelet_sockets() {
     drop(open);
     assert_eq!(agent.stop(), 0);
 }
+
+/// One writer per node: while the daemon runs, the commands that change the node refuse (exit
+/// 75), naming the daemon's pid, and change nothing; reading commands and dry runs work. Once
+/// the daemon is gone (however it ended) the lock is free.
+#[test]
+fn commands_that_would_fight_the_daemon_refuse_naming_it() {
+    let node = Node::new(&machine("A100-SXM4-40GB", 2), "[kubernetes]\nenabled = false\n");
+    let agent = node.spawn();
+    let pid = agent.pid();
+    node.wait_status(Duration::from_secs(15), |s| s["state"] == "running");
+    for args in [
+        &["mig", "apply", "all-1g.5gb"][..],
+        &["runtime", "configure", "--no-restart"],
+        &["runtime", "unconfigure", "--no-restart"],
+        &["driver", "install"],
+        &["cdi", "generate"],
+        &["run", "--once"],
+    ] {
+        let out = node.run(args);
+        assert_eq!(out.status.code(), Some(75), "{args:?}: {}", text(&out.stderr));
+        let err = text(&out.stderr);
+        assert!(
+            err.contains(&format!("gpu-node-agent run (pid {pid}) holds ")) && err.contains("systemctl stop"),
+            "{args:?}: {err}"
+        );
+    }
+    let mig = node.run(&["mig", "assert", "all-disabled"]);
+    assert_eq!(mig.status.code(), Some(0), "{}", text(&mig.stderr));
+    for args in [
+        &["runtime", "configure", "--dry-run"][..],
+        &["cdi", "generate", "--output", "-"],
+        &["plan"],
+    ] {
+        let out = node.run(args);
+        assert_ne!(
+            out.status.code(),
+            Some(75),
+            "{args:?} only reads: {}",
+            text(&out.stderr)
+        );
+    }
+    // Killed without a chance to clean up: the kernel lock went with it.
+    drop(agent);
+    let out = node.run(&["mig", "apply", "all-1g.5gb"]);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+}

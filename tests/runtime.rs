@@ -175,6 +175,10 @@ fn snapshot(root: &Path) -> BTreeMap<PathBuf, (Vec<u8>, SystemTime)> {
                 walk(root, &path, out);
             } else if meta.is_file() {
                 let rel = path.strip_prefix(root).expect("under root").to_path_buf();
+                // The one-writer lock a command takes is the agent's, not a change to the node.
+                if rel == Path::new("var/lib/gpu-node-agent/lock") {
+                    continue;
+                }
                 let bytes = fs::read(&path).expect("read");
                 out.insert(rel, (bytes, meta.modified().expect("mtime")));
             }
