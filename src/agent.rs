@@ -122,6 +122,10 @@ pub fn nvml_library(config: &Config, root: &HostRoot) -> PathBuf {
     config.nvml.library_path(root.path())
 }
 
+/// How often a long step before READY asks systemd for more start time (without a watchdog;
+/// with one, at its ping interval).
+const EXTEND_START_EVERY: Duration = Duration::from_secs(60);
+
 /// The running agent's state.
 struct Agent {
     config: Config,
@@ -333,6 +337,12 @@ pub async fn run(config: Config, root: HostRoot, once: bool) -> Result<i32, Agen
         agent.commands = Some(tx);
         (Some(tokio::spawn(relay.run(rx, health_rx))), Some(changed))
     };
+    // Until READY, a long step (a driver install or build) extends systemd's start timeout while
+    // it runs.
+    let extend_start = (!once && agent.notifier.enabled()).then(|| {
+        let every = agent.notifier.watchdog_interval().unwrap_or(EXTEND_START_EVERY);
+        tokio::spawn(crate::notify::extend_start(every, agent.long_step.clone()))
+    });
     // The driver first: on a fresh node NVML only loads once the driver stage installed it.
     if agent.config.driver.enabled && agent.config.driver.source != crate::config::DriverSource::None {
         or_stop(&stop, agent.driver_step()).await;
@@ -391,6 +401,9 @@ pub async fn run(config: Config, root: HostRoot, once: bool) -> Result<i32, Agen
     // The first reconcile has finished (or reached a state it reports): systemd may go on.
     agent.notify_status();
     agent.notifier.send("READY=1");
+    if let Some(task) = extend_start {
+        task.abort();
+    }
     // The watchdog: the main loop beats on every interval; a separate task tells systemd while
     // the beats are recent, or while a long step (a driver build, an engine restart) is known to
     // hold the loop.

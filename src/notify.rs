@@ -81,6 +81,22 @@ pub fn now_ms() -> u64 {
         .map_or(0, |d| d.as_millis() as u64)
 }
 
+/// Before READY: while a long step runs (a driver package install or module build on a fresh
+/// node), asks systemd every `every` for more start time (`EXTEND_TIMEOUT_USEC`, three periods),
+/// so the unit's `TimeoutStartSec` bounds the wait between steps and each command's own limit
+/// (package manager, module build) bounds the step. Runs until aborted at READY.
+pub async fn extend_start(every: Duration, long_step: Arc<AtomicBool>) {
+    let notifier = Notifier::from_env();
+    let extension = format!("EXTEND_TIMEOUT_USEC={}", (every * 3).as_micros());
+    let mut ticker = tokio::time::interval(every);
+    loop {
+        ticker.tick().await;
+        if long_step.load(Ordering::Relaxed) {
+            notifier.send(&extension);
+        }
+    }
+}
+
 /// The main loop went round.
 pub fn beat(heartbeat: &AtomicU64) {
     heartbeat.store(now_ms(), Ordering::Relaxed);

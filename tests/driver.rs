@@ -235,6 +235,41 @@ fn package_flow_installs_with_apt_then_loads_in_order_and_validates() {
     assert_eq!(commands(&node).len(), 8, "no command ran the second time");
 }
 
+/// A package install interrupted before (dpkg's updates dir not empty: what apt refuses to run
+/// over) is finished with `dpkg --configure -a` before apt runs again.
+#[test]
+fn an_interrupted_dpkg_run_is_finished_before_apt_runs() {
+    let node = bare_node(&format!("[driver]\nsource = \"package\"\nversion = \"{VERSION}\"\n"));
+    let updates = node.root.join("var/lib/dpkg/updates");
+    write(
+        &node.root,
+        "var/lib/dpkg/updates/0001",
+        "Package: nvidia-utils-550-server\n",
+    );
+    stand_in(
+        &node,
+        "/usr/bin/dpkg",
+        &log_path(&node),
+        &format!("rm -f \"{}\"/*", updates.display()),
+    );
+    let out = node.run(&["driver", "install"]);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out));
+    let ran = commands(&node);
+    assert_eq!(ran.first().map(String::as_str), Some("dpkg --configure -a"), "{ran:?}");
+    assert!(ran[1].starts_with("apt-get "), "{ran:?}");
+    assert!(text(&out).contains("interrupted"), "{}", text(&out));
+
+    // Finished: the next install does not run it again.
+    let again = bare_node(&format!("[driver]\nsource = \"package\"\nversion = \"{VERSION}\"\n"));
+    stand_in(&again, "/usr/bin/dpkg", &log_path(&again), "");
+    assert_eq!(again.run(&["driver", "install"]).status.code(), Some(0));
+    assert!(
+        commands(&again).iter().all(|c| !c.starts_with("dpkg")),
+        "{:?}",
+        commands(&again)
+    );
+}
+
 #[test]
 fn an_upgrade_waits_for_gpu_work_then_unloads_in_dependency_order() {
     let node = bare_node("[driver]\nsource = \"package\"\nversion = \"550.54.15\"\n");
@@ -1055,6 +1090,54 @@ fn the_gpu_count_check_names_the_pci_device_nvml_does_not_list() {
         .unwrap_or_default()
         .to_string();
     assert!(error.contains("NVML does not list 0000:c1:00.0"), "{error}");
+}
+
+/// A module build on a fresh node runs before READY: while it runs the agent asks systemd for
+/// more start time (EXTEND_TIMEOUT_USEC, at the watchdog's cadence here), so `TimeoutStartSec`
+/// does not kill a build that is within its own limit.
+#[test]
+fn a_long_build_before_ready_extends_the_start_timeout() {
+    use std::os::unix::net::UnixDatagram;
+    let probe = tempfile::tempdir().expect("tmp");
+    let body = runfile(&probe.path().join("ran"));
+    let sha = sha256_hex(&body);
+    let server = serve(body);
+    let node = bare_node(&format!(
+        "[kubernetes]\nenabled = false\n[driver]\nsource = \"runfile\"\nversion = \"{VERSION}\"\n\
+         runfile_url = \"{}\"\nrunfile_sha256 = \"{sha}\"\n",
+        server.url
+    ));
+    headers_in_root(&node);
+    let make = node.root.join("usr/bin/make");
+    fs::remove_file(&make).expect("unlink make");
+    stand_in(&node, "/usr/bin/make", &log_path(&node), "sleep 1.5; exit 2");
+    let socket_path = probe.path().join("notify.sock");
+    let socket = UnixDatagram::bind(&socket_path).expect("bind notify socket");
+    socket
+        .set_read_timeout(Some(std::time::Duration::from_millis(100)))
+        .expect("timeout");
+    let agent = node.spawn_with(|cmd| {
+        cmd.env("NOTIFY_SOCKET", &socket_path).env("WATCHDOG_USEC", "400000");
+    });
+    let mut got = Vec::new();
+    let mut buf = [0u8; 4096];
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while std::time::Instant::now() < deadline && !got.iter().any(|m: &String| m.contains("READY=1")) {
+        if let Ok(n) = socket.recv(&mut buf) {
+            got.push(String::from_utf8_lossy(&buf[..n]).into_owned());
+        }
+    }
+    let ready = got.iter().position(|m| m.contains("READY=1")).expect("READY=1");
+    let extended = got[..ready]
+        .iter()
+        .filter(|m| m.as_str() == "EXTEND_TIMEOUT_USEC=600000")
+        .count();
+    assert!(extended >= 3, "{got:?}");
+    assert!(
+        got[ready..].iter().all(|m| !m.starts_with("EXTEND_TIMEOUT_USEC")),
+        "not after READY: {got:?}"
+    );
+    assert_eq!(agent.stop(), 0);
 }
 
 /// SIGTERM while the daemon builds the driver's modules (a `make` that would take a minute)

@@ -454,6 +454,20 @@ fn install_packages(host: &Host<'_>, manager: PackageManager, packages: &[String
                     .timeout(PACKAGE_TIMEOUT)
                     .finish_on_stop()
             };
+            // An install interrupted before (a crash, a reboot, SIGKILL) leaves dpkg half-done
+            // and apt refusing everything until it is finished.
+            if dpkg_interrupted(host.root) {
+                let dpkg = host.program("finish an interrupted package install", &["/usr/bin/dpkg"])?;
+                tracing::warn!("driver: a package install was interrupted before: dpkg --configure -a");
+                host.run(
+                    "dpkg --configure -a",
+                    Cmd::new(&dpkg)
+                        .env("DEBIAN_FRONTEND", "noninteractive")
+                        .args(["--configure", "-a"])
+                        .timeout(PACKAGE_TIMEOUT)
+                        .finish_on_stop(),
+                )?;
+            }
             host.run("apt-get update", base().args(["-q", "update"]))?;
             host.run(
                 "apt-get install",
@@ -464,6 +478,23 @@ fn install_packages(host: &Host<'_>, manager: PackageManager, packages: &[String
         }
         PackageManager::Dnf => {
             let dnf = host.program("install packages", &["/usr/bin/dnf", "/usr/bin/yum"])?;
+            // An rpm transaction interrupted before leaves both versions of a package in the
+            // database; dnf removes the older ones (yum has no such command: left as it is).
+            if dnf.ends_with("dnf")
+                && host
+                    .runner
+                    .output(&Cmd::new(&dnf).args(["-q", "check", "--duplicates"]))
+                    .is_ok_and(|o| !o.success())
+            {
+                tracing::warn!("driver: an rpm transaction was interrupted before: dnf remove --duplicates");
+                host.run(
+                    "dnf remove --duplicates",
+                    Cmd::new(&dnf)
+                        .args(["-y", "-q", "remove", "--duplicates"])
+                        .timeout(PACKAGE_TIMEOUT)
+                        .finish_on_stop(),
+                )?;
+            }
             host.run(
                 "dnf install",
                 Cmd::new(&dnf)
@@ -475,6 +506,12 @@ fn install_packages(host: &Host<'_>, manager: PackageManager, packages: &[String
         }
     }
     Ok(())
+}
+
+/// Whether dpkg was interrupted mid-install: what apt checks before refusing to run ("dpkg was
+/// interrupted, you must manually run 'dpkg --configure -a'"), files left in its updates dir.
+fn dpkg_interrupted(root: &HostRoot) -> bool {
+    std::fs::read_dir(root.join("/var/lib/dpkg/updates")).is_ok_and(|mut entries| entries.next().is_some())
 }
 
 fn download_blocking(url: &str, sha256: &str, dest: &Path) -> Result<super::fetch::Fetched, DriverError> {
