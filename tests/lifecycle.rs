@@ -165,6 +165,23 @@ fn the_unit_verifies_on_a_cpu_only_root() {
         text(&out.stdout),
         text(&out.stderr)
     );
+
+    // The hardening the agent's job allows (the unit explains what stays exposed): 8.4 before
+    // ProtectControlGroups= and RestrictNamespaces=~user.
+    let out = std::process::Command::new("systemd-analyze")
+        .args(["security", "--offline=true", "--no-pager"])
+        .arg(format!("--root={}", node.root.display()))
+        .arg("gpu-node-agent.service")
+        .output()
+        .expect("systemd-analyze security");
+    let report = text(&out.stdout);
+    let score: f64 = report
+        .lines()
+        .find_map(|l| l.split("gpu-node-agent.service: ").nth(1))
+        .and_then(|rest| rest.split_whitespace().next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no exposure level in:\n{report}{}", text(&out.stderr)));
+    assert!(score <= 8.0, "exposure {score}:\n{report}");
 }
 
 /// The kubelet restarted 20 times (its cleanup deletes the sockets in whatever order the
