@@ -546,7 +546,7 @@ fn last_desired(config: &Config, root: &HostRoot, view: &LabelsView) -> Option<B
         return None;
     }
     let path = root.join(&config.agent.state_dir).join(LAST_DESIRED_FILE);
-    let text = std::fs::read_to_string(&path).ok()?;
+    let text = crate::host::read_text(&path).ok()?;
     crate::desired::parse_labels_file(&path.display().to_string(), &text).ok()
 }
 

@@ -328,7 +328,7 @@ async fn watch_labels_file(path: PathBuf, shown: String, tx: watch::Sender<Label
         if stamp != seen || first {
             first = false;
             seen = stamp;
-            let update = match std::fs::read_to_string(&path) {
+            let update = match crate::host::read_text(&path) {
                 Ok(text) => match parse_labels_file(&shown, &text) {
                     Ok(labels) => Ok(labels),
                     Err(e) => Err(e.to_string()),

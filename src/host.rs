@@ -131,6 +131,40 @@ pub fn write_atomic(path: &Path, bytes: &[u8], mode: u32) -> Result<(), WriteErr
     Ok(())
 }
 
+/// The most bytes the agent reads of a text file a user or the host hands it (config files and
+/// drop-ins, the labels file, container engine and kubelet configs, status.json): the largest
+/// real ones are a few hundred KiB.
+pub const MAX_TEXT_FILE: u64 = 4 * 1024 * 1024;
+
+/// `fs::read_to_string` that refuses a file over `limit` bytes (an `InvalidData` error saying
+/// so; the caller names the file) without reading more than `limit + 1` of it.
+pub fn read_text_limited(path: &Path, limit: u64) -> io::Result<String> {
+    use std::io::Read;
+    let file = File::open(path)?;
+    let mut bytes = Vec::new();
+    file.take(limit + 1).read_to_end(&mut bytes)?;
+    if bytes.len() as u64 > limit {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            format!("larger than the {} limit", human_size(limit)),
+        ));
+    }
+    String::from_utf8(bytes).map_err(|_| io::Error::new(io::ErrorKind::InvalidData, "not UTF-8 text"))
+}
+
+/// [`read_text_limited`] at [`MAX_TEXT_FILE`].
+pub fn read_text(path: &Path) -> io::Result<String> {
+    read_text_limited(path, MAX_TEXT_FILE)
+}
+
+fn human_size(bytes: u64) -> String {
+    match bytes {
+        b if b >= 1 << 20 && b % (1 << 20) == 0 => format!("{} MiB", b >> 20),
+        b if b >= 1 << 10 && b % (1 << 10) == 0 => format!("{} KiB", b >> 10),
+        b => format!("{b} bytes"),
+    }
+}
+
 /// How long a GPU reset may take before it is given up on.
 const GPU_RESET_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(120);
 
@@ -196,6 +230,24 @@ mod tests {
         assert_eq!(fs::metadata(&path).expect("meta").permissions().mode() & 0o777, 0o600);
         let leftovers: Vec<_> = fs::read_dir(path.parent().expect("parent")).expect("ls").collect();
         assert_eq!(leftovers.len(), 1, "no temp files left behind");
+    }
+
+    #[test]
+    fn text_reads_stop_at_the_limit() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("config.toml");
+        fs::write(&path, "x".repeat(1024)).expect("write");
+        assert_eq!(read_text_limited(&path, 1024).expect("at the limit").len(), 1024);
+        let err = read_text_limited(&path, 1023).expect_err("over");
+        assert_eq!(err.kind(), io::ErrorKind::InvalidData);
+        assert_eq!(err.to_string(), "larger than the 1023 bytes limit");
+        assert_eq!(
+            read_text_limited(&path, 512).expect_err("over").to_string(),
+            "larger than the 512 bytes limit"
+        );
+        fs::write(&path, [0xff, 0xfe]).expect("write");
+        assert_eq!(read_text(&path).expect_err("binary").to_string(), "not UTF-8 text");
+        assert_eq!(human_size(MAX_TEXT_FILE), "4 MiB");
     }
 
     /// Someone who can write to the output directory plants symlinks where the agent writes:

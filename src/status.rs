@@ -436,7 +436,7 @@ const LIVE_PROC: &str = "/proc";
 /// while the agent runs (or for a `run --once` report), 3 (not running) otherwise.
 pub fn status_command(config: &Config, root: &HostRoot, json: bool) -> ExitCode {
     let path = root.join(&config.agent.run_dir).join(STATUS_FILE);
-    let text = match std::fs::read_to_string(&path) {
+    let text = match crate::host::read_text(&path) {
         Ok(text) => text,
         Err(e) => {
             eprintln!(

@@ -299,3 +299,21 @@ fn a_closed_pipe_on_stdout_ends_a_command_quietly() {
         );
     }
 }
+
+/// A config file over the 4 MiB text-file limit is refused naming the file and the limit,
+/// without reading it all (and so is a labels file, the same reader).
+#[test]
+fn an_oversized_config_file_is_refused_naming_it() {
+    let node = Node::new(&machine("T4", 1), "");
+    let dropin = node.root.join("etc/gpu-node-agent/config.d/90-huge.toml");
+    std::fs::create_dir_all(dropin.parent().expect("config.d")).expect("mkdir");
+    let line = "# padding padding padding padding padding padding padding padding padding\n";
+    std::fs::write(&dropin, line.repeat(4 * 1024 * 1024 / line.len() + 1)).expect("write");
+    let out = node.run(&["config", "check"]);
+    assert_eq!(out.status.code(), Some(64), "{}", text(&out.stderr));
+    let err = text(&out.stderr);
+    assert!(
+        err.contains("config.d/90-huge.toml") && err.contains("larger than the 4 MiB limit"),
+        "{err}"
+    );
+}

@@ -320,7 +320,7 @@ impl Agent {
 /// `gpu-node-agent mig …`: the MIG stage's operations by themselves.
 pub fn mig_command(config: &Config, root: &HostRoot, command: MigCommand) -> ExitCode {
     if let MigCommand::Import { file } = &command {
-        let text = match std::fs::read_to_string(file) {
+        let text = match crate::host::read_text(file) {
             Ok(t) => t,
             Err(e) => {
                 eprintln!("gpu-node-agent: cannot read {}: {e}", file.display());

@@ -179,7 +179,7 @@ impl Config {
 }
 
 fn read(path: &Path) -> Result<Source, ConfigError> {
-    let text = fs::read_to_string(path).map_err(|source| ConfigError::ReadFile {
+    let text = crate::host::read_text(path).map_err(|source| ConfigError::ReadFile {
         path: path.to_path_buf(),
         source,
     })?;

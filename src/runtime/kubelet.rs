@@ -94,7 +94,7 @@ pub fn detect(root: &HostRoot, configured: &str) -> KubeletEndpoint {
 }
 
 fn read(root: &HostRoot, file: &str) -> Option<String> {
-    std::fs::read_to_string(root.join(file)).ok()
+    crate::host::read_text(&root.join(file)).ok()
 }
 
 /// The argv of a running kubelet: the first `/proc/<pid>` whose `comm` is `kubelet`.

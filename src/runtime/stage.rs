@@ -275,11 +275,8 @@ pub fn nvidia_runtime(config: &RuntimeConfig, kubelet: bool, also: &[(String, Pa
 }
 
 fn read_optional(path: &Path) -> Result<Option<String>, RuntimeError> {
-    match std::fs::read(path) {
-        Ok(bytes) => String::from_utf8(bytes).map(Some).map_err(|_| RuntimeError::Read {
-            path: path.to_path_buf(),
-            source: io::Error::new(io::ErrorKind::InvalidData, "not UTF-8 text"),
-        }),
+    match crate::host::read_text(path) {
+        Ok(text) => Ok(Some(text)),
         Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(None),
         Err(source) => Err(RuntimeError::Read {
             path: path.to_path_buf(),
@@ -1396,7 +1393,7 @@ fn check_containerd(config: &Config, root: &HostRoot, runner: &Runner, e: &Engin
     } else {
         // Through its links under the root, as everything else here.
         let real = resolve(root, &files.config).map_err(|e| e.to_string())?;
-        let text = std::fs::read_to_string(root.join(real)).map_err(|e| format!("{}: {e}", main_path.display()))?;
+        let text = crate::host::read_text(&root.join(real)).map_err(|e| format!("{}: {e}", main_path.display()))?;
         let rebased = containerd::rebase_imports(&text, &main_path.to_string_lossy(), |p| {
             if p.starts_with('/') {
                 root.join(p).to_string_lossy().into_owned()
