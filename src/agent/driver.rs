@@ -17,12 +17,35 @@ use std::process::ExitCode;
 /// How long a failed driver upgrade waits before it is tried again.
 const DRIVER_UPGRADE_RETRY: std::time::Duration = std::time::Duration::from_secs(30 * 60);
 
-/// What the driver stage keeps between passes.
+/// What the driver stage keeps between passes: its one memory of a change not to try again
+/// for now (besides the backoff every stage has, which retries a failure soon).
 #[derive(Debug, Default)]
 pub(super) struct DriverStage {
-    /// A driver upgrade that failed: its plan summary, when, and why. The same upgrade is not
-    /// tried again (withdrawing the GPUs each time) before [`DRIVER_UPGRADE_RETRY`] has passed.
-    pub(super) failed: Option<(String, std::time::Instant, String)>,
+    pub(super) held: Option<Held>,
+}
+
+/// A driver change that failed in a way retrying soon cannot fix.
+#[derive(Debug)]
+pub(super) enum Held {
+    /// An upgrade (its plan's summary), when and why it failed: not tried again (withdrawing the
+    /// GPUs each time) before [`DRIVER_UPGRADE_RETRY`] has passed.
+    Upgrade {
+        summary: String,
+        at: std::time::Instant,
+        error: String,
+    },
+    /// A package install that loaded another version than asked for: not tried again while the
+    /// kernel stays the same (or until the agent restarts: a changed [driver] needs one).
+    Install(drv::FailedInstall),
+}
+
+impl DriverStage {
+    fn failed_install(&self) -> Option<&drv::FailedInstall> {
+        match &self.held {
+            Some(Held::Install(failed)) => Some(failed),
+            _ => None,
+        }
+    }
 }
 
 impl Agent {
@@ -41,7 +64,8 @@ impl Agent {
         }
         let processes = self.gpu_processes();
         let (config, root) = (self.config.clone(), self.root.clone());
-        let planned = tokio::task::spawn_blocking(move || drv::plan_now(&config, &root, processes))
+        let failed = self.driver.failed_install().cloned();
+        let planned = tokio::task::spawn_blocking(move || drv::plan_with(&config, &root, processes, failed.as_ref()))
             .await
             .map_err(|e| format!("driver stage task failed: {e}"))
             .and_then(|r| r.map_err(|e| e.to_string()));
@@ -65,7 +89,7 @@ impl Agent {
         let changed = !planned.plan.steps.is_empty();
         let upgrade = planned.plan.steps.iter().any(|s| matches!(s, Step::Unload { .. }));
         if upgrade
-            && let Some((summary, at, error)) = &self.driver.failed
+            && let Some(Held::Upgrade { summary, at, error }) = &self.driver.held
             && *summary == planned.plan.summary
             && at.elapsed() < DRIVER_UPGRADE_RETRY
         {
@@ -76,12 +100,19 @@ impl Agent {
             return self.gpus.is_some();
         }
         if changed && let Err(go_on) = self.apply_driver(&planned).await {
-            if upgrade && let Some(error) = self.stages[StageId::Driver].status.error.clone() {
-                self.driver.failed = Some((planned.plan.summary.clone(), std::time::Instant::now(), error));
+            if upgrade
+                && !matches!(self.driver.held, Some(Held::Install(_)))
+                && let Some(error) = self.stages[StageId::Driver].status.error.clone()
+            {
+                self.driver.held = Some(Held::Upgrade {
+                    summary: planned.plan.summary.clone(),
+                    at: std::time::Instant::now(),
+                    error,
+                });
             }
             return go_on;
         }
-        self.driver.failed = None;
+        self.driver.held = None;
         // The host facts the plan was made from still hold unless the plan changed something.
         let facts = if changed { None } else { Some(planned.facts) };
         self.validate_driver(&planned.plan.summary, facts).await;
@@ -117,10 +148,21 @@ impl Agent {
             planned.clone(),
             self.stop.clone(),
         );
+        let kernel = planned.facts.kernel_release.clone();
         let applied = tokio::task::spawn_blocking(move || drv::apply(&config, &root, &p, Some(&stop)))
             .await
             .map_err(|e| format!("driver stage task failed: {e}"))
-            .and_then(|r| r.map_err(|e| e.to_string()));
+            .and_then(|r| {
+                r.map_err(|e| {
+                    if let drv::DriverError::OtherVersion(message) = &e {
+                        self.driver.held = Some(Held::Install(drv::FailedInstall {
+                            kernel_release: kernel,
+                            message: message.clone(),
+                        }));
+                    }
+                    e.to_string()
+                })
+            });
         match applied {
             Ok(applied) => {
                 for line in &applied.done {

@@ -104,6 +104,16 @@ pub fn cache_key(config: &Config, facts: &HostFacts) -> Option<CacheKey> {
 /// Observes the host and plans. `gpu_processes`: processes on the GPUs (NVML), `None` when
 /// NVML is not up.
 pub fn plan_now(config: &Config, root: &HostRoot, gpu_processes: Option<usize>) -> Result<Planned, DriverError> {
+    plan_with(config, root, gpu_processes, None)
+}
+
+/// [`plan_now`], refusing to plan again a package install that `failed` for this kernel.
+pub fn plan_with(
+    config: &Config,
+    root: &HostRoot,
+    gpu_processes: Option<usize>,
+    failed: Option<&FailedInstall>,
+) -> Result<Planned, DriverError> {
     let facts = observe::observe(root)?;
     let cache_key = cache_key(config, &facts);
     let cached = match &cache_key {
@@ -116,47 +126,23 @@ pub fn plan_now(config: &Config, root: &HostRoot, gpu_processes: Option<usize>) 
         cached,
         modprobe_conf,
         arch: arch().into(),
-        failed_install: failed_install(config, root, &facts),
+        failed_install: failed
+            .filter(|f| f.kernel_release == facts.kernel_release)
+            .map(|f| f.message.clone()),
     };
     let plan = plan::plan(&config.driver, &facts, &ctx)?;
     Ok(Planned { facts, plan, cache_key })
 }
 
-/// A package install whose loaded driver was not the one asked for, remembered for the life of
-/// the process (one per root) so that every pass does not install the same packages again; it
-/// holds while `[driver]` and the kernel stay the same.
-#[derive(Debug, Clone)]
-struct FailedInstall {
-    root: PathBuf,
-    kernel_release: String,
-    driver: crate::config::DriverConfig,
-    message: String,
-}
-
-static FAILED_INSTALLS: std::sync::Mutex<Vec<FailedInstall>> = std::sync::Mutex::new(Vec::new());
-
-fn failed_installs() -> std::sync::MutexGuard<'static, Vec<FailedInstall>> {
-    FAILED_INSTALLS.lock().unwrap_or_else(|e| e.into_inner())
-}
-
-/// Why the last install for this `[driver]` and kernel under `root` gave another version, if
-/// it did.
-fn failed_install(config: &Config, root: &HostRoot, facts: &HostFacts) -> Option<String> {
-    failed_installs()
-        .iter()
-        .find(|f| f.root == root.path() && f.kernel_release == facts.kernel_release && f.driver == config.driver)
-        .map(|f| f.message.clone())
-}
-
-fn remember_failed_install(config: &Config, root: &HostRoot, facts: &HostFacts, message: &str) {
-    let mut failed = failed_installs();
-    failed.retain(|f| f.root != root.path());
-    failed.push(FailedInstall {
-        root: root.path().to_path_buf(),
-        kernel_release: facts.kernel_release.clone(),
-        driver: config.driver.clone(),
-        message: message.to_string(),
-    });
+/// A package install whose loaded driver was not the one asked for: the daemon remembers it
+/// (its driver stage's one memory of what not to try again) and passes it to [`plan_with`], so
+/// every pass does not install the same packages again while the kernel stays the same.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FailedInstall {
+    /// The kernel it was for.
+    pub kernel_release: String,
+    /// What happened, as the stage reported it.
+    pub message: String,
 }
 
 /// Runs the host programs of the driver stage.
@@ -386,8 +372,8 @@ fn apply_steps(
 }
 
 /// After a package install: the loaded driver must be the one asked for. When it is not, the
-/// stage fails naming both and the packages, and the same install is not tried again (see
-/// [`FailedInstall`]).
+/// stage fails naming both and the packages ([`DriverError::OtherVersion`]; the daemon does not
+/// try the same install again, see [`FailedInstall`]).
 fn check_installed(host: &Host<'_>, planned: &Planned) -> Result<(), DriverError> {
     let d = &host.config.driver;
     let packages: Vec<&str> = planned
@@ -419,7 +405,6 @@ fn check_installed(host: &Host<'_>, planned: &Planned) -> Result<(), DriverError
          installed again until [driver] or the kernel changes, or the agent restarts)",
         packages.join(" ")
     );
-    remember_failed_install(host.config, host.root, &planned.facts, &message);
     Err(DriverError::OtherVersion(message))
 }
 
