@@ -4,6 +4,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
+use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
@@ -125,6 +126,34 @@ pub fn nvml_library(config: &Config, root: &HostRoot) -> PathBuf {
 /// How often a long step before READY asks systemd for more start time (without a watchdog;
 /// with one, at its ping interval).
 const EXTEND_START_EVERY: Duration = Duration::from_secs(60);
+
+/// A stage's step: runs the stage once, and answers whether the stages that need it may run.
+type Step = for<'a> fn(&'a mut Agent) -> Pin<Box<dyn Future<Output = bool> + 'a>>;
+
+/// The pipeline, in pass order (the order of [`StageId::ALL`]): each stage's id, the stages that
+/// must have passed in this pass for it to run (the gating rules, as data: the driver stage also
+/// passes with a failed upgrade while the old driver still serves), and its step. A stage is a
+/// row here and a file in `agent/` with its step (ARCHITECTURE.md, "Adding a stage").
+const PIPELINE: [(StageId, &[StageId], Step); 5] = [
+    (StageId::Driver, &[], |a| Box::pin(a.driver_step())),
+    (StageId::Runtime, &[StageId::Driver], |a| Box::pin(a.runtime_step())),
+    (StageId::Mig, &[StageId::Driver, StageId::Runtime], |a| {
+        Box::pin(a.mig_stage_step())
+    }),
+    (StageId::DevicePlugin, &[StageId::Driver, StageId::Runtime], |a| {
+        Box::pin(a.device_plugin_step())
+    }),
+    (
+        StageId::Validation,
+        &[StageId::Driver, StageId::Runtime, StageId::DevicePlugin],
+        |a| {
+            Box::pin(async move {
+                a.validation_step().await;
+                true
+            })
+        },
+    ),
+];
 
 /// The running agent's state.
 struct Agent {
@@ -690,13 +719,13 @@ impl Agent {
         let now = Instant::now();
         let mut passed = Vec::new();
         let mut durations = Vec::new();
-        for id in StageId::ALL {
-            if !stage::may_run(id, &passed) {
+        for (id, needs, step) in PIPELINE {
+            if !stage::may_run(needs, &passed) {
                 continue;
             }
             let started = Instant::now();
             let ok = if self.stages[id].due(now) {
-                let ok = self.step(id).await;
+                let ok = step(self).await;
                 let ok = self.stages[id].ran(ok);
                 if id == StageId::Mig && self.mig.gave_up.is_some() {
                     // A layout given up on looks again on its own timer, not the backoff's.
@@ -713,20 +742,6 @@ impl Agent {
         }
         self.write_status("running");
         self.metrics_stages(&durations);
-    }
-
-    /// Runs one stage's step: `true` when the stages that need it may run.
-    async fn step(&mut self, id: StageId) -> bool {
-        match id {
-            StageId::Driver => self.driver_step().await,
-            StageId::Runtime => self.runtime_step().await,
-            StageId::Mig => self.mig_stage_step().await,
-            StageId::DevicePlugin => self.device_plugin_step().await,
-            StageId::Validation => {
-                self.validation_step().await;
-                true
-            }
-        }
     }
 
     /// The soonest time a failed stage waits for (past ones are left to the next pass: a stage

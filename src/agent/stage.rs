@@ -8,26 +8,11 @@ use std::time::{Duration, Instant};
 use crate::host::backoff::Backoff;
 use crate::status::{StageId, StageState, StageStatus, now_unix};
 
-/// Which stages must have passed for a stage to run in a pass: the gating rules, in one place.
-/// A stage "passes" when its step says the stages after it can work (the driver stage also
-/// passes with a failed upgrade while the old driver still serves).
-pub(super) const NEEDS: [(StageId, &[StageId]); 5] = [
-    (StageId::Driver, &[]),
-    (StageId::Runtime, &[StageId::Driver]),
-    (StageId::Mig, &[StageId::Driver, StageId::Runtime]),
-    (StageId::DevicePlugin, &[StageId::Driver, StageId::Runtime]),
-    (
-        StageId::Validation,
-        &[StageId::Driver, StageId::Runtime, StageId::DevicePlugin],
-    ),
-];
-
-/// Whether `id` may run, given the stages that passed so far in this pass.
-pub(super) fn may_run(id: StageId, passed: &[StageId]) -> bool {
-    NEEDS
-        .iter()
-        .find(|(stage, _)| *stage == id)
-        .is_none_or(|(_, needs)| needs.iter().all(|n| passed.contains(n)))
+/// Whether a stage that `needs` those stages (its row of the agent's `PIPELINE`, the gating
+/// rules) may run, given the stages that passed so far in this pass. A stage "passes" when its
+/// step says the stages after it can work.
+pub(super) fn may_run(needs: &[StageId], passed: &[StageId]) -> bool {
+    needs.iter().all(|n| passed.contains(n))
 }
 
 /// Every stage, indexed by its id, in pass order.
@@ -219,14 +204,30 @@ mod tests {
 
     #[test]
     fn the_gates_hold_back_what_needs_a_failed_stage() {
-        assert!(may_run(StageId::Driver, &[]));
-        assert!(!may_run(StageId::Runtime, &[]));
-        assert!(may_run(StageId::Runtime, &[StageId::Driver]));
-        assert!(!may_run(StageId::Mig, &[StageId::Driver]));
-        assert!(may_run(StageId::DevicePlugin, &[StageId::Driver, StageId::Runtime]));
-        assert!(!may_run(StageId::Validation, &[StageId::Driver, StageId::Runtime]));
-        // Every stage has its rule, in pass order.
-        assert_eq!(NEEDS.map(|(id, _)| id), StageId::ALL);
+        let needs = |id: StageId| {
+            super::super::PIPELINE
+                .iter()
+                .find(|(stage, _, _)| *stage == id)
+                .map(|(_, needs, _)| *needs)
+                .expect("every stage is in the pipeline")
+        };
+        assert!(may_run(needs(StageId::Driver), &[]));
+        assert!(!may_run(needs(StageId::Runtime), &[]));
+        assert!(may_run(needs(StageId::Runtime), &[StageId::Driver]));
+        assert!(!may_run(needs(StageId::Mig), &[StageId::Driver]));
+        assert!(may_run(
+            needs(StageId::DevicePlugin),
+            &[StageId::Driver, StageId::Runtime]
+        ));
+        assert!(!may_run(
+            needs(StageId::Validation),
+            &[StageId::Driver, StageId::Runtime]
+        ));
+        // Every stage is in the pipeline, in pass order, needing only stages before it.
+        assert_eq!(super::super::PIPELINE.map(|(id, _, _)| id), StageId::ALL);
+        for (i, (_, needs, _)) in super::super::PIPELINE.iter().enumerate() {
+            assert!(needs.iter().all(|n| StageId::ALL[..i].contains(n)));
+        }
         // Indexing by id finds that stage.
         let stages = Stages::new((MS, MS));
         for id in StageId::ALL {
