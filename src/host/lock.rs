@@ -10,7 +10,7 @@
 
 use std::fs::{File, OpenOptions};
 use std::io::{self, Read, Seek, Write};
-use std::os::unix::fs::OpenOptionsExt;
+use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 
 use nix::fcntl::{Flock, FlockArg};
@@ -33,6 +33,11 @@ pub enum LockError {
     },
     #[error("cannot lock {}: {source}", path.display())]
     Io { path: PathBuf, source: io::Error },
+    #[error(
+        "{} is {why}: the driver module cache, the engine backups and the lock in it must be the agent's alone (chown root: {}; chmod go-w {})",
+        path.display(), path.display(), path.display()
+    )]
+    NotPrivate { path: PathBuf, why: String },
 }
 
 /// The held lock; dropping it releases it.
@@ -50,7 +55,15 @@ impl StateLock {
             path: path.clone(),
             source,
         };
-        std::fs::create_dir_all(state_dir).map_err(io_err)?;
+        // Created private (whatever the umask), and refused if someone else could write it.
+        if let Some(parent) = state_dir.parent() {
+            std::fs::create_dir_all(parent).map_err(io_err)?;
+        }
+        match std::fs::DirBuilder::new().mode(0o700).create(state_dir) {
+            Err(e) if e.kind() != io::ErrorKind::AlreadyExists => return Err(io_err(e)),
+            _ => {}
+        }
+        private_dir(state_dir)?;
         // No symlink followed (O_NOFOLLOW), no descriptor left to the programs the agent runs.
         let file = OpenOptions::new()
             .read(true)
@@ -83,6 +96,31 @@ impl StateLock {
     }
 }
 
+/// Refuses a state dir someone else could write to: its driver module cache is loaded into the
+/// kernel, and its backups are put back into the engines' configuration.
+fn private_dir(dir: &Path) -> Result<(), LockError> {
+    use std::os::unix::fs::MetadataExt;
+    let meta = std::fs::metadata(dir).map_err(|source| LockError::Io {
+        path: dir.to_path_buf(),
+        source,
+    })?;
+    let me = nix::unistd::geteuid().as_raw();
+    let why = if meta.uid() != me {
+        Some(format!("owned by uid {}, not the agent's ({me})", meta.uid()))
+    } else if meta.mode() & 0o022 != 0 {
+        Some(format!("writable by others (mode {:o})", meta.mode() & 0o7777))
+    } else {
+        None
+    };
+    match why {
+        Some(why) => Err(LockError::NotPrivate {
+            path: dir.to_path_buf(),
+            why,
+        }),
+        None => Ok(()),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -102,6 +140,20 @@ mod tests {
         drop(held);
         let again = StateLock::acquire(&state, "mig apply").expect("free again");
         drop(again);
+    }
+
+    #[test]
+    fn a_state_dir_others_can_write_is_refused() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().expect("tempdir");
+        let state = dir.path().join("state");
+        std::fs::create_dir(&state).expect("mkdir");
+        std::fs::set_permissions(&state, std::fs::Permissions::from_mode(0o777)).expect("chmod");
+        let err = StateLock::acquire(&state, "run").expect_err("refused");
+        assert!(err.to_string().contains("writable by others (mode 777)"), "{err}");
+        assert!(!state.join(LOCK_FILE).exists(), "nothing written");
+        std::fs::set_permissions(&state, std::fs::Permissions::from_mode(0o755)).expect("chmod");
+        StateLock::acquire(&state, "run").expect("private");
     }
 
     #[test]
