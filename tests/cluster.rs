@@ -509,3 +509,67 @@ async fn only_owned_labels_are_removed_and_steady_state_writes_nothing() {
     assert!(!labels.keys().any(|k| k.starts_with("nvidia.com/gpu.")), "{labels:?}");
     assert_eq!(agent.stop(), 0);
 }
+
+/// The agent's peak resident memory (`VmHWM`), in bytes.
+fn peak_rss(pid: i32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("/proc/<pid>/status");
+    let kib: u64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .expect("VmHWM");
+    kib << 10
+}
+
+/// A Node of 64 MiB (a runaway annotation) from GET and from the watch: each is an error that
+/// names the request and the 16 MiB limit, retried like any API error, and the agent's memory
+/// stays far below the object's size; once the Node is normal again the agent carries on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_oversized_node_is_an_error_and_memory_stays_bounded() {
+    const PADDING: u64 = 64 << 20;
+    let api = apiserver().await;
+    let node = Node::new(
+        &machine("T4", 1),
+        "[kubernetes]\nbackoff_min = \"100ms\"\nbackoff_max = \"200ms\"\npoll_interval = \"200ms\"\n",
+    );
+    install(&node, &api, KubeconfigAuth::Token(TOKEN.into()));
+    let oversized = Failure::Oversized {
+        padding: PADDING,
+        declare_length: false,
+    };
+    // Every GET for a while, then the first watches.
+    api.fail_next_matching(30, "get", "nodes", oversized.clone());
+    api.fail_next_matching(3, "watch", "nodes", oversized);
+    let agent = node.spawn();
+    let status = node.wait_status(T, |s| {
+        s["desired"]["error"]
+            .as_str()
+            .is_some_and(|e| e.contains("over the 16 MiB limit"))
+    });
+    let error = status["desired"]["error"].as_str().unwrap_or_default();
+    assert!(
+        error.starts_with(&format!(
+            "get node \"{NODE}\" (GET /api/v1/nodes/{NODE}?resourceVersion=0): the API server's answer is over the 16 MiB limit"
+        )),
+        "{error}"
+    );
+    // Retried until the faults are used up; then the watches get their oversized event.
+    wait_label(&api, "nvidia.com/gpu.present", Some("true")).await;
+    assert!(
+        api.wait_for(T, |a| a.count("GET", "/api/v1/nodes") > 33 && a.open_watches() > 0)
+            .await,
+        "watching after the oversized answers"
+    );
+    let log = agent.log_text();
+    assert!(
+        log.contains("a watch event line is over the 16 MiB limit"),
+        "the watch's error is logged"
+    );
+    let served = api.requests().iter().filter(|r| r.method == "GET").count();
+    assert!(served > 33, "{served} requests");
+    // 33 answers of 64 MiB each: none was held whole.
+    let peak = peak_rss(agent.pid());
+    eprintln!("agent peak RSS after the oversized answers: {} MiB", peak >> 20);
+    assert!(peak < 100 << 20, "peak RSS {} MiB", peak >> 20);
+    assert_eq!(agent.stop(), 0);
+}

@@ -417,3 +417,111 @@ async fn tls_material_is_checked_at_construction() {
         .to_string();
     assert!(err.contains("cannot read") && err.contains("missing"), "{err}");
 }
+
+/// A Node JSON of about `size` bytes (a padding annotation).
+fn big_node(size: usize) -> String {
+    let padding = "x".repeat(size);
+    format!(
+        r#"{{"kind":"Node","apiVersion":"v1","metadata":{{"name":"gpu-1","uid":"u-1","resourceVersion":"5","annotations":{{"pad":"{padding}"}}}}}}"#
+    )
+}
+
+#[tokio::test]
+async fn answers_over_the_limit_are_an_error_naming_the_path_and_limit() {
+    let limit = crate::kube::limit::MAX_API_BODY;
+    // Chunked, no Content-Length: read until one chunk past the limit.
+    let server = TestServer::start(move |req| {
+        let body = big_node(limit + 1).into_bytes();
+        let chunks: Vec<Vec<u8>> = body.chunks(4 << 20).map(<[u8]>::to_vec).collect();
+        match req.method.as_str() {
+            "GET" if req.path.contains("exact") => Reply::json(200, &big_node(limit - 200)),
+            "GET" if req.path.contains("declared") => Reply::json(200, &big_node(limit)),
+            _ => Reply::chunks(chunks),
+        }
+    })
+    .await;
+    let c = client(&server, Auth::default());
+    let err = c.get_node("gpu-1", false).await.expect_err("too large");
+    assert_eq!(
+        err.to_string(),
+        "get node \"gpu-1\" (GET /api/v1/nodes/gpu-1): the API server's answer is over the 16 MiB limit \
+         (reading stopped there)"
+    );
+    assert!(matches!(err.failure(), Some(ApiFailure::TooLarge { .. })), "{err:?}");
+    // Content-Length over the limit: refused before reading.
+    let err = c.get_node("declared", false).await.expect_err("declared too large");
+    let text = err.to_string();
+    assert!(
+        text.starts_with("get node \"declared\" (GET /api/v1/nodes/declared): the API server's answer is over the 16 MiB limit (Content-Length "),
+        "{text}"
+    );
+    // Under it: read as usual.
+    let node = c.get_node("exact", false).await.expect("under the limit");
+    assert_eq!(node.name, "gpu-1");
+    // A PATCH answer is limited the same way.
+    let err = c
+        .patch_node_metadata(
+            "gpu-1",
+            &BTreeMap::from([("a".into(), Some("b".into()))]),
+            &BTreeMap::new(),
+        )
+        .await
+        .expect_err("patch answer too large")
+        .to_string();
+    assert!(
+        err.starts_with(
+            "patch node \"gpu-1\" (PATCH /api/v1/nodes/gpu-1): the API server's answer is over the 16 MiB limit"
+        ),
+        "{err}"
+    );
+}
+
+#[tokio::test]
+async fn a_watch_event_over_the_limit_ends_the_stream_with_an_error() {
+    let limit = crate::kube::limit::MAX_WATCH_EVENT;
+    let server = TestServer::start(move |_| {
+        let event = format!(r#"{{"type":"MODIFIED","object":{}}}"#, big_node(limit));
+        let mut chunks = vec![format!("{{\"type\":\"MODIFIED\",\"object\":{NODE}}}\n").into_bytes()];
+        chunks.extend(event.as_bytes().chunks(4 << 20).map(<[u8]>::to_vec));
+        Reply::chunks(chunks)
+    })
+    .await;
+    let c = client(&server, Auth::default());
+    let mut stream = c
+        .watch_node("gpu-1", "5", Duration::from_secs(300))
+        .await
+        .expect("watch");
+    assert!(matches!(stream.next().await, Some(Ok(WatchEvent::Modified(_)))));
+    let err = stream.next().await.expect("an item").expect_err("too long");
+    let text = err.to_string();
+    assert!(
+        text.starts_with("watch node \"gpu-1\" (GET /api/v1/nodes?watch=1&")
+            && text.ends_with("a watch event line is over the 16 MiB limit (reading stopped there)"),
+        "{text}"
+    );
+    assert!(stream.next().await.is_none());
+}
+
+#[tokio::test]
+async fn credential_files_over_the_limit_are_refused() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("token");
+    fs::write(
+        &path,
+        vec![b'a'; (crate::kube::limit::MAX_CREDENTIAL_FILE + 1) as usize],
+    )
+    .expect("write");
+    let err = KubeClient::new(
+        creds("https://127.0.0.1:6443", token_file(&path)),
+        &KubernetesConfig::default(),
+    )
+    .expect_err("huge token file")
+    .to_string();
+    assert_eq!(
+        err,
+        format!(
+            "tokenFile: cannot read {}: the file is over the 1 MiB limit (1048577 bytes)",
+            path.display()
+        )
+    );
+}
