@@ -573,3 +573,61 @@ async fn an_oversized_node_is_an_error_and_memory_stays_bounded() {
     assert!(peak < 100 << 20, "peak RSS {} MiB", peak >> 20);
     assert_eq!(agent.stop(), 0);
 }
+
+/// An exec plugin that fails with a secret on stderr: status.json (world-readable) and the log at
+/// the default level say which plugin failed and how, never what it printed; at debug level the
+/// log has it, for whoever runs the agent with RUST_LOG=debug to find out why.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_exec_plugins_stderr_stays_out_of_status_and_the_default_log() {
+    const SECRET: &str = "refresh-token-5ecr3t-b0d7e1";
+    let api = apiserver().await;
+    let node = Node::new(
+        &machine("T4", 1),
+        "[kubernetes]\nbackoff_min = \"100ms\"\nbackoff_max = \"300ms\"\npoll_interval = \"300ms\"\n",
+    );
+    let dir = node.kubeconfig_dir();
+    let script = dir.join("leaky-plugin.sh");
+    std::fs::write(
+        &script,
+        format!("#!/bin/sh\necho \"login failed: POST https://idp.example/token?refresh={SECRET}\" >&2\nexit 1\n"),
+    )
+    .expect("plugin");
+    install(
+        &node,
+        &api,
+        KubeconfigAuth::Exec {
+            // A bare name is looked up in PATH (an absolute one would be a host path under the
+            // test's root).
+            command: PathBuf::from("sh"),
+            args: vec![script.display().to_string()],
+            api_version: "client.authentication.k8s.io/v1".into(),
+        },
+    );
+    // The default log level (the config's `info`), as the packaged unit runs it.
+    let agent = node.spawn_with(|cmd| {
+        cmd.env_remove("RUST_LOG");
+    });
+    let status = node.wait_status(T, |s| {
+        s["desired"]["error"]
+            .as_str()
+            .is_some_and(|e| e.contains("exec credential plugin"))
+    });
+    let status_text = std::fs::read_to_string(node.status_path()).expect("status.json");
+    assert!(!status_text.contains(SECRET), "{status_text}");
+    assert!(!status_text.contains("idp.example"), "{status_text}");
+    let error = status["desired"]["error"].as_str().unwrap_or_default();
+    assert!(
+        error.contains("exec credential plugin \"sh\"") && error.contains("exited with status 1"),
+        "{error}"
+    );
+    let log = agent.log_text();
+    assert!(log.contains("exited with status 1"), "{log}");
+    assert!(!log.contains(SECRET) && !log.contains("idp.example"), "{log}");
+    assert_eq!(agent.stop(), 0);
+
+    // At debug level the stderr is there.
+    let agent = node.spawn();
+    let ok = api.wait_for(T, |_| agent.log_text().contains(SECRET)).await;
+    assert!(ok, "the plugin's stderr at debug level");
+    assert_eq!(agent.stop(), 0);
+}
