@@ -263,10 +263,18 @@ fn stream_response(rx: mpsc::UnboundedReceiver<Bytes>, timeout: Option<Duration>
         .expect("response")
 }
 
-/// [`Failure::Oversized`]: a Node with `padding` bytes in an annotation (in a MODIFIED event
-/// line for a watch), generated 64 KiB at a time as the client reads it.
-fn oversized(route: &Route, query: &HashMap<String, String>, padding: u64, declare_length: bool) -> Response<Body> {
+/// [`Failure::Oversized`]: the Node as stored (or a bare one when there is none) with `padding`
+/// bytes in an annotation (in a MODIFIED event line for a watch), generated 64 KiB at a time as
+/// the client reads it.
+fn oversized(
+    state: &State,
+    route: &Route,
+    query: &HashMap<String, String>,
+    padding: u64,
+    declare_length: bool,
+) -> Response<Body> {
     const CHUNK: usize = 64 << 10;
+    const KEY: &str = "test-apiserver/padding";
     let name = match &route.target {
         Target::Node(name) => name.clone(),
         _ => query
@@ -274,18 +282,26 @@ fn oversized(route: &Route, query: &HashMap<String, String>, padding: u64, decla
             .and_then(|f| f.strip_prefix("metadata.name="))
             .map_or_else(|| "oversized".to_owned(), str::to_owned),
     };
-    let node_head = format!(
-        r#"{{"kind":"Node","apiVersion":"v1","metadata":{{"name":{},"resourceVersion":"1","annotations":{{"test-apiserver/padding":""#,
-        serde_json::Value::String(name)
-    );
-    let (head, tail) = if route.verb == "watch" {
-        (
-            format!(r#"{{"type":"MODIFIED","object":{node_head}"#),
-            "\"}}}}\n".to_owned(),
-        )
+    let mut node = state
+        .store()
+        .node(&name)
+        .cloned()
+        .unwrap_or_else(|| json!({"kind": "Node", "apiVersion": "v1", "metadata": {"name": name}}));
+    node["metadata"]["annotations"][KEY] = json!("");
+    let object = if route.verb == "watch" {
+        json!({"type": "MODIFIED", "object": node})
     } else {
-        (node_head, "\"}}}".to_owned())
+        node
     };
+    let mut text = serde_json::to_string(&object).unwrap_or_default();
+    if route.verb == "watch" {
+        text.push('\n');
+    }
+    // Split inside the empty annotation value: the padding goes between the quotes.
+    let marker = format!("{}:\"", json!(KEY));
+    let at = text.find(&format!("{marker}\"")).map_or(0, |i| i + marker.len());
+    let tail = text.split_off(at);
+    let head = text;
     let length = head.len() as u64 + padding + tail.len() as u64;
     let filler = Bytes::from(vec![b'x'; CHUNK]);
     let pad = futures_util::stream::unfold(padding, move |left| {
@@ -451,7 +467,7 @@ async fn process(
             padding,
             declare_length,
         }) => {
-            return Outcome::Respond(oversized(route, query, padding, declare_length));
+            return Outcome::Respond(oversized(state, route, query, padding, declare_length));
         }
     };
     if let Some(e) = injected {

@@ -94,9 +94,9 @@ pub enum Failure {
     Disconnect,
     /// Serve the request normally, but only after this delay.
     Delay(Duration),
-    /// 200 with an object far larger than any real one: a Node (named by the path or the
-    /// `metadata.name` field selector) whose annotation `test-apiserver/padding` holds
-    /// `padding` bytes; for a watch, one `MODIFIED` event line with that Node, then the end. The
+    /// 200 with an object far larger than any real one: the Node (named by the path or the
+    /// `metadata.name` field selector) as stored, plus an annotation `test-apiserver/padding`
+    /// of `padding` bytes; for a watch, one `MODIFIED` event line with that Node, then the end. The
     /// body is generated as it is sent (the server never holds it), chunked, or with its
     /// `Content-Length` when `declare_length`.
     Oversized { padding: u64, declare_length: bool },

@@ -676,6 +676,7 @@ async fn oversized_answers_are_streamed() {
         }
         let node: Value = serde_json::from_slice(&body).unwrap();
         assert_eq!(node["metadata"]["name"], "gpu-1");
+        assert_eq!(node["metadata"]["labels"]["a"], "1", "the stored Node, padded");
         let pad = node["metadata"]["annotations"]["test-apiserver/padding"]
             .as_str()
             .unwrap();
