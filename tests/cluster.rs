@@ -8,7 +8,7 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use common::{Node, machine};
-use test_apiserver::{Failure, KubeconfigAuth, KubeconfigOptions, TestApiServer};
+use test_apiserver::{Failure, KubeconfigAuth, KubeconfigOptions, Options, TestApiServer};
 use test_kubelet::{KubeletOptions, TestKubelet};
 
 const T: Duration = Duration::from_secs(15);
@@ -629,5 +629,53 @@ async fn an_exec_plugins_stderr_stays_out_of_status_and_the_default_log() {
     let agent = node.spawn();
     let ok = api.wait_for(T, |_| agent.log_text().contains(SECRET)).await;
     assert!(ok, "the plugin's stderr at debug level");
+    assert_eq!(agent.stop(), 0);
+}
+
+/// A kubeconfig with a token for a plain http:// server: refused (nothing is sent) with an error
+/// naming the kubeconfig and the config key; with `allow_insecure_http = true` it works.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_token_is_not_sent_to_a_plain_http_api_server_unless_allowed() {
+    let api = TestApiServer::start_with(Options {
+        plain_http: true,
+        ..Options::default()
+    })
+    .await;
+    api.create_node(NODE, &[]);
+    api.add_token(TOKEN, "system:node:gpu-node-1");
+    let node = Node::new(&machine("T4", 1), "");
+    let kubeconfig = install(&node, &api, KubeconfigAuth::Token(TOKEN.into()));
+    let agent = node.spawn();
+    let status = node.wait_status(T, |s| s["desired"]["source"] == "none");
+    let detail = status["desired"]["detail"].as_str().unwrap_or_default();
+    assert!(
+        detail.contains(&format!(
+            "kubeconfig {}: server {} is plain http://, so the bearer token would be sent in cleartext",
+            kubeconfig.display(),
+            api.url()
+        )) && detail.contains("kubernetes.allow_insecure_http = true"),
+        "{detail}"
+    );
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(api.requests().is_empty(), "nothing sent: {:?}", api.requests());
+    assert!(!agent.log_text().contains(TOKEN));
+    assert_eq!(agent.stop(), 0);
+
+    node.write_config("[kubernetes]\nallow_insecure_http = true\n");
+    let agent = node.spawn();
+    wait_label(&api, "nvidia.com/gpu.present", Some("true")).await;
+    assert!(
+        api.requests()
+            .iter()
+            .all(|r| r.user.as_deref() == Some("system:node:gpu-node-1")),
+        "{:?}",
+        api.requests()
+    );
+    let log = agent.log_text();
+    assert_eq!(
+        log.matches("the bearer token is sent in cleartext").count(),
+        1,
+        "warned once: {log}"
+    );
     assert_eq!(agent.stop(), 0);
 }

@@ -292,6 +292,22 @@ pub enum KubeError {
         reason: String,
     },
 
+    /// The server URL is plain `http://` and a bearer token (or an exec plugin's credential)
+    /// would be sent over it in cleartext, without `kubernetes.allow_insecure_http`.
+    #[error(
+        "{origin}: server {server} is plain http://, so the {credential} would be sent in cleartext: \
+         refusing to connect; use the cluster's https:// URL, or set kubernetes.allow_insecure_http = true \
+         in the agent's config to accept this"
+    )]
+    InsecureHttp {
+        /// Where the credentials came from, e.g. `kubeconfig /etc/kubernetes/kubelet.conf`.
+        origin: String,
+        /// The API server URL.
+        server: String,
+        /// What would be sent: `bearer token`, `exec credential plugin's token`.
+        credential: String,
+    },
+
     /// The TLS material does not make a usable client.
     #[error("{origin}: cannot set up TLS for {server}: {reason}")]
     Tls {

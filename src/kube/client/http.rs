@@ -122,13 +122,6 @@ impl Inner {
         if let Some(alias) = &self.alias {
             builder = builder.dns_resolver(Arc::new(alias.clone()));
         }
-        if self.base.starts_with("http://") {
-            tracing::warn!(
-                "{}: server {} is plain http: requests and credentials are not encrypted",
-                creds.origin,
-                creds.server
-            );
-        }
         builder.build().map_err(|e| tls_err(error_chain(&e)))
     }
 }

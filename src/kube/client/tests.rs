@@ -40,8 +40,14 @@ fn token_file(path: &Path) -> Auth {
     }
 }
 
+/// A client of the plain-http test server: these tests are about the protocol, so they allow
+/// tokens over http (`plain_http_*` below test the refusal itself).
 fn client(server: &TestServer, auth: Auth) -> KubeClient {
-    KubeClient::new(creds(&server.url(), auth), &KubernetesConfig::default()).expect("client")
+    let cfg = KubernetesConfig {
+        allow_insecure_http: true,
+        ..KubernetesConfig::default()
+    };
+    KubeClient::new(creds(&server.url(), auth), &cfg).expect("client")
 }
 
 fn bearer(req: &crate::kube::testserver::Request) -> String {
@@ -416,6 +422,69 @@ async fn tls_material_is_checked_at_construction() {
         .expect_err("missing CA")
         .to_string();
     assert!(err.contains("cannot read") && err.contains("missing"), "{err}");
+}
+
+#[tokio::test]
+async fn plain_http_with_a_token_is_refused_unless_allowed() {
+    let server = TestServer::start(|req| {
+        if bearer(req) == TOKEN {
+            Reply::json(200, NODE)
+        } else {
+            Reply::status(401, "Unauthorized")
+        }
+    })
+    .await;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("token");
+    fs::write(&path, TOKEN).expect("write");
+    let exec = ExecConfig {
+        api_version: ExecApiVersion::V1,
+        command: "/usr/bin/cred".into(),
+        program: "/usr/bin/cred".into(),
+        args: vec![],
+        env: vec![],
+        provide_cluster_info: false,
+        install_hint: None,
+        kubeconfig: "/k".into(),
+    };
+    let inline = Auth {
+        token: Some(TokenSource::Inline(Secret::new(TOKEN))),
+        ..Auth::default()
+    };
+    let exec = Auth {
+        exec: Some(exec),
+        ..Auth::default()
+    };
+    for (auth, what) in [
+        (inline.clone(), "bearer token".to_string()),
+        (token_file(&path), format!("bearer token from {}", path.display())),
+        (exec, "credential of the exec plugin \"/usr/bin/cred\"".to_string()),
+    ] {
+        let err = KubeClient::new(creds(&server.url(), auth), &KubernetesConfig::default())
+            .expect_err("token over http")
+            .to_string();
+        assert!(
+            err.starts_with(&format!("kubeconfig /k: server {} is plain http://", server.url())),
+            "{err}"
+        );
+        assert!(
+            err.contains(&format!("the {what} would be sent in cleartext"))
+                && err.contains("kubernetes.allow_insecure_http = true"),
+            "{err}"
+        );
+        assert!(!err.contains(TOKEN), "{err}");
+    }
+    // Allowed: works as before.
+    let node = client(&server, inline).get_node("gpu-1", false).await.expect("allowed");
+    assert_eq!(node.name, "gpu-1");
+}
+
+#[tokio::test]
+async fn plain_http_without_credentials_needs_no_permission() {
+    let server = TestServer::start(|_| Reply::json(200, NODE)).await;
+    let c = KubeClient::new(creds(&server.url(), Auth::default()), &KubernetesConfig::default())
+        .expect("anonymous over http");
+    assert_eq!(c.get_node("gpu-1", false).await.expect("get").name, "gpu-1");
 }
 
 /// A Node JSON of about `size` bytes (a padding annotation).
