@@ -80,9 +80,10 @@ const SPLIT: &[&str] = &["kube"];
 /// (`kube/mod.rs`, named `kube`) is above its children: a child imports a sibling directly, never
 /// an item the facade defines.
 const SUBLAYERS: &[(&str, u32)] = &[
-    // Leaves: time formats and the test API server (tests only).
+    // Leaves: time formats, the size limits on what is read, the test API server (tests only).
     ("kube/time", 0),
     ("kube/testserver", 0),
+    ("kube/limit", 0),
     // Errors, and what a failed request means.
     ("kube/error", 1),
     // Credentials (the types, the in-cluster reader) and the Node object.

@@ -8,7 +8,7 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use common::{Node, machine};
-use test_apiserver::{Failure, KubeconfigAuth, KubeconfigOptions, TestApiServer};
+use test_apiserver::{Failure, KubeconfigAuth, KubeconfigOptions, Options, TestApiServer};
 use test_kubelet::{KubeletOptions, TestKubelet};
 
 const T: Duration = Duration::from_secs(15);
@@ -507,5 +507,175 @@ async fn only_owned_labels_are_removed_and_steady_state_writes_nothing() {
     assert_eq!(labels.get("nvidia.com/custom").map(String::as_str), Some("keep-me"));
     assert_eq!(labels.get("team").map(String::as_str), Some("ml"));
     assert!(!labels.keys().any(|k| k.starts_with("nvidia.com/gpu.")), "{labels:?}");
+    assert_eq!(agent.stop(), 0);
+}
+
+/// The agent's peak resident memory (`VmHWM`), in bytes.
+fn peak_rss(pid: i32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("/proc/<pid>/status");
+    let kib: u64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .expect("VmHWM");
+    kib << 10
+}
+
+/// A Node of 64 MiB (a runaway annotation) from GET and from the watch: each is an error that
+/// names the request and the 16 MiB limit, retried like any API error, and the agent's memory
+/// stays far below the object's size; once the Node is normal again the agent carries on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_oversized_node_is_an_error_and_memory_stays_bounded() {
+    const PADDING: u64 = 64 << 20;
+    let api = apiserver().await;
+    let node = Node::new(
+        &machine("T4", 1),
+        "[kubernetes]\nbackoff_min = \"100ms\"\nbackoff_max = \"200ms\"\npoll_interval = \"200ms\"\n",
+    );
+    install(&node, &api, KubeconfigAuth::Token(TOKEN.into()));
+    let oversized = Failure::Oversized {
+        padding: PADDING,
+        declare_length: false,
+    };
+    // Every GET for a while, then the first watches.
+    api.fail_next_matching(30, "get", "nodes", oversized.clone());
+    api.fail_next_matching(3, "watch", "nodes", oversized);
+    let agent = node.spawn();
+    let status = node.wait_status(T, |s| {
+        s["desired"]["error"]
+            .as_str()
+            .is_some_and(|e| e.contains("over the 16 MiB limit"))
+    });
+    let error = status["desired"]["error"].as_str().unwrap_or_default();
+    assert!(
+        error.starts_with(&format!(
+            "get node \"{NODE}\" (GET /api/v1/nodes/{NODE}?resourceVersion=0): the API server's answer is over the 16 MiB limit"
+        )),
+        "{error}"
+    );
+    // Retried until the faults are used up; then the watches get their oversized event.
+    wait_label(&api, "nvidia.com/gpu.present", Some("true")).await;
+    assert!(
+        api.wait_for(T, |a| a.count("GET", "/api/v1/nodes") > 33 && a.open_watches() > 0)
+            .await,
+        "watching after the oversized answers"
+    );
+    let log = agent.log_text();
+    assert!(
+        log.contains("a watch event line is over the 16 MiB limit"),
+        "the watch's error is logged"
+    );
+    let served = api.requests().iter().filter(|r| r.method == "GET").count();
+    assert!(served > 33, "{served} requests");
+    // 33 answers of 64 MiB each: none was held whole.
+    let peak = peak_rss(agent.pid());
+    eprintln!("agent peak RSS after the oversized answers: {} MiB", peak >> 20);
+    assert!(peak < 100 << 20, "peak RSS {} MiB", peak >> 20);
+    assert_eq!(agent.stop(), 0);
+}
+
+/// An exec plugin that fails with a secret on stderr: status.json (world-readable) and the log at
+/// the default level say which plugin failed and how, never what it printed; at debug level the
+/// log has it, for whoever runs the agent with RUST_LOG=debug to find out why.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_exec_plugins_stderr_stays_out_of_status_and_the_default_log() {
+    const SECRET: &str = "refresh-token-5ecr3t-b0d7e1";
+    let api = apiserver().await;
+    let node = Node::new(
+        &machine("T4", 1),
+        "[kubernetes]\nbackoff_min = \"100ms\"\nbackoff_max = \"300ms\"\npoll_interval = \"300ms\"\n",
+    );
+    let dir = node.kubeconfig_dir();
+    let script = dir.join("leaky-plugin.sh");
+    std::fs::write(
+        &script,
+        format!("#!/bin/sh\necho \"login failed: POST https://idp.example/token?refresh={SECRET}\" >&2\nexit 1\n"),
+    )
+    .expect("plugin");
+    install(
+        &node,
+        &api,
+        KubeconfigAuth::Exec {
+            // A bare name is looked up in PATH (an absolute one would be a host path under the
+            // test's root).
+            command: PathBuf::from("sh"),
+            args: vec![script.display().to_string()],
+            api_version: "client.authentication.k8s.io/v1".into(),
+        },
+    );
+    // The default log level (the config's `info`), as the packaged unit runs it.
+    let agent = node.spawn_with(|cmd| {
+        cmd.env_remove("RUST_LOG");
+    });
+    let status = node.wait_status(T, |s| {
+        s["desired"]["error"]
+            .as_str()
+            .is_some_and(|e| e.contains("exec credential plugin"))
+    });
+    let status_text = std::fs::read_to_string(node.status_path()).expect("status.json");
+    assert!(!status_text.contains(SECRET), "{status_text}");
+    assert!(!status_text.contains("idp.example"), "{status_text}");
+    let error = status["desired"]["error"].as_str().unwrap_or_default();
+    assert!(
+        error.contains("exec credential plugin \"sh\"") && error.contains("exited with status 1"),
+        "{error}"
+    );
+    let log = agent.log_text();
+    assert!(log.contains("exited with status 1"), "{log}");
+    assert!(!log.contains(SECRET) && !log.contains("idp.example"), "{log}");
+    assert_eq!(agent.stop(), 0);
+
+    // At debug level the stderr is there.
+    let agent = node.spawn();
+    let ok = api.wait_for(T, |_| agent.log_text().contains(SECRET)).await;
+    assert!(ok, "the plugin's stderr at debug level");
+    assert_eq!(agent.stop(), 0);
+}
+
+/// A kubeconfig with a token for a plain http:// server: refused (nothing is sent) with an error
+/// naming the kubeconfig and the config key; with `allow_insecure_http = true` it works.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_token_is_not_sent_to_a_plain_http_api_server_unless_allowed() {
+    let api = TestApiServer::start_with(Options {
+        plain_http: true,
+        ..Options::default()
+    })
+    .await;
+    api.create_node(NODE, &[]);
+    api.add_token(TOKEN, "system:node:gpu-node-1");
+    let node = Node::new(&machine("T4", 1), "");
+    let kubeconfig = install(&node, &api, KubeconfigAuth::Token(TOKEN.into()));
+    let agent = node.spawn();
+    let status = node.wait_status(T, |s| s["desired"]["source"] == "none");
+    let detail = status["desired"]["detail"].as_str().unwrap_or_default();
+    assert!(
+        detail.contains(&format!(
+            "kubeconfig {}: server {} is plain http://, so the bearer token would be sent in cleartext",
+            kubeconfig.display(),
+            api.url()
+        )) && detail.contains("kubernetes.allow_insecure_http = true"),
+        "{detail}"
+    );
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(api.requests().is_empty(), "nothing sent: {:?}", api.requests());
+    assert!(!agent.log_text().contains(TOKEN));
+    assert_eq!(agent.stop(), 0);
+
+    node.write_config("[kubernetes]\nallow_insecure_http = true\n");
+    let agent = node.spawn();
+    wait_label(&api, "nvidia.com/gpu.present", Some("true")).await;
+    assert!(
+        api.requests()
+            .iter()
+            .all(|r| r.user.as_deref() == Some("system:node:gpu-node-1")),
+        "{:?}",
+        api.requests()
+    );
+    let log = agent.log_text();
+    assert_eq!(
+        log.matches("the bearer token is sent in cleartext").count(),
+        1,
+        "warned once: {log}"
+    );
     assert_eq!(agent.stop(), 0);
 }

@@ -35,6 +35,8 @@ pub const DEFAULT_KUBECONFIG_SEARCH: &[&str] = &[
 pub const DEFAULT_IN_CLUSTER_DIR: &str = "/var/run/secrets/kubernetes.io/serviceaccount";
 /// Post Kubernetes Events on the Node for state transitions.
 pub const DEFAULT_EVENTS: bool = true;
+/// Send a bearer token (or an exec plugin's token) to a plain `http://` API server.
+pub const DEFAULT_ALLOW_INSECURE_HTTP: bool = false;
 
 /// Label naming the desired MIG layout.
 pub const DEFAULT_LABEL_MIG_CONFIG: &str = "nvidia.com/mig.config";
@@ -87,6 +89,11 @@ pub struct KubernetesConfig {
     pub backoff_max: Duration,
     /// Post Events on the Node for state transitions.
     pub events: bool,
+    /// Allow sending a bearer token (inline, `tokenFile`, or from an exec plugin) to an API
+    /// server whose URL is plain `http://`, where anyone on the path can read it. `false` (the
+    /// default) refuses such a kubeconfig; an `http://` server without credentials works either
+    /// way.
+    pub allow_insecure_http: bool,
 }
 
 impl Default for KubernetesConfig {
@@ -104,6 +111,7 @@ impl Default for KubernetesConfig {
             backoff_min: DEFAULT_BACKOFF_MIN,
             backoff_max: DEFAULT_BACKOFF_MAX,
             events: DEFAULT_EVENTS,
+            allow_insecure_http: DEFAULT_ALLOW_INSECURE_HTTP,
         }
     }
 }

@@ -158,6 +158,9 @@ impl KubeClient {
             }
         };
         let base = url.as_str().trim_end_matches('/').to_string();
+        if url.scheme() == "http" {
+            plain_http(&creds, cfg.allow_insecure_http)?;
+        }
         let refreshable = matches!(creds.auth.token, Some(TokenSource::File { .. }))
             || creds.auth.exec.is_some()
             || creds
@@ -193,6 +196,43 @@ impl KubeClient {
     /// The credentials this client uses.
     pub fn credentials(&self) -> &Credentials {
         &self.inner.creds
+    }
+}
+
+/// A plain `http://` server: refused when a bearer token would be sent over it (an inline
+/// token, a token file, an exec plugin's token) unless `kubernetes.allow_insecure_http`; else
+/// one warning per client. A client certificate is never sent without TLS, so it alone leaks
+/// nothing (and authenticates nothing).
+fn plain_http(creds: &Credentials, allowed: bool) -> Result<(), KubeError> {
+    let credential = match (&creds.auth.token, &creds.auth.exec) {
+        (Some(TokenSource::Inline(_)), _) => Some("bearer token".to_string()),
+        (Some(TokenSource::File { path, .. }), _) => Some(format!("bearer token from {}", path.display())),
+        (None, Some(exec)) => Some(format!("credential of the exec plugin {:?}", exec.command)),
+        (None, None) => None,
+    };
+    match credential {
+        Some(credential) if !allowed => Err(KubeError::InsecureHttp {
+            origin: creds.origin.to_string(),
+            server: creds.server.clone(),
+            credential,
+        }),
+        Some(credential) => {
+            tracing::warn!(
+                "{}: server {} is plain http: the {credential} is sent in cleartext, readable by anyone on \
+                 the network path (allowed by kubernetes.allow_insecure_http)",
+                creds.origin,
+                creds.server
+            );
+            Ok(())
+        }
+        None => {
+            tracing::warn!(
+                "{}: server {} is plain http: requests and answers are not encrypted",
+                creds.origin,
+                creds.server
+            );
+            Ok(())
+        }
     }
 }
 

@@ -13,6 +13,7 @@ use super::credentials::{
 };
 use super::error::KubeError;
 use super::kubeconfig;
+use super::limit::{self, MAX_KUBECONFIG};
 
 /// Finds the credentials, reading the process environment. See [`discover_with`].
 pub fn discover(cfg: &KubernetesConfig, root: &HostRoot) -> Result<Option<Credentials>, KubeError> {
@@ -81,11 +82,14 @@ pub fn discover_with(
 
 /// Reads and resolves one kubeconfig file (already under the root).
 pub fn load_kubeconfig(path: &Path, found_by: FoundBy, root: &HostRoot) -> Result<Credentials, KubeError> {
-    let text = std::fs::read_to_string(path).map_err(|source| KubeError::ReadFile {
+    let read_err = |source| KubeError::ReadFile {
         what: "kubeconfig".into(),
         path: path.to_path_buf(),
         source,
-    })?;
+    };
+    let data = limit::read_file(path, MAX_KUBECONFIG).map_err(read_err)?;
+    let text = String::from_utf8(data)
+        .map_err(|_| read_err(std::io::Error::new(std::io::ErrorKind::InvalidData, "not UTF-8 text")))?;
     kubeconfig::resolve(&text, path, found_by, root)
 }
 
@@ -221,6 +225,29 @@ mod tests {
 
         f.cfg.enabled = false;
         assert!(f.discover(&env).expect("disabled").is_none());
+    }
+
+    #[test]
+    fn a_kubeconfig_over_the_limit_is_refused() {
+        let f = Fixture::new();
+        let mut text = kubeconfig("https://first:6443");
+        f.write("/etc/kubernetes/kubelet.conf", &text);
+        assert!(f.discover(&[]).expect("at a normal size").is_some());
+        // A comment pads it to one byte over the limit.
+        text.push('#');
+        let pad = MAX_KUBECONFIG as usize + 1 - text.len() - 1;
+        text.push_str(&" ".repeat(pad));
+        text.push('\n');
+        f.write("/etc/kubernetes/kubelet.conf", &text);
+        let err = f.discover(&[]).expect_err("too large").to_string();
+        let path = f.root().join("/etc/kubernetes/kubelet.conf");
+        assert_eq!(
+            err,
+            format!(
+                "kubeconfig: cannot read {}: the file is over the 1 MiB limit (1048577 bytes)",
+                path.display()
+            )
+        );
     }
 
     #[test]

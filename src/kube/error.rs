@@ -10,6 +10,8 @@ use std::time::Duration;
 
 use serde::Deserialize;
 
+use super::limit::{BodyError, size};
+
 /// A Kubernetes `Status` object, as sent with API errors and in watch `ERROR` events.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct ApiStatus {
@@ -123,6 +125,15 @@ pub enum ApiFailure {
     Http(Box<HttpFailure>),
     /// The answer was not what the API promises.
     Decode(String),
+    /// The answer (or one watch event line) is larger than the agent reads; see `kube::limit`.
+    TooLarge {
+        /// What was too large: `the API server's answer`, `a watch event line`.
+        what: &'static str,
+        /// The limit, in bytes.
+        limit: usize,
+        /// The `Content-Length` that was over it, when the answer declared one.
+        declared: Option<u64>,
+    },
     /// No usable credentials for the request (a token file that cannot be read, an exec plugin
     /// that failed, a certificate that does not parse).
     Credentials(Box<KubeError>),
@@ -136,6 +147,13 @@ impl fmt::Display for ApiFailure {
             ApiFailure::Transport(m) => f.write_str(m),
             ApiFailure::Http(h) => h.fmt(f),
             ApiFailure::Decode(m) => write!(f, "unexpected answer: {m}"),
+            ApiFailure::TooLarge { what, limit, declared } => {
+                write!(f, "{what} is over the {} limit", size(*limit as u64))?;
+                match declared {
+                    Some(n) => write!(f, " (Content-Length {n}; not read)"),
+                    None => f.write_str(" (reading stopped there)"),
+                }
+            }
             ApiFailure::Credentials(e) => write!(f, "no usable credentials: {e}"),
         }
     }
@@ -163,6 +181,9 @@ impl ApiFailure {
             ApiFailure::Connect(_) | ApiFailure::Timeout | ApiFailure::Transport(_) => true,
             ApiFailure::Http(h) => h.code == 429 || h.code >= 500,
             ApiFailure::Decode(_) => false,
+            // Retried on the caller's backoff like any error, but not as is at once: an object
+            // does not shrink by itself.
+            ApiFailure::TooLarge { .. } => false,
             ApiFailure::Credentials(e) => e.is_transient(),
         }
     }
@@ -178,6 +199,18 @@ pub(crate) fn request_failure(e: reqwest::Error) -> ApiFailure {
         ApiFailure::Connect(error_chain(&e))
     } else {
         ApiFailure::Transport(error_chain(&e))
+    }
+}
+
+/// What a failed bounded body read ([`super::limit::read_body`]) means to a caller.
+pub(crate) fn body_failure(e: BodyError) -> ApiFailure {
+    match e {
+        BodyError::TooLarge { limit, declared } => ApiFailure::TooLarge {
+            what: "the API server's answer",
+            limit,
+            declared,
+        },
+        BodyError::Transport(e) => request_failure(e),
     }
 }
 
@@ -257,6 +290,22 @@ pub enum KubeError {
         command: String,
         /// What went wrong; never the plugin's output.
         reason: String,
+    },
+
+    /// The server URL is plain `http://` and a bearer token (or an exec plugin's credential)
+    /// would be sent over it in cleartext, without `kubernetes.allow_insecure_http`.
+    #[error(
+        "{origin}: server {server} is plain http://, so the {credential} would be sent in cleartext: \
+         refusing to connect; use the cluster's https:// URL, or set kubernetes.allow_insecure_http = true \
+         in the agent's config to accept this"
+    )]
+    InsecureHttp {
+        /// Where the credentials came from, e.g. `kubeconfig /etc/kubernetes/kubelet.conf`.
+        origin: String,
+        /// The API server URL.
+        server: String,
+        /// What would be sent: `bearer token`, `exec credential plugin's token`.
+        credential: String,
     },
 
     /// The TLS material does not make a usable client.

@@ -1,6 +1,7 @@
 //! Exec credential plugins (`client.authentication.k8s.io/v1` and `v1beta1`): run the command
 //! (argv, never a shell) with `KUBERNETES_EXEC_INFO` set, and parse the `ExecCredential` it
-//! prints. Errors never contain the plugin's output.
+//! prints. Errors never contain the plugin's output (stdout or stderr), and both are read
+//! within limits.
 
 use std::process::Stdio;
 use std::time::{Duration, SystemTime};
@@ -10,6 +11,7 @@ use serde::Deserialize;
 
 use super::credentials::{ExecApiVersion, ExecConfig, Secret};
 use super::error::KubeError;
+use super::limit::{MAX_EXEC_OUTPUT, MAX_EXEC_STDERR, size};
 use super::time::parse_rfc3339;
 
 /// How long a plugin may run.
@@ -167,7 +169,10 @@ pub fn identity_pem(key: &[u8], cert: &[u8]) -> Vec<u8> {
     pem
 }
 
-/// Runs the plugin and parses its credential.
+/// Runs the plugin and parses its credential. Its stdout is read up to [`MAX_EXEC_OUTPUT`]
+/// (more is an error, and the plugin is killed); its stderr, which may hold anything (a
+/// token, a URL with a key in it), never goes into the error, which reaches `status.json` and
+/// Events: the first [`MAX_EXEC_STDERR`] of it are logged at debug level, the rest is dropped.
 pub async fn run_plugin(exec: &ExecConfig, cluster: Option<&ClusterInfo>) -> Result<ExecOutput, KubeError> {
     let fail = |reason: String| KubeError::ExecPlugin {
         kubeconfig: exec.kubeconfig.clone(),
@@ -184,37 +189,114 @@ pub async fn run_plugin(exec: &ExecConfig, cluster: Option<&ClusterInfo>) -> Res
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .kill_on_drop(true);
-    let child = command.spawn().map_err(|e| {
+    // Dropped (and so killed, if still running) on every way out of this function.
+    let mut child = command.spawn().map_err(|e| {
         let hint = match (&exec.install_hint, e.kind()) {
             (Some(hint), std::io::ErrorKind::NotFound) => format!(" ({})", hint.trim()),
             _ => String::new(),
         };
         fail(format!("cannot run {}: {e}{hint}", exec.program.display()))
     })?;
-    let output = match tokio::time::timeout(EXEC_TIMEOUT, child.wait_with_output()).await {
+    let stdout = child.stdout.take();
+    let stderr = child.stderr.take();
+    let run = async {
+        let (stdout, stderr) = tokio::try_join!(
+            read_output(stdout, MAX_EXEC_OUTPUT, true),
+            read_output(stderr, MAX_EXEC_STDERR, false),
+        )?;
+        let status = child.wait().await.map_err(ReadFailure::Io)?;
+        Ok::<_, ReadFailure>((status, stdout, stderr))
+    };
+    let (status, stdout, stderr) = match tokio::time::timeout(EXEC_TIMEOUT, run).await {
         Err(_) => return Err(fail(format!("did not finish within {}s", EXEC_TIMEOUT.as_secs()))),
-        Ok(Err(e)) => return Err(fail(format!("cannot read its output: {e}"))),
+        Ok(Err(ReadFailure::TooLong)) => {
+            return Err(fail(format!(
+                "printed more than the {} limit on stdout (an ExecCredential is a few KiB)",
+                size(MAX_EXEC_OUTPUT as u64)
+            )));
+        }
+        Ok(Err(ReadFailure::Io(e))) => return Err(fail(format!("cannot read its output: {e}"))),
         Ok(Ok(output)) => output,
     };
-    if !output.status.success() {
-        return Err(fail(format!(
-            "exited with {}{}",
-            output.status,
-            stderr_tail(&output.stderr)
-        )));
+    let stderr_note = log_stderr(exec, &stderr);
+    if !status.success() {
+        return Err(fail(format!("{}{stderr_note}", exit_text(status))));
     }
-    parse_exec_credential(&output.stdout, exec.api_version).map_err(fail)
+    parse_exec_credential(&stdout.kept, exec.api_version).map_err(fail)
 }
 
-/// The last line or so of a plugin's stderr, for the error message.
-fn stderr_tail(stderr: &[u8]) -> String {
-    let text = String::from_utf8_lossy(stderr);
+/// What a plugin printed on one stream: the first bytes kept, and how many there were.
+struct Output {
+    kept: Vec<u8>,
+    total: u64,
+}
+
+enum ReadFailure {
+    /// More than the limit on a stream that must not exceed it.
+    TooLong,
+    Io(std::io::Error),
+}
+
+/// Reads a stream to its end, keeping the first `keep` bytes. `refuse_more`: more than `keep`
+/// is [`ReadFailure::TooLong`] (stdout); else the rest is read and dropped, so that the plugin
+/// is never blocked on a full pipe (stderr).
+async fn read_output(
+    stream: Option<impl tokio::io::AsyncRead + Unpin>,
+    keep: usize,
+    refuse_more: bool,
+) -> Result<Output, ReadFailure> {
+    use tokio::io::AsyncReadExt;
+    let mut output = Output {
+        kept: Vec::new(),
+        total: 0,
+    };
+    let Some(mut stream) = stream else {
+        return Ok(output);
+    };
+    let mut buf = vec![0u8; 16 << 10];
+    loop {
+        let n = stream.read(&mut buf).await.map_err(ReadFailure::Io)?;
+        if n == 0 {
+            return Ok(output);
+        }
+        output.total += n as u64;
+        if output.total > keep as u64 && refuse_more {
+            return Err(ReadFailure::TooLong);
+        }
+        let room = keep.saturating_sub(output.kept.len()).min(n);
+        output.kept.extend_from_slice(&buf[..room]);
+    }
+}
+
+/// `exited with status 1`, `was killed by signal 9`.
+fn exit_text(status: std::process::ExitStatus) -> String {
+    use std::os::unix::process::ExitStatusExt;
+    match (status.code(), status.signal()) {
+        (Some(code), _) => format!("exited with status {code}"),
+        (None, Some(signal)) => format!("was killed by signal {signal}"),
+        (None, None) => format!("ended with {status}"),
+    }
+}
+
+/// Logs the plugin's stderr at debug level (its first [`MAX_EXEC_STDERR`], as one escaped
+/// line) and returns what the error may say about it: only that it exists.
+fn log_stderr(exec: &ExecConfig, stderr: &Output) -> String {
+    let text = String::from_utf8_lossy(&stderr.kept);
     let text = text.trim();
     if text.is_empty() {
         return String::new();
     }
-    let start = text.char_indices().rev().nth(299).map_or(0, |(i, _)| i);
-    format!(": {}", text[start..].replace('\n', " | "))
+    let cut = if stderr.total > stderr.kept.len() as u64 {
+        format!(" (first {} of {} bytes)", size(MAX_EXEC_STDERR as u64), stderr.total)
+    } else {
+        String::new()
+    };
+    tracing::debug!(
+        "exec credential plugin {:?} (kubeconfig {}) wrote on stderr{cut}: {text:?}",
+        exec.command,
+        exec.kubeconfig.display()
+    );
+    "; its stderr is in the agent's log at debug level (not shown here: it may hold secrets)".to_string()
 }
 
 #[cfg(test)]
@@ -268,6 +350,37 @@ mod tests {
             assert!(err.contains(expected), "{err}");
             assert!(!err.contains(TOKEN), "{err}");
         }
+    }
+
+    fn shell(script: &str) -> ExecConfig {
+        ExecConfig {
+            api_version: V1,
+            command: "sh".into(),
+            program: "sh".into(),
+            args: vec!["-c".into(), script.into()],
+            env: vec![],
+            provide_cluster_info: false,
+            install_hint: None,
+            kubeconfig: "/k".into(),
+        }
+    }
+
+    #[tokio::test]
+    async fn output_over_the_limit_is_refused_without_waiting() {
+        // Endless stdout: refused once past the limit, long before EXEC_TIMEOUT.
+        let started = std::time::Instant::now();
+        let err = run_plugin(&shell("yes"), None).await.expect_err("endless").to_string();
+        assert!(err.contains("more than the 1 MiB limit on stdout"), "{err}");
+        assert!(started.elapsed() < Duration::from_secs(20), "{:?}", started.elapsed());
+
+        // A credential after a flood of stderr: the stderr is drained (the plugin never blocks
+        // on a full pipe) and dropped, the credential is used.
+        let ok = shell(&format!(
+            "head -c 5000000 /dev/zero | tr '\\0' x >&2; \
+             printf '{{\"apiVersion\":\"client.authentication.k8s.io/v1\",\"kind\":\"ExecCredential\",\"status\":{{\"token\":\"{TOKEN}\"}}}}'"
+        ));
+        let out = run_plugin(&ok, None).await.expect("credential after stderr");
+        assert_eq!(out.token.as_ref().map(Secret::expose), Some(TOKEN));
     }
 
     #[test]
@@ -339,8 +452,23 @@ mod tests {
         };
         let err = run_plugin(&failing, None).await.expect_err("exit 3").to_string();
         assert!(
-            err.contains("exit status: 3") && err.contains("bad args") && err.contains("/k"),
+            err.contains("exited with status 3") && err.contains("/k") && err.contains("debug level"),
             "{err}"
+        );
+        // What it printed on stderr is for the debug log only: errors reach status.json.
+        assert!(!err.contains("bad args"), "{err}");
+
+        // A secret on stderr and a failure: the error names the plugin and the exit status only.
+        let leaky = ExecConfig {
+            args: vec!["-c".into(), format!("echo 'Authorization: Bearer {TOKEN}' >&2; exit 1")],
+            ..exec.clone()
+        };
+        let err = run_plugin(&leaky, None).await.expect_err("exit 1");
+        let shown = format!("{err} {err:?}");
+        assert!(!shown.contains(TOKEN), "{shown}");
+        assert!(
+            shown.contains("\"sh\"") && shown.contains("exited with status 1"),
+            "{shown}"
         );
 
         let missing = ExecConfig {

@@ -19,6 +19,7 @@ mod discover;
 mod error;
 mod exec;
 mod kubeconfig;
+mod limit;
 mod node;
 mod time;
 mod watch;
@@ -39,6 +40,10 @@ pub use discover::{discover, discover_with, load_kubeconfig};
 pub(crate) use error::error_chain;
 pub use error::{ApiFailure, ApiStatus, HttpFailure, KubeError};
 pub use exec::{EXEC_TIMEOUT, EXPIRY_MARGIN};
+pub use limit::{
+    MAX_API_BODY, MAX_CREDENTIAL_FILE, MAX_ERROR_BODY, MAX_EXEC_OUTPUT, MAX_EXEC_STDERR, MAX_KUBECONFIG,
+    MAX_WATCH_EVENT,
+};
 pub use node::Node;
 pub use time::{format_rfc3339, parse_rfc3339};
 pub use watch::{WatchEvent, WatchStream};

@@ -9,10 +9,8 @@ use futures_util::Stream;
 use serde::Deserialize;
 
 use super::error::{ApiFailure, ApiStatus, KubeError, request_failure};
+use super::limit::MAX_WATCH_EVENT;
 use super::node::{Node, RawObject};
-
-/// Longest event line accepted (a Node with a long image list is a few hundred KiB).
-pub const MAX_LINE: usize = 16 << 20;
 
 /// One watch event.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -112,9 +110,12 @@ impl ReadState {
                 }
                 Ok(Err(e)) => return Some(Err(self.fail(request_failure(e)))),
                 Ok(Ok(Some(chunk))) => {
-                    if let Err(len) = self.lines.push(&chunk) {
-                        let message = format!("an event line longer than {len} bytes");
-                        return Some(Err(self.fail(ApiFailure::Decode(message))));
+                    if let Err(limit) = self.lines.push(&chunk) {
+                        return Some(Err(self.fail(ApiFailure::TooLarge {
+                            what: "a watch event line",
+                            limit,
+                            declared: None,
+                        })));
                     }
                 }
                 Ok(Ok(None)) => {
@@ -140,28 +141,56 @@ impl ReadState {
     }
 }
 
-/// Splits a byte stream into lines, across chunk boundaries.
-#[derive(Debug, Default)]
+/// Splits a byte stream into lines, across chunk boundaries, refusing lines longer than its
+/// limit ([`MAX_WATCH_EVENT`] by default): it never holds more than the limit plus one chunk.
+#[derive(Debug)]
 pub(crate) struct LineBuffer {
     buf: Vec<u8>,
     /// Bytes before this are consumed.
     start: usize,
     /// Bytes before this (from `start`) hold no newline.
     scanned: usize,
+    /// Bytes of the line not yet ended by a newline.
+    partial: usize,
+    /// Longest line accepted, without its newline.
+    limit: usize,
+}
+
+impl Default for LineBuffer {
+    fn default() -> Self {
+        LineBuffer::with_limit(MAX_WATCH_EVENT)
+    }
 }
 
 impl LineBuffer {
-    /// Appends a chunk. `Err(MAX_LINE)` when a line grows past [`MAX_LINE`].
+    /// A buffer accepting lines of up to `limit` bytes.
+    pub fn with_limit(limit: usize) -> LineBuffer {
+        LineBuffer {
+            buf: Vec::new(),
+            start: 0,
+            scanned: 0,
+            partial: 0,
+            limit,
+        }
+    }
+
+    /// Appends a chunk. `Err(limit)` when it holds, or continues, a line longer than the limit;
+    /// the chunk is then not kept.
     pub fn push(&mut self, chunk: &[u8]) -> Result<(), usize> {
+        let mut partial = self.partial;
+        for (i, segment) in chunk.split(|&b| b == b'\n').enumerate() {
+            partial = if i == 0 { partial + segment.len() } else { segment.len() };
+            if partial > self.limit {
+                return Err(self.limit);
+            }
+        }
+        self.partial = partial;
         if self.start > 0 {
             self.buf.drain(..self.start);
             self.scanned -= self.start;
             self.start = 0;
         }
         self.buf.extend_from_slice(chunk);
-        if self.buf.len() > MAX_LINE && !self.buf[self.scanned..].contains(&b'\n') {
-            return Err(MAX_LINE);
-        }
         Ok(())
     }
 
@@ -282,7 +311,32 @@ mod tests {
                 break;
             }
         }
-        assert_eq!(result, Err(MAX_LINE));
+        assert_eq!(result, Err(MAX_WATCH_EVENT));
+        assert!(buf.buf.len() <= MAX_WATCH_EVENT, "held {} bytes", buf.buf.len());
+    }
+
+    #[test]
+    fn a_line_of_exactly_the_limit_is_accepted_one_more_byte_is_not() {
+        // Whatever the chunking, a 10-byte line passes and an 11-byte one does not.
+        for split in 0..=11 {
+            let mut buf = LineBuffer::with_limit(10);
+            let text = b"0123456789\nabc\n";
+            let (a, b) = text.split_at(split.min(text.len()));
+            buf.push(a).expect("first part");
+            buf.push(b).expect("second part");
+            assert_eq!(buf.next_line().as_deref(), Some(&b"0123456789"[..]));
+            assert_eq!(buf.next_line().as_deref(), Some(&b"abc"[..]));
+
+            let mut buf = LineBuffer::with_limit(10);
+            let text = b"abc\n0123456789X\n";
+            let (a, b) = text.split_at(split.min(text.len()));
+            let refused = buf.push(a).and_then(|()| buf.push(b));
+            assert_eq!(refused, Err(10), "split at {split}");
+        }
+        // The last line, without a newline, is limited too.
+        let mut buf = LineBuffer::with_limit(10);
+        buf.push(b"0123456789").expect("at the limit");
+        assert_eq!(buf.push(b"X"), Err(10));
     }
 
     #[test]

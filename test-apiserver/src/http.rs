@@ -7,6 +7,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
+use futures_util::StreamExt as _;
 use http_body_util::combinators::UnsyncBoxBody;
 use http_body_util::{BodyExt as _, Full, StreamBody};
 use hyper::body::{Frame, Incoming};
@@ -29,7 +30,7 @@ use crate::{Failure, RequestRecord, State};
 pub(crate) type Body = UnsyncBoxBody<Bytes, Infallible>;
 
 /// Accepts connections until shutdown. While the server is down, connections are reset at once.
-pub(crate) async fn serve(state: Arc<State>, listener: TcpListener, acceptor: TlsAcceptor) {
+pub(crate) async fn serve(state: Arc<State>, listener: TcpListener, acceptor: Option<TlsAcceptor>) {
     let mut shutdown = state.shutdown.subscribe();
     loop {
         let accepted = tokio::select! {
@@ -58,7 +59,7 @@ fn reset(tcp: tokio::net::TcpStream) {
     drop(tcp);
 }
 
-async fn connection(state: Arc<State>, acceptor: TlsAcceptor, tcp: tokio::net::TcpStream) {
+async fn connection(state: Arc<State>, acceptor: Option<TlsAcceptor>, tcp: tokio::net::TcpStream) {
     // Going down bumps `cuts`; a connection ends at the first bump after it started, even if the
     // server is already up again by the time this task looks.
     let mut cuts = state.cuts.subscribe();
@@ -69,6 +70,10 @@ async fn connection(state: Arc<State>, acceptor: TlsAcceptor, tcp: tokio::net::T
         return;
     }
     let serve = async {
+        let Some(acceptor) = acceptor else {
+            // Plain http: no certificate, bearer tokens only.
+            return serve_io(state.clone(), None, tcp).await;
+        };
         let Ok(Ok(tls)) = tokio::time::timeout(Duration::from_secs(10), acceptor.accept(tcp)).await else {
             return;
         };
@@ -77,17 +82,24 @@ async fn connection(state: Arc<State>, acceptor: TlsAcceptor, tcp: tokio::net::T
             .1
             .peer_certificates()
             .and_then(|chain| state.pki.authenticate(chain));
-        let conn = Arc::new(identity);
-        let state = state.clone();
-        let service = hyper::service::service_fn(move |req| handle(state.clone(), conn.clone(), req));
-        let builder = auto::Builder::new(TokioExecutor::new());
-        let _ = builder.serve_connection(TokioIo::new(tls), service).await;
+        serve_io(state.clone(), identity, tls).await;
     };
     tokio::select! {
         _ = serve => {}
         _ = cuts.wait_for(|c| *c != started) => {}
         _ = shutdown.wait_for(|s| *s) => {}
     }
+}
+
+/// Serves HTTP/1.1 or HTTP/2 on one connection, as `identity` (the client certificate's).
+async fn serve_io<I>(state: Arc<State>, identity: Option<CertIdentity>, io: I)
+where
+    I: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+{
+    let conn = Arc::new(identity);
+    let service = hyper::service::service_fn(move |req| handle(state.clone(), conn.clone(), req));
+    let builder = auto::Builder::new(TokioExecutor::new());
+    let _ = builder.serve_connection(TokioIo::new(io), service).await;
 }
 
 /// What a request addresses.
@@ -251,6 +263,65 @@ fn stream_response(rx: mpsc::UnboundedReceiver<Bytes>, timeout: Option<Duration>
         .expect("response")
 }
 
+/// [`Failure::Oversized`]: the Node as stored (or a bare one when there is none) with `padding`
+/// bytes in an annotation (in a MODIFIED event line for a watch), generated 64 KiB at a time as
+/// the client reads it.
+fn oversized(
+    state: &State,
+    route: &Route,
+    query: &HashMap<String, String>,
+    padding: u64,
+    declare_length: bool,
+) -> Response<Body> {
+    const CHUNK: usize = 64 << 10;
+    const KEY: &str = "test-apiserver/padding";
+    let name = match &route.target {
+        Target::Node(name) => name.clone(),
+        _ => query
+            .get("fieldSelector")
+            .and_then(|f| f.strip_prefix("metadata.name="))
+            .map_or_else(|| "oversized".to_owned(), str::to_owned),
+    };
+    let mut node = state
+        .store()
+        .node(&name)
+        .cloned()
+        .unwrap_or_else(|| json!({"kind": "Node", "apiVersion": "v1", "metadata": {"name": name}}));
+    node["metadata"]["annotations"][KEY] = json!("");
+    let object = if route.verb == "watch" {
+        json!({"type": "MODIFIED", "object": node})
+    } else {
+        node
+    };
+    let mut text = serde_json::to_string(&object).unwrap_or_default();
+    if route.verb == "watch" {
+        text.push('\n');
+    }
+    // Split inside the empty annotation value: the padding goes between the quotes.
+    let marker = format!("{}:\"", json!(KEY));
+    let at = text.find(&format!("{marker}\"")).map_or(0, |i| i + marker.len());
+    let tail = text.split_off(at);
+    let head = text;
+    let length = head.len() as u64 + padding + tail.len() as u64;
+    let filler = Bytes::from(vec![b'x'; CHUNK]);
+    let pad = futures_util::stream::unfold(padding, move |left| {
+        let filler = filler.clone();
+        async move {
+            let n = usize::try_from(left.min(CHUNK as u64)).unwrap_or(CHUNK);
+            (n > 0).then(|| (filler.slice(..n), left - n as u64))
+        }
+    });
+    let stream = futures_util::stream::once(async move { Bytes::from(head) })
+        .chain(pad)
+        .chain(futures_util::stream::once(async move { Bytes::from(tail) }))
+        .map(|b| Ok::<_, Infallible>(Frame::data(b)));
+    let mut builder = base_response(200);
+    if declare_length {
+        builder = builder.header(hyper::header::CONTENT_LENGTH, length);
+    }
+    builder.body(StreamBody::new(stream).boxed_unsync()).expect("response")
+}
+
 fn forbidden(route: &Route, user: &str, path: &str) -> ApiError {
     let (name, namespace) = match &route.target {
         Target::Node(n) => (Some(n.as_str()), None),
@@ -392,6 +463,12 @@ async fn process(
         Some(Failure::Internal) => Some(ApiError::internal("injected failure")),
         Some(Failure::Unavailable) => Some(ApiError::unavailable()),
         Some(Failure::Timeout) => Some(ApiError::timeout()),
+        Some(Failure::Oversized {
+            padding,
+            declare_length,
+        }) => {
+            return Outcome::Respond(oversized(state, route, query, padding, declare_length));
+        }
     };
     if let Some(e) = injected {
         return Outcome::Respond(error_response(&e));

@@ -89,7 +89,9 @@ pub(crate) fn write(
         "clusters:\n- name: test-apiserver\n  cluster:\n    server: {}",
         q(server)
     );
-    if opts.ca_file {
+    if server.starts_with("http://") {
+        // No TLS, no CA to name.
+    } else if opts.ca_file {
         write_file(&dir.join("ca.crt"), ca_pem, 0o644);
         let _ = writeln!(y, "    certificate-authority: ca.crt");
     } else {

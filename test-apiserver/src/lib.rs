@@ -1,6 +1,7 @@
 //! A Kubernetes API server stand-in for tests: Nodes and core/v1 Events over HTTPS on loopback.
 //!
-//! [`TestApiServer::start`] serves `https://127.0.0.1:PORT` with a fresh CA. It answers like
+//! [`TestApiServer::start`] serves `https://127.0.0.1:PORT` with a fresh CA (or plain `http://`
+//! with [`Options::plain_http`]). It answers like
 //! kube-apiserver where the node agent can tell: `Status` error bodies, GET/LIST, merge,
 //! strategic-merge and JSON patches, resourceVersion preconditions (409), label validation (422),
 //! watch streams with bookmarks, timeouts and 410 `Expired`, bearer-token and client-certificate
@@ -93,6 +94,12 @@ pub enum Failure {
     Disconnect,
     /// Serve the request normally, but only after this delay.
     Delay(Duration),
+    /// 200 with an object far larger than any real one: the Node (named by the path or the
+    /// `metadata.name` field selector) as stored, plus an annotation `test-apiserver/padding`
+    /// of `padding` bytes; for a watch, one `MODIFIED` event line with that Node, then the end. The
+    /// body is generated as it is sent (the server never holds it), chunked, or with its
+    /// `Content-Length` when `declare_length`.
+    Oversized { padding: u64, declare_length: bool },
 }
 
 /// Server settings; [`Default`] is what [`TestApiServer::start`] uses.
@@ -104,6 +111,10 @@ pub struct Options {
     pub bookmark_interval: Option<Duration>,
     /// Node changes kept for watch replay; older ones expire (410). Default 10 000.
     pub history_limit: usize,
+    /// Serve plain `http://` (HTTP/1.1 and HTTP/2 prior knowledge), without TLS, as a server
+    /// behind `kubectl proxy` or an old `--insecure-port` would. Bearer tokens still
+    /// authenticate (client certificates cannot). Default false.
+    pub plain_http: bool,
 }
 
 impl Default for Options {
@@ -112,6 +123,7 @@ impl Default for Options {
             http2: true,
             bookmark_interval: None,
             history_limit: 10_000,
+            plain_http: false,
         }
     }
 }
@@ -178,6 +190,8 @@ impl State {
 struct Handle {
     state: Arc<State>,
     addr: SocketAddr,
+    /// `http` or `https`.
+    scheme: &'static str,
 }
 
 impl Drop for Handle {
@@ -219,7 +233,8 @@ impl TestApiServer {
     /// Starts with the given [`Options`] (HTTP/1.1 only, bookmark interval, history size).
     pub async fn start_with(options: Options) -> TestApiServer {
         let pki = Pki::new();
-        let acceptor = TlsAcceptor::from(Arc::new(pki.server_config(options.http2)));
+        let acceptor = (!options.plain_http).then(|| TlsAcceptor::from(Arc::new(pki.server_config(options.http2))));
+        let scheme = if options.plain_http { "http" } else { "https" };
         let listener = TcpListener::bind((Ipv4Addr::LOCALHOST, 0))
             .await
             .expect("bind 127.0.0.1:0");
@@ -240,7 +255,7 @@ impl TestApiServer {
         tokio::spawn(http::serve(state.clone(), listener, acceptor));
         tokio::spawn(bookmark_ticker(state.clone()));
         TestApiServer {
-            handle: Arc::new(Handle { state, addr }),
+            handle: Arc::new(Handle { state, addr, scheme }),
         }
     }
 
@@ -248,9 +263,9 @@ impl TestApiServer {
         &self.handle.state
     }
 
-    /// `https://127.0.0.1:PORT`
+    /// `https://127.0.0.1:PORT` (`http://` with [`Options::plain_http`]).
     pub fn url(&self) -> String {
-        format!("https://{}", self.handle.addr)
+        format!("{}://{}", self.handle.scheme, self.handle.addr)
     }
 
     /// The listening address (`127.0.0.1:PORT`).

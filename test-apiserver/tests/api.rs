@@ -627,3 +627,88 @@ async fn version_endpoint_and_wait_for() {
             .await
     );
 }
+
+#[tokio::test]
+async fn plain_http_server() {
+    let server = TestApiServer::start_with(Options {
+        plain_http: true,
+        ..Options::default()
+    })
+    .await;
+    assert!(server.url().starts_with("http://127.0.0.1:"), "{}", server.url());
+    server.add_token(TOKEN, USER);
+    server.create_node("gpu-1", &[]);
+    let client = reqwest::Client::builder().no_proxy().build().unwrap();
+    let resp = get(&client, &server, "/api/v1/nodes/gpu-1").await;
+    assert_eq!(resp.status(), 200);
+    assert_eq!(server.requests()[0].user.as_deref(), Some(USER));
+    let dir = tempfile::tempdir().unwrap();
+    let kubeconfig = server.write_kubeconfig(dir.path(), test_apiserver::KubeconfigAuth::Token(TOKEN.into()));
+    let text = std::fs::read_to_string(kubeconfig).unwrap();
+    assert!(
+        text.contains(&server.url()) && !text.contains("certificate-authority"),
+        "{text}"
+    );
+}
+
+#[tokio::test]
+async fn oversized_answers_are_streamed() {
+    use futures_util::StreamExt as _;
+    use test_apiserver::Failure;
+    let server = server().await;
+    let client = client(&server);
+    let padding = 5 << 20;
+    for declare_length in [false, true] {
+        server.fail_next(
+            1,
+            Failure::Oversized {
+                padding,
+                declare_length,
+            },
+        );
+        let resp = get(&client, &server, "/api/v1/nodes/gpu-1").await;
+        assert_eq!(resp.status(), 200);
+        assert_eq!(resp.content_length().is_some(), declare_length);
+        let declared = resp.content_length();
+        let body = resp.bytes().await.unwrap();
+        if let Some(n) = declared {
+            assert_eq!(n, body.len() as u64);
+        }
+        let node: Value = serde_json::from_slice(&body).unwrap();
+        assert_eq!(node["metadata"]["name"], "gpu-1");
+        assert_eq!(node["metadata"]["labels"]["a"], "1", "the stored Node, padded");
+        let pad = node["metadata"]["annotations"]["test-apiserver/padding"]
+            .as_str()
+            .unwrap();
+        assert_eq!(pad.len() as u64, padding);
+    }
+    // A watch: one MODIFIED line with the padded Node, then the end.
+    server.fail_next(
+        1,
+        Failure::Oversized {
+            padding: 1000,
+            declare_length: false,
+        },
+    );
+    let resp = get(
+        &client,
+        &server,
+        "/api/v1/nodes?watch=1&fieldSelector=metadata.name%3Dgpu-1",
+    )
+    .await;
+    let mut body = Vec::new();
+    let mut stream = resp.bytes_stream();
+    while let Some(chunk) = stream.next().await {
+        body.extend_from_slice(&chunk.unwrap());
+    }
+    assert!(body.ends_with(b"\n"));
+    let event: Value = serde_json::from_slice(&body).unwrap();
+    assert_eq!(event["type"], "MODIFIED");
+    assert_eq!(event["object"]["metadata"]["name"], "gpu-1");
+    assert_eq!(
+        event["object"]["metadata"]["annotations"]["test-apiserver/padding"]
+            .as_str()
+            .map(str::len),
+        Some(1000)
+    );
+}

@@ -8,7 +8,8 @@ use reqwest::Method;
 use serde::Serialize;
 
 use super::{KubeClient, Limit};
-use crate::kube::error::{ApiFailure, KubeError, request_failure};
+use crate::kube::error::{ApiFailure, KubeError, body_failure};
+use crate::kube::limit::{MAX_API_BODY, drain_body, read_body};
 use crate::kube::node::Node;
 use crate::kube::time::format_rfc3339;
 use crate::kube::watch::WatchStream;
@@ -60,8 +61,10 @@ impl KubeClient {
             failure,
         };
         let limit = Limit::Total(self.inner.request_timeout);
-        let response = self.send("get", Method::GET, &path, None, limit).await.map_err(fail)?;
-        let body = response.bytes().await.map_err(|e| fail(request_failure(e)))?;
+        let mut response = self.send("get", Method::GET, &path, None, limit).await.map_err(fail)?;
+        let body = read_body(&mut response, MAX_API_BODY)
+            .await
+            .map_err(|e| fail(body_failure(e)))?;
         Node::from_json(&body).map_err(|e| fail(ApiFailure::Decode(e)))
     }
 
@@ -112,7 +115,7 @@ impl KubeClient {
         };
         let body = metadata_patch(labels, annotations);
         let limit = Limit::Total(self.inner.request_timeout);
-        let response = self
+        let mut response = self
             .send(
                 "patch",
                 Method::PATCH,
@@ -122,7 +125,9 @@ impl KubeClient {
             )
             .await
             .map_err(fail)?;
-        let body = response.bytes().await.map_err(|e| fail(request_failure(e)))?;
+        let body = read_body(&mut response, MAX_API_BODY)
+            .await
+            .map_err(|e| fail(body_failure(e)))?;
         Node::from_json(&body).map_err(|e| fail(ApiFailure::Decode(e)))
     }
 
@@ -140,8 +145,8 @@ impl KubeClient {
                 path: path.clone(),
                 failure,
             })?;
-        // Drain the body so the connection can be reused.
-        let _ = response.bytes().await;
+        // Drain the body (unused, and bounded) so the connection can be reused.
+        drain_body(response, MAX_API_BODY).await;
         Ok(())
     }
 
@@ -163,7 +168,7 @@ impl KubeClient {
             .await
         {
             Ok(response) => {
-                let _ = response.bytes().await;
+                drain_body(response, MAX_API_BODY).await;
                 Ok(true)
             }
             Err(failure) if failure.http().is_some_and(|h| h.code == 409) => Ok(false),

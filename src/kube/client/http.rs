@@ -10,6 +10,7 @@ use reqwest::header::{ACCEPT, AUTHORIZATION, CONTENT_TYPE, HeaderValue, RETRY_AF
 use super::{Inner, KubeClient, Limit};
 use crate::kube::credentials::Secret;
 use crate::kube::error::{ApiFailure, ApiStatus, HttpFailure, KubeError, error_chain, request_failure};
+use crate::kube::limit::{MAX_ERROR_BODY, read_body_prefix};
 
 const USER_AGENT: &str = concat!("gpu-node-agent/", env!("CARGO_PKG_VERSION"));
 
@@ -121,18 +122,11 @@ impl Inner {
         if let Some(alias) = &self.alias {
             builder = builder.dns_resolver(Arc::new(alias.clone()));
         }
-        if self.base.starts_with("http://") {
-            tracing::warn!(
-                "{}: server {} is plain http: requests and credentials are not encrypted",
-                creds.origin,
-                creds.server
-            );
-        }
         builder.build().map_err(|e| tls_err(error_chain(&e)))
     }
 }
 
-async fn http_failure(response: reqwest::Response, limit: Duration, token: Option<&Secret>) -> ApiFailure {
+async fn http_failure(mut response: reqwest::Response, limit: Duration, token: Option<&Secret>) -> ApiFailure {
     let code = response.status().as_u16();
     let header_retry = response
         .headers()
@@ -140,8 +134,8 @@ async fn http_failure(response: reqwest::Response, limit: Duration, token: Optio
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.trim().parse::<u64>().ok())
         .map(Duration::from_secs);
-    let body = match tokio::time::timeout(limit, response.bytes()).await {
-        Ok(Ok(body)) => body.to_vec(),
+    let body = match tokio::time::timeout(limit, read_body_prefix(&mut response, MAX_ERROR_BODY)).await {
+        Ok(Ok(body)) => body,
         _ => Vec::new(),
     };
     let status = ApiStatus::from_json(&body);

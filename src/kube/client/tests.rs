@@ -40,8 +40,14 @@ fn token_file(path: &Path) -> Auth {
     }
 }
 
+/// A client of the plain-http test server: these tests are about the protocol, so they allow
+/// tokens over http (`plain_http_*` below test the refusal itself).
 fn client(server: &TestServer, auth: Auth) -> KubeClient {
-    KubeClient::new(creds(&server.url(), auth), &KubernetesConfig::default()).expect("client")
+    let cfg = KubernetesConfig {
+        allow_insecure_http: true,
+        ..KubernetesConfig::default()
+    };
+    KubeClient::new(creds(&server.url(), auth), &cfg).expect("client")
 }
 
 fn bearer(req: &crate::kube::testserver::Request) -> String {
@@ -416,4 +422,175 @@ async fn tls_material_is_checked_at_construction() {
         .expect_err("missing CA")
         .to_string();
     assert!(err.contains("cannot read") && err.contains("missing"), "{err}");
+}
+
+#[tokio::test]
+async fn plain_http_with_a_token_is_refused_unless_allowed() {
+    let server = TestServer::start(|req| {
+        if bearer(req) == TOKEN {
+            Reply::json(200, NODE)
+        } else {
+            Reply::status(401, "Unauthorized")
+        }
+    })
+    .await;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("token");
+    fs::write(&path, TOKEN).expect("write");
+    let exec = ExecConfig {
+        api_version: ExecApiVersion::V1,
+        command: "/usr/bin/cred".into(),
+        program: "/usr/bin/cred".into(),
+        args: vec![],
+        env: vec![],
+        provide_cluster_info: false,
+        install_hint: None,
+        kubeconfig: "/k".into(),
+    };
+    let inline = Auth {
+        token: Some(TokenSource::Inline(Secret::new(TOKEN))),
+        ..Auth::default()
+    };
+    let exec = Auth {
+        exec: Some(exec),
+        ..Auth::default()
+    };
+    for (auth, what) in [
+        (inline.clone(), "bearer token".to_string()),
+        (token_file(&path), format!("bearer token from {}", path.display())),
+        (exec, "credential of the exec plugin \"/usr/bin/cred\"".to_string()),
+    ] {
+        let err = KubeClient::new(creds(&server.url(), auth), &KubernetesConfig::default())
+            .expect_err("token over http")
+            .to_string();
+        assert!(
+            err.starts_with(&format!("kubeconfig /k: server {} is plain http://", server.url())),
+            "{err}"
+        );
+        assert!(
+            err.contains(&format!("the {what} would be sent in cleartext"))
+                && err.contains("kubernetes.allow_insecure_http = true"),
+            "{err}"
+        );
+        assert!(!err.contains(TOKEN), "{err}");
+    }
+    // Allowed: works as before.
+    let node = client(&server, inline).get_node("gpu-1", false).await.expect("allowed");
+    assert_eq!(node.name, "gpu-1");
+}
+
+#[tokio::test]
+async fn plain_http_without_credentials_needs_no_permission() {
+    let server = TestServer::start(|_| Reply::json(200, NODE)).await;
+    let c = KubeClient::new(creds(&server.url(), Auth::default()), &KubernetesConfig::default())
+        .expect("anonymous over http");
+    assert_eq!(c.get_node("gpu-1", false).await.expect("get").name, "gpu-1");
+}
+
+/// A Node JSON of about `size` bytes (a padding annotation).
+fn big_node(size: usize) -> String {
+    let padding = "x".repeat(size);
+    format!(
+        r#"{{"kind":"Node","apiVersion":"v1","metadata":{{"name":"gpu-1","uid":"u-1","resourceVersion":"5","annotations":{{"pad":"{padding}"}}}}}}"#
+    )
+}
+
+#[tokio::test]
+async fn answers_over_the_limit_are_an_error_naming_the_path_and_limit() {
+    let limit = crate::kube::limit::MAX_API_BODY;
+    // Chunked, no Content-Length: read until one chunk past the limit.
+    let server = TestServer::start(move |req| {
+        let body = big_node(limit + 1).into_bytes();
+        let chunks: Vec<Vec<u8>> = body.chunks(4 << 20).map(<[u8]>::to_vec).collect();
+        match req.method.as_str() {
+            "GET" if req.path.contains("exact") => Reply::json(200, &big_node(limit - 200)),
+            "GET" if req.path.contains("declared") => Reply::json(200, &big_node(limit)),
+            _ => Reply::chunks(chunks),
+        }
+    })
+    .await;
+    let c = client(&server, Auth::default());
+    let err = c.get_node("gpu-1", false).await.expect_err("too large");
+    assert_eq!(
+        err.to_string(),
+        "get node \"gpu-1\" (GET /api/v1/nodes/gpu-1): the API server's answer is over the 16 MiB limit \
+         (reading stopped there)"
+    );
+    assert!(matches!(err.failure(), Some(ApiFailure::TooLarge { .. })), "{err:?}");
+    // Content-Length over the limit: refused before reading.
+    let err = c.get_node("declared", false).await.expect_err("declared too large");
+    let text = err.to_string();
+    assert!(
+        text.starts_with("get node \"declared\" (GET /api/v1/nodes/declared): the API server's answer is over the 16 MiB limit (Content-Length "),
+        "{text}"
+    );
+    // Under it: read as usual.
+    let node = c.get_node("exact", false).await.expect("under the limit");
+    assert_eq!(node.name, "gpu-1");
+    // A PATCH answer is limited the same way.
+    let err = c
+        .patch_node_metadata(
+            "gpu-1",
+            &BTreeMap::from([("a".into(), Some("b".into()))]),
+            &BTreeMap::new(),
+        )
+        .await
+        .expect_err("patch answer too large")
+        .to_string();
+    assert!(
+        err.starts_with(
+            "patch node \"gpu-1\" (PATCH /api/v1/nodes/gpu-1): the API server's answer is over the 16 MiB limit"
+        ),
+        "{err}"
+    );
+}
+
+#[tokio::test]
+async fn a_watch_event_over_the_limit_ends_the_stream_with_an_error() {
+    let limit = crate::kube::limit::MAX_WATCH_EVENT;
+    let server = TestServer::start(move |_| {
+        let event = format!(r#"{{"type":"MODIFIED","object":{}}}"#, big_node(limit));
+        let mut chunks = vec![format!("{{\"type\":\"MODIFIED\",\"object\":{NODE}}}\n").into_bytes()];
+        chunks.extend(event.as_bytes().chunks(4 << 20).map(<[u8]>::to_vec));
+        Reply::chunks(chunks)
+    })
+    .await;
+    let c = client(&server, Auth::default());
+    let mut stream = c
+        .watch_node("gpu-1", "5", Duration::from_secs(300))
+        .await
+        .expect("watch");
+    assert!(matches!(stream.next().await, Some(Ok(WatchEvent::Modified(_)))));
+    let err = stream.next().await.expect("an item").expect_err("too long");
+    let text = err.to_string();
+    assert!(
+        text.starts_with("watch node \"gpu-1\" (GET /api/v1/nodes?watch=1&")
+            && text.ends_with("a watch event line is over the 16 MiB limit (reading stopped there)"),
+        "{text}"
+    );
+    assert!(stream.next().await.is_none());
+}
+
+#[tokio::test]
+async fn credential_files_over_the_limit_are_refused() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("token");
+    fs::write(
+        &path,
+        vec![b'a'; (crate::kube::limit::MAX_CREDENTIAL_FILE + 1) as usize],
+    )
+    .expect("write");
+    let err = KubeClient::new(
+        creds("https://127.0.0.1:6443", token_file(&path)),
+        &KubernetesConfig::default(),
+    )
+    .expect_err("huge token file")
+    .to_string();
+    assert_eq!(
+        err,
+        format!(
+            "tokenFile: cannot read {}: the file is over the 1 MiB limit (1048577 bytes)",
+            path.display()
+        )
+    );
 }
