@@ -6,7 +6,7 @@ pub mod command;
 pub mod lock;
 
 use std::fs::{self, File};
-use std::io::{self, Write};
+use std::io::{self, Read, Write};
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::path::{Component, Path, PathBuf};
 
@@ -136,33 +136,53 @@ pub fn write_atomic(path: &Path, bytes: &[u8], mode: u32) -> Result<(), WriteErr
 /// real ones are a few hundred KiB.
 pub const MAX_TEXT_FILE: u64 = 4 * 1024 * 1024;
 
-/// `fs::read_to_string` that refuses a file over `limit` bytes (an `InvalidData` error saying
+/// A size for messages: `16 MiB`, `64 KiB`, `100 bytes`.
+pub fn size(bytes: u64) -> String {
+    if bytes >= 1 << 20 && bytes.is_multiple_of(1 << 20) {
+        format!("{} MiB", bytes >> 20)
+    } else if bytes >= 1 << 10 && bytes.is_multiple_of(1 << 10) {
+        format!("{} KiB", bytes >> 10)
+    } else {
+        format!("{bytes} bytes")
+    }
+}
+
+/// Reads a whole file of at most `limit` bytes. A larger one is refused (by its length when it
+/// has one, else after reading `limit + 1` bytes) with an [`io::ErrorKind::FileTooLarge`]
+/// error naming the limit; the caller's error names the file.
+pub fn read_file(path: &Path, limit: u64) -> io::Result<Vec<u8>> {
+    let file = File::open(path)?;
+    let len = file.metadata()?.len();
+    if len > limit {
+        return Err(too_large_file(limit, Some(len)));
+    }
+    let mut data = Vec::with_capacity(usize::try_from(len).unwrap_or(0));
+    file.take(limit.saturating_add(1)).read_to_end(&mut data)?;
+    if data.len() as u64 > limit {
+        // Grew since, or a file without a length (a pipe, a device).
+        return Err(too_large_file(limit, None));
+    }
+    Ok(data)
+}
+
+fn too_large_file(limit: u64, len: Option<u64>) -> io::Error {
+    let found = len.map(|n| format!(" ({n} bytes)")).unwrap_or_default();
+    io::Error::new(
+        io::ErrorKind::FileTooLarge,
+        format!("the file is over the {} limit{found}", size(limit)),
+    )
+}
+
+/// `fs::read_to_string` that refuses a file over `limit` bytes (a `FileTooLarge` error saying
 /// so; the caller names the file) without reading more than `limit + 1` of it.
 pub fn read_text_limited(path: &Path, limit: u64) -> io::Result<String> {
-    use std::io::Read;
-    let file = File::open(path)?;
-    let mut bytes = Vec::new();
-    file.take(limit + 1).read_to_end(&mut bytes)?;
-    if bytes.len() as u64 > limit {
-        return Err(io::Error::new(
-            io::ErrorKind::InvalidData,
-            format!("larger than the {} limit", human_size(limit)),
-        ));
-    }
+    let bytes = read_file(path, limit)?;
     String::from_utf8(bytes).map_err(|_| io::Error::new(io::ErrorKind::InvalidData, "not UTF-8 text"))
 }
 
 /// [`read_text_limited`] at [`MAX_TEXT_FILE`].
 pub fn read_text(path: &Path) -> io::Result<String> {
     read_text_limited(path, MAX_TEXT_FILE)
-}
-
-fn human_size(bytes: u64) -> String {
-    match bytes {
-        b if b >= 1 << 20 && b % (1 << 20) == 0 => format!("{} MiB", b >> 20),
-        b if b >= 1 << 10 && b % (1 << 10) == 0 => format!("{} KiB", b >> 10),
-        b => format!("{b} bytes"),
-    }
 }
 
 /// How long a GPU reset may take before it is given up on.
@@ -238,16 +258,11 @@ mod tests {
         let path = dir.path().join("config.toml");
         fs::write(&path, "x".repeat(1024)).expect("write");
         assert_eq!(read_text_limited(&path, 1024).expect("at the limit").len(), 1024);
-        let err = read_text_limited(&path, 1023).expect_err("over");
-        assert_eq!(err.kind(), io::ErrorKind::InvalidData);
-        assert_eq!(err.to_string(), "larger than the 1023 bytes limit");
-        assert_eq!(
-            read_text_limited(&path, 512).expect_err("over").to_string(),
-            "larger than the 512 bytes limit"
-        );
+        let err = read_text_limited(&path, 512).expect_err("over");
+        assert_eq!(err.kind(), io::ErrorKind::FileTooLarge);
+        assert_eq!(err.to_string(), "the file is over the 512 bytes limit (1024 bytes)");
         fs::write(&path, [0xff, 0xfe]).expect("write");
         assert_eq!(read_text(&path).expect_err("binary").to_string(), "not UTF-8 text");
-        assert_eq!(human_size(MAX_TEXT_FILE), "4 MiB");
     }
 
     /// Someone who can write to the output directory plants symlinks where the agent writes:

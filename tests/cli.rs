@@ -313,7 +313,7 @@ fn an_oversized_config_file_is_refused_naming_it() {
     assert_eq!(out.status.code(), Some(64), "{}", text(&out.stderr));
     let err = text(&out.stderr);
     assert!(
-        err.contains("config.d/90-huge.toml") && err.contains("larger than the 4 MiB limit"),
+        err.contains("config.d/90-huge.toml") && err.contains("over the 4 MiB limit"),
         "{err}"
     );
 }

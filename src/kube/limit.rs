@@ -7,10 +7,6 @@
 //! the size is known beforehand (`Content-Length`, a file's length). The limits are far above
 //! what a working cluster produces, so they only ever stop something that is broken or hostile.
 
-use std::fs::File;
-use std::io::{self, Read};
-use std::path::Path;
-
 /// Longest API answer read (GET, PATCH, POST). A Node is normally under 100 KiB; one on a large
 /// cluster with many cached images can reach about 1 MiB.
 pub const MAX_API_BODY: usize = 16 << 20;
@@ -30,42 +26,7 @@ pub const MAX_KUBECONFIG: u64 = 1 << 20;
 /// system bundle, a few hundred KiB).
 pub const MAX_CREDENTIAL_FILE: u64 = 1 << 20;
 
-/// A size for messages: `16 MiB`, `64 KiB`, `100 bytes`.
-pub fn size(bytes: u64) -> String {
-    if bytes >= 1 << 20 && bytes.is_multiple_of(1 << 20) {
-        format!("{} MiB", bytes >> 20)
-    } else if bytes >= 1 << 10 && bytes.is_multiple_of(1 << 10) {
-        format!("{} KiB", bytes >> 10)
-    } else {
-        format!("{bytes} bytes")
-    }
-}
-
-/// Reads a whole file of at most `limit` bytes. A larger one is refused (by its length when it
-/// has one, else after reading `limit + 1` bytes) with an [`io::ErrorKind::FileTooLarge`]
-/// error naming the limit; the caller's error names the file.
-pub fn read_file(path: &Path, limit: u64) -> io::Result<Vec<u8>> {
-    let file = File::open(path)?;
-    let len = file.metadata()?.len();
-    if len > limit {
-        return Err(too_large_file(limit, Some(len)));
-    }
-    let mut data = Vec::with_capacity(usize::try_from(len).unwrap_or(0));
-    file.take(limit.saturating_add(1)).read_to_end(&mut data)?;
-    if data.len() as u64 > limit {
-        // Grew since, or a file without a length (a pipe, a device).
-        return Err(too_large_file(limit, None));
-    }
-    Ok(data)
-}
-
-fn too_large_file(limit: u64, len: Option<u64>) -> io::Error {
-    let found = len.map(|n| format!(" ({n} bytes)")).unwrap_or_default();
-    io::Error::new(
-        io::ErrorKind::FileTooLarge,
-        format!("the file is over the {} limit{found}", size(limit)),
-    )
-}
+pub use crate::host::{read_file, size};
 
 /// Why a body could not be read in full.
 #[derive(Debug)]
@@ -150,6 +111,8 @@ pub async fn drain_body(mut response: reqwest::Response, limit: usize) {
 mod tests {
     use super::*;
     use bytes::Bytes;
+    use std::io;
+    use std::path::Path;
     use std::time::Duration;
 
     /// A response whose body arrives in `chunks`, with `Content-Length` when given.
