@@ -129,7 +129,11 @@ impl PluginManager {
                     }
                     None => break,
                 },
-                () = watch.changed() => watch.settle().await,
+                events = watch.changed() => {
+                    if events {
+                        watch.settle().await;
+                    }
+                }
                 () = sleep_until(retry) => {}
                 () = streams_changed.notified() => {}
             }
@@ -397,9 +401,12 @@ impl DirWatch {
         }
     }
 
-    async fn changed(&mut self) {
+    /// Waits until the directory may have changed: `true` when inotify reported events (worth
+    /// settling), `false` after a poll interval or when the watch was just (re)established.
+    async fn changed(&mut self) -> bool {
         let Some(fd) = &self.inotify else {
-            return tokio::time::sleep(POLL_NO_INOTIFY).await;
+            tokio::time::sleep(POLL_NO_INOTIFY).await;
+            return false;
         };
         if !self.watching {
             let flags = AddWatchFlags::IN_CREATE
@@ -411,9 +418,12 @@ impl DirWatch {
             match fd.get_ref().0.add_watch(&self.dir, flags) {
                 Ok(_) => {
                     self.watching = true;
-                    return; // the directory appeared: let the caller look
+                    return false; // the directory appeared: let the caller look
                 }
-                Err(_) => return tokio::time::sleep(POLL_NO_DIR).await,
+                Err(_) => {
+                    tokio::time::sleep(POLL_NO_DIR).await;
+                    return false;
+                }
             }
         }
         match fd.readable().await {
@@ -426,15 +436,21 @@ impl DirWatch {
                     }) {
                         self.watching = false;
                     }
+                    !events.is_empty()
                 }
-                Err(nix::errno::Errno::EAGAIN) => guard.clear_ready(),
+                Err(nix::errno::Errno::EAGAIN) => {
+                    guard.clear_ready();
+                    false
+                }
                 Err(e) => {
                     tracing::warn!("reading inotify events failed ({e}); polling instead");
                     self.inotify = None;
+                    false
                 }
             },
             Err(_) => {
                 self.inotify = None;
+                false
             }
         }
     }
