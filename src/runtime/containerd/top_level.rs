@@ -1,6 +1,8 @@
 //! The top-level config (`/etc/containerd/config.toml`): its schema version, the `imports` entry
 //! for the drop-in (added, removed, rebased), and containerd's `imports` globbing.
 
+use std::collections::HashSet;
+
 use toml_edit::{Array, DocumentMut, Item, Value, value};
 
 use super::parse_toml;
@@ -114,30 +116,43 @@ pub fn imports_after_configure(
 /// `filepath.Glob`): `*` any run of characters, `?` one character, `[a-z]` / `[^a-z]` a class,
 /// `\` escapes the next character. A malformed pattern matches nothing.
 pub fn glob_component_matches(pattern: &str, name: &str) -> bool {
-    /// `Err`: malformed pattern.
-    fn go(p: &[char], s: &[char]) -> Result<bool, ()> {
+    /// `Err`: malformed pattern. `p` and `s` are always suffixes of the pattern and the name,
+    /// and `failed` holds the (pattern, name) suffix lengths already known not to match, so
+    /// that each pair is tried once: without it every `*` retried every split of the rest of
+    /// the name again, and `*a*a*a*a*a*a*a*a*b` took time exponential in the stars.
+    fn go(p: &[char], s: &[char], failed: &mut HashSet<(usize, usize)>) -> Result<bool, ()> {
+        if failed.contains(&(p.len(), s.len())) {
+            return Ok(false);
+        }
+        let matched = step(p, s, failed)?;
+        if !matched {
+            failed.insert((p.len(), s.len()));
+        }
+        Ok(matched)
+    }
+    fn step(p: &[char], s: &[char], failed: &mut HashSet<(usize, usize)>) -> Result<bool, ()> {
         let Some((&c, rest)) = p.split_first() else {
             return Ok(s.is_empty());
         };
         match c {
             '*' => {
                 for n in 0..=s.len() {
-                    if go(rest, &s[n..])? {
+                    if go(rest, &s[n..], failed)? {
                         return Ok(true);
                     }
                 }
                 Ok(false)
             }
-            '?' => Ok(!s.is_empty() && go(rest, &s[1..])?),
+            '?' => Ok(!s.is_empty() && go(rest, &s[1..], failed)?),
             '[' => {
                 let (matched, rest) = class(rest, s.first().copied())?;
-                Ok(matched && go(rest, &s[1..])?)
+                Ok(matched && go(rest, &s[1..], failed)?)
             }
             '\\' => {
                 let (&e, rest) = rest.split_first().ok_or(())?;
-                Ok(s.first() == Some(&e) && go(rest, &s[1..])?)
+                Ok(s.first() == Some(&e) && go(rest, &s[1..], failed)?)
             }
-            _ => Ok(s.first() == Some(&c) && go(rest, &s[1..])?),
+            _ => Ok(s.first() == Some(&c) && go(rest, &s[1..], failed)?),
         }
     }
     /// A class after its `[`: whether `ch` is in it (false without a character), and the pattern
@@ -175,7 +190,7 @@ pub fn glob_component_matches(pattern: &str, name: &str) -> bool {
     }
     let p: Vec<char> = pattern.chars().collect();
     let s: Vec<char> = name.chars().collect();
-    go(&p, &s).unwrap_or(false)
+    go(&p, &s, &mut HashSet::new()).unwrap_or(false)
 }
 
 /// Rewrites every `imports` entry of the top-level config `main` through `map`, keeping the rest
@@ -388,19 +403,28 @@ pub(super) fn glob_matches(pattern: &str, path: &str) -> bool {
     if pattern.contains(['[', '\\']) {
         return pattern == path;
     }
-    fn go(p: &[char], s: &[char]) -> bool {
-        match p.split_first() {
+    /// `failed`: the (pattern, path) suffix lengths known not to match, as in
+    /// [`glob_component_matches`], so that many `*`s do not take exponential time.
+    fn go(p: &[char], s: &[char], failed: &mut HashSet<(usize, usize)>) -> bool {
+        if failed.contains(&(p.len(), s.len())) {
+            return false;
+        }
+        let matched = match p.split_first() {
             None => s.is_empty(),
             Some(('*', rest)) => (0..=s.len())
                 .take_while(|&n| n == 0 || s[n - 1] != '/')
-                .any(|n| go(rest, &s[n..])),
-            Some(('?', rest)) => s.first().is_some_and(|&c| c != '/') && go(rest, &s[1..]),
-            Some((c, rest)) => s.first() == Some(c) && go(rest, &s[1..]),
+                .any(|n| go(rest, &s[n..], failed)),
+            Some(('?', rest)) => s.first().is_some_and(|&c| c != '/') && go(rest, &s[1..], failed),
+            Some((c, rest)) => s.first() == Some(c) && go(rest, &s[1..], failed),
+        };
+        if !matched {
+            failed.insert((p.len(), s.len()));
         }
+        matched
     }
     let p: Vec<char> = pattern.chars().collect();
     let s: Vec<char> = path.chars().collect();
-    go(&p, &s)
+    go(&p, &s, &mut HashSet::new())
 }
 
 /// Renders the edited `after`, keeping `original`'s line endings when toml_edit would not (it
