@@ -831,6 +831,34 @@ fn unconfigure_keeps_an_import_the_original_file_had() {
     );
 }
 
+/// Found by the property tests (issue 15): `imports = []` in the original file was removed with
+/// the agent's entry, so unconfigure did not give the file back.
+#[test]
+fn unconfigure_keeps_an_empty_imports_the_original_file_had() {
+    let original = "version = 2\nimports = []\n\n[plugins]\n";
+    let out = run(Some(original), &rt(false, false));
+    assert_eq!(
+        out.main,
+        "version = 2\nimports = [\"/etc/containerd/conf.d/*.toml\"]\n\n[plugins]\n"
+    );
+    assert_eq!(
+        unconfigure(&out.main, MAIN_FILE, DROP_IN, Some(original)).unwrap(),
+        original
+    );
+    // Without the original, an `imports` left empty goes.
+    assert_eq!(
+        unconfigure(&out.main, MAIN_FILE, DROP_IN, None).unwrap(),
+        "version = 2\n\n[plugins]\n"
+    );
+    // The whitespace of an empty multi-line array comes back too.
+    let multi_line = "version = 2\nimports = [\n]\n";
+    let out = run(Some(multi_line), &rt(false, false));
+    assert_eq!(
+        unconfigure(&out.main, MAIN_FILE, DROP_IN, Some(multi_line)).unwrap(),
+        multi_line
+    );
+}
+
 // === properties of the `imports` globs (issue 15; the others are in tests/properties.rs) ===
 
 mod glob_properties {

@@ -45,7 +45,7 @@ pub fn with_imports(main: &str, main_file: &str, entries: &[String]) -> Result<S
 /// drop-in path itself) from the top-level config `main`, and the `imports` key when it is left
 /// empty. Everything else stays byte-identical; with no such entry the input is returned as is.
 /// An entry that `original` (the file before the agent's first change, when known) already had
-/// is the user's own and stays.
+/// is the user's own and stays, and so does an `imports` key it had, even empty.
 ///
 /// The stage normally restores its byte-exact backup instead; this is the fallback for a file the
 /// user edited since. A `version` line that [`configure`] added to an empty file stays: it is
@@ -64,6 +64,9 @@ pub fn unconfigure(
     let theirs = original
         .map(|text| imports(text, main_file).unwrap_or_default())
         .unwrap_or_default();
+    let theirs_had_key = original
+        .and_then(|text| parse_toml(text, main_file).ok())
+        .is_some_and(|doc| doc.contains_key("imports"));
     let Some(item) = doc.get_mut("imports") else {
         return Ok(main.to_owned());
     };
@@ -72,7 +75,7 @@ pub fn unconfigure(
     if !remove_values(imports, ours) {
         return Ok(main.to_owned());
     }
-    if imports.is_empty() {
+    if imports.is_empty() && !theirs_had_key {
         doc.remove("imports");
     }
     Ok(render_like(main, &before, &doc))
@@ -363,7 +366,8 @@ fn push_like_last(array: &mut Array, entry: &str) {
 }
 
 /// Removes the string elements for which `gone` holds; true when it removed any. A removed first
-/// element hands its leading whitespace to the new first element.
+/// element hands its leading whitespace to the new first element, and one that leaves the array
+/// empty hands its trailing whitespace to the array (`imports = [\n]` comes back as it was).
 fn remove_values(array: &mut Array, gone: impl Fn(&str) -> bool) -> bool {
     let mut removed = false;
     let mut index = 0;
@@ -384,6 +388,12 @@ fn remove_values(array: &mut Array, gone: impl Fn(&str) -> bool) -> bool {
                 .unwrap_or_default()
                 .to_owned();
             first.decor_mut().set_prefix(prefix);
+        }
+        if array.is_empty() {
+            // Without a trailing comma, the whitespace before `]` parses as the element's.
+            let suffix = old.decor().suffix().and_then(|s| s.as_str()).unwrap_or_default();
+            let trailing = format!("{suffix}{}", array.trailing().as_str().unwrap_or_default());
+            array.set_trailing(trailing);
         }
     }
     removed
