@@ -5,7 +5,7 @@ use std::collections::HashSet;
 
 use toml_edit::{Array, DocumentMut, Item, Value, value};
 
-use super::parse_toml;
+use super::{parse_toml, render_like};
 use crate::runtime::EditError;
 
 /// The schema version and the text of the top-level config once [`configure`] is done with it:
@@ -435,20 +435,4 @@ pub(super) fn glob_matches(pattern: &str, path: &str) -> bool {
     let p: Vec<char> = pattern.chars().collect();
     let s: Vec<char> = path.chars().collect();
     go(&p, &s, &mut HashSet::new())
-}
-
-/// Renders the edited `after`, keeping `original`'s line endings when toml_edit would not (it
-/// writes `\n` after every line): if `before` (the unedited parse) does not reproduce `original`
-/// byte for byte but does once turned to CRLF, `after` is turned to CRLF too.
-fn render_like(original: &str, before: &DocumentMut, after: &DocumentMut) -> String {
-    let rendered = after.to_string();
-    let before = before.to_string();
-    if before != original && original.contains("\r\n") && to_crlf(&before) == original {
-        return to_crlf(&rendered);
-    }
-    rendered
-}
-
-fn to_crlf(text: &str) -> String {
-    text.replace("\r\n", "\n").replace('\n', "\r\n")
 }
