@@ -1815,8 +1815,9 @@ mod runtime {
             prop::option::of(any::<bool>()),
             any::<bool>(),
             any::<bool>(),
+            any::<bool>(),
         )
-            .prop_map(|(volume_mounts, envvar, comments, tables)| {
+            .prop_map(|(volume_mounts, envvar, comments, tables, crlf)| {
                 let mut out = String::new();
                 if comments {
                     out += "#accept-nvidia-visible-devices-as-volume-mounts = false\n";
@@ -1832,6 +1833,7 @@ mod runtime {
                     out += "\n[nvidia-container-cli]\nenvironment = []\nldconfig = \"@/sbin/ldconfig.real\"\n";
                     out += "\n[nvidia-container-runtime]\nmode = \"auto\"\n";
                 }
+                let out = if crlf { out.replace('\n', "\r\n") } else { out };
                 (out, volume_mounts.is_some() || envvar.is_some())
             })
     }
