@@ -12,7 +12,8 @@
 //! fixes (`status::tests::a_stale_status_with_a_huge_timestamp_is_reported`,
 //! `runtime::docker::tests::unconfigure_keeps_an_empty_runtimes_object_the_file_had`,
 //! `runtime::containerd::tests::unconfigure_keeps_an_empty_imports_the_original_file_had`,
-//! `runtime::containerd::tests::glob_properties::many_stars_match_in_polynomial_time`).
+//! `runtime::containerd::tests::glob_properties::many_stars_match_in_polynomial_time`,
+//! `runtime::toolkit::tests::crlf_line_endings_are_kept`).
 //!
 //! Properties of private helpers live next to them (`src/runtime/containerd/tests.rs` for the
 //! `imports` globs).
