@@ -202,13 +202,17 @@ impl Status {
                 );
             }
             Some(why) => {
+                // `updated` comes from the file: one past what SystemTime holds is shown as it is.
+                let written = UNIX_EPOCH
+                    .checked_add(Duration::from_secs(self.updated))
+                    .map_or_else(|| format!("{}s after 1970", self.updated), crate::kube::format_rfc3339);
                 let _ = writeln!(
                     out,
                     "gpu-node-agent {} on {} — not running (status from {}, {}): {why}; what follows is what it last \
                      reported",
                     self.agent_version,
                     self.node,
-                    crate::kube::format_rfc3339(UNIX_EPOCH + Duration::from_secs(self.updated)),
+                    written,
                     age(self.updated)
                 );
             }
@@ -528,6 +532,28 @@ mod tests {
         assert!(view.contains("Unhealthy (critical Xid 79)"), "{view}");
         assert!(view.contains("nvidia.com/gpu"), "{view}");
         assert!(view.contains("10s ago"), "{view}");
+    }
+
+    /// Found by the property tests (issue 15): a status file saying `running` for a process that
+    /// is gone, with an `updated` past what `SystemTime` holds, made `gpu-node-agent status`
+    /// panic ("overflow when adding duration to instant") instead of reporting it.
+    #[test]
+    fn a_stale_status_with_a_huge_timestamp_is_reported() {
+        let proc = tempfile::tempdir().expect("tempdir");
+        let status = Status {
+            pid: 7,
+            updated: u64::MAX,
+            ..sample()
+        };
+        let text = serde_json::to_string(&status).expect("json");
+        let view = report(&text, proc.path(), false, 1000).expect("report");
+        assert!(
+            view.contains("not running (status from 18446744073709551615s after 1970"),
+            "{view}"
+        );
+        let fine = Status { updated: 990, ..status };
+        let view = report(&serde_json::to_string(&fine).expect("json"), proc.path(), false, 1000).expect("report");
+        assert!(view.contains("(status from 1970-01-01T00:16:30Z, 10s ago)"), "{view}");
     }
 
     #[test]

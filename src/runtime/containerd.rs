@@ -38,7 +38,7 @@ use top_level::version_of;
 
 pub use effective::{DEFAULT_ADDRESS, cri_disabled, dump_address, dump_has_runtime};
 pub(super) use toml_helpers::{
-    binary_text, child_table, dotted, hide_grouping_headers, parse_toml, plain_table, table_at,
+    binary_text, child_table, dotted, hide_grouping_headers, parse_toml, plain_table, render_like, table_at,
 };
 pub use top_level::{
     configured_main, glob_component_matches, imports, imports_after_configure, rebase_imports, unconfigure,

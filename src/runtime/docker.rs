@@ -83,7 +83,8 @@ pub fn configure(existing: Option<&str>, file: &str, rt: &NvidiaRuntime) -> Resu
 /// Removes the runtimes `names` from `daemon.json`: `runtimes.<name>` (and `runtimes` when it is
 /// left empty), and `default-runtime` when it names one of them (docker then uses `runc`).
 /// What `original` (the file before the agent's first change, when known) already had stays:
-/// a runtime or default that `nvidia-ctk` or the image put there is not the agent's to remove.
+/// a runtime or default that `nvidia-ctk` or the image put there is not the agent's to remove,
+/// nor a `runtimes` object that was empty there.
 ///
 /// `features.cdi` stays: CDI is a daemon-wide switch that other devices' CDI specs and the user's
 /// own `--device vendor/class=name` flags may rely on, and it is harmless without NVIDIA specs.
@@ -104,7 +105,7 @@ pub fn unconfigure(existing: &str, file: &str, names: &[&str], original: Option<
         for name in names.iter().filter(|n| !had_runtime(n)) {
             runtimes.remove(name);
         }
-        if runtimes.0.is_empty() {
+        if runtimes.0.is_empty() && before.get("runtimes").is_none() {
             config.remove("runtimes");
         }
     }
@@ -506,6 +507,20 @@ mod tests {
         // A fresh file comes back as an empty object.
         let fresh = configure(None, FILE, &rt(true, false)).unwrap();
         assert_eq!(unconfigure(&fresh, FILE, &["nvidia"], None).unwrap(), "{}\n");
+    }
+
+    /// Found by the property tests (issue 15): an empty `runtimes` object the file had was
+    /// removed along with the agent's runtime, so unconfigure did not give the file back.
+    #[test]
+    fn unconfigure_keeps_an_empty_runtimes_object_the_file_had() {
+        let original = "{\n  \"runtimes\": {}\n}\n";
+        let configured = configure(Some(original), FILE, &rt(true, false)).unwrap();
+        assert_eq!(
+            unconfigure(&configured, FILE, &["nvidia"], Some(original)).unwrap(),
+            original
+        );
+        // Without the original, the object the agent created goes with its runtime.
+        assert_eq!(unconfigure(&configured, FILE, &["nvidia"], None).unwrap(), "{}\n");
     }
 
     #[test]

@@ -7,12 +7,13 @@
 //! `accept-nvidia-visible-devices-envvar-when-unprivileged = false` the toolkit ignores the
 //! variable for unprivileged containers, and with `accept-nvidia-visible-devices-as-volume-mounts
 //! = true` it reads the devices the plugin mounts under `/var/run/nvidia-container-devices/`.
-//! Both are top-level keys. Pure text edits with `toml_edit`, everything else kept.
+//! Both are top-level keys. Pure text edits with `toml_edit`, everything else kept, CRLF line
+//! endings included.
 
 use toml_edit::{DocumentMut, value};
 
 use super::EditError;
-use super::containerd::parse_toml;
+use super::containerd::{parse_toml, render_like};
 
 /// The key that makes the toolkit ignore `NVIDIA_VISIBLE_DEVICES` in unprivileged containers.
 pub const ENVVAR_WHEN_UNPRIVILEGED: &str = "accept-nvidia-visible-devices-envvar-when-unprivileged";
@@ -26,6 +27,7 @@ const WANTED: [(&str, bool); 2] = [(ENVVAR_WHEN_UNPRIVILEGED, false), (AS_VOLUME
 pub fn configure(existing: Option<&str>, file: &str) -> Result<String, EditError> {
     let text = existing.unwrap_or_default();
     let mut doc = parse_toml(text, file)?;
+    let before = doc.clone();
     let mut changed = false;
     for (key, wanted) in WANTED {
         if doc.get(key).and_then(|v| v.as_bool()) != Some(wanted) {
@@ -33,13 +35,18 @@ pub fn configure(existing: Option<&str>, file: &str) -> Result<String, EditError
             changed = true;
         }
     }
-    Ok(if changed { doc.to_string() } else { text.to_owned() })
+    Ok(if changed {
+        render_like(text, &before, &doc)
+    } else {
+        text.to_owned()
+    })
 }
 
 /// `existing` with each key as `original` (the file before the agent's first change) had it:
 /// the value it had, or no key. A file edited since keeps everything else.
 pub fn unconfigure(existing: &str, file: &str, original: Option<&str>) -> Result<String, EditError> {
     let mut doc = parse_toml(existing, file)?;
+    let parsed = doc.clone();
     let before = original.and_then(|t| t.parse::<DocumentMut>().ok()).unwrap_or_default();
     let mut changed = false;
     for (key, _) in WANTED {
@@ -57,7 +64,11 @@ pub fn unconfigure(existing: &str, file: &str, original: Option<&str>) -> Result
             }
         }
     }
-    Ok(if changed { doc.to_string() } else { existing.to_owned() })
+    Ok(if changed {
+        render_like(existing, &parsed, &doc)
+    } else {
+        existing.to_owned()
+    })
 }
 
 #[cfg(test)]
@@ -89,6 +100,17 @@ mod tests {
         // No file: just the two keys.
         let fresh = configure(None, FILE).unwrap();
         assert_eq!(fresh.parse::<DocumentMut>().unwrap().len(), 2, "{fresh}");
+    }
+
+    /// Found by the property tests (issue 15): toml_edit writes `\n` after every line it
+    /// renders, so a CRLF file came back from configure with mixed line endings and from
+    /// unconfigure with none of its CRLFs.
+    #[test]
+    fn crlf_line_endings_are_kept() {
+        let crlf = "disable-require = false\r\n\r\n[nvidia-container-runtime]\r\nmode = \"auto\"\r\n";
+        let out = configure(Some(crlf), FILE).unwrap();
+        assert!(!out.replace("\r\n", "").contains('\n'), "{out:?}");
+        assert_eq!(unconfigure(&out, FILE, Some(crlf)).unwrap(), crlf);
     }
 
     #[test]

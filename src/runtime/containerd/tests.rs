@@ -830,3 +830,191 @@ fn unconfigure_keeps_an_import_the_original_file_had() {
         "version = 2\n# edited since\n"
     );
 }
+
+/// Found by the property tests (issue 15): `imports = []` in the original file was removed with
+/// the agent's entry, so unconfigure did not give the file back.
+#[test]
+fn unconfigure_keeps_an_empty_imports_the_original_file_had() {
+    let original = "version = 2\nimports = []\n\n[plugins]\n";
+    let out = run(Some(original), &rt(false, false));
+    assert_eq!(
+        out.main,
+        "version = 2\nimports = [\"/etc/containerd/conf.d/*.toml\"]\n\n[plugins]\n"
+    );
+    assert_eq!(
+        unconfigure(&out.main, MAIN_FILE, DROP_IN, Some(original)).unwrap(),
+        original
+    );
+    // Without the original, an `imports` left empty goes.
+    assert_eq!(
+        unconfigure(&out.main, MAIN_FILE, DROP_IN, None).unwrap(),
+        "version = 2\n\n[plugins]\n"
+    );
+    // The whitespace of an empty multi-line array comes back too.
+    let multi_line = "version = 2\nimports = [\n]\n";
+    let out = run(Some(multi_line), &rt(false, false));
+    assert_eq!(
+        unconfigure(&out.main, MAIN_FILE, DROP_IN, Some(multi_line)).unwrap(),
+        multi_line
+    );
+}
+
+// === properties of the `imports` globs (issue 15; the others are in tests/properties.rs) ===
+
+mod glob_properties {
+    use super::*;
+    use proptest::prelude::*;
+
+    /// One element of a compiled pattern.
+    #[derive(Debug)]
+    enum Tok {
+        Star,
+        Any,
+        Lit(char),
+        Class(bool, Vec<(char, char)>),
+    }
+
+    /// Go's `filepath.Match` pattern syntax, compiled; `None` when malformed.
+    fn compile(pattern: &str) -> Option<Vec<Tok>> {
+        fn escaped(p: &[char], i: &mut usize) -> Option<char> {
+            match p.get(*i)? {
+                '-' | ']' => None,
+                '\\' => {
+                    let c = *p.get(*i + 1)?;
+                    *i += 2;
+                    Some(c)
+                }
+                c => {
+                    *i += 1;
+                    Some(*c)
+                }
+            }
+        }
+        let p: Vec<char> = pattern.chars().collect();
+        let mut out = Vec::new();
+        let mut i = 0;
+        while i < p.len() {
+            let c = p[i];
+            i += 1;
+            out.push(match c {
+                '*' => Tok::Star,
+                '?' => Tok::Any,
+                '\\' => {
+                    let c = *p.get(i)?;
+                    i += 1;
+                    Tok::Lit(c)
+                }
+                '[' => {
+                    let negated = p.get(i) == Some(&'^');
+                    if negated {
+                        i += 1;
+                    }
+                    let mut ranges = Vec::new();
+                    loop {
+                        if p.get(i) == Some(&']') && !ranges.is_empty() {
+                            i += 1;
+                            break;
+                        }
+                        let lo = escaped(&p, &mut i)?;
+                        let mut hi = lo;
+                        if p.get(i) == Some(&'-') {
+                            i += 1;
+                            hi = escaped(&p, &mut i)?;
+                        }
+                        ranges.push((lo, hi));
+                    }
+                    Tok::Class(negated, ranges)
+                }
+                c => Tok::Lit(c),
+            });
+        }
+        Some(out)
+    }
+
+    /// Whether the compiled pattern matches `name`, by dynamic programming over (token, char);
+    /// `star_stops_at` is a character `*` and `?` do not match.
+    fn reference(tokens: &[Tok], name: &str, star_stops_at: Option<char>) -> bool {
+        let s: Vec<char> = name.chars().collect();
+        // ok[j]: the tokens so far match s[..j].
+        let mut ok = vec![false; s.len() + 1];
+        ok[0] = true;
+        for t in tokens {
+            let mut next = vec![false; s.len() + 1];
+            for j in 0..=s.len() {
+                match t {
+                    Tok::Star => next[j] = ok[j] || (j > 0 && next[j - 1] && Some(s[j - 1]) != star_stops_at),
+                    _ if j == 0 => {}
+                    Tok::Any => next[j] = ok[j - 1] && Some(s[j - 1]) != star_stops_at,
+                    Tok::Lit(c) => next[j] = ok[j - 1] && s[j - 1] == *c,
+                    Tok::Class(negated, ranges) => {
+                        let hit = ranges.iter().any(|(lo, hi)| *lo <= s[j - 1] && s[j - 1] <= *hi);
+                        next[j] = ok[j - 1] && hit != *negated;
+                    }
+                }
+            }
+            ok = next;
+        }
+        ok[s.len()]
+    }
+
+    fn pattern() -> impl Strategy<Value = String> {
+        prop::collection::vec(
+            prop_oneof![
+                3 => prop::sample::select(vec![
+                    "*", "?", "a", "b", ".", "/", "[a-c]", "[^a]", "\\*", "[", "]", "-", "\\", "^",
+                ]),
+                1 => Just("toml"),
+            ],
+            0..10,
+        )
+        .prop_map(|parts| parts.concat())
+    }
+
+    fn name() -> impl Strategy<Value = String> {
+        prop::collection::vec(
+            prop::sample::select(vec!["a", "b", "c", ".", "/", "*", "-", "]", "toml"]),
+            0..10,
+        )
+        .prop_map(|parts| parts.concat())
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { failure_persistence: None, ..ProptestConfig::default() })]
+
+        #[test]
+        fn component_globs_match_as_go_does(pattern in pattern(), name in name()) {
+            let want = compile(&pattern).is_some_and(|t| reference(&t, &name, None));
+            prop_assert_eq!(glob_component_matches(&pattern, &name), want);
+        }
+
+        #[test]
+        fn import_globs_match_within_path_components(pattern in pattern(), path in name()) {
+            let want = if pattern.contains(['[', '\\']) {
+                pattern == path
+            } else {
+                compile(&pattern).is_some_and(|t| reference(&t, &path, Some('/')))
+            };
+            prop_assert_eq!(glob_matches(&pattern, &path), want);
+        }
+    }
+
+    /// Found while writing the properties above (issue 15): every `*` tried every split of the rest of
+    /// the name again, so matching took time exponential in the number of stars: an `imports`
+    /// entry such as `/etc/containerd/conf.d/*a*a*a*a*a*a*a*a*a*a*a*a*a*a*b` next to a file with
+    /// a long name stalled the runtime stage's look at the imported files. This test ran over
+    /// two minutes before (nextest killed it) and takes no time now.
+    #[test]
+    fn many_stars_match_in_polynomial_time() {
+        let start = std::time::Instant::now();
+        let name = "a".repeat(60);
+        let pattern = "*a".repeat(14) + "*b";
+        assert!(!glob_component_matches(&pattern, &name));
+        assert!(!glob_matches(&format!("/etc/{pattern}"), &format!("/etc/{name}")));
+        assert!(glob_component_matches(&("*a".repeat(14) + "*"), &name));
+        assert!(
+            start.elapsed() < std::time::Duration::from_secs(2),
+            "{:?}",
+            start.elapsed()
+        );
+    }
+}

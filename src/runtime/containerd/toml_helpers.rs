@@ -167,3 +167,19 @@ pub(in crate::runtime) fn hide_grouping_headers(table: &mut Table) {
         }
     }
 }
+
+/// Renders the edited `after`, keeping `original`'s line endings when toml_edit would not (it
+/// writes `\n` after every line): if `before` (the unedited parse) does not reproduce `original`
+/// byte for byte but does once turned to CRLF, `after` is turned to CRLF too.
+pub(in crate::runtime) fn render_like(original: &str, before: &DocumentMut, after: &DocumentMut) -> String {
+    let rendered = after.to_string();
+    let before = before.to_string();
+    if before != original && original.contains("\r\n") && to_crlf(&before) == original {
+        return to_crlf(&rendered);
+    }
+    rendered
+}
+
+fn to_crlf(text: &str) -> String {
+    text.replace("\r\n", "\n").replace('\n', "\r\n")
+}

@@ -1,9 +1,11 @@
 //! The top-level config (`/etc/containerd/config.toml`): its schema version, the `imports` entry
 //! for the drop-in (added, removed, rebased), and containerd's `imports` globbing.
 
+use std::collections::HashSet;
+
 use toml_edit::{Array, DocumentMut, Item, Value, value};
 
-use super::parse_toml;
+use super::{parse_toml, render_like};
 use crate::runtime::EditError;
 
 /// The schema version and the text of the top-level config once [`configure`] is done with it:
@@ -43,7 +45,7 @@ pub fn with_imports(main: &str, main_file: &str, entries: &[String]) -> Result<S
 /// drop-in path itself) from the top-level config `main`, and the `imports` key when it is left
 /// empty. Everything else stays byte-identical; with no such entry the input is returned as is.
 /// An entry that `original` (the file before the agent's first change, when known) already had
-/// is the user's own and stays.
+/// is the user's own and stays, and so does an `imports` key it had, even empty.
 ///
 /// The stage normally restores its byte-exact backup instead; this is the fallback for a file the
 /// user edited since. A `version` line that [`configure`] added to an empty file stays: it is
@@ -62,6 +64,9 @@ pub fn unconfigure(
     let theirs = original
         .map(|text| imports(text, main_file).unwrap_or_default())
         .unwrap_or_default();
+    let theirs_had_key = original
+        .and_then(|text| parse_toml(text, main_file).ok())
+        .is_some_and(|doc| doc.contains_key("imports"));
     let Some(item) = doc.get_mut("imports") else {
         return Ok(main.to_owned());
     };
@@ -70,7 +75,7 @@ pub fn unconfigure(
     if !remove_values(imports, ours) {
         return Ok(main.to_owned());
     }
-    if imports.is_empty() {
+    if imports.is_empty() && !theirs_had_key {
         doc.remove("imports");
     }
     Ok(render_like(main, &before, &doc))
@@ -114,30 +119,43 @@ pub fn imports_after_configure(
 /// `filepath.Glob`): `*` any run of characters, `?` one character, `[a-z]` / `[^a-z]` a class,
 /// `\` escapes the next character. A malformed pattern matches nothing.
 pub fn glob_component_matches(pattern: &str, name: &str) -> bool {
-    /// `Err`: malformed pattern.
-    fn go(p: &[char], s: &[char]) -> Result<bool, ()> {
+    /// `Err`: malformed pattern. `p` and `s` are always suffixes of the pattern and the name,
+    /// and `failed` holds the (pattern, name) suffix lengths already known not to match, so
+    /// that each pair is tried once: without it every `*` retried every split of the rest of
+    /// the name again, and `*a*a*a*a*a*a*a*a*b` took time exponential in the stars.
+    fn go(p: &[char], s: &[char], failed: &mut HashSet<(usize, usize)>) -> Result<bool, ()> {
+        if failed.contains(&(p.len(), s.len())) {
+            return Ok(false);
+        }
+        let matched = step(p, s, failed)?;
+        if !matched {
+            failed.insert((p.len(), s.len()));
+        }
+        Ok(matched)
+    }
+    fn step(p: &[char], s: &[char], failed: &mut HashSet<(usize, usize)>) -> Result<bool, ()> {
         let Some((&c, rest)) = p.split_first() else {
             return Ok(s.is_empty());
         };
         match c {
             '*' => {
                 for n in 0..=s.len() {
-                    if go(rest, &s[n..])? {
+                    if go(rest, &s[n..], failed)? {
                         return Ok(true);
                     }
                 }
                 Ok(false)
             }
-            '?' => Ok(!s.is_empty() && go(rest, &s[1..])?),
+            '?' => Ok(!s.is_empty() && go(rest, &s[1..], failed)?),
             '[' => {
                 let (matched, rest) = class(rest, s.first().copied())?;
-                Ok(matched && go(rest, &s[1..])?)
+                Ok(matched && go(rest, &s[1..], failed)?)
             }
             '\\' => {
                 let (&e, rest) = rest.split_first().ok_or(())?;
-                Ok(s.first() == Some(&e) && go(rest, &s[1..])?)
+                Ok(s.first() == Some(&e) && go(rest, &s[1..], failed)?)
             }
-            _ => Ok(s.first() == Some(&c) && go(rest, &s[1..])?),
+            _ => Ok(s.first() == Some(&c) && go(rest, &s[1..], failed)?),
         }
     }
     /// A class after its `[`: whether `ch` is in it (false without a character), and the pattern
@@ -175,7 +193,7 @@ pub fn glob_component_matches(pattern: &str, name: &str) -> bool {
     }
     let p: Vec<char> = pattern.chars().collect();
     let s: Vec<char> = name.chars().collect();
-    go(&p, &s).unwrap_or(false)
+    go(&p, &s, &mut HashSet::new()).unwrap_or(false)
 }
 
 /// Rewrites every `imports` entry of the top-level config `main` through `map`, keeping the rest
@@ -348,7 +366,8 @@ fn push_like_last(array: &mut Array, entry: &str) {
 }
 
 /// Removes the string elements for which `gone` holds; true when it removed any. A removed first
-/// element hands its leading whitespace to the new first element.
+/// element hands its leading whitespace to the new first element, and one that leaves the array
+/// empty hands its trailing whitespace to the array (`imports = [\n]` comes back as it was).
 fn remove_values(array: &mut Array, gone: impl Fn(&str) -> bool) -> bool {
     let mut removed = false;
     let mut index = 0;
@@ -370,6 +389,12 @@ fn remove_values(array: &mut Array, gone: impl Fn(&str) -> bool) -> bool {
                 .to_owned();
             first.decor_mut().set_prefix(prefix);
         }
+        if array.is_empty() {
+            // Without a trailing comma, the whitespace before `]` parses as the element's.
+            let suffix = old.decor().suffix().and_then(|s| s.as_str()).unwrap_or_default();
+            let trailing = format!("{suffix}{}", array.trailing().as_str().unwrap_or_default());
+            array.set_trailing(trailing);
+        }
     }
     removed
 }
@@ -388,33 +413,26 @@ pub(super) fn glob_matches(pattern: &str, path: &str) -> bool {
     if pattern.contains(['[', '\\']) {
         return pattern == path;
     }
-    fn go(p: &[char], s: &[char]) -> bool {
-        match p.split_first() {
+    /// `failed`: the (pattern, path) suffix lengths known not to match, as in
+    /// [`glob_component_matches`], so that many `*`s do not take exponential time.
+    fn go(p: &[char], s: &[char], failed: &mut HashSet<(usize, usize)>) -> bool {
+        if failed.contains(&(p.len(), s.len())) {
+            return false;
+        }
+        let matched = match p.split_first() {
             None => s.is_empty(),
             Some(('*', rest)) => (0..=s.len())
                 .take_while(|&n| n == 0 || s[n - 1] != '/')
-                .any(|n| go(rest, &s[n..])),
-            Some(('?', rest)) => s.first().is_some_and(|&c| c != '/') && go(rest, &s[1..]),
-            Some((c, rest)) => s.first() == Some(c) && go(rest, &s[1..]),
+                .any(|n| go(rest, &s[n..], failed)),
+            Some(('?', rest)) => s.first().is_some_and(|&c| c != '/') && go(rest, &s[1..], failed),
+            Some((c, rest)) => s.first() == Some(c) && go(rest, &s[1..], failed),
+        };
+        if !matched {
+            failed.insert((p.len(), s.len()));
         }
+        matched
     }
     let p: Vec<char> = pattern.chars().collect();
     let s: Vec<char> = path.chars().collect();
-    go(&p, &s)
-}
-
-/// Renders the edited `after`, keeping `original`'s line endings when toml_edit would not (it
-/// writes `\n` after every line): if `before` (the unedited parse) does not reproduce `original`
-/// byte for byte but does once turned to CRLF, `after` is turned to CRLF too.
-fn render_like(original: &str, before: &DocumentMut, after: &DocumentMut) -> String {
-    let rendered = after.to_string();
-    let before = before.to_string();
-    if before != original && original.contains("\r\n") && to_crlf(&before) == original {
-        return to_crlf(&rendered);
-    }
-    rendered
-}
-
-fn to_crlf(text: &str) -> String {
-    text.replace("\r\n", "\n").replace('\n', "\r\n")
+    go(&p, &s, &mut HashSet::new())
 }
