@@ -479,4 +479,67 @@ mod tests {
         let err = run_plugin(&missing, None).await.expect_err("missing").to_string();
         assert!(err.contains("install nope"), "{err}");
     }
+
+    mod properties {
+        use super::*;
+        use proptest::prelude::*;
+
+        fn credential(token: &str, expires: Option<u64>) -> String {
+            let expiry = expires
+                .map(|secs| {
+                    format!(
+                        r#","expirationTimestamp":"{}""#,
+                        format_rfc3339(std::time::UNIX_EPOCH + std::time::Duration::from_secs(secs))
+                    )
+                })
+                .unwrap_or_default();
+            format!(
+                r#"{{"apiVersion":"client.authentication.k8s.io/v1","kind":"ExecCredential","status":{{"token":{}{expiry}}}}}"#,
+                serde_json::Value::from(token)
+            )
+        }
+
+        proptest! {
+            /// Whatever a plugin prints, the parser answers without panicking, and an error never
+            /// repeats what was printed (it may be a token).
+            #[test]
+            fn never_panics_and_errors_never_quote_the_output(stdout in proptest::collection::vec(any::<u8>(), 0..512)) {
+                if let Err(e) = parse_exec_credential(&stdout, V1) {
+                    prop_assert!(!e.is_empty());
+                    let printed = String::from_utf8_lossy(&stdout);
+                    if printed.trim().len() >= 8 {
+                        prop_assert!(!e.contains(printed.trim()), "{e}");
+                    }
+                }
+            }
+
+            /// A well-formed credential gives back its token (trimmed) and expiry; cut short or
+            /// edited anywhere, it is either still read or refused without the token in the error.
+            #[test]
+            fn a_credential_round_trips_and_mangled_ones_do_not_leak(
+                token in "[A-Za-z0-9._~+/-]{8,64}",
+                expires in proptest::option::of(0u64..4_000_000_000),
+                cut in any::<prop::sample::Index>(),
+                insert in prop::sample::select(vec!["", "}", "\"", ",", "\\", "\\u0000", "{"]),
+            ) {
+                let text = credential(&token, expires);
+                let out = parse_exec_credential(text.as_bytes(), V1).expect("well-formed");
+                prop_assert_eq!(out.token.as_ref().map(Secret::expose), Some(token.as_str()));
+                prop_assert_eq!(
+                    out.expires,
+                    expires.map(|s| std::time::UNIX_EPOCH + std::time::Duration::from_secs(s))
+                );
+                let at = cut.index(text.len() + 1);
+                if text.is_char_boundary(at) {
+                    let mangled = format!("{}{insert}{}", &text[..at], &text[at..]);
+                    let truncated = &text[..at];
+                    for variant in [mangled.as_str(), truncated] {
+                        if let Err(e) = parse_exec_credential(variant.as_bytes(), V1) {
+                            prop_assert!(!e.contains(&token), "{e}");
+                        }
+                    }
+                }
+            }
+        }
+    }
 }

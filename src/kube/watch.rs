@@ -369,4 +369,62 @@ mod tests {
         assert!(parse_event(b"{not json").is_err());
         assert!(parse_event(br#"{"type":"BOOKMARK","object":{}}"#).is_err());
     }
+
+    mod properties {
+        use super::*;
+        use proptest::prelude::*;
+
+        proptest! {
+            /// However the stream is cut into chunks, the same non-blank lines come out, in order.
+            #[test]
+            fn lines_do_not_depend_on_the_chunking(
+                lines in proptest::collection::vec("[ -~]{0,40}", 0..20),
+                cuts in proptest::collection::vec(any::<prop::sample::Index>(), 0..10),
+                crlf in any::<bool>(),
+            ) {
+                let end = if crlf { "\r\n" } else { "\n" };
+                let text: String = lines.iter().map(|l| format!("{l}{end}")).collect();
+                let mut at: Vec<usize> = cuts.iter().map(|c| c.index(text.len() + 1)).collect();
+                at.push(0);
+                at.push(text.len());
+                at.sort_unstable();
+                at.dedup();
+                let chunks: Vec<&[u8]> = at.windows(2).map(|w| &text.as_bytes()[w[0]..w[1]]).collect();
+                let expected: Vec<String> =
+                    lines.iter().map(|l| l.trim().to_string()).filter(|l| !l.is_empty()).collect();
+                prop_assert_eq!(lines_of(&chunks), expected);
+            }
+
+            /// Any line: parsed, skipped or refused with a message, never a panic.
+            #[test]
+            fn any_event_line_is_parsed_or_refused(line in proptest::collection::vec(any::<u8>(), 0..512)) {
+                if let Err(e) = parse_event(&line) {
+                    prop_assert!(!e.is_empty());
+                }
+            }
+
+            /// A Node event carries the node's name, labels and resource version through.
+            #[test]
+            fn node_events_carry_the_node(
+                kind in prop::sample::select(vec!["ADDED", "MODIFIED", "DELETED"]),
+                name in "[a-z0-9]([a-z0-9.-]{0,40}[a-z0-9])?",
+                version in "[0-9]{1,12}",
+                labels in proptest::collection::btree_map("[a-z]{1,10}(/[a-z]{1,10})?", "[A-Za-z0-9._-]{0,20}", 0..5),
+            ) {
+                let line = serde_json::json!({
+                    "type": kind,
+                    "object": {"kind": "Node", "apiVersion": "v1",
+                               "metadata": {"name": name, "uid": "u", "resourceVersion": version, "labels": labels}},
+                })
+                .to_string();
+                let node = match parse_event(line.as_bytes()) {
+                    Ok(Some(WatchEvent::Added(n) | WatchEvent::Modified(n) | WatchEvent::Deleted(n))) => n,
+                    other => return Err(TestCaseError::fail(format!("{other:?}"))),
+                };
+                prop_assert_eq!(&node.name, &name);
+                prop_assert_eq!(&node.resource_version, &version);
+                prop_assert_eq!(&node.labels, &labels);
+            }
+        }
+    }
 }
