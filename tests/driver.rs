@@ -1092,14 +1092,10 @@ fn the_gpu_count_check_names_the_pci_device_nvml_does_not_list() {
     assert!(error.contains("NVML does not list 0000:c1:00.0"), "{error}");
 }
 
-/// A module build on a fresh node runs before READY: while it runs the agent asks systemd for
-/// more start time (EXTEND_TIMEOUT_USEC, at the watchdog's cadence here), so `TimeoutStartSec`
-/// does not kill a build that is within its own limit.
-#[test]
-fn a_long_build_before_ready_extends_the_start_timeout() {
-    use std::os::unix::net::UnixDatagram;
-    let probe = tempfile::tempdir().expect("tmp");
-    let body = runfile(&probe.path().join("ran"));
+/// A daemon-ready node that builds the driver from a verified runfile, with `make` replaced by
+/// a stand-in running `make_body` (a slow or failing build). The server must outlive the test.
+fn node_building_with(probe: &Path, make_body: &str) -> (Node, Server) {
+    let body = runfile(&probe.join("ran"));
     let sha = sha256_hex(&body);
     let server = serve(body);
     let node = bare_node(&format!(
@@ -1108,25 +1104,25 @@ fn a_long_build_before_ready_extends_the_start_timeout() {
         server.url
     ));
     headers_in_root(&node);
-    let make = node.root.join("usr/bin/make");
-    fs::remove_file(&make).expect("unlink make");
-    stand_in(&node, "/usr/bin/make", &log_path(&node), "sleep 1.5; exit 2");
-    let socket_path = probe.path().join("notify.sock");
-    let socket = UnixDatagram::bind(&socket_path).expect("bind notify socket");
-    socket
-        .set_read_timeout(Some(std::time::Duration::from_millis(100)))
-        .expect("timeout");
+    fs::remove_file(node.root.join("usr/bin/make")).expect("unlink make");
+    stand_in(&node, "/usr/bin/make", &log_path(&node), make_body);
+    (node, server)
+}
+
+/// A module build on a fresh node runs before READY: while it runs the agent asks systemd for
+/// more start time (EXTEND_TIMEOUT_USEC, at the watchdog's cadence here), so `TimeoutStartSec`
+/// does not kill a build that is within its own limit.
+#[test]
+fn a_long_build_before_ready_extends_the_start_timeout() {
+    let probe = tempfile::tempdir().expect("tmp");
+    let (node, _server) = node_building_with(probe.path(), "sleep 1.5; exit 2");
+    let socket = common::NotifySocket::new();
     let agent = node.spawn_with(|cmd| {
-        cmd.env("NOTIFY_SOCKET", &socket_path).env("WATCHDOG_USEC", "400000");
+        cmd.env("NOTIFY_SOCKET", &socket.path).env("WATCHDOG_USEC", "400000");
     });
-    let mut got = Vec::new();
-    let mut buf = [0u8; 4096];
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
-    while std::time::Instant::now() < deadline && !got.iter().any(|m: &String| m.contains("READY=1")) {
-        if let Ok(n) = socket.recv(&mut buf) {
-            got.push(String::from_utf8_lossy(&buf[..n]).into_owned());
-        }
-    }
+    let got = socket.receive_until(std::time::Duration::from_secs(30), |m| {
+        m.iter().any(|x| x.contains("READY=1"))
+    });
     let ready = got.iter().position(|m| m.contains("READY=1")).expect("READY=1");
     let extended = got[..ready]
         .iter()
@@ -1146,24 +1142,8 @@ fn a_long_build_before_ready_extends_the_start_timeout() {
 #[test]
 fn sigterm_during_a_slow_driver_build_stops_within_a_second_and_the_build_is_planned_again() {
     let probe = tempfile::tempdir().expect("tmp");
-    let body = runfile(&probe.path().join("ran"));
-    let sha = sha256_hex(&body);
-    let server = serve(body);
-    let node = bare_node(&format!(
-        "[kubernetes]\nenabled = false\n[driver]\nsource = \"runfile\"\nversion = \"{VERSION}\"\n\
-         runfile_url = \"{}\"\nrunfile_sha256 = \"{sha}\"\n",
-        server.url
-    ));
-    headers_in_root(&node);
-    let make = node.root.join("usr/bin/make");
-    fs::remove_file(&make).expect("unlink make");
     let pid_file = probe.path().join("make.pid");
-    stand_in(
-        &node,
-        "/usr/bin/make",
-        &log_path(&node),
-        &format!("echo $$ > \"{}\"\nsleep 60", pid_file.display()),
-    );
+    let (node, _server) = node_building_with(probe.path(), &format!("echo $$ > \"{}\"\nsleep 60", pid_file.display()));
     let agent = node.spawn();
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
     let make_pid = loop {

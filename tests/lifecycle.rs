@@ -3,11 +3,10 @@
 
 mod common;
 
-use std::os::unix::net::UnixDatagram;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use common::{NVML_PATH, Node, machine};
+use common::{NVML_PATH, Node, NotifySocket, machine};
 
 fn text(out: &[u8]) -> String {
     String::from_utf8_lossy(out).into_owned()
@@ -25,6 +24,18 @@ fn give_gpu_back(node: &Node) {
     std::fs::rename(node.tmp.path().join("pci"), node.root.join("sys/bus/pci")).expect("PCI bus back");
     let nvml = node.root.join(NVML_PATH.trim_start_matches('/'));
     std::fs::rename(node.tmp.path().join("libnvidia-ml.so.1"), &nvml).expect("NVML back");
+}
+
+/// Restarts the stand-in kubelet and waits for the agent's registration with the new one: how
+/// long that took.
+async fn restart_and_reregister(kubelet: &test_kubelet::TestKubelet, resource: &str) -> Duration {
+    let restarted = Instant::now();
+    kubelet.restart().await.expect("restart kubelet");
+    let reg = kubelet
+        .wait_for_registration_since(resource, restarted, Duration::from_secs(10))
+        .await
+        .expect("re-registration");
+    reg.at.duration_since(restarted)
 }
 
 const NO_GPU: &str = "no NVIDIA GPU on this node";
@@ -52,28 +63,16 @@ fn a_node_without_a_gpu_idles_quietly_and_notices_a_gpu_that_appears() {
         );
     }
 
-    let dir = tempfile::tempdir().expect("tmp");
-    let path = dir.path().join("notify.sock");
-    let socket = UnixDatagram::bind(&path).expect("bind notify socket");
-    socket
-        .set_read_timeout(Some(Duration::from_millis(100)))
-        .expect("timeout");
+    let socket = NotifySocket::new();
     let log = node.tmp.path().join("agent.log");
     let mut child = node
         .command(&["run"])
-        .env("NOTIFY_SOCKET", &path)
+        .env("NOTIFY_SOCKET", &socket.path)
         .stdout(std::process::Stdio::null())
         .stderr(std::fs::File::create(&log).expect("log"))
         .spawn()
         .expect("spawn");
-    let mut got = Vec::new();
-    let mut buf = [0u8; 4096];
-    let start = Instant::now();
-    while start.elapsed() < Duration::from_secs(15) && !got.iter().any(|m: &String| m.contains("READY=1")) {
-        if let Ok(n) = socket.recv(&mut buf) {
-            got.push(String::from_utf8_lossy(&buf[..n]).into_owned());
-        }
-    }
+    let got = socket.receive_until(Duration::from_secs(15), |m| m.iter().any(|x| x.contains("READY=1")));
     assert!(got.iter().any(|m| m.contains("READY=1")), "{got:?}");
     assert!(got.iter().any(|m| m.contains(&format!("STATUS={NO_GPU}"))), "{got:?}");
     // Twenty looks for a GPU later: still running, still one line, nothing configured.
@@ -202,13 +201,7 @@ async fn one_registration_per_kubelet_start() {
         .await
         .expect("first registration");
     for restart in 0..RESTARTS {
-        let restarted = Instant::now();
-        kubelet.restart().await.expect("restart kubelet");
-        let reg = kubelet
-            .wait_for_registration_since(GPU, restarted, Duration::from_secs(10))
-            .await
-            .expect("re-registration");
-        let took = reg.at.duration_since(restarted);
+        let took = restart_and_reregister(&kubelet, GPU).await;
         assert!(
             took < Duration::from_secs(1),
             "restart {restart}: re-registered after {took:?}"
@@ -296,13 +289,7 @@ async fn many_metrics_clients_do_not_starve_the_kubelet_sockets() {
     assert!(open.len() >= 64, "only {} clients connected", open.len());
 
     for _ in 0..3 {
-        let restarted = Instant::now();
-        kubelet.restart().await.expect("restart kubelet");
-        let reg = kubelet
-            .wait_for_registration_since(GPU, restarted, Duration::from_secs(10))
-            .await
-            .expect("re-registration");
-        let took = reg.at.duration_since(restarted);
+        let took = restart_and_reregister(&kubelet, GPU).await;
         assert!(
             took <= Duration::from_secs(1),
             "re-registered after {took:?} with {} metrics clients",

@@ -427,3 +427,39 @@ pub async fn api_server_for(node: &Node, labels: &[(&str, &str)]) -> test_apiser
     );
     api
 }
+
+/// systemd's notify socket, the test's own: bound in a temp dir, for `NOTIFY_SOCKET`.
+pub struct NotifySocket {
+    _dir: TempDir,
+    pub path: PathBuf,
+    socket: std::os::unix::net::UnixDatagram,
+}
+
+impl NotifySocket {
+    pub fn new() -> NotifySocket {
+        let dir = tempfile::tempdir().expect("tmp");
+        let path = dir.path().join("notify.sock");
+        let socket = std::os::unix::net::UnixDatagram::bind(&path).expect("bind notify socket");
+        socket
+            .set_read_timeout(Some(Duration::from_millis(100)))
+            .expect("timeout");
+        NotifySocket {
+            _dir: dir,
+            path,
+            socket,
+        }
+    }
+
+    /// The messages received until `done` says so or `deadline` has passed.
+    pub fn receive_until(&self, deadline: Duration, mut done: impl FnMut(&[String]) -> bool) -> Vec<String> {
+        let mut got = Vec::new();
+        let start = Instant::now();
+        let mut buf = [0u8; 4096];
+        while start.elapsed() < deadline && !done(&got) {
+            if let Ok(n) = self.socket.recv(&mut buf) {
+                got.push(String::from_utf8_lossy(&buf[..n]).into_owned());
+            }
+        }
+        got
+    }
+}
