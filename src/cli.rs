@@ -155,6 +155,44 @@ pub enum CdiCommand {
         #[arg(long, value_name = "FILE")]
         output: Option<PathBuf>,
     },
+    /// Run a CDI hook: the spec names these as OCI createContainer hooks, and container
+    /// runtimes run them with the container's OCI state on standard input. Needs no config and
+    /// no NVIDIA Container Toolkit. Exit 0: done; 1: failed (the runtime then refuses to start
+    /// the container).
+    Hook {
+        #[command(subcommand)]
+        hook: HookCommand,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+pub enum HookCommand {
+    /// Create symlinks in the container, such as the driver libraries' soname links.
+    CreateSymlinks {
+        /// `<target>::<path in the container>`, e.g. `libcuda.so.550.54.15::/usr/lib64/libcuda.so.1`.
+        #[arg(long = "link", value_name = "TARGET::PATH")]
+        links: Vec<String>,
+    },
+    /// Run the container's own ldconfig (chrooted into the container) over these folders.
+    UpdateLdcache {
+        /// A folder with driver libraries, in the container.
+        #[arg(long = "folder", value_name = "DIR")]
+        folders: Vec<PathBuf>,
+        /// The ldconfig to run, in the container (default: the first of /sbin/ldconfig.real,
+        /// /sbin/ldconfig, /usr/sbin/ldconfig.real, /usr/sbin/ldconfig).
+        #[arg(long, value_name = "PATH")]
+        ldconfig_path: Option<PathBuf>,
+    },
+    /// Use the image's CUDA forward-compatibility libraries (/usr/local/cuda/compat) when they
+    /// are newer than the host driver.
+    EnableCudaCompat {
+        /// The host driver's version, e.g. 550.54.15.
+        #[arg(long, value_name = "VERSION")]
+        host_driver_version: String,
+    },
+    /// Show the container ModifyDeviceFiles: 0 in /proc/driver/nvidia/params, so CUDA does not
+    /// try to create device nodes.
+    DisableDeviceNodeModification,
 }
 
 #[derive(Debug, Subcommand)]

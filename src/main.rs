@@ -6,7 +6,7 @@ use clap::Parser;
 
 use gpu_node_agent::agent::{self, summary};
 use gpu_node_agent::cli::{
-    CdiCommand, Cli, Command, ConfigCommand, DriverCommand, MigCommand, RuntimeCommand, ValidateCommand,
+    CdiCommand, Cli, Command, ConfigCommand, DriverCommand, HookCommand, MigCommand, RuntimeCommand, ValidateCommand,
 };
 use gpu_node_agent::config::Config;
 use gpu_node_agent::exit::Exit;
@@ -20,6 +20,13 @@ fn main() -> ExitCode {
         quiet_on_closed_pipe();
     }
     let root = HostRoot::new(&cli.global.root);
+    // A CDI hook runs for every container start: no config, no lock, no logging set up.
+    if let Command::Cdi {
+        command: CdiCommand::Hook { hook },
+    } = &cli.command
+    {
+        return cdi_hook(hook);
+    }
     if let Command::Version = cli.command {
         println!("gpu-node-agent {}", env!("CARGO_PKG_VERSION"));
         return ExitCode::SUCCESS;
@@ -102,6 +109,9 @@ fn main() -> ExitCode {
         Command::Cdi {
             command: CdiCommand::Generate { output },
         } => agent::cdi_generate(&config, &root, output.as_deref()),
+        Command::Cdi {
+            command: CdiCommand::Hook { hook },
+        } => cdi_hook(&hook),
         Command::Plan { json, mig_layout } => {
             logging::init(&config.log);
             if let Some(name) = &mig_layout
@@ -174,6 +184,36 @@ fn main() -> ExitCode {
                     exit(e.exit_code())
                 }
             }
+        }
+    }
+}
+
+/// `cdi hook <name>`: the hook's arguments from the command line, the OCI state from standard
+/// input; a failure is one line on standard error (the runtime shows it) and exit 1.
+fn cdi_hook(command: &HookCommand) -> ExitCode {
+    use gpu_node_agent::runtime::cdi::hook::{self, Hook};
+    let hook = match command {
+        HookCommand::CreateSymlinks { links } => match links.iter().map(|l| hook::parse_link(l)).collect() {
+            Ok(links) => Hook::CreateSymlinks { links },
+            Err(e) => {
+                eprintln!("gpu-node-agent cdi hook create-symlinks: {e}");
+                return Exit::Usage.into();
+            }
+        },
+        HookCommand::UpdateLdcache { folders, ldconfig_path } => Hook::UpdateLdcache {
+            folders: folders.clone(),
+            ldconfig: ldconfig_path.clone(),
+        },
+        HookCommand::EnableCudaCompat { host_driver_version } => Hook::EnableCudaCompat {
+            host_driver_version: host_driver_version.clone(),
+        },
+        HookCommand::DisableDeviceNodeModification => Hook::DisableDeviceNodeModification,
+    };
+    match hook::run(&hook, std::io::stdin().lock()) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("gpu-node-agent cdi hook {}: {e}", hook.name());
+            ExitCode::FAILURE
         }
     }
 }

@@ -25,6 +25,7 @@
 
 mod driver_files;
 mod generate;
+pub mod hook;
 mod model;
 
 use std::path::PathBuf;
