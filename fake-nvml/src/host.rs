@@ -1,5 +1,5 @@
 //! The host files a node with the machine's GPUs and a loaded NVIDIA driver shows: the PCI
-//! functions in sysfs, the loaded modules and their version, `/proc/driver/nvidia/version`, and
+//! functions in sysfs, the driver's user-space libraries, the loaded modules and their version, `/proc/driver/nvidia/version`, and
 //! the MIG capability table. Tests and `scripts/simulate` install them under the agent's root
 //! (binary `fake-nvml-host MACHINE ROOT`), so the agent sees what a real node would show.
 
@@ -23,6 +23,12 @@ pub fn host_files(machine: &Machine) -> Vec<(String, String)> {
         files.push((format!("{dir}/numa_node"), format!("{numa}\n")));
     }
     let v = &machine.driver_version;
+    // The driver's user-space libraries as the driver's installer leaves them (empty stand-ins:
+    // nothing loads them; the agent's CDI spec mounts them and refuses a tree without them).
+    // The soname links are left out: the node's NVML library is the fake itself.
+    for lib in ["libcuda", "libnvidia-ml", "libnvidia-ptxjitcompiler"] {
+        files.push((format!("usr/lib/x86_64-linux-gnu/{lib}.so.{v}"), String::new()));
+    }
     files.push(("sys/module/nvidia/version".into(), format!("{v}\n")));
     files.push(("sys/module/nvidia/refcnt".into(), "2\n".into()));
     files.push(("sys/module/nvidia_uvm/refcnt".into(), "0\n".into()));

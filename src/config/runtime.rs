@@ -41,8 +41,8 @@ pub const DEFAULT_CRIO_BINARY: &str = "/usr/bin/crio";
 pub const DEFAULT_CDI_ENABLED: bool = true;
 /// `cdi.dir`: the CDI directory for generated specs.
 pub const DEFAULT_CDI_DIR: &str = "/var/run/cdi";
-/// `cdi.hook_paths`: the CDI hook binaries tried, in order; hooks go into the spec only when
-/// one exists.
+/// `cdi.hook_paths`: the NVIDIA Container Toolkit's CDI hook binaries tried, in order (with
+/// `cdi.hook = "auto"` the agent's own hook is used when none exists).
 pub const DEFAULT_CDI_HOOK_PATHS: &[&str] = &["/usr/bin/nvidia-cdi-hook", "/usr/bin/nvidia-ctk"];
 
 /// A container engine the runtime stage configures.
@@ -293,6 +293,20 @@ impl RuntimeConfig {
     }
 }
 
+/// `cdi.hook`: which program the spec's hooks run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum CdiHook {
+    /// The NVIDIA Container Toolkit's hook (the first of `hook_paths` that exists), else the
+    /// agent's own.
+    Auto,
+    /// Always the agent's own (`gpu-node-agent cdi hook …`).
+    Agent,
+    /// Only the toolkit's; without one the spec has no hooks (containers then get no
+    /// `libcuda.so.1` unless their runtime makes it).
+    Toolkit,
+}
+
 /// `[cdi]`: the CDI spec for the node's GPUs (kind `device_plugin.cdi_kind`, driver files from
 /// `device_plugin.driver_root`, device nodes from `device_plugin.dev_root`).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -302,8 +316,12 @@ pub struct CdiConfig {
     pub enabled: bool,
     /// Directory of the generated spec (host path); the file is `<vendor>-<class>.json`.
     pub dir: PathBuf,
-    /// CDI hook binaries tried in order (host paths); without one the spec has no hooks.
+    /// The NVIDIA Container Toolkit's hook binaries tried in order (host paths).
     pub hook_paths: Vec<PathBuf>,
+    /// `auto`, `agent` or `toolkit`: which program the spec's hooks run.
+    pub hook: CdiHook,
+    /// The agent's own path for its hooks (host path); empty: the running binary.
+    pub agent_path: PathBuf,
 }
 
 impl Default for CdiConfig {
@@ -312,6 +330,8 @@ impl Default for CdiConfig {
             enabled: DEFAULT_CDI_ENABLED,
             dir: DEFAULT_CDI_DIR.into(),
             hook_paths: DEFAULT_CDI_HOOK_PATHS.iter().map(PathBuf::from).collect(),
+            hook: CdiHook::Auto,
+            agent_path: PathBuf::new(),
         }
     }
 }
@@ -321,6 +341,9 @@ impl CdiConfig {
         absolute_path("cdi.dir", &self.dir)?;
         for (i, p) in self.hook_paths.iter().enumerate() {
             absolute_path(&format!("cdi.hook_paths[{i}]"), p)?;
+        }
+        if !self.agent_path.as_os_str().is_empty() {
+            absolute_path("cdi.agent_path", &self.agent_path)?;
         }
         Ok(())
     }

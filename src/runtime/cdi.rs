@@ -31,11 +31,12 @@ mod model;
 use std::path::PathBuf;
 
 pub use driver_files::{
-    BINARY_DIRS, DEFAULT_HOOK_CANDIDATES, DRIVER_BINARIES, DRIVER_LIBRARIES, DriverFiles, FIRMWARE_DIR, IPC_SOCKETS,
-    LIBRARY_DIRS, LibraryLink, discover,
+    BINARY_DIRS, CONFIG_DIRS, DEFAULT_HOOK_CANDIDATES, DRIVER_BINARIES, DRIVER_LIBRARIES, DriverFiles, FIRMWARE_DIR,
+    GRAPHICS_CONFIGS, HookBinary, HookSearch, IPC_SOCKETS, LIBRARY_DIRS, LibraryLink, PCI_DEVICES, REQUIRED_LIBRARIES,
+    XORG_MODULE_DIRS, discover,
 };
 pub use generate::{
-    ALL_DEVICE, CdiOptions, DEFAULT_KIND, IPC_MOUNT_OPTIONS, MOUNT_OPTIONS, VISIBLE_DEVICES_VOID, spec,
+    ALL_DEVICE, CdiOptions, DEFAULT_KIND, IPC_MOUNT_OPTIONS, LIBCUDA_DIR_ENV, MOUNT_OPTIONS, VISIBLE_DEVICES_VOID, spec,
 };
 pub use model::{ContainerEdits, Device, DeviceNode, Hook, Mount, Spec, minimum_version, spec_file_name, to_json};
 
@@ -53,6 +54,18 @@ pub enum CdiError {
     /// text as the device plugin's Allocate error).
     #[error("MIG device {device}: capability {key:?} not found in /proc/driver/nvidia-caps/mig-minors")]
     MissingMigCapability { device: String, key: String },
+    /// `libcuda` or `libnvidia-ml` of the driver version was not found: a spec without them gives
+    /// containers no CUDA (a wrong `device_plugin.driver_root`, or a driver whose user-space
+    /// files are not installed).
+    #[error(
+        "the driver's {} not found in {} (device_plugin.driver_root): a CDI spec without them gives containers no CUDA",
+        missing.join(" and "),
+        searched.iter().map(|p| p.display().to_string()).collect::<Vec<_>>().join(", ")
+    )]
+    DriverLibrariesMissing {
+        missing: Vec<String>,
+        searched: Vec<PathBuf>,
+    },
     /// A path that would go into the spec is not UTF-8; CDI specs are JSON text.
     #[error("path {} is not valid UTF-8 and cannot be written to a CDI spec", path.display())]
     NonUtf8Path { path: PathBuf },

@@ -22,7 +22,9 @@ use sha2::{Digest, Sha256};
 
 use super::kubelet::{self, KubeletEndpoint};
 use super::{DefaultRuntime, EditError, NvidiaRuntime, cdi, containerd, cri, crio, docker, toolkit};
-use crate::config::{AnyEngineFiles, Config, DeviceListStrategy, Engine, RuntimeConfig, RuntimeMode, SetAsDefault};
+use crate::config::{
+    AnyEngineFiles, CdiHook, Config, DeviceListStrategy, Engine, RuntimeConfig, RuntimeMode, SetAsDefault,
+};
 use crate::host::command::{Cmd, Runner};
 use crate::host::{HostRoot, WriteError, write_atomic};
 use crate::nvml::Inventory;
@@ -1527,7 +1529,7 @@ pub fn cdi_spec(
         root.path(),
         &dp.driver_root,
         &inventory.driver_version,
-        &config.cdi.hook_paths,
+        &hook_search(config),
     );
     let opts = cdi::CdiOptions {
         kind: dp.cdi_kind.clone(),
@@ -1535,6 +1537,40 @@ pub fn cdi_spec(
     };
     let spec = cdi::spec(inventory, nodes, &files, &opts)?;
     Ok(cdi::to_json(&spec)?)
+}
+
+/// Where the spec's hook program is looked for, by `[cdi] hook`.
+pub fn hook_search(config: &Config) -> cdi::HookSearch {
+    let agent = || {
+        if config.cdi.agent_path.as_os_str().is_empty() {
+            agent_binary()
+        } else {
+            Some(config.cdi.agent_path.clone())
+        }
+    };
+    match config.cdi.hook {
+        CdiHook::Auto => cdi::HookSearch {
+            toolkit: config.cdi.hook_paths.clone(),
+            agent: agent(),
+        },
+        CdiHook::Agent => cdi::HookSearch {
+            toolkit: Vec::new(),
+            agent: agent(),
+        },
+        CdiHook::Toolkit => cdi::HookSearch {
+            toolkit: config.cdi.hook_paths.clone(),
+            agent: None,
+        },
+    }
+}
+
+/// The running agent's path: what a package installed (`/usr/bin/gpu-node-agent`). After an
+/// upgrade replaced the file the kernel reports `<path> (deleted)`; the path is still where the
+/// new binary is.
+fn agent_binary() -> Option<PathBuf> {
+    let exe = std::env::current_exe().ok()?;
+    let text = exe.to_str()?;
+    Some(PathBuf::from(text.strip_suffix(" (deleted)").unwrap_or(text)))
 }
 
 /// Writes the CDI spec when its bytes change; `Ok(true)` when it was written.

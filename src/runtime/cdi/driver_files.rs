@@ -1,24 +1,25 @@
 //! The driver's user-space files on the host ([`discover`]): what is looked for (libraries,
 //! programs, firmware, sockets, the CDI hook) and where.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 
 use crate::host::rooted;
 
-/// Where the CDI hook binary is looked for, first match wins: the toolkit packages' locations
-/// (`nvidia-cdi-hook` from 1.16 on, `nvidia-ctk hook` before) and the GPU Operator's toolkit
-/// install directory. Host paths.
+/// Where the toolkit's CDI hook binary is looked for, first match wins: the toolkit packages'
+/// locations (`nvidia-cdi-hook` from 1.16 on, `nvidia-ctk hook` before) and the GPU Operator's
+/// toolkit install directory. Host paths.
 pub const DEFAULT_HOOK_CANDIDATES: [&str; 3] = [
     "/usr/bin/nvidia-cdi-hook",
     "/usr/bin/nvidia-ctk",
     "/usr/local/nvidia/toolkit/nvidia-cdi-hook",
 ];
 
-/// Driver user-space libraries mounted into containers, without the `.so.<version>` suffix: the
-/// utility and compute lists of libnvidia-container (`src/nvc_info.c`), i.e. what
-/// `NVIDIA_DRIVER_CAPABILITIES=compute,utility` (the Kubernetes default) gives a container.
-/// Libraries an older or newer driver does not ship are simply not found.
+/// Driver libraries, without the `.so.<version>` suffix, that are also looked for outside the
+/// folder of `libcuda` (installs that split them): the utility and compute lists of
+/// libnvidia-container (`src/nvc_info.c`). Every `*.so.<version>` in `libcuda`'s folder and its
+/// `vdpau/` is mounted whatever its name, as `nvidia-ctk` does. Libraries an older or newer
+/// driver does not ship are simply not found.
 pub const DRIVER_LIBRARIES: [&str; 15] = [
     // utility
     "libnvidia-ml",
@@ -49,13 +50,50 @@ pub const LIBRARY_DIRS: [&str; 6] = [
     "/lib/x86_64-linux-gnu",
 ];
 
-/// Driver programs mounted into containers (libnvidia-container's utility and compute binaries).
-pub const DRIVER_BINARIES: [&str; 5] = [
+/// The libraries without which a spec gives containers no CUDA: their absence means a wrong
+/// driver root or version, and is an error rather than a quiet, useless spec.
+pub const REQUIRED_LIBRARIES: [&str; 2] = ["libcuda", "libnvidia-ml"];
+
+/// Driver programs mounted into containers (libnvidia-container's utility and compute binaries,
+/// and the IMEX daemon's, as `nvidia-ctk` 1.17.5 and later).
+pub const DRIVER_BINARIES: [&str; 7] = [
     "nvidia-smi",
     "nvidia-debugdump",
     "nvidia-persistenced",
     "nvidia-cuda-mps-control",
     "nvidia-cuda-mps-server",
+    "nvidia-imex",
+    "nvidia-imex-ctl",
+];
+
+/// Graphics and video configuration files (EGL, Vulkan, X11, OptiX), relative to each of
+/// [`CONFIG_DIRS`]; the first found of each is mounted at the same path.
+pub const GRAPHICS_CONFIGS: [&str; 10] = [
+    "glvnd/egl_vendor.d/10_nvidia.json",
+    "egl/egl_external_platform.d/15_nvidia_gbm.json",
+    "egl/egl_external_platform.d/10_nvidia_wayland.json",
+    "vulkan/icd.d/nvidia_icd.json",
+    "vulkan/icd.d/nvidia_layers.json",
+    "vulkan/implicit_layer.d/nvidia_layers.json",
+    "vulkan/icd.d/nvidia_icd.x86_64.json",
+    "nvidia/nvoptix.bin",
+    "X11/xorg.conf.d/10-nvidia.conf",
+    "X11/xorg.conf.d/nvidia-drm-outputclass.conf",
+];
+
+/// Where [`GRAPHICS_CONFIGS`] are looked for, in order.
+pub const CONFIG_DIRS: [&str; 3] = ["/etc", "/usr/local/share", "/usr/share"];
+
+/// Folders of the X server modules (`nvidia_drv.so`, `libglxserver_nvidia.so.<version>`), in
+/// order; `{lib}` is the folder of `libcuda`.
+pub const XORG_MODULE_DIRS: [&str; 7] = [
+    "{lib}/nvidia/xorg",
+    "{lib}/xorg/modules/drivers",
+    "{lib}/xorg/modules/extensions",
+    "/usr/lib/xorg/modules/drivers",
+    "/usr/lib/xorg/modules/extensions",
+    "/usr/lib64/xorg/modules/drivers",
+    "/usr/lib64/xorg/modules/extensions",
 ];
 
 /// Program directories searched, in order; a program found in an earlier one wins.
@@ -64,8 +102,43 @@ pub const BINARY_DIRS: [&str; 3] = ["/usr/bin", "/usr/sbin", "/bin"];
 /// GSP firmware lives in `<FIRMWARE_DIR>/<driver version>/gsp*.bin`.
 pub const FIRMWARE_DIR: &str = "/lib/firmware/nvidia";
 
-/// Sockets of the driver's daemons that tools in the container talk to.
-pub const IPC_SOCKETS: [&str; 2] = ["/run/nvidia-persistenced/socket", "/run/nvidia-fabricmanager/socket"];
+/// Sockets of the driver's daemons that tools in the container talk to, and the MPS control
+/// daemon's pipe folder (a container with a GPU shared through MPS needs it).
+pub const IPC_SOCKETS: [&str; 3] = [
+    "/run/nvidia-persistenced/socket",
+    "/run/nvidia-fabricmanager/socket",
+    "/tmp/nvidia-mps",
+];
+
+/// The host's PCI devices in sysfs (on the host itself, not under the driver root).
+pub const PCI_DEVICES: &str = "/sys/bus/pci/devices";
+
+/// Which hook program the spec's hooks run.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum HookBinary {
+    /// The NVIDIA Container Toolkit's `nvidia-cdi-hook` or `nvidia-ctk` (host path): the spec gets
+    /// `create-symlinks` and `update-ldcache`, which every version of it has.
+    Toolkit(PathBuf),
+    /// This agent (`gpu-node-agent cdi hook …`, host path): all four hooks.
+    Agent(PathBuf),
+}
+
+impl HookBinary {
+    /// The program's host path.
+    pub fn path(&self) -> &Path {
+        match self {
+            HookBinary::Toolkit(p) | HookBinary::Agent(p) => p,
+        }
+    }
+}
+
+/// Where the hook program is looked for: the first of `toolkit` that exists on the host, else
+/// `agent` (a path that is used as it is: the running agent).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct HookSearch {
+    pub toolkit: Vec<PathBuf>,
+    pub agent: Option<PathBuf>,
+}
 
 /// The driver's user-space files found on the host. All paths are host paths: under the driver
 /// root, but not under the agent's `--root` prefix.
@@ -77,8 +150,12 @@ pub struct DriverFiles {
     pub driver_root: PathBuf,
     /// Driver version the versioned files were matched against, e.g. `550.54.15`.
     pub version: String,
-    /// `<dir>/<lib>.so.<version>` for each of [`DRIVER_LIBRARIES`] found, in that order.
+    /// Every `*.so.<version>` in the folder of `libcuda` and its `vdpau/`, sorted, then each of
+    /// [`DRIVER_LIBRARIES`] found elsewhere.
     pub libraries: Vec<PathBuf>,
+    /// The folder `libcuda.so.<version>` was found in (the first of [`LIBRARY_DIRS`] that has
+    /// it), if any.
+    pub libcuda_dir: Option<PathBuf>,
     /// The directories of `libraries`, sorted, without duplicates.
     pub library_dirs: Vec<PathBuf>,
     /// Symlinks next to the libraries that point straight at one of them, such as the soname link
@@ -88,10 +165,18 @@ pub struct DriverFiles {
     pub binaries: Vec<PathBuf>,
     /// `gsp*.bin` of this driver version, sorted.
     pub firmware: Vec<PathBuf>,
+    /// Graphics configuration files ([`GRAPHICS_CONFIGS`]) and X server modules found.
+    pub graphics: Vec<PathBuf>,
     /// Each of [`IPC_SOCKETS`] that exists, in that order.
     pub ipc_sockets: Vec<PathBuf>,
-    /// The CDI hook binary (`nvidia-cdi-hook` or `nvidia-ctk`); without one the spec has no hooks.
-    pub cdi_hook: Option<PathBuf>,
+    /// The DRM nodes of each PCI device (sysfs bus id such as `0000:07:00.0` → `/dev/dri/card1`,
+    /// `/dev/dri/renderD128`), from `/sys/bus/pci/devices/<bus id>/drm/`.
+    pub dri: BTreeMap<String, Vec<String>>,
+    /// The hook program; without one the spec has no hooks.
+    pub cdi_hook: Option<HookBinary>,
+    /// The folders the libraries were looked for in (host paths), for the error when `libcuda`
+    /// or `libnvidia-ml` is missing.
+    pub searched: Vec<PathBuf>,
 }
 
 /// A symlink to a driver library, recreated in the container by the `create-symlinks` hook.
@@ -106,14 +191,14 @@ pub struct LibraryLink {
 
 /// Finds the driver's files. `root` is the agent's host prefix (`/` in production, a tempdir in
 /// tests); `driver_root` the host directory the driver is installed under; `version` the driver
-/// version NVML reports; `hook_candidates` host paths of hook binaries, the first that exists is
-/// used (see [`DEFAULT_HOOK_CANDIDATES`]).
+/// version NVML reports; `hooks` where the hook program is (see [`HookSearch`]).
 ///
-/// Libraries, binaries, firmware and sockets are looked for under `driver_root`, as `nvidia-ctk`
-/// does; the hook is looked for on the host itself, because the runtime runs it there. Nothing
-/// found is not an error: the spec then simply lacks it. A version that is empty or not made of
-/// `[A-Za-z0-9._-]` matches no library or firmware.
-pub fn discover(root: &Path, driver_root: &Path, version: &str, hook_candidates: &[PathBuf]) -> DriverFiles {
+/// Libraries, binaries, firmware, graphics files and sockets are looked for under
+/// `driver_root`, as `nvidia-ctk` does; the toolkit's hook is looked for on the host itself,
+/// because the runtime runs it there. Nothing found is not an error here (the spec decides: see
+/// [`REQUIRED_LIBRARIES`]). A version that is empty or not made of `[A-Za-z0-9._-]` matches no
+/// library or firmware.
+pub fn discover(root: &Path, driver_root: &Path, version: &str, hooks: &HookSearch) -> DriverFiles {
     let look = |host: &Path| rooted(root, host);
     let host = |path: &str| rooted(driver_root, Path::new(path));
     let versioned = is_plain_version(version);
@@ -123,11 +208,33 @@ pub fn discover(root: &Path, driver_root: &Path, version: &str, hook_candidates:
             "driver version is not a plain version string: no libraries or firmware mounted"
         );
     }
+    let suffix = format!(".so.{version}");
 
-    let mut libraries = Vec::new();
+    let mut libraries: Vec<PathBuf> = Vec::new();
+    let mut libcuda_dir = None;
     if versioned {
+        libcuda_dir = LIBRARY_DIRS
+            .iter()
+            .map(|dir| host(dir))
+            .find(|dir| look(&dir.join(format!("libcuda{suffix}"))).is_file());
+        if let Some(dir) = &libcuda_dir {
+            for folder in [dir.clone(), dir.join("vdpau")] {
+                for name in dir_entries(&look(&folder)) {
+                    let path = folder.join(&name);
+                    if name.ends_with(&suffix) && look(&path).is_file() && !is_symlink(&look(&path)) {
+                        libraries.push(path);
+                    }
+                }
+            }
+        }
         for lib in DRIVER_LIBRARIES {
-            let file = format!("{lib}.so.{version}");
+            let file = format!("{lib}{suffix}");
+            if libraries
+                .iter()
+                .any(|l| l.file_name().is_some_and(|n| n == file.as_str()))
+            {
+                continue;
+            }
             let found = LIBRARY_DIRS
                 .iter()
                 .map(|dir| host(dir).join(&file))
@@ -163,24 +270,74 @@ pub fn discover(root: &Path, driver_root: &Path, version: &str, hook_candidates:
         }
     }
 
+    let mut graphics: Vec<PathBuf> = GRAPHICS_CONFIGS
+        .iter()
+        .filter_map(|file| {
+            CONFIG_DIRS
+                .iter()
+                .map(|dir| host(dir).join(file))
+                .find(|path| look(path).is_file())
+        })
+        .collect();
+    if versioned {
+        let lib = libcuda_dir.as_ref().map(|d| d.to_string_lossy().into_owned());
+        for module in ["nvidia_drv.so".to_string(), format!("libglxserver_nvidia{suffix}")] {
+            let found = XORG_MODULE_DIRS
+                .iter()
+                .filter_map(|dir| match (dir.strip_prefix("{lib}"), &lib) {
+                    (Some(rest), Some(lib)) => Some(PathBuf::from(format!("{lib}{rest}"))),
+                    (Some(_), None) => None,
+                    (None, _) => Some(host(dir)),
+                })
+                .map(|dir| dir.join(&module))
+                .find(|path| look(path).is_file());
+            graphics.extend(found);
+        }
+    }
+
     let ipc_sockets = IPC_SOCKETS
         .iter()
         .map(|s| host(s))
         .filter(|s| look(s).exists())
         .collect();
-    let cdi_hook = hook_candidates.iter().find(|c| look(c).is_file()).cloned();
+    let mut dri = BTreeMap::new();
+    let pci = look(Path::new(PCI_DEVICES));
+    for bus_id in dir_entries(&pci) {
+        let names: Vec<String> = dir_entries(&pci.join(&bus_id).join("drm"))
+            .into_iter()
+            .filter(|n| n.starts_with("card") || n.starts_with("renderD"))
+            .map(|n| format!("/dev/dri/{n}"))
+            .collect();
+        if !names.is_empty() {
+            dri.insert(bus_id, names);
+        }
+    }
+    let cdi_hook = hooks
+        .toolkit
+        .iter()
+        .find(|c| look(c).is_file())
+        .map(|p| HookBinary::Toolkit(p.clone()))
+        .or_else(|| hooks.agent.clone().map(HookBinary::Agent));
 
     DriverFiles {
         driver_root: driver_root.to_path_buf(),
         version: version.to_string(),
         libraries,
+        libcuda_dir,
         library_dirs,
         library_links,
         binaries,
         firmware,
+        graphics,
         ipc_sockets,
+        dri,
         cdi_hook,
+        searched: LIBRARY_DIRS.iter().map(|d| host(d)).collect(),
     }
+}
+
+fn is_symlink(path: &Path) -> bool {
+    std::fs::symlink_metadata(path).is_ok_and(|m| m.file_type().is_symlink())
 }
 
 /// A driver version safe to put in a file name: `550.54.15`, not `../x` or empty.

@@ -5,7 +5,7 @@ use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 
 use super::CdiError;
-use super::driver_files::DriverFiles;
+use super::driver_files::{DriverFiles, HookBinary, REQUIRED_LIBRARIES};
 use super::model::{ContainerEdits, Device, DeviceNode, Hook, Mount, Spec, minimum_version};
 use crate::host::rooted;
 use crate::nvml::{GpuInfo, Inventory};
@@ -19,8 +19,12 @@ pub const DEFAULT_KIND: &str = "nvidia.com/gpu";
 /// Options of every file mount: read-only, no setuid or device files through it.
 pub const MOUNT_OPTIONS: [&str; 5] = ["ro", "nosuid", "nodev", "rbind", "rprivate"];
 
-/// Sockets additionally get `noexec`, as `nvidia-ctk` gives them.
-pub const IPC_MOUNT_OPTIONS: [&str; 6] = ["ro", "nosuid", "nodev", "rbind", "rprivate", "noexec"];
+/// Sockets and the MPS pipe folder get `noexec` and are not read-only, as `nvidia-ctk` 1.18.2
+/// and later mount them: an MPS client writes to the pipes.
+pub const IPC_MOUNT_OPTIONS: [&str; 5] = ["nosuid", "nodev", "rbind", "rprivate", "noexec"];
+
+/// The environment variable `nvidia-ctk` sets to the container folder of `libcuda`.
+pub const LIBCUDA_DIR_ENV: &str = "NVIDIA_CTK_LIBCUDA_DIR";
 
 /// The environment of every container that gets a device from the spec. `void` tells an NVIDIA
 /// runtime hook that may also be installed to leave the container alone: CDI did the injection.
@@ -92,6 +96,22 @@ pub fn spec(
     if inventory.gpus.is_empty() {
         return Err(CdiError::NoGpus);
     }
+    let missing: Vec<String> = REQUIRED_LIBRARIES
+        .iter()
+        .map(|lib| format!("{lib}.so.{}", files.version))
+        .filter(|file| {
+            !files
+                .libraries
+                .iter()
+                .any(|l| l.file_name().is_some_and(|n| n == file.as_str()))
+        })
+        .collect();
+    if !missing.is_empty() {
+        return Err(CdiError::DriverLibrariesMissing {
+            missing,
+            searched: files.searched.clone(),
+        });
+    }
     let mut gpus: Vec<&GpuInfo> = inventory.gpus.iter().collect();
     gpus.sort_by_key(|g| g.index);
 
@@ -115,10 +135,12 @@ pub fn spec(
         }
     };
     for gpu in &gpus {
-        add(
-            [gpu.index.to_string(), gpu.uuid.clone()],
-            vec![node(format!("/dev/nvidia{}", gpu.minor))?],
-        );
+        let mut gpu_nodes = vec![node(format!("/dev/nvidia{}", gpu.minor))?];
+        let drm = files.dri.get(&crate::nvml::normalise_bus_id(&gpu.pci_bus_id));
+        for dri in drm.into_iter().flatten() {
+            gpu_nodes.push(node(dri.clone())?);
+        }
+        add([gpu.index.to_string(), gpu.uuid.clone()], gpu_nodes);
     }
     for gpu in &gpus {
         let mut migs: Vec<_> = gpu.mig_devices.iter().collect();
@@ -145,8 +167,16 @@ pub fn spec(
         },
     });
 
+    let mut env = Vec::new();
+    if let Some(dir) = &files.libcuda_dir {
+        env.push(format!(
+            "{LIBCUDA_DIR_ENV}={}",
+            utf8(&in_container(&files.driver_root, dir))?
+        ));
+    }
+    env.push(VISIBLE_DEVICES_VOID.to_string());
     let container_edits = ContainerEdits {
-        env: vec![VISIBLE_DEVICES_VOID.to_string()],
+        env,
         device_nodes: nodes
             .control
             .iter()
@@ -184,6 +214,7 @@ fn mounts(files: &DriverFiles) -> Result<Vec<Mount>, CdiError> {
     let ipc = IPC_MOUNT_OPTIONS.map(String::from).to_vec();
     let groups = [
         (&files.libraries, &plain),
+        (&files.graphics, &plain),
         (&files.ipc_sockets, &ipc),
         (&files.firmware, &plain),
         (&files.binaries, &plain),
@@ -201,18 +232,25 @@ fn mounts(files: &DriverFiles) -> Result<Vec<Mount>, CdiError> {
     Ok(mounts)
 }
 
-/// The `create-symlinks` and `update-ldcache` hooks, when there is a hook binary and there are
-/// libraries to link and cache.
+/// The hooks, in `nvidia-ctk`'s order: `create-symlinks` (when there are links to make),
+/// `enable-cuda-compat` (the agent's hook only), `update-ldcache` (when there are library
+/// folders), `disable-device-node-modification` (the agent's hook only). The toolkit's hook gets
+/// only the two every version of it knows: a hook subcommand the installed binary does not know
+/// fails every container start.
 fn hooks(files: &DriverFiles) -> Result<Vec<Hook>, CdiError> {
     let Some(binary) = &files.cdi_hook else {
         return Ok(Vec::new());
     };
-    let path = utf8(binary)?;
-    let base = binary.file_name().and_then(|n| n.to_str()).unwrap_or(path);
+    let agent = matches!(binary, HookBinary::Agent(_));
+    let path = utf8(binary.path())?;
+    let base = binary.path().file_name().and_then(|n| n.to_str()).unwrap_or(path);
     let hook = |name: &str, args: Vec<String>| {
         let mut argv = vec![base.to_string()];
-        // `nvidia-ctk` takes the hooks as `nvidia-ctk hook <name>`; `nvidia-cdi-hook` as `<name>`.
-        if base == "nvidia-ctk" {
+        // `nvidia-ctk` takes the hooks as `nvidia-ctk hook <name>`; `nvidia-cdi-hook` as `<name>`;
+        // the agent as `gpu-node-agent cdi hook <name>`.
+        if agent {
+            argv.extend(["cdi".to_string(), "hook".to_string()]);
+        } else if base == "nvidia-ctk" {
             argv.push("hook".to_string());
         }
         argv.push(name.to_string());
@@ -226,14 +264,12 @@ fn hooks(files: &DriverFiles) -> Result<Vec<Hook>, CdiError> {
 
     // (link path in the container, target) pairs; the first for a link path wins.
     let mut links: Vec<(PathBuf, String)> = Vec::new();
-    if let Some(libcuda) = files.libraries.iter().find(|l| {
-        l.file_name()
-            .and_then(|n| n.to_str())
-            .is_some_and(|n| n.starts_with("libcuda.so."))
-    }) {
+    if let Some(dir) = &files.libcuda_dir {
         // Many programs dlopen "libcuda.so", which only the CUDA toolkit's dev package provides.
-        let dir = in_container(&files.driver_root, libcuda.parent().unwrap_or(Path::new("/")));
-        links.push((dir.join("libcuda.so"), "libcuda.so.1".to_string()));
+        links.push((
+            in_container(&files.driver_root, dir).join("libcuda.so"),
+            "libcuda.so.1".to_string(),
+        ));
     }
     for link in &files.library_links {
         let at = in_container(&files.driver_root, &link.link);
@@ -251,6 +287,12 @@ fn hooks(files: &DriverFiles) -> Result<Vec<Hook>, CdiError> {
         }
         hooks.push(hook("create-symlinks", args));
     }
+    if agent && !files.libraries.is_empty() {
+        hooks.push(hook(
+            "enable-cuda-compat",
+            vec![format!("--host-driver-version={}", files.version)],
+        ));
+    }
     let folders: BTreeSet<PathBuf> = files
         .library_dirs
         .iter()
@@ -263,6 +305,9 @@ fn hooks(files: &DriverFiles) -> Result<Vec<Hook>, CdiError> {
             args.push(utf8(folder)?.to_string());
         }
         hooks.push(hook("update-ldcache", args));
+    }
+    if agent {
+        hooks.push(hook("disable-device-node-modification", Vec::new()));
     }
     Ok(hooks)
 }

@@ -105,10 +105,23 @@ fn fake_driver(root: &Path) {
     symlink(root, &format!("{LIB}/libfoo.so.1"), &format!("libcuda.so.{VERSION}")); // wrong name
     touch(root, "/usr/lib64/libnvidia-cfg.so.550.54.15");
     symlink(root, "/usr/lib64/libnvidia-cfg.so.1", "libnvidia-cfg.so.550.54.15");
-    // Decoys: another version, a graphics library, a copy in a later directory.
-    touch(root, &format!("{LIB}/libnvidia-ml.so.535.161.08"));
+    // A graphics and a video library: mounted too, as nvidia-ctk mounts them.
     touch(root, &format!("{LIB}/libGLX_nvidia.so.{VERSION}"));
+    touch(root, &format!("{LIB}/vdpau/libvdpau_nvidia.so.{VERSION}"));
+    // Decoys: another version, a copy in a later directory.
+    touch(root, &format!("{LIB}/libnvidia-ml.so.535.161.08"));
     touch(root, &format!("/usr/lib64/libcuda.so.{VERSION}"));
+    // Graphics configuration and X server modules; the first copy of each wins.
+    touch(root, "/usr/share/glvnd/egl_vendor.d/10_nvidia.json");
+    touch(root, "/etc/vulkan/icd.d/nvidia_icd.json");
+    touch(root, "/usr/share/vulkan/icd.d/nvidia_icd.json");
+    touch(root, "/usr/lib/xorg/modules/drivers/nvidia_drv.so");
+    touch(root, &format!("{LIB}/nvidia/xorg/libglxserver_nvidia.so.{VERSION}"));
+    // The second GPU (bus 08) has DRM nodes; a device without drm/ has none.
+    touch(root, "/sys/bus/pci/devices/0000:08:00.0/drm/card1/dev");
+    touch(root, "/sys/bus/pci/devices/0000:08:00.0/drm/renderD128/dev");
+    touch(root, "/sys/bus/pci/devices/0000:08:00.0/drm/controlD64/dev");
+    touch(root, "/sys/bus/pci/devices/0000:07:00.0/vendor");
 
     touch(root, "/usr/bin/nvidia-smi");
     touch(root, "/bin/nvidia-smi");
@@ -122,10 +135,15 @@ fn fake_driver(root: &Path) {
     touch(root, "/lib/firmware/nvidia/535.161.08/gsp_ga10x.bin");
 
     touch(root, "/run/nvidia-persistenced/socket");
+    fs::create_dir_all(root.join("tmp/nvidia-mps")).unwrap();
 }
 
-fn hook_candidates() -> Vec<PathBuf> {
-    DEFAULT_HOOK_CANDIDATES.iter().map(PathBuf::from).collect()
+/// The toolkit's hook where it is installed, and no agent fallback.
+fn hook_candidates() -> HookSearch {
+    HookSearch {
+        toolkit: DEFAULT_HOOK_CANDIDATES.iter().map(PathBuf::from).collect(),
+        agent: None,
+    }
 }
 
 /// Driver files of [`fake_driver`] at driver root `/`, with `nvidia-cdi-hook` installed.
@@ -150,14 +168,23 @@ fn discovery_finds_exactly_the_driver_files() {
         DriverFiles {
             driver_root: "/".into(),
             version: VERSION.into(),
+            // Every library of the version in libcuda's folder (graphics and vdpau included), then
+            // the known ones found elsewhere.
             libraries: vec![
-                lib("libnvidia-ml"),
-                PathBuf::from("/usr/lib64/libnvidia-cfg.so.550.54.15"),
+                lib("libGLX_nvidia"),
                 lib("libcuda"),
-                lib("libnvidia-ptxjitcompiler"),
+                lib("libnvidia-ml"),
                 lib("libnvidia-nvvm"),
+                lib("libnvidia-ptxjitcompiler"),
+                lib("vdpau/libvdpau_nvidia"),
+                PathBuf::from("/usr/lib64/libnvidia-cfg.so.550.54.15"),
             ],
-            library_dirs: paths(&["/usr/lib/x86_64-linux-gnu", "/usr/lib64"]),
+            libcuda_dir: Some(LIB.into()),
+            library_dirs: paths(&[
+                "/usr/lib/x86_64-linux-gnu",
+                "/usr/lib/x86_64-linux-gnu/vdpau",
+                "/usr/lib64"
+            ]),
             library_links: vec![
                 LibraryLink {
                     link: format!("{LIB}/libcuda.so.1").into(),
@@ -185,8 +212,21 @@ fn discovery_finds_exactly_the_driver_files() {
                 "/lib/firmware/nvidia/550.54.15/gsp_ga10x.bin",
                 "/lib/firmware/nvidia/550.54.15/gsp_tu10x.bin",
             ]),
-            ipc_sockets: paths(&["/run/nvidia-persistenced/socket"]),
-            cdi_hook: Some("/usr/bin/nvidia-cdi-hook".into()),
+            graphics: paths(&[
+                "/usr/share/glvnd/egl_vendor.d/10_nvidia.json",
+                "/etc/vulkan/icd.d/nvidia_icd.json",
+                "/usr/lib/xorg/modules/drivers/nvidia_drv.so",
+                "/usr/lib/x86_64-linux-gnu/nvidia/xorg/libglxserver_nvidia.so.550.54.15",
+            ]),
+            ipc_sockets: paths(&["/run/nvidia-persistenced/socket", "/tmp/nvidia-mps"]),
+            dri: [(
+                "0000:08:00.0".to_string(),
+                vec!["/dev/dri/card1".to_string(), "/dev/dri/renderD128".to_string()]
+            )]
+            .into_iter()
+            .collect(),
+            cdi_hook: Some(HookBinary::Toolkit("/usr/bin/nvidia-cdi-hook".into())),
+            searched: LIBRARY_DIRS.iter().map(PathBuf::from).collect(),
         }
     );
 }
@@ -202,7 +242,7 @@ fn discovery_of_nothing_is_empty_not_an_error() {
     // A version that is not a plain version string matches nothing, even if a file exists.
     fake_driver(root.path());
     for bad in ["", "..", "550/../550"] {
-        let files = discover(root.path(), Path::new("/"), bad, &[]);
+        let files = discover(root.path(), Path::new("/"), bad, &HookSearch::default());
         assert!(files.libraries.is_empty() && files.firmware.is_empty(), "{bad:?}");
     }
 }
@@ -223,7 +263,7 @@ fn discovery_under_a_driver_root_reports_host_paths() {
         &hook_candidates(),
     );
     assert_eq!(
-        files.libraries[0],
+        files.libraries[2],
         PathBuf::from(format!("/run/nvidia/driver{LIB}/libnvidia-ml.so.{VERSION}"))
     );
     assert_eq!(
@@ -232,11 +272,11 @@ fn discovery_under_a_driver_root_reports_host_paths() {
     );
     assert_eq!(
         files.cdi_hook,
-        Some(PathBuf::from("/usr/local/nvidia/toolkit/nvidia-cdi-hook"))
+        Some(HookBinary::Toolkit("/usr/local/nvidia/toolkit/nvidia-cdi-hook".into()))
     );
 
     let spec = spec(&inventory(), &nodes(), &files, &CdiOptions::default()).unwrap();
-    let libcuda = &spec.container_edits.mounts[2];
+    let libcuda = &spec.container_edits.mounts[1];
     assert_eq!(
         libcuda.host_path,
         format!("/run/nvidia/driver{LIB}/libcuda.so.{VERSION}")
@@ -260,6 +300,8 @@ fn discovery_under_a_driver_root_reports_host_paths() {
             "update-ldcache",
             "--folder",
             LIB,
+            "--folder",
+            "/usr/lib/x86_64-linux-gnu/vdpau",
             "--folder",
             "/usr/lib64"
         ]
@@ -305,7 +347,12 @@ fn spec_structure() {
             .map(|n| n.path.clone())
             .collect()
     };
-    assert_eq!(device_paths(G1), ["/dev/nvidia3"]);
+    // The GPU's DRM nodes come with it (its PCI device has card1 and renderD128).
+    assert_eq!(
+        device_paths(G1),
+        ["/dev/nvidia3", "/dev/dri/card1", "/dev/dri/renderD128"]
+    );
+    assert_eq!(device_paths(G0), ["/dev/nvidia0"]);
     assert_eq!(
         device_paths("1:1"),
         [
@@ -319,6 +366,8 @@ fn spec_structure() {
         [
             "/dev/nvidia0",
             "/dev/nvidia3",
+            "/dev/dri/card1",
+            "/dev/dri/renderD128",
             "/dev/nvidia-caps/nvidia-cap30",
             "/dev/nvidia-caps/nvidia-cap31",
             "/dev/nvidia-caps/nvidia-cap39",
@@ -326,9 +375,13 @@ fn spec_structure() {
         ]
     );
     let edits = &spec.container_edits;
-    assert_eq!(edits.env, [VISIBLE_DEVICES_VOID]);
+    assert_eq!(
+        edits.env,
+        [format!("{LIBCUDA_DIR_ENV}={LIB}"), VISIBLE_DEVICES_VOID.to_string()]
+    );
     assert!(edits.device_nodes.iter().all(|n| n.host_path.is_none()));
-    assert_eq!(edits.mounts.len(), 5 + 1 + 2 + 3);
+    // Libraries, graphics files, sockets and the MPS folder, firmware, programs.
+    assert_eq!(edits.mounts.len(), 7 + 4 + 2 + 2 + 3);
     let socket = edits.mounts.iter().find(|m| m.host_path.ends_with("socket")).unwrap();
     assert_eq!(socket.options, IPC_MOUNT_OPTIONS);
     assert_eq!(edits.mounts[0].options, MOUNT_OPTIONS);
@@ -383,19 +436,27 @@ fn hooks_only_with_a_hook_binary() {
             "--folder",
             LIB,
             "--folder",
+            "/usr/lib/x86_64-linux-gnu/vdpau",
+            "--folder",
             "/usr/lib64"
         ]
     );
 
-    // No libraries: nothing to link or cache, so no hooks even with the binary.
+    // No libcuda or libnvidia-ml (a wrong driver root): an error naming where it looked, not a
+    // spec that gives containers no CUDA.
     let bare = DriverFiles {
         libraries: Vec::new(),
         library_dirs: Vec::new(),
         library_links: Vec::new(),
         ..files
     };
-    let spec = spec(&inventory(), &nodes(), &bare, &CdiOptions::default()).unwrap();
-    assert!(spec.container_edits.hooks.is_empty());
+    let err = spec(&inventory(), &nodes(), &bare, &CdiOptions::default()).unwrap_err();
+    assert!(matches!(err, CdiError::DriverLibrariesMissing { .. }), "{err:?}");
+    let text = err.to_string();
+    assert!(
+        text.contains("libcuda.so.550.54.15 and libnvidia-ml.so.550.54.15 not found in /usr/lib/x86_64-linux-gnu,"),
+        "{text}"
+    );
 }
 
 #[test]
@@ -657,4 +718,55 @@ fn every_name_the_plugin_hands_out_resolves() {
     // Whole GPUs and MIG devices, by UUID and by index, were all exercised.
     let expected: BTreeSet<String> = ["0", G0, "1", G1, "1:0", M0, "1:1", M1].map(String::from).into();
     assert_eq!(seen, expected);
+}
+
+#[test]
+fn the_agent_as_hook_gets_all_four_hooks_in_nvidia_ctks_order() {
+    let root = tempfile::tempdir().unwrap();
+    fake_driver(root.path());
+    // No toolkit hook installed: the agent's own is used.
+    let search = HookSearch {
+        agent: Some("/usr/bin/gpu-node-agent".into()),
+        ..hook_candidates()
+    };
+    let files = discover(root.path(), Path::new("/"), VERSION, &search);
+    assert_eq!(
+        files.cdi_hook,
+        Some(HookBinary::Agent("/usr/bin/gpu-node-agent".into()))
+    );
+    let agent_spec = spec(&inventory(), &nodes(), &files, &CdiOptions::default()).unwrap();
+    let hooks = &agent_spec.container_edits.hooks;
+    assert!(
+        hooks
+            .iter()
+            .all(|h| h.path == "/usr/bin/gpu-node-agent" && h.hook_name == "createContainer")
+    );
+    let heads: Vec<_> = hooks.iter().map(|h| h.args[..4].join(" ")).collect();
+    assert_eq!(
+        heads,
+        [
+            "gpu-node-agent cdi hook create-symlinks",
+            "gpu-node-agent cdi hook enable-cuda-compat",
+            "gpu-node-agent cdi hook update-ldcache",
+            "gpu-node-agent cdi hook disable-device-node-modification",
+        ]
+    );
+    assert_eq!(hooks[1].args[4], format!("--host-driver-version={VERSION}"));
+    assert_eq!(hooks[3].args.len(), 4);
+
+    // An installed toolkit hook is preferred (`auto`) and gets only the two hooks it always has.
+    touch(root.path(), "/usr/bin/nvidia-cdi-hook");
+    let files = discover(root.path(), Path::new("/"), VERSION, &search);
+    assert_eq!(
+        files.cdi_hook,
+        Some(HookBinary::Toolkit("/usr/bin/nvidia-cdi-hook".into()))
+    );
+    let toolkit_spec = spec(&inventory(), &nodes(), &files, &CdiOptions::default()).unwrap();
+    let names: Vec<_> = toolkit_spec
+        .container_edits
+        .hooks
+        .iter()
+        .map(|h| h.args[1].as_str())
+        .collect();
+    assert_eq!(names, ["create-symlinks", "update-ldcache"]);
 }
