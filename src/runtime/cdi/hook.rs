@@ -460,11 +460,13 @@ fn enable_cuda_compat(root: &Path, host_driver_version: &str) -> Result<(), Hook
 }
 
 /// `disable-device-node-modification`: when the container sees the driver's parameters, a copy
-/// with `ModifyDeviceFiles: 0` is bind-mounted read-only over them (from a memory file, so
-/// nothing is left on disk). A container without them (no driver) is left alone.
+/// with `ModifyDeviceFiles: 0` is bind-mounted read-only over them. The copy is written to a
+/// small tmpfs mounted on a temporary folder, which is detached again once the bind mount holds
+/// the file, so nothing is left on disk (a memory file cannot be the source: the kernel refuses
+/// to bind a file from a mount outside the namespace). A container without them (no driver) is
+/// left alone.
 fn disable_device_node_modification(root: &Path) -> Result<(), HookError> {
-    use nix::mount::{MsFlags, mount};
-    use std::io::{Seek, Write};
+    use nix::mount::{MntFlags, MsFlags, mount, umount2};
     let target = resolve_in(root, Path::new(DRIVER_PARAMS))?;
     let Ok(text) = std::fs::read_to_string(&target) else {
         return Ok(());
@@ -476,43 +478,43 @@ fn disable_device_node_modification(root: &Path) -> Result<(), HookError> {
         .lines()
         .map(|l| {
             if l.trim() == "ModifyDeviceFiles: 1" {
-                "ModifyDeviceFiles: 0".to_string()
+                "ModifyDeviceFiles: 0"
             } else {
-                l.to_string()
+                l
             }
         })
-        .map(|l| l + "\n")
+        .flat_map(|l| [l, "\n"])
         .collect();
-    let memfd =
-        nix::sys::memfd::memfd_create(c"nvidia-params", nix::sys::memfd::MFdFlags::MFD_CLOEXEC).map_err(|e| {
-            HookError::Mount {
-                path: target.clone(),
-                source: e,
-            }
-        })?;
-    let mut file = std::fs::File::from(memfd);
-    file.write_all(changed.as_bytes())
-        .and_then(|()| file.rewind())
-        .map_err(io_at(&target))?;
-    let source = PathBuf::from(format!("/proc/self/fd/{}", std::os::fd::AsRawFd::as_raw_fd(&file)));
-    let mount_err = |source| HookError::Mount {
-        path: target.clone(),
-        source,
+    let mount_err = |path: &Path| {
+        let path = path.to_path_buf();
+        move |source| HookError::Mount { path, source }
     };
-    mount(Some(&source), &target, None::<&str>, MsFlags::MS_BIND, None::<&str>).map_err(mount_err)?;
-    mount(
-        None::<&str>,
-        &target,
-        None::<&str>,
-        MsFlags::MS_BIND
-            | MsFlags::MS_REMOUNT
-            | MsFlags::MS_RDONLY
-            | MsFlags::MS_NOSUID
-            | MsFlags::MS_NODEV
-            | MsFlags::MS_NOEXEC,
-        None::<&str>,
-    )
-    .map_err(mount_err)
+    let scratch = tempfile::Builder::new()
+        .prefix("gpu-node-agent-params")
+        .tempdir()
+        .map_err(io_at(Path::new("/tmp")))?;
+    let dir = scratch.path();
+    let flags = MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC;
+    mount(Some("tmpfs"), dir, Some("tmpfs"), flags, Some("size=64k,mode=0755")).map_err(mount_err(dir))?;
+    let copy = dir.join("params");
+    let bound = std::fs::write(&copy, changed)
+        .map_err(io_at(&copy))
+        .and_then(|()| {
+            mount(Some(&copy), &target, None::<&str>, MsFlags::MS_BIND, None::<&str>).map_err(mount_err(&target))
+        })
+        .and_then(|()| {
+            mount(
+                None::<&str>,
+                &target,
+                None::<&str>,
+                MsFlags::MS_BIND | MsFlags::MS_REMOUNT | MsFlags::MS_RDONLY | flags,
+                None::<&str>,
+            )
+            .map_err(mount_err(&target))
+        });
+    // The bind mount keeps the file; the tmpfs itself goes (the folder with `scratch`).
+    let detached = umount2(dir, MntFlags::MNT_DETACH).map_err(mount_err(dir));
+    bound.and(detached)
 }
 
 #[cfg(test)]

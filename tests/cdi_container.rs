@@ -1,0 +1,382 @@
+//! A real container through a real CDI consumer, with the spec the agent writes and the agent as
+//! its own CDI hook: Debian's podman (its CDI library resolves the device names) with runc (which
+//! runs the createContainer hooks), on a node without the NVIDIA Container Toolkit.
+//!
+//! The node: the fake NVML with two A100s, the second in MIG mode with two MIG devices; a driver
+//! tree the test builds under the agent's root at `/run/nvidia/driver` (the GPU Operator's
+//! driver-container layout): stub `libcuda.so.550.54.15` and `libnvidia-ml.so.550.54.15`
+//! compiled with the system C compiler into `usr/lib64` (not on glibc's default search path, so
+//! only the ld cache finds them), and the GPUs' device nodes (`mknod`, char 195:N and the
+//! capability nodes). The container: a root file system the test builds from busybox-static,
+//! the host's glibc, its static `ldconfig` and a small program that `dlopen`s each name it is
+//! given.
+//!
+//! podman runs in a private mount namespace (`unshare -m`) with a tmpfs on `/run`, where the CDI
+//! spec goes (`/run/cdi`, which podman 4.3 reads; its `cdi_spec_dirs` setting came later) and the
+//! driver tree is bind-mounted at `/run/nvidia/driver`, so host paths in the spec are the paths
+//! podman sees. Nothing outside the test's temp dir changes. podman's default rlimits need
+//! CAP_SYS_RESOURCE, which CI containers lack; the container gets explicit lower ones instead.
+
+mod common;
+
+use std::fs;
+use std::os::unix::fs::symlink;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+use common::Node;
+
+const DRIVER_ROOT: &str = "/run/nvidia/driver";
+const VERSION: &str = "550.54.15";
+const PODMAN: &str = "/usr/bin/podman";
+
+/// Two A100s; the second in MIG mode.
+fn machine() -> String {
+    let mut m = common::machine("A100-SXM4-40GB", 0);
+    m.push_str(&format!(
+        "\n[[gpu]]\nmodel = \"A100-SXM4-40GB\"\nuuid = \"{}\"\n",
+        common::gpu_uuid(0)
+    ));
+    m.push_str(&format!(
+        "\n[[gpu]]\nmodel = \"A100-SXM4-40GB\"\nuuid = \"{}\"\nmig_mode = true\n",
+        common::gpu_uuid(1)
+    ));
+    m
+}
+
+const CONFIG: &str = "[device_plugin]\ndriver_root = \"/run/nvidia/driver\"\ndev_root = \"/run/nvidia/driver\"\n\n\
+[[mig.layouts.one]]\ndevices = [0]\nmig_enabled = false\n\n\
+[[mig.layouts.one]]\ndevices = [1]\nmig_enabled = true\nprofiles = { \"3g.20gb\" = 2 }\n";
+
+fn require(program: &str) {
+    assert!(
+        nix::unistd::geteuid().is_root(),
+        "this test runs containers and needs root (CI runs as root)"
+    );
+    assert!(
+        Path::new(program).is_file(),
+        "{program} is missing: scripts/deps installs it (apt-get install podman busybox-static)"
+    );
+}
+
+fn run(cmd: &mut Command) -> Output {
+    cmd.output().unwrap_or_else(|e| panic!("{cmd:?}: {e}"))
+}
+
+fn ok(cmd: &mut Command) -> String {
+    let out = run(cmd);
+    assert!(
+        out.status.success(),
+        "{cmd:?}: {}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// A shared library `dir/<lib>.so.<VERSION>` with soname `<lib>.so.1`, built from `source`.
+fn stub_library(dir: &Path, lib: &str, source: &str, scratch: &Path) {
+    fs::create_dir_all(dir).expect("lib dir");
+    let c = scratch.join(format!("{lib}.c"));
+    fs::write(&c, source).expect("write source");
+    ok(Command::new("cc")
+        .args(["-shared", "-fPIC", &format!("-Wl,-soname,{lib}.so.1"), "-o"])
+        .arg(dir.join(format!("{lib}.so.{VERSION}")))
+        .arg(&c));
+}
+
+/// `mknod path c major minor`.
+fn char_node(path: &Path, major: u64, minor: u64) {
+    fs::create_dir_all(path.parent().expect("dev dir")).expect("mkdir dev");
+    nix::sys::stat::mknod(
+        path,
+        nix::sys::stat::SFlag::S_IFCHR,
+        nix::sys::stat::Mode::from_bits_truncate(0o666),
+        nix::sys::stat::makedev(major, minor),
+    )
+    .unwrap_or_else(|e| panic!("mknod {}: {e}", path.display()));
+}
+
+/// The minors of `/dev/nvidia-caps/nvidia-cap<N>` the fake host's `mig-minors` table gives.
+fn cap_minors(root: &Path) -> Vec<u64> {
+    let text = fs::read_to_string(root.join("proc/driver/nvidia-caps/mig-minors")).expect("mig-minors");
+    text.lines()
+        .filter_map(|l| l.split_whitespace().nth(1)?.parse().ok())
+        .collect()
+}
+
+/// The container's root file system: busybox, the host's glibc and ldconfig, and `dlcheck`.
+fn rootfs(dir: &Path, scratch: &Path) -> PathBuf {
+    let rootfs = dir.join("rootfs");
+    for d in [
+        "bin",
+        "sbin",
+        "etc",
+        "lib64",
+        "lib/x86_64-linux-gnu",
+        "proc",
+        "dev",
+        "sys",
+        "tmp",
+    ] {
+        fs::create_dir_all(rootfs.join(d)).expect("rootfs dir");
+    }
+    fs::copy("/bin/busybox", rootfs.join("bin/busybox")).expect("busybox-static");
+    for applet in ["sh", "ls", "cat", "test"] {
+        symlink("busybox", rootfs.join("bin").join(applet)).expect("applet");
+    }
+    fs::copy("/sbin/ldconfig", rootfs.join("sbin/ldconfig")).expect("ldconfig");
+    fs::copy("/lib64/ld-linux-x86-64.so.2", rootfs.join("lib64/ld-linux-x86-64.so.2")).expect("ld.so");
+    fs::copy(
+        "/lib/x86_64-linux-gnu/libc.so.6",
+        rootfs.join("lib/x86_64-linux-gnu/libc.so.6"),
+    )
+    .expect("libc");
+    let c = scratch.join("dlcheck.c");
+    fs::write(
+        &c,
+        r#"#include <dlfcn.h>
+#include <stdio.h>
+int main(int argc, char **argv) {
+  int rc = 0;
+  for (int i = 1; i < argc; i++) {
+    if (dlopen(argv[i], RTLD_NOW)) { printf("dlopen %s: ok\n", argv[i]); }
+    else { printf("dlopen %s: %s\n", argv[i], dlerror()); rc = 1; }
+  }
+  return rc;
+}
+"#,
+    )
+    .expect("write dlcheck.c");
+    ok(Command::new("cc").arg("-o").arg(rootfs.join("bin/dlcheck")).arg(&c));
+    rootfs
+}
+
+/// The node with its driver tree and device nodes, the agent's spec for it, and a scratch dir.
+struct Setup {
+    node: Node,
+    dir: PathBuf,
+}
+
+fn setup() -> Setup {
+    require(PODMAN);
+    require("/bin/busybox");
+    let node = Node::new(&machine(), CONFIG);
+    let out = node.run(&["mig", "apply", "one"]);
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "mig apply: {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let dir = node.tmp.path().join("cdi-test");
+    let scratch = dir.join("src");
+    fs::create_dir_all(&scratch).expect("scratch");
+
+    let driver = node.root.join(DRIVER_ROOT.trim_start_matches('/'));
+    let lib64 = driver.join("usr/lib64");
+    stub_library(
+        &lib64,
+        "libcuda",
+        "int cuInit(unsigned flags) { return flags; }\n",
+        &scratch,
+    );
+    stub_library(
+        &lib64,
+        "libnvidia-ml",
+        "int nvmlInit_v2(void) { return 0; }\n",
+        &scratch,
+    );
+    let dev = driver.join("dev");
+    char_node(&dev.join("nvidiactl"), 195, 255);
+    char_node(&dev.join("nvidia0"), 195, 0);
+    char_node(&dev.join("nvidia1"), 195, 1);
+    for minor in cap_minors(&node.root).into_iter().filter(|m| *m < 200) {
+        char_node(&dev.join(format!("nvidia-caps/nvidia-cap{minor}")), 235, minor);
+    }
+    Setup { node, dir }
+}
+
+impl Setup {
+    /// The agent's spec (`cdi generate --output -`) with `extra` config.
+    fn spec(&self, extra: &str) -> serde_json::Value {
+        self.node.write_config(&format!("{CONFIG}{extra}"));
+        let out = self.node.run(&["cdi", "generate", "--output", "-"]);
+        assert_eq!(
+            out.status.code(),
+            Some(0),
+            "cdi generate: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        serde_json::from_slice(&out.stdout).expect("the spec is JSON")
+    }
+
+    /// Runs `command` in a fresh container that asks for `device` of `spec`; its output.
+    fn container(&self, spec: &serde_json::Value, device: &str, command: &str) -> Output {
+        let work = self.dir.join(format!("run-{}", fastrand::u32(..)));
+        let scratch = self.dir.join("src");
+        let cdi = work.join("cdi");
+        fs::create_dir_all(&cdi).expect("cdi dir");
+        fs::write(cdi.join("agent.json"), serde_json::to_vec_pretty(spec).expect("json")).expect("spec");
+        fs::write(
+            work.join("storage.conf"),
+            format!(
+                "[storage]\ndriver = \"vfs\"\ngraphroot = \"{0}/storage\"\nrunroot = \"{0}/runroot\"\n",
+                work.display()
+            ),
+        )
+        .expect("storage.conf");
+        fs::write(work.join("containers.conf"), "[containers]\n[engine]\n").expect("containers.conf");
+        let kind = spec["kind"].as_str().expect("kind");
+        let script = r#"set -e
+mount -t tmpfs tmpfs /run
+mkdir -p /run/cdi /run/nvidia/driver
+cp "$1"/cdi/*.json /run/cdi/
+mount --bind "$2" /run/nvidia/driver
+export CONTAINERS_CONF="$1/containers.conf" CONTAINERS_STORAGE_CONF="$1/storage.conf"
+exec podman --root "$1/storage" --runroot "$1/runroot" --runtime /usr/sbin/runc \
+  --cgroup-manager cgroupfs --events-backend none \
+  run --rm --network none --ulimit nofile=1024:1024 --ulimit nproc=4096:4096 \
+  --device "$3" --rootfs "$1/rootfs" /bin/sh -c "$4"
+"#;
+        rootfs(&work, &scratch);
+        run(Command::new("unshare")
+            .args(["--mount", "--propagation", "private", "sh", "-c", script, "sh"])
+            .arg(&work)
+            .arg(self.node.root.join(DRIVER_ROOT.trim_start_matches('/')))
+            .arg(format!("{kind}={device}"))
+            .arg(command))
+    }
+}
+
+fn text(out: &Output) -> String {
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    )
+}
+
+const CHECK: &str = "dlcheck libcuda.so.1 libnvidia-ml.so.1; echo rc=$?; ls /dev /dev/nvidia-caps 2>&1; echo end";
+
+#[test]
+fn a_container_gets_working_driver_libraries_and_only_its_gpu_through_podman_and_the_agents_hook() {
+    let setup = setup();
+    // No toolkit on this node: `auto` makes the agent its own hook.
+    let spec = setup.spec("");
+    let hooks = spec["containerEdits"]["hooks"].as_array().expect("hooks");
+    assert!(
+        hooks.iter().all(|h| h["args"][1] == "cdi" && h["args"][2] == "hook"),
+        "{hooks:?}"
+    );
+
+    let out = setup.container(&spec, "0", CHECK);
+    let seen = text(&out);
+    assert!(out.status.success(), "{seen}");
+    assert!(seen.contains("dlopen libcuda.so.1: ok"), "{seen}");
+    assert!(seen.contains("dlopen libnvidia-ml.so.1: ok"), "{seen}");
+    assert!(seen.contains("rc=0"), "{seen}");
+    let dev: Vec<&str> = seen.split_whitespace().collect();
+    assert!(dev.contains(&"nvidia0") && dev.contains(&"nvidiactl"), "{seen}");
+    assert!(!dev.contains(&"nvidia1"), "another GPU's node leaked in: {seen}");
+
+    // By UUID, the other GPU.
+    let out = setup.container(&spec, &common::gpu_uuid(1), "ls /dev");
+    let seen = text(&out);
+    assert!(out.status.success(), "{seen}");
+    assert!(seen.contains("nvidia1") && !seen.contains("nvidia0"), "{seen}");
+}
+
+#[test]
+fn a_mig_device_gets_its_parent_and_capability_nodes() {
+    let setup = setup();
+    let spec = setup.spec("");
+    let mig = spec["devices"]
+        .as_array()
+        .expect("devices")
+        .iter()
+        .find(|d| d["name"] == "1:0")
+        .expect("MIG device 1:0 in the spec")
+        .clone();
+    let caps: Vec<String> = mig["containerEdits"]["deviceNodes"]
+        .as_array()
+        .expect("nodes")
+        .iter()
+        .filter_map(|n| n["path"].as_str())
+        .filter(|p| p.starts_with("/dev/nvidia-caps/"))
+        .map(|p| p.trim_start_matches("/dev/nvidia-caps/").to_string())
+        .collect();
+    assert_eq!(caps.len(), 2, "{mig}");
+
+    let out = setup.container(&spec, "1:0", CHECK);
+    let seen = text(&out);
+    assert!(out.status.success(), "{seen}");
+    assert!(seen.contains("dlopen libcuda.so.1: ok"), "{seen}");
+    let words: Vec<&str> = seen.split_whitespace().collect();
+    assert!(words.contains(&"nvidia1") && !words.contains(&"nvidia0"), "{seen}");
+    for cap in &caps {
+        assert!(words.contains(&cap.as_str()), "{cap} missing: {seen}");
+    }
+}
+
+#[test]
+fn without_the_hooks_the_container_finds_no_libcuda_so_1() {
+    let setup = setup();
+    // `toolkit` and no toolkit installed: the same spec without hooks.
+    let spec = setup.spec("\n[cdi]\nhook = \"toolkit\"\n");
+    assert!(spec["containerEdits"].get("hooks").is_none(), "{spec}");
+    let out = setup.container(&spec, "0", CHECK);
+    let seen = text(&out);
+    assert!(out.status.success(), "{seen}");
+    assert!(
+        seen.contains("dlopen libcuda.so.1: libcuda.so.1: cannot open shared object file"),
+        "{seen}"
+    );
+    assert!(seen.contains("rc=1"), "{seen}");
+}
+
+/// `disable-device-node-modification` in a mount namespace of its own, as runc runs it: the
+/// container's view of the driver's parameters says `ModifyDeviceFiles: 0`, read-only; the file
+/// itself is untouched.
+#[test]
+fn the_container_sees_modify_device_files_0() {
+    require("/usr/bin/unshare");
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let bundle = tmp.path();
+    let params = bundle.join("rootfs/proc/driver/nvidia/params");
+    fs::create_dir_all(params.parent().expect("dir")).expect("mkdir");
+    let original = "ResmanDebugLevel: 4294967295\nModifyDeviceFiles: 1\nDeviceFileUID: 0\n";
+    fs::write(&params, original).expect("params");
+    fs::write(
+        bundle.join("config.json"),
+        r#"{"ociVersion":"1.0.2","root":{"path":"rootfs"}}"#,
+    )
+    .expect("config");
+    let state = format!(
+        r#"{{"ociVersion":"1.0.2","id":"c","status":"creating","pid":1,"bundle":"{}"}}"#,
+        bundle.display()
+    );
+    let script = r#"set -e
+echo "$3" | "$1" cdi hook disable-device-node-modification
+cat "$2"
+if echo x >> "$2" 2>/dev/null; then echo writable; fi
+"#;
+    let out = run(Command::new("unshare")
+        .args(["--mount", "--propagation", "private", "sh", "-c", script, "sh"])
+        .arg(env!("CARGO_BIN_EXE_gpu-node-agent"))
+        .arg(&params)
+        .arg(&state));
+    let seen = text(&out);
+    assert!(out.status.success(), "{seen}");
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout),
+        "ResmanDebugLevel: 4294967295\nModifyDeviceFiles: 0\nDeviceFileUID: 0\n",
+        "{seen}"
+    );
+    assert_eq!(
+        fs::read_to_string(&params).expect("params"),
+        original,
+        "the host's file is untouched"
+    );
+}
