@@ -199,9 +199,9 @@ fn setup() -> Setup {
 }
 
 impl Setup {
-    /// The agent's spec (`cdi generate --output -`) with `extra` config.
-    fn spec(&self, extra: &str) -> serde_json::Value {
-        self.node.write_config(&format!("{CONFIG}{extra}"));
+    /// The agent's spec (`cdi generate --output -`) with config `config`.
+    fn spec(&self, config: &str) -> serde_json::Value {
+        self.node.write_config(config);
         let out = self.node.run(&["cdi", "generate", "--output", "-"]);
         assert_eq!(
             out.status.code(),
@@ -214,11 +214,25 @@ impl Setup {
 
     /// Runs `command` in a fresh container that asks for `device` of `spec`; its output.
     fn container(&self, spec: &serde_json::Value, device: &str, command: &str) -> Output {
+        self.container_beside(spec, &[], device, command)
+    }
+
+    /// [`Setup::container`] with more spec files (name, text) in the same CDI directory.
+    fn container_beside(
+        &self,
+        spec: &serde_json::Value,
+        others: &[(&str, &str)],
+        device: &str,
+        command: &str,
+    ) -> Output {
         let work = self.dir.join(format!("run-{}", fastrand::u32(..)));
         let scratch = self.dir.join("src");
         let cdi = work.join("cdi");
         fs::create_dir_all(&cdi).expect("cdi dir");
         fs::write(cdi.join("agent.json"), serde_json::to_vec_pretty(spec).expect("json")).expect("spec");
+        for (name, text) in others {
+            fs::write(cdi.join(name), text).expect("other spec");
+        }
         fs::write(
             work.join("storage.conf"),
             format!(
@@ -229,10 +243,15 @@ impl Setup {
         .expect("storage.conf");
         fs::write(work.join("containers.conf"), "[containers]\n[engine]\n").expect("containers.conf");
         let kind = spec["kind"].as_str().expect("kind");
+        let device = if device.contains('=') {
+            device.to_string()
+        } else {
+            format!("{kind}={device}")
+        };
         let script = r#"set -e
 mount -t tmpfs tmpfs /run
 mkdir -p /run/cdi /run/nvidia/driver
-cp "$1"/cdi/*.json /run/cdi/
+cp "$1"/cdi/* /run/cdi/
 mount --bind "$2" /run/nvidia/driver
 export CONTAINERS_CONF="$1/containers.conf" CONTAINERS_STORAGE_CONF="$1/storage.conf"
 exec podman --root "$1/storage" --runroot "$1/runroot" --runtime /usr/sbin/runc \
@@ -245,7 +264,7 @@ exec podman --root "$1/storage" --runroot "$1/runroot" --runtime /usr/sbin/runc 
             .args(["--mount", "--propagation", "private", "sh", "-c", script, "sh"])
             .arg(&work)
             .arg(self.node.root.join(DRIVER_ROOT.trim_start_matches('/')))
-            .arg(format!("{kind}={device}"))
+            .arg(&device)
             .arg(command))
     }
 }
@@ -264,7 +283,7 @@ const CHECK: &str = "dlcheck libcuda.so.1 libnvidia-ml.so.1; echo rc=$?; ls /dev
 fn a_container_gets_working_driver_libraries_and_only_its_gpu_through_podman_and_the_agents_hook() {
     let setup = setup();
     // No toolkit on this node: `auto` makes the agent its own hook.
-    let spec = setup.spec("");
+    let spec = setup.spec(CONFIG);
     let hooks = spec["containerEdits"]["hooks"].as_array().expect("hooks");
     assert!(
         hooks.iter().all(|h| h["args"][1] == "cdi" && h["args"][2] == "hook"),
@@ -291,7 +310,7 @@ fn a_container_gets_working_driver_libraries_and_only_its_gpu_through_podman_and
 #[test]
 fn a_mig_device_gets_its_parent_and_capability_nodes() {
     let setup = setup();
-    let spec = setup.spec("");
+    let spec = setup.spec(CONFIG);
     let mig = spec["devices"]
         .as_array()
         .expect("devices")
@@ -324,7 +343,7 @@ fn a_mig_device_gets_its_parent_and_capability_nodes() {
 fn without_the_hooks_the_container_finds_no_libcuda_so_1() {
     let setup = setup();
     // `toolkit` and no toolkit installed: the same spec without hooks.
-    let spec = setup.spec("\n[cdi]\nhook = \"toolkit\"\n");
+    let spec = setup.spec(&format!("{CONFIG}\n[cdi]\nhook = \"toolkit\"\n"));
     assert!(spec["containerEdits"].get("hooks").is_none(), "{spec}");
     let out = setup.container(&spec, "0", CHECK);
     let seen = text(&out);
@@ -378,5 +397,68 @@ if echo x >> "$2" 2>/dev/null; then echo writable; fi
         fs::read_to_string(&params).expect("params"),
         original,
         "the host's file is untouched"
+    );
+}
+
+/// What the NVIDIA Container Toolkit's `nvidia-cdi-refresh` (1.18+) writes to
+/// `/var/run/cdi/nvidia.yaml`: kind `nvidia.com/gpu`, index and UUID names, `all`.
+fn toolkit_spec() -> String {
+    let mut text = String::from("---\ncdiVersion: 0.5.0\nkind: nvidia.com/gpu\ndevices:\n");
+    for (name, minor) in [("0".to_string(), 0), (common::gpu_uuid(0), 0), ("all".to_string(), 0)] {
+        text.push_str(&format!(
+            "- name: \"{name}\"\n  containerEdits:\n    deviceNodes:\n    - path: /dev/nvidia{minor}\n      hostPath: /run/nvidia/driver/dev/nvidia{minor}\n"
+        ));
+    }
+    text.push_str("containerEdits:\n  env:\n  - NVIDIA_VISIBLE_DEVICES=void\n");
+    text
+}
+
+#[test]
+fn the_agents_names_resolve_beside_the_toolkits_nvidia_yaml() {
+    let setup = setup();
+    let toolkit = toolkit_spec();
+    // The default kind is NVIDIA's device plugin's, not the toolkit's: both specs resolve.
+    let spec = setup.spec(CONFIG);
+    assert_eq!(spec["kind"], "k8s.device-plugin.nvidia.com/gpu");
+    let out = setup.container_beside(&spec, &[("nvidia.yaml", &toolkit)], "0", CHECK);
+    let seen = text(&out);
+    assert!(
+        out.status.success() && seen.contains("dlopen libcuda.so.1: ok"),
+        "{seen}"
+    );
+    let out = setup.container_beside(&spec, &[("nvidia.yaml", &toolkit)], "nvidia.com/gpu=0", "ls /dev");
+    assert!(
+        out.status.success(),
+        "the toolkit's own name still resolves: {}",
+        text(&out)
+    );
+
+    // With the toolkit's kind, the real CDI library drops the names both define...
+    let same = setup.spec(&CONFIG.replace("[device_plugin]\n", "[device_plugin]\ncdi_kind = \"nvidia.com/gpu\"\n"));
+    let out = setup.container_beside(&same, &[("nvidia.yaml", &toolkit)], "0", "true");
+    let seen = text(&out);
+    assert!(!out.status.success(), "{seen}");
+    assert!(seen.contains("unresolvable CDI devices nvidia.com/gpu=0"), "{seen}");
+
+    // ...and the agent says so, naming both files, when it writes its spec beside that one.
+    let cdi = setup.node.root.join("var/run/cdi");
+    fs::create_dir_all(&cdi).expect("cdi dir");
+    fs::write(cdi.join("nvidia.yaml"), &toolkit).expect("toolkit spec");
+    let out = setup.node.run(&["cdi", "generate"]);
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{said}");
+    assert!(
+        said.contains("warning: CDI spec /var/run/cdi/nvidia.yaml defines nvidia.com/gpu=0, nvidia.com/gpu=GPU-")
+            && said.contains("like the agent's /var/run/cdi/nvidia.com-gpu.json")
+            && said.contains("drops them"),
+        "{said}"
+    );
+    // With the default kind there is nothing to say.
+    setup.node.write_config(CONFIG);
+    let out = setup.node.run(&["cdi", "generate"]);
+    assert!(
+        !String::from_utf8_lossy(&out.stderr).contains("warning"),
+        "{}",
+        text(&out)
     );
 }

@@ -213,13 +213,19 @@ async fn allocate_strategies_match_nvidias_plugin() {
                 assert!(resp.envs.is_empty(), "{case}: no env with only CDI strategies");
                 let (key, value) = resp.annotations.iter().next().expect("one annotation");
                 assert!(key.starts_with("cdi.k8s.io/nvidia-device-plugin_"), "{key}");
-                assert_eq!(value, &format!("nvidia.com/gpu={a},nvidia.com/gpu={b}"));
+                assert_eq!(
+                    value,
+                    &format!("k8s.device-plugin.nvidia.com/gpu={a},k8s.device-plugin.nvidia.com/gpu={b}")
+                );
             }
             "cdi-cri" => {
                 let names: Vec<_> = resp.cdi_devices.iter().map(|d| d.name.clone()).collect();
                 assert_eq!(
                     names,
-                    vec![format!("nvidia.com/gpu={a}"), format!("nvidia.com/gpu={b}")]
+                    vec![
+                        format!("k8s.device-plugin.nvidia.com/gpu={a}"),
+                        format!("k8s.device-plugin.nvidia.com/gpu={b}")
+                    ]
                 );
                 assert!(resp.envs.is_empty() && resp.annotations.is_empty());
             }

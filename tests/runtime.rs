@@ -33,7 +33,7 @@ const CRIO_MAIN: &str = "/etc/crio/crio.conf";
 const CRIO_DROP_IN: &str = "/etc/crio/crio.conf.d/99-nvidia.toml";
 const RUNTIME_BINARY: &str = "/usr/bin/nvidia-container-runtime";
 const BACKUP_DIR: &str = "/var/lib/gpu-node-agent/runtime";
-const CDI_SPEC: &str = "/var/run/cdi/nvidia.com-gpu.json";
+const CDI_SPEC: &str = "/var/run/cdi/k8s.device-plugin.nvidia.com-gpu.json";
 const REAL_CONTAINERD: &str = "/usr/bin/containerd";
 const NO_KUBERNETES: &str = "[kubernetes]\nenabled = false\n";
 
@@ -1438,7 +1438,7 @@ fn cdi_devices(spec: &serde_json::Value) -> BTreeMap<String, Vec<String>> {
 fn run_once_and_read_spec(node: &Node) -> (serde_json::Value, BTreeMap<String, Vec<String>>) {
     expect_exit(node, &["run", "--once"], 0);
     let (text, spec) = cdi_spec(node);
-    assert_eq!(spec["kind"], "nvidia.com/gpu");
+    assert_eq!(spec["kind"], "k8s.device-plugin.nvidia.com/gpu");
     assert_eq!(
         succeeds(node, &["cdi", "generate", "--output", "-"]),
         text,

@@ -143,7 +143,12 @@ impl Agent {
                 if written {
                     tracing::info!("CDI spec written to {}", path.display());
                 }
-                self.runtime.cdi_detail = Some(format!("CDI spec {}", path.display()));
+                let mut detail = format!("CDI spec {}", path.display());
+                for conflict in rt::cdi_conflicts(&self.config, &self.root) {
+                    tracing::warn!("{conflict}");
+                    detail.push_str(&format!("; warning: {conflict}"));
+                }
+                self.runtime.cdi_detail = Some(detail);
                 self.runtime.cdi_error = None;
             }
             Err(RuntimeError::Cdi(CdiError::NoGpus)) => {
@@ -300,6 +305,9 @@ pub fn cdi_generate(config: &Config, root: &HostRoot, output: Option<&std::path:
                 println!("wrote {}", path.display());
             } else {
                 println!("{} is up to date", path.display());
+            }
+            for conflict in rt::cdi_conflicts(config, root) {
+                eprintln!("gpu-node-agent: warning: {conflict}");
             }
         }),
     };

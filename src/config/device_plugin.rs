@@ -28,10 +28,13 @@ pub const DEFAULT_PASS_DEVICE_SPECS: bool = false;
 /// `device_plugin.cdi_annotation_prefix`: annotation key prefix of the `cdi-annotations`
 /// strategy.
 pub const DEFAULT_CDI_ANNOTATION_PREFIX: &str = "cdi.k8s.io/";
-/// `device_plugin.cdi_kind`: CDI `vendor/class` of the devices.
-/// The agent writes the CDI spec for this kind itself (`[cdi]`), so the names it hands out
-/// always resolve.
-pub const DEFAULT_CDI_KIND: &str = "nvidia.com/gpu";
+/// `device_plugin.cdi_kind`: CDI `vendor/class` of the devices: NVIDIA's device plugin's
+/// vendor, not `nvidia.com/gpu`. The NVIDIA Container Toolkit (1.18 and later,
+/// `nvidia-cdi-refresh`) writes `/var/run/cdi/nvidia.yaml` with kind `nvidia.com/gpu` and the same
+/// device names; the CDI library drops every device two specs of one directory both define, so
+/// with that kind no name would resolve on such a node. The agent writes the CDI spec for this
+/// kind itself (`[cdi]`), so the names it hands out always resolve.
+pub const DEFAULT_CDI_KIND: &str = "k8s.device-plugin.nvidia.com/gpu";
 /// `device_plugin.driver_root`: where the driver's files are on the host.
 pub const DEFAULT_DRIVER_ROOT: &str = "/";
 /// `device_plugin.dev_root`: host root of `/dev/nvidia*` for device specs.

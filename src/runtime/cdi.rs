@@ -23,6 +23,7 @@
 //! ([`spec`], its options and what goes into every spec), `model.rs` (the spec's types,
 //! [`minimum_version`], [`to_json`], [`spec_file_name`]).
 
+pub mod conflicts;
 mod driver_files;
 mod generate;
 pub mod hook;

@@ -1573,6 +1573,21 @@ fn agent_binary() -> Option<PathBuf> {
     Some(PathBuf::from(text.strip_suffix(" (deleted)").unwrap_or(text)))
 }
 
+/// Other CDI specs on the host that define the agent's device names (see [`cdi::conflicts`]),
+/// for the spec file the agent wrote (none when it is not there).
+pub fn cdi_conflicts(config: &Config, root: &HostRoot) -> Vec<cdi::conflicts::Conflict> {
+    let ours = cdi_path(config);
+    let Ok(text) = crate::host::read_text(&root.join(&ours)) else {
+        return Vec::new();
+    };
+    let Some((kind, names)) = cdi::conflicts::kind_and_names(&text) else {
+        return Vec::new();
+    };
+    let (dirs, others) = cdi::conflicts::read_spec_dirs(root.path(), &config.cdi.dir);
+    let ours_dir = dirs.iter().rposition(|d| *d == config.cdi.dir).unwrap_or(0);
+    cdi::conflicts::conflicts(&ours, ours_dir, &kind, &names, &others)
+}
+
 /// Writes the CDI spec when its bytes change; `Ok(true)` when it was written.
 pub fn write_cdi(
     config: &Config,
