@@ -33,6 +33,7 @@ use crate::plugin::sharing::{SharingError, apply_sharing, feature_sharing};
 use crate::plugin::strategy::{StrategyError, build_resources, mig_plugin_devices, whole_gpu};
 use crate::status::{DesiredStatus, GpuStatus, MigStatus, STATUS_VERSION, StageId, StageState, Status, now_unix};
 
+mod devnodes;
 mod driver;
 mod health;
 mod memlimit;
@@ -221,6 +222,8 @@ struct Agent {
     withdrawn: BTreeSet<String>,
     /// What the driver stage keeps between passes.
     driver: driver::DriverStage,
+    /// The device node problems last reported (each logged once until it changes).
+    devnode_problems: BTreeSet<String>,
     /// Set on a node with no NVIDIA GPU (none on the PCI bus, and NVML cannot load): why. The
     /// agent idles, every stage skipped, and looks again every `nvml.retry_interval`.
     no_gpu: Option<String>,
@@ -296,6 +299,7 @@ pub async fn run(config: Config, root: HostRoot, once: bool) -> Result<i32, Agen
         notifier: crate::notify::Notifier::from_env(),
         notified_status: String::new(),
         driver: driver::DriverStage::default(),
+        devnode_problems: BTreeSet::new(),
         no_gpu: None,
     };
     agent.machine = machine_name(&agent.root);
@@ -640,6 +644,9 @@ impl Agent {
     }
 
     fn open_nvml(&mut self) -> Result<(), AgentError> {
+        // NVML opens nvidiactl and nvidia<N>: on a host without nvidia-modprobe the driver stage's
+        // load (or whoever loaded it) may have left them missing.
+        self.ensure_device_nodes();
         let library = nvml_library(&self.config, &self.root);
         match Gpus::open(&library) {
             Ok(gpus) => {
@@ -780,6 +787,8 @@ impl Agent {
                     );
                     self.base_ctx.topology = gpus.topology(&inventory);
                     self.inventory = Some(inventory);
+                    // The new MIG devices' capability nodes exist before the spec names them.
+                    self.ensure_device_nodes();
                     self.watch_health(&gpus);
                     self.cdi_step();
                     self.metrics_inventory();

@@ -3,6 +3,7 @@
 
 pub mod backoff;
 pub mod command;
+pub mod devnodes;
 pub mod lock;
 
 use std::fs::{self, File};

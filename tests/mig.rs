@@ -1002,3 +1002,134 @@ fn plan_lists_exactly_what_run_once_then_does() {
     assert_eq!(again["resources"][0]["count"], 56);
     assert_eq!(again["cdi"]["write"], false);
 }
+
+/// The driver's character majors as a host shows them in `/proc/devices` (not 195 for the caps
+/// and uvm classes: those are dynamic).
+const PROC_DEVICES: &str = "Character devices:\n  1 mem\n  4 tty\n195 nvidia-frontend\n226 drm\n\
+                            237 nvidia-caps\n238 nvidia-uvm\n\nBlock devices:\n  7 loop\n";
+
+/// What is at `path`: `(major, minor, mode)` of a character device, `None` for anything else.
+fn char_device(path: &std::path::Path) -> Option<(u64, u64, u32)> {
+    use std::os::unix::fs::{FileTypeExt, MetadataExt, PermissionsExt};
+    let meta = std::fs::metadata(path).ok()?;
+    meta.file_type().is_char_device().then(|| {
+        let rdev = meta.rdev();
+        (
+            nix::sys::stat::major(rdev),
+            nix::sys::stat::minor(rdev),
+            meta.permissions().mode() & 0o7777,
+        )
+    })
+}
+
+/// Every `deviceNodes` host path of a CDI spec.
+fn spec_device_nodes(spec: &serde_json::Value, out: &mut std::collections::BTreeSet<String>) {
+    match spec {
+        serde_json::Value::Object(map) => {
+            for (key, value) in map {
+                if key == "deviceNodes" {
+                    for node in value.as_array().into_iter().flatten() {
+                        let path = node["hostPath"].as_str().or(node["path"].as_str());
+                        out.extend(path.map(str::to_string));
+                    }
+                } else {
+                    spec_device_nodes(value, out);
+                }
+            }
+        }
+        serde_json::Value::Array(items) => items.iter().for_each(|v| spec_device_nodes(v, out)),
+        _ => {}
+    }
+}
+
+/// On a host without nvidia-modprobe, the agent makes the device nodes the loaded driver has
+/// and /dev lacks: after a MIG layout is applied, every new MIG device's GPU- and compute-instance
+/// capability nodes exist as character devices with the `nvidia-caps` major and the minors of
+/// the driver's `mig-minors` table, so every node the CDI spec names exists. A path that holds
+/// something else is reported and left as it is.
+#[test]
+fn after_a_mig_apply_the_new_devices_capability_nodes_exist() {
+    assert!(
+        nix::unistd::geteuid().is_root(),
+        "this test creates device nodes (mknod) and needs root (CI runs as root)"
+    );
+    let config = |layout: &str| format!("[kubernetes]\nenabled = false\n[mig]\ndefault_layout = \"{layout}\"\n");
+    let node = Node::new(&two_a100s(), &config("all-3g.20gb"));
+    std::fs::write(node.root.join("proc/devices"), PROC_DEVICES).expect("proc/devices");
+    std::fs::create_dir_all(node.root.join("dev")).expect("mkdir /dev");
+    // Someone else's file where GPU 1's node goes.
+    std::fs::write(node.root.join("dev/nvidia1"), "not a device").expect("dev/nvidia1");
+    let table = std::fs::read_to_string(node.root.join("proc/driver/nvidia-caps/mig-minors")).expect("mig-minors");
+    let minors: std::collections::BTreeMap<&str, u64> = table
+        .lines()
+        .filter_map(|l| l.split_once(' '))
+        .map(|(key, minor)| (key, minor.parse().expect("minor")))
+        .collect();
+    let dev = |path: &str| char_device(&node.root.join(path.trim_start_matches('/')));
+
+    let mut layouts_seen = Vec::new();
+    for layout in ["all-3g.20gb", "all-1g.5gb"] {
+        node.write_config(&config(layout));
+        let out = node.run(&["run", "--once"]);
+        let log = String::from_utf8_lossy(&out.stderr).into_owned();
+        assert_eq!(out.status.code(), Some(0), "{log}");
+        assert!(log.contains("created device node(s)"), "{log}");
+        assert!(
+            log.contains("/dev/nvidia1 is a regular file, not character device 195:1"),
+            "{log}"
+        );
+        let status = node.status_json();
+        let mut caps = 0;
+        for (minor, gpu) in status["gpus"].as_array().expect("gpus").iter().enumerate() {
+            let migs = gpu["mig_devices"].as_array().expect("mig devices");
+            assert!(!migs.is_empty(), "{layout}: {gpu}");
+            for mig in migs {
+                let (gi, ci) = (mig["gi_id"].as_u64().expect("gi"), mig["ci_id"].as_u64().expect("ci"));
+                for key in [
+                    format!("gpu{minor}/gi{gi}/access"),
+                    format!("gpu{minor}/gi{gi}/ci{ci}/access"),
+                ] {
+                    let n = minors[key.as_str()];
+                    assert_eq!(
+                        dev(&format!("/dev/nvidia-caps/nvidia-cap{n}")),
+                        Some((237, n, 0o444)),
+                        "{layout}: {key}"
+                    );
+                    caps += 1;
+                }
+            }
+        }
+        layouts_seen.push((layout, caps));
+        // The driver-wide nodes, created at the first start.
+        assert_eq!(dev("/dev/nvidiactl"), Some((195, 255, 0o666)));
+        assert_eq!(dev("/dev/nvidia0"), Some((195, 0, 0o666)));
+        assert_eq!(dev("/dev/nvidia-modeset"), Some((195, 254, 0o666)));
+        assert_eq!(dev("/dev/nvidia-uvm"), Some((238, 0, 0o666)));
+        assert_eq!(dev("/dev/nvidia-uvm-tools"), Some((238, 1, 0o666)));
+        assert_eq!(dev("/dev/nvidia-caps/nvidia-cap1"), Some((237, 1, 0o400)), "MIG config");
+        assert_eq!(
+            dev("/dev/nvidia-caps/nvidia-cap2"),
+            Some((237, 2, 0o444)),
+            "MIG monitor"
+        );
+        // Left as it was.
+        assert_eq!(
+            std::fs::read_to_string(node.root.join("dev/nvidia1")).expect("dev/nvidia1"),
+            "not a device"
+        );
+        // Every node the CDI spec names exists (but the one someone else holds).
+        let spec = std::fs::read_to_string(node.root.join("var/run/cdi/nvidia.com-gpu.json")).expect("CDI spec");
+        let spec: serde_json::Value = serde_json::from_str(&spec).expect("CDI spec JSON");
+        let mut named = std::collections::BTreeSet::new();
+        spec_device_nodes(&spec, &mut named);
+        assert!(named.iter().any(|p| p.starts_with("/dev/nvidia-caps/")), "{named:?}");
+        for path in named.iter().filter(|p| *p != "/dev/nvidia1") {
+            assert!(
+                dev(path).is_some(),
+                "{layout}: {path} is named by the CDI spec but missing"
+            );
+        }
+    }
+    // 3g.20gb: two per GPU; 1g.5gb: seven per GPU; two capabilities each.
+    assert_eq!(layouts_seen, [("all-3g.20gb", 8), ("all-1g.5gb", 28)]);
+}

@@ -317,6 +317,7 @@ mod config_files {
         ("device_plugin", "pass_device_specs", Kind::Bool),
         ("device_plugin", "driver_root", Kind::Path),
         ("driver", "persistence_mode", Kind::Bool),
+        ("driver", "create_device_nodes", Kind::Bool),
         ("runtime", "restart", Kind::Bool),
         ("runtime", "restart_timeout", Kind::Positive),
         ("cdi", "dir", Kind::Path),

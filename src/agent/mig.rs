@@ -411,14 +411,17 @@ pub fn mig_command(config: &Config, root: &HostRoot, command: MigCommand) -> Exi
             match converge(&gpus, &name, &layout, reset, None) {
                 Step::Converged => {
                     println!("the GPUs already match MIG layout {name}: nothing to do");
-                    ExitCode::SUCCESS
+                    device_nodes_for(config, root, &gpus)
                 }
-                Step::Applied { mutations, gpus } => {
+                Step::Applied {
+                    mutations,
+                    gpus: changed,
+                } => {
                     println!(
                         "applied MIG layout {name} to {} GPU(s) ({mutations} NVML operations)",
-                        gpus.len()
+                        changed.len()
                     );
-                    ExitCode::SUCCESS
+                    device_nodes_for(config, root, &gpus)
                 }
                 Step::Busy { reason, .. } => {
                     eprintln!("gpu-node-agent: {reason}; nothing changed");
@@ -435,4 +438,19 @@ pub fn mig_command(config: &Config, root: &HostRoot, command: MigCommand) -> Exi
             }
         }
     }
+}
+
+/// After `mig apply`: the MIG devices' capability nodes, as the daemon creates them
+/// (`[driver] create_device_nodes`). What cannot be made is a warning naming the path: the
+/// layout itself is applied.
+fn device_nodes_for(config: &Config, root: &HostRoot, gpus: &Gpus) -> ExitCode {
+    if config.driver.create_device_nodes {
+        match gpus.inventory(&root.join("/sys")) {
+            Ok(inventory) => {
+                super::devnodes::report(&super::devnodes::ensure_device_nodes(config, root, Some(&inventory)))
+            }
+            Err(e) => eprintln!("gpu-node-agent: warning: cannot read the GPU inventory for the device nodes: {e}"),
+        }
+    }
+    ExitCode::SUCCESS
 }

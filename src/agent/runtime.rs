@@ -288,6 +288,11 @@ pub fn cdi_generate(config: &Config, root: &HostRoot, output: Option<&std::path:
             return Exit::NoNvml.into();
         }
     };
+    // The nodes the spec names exist when it is written (not for a spec only printed).
+    let printing = output.is_some_and(|p| p == std::path::Path::new("-"));
+    if config.driver.create_device_nodes && !printing {
+        super::devnodes::report(&super::devnodes::ensure_device_nodes(config, root, Some(&inventory)));
+    }
     let nodes =
         crate::plugin::devnodes::DeviceNodes::gather(&root.join(&config.device_plugin.dev_root), &root.join("/proc"));
     let result = match output {

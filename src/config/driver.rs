@@ -12,6 +12,8 @@ pub const DEFAULT_DRIVER_ENABLED: bool = true;
 /// `driver.runfile_url`: NVIDIA's download site for data center drivers.
 pub const DEFAULT_RUNFILE_URL: &str =
     "https://us.download.nvidia.com/tesla/{version}/NVIDIA-Linux-{arch}-{version}.run";
+/// `driver.create_device_nodes`: create the driver's missing device nodes, as nvidia-modprobe does.
+pub const DEFAULT_CREATE_DEVICE_NODES: bool = true;
 /// `driver.modprobe_conf`: the module options and nouveau blacklist the agent owns.
 pub const DEFAULT_MODPROBE_CONF: &str = "/etc/modprobe.d/gpu-node-agent.conf";
 /// `driver.package_names.ubuntu`: Canonical's signed precompiled modules for the running kernel
@@ -91,6 +93,12 @@ pub struct DriverConfig {
     pub package_names: BTreeMap<String, Vec<String>>,
     /// Module options and the nouveau blacklist the agent owns (host path).
     pub modprobe_conf: PathBuf,
+    /// Create the device nodes the loaded driver has and `/dev` lacks (`nvidiactl`,
+    /// `nvidia<N>`, `nvidia-uvm`, `nvidia-uvm-tools`, `nvidia-modeset`, the MIG capability nodes
+    /// under `nvidia-caps/`), as nvidia-modprobe does, under `[device_plugin] dev_root`: when
+    /// NVML is opened and whenever the GPU inventory changes (after every MIG change). Nothing
+    /// is ever removed; a node with other numbers is reported and left as it is.
+    pub create_device_nodes: bool,
 }
 
 impl Default for DriverConfig {
@@ -114,6 +122,7 @@ impl Default for DriverConfig {
                 ("ubuntu".to_string(), names(DEFAULT_PACKAGES_UBUNTU)),
             ]),
             modprobe_conf: DEFAULT_MODPROBE_CONF.into(),
+            create_device_nodes: DEFAULT_CREATE_DEVICE_NODES,
         }
     }
 }

@@ -28,6 +28,9 @@ fn defaults() {
     );
     assert_eq!(config.health.ignored_xids, [13, 31, 43, 45, 68, 109]);
     assert_eq!(config.health.recovery_after, Duration::from_secs(300));
+    assert!(config.driver.create_device_nodes);
+    let off = parse(&[("c.toml", "[driver]\ncreate_device_nodes = false\n")]).unwrap();
+    assert!(!off.driver.create_device_nodes);
 }
 
 #[test]
@@ -183,6 +186,10 @@ fn wrong_types() {
     assert_eq!(
         err(&[("c.toml", "[health]\nenabled = \"yes\"\n")]),
         "c.toml:2: health.enabled = \"yes\" is not valid: expected a boolean"
+    );
+    assert_eq!(
+        err(&[("c.toml", "[driver]\nsource = \"none\"\ncreate_device_nodes = 1\n")]),
+        "c.toml:3: driver.create_device_nodes = 1 is not valid: expected a boolean"
     );
     assert_eq!(
         err(&[("c.toml", "[log]\nlevel = \"debug\"\n"), ("d.toml", "log = 5\n")]),

@@ -10,6 +10,7 @@ use std::path::{Path, PathBuf};
 
 use crate::api::{CdiDevice, ContainerAllocateRequest, ContainerAllocateResponse, DeviceSpec, Mount};
 use crate::devices::is_replica_id;
+use crate::host::devnodes::{ci_access_key, gi_access_key};
 use crate::plugin::devnodes::DeviceNodes;
 use crate::plugin::resources::{PluginDevice, Resource};
 
@@ -260,8 +261,8 @@ pub(crate) fn mig_capability_nodes(
         None => Err(key),
     };
     Ok([
-        cap(format!("gpu{minor}/gi{gi_id}/access"))?,
-        cap(format!("gpu{minor}/gi{gi_id}/ci{ci_id}/access"))?,
+        cap(gi_access_key(minor, gi_id))?,
+        cap(ci_access_key(minor, gi_id, ci_id))?,
     ])
 }
 
