@@ -1118,7 +1118,8 @@ fn after_a_mig_apply_the_new_devices_capability_nodes_exist() {
             "not a device"
         );
         // Every node the CDI spec names exists (but the one someone else holds).
-        let spec = std::fs::read_to_string(node.root.join("var/run/cdi/nvidia.com-gpu.json")).expect("CDI spec");
+        let spec = std::fs::read_to_string(node.root.join("var/run/cdi/k8s.device-plugin.nvidia.com-gpu.json"))
+            .expect("CDI spec");
         let spec: serde_json::Value = serde_json::from_str(&spec).expect("CDI spec JSON");
         let mut named = std::collections::BTreeSet::new();
         spec_device_nodes(&spec, &mut named);
