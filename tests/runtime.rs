@@ -682,7 +682,11 @@ fn a_missing_runtime_binary_fails_naming_the_key_and_the_package() {
 #[test]
 fn cdi_only_mode_leaves_the_engines_alone() {
     let main = fixture("containerd/v2-systemd-cgroup.main.toml");
-    let node = engine_node(Engine::Containerd, Some(&main), "[runtime]\nmode = \"cdi-only\"\n");
+    let node = engine_node(
+        Engine::Containerd,
+        Some(&main),
+        "[runtime]\nmode = \"cdi-only\"\n\n[device_plugin]\ndevice_list_strategy = \"cdi-cri\"\n",
+    );
     fs::remove_file(under(&node.root, RUNTIME_BINARY)).expect("remove runtime binary");
     let before = snapshot(&node.root);
     let stdout = succeeds(&node, CONFIGURE);

@@ -174,6 +174,33 @@ impl Config {
         self.kubernetes.validate()?;
         self.desired.validate()?;
         self.labels.validate()?;
+        self.delivers_gpus()
+    }
+
+    /// Refuses the combinations under which a container that was allocated a GPU gets none.
+    fn delivers_gpus(&self) -> Check {
+        let strategies = self.device_plugin.device_list_strategy.as_slice();
+        if !self.cdi.enabled
+            && let Some(cdi) = strategies.iter().find(|s| s.is_cdi())
+        {
+            return Err(invalid(
+                "device_plugin.device_list_strategy",
+                format!(
+                    "{cdi} hands out CDI names, but [cdi] enabled = false writes no spec for them to resolve in; \
+                     turn [cdi] on or use envvar"
+                ),
+            ));
+        }
+        let needs_runtime = strategies
+            .iter()
+            .all(|s| matches!(s, DeviceListStrategy::Envvar | DeviceListStrategy::VolumeMounts));
+        if self.runtime.enabled && self.runtime.mode == RuntimeMode::CdiOnly && needs_runtime {
+            return Err(invalid(
+                "runtime.mode",
+                "cdi-only gives the engines no nvidia runtime, so the envvar and volume-mounts strategies \
+                 deliver no GPU; set [device_plugin] device_list_strategy = \"cdi-cri\"",
+            ));
+        }
         Ok(())
     }
 }

@@ -126,6 +126,22 @@ fn runtime_engine_sections_default_per_engine_and_check_their_keys() {
     );
     assert!(err(&[("c.toml", "[runtime]\nengines = [\"podman\"]\n")]).contains("podman"));
     assert!(err(&[("c.toml", "[runtime]\nmode = \"hook\"\n")]).contains("cdi-only"));
+    // Combinations under which an allocated GPU reaches no container are refused.
+    let e = err(&[(
+        "c.toml",
+        "[device_plugin]\ndevice_list_strategy = \"cdi-annotations\"\n\n[cdi]\nenabled = false\n",
+    )]);
+    assert!(
+        e.contains("device_plugin.device_list_strategy") && e.contains("[cdi] enabled = false"),
+        "{e}"
+    );
+    let e = err(&[("c.toml", "[runtime]\nmode = \"cdi-only\"\n")]);
+    assert!(e.contains("runtime.mode") && e.contains("cdi-cri"), "{e}");
+    parse(&[(
+        "c.toml",
+        "[runtime]\nmode = \"cdi-only\"\n\n[device_plugin]\ndevice_list_strategy = [\"cdi-cri\"]\n",
+    )])
+    .expect("cdi-only with cdi-cri delivers GPUs");
     assert!(err(&[("c.toml", "[cdi]\ndir = \"cdi\"\n")]).contains("cdi.dir"));
 }
 
