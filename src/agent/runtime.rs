@@ -139,12 +139,12 @@ impl Agent {
         let Some(inventory) = &self.inventory else { return };
         let path = rt::cdi_path(&self.config);
         match rt::write_cdi(&self.config, &self.root, inventory, &self.base_ctx.nodes) {
-            Ok(written) => {
+            Ok((written, conflicts)) => {
                 if written {
                     tracing::info!("CDI spec written to {}", path.display());
                 }
                 let mut detail = format!("CDI spec {}", path.display());
-                for conflict in rt::cdi_conflicts(&self.config, &self.root) {
+                for conflict in conflicts {
                     tracing::warn!("{conflict}");
                     detail.push_str(&format!("; warning: {conflict}"));
                 }
@@ -304,14 +304,14 @@ pub fn cdi_generate(config: &Config, root: &HostRoot, output: Option<&std::path:
                 .map(|()| println!("wrote {}", p.display()))
                 .map_err(Into::into)
         }),
-        None => rt::write_cdi(config, root, &inventory, &nodes).map(|written| {
+        None => rt::write_cdi(config, root, &inventory, &nodes).map(|(written, conflicts)| {
             let path = rt::cdi_path(config);
             if written {
                 println!("wrote {}", path.display());
             } else {
                 println!("{} is up to date", path.display());
             }
-            for conflict in rt::cdi_conflicts(config, root) {
+            for conflict in conflicts {
                 eprintln!("gpu-node-agent: warning: {conflict}");
             }
         }),

@@ -1573,14 +1573,11 @@ fn agent_binary() -> Option<PathBuf> {
     Some(PathBuf::from(text.strip_suffix(" (deleted)").unwrap_or(text)))
 }
 
-/// Other CDI specs on the host that define the agent's device names (see [`cdi::conflicts`]),
-/// for the spec file the agent wrote (none when it is not there).
-pub fn cdi_conflicts(config: &Config, root: &HostRoot) -> Vec<cdi::conflicts::Conflict> {
+/// Other CDI specs on the host that define the device names of the agent's spec `text` (see
+/// [`cdi::conflicts`]).
+pub fn cdi_conflicts(config: &Config, root: &HostRoot, text: &str) -> Vec<cdi::conflicts::Conflict> {
     let ours = cdi_path(config);
-    let Ok(text) = crate::host::read_text(&root.join(&ours)) else {
-        return Vec::new();
-    };
-    let Some((kind, names)) = cdi::conflicts::kind_and_names(&text) else {
+    let Some((kind, names)) = cdi::conflicts::kind_and_names(text) else {
         return Vec::new();
     };
     let (dirs, others) = cdi::conflicts::read_spec_dirs(root.path(), &config.cdi.dir);
@@ -1588,20 +1585,22 @@ pub fn cdi_conflicts(config: &Config, root: &HostRoot) -> Vec<cdi::conflicts::Co
     cdi::conflicts::conflicts(&ours, ours_dir, &kind, &names, &others)
 }
 
-/// Writes the CDI spec when its bytes change; `Ok(true)` when it was written.
+/// Writes the CDI spec when its bytes change; whether it was written, and the other specs that
+/// define its names (looked for every time, from the spec text in hand: a toolkit spec written
+/// after the agent's is seen at the next pass).
 pub fn write_cdi(
     config: &Config,
     root: &HostRoot,
     inventory: &Inventory,
     nodes: &DeviceNodes,
-) -> Result<bool, RuntimeError> {
+) -> Result<(bool, Vec<cdi::conflicts::Conflict>), RuntimeError> {
     let text = cdi_spec(config, root, inventory, nodes)?;
     let path = root.join(cdi_path(config));
-    if read_optional(&path)?.as_deref() == Some(text.as_str()) {
-        return Ok(false);
+    let written = read_optional(&path)?.as_deref() != Some(text.as_str());
+    if written {
+        write_atomic(&path, text.as_bytes(), 0o644)?;
     }
-    write_atomic(&path, text.as_bytes(), 0o644)?;
-    Ok(true)
+    Ok((written, cdi_conflicts(config, root, &text)))
 }
 
 #[cfg(test)]

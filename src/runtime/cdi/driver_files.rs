@@ -174,9 +174,6 @@ pub struct DriverFiles {
     pub dri: BTreeMap<String, Vec<String>>,
     /// The hook program; without one the spec has no hooks.
     pub cdi_hook: Option<HookBinary>,
-    /// The folders the libraries were looked for in (host paths), for the error when `libcuda`
-    /// or `libnvidia-ml` is missing.
-    pub searched: Vec<PathBuf>,
 }
 
 /// A symlink to a driver library, recreated in the container by the `create-symlinks` hook.
@@ -332,7 +329,6 @@ pub fn discover(root: &Path, driver_root: &Path, version: &str, hooks: &HookSear
         ipc_sockets,
         dri,
         cdi_hook,
-        searched: LIBRARY_DIRS.iter().map(|d| host(d)).collect(),
     }
 }
 

@@ -109,7 +109,10 @@ pub fn spec(
     if !missing.is_empty() {
         return Err(CdiError::DriverLibrariesMissing {
             missing,
-            searched: files.searched.clone(),
+            searched: super::LIBRARY_DIRS
+                .iter()
+                .map(|d| rooted(&files.driver_root, Path::new(d)))
+                .collect(),
         });
     }
     let mut gpus: Vec<&GpuInfo> = inventory.gpus.iter().collect();

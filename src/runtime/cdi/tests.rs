@@ -226,7 +226,6 @@ fn discovery_finds_exactly_the_driver_files() {
             .into_iter()
             .collect(),
             cdi_hook: Some(HookBinary::Toolkit("/usr/bin/nvidia-cdi-hook".into())),
-            searched: LIBRARY_DIRS.iter().map(PathBuf::from).collect(),
         }
     );
 }
