@@ -32,13 +32,16 @@ fn main() -> ExitCode {
         return ExitCode::SUCCESS;
     }
     // Config first: an invalid config exits before anything is touched.
-    let (config, files) = match Config::load(root.path(), cli.global.config.as_deref()) {
+    let (mut config, files) = match Config::load(root.path(), cli.global.config.as_deref()) {
         Ok(loaded) => loaded,
         Err(e) => {
             eprintln!("gpu-node-agent: invalid configuration: {e}");
             return exit(e.exit_code());
         }
     };
+    // `auto` values are decided once, against this node: every command sees the same.
+    let as_written = config.clone();
+    let decided = config.resolve_auto_on(root.path());
     // One writer per node: the daemon and the commands that change the node hold the state
     // dir's lock while they run; a second one is refused, naming the first.
     let _lock = match writer(&cli.command) {
@@ -62,7 +65,10 @@ fn main() -> ExitCode {
             for file in &files {
                 println!("# read {file}");
             }
-            match toml::to_string_pretty(&config) {
+            if let Some(decided) = &decided {
+                println!("# on this node: {decided}");
+            }
+            match toml::to_string_pretty(&as_written) {
                 Ok(text) => {
                     println!("{text}");
                     ExitCode::SUCCESS
@@ -168,6 +174,9 @@ fn main() -> ExitCode {
                     files.join(", ")
                 }
             );
+            if let Some(decided) = &decided {
+                tracing::info!("on this node: {decided}");
+            }
             let runtime = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
                 Ok(rt) => rt,
                 Err(e) => {

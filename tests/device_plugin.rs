@@ -133,7 +133,7 @@ async fn single_strategy_advertises_uniform_mig_devices_as_gpus() {
     }
     let node = Node::new(
         &m,
-        "[device_plugin]\nmig_strategy = \"single\"\ndevice_id_strategy = \"index\"\n",
+        "[device_plugin]\nmig_strategy = \"single\"\ndevice_id_strategy = \"index\"\ndevice_list_strategy = \"envvar\"\n",
     );
     let kubelet = start_kubelet(&node).await;
     let agent = node.spawn();
@@ -163,8 +163,17 @@ async fn allocate_strategies_match_nvidias_plugin() {
             "[device_plugin]\ndevice_list_strategy = \"cdi-annotations\"\n",
         ),
         ("cdi-cri", "[device_plugin]\ndevice_list_strategy = \"cdi-cri\"\n"),
-        ("index", "[device_plugin]\ndevice_id_strategy = \"index\"\n"),
-        ("specs", "[device_plugin]\npass_device_specs = true\n"),
+        (
+            "index",
+            "[device_plugin]\ndevice_id_strategy = \"index\"\ndevice_list_strategy = \"envvar\"\n",
+        ),
+        (
+            "specs",
+            "[device_plugin]\npass_device_specs = true\ndevice_list_strategy = \"envvar\"\n",
+        ),
+        // The defaults: NVIDIA_VISIBLE_DEVICES with NVIDIA's toolkit, CDI names without it.
+        ("auto with the toolkit", ""),
+        ("auto without the toolkit", ""),
         (
             "host-mounts",
             "[device_plugin]\ndevice_list_strategy = \"host-mounts\"\nhost_mounts_driver_dir = \"/home/kubernetes/bin/nvidia\"\n",
@@ -173,6 +182,9 @@ async fn allocate_strategies_match_nvidias_plugin() {
     let (a, b) = (gpu_uuid(0), gpu_uuid(1));
     for (case, config) in cases {
         let node = Node::new(&machine("A100-SXM4-40GB", 2), config);
+        if *case == "auto with the toolkit" {
+            node.install_toolkit_runtime();
+        }
         for dev in ["nvidiactl", "nvidia-uvm", "nvidia0", "nvidia1"] {
             let p = node.root.join("dev").join(dev);
             std::fs::create_dir_all(p.parent().expect("dev")).expect("mkdir dev");
@@ -187,7 +199,7 @@ async fn allocate_strategies_match_nvidias_plugin() {
             .unwrap_or_else(|e| panic!("{case}: {e}"));
         let env = |k: &str| resp.envs.get(k).cloned();
         match *case {
-            "envvar" => {
+            "envvar" | "auto with the toolkit" => {
                 assert_eq!(env("NVIDIA_VISIBLE_DEVICES"), Some(format!("{a},{b}")));
                 assert!(resp.mounts.is_empty() && resp.devices.is_empty());
             }
@@ -218,7 +230,7 @@ async fn allocate_strategies_match_nvidias_plugin() {
                     &format!("k8s.device-plugin.nvidia.com/gpu={a},k8s.device-plugin.nvidia.com/gpu={b}")
                 );
             }
-            "cdi-cri" => {
+            "cdi-cri" | "auto without the toolkit" => {
                 let names: Vec<_> = resp.cdi_devices.iter().map(|d| d.name.clone()).collect();
                 assert_eq!(
                     names,
@@ -485,6 +497,7 @@ async fn sigterm_stops_serving_and_removes_own_sockets() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn legacy_kubelet_authority_is_tolerated() {
     let node = Node::new(&machine("T4", 1), "");
+    node.install_toolkit_runtime();
     let opts = KubeletOptions {
         legacy_authority: true,
         ..KubeletOptions::default()

@@ -1308,8 +1308,10 @@ mod runtime {
                 Just("/usr/bin/nvidia-container-runtime".to_owned()),
                 "/[a-z]{1,6}/[a-z \"'\\\\é-]{1,12}"
             ],
+            // cdi-only (no runtime) one time in four.
+            prop_oneof![3 => Just(true), 1 => Just(false)],
         )
-            .prop_map(|(default, enable_cdi, also, binary)| NvidiaRuntime {
+            .prop_map(|(default, enable_cdi, also, binary, runtimes)| NvidiaRuntime {
                 name: "nvidia".to_owned(),
                 binary: PathBuf::from(&binary),
                 default,
@@ -1322,6 +1324,7 @@ mod runtime {
                 } else {
                     Vec::new()
                 },
+                runtimes,
             })
     }
 
@@ -1759,6 +1762,8 @@ mod runtime {
             drop_in in prop::option::of(crio_conf()),
             rt in nvidia_runtime(),
         ) {
+            // Under cdi-only the stage removes CRI-O's drop-in instead of editing it.
+            let rt = NvidiaRuntime { runtimes: true, ..rt };
             let others: Vec<(String, String)> =
                 drop_in.into_iter().map(|t| ("/etc/crio/crio.conf.d/10-crun.conf".to_owned(), t)).collect();
             let out = crio::configure_with_drop_ins(main.as_deref(), "/etc/crio/crio.conf", &others, &rt).unwrap();

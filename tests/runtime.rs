@@ -240,6 +240,7 @@ fn default_runtime() -> NvidiaRuntime {
         default: DefaultRuntime::Unset,
         enable_cdi: false,
         also: Vec::new(),
+        runtimes: true,
     }
 }
 
@@ -660,38 +661,85 @@ fn a_broken_crio_conf_is_refused_with_its_line_and_column() {
 
 #[test]
 fn a_missing_runtime_binary_fails_naming_the_key_and_the_package() {
-    let node = engine_node(
-        Engine::Containerd,
-        Some(&fixture("containerd/v2-systemd-cgroup.main.toml")),
-        "",
-    );
-    fs::remove_file(under(&node.root, RUNTIME_BINARY)).expect("remove runtime binary");
-    let before = snapshot(&node.root);
-    let stderr = fails(&node, CONFIGURE);
-    for words in [
-        RUNTIME_BINARY,
-        "[runtime] runtime_binary",
-        "nvidia-container-toolkit",
-        "cdi-only",
+    // Asked for: mode "runtime", or "auto" with a strategy only the runtime's hook reads.
+    for config in [
+        "[runtime]\nmode = \"runtime\"\n",
+        "[device_plugin]\ndevice_list_strategy = \"envvar\"\n",
     ] {
-        assert!(stderr.contains(words), "{words:?} in {stderr}");
+        let node = engine_node(
+            Engine::Containerd,
+            Some(&fixture("containerd/v2-systemd-cgroup.main.toml")),
+            config,
+        );
+        fs::remove_file(under(&node.root, RUNTIME_BINARY)).expect("remove runtime binary");
+        let before = snapshot(&node.root);
+        let stderr = fails(&node, CONFIGURE);
+        for words in [
+            RUNTIME_BINARY,
+            "[runtime] runtime_binary",
+            "nvidia-container-toolkit",
+            "cdi-only",
+        ] {
+            assert!(stderr.contains(words), "{config}: {words:?} in {stderr}");
+        }
+        assert_same(&before, &snapshot(&node.root), "nothing written");
     }
-    assert_same(&before, &snapshot(&node.root), "nothing written");
 }
 
+/// Without NVIDIA's toolkit (the default `auto` mode decides cdi-only) or with `cdi-only`
+/// asked for, each engine gets its CDI switch and no runtime: containerd's drop-in turns
+/// `enable_cdi` on, docker's daemon.json `features.cdi`, CRI-O (CDI always on) keeps no drop-in
+/// of the agent's; a default runtime naming `nvidia` (left by a run with the toolkit) goes.
 #[test]
-fn cdi_only_mode_leaves_the_engines_alone() {
-    let main = fixture("containerd/v2-systemd-cgroup.main.toml");
+fn cdi_only_gives_the_engines_cdi_and_no_runtime() {
+    for config in ["", "[runtime]\nmode = \"cdi-only\"\n"] {
+        let main = fixture("containerd/v2-systemd-cgroup.main.toml");
+        let node = engine_node(Engine::Containerd, Some(&main), config);
+        fs::remove_file(under(&node.root, RUNTIME_BINARY)).expect("remove runtime binary");
+        let stdout = succeeds(&node, CONFIGURE);
+        let drop_in = read(&node.root, "/etc/containerd/conf.d/99-nvidia.toml").expect("containerd drop-in");
+        let doc: toml::Table = drop_in.parse().expect("drop-in TOML");
+        let cri = &doc["plugins"]["io.containerd.grpc.v1.cri"];
+        assert_eq!(cri["enable_cdi"].as_bool(), Some(true), "{config:?}: {drop_in}");
+        let runtimes = cri["containerd"]["runtimes"].as_table().expect("runtimes");
+        assert_eq!(runtimes.keys().collect::<Vec<_>>(), ["runc"], "{config:?}: {drop_in}");
+        assert!(stdout.contains("containerd"), "{stdout}");
+        let again = succeeds(&node, CONFIGURE);
+        assert!(again.contains("containerd (CDI only): already configured"), "{again}");
+    }
+
     let node = engine_node(
-        Engine::Containerd,
-        Some(&main),
-        "[runtime]\nmode = \"cdi-only\"\n\n[device_plugin]\ndevice_list_strategy = \"cdi-cri\"\n",
+        Engine::Docker,
+        Some(
+            "{\n  \"default-runtime\": \"nvidia\",\n  \"runtimes\": {\"nvidia\": {\"path\": \"/usr/bin/nvidia-container-runtime\"}}\n}\n",
+        ),
+        "[runtime]\nset_as_default = true\n",
     );
     fs::remove_file(under(&node.root, RUNTIME_BINARY)).expect("remove runtime binary");
-    let before = snapshot(&node.root);
-    let stdout = succeeds(&node, CONFIGURE);
-    assert!(stdout.contains("cdi-only"), "{stdout}");
-    assert_same(&before, &snapshot(&node.root), "engines untouched");
+    succeeds(&node, CONFIGURE);
+    let daemon: serde_json::Value =
+        serde_json::from_str(&read(&node.root, "/etc/docker/daemon.json").expect("daemon.json")).expect("JSON");
+    assert_eq!(daemon["features"]["cdi"], true, "{daemon}");
+    assert_eq!(
+        daemon["default-runtime"], "runc",
+        "no default naming a runtime that is gone: {daemon}"
+    );
+
+    let node = engine_node(
+        Engine::Crio,
+        Some(&fixture("crio/crio.conf")),
+        "[runtime]\nmode = \"runtime\"\n",
+    );
+    succeeds(&node, CONFIGURE);
+    assert!(read(&node.root, "/etc/crio/crio.conf.d/99-nvidia.toml").is_some());
+    fs::remove_file(under(&node.root, RUNTIME_BINARY)).expect("remove runtime binary");
+    node.write_config("");
+    succeeds(&node, CONFIGURE);
+    assert_eq!(
+        read(&node.root, "/etc/crio/crio.conf.d/99-nvidia.toml"),
+        None,
+        "CRI-O reads CDI specs as it is: the agent's drop-in with its runtimes goes"
+    );
 }
 
 // === 5. plan ===

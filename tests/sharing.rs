@@ -29,6 +29,8 @@ fn profile(name: &str, policy: &str, compact: &[&str]) -> String {
 /// kubeconfig, and the kubelet.
 async fn setup(machine: &str, config: &str, labels: &[(&str, &str)]) -> (TestApiServer, Node, TestKubelet) {
     let node = Node::new(machine, config);
+    // With NVIDIA's toolkit, replicas reach containers as NVIDIA_VISIBLE_DEVICES.
+    node.install_toolkit_runtime();
     let api = common::api_server_for(&node, labels).await;
     let kubelet = TestKubelet::start(&node.plugin_dir(), KubeletOptions::default())
         .await

@@ -59,10 +59,7 @@ impl Agent {
         };
         match outcome {
             Ok((plan, applied)) => {
-                let mut detail = match &plan.note {
-                    Some(note) => note.clone(),
-                    None => format!("{} runtime in {}", self.config.runtime.runtime_name, plan.summary()),
-                };
+                let mut detail = plan.describe(&self.config.runtime.runtime_name);
                 if !applied.files.is_empty() {
                     tracing::info!(
                         "runtime: wrote {}",

@@ -152,7 +152,7 @@ impl Agent {
                 }
             }
             if inactive.is_empty() {
-                Outcome::Passed(format!("{} runtime in {}", config.runtime.runtime_name, plan.summary()))
+                Outcome::Passed(plan.describe(&config.runtime.runtime_name))
             } else {
                 Outcome::Failed(inactive.join("; "))
             }

@@ -20,7 +20,8 @@ pub const DEFAULT_DEVICE_PLUGIN_ENABLED: bool = true;
 /// `device_plugin.mig_strategy`.
 pub const DEFAULT_MIG_STRATEGY: MigStrategy = MigStrategy::None;
 /// `device_plugin.device_list_strategy`.
-pub const DEFAULT_DEVICE_LIST_STRATEGY: &[DeviceListStrategy] = &[DeviceListStrategy::Envvar];
+/// `auto`: `envvar` with the NVIDIA Container Toolkit's runtime, `cdi-cri` without it.
+pub const DEFAULT_DEVICE_LIST_STRATEGY: &[DeviceListStrategy] = &[DeviceListStrategy::Auto];
 /// `device_plugin.device_id_strategy`.
 pub const DEFAULT_DEVICE_ID_STRATEGY: DeviceIdStrategy = DeviceIdStrategy::Uuid;
 /// `device_plugin.pass_device_specs`: add `/dev/nvidia*` device specs to `Allocate` responses.
@@ -266,6 +267,12 @@ fn check_strategies(key: KeyPath, strategies: &DeviceListStrategies) -> Check {
             "expected at least one of {}",
             DeviceListStrategy::expected()
         )));
+    }
+    if list.len() > 1 && strategies.contains(DeviceListStrategy::Auto) {
+        return Err(at(
+            "auto picks one strategy itself (envvar, or cdi-cri without the NVIDIA runtime); list strategies without it"
+                .to_owned(),
+        ));
     }
     for (i, s) in list.iter().enumerate() {
         if list[..i].contains(s) {

@@ -180,28 +180,116 @@ impl Config {
     /// Refuses the combinations under which a container that was allocated a GPU gets none.
     fn delivers_gpus(&self) -> Check {
         let strategies = self.device_plugin.device_list_strategy.as_slice();
+        let mode = self.runtime.mode;
+        // `auto` hands out CDI names exactly when the engines get no runtime.
+        let cdi_names =
+            |s: &DeviceListStrategy| s.is_cdi() || (*s == DeviceListStrategy::Auto && mode == RuntimeMode::CdiOnly);
         if !self.cdi.enabled
-            && let Some(cdi) = strategies.iter().find(|s| s.is_cdi())
+            && let Some(cdi) = strategies.iter().find(|s| cdi_names(s))
         {
+            let why = if *cdi == DeviceListStrategy::Auto {
+                "auto (with [runtime] mode = \"cdi-only\") hands out CDI names".to_owned()
+            } else {
+                format!("{cdi} hands out CDI names")
+            };
             return Err(invalid(
                 "device_plugin.device_list_strategy",
                 format!(
-                    "{cdi} hands out CDI names, but [cdi] enabled = false writes no spec for them to resolve in; \
+                    "{why}, but [cdi] enabled = false writes no spec for them to resolve in; \
                      turn [cdi] on or use envvar"
                 ),
             ));
         }
-        let needs_runtime = strategies
-            .iter()
-            .all(|s| matches!(s, DeviceListStrategy::Envvar | DeviceListStrategy::VolumeMounts));
-        if self.runtime.enabled && self.runtime.mode == RuntimeMode::CdiOnly && needs_runtime {
+        if self.runtime.enabled && mode == RuntimeMode::CdiOnly && strategies.iter().all(|s| s.needs_runtime()) {
             return Err(invalid(
                 "runtime.mode",
                 "cdi-only gives the engines no nvidia runtime, so the envvar and volume-mounts strategies \
-                 deliver no GPU; set [device_plugin] device_list_strategy = \"cdi-cri\"",
+                 deliver no GPU; set [device_plugin] device_list_strategy = \"cdi-cri\" (or \"auto\")",
             ));
         }
         Ok(())
+    }
+
+    /// Decides the `auto` values for a node on which the NVIDIA Container Toolkit's runtime
+    /// (`runtime.runtime_binary`) is (`toolkit_runtime`) or is not installed, and returns what
+    /// was decided, in words (`None` when nothing was `auto`). Pure.
+    ///
+    /// `runtime.mode = "auto"` becomes `runtime` with the toolkit, else `cdi-only`, unless CDI
+    /// cannot deliver a GPU under this config (`[cdi]` off, or a device list strategy of the
+    /// top level or of a profile that only the runtime's hook reads): then it stays `runtime`,
+    /// and the runtime stage says the runtime is missing. A device list strategy `auto`
+    /// becomes `envvar` under `runtime` and `cdi-cri` under `cdi-only`.
+    pub fn resolve_auto(&mut self, toolkit_runtime: bool) -> Option<String> {
+        let dp = &self.device_plugin;
+        let lists = std::iter::once(&dp.device_list_strategy)
+            .chain(dp.profiles.values().filter_map(|p| p.device_list_strategy.as_ref()));
+        let mut hook_only = None;
+        for list in lists {
+            if list.as_slice().iter().all(|s| s.needs_runtime()) {
+                hook_only = Some(
+                    list.as_slice()
+                        .iter()
+                        .map(|s| s.as_str())
+                        .collect::<Vec<_>>()
+                        .join(", "),
+                );
+                break;
+            }
+        }
+        let mut said = Vec::new();
+        if self.runtime.mode == RuntimeMode::Auto {
+            let binary = self.runtime.runtime_binary.display();
+            let (mode, why) = if toolkit_runtime {
+                (RuntimeMode::Runtime, format!("{binary} is installed"))
+            } else if !self.cdi.enabled {
+                (
+                    RuntimeMode::Runtime,
+                    format!("{binary} is not installed, but [cdi] is off"),
+                )
+            } else if let Some(list) = hook_only {
+                (
+                    RuntimeMode::Runtime,
+                    format!("{binary} is not installed, but device_list_strategy {list} needs it"),
+                )
+            } else {
+                (RuntimeMode::CdiOnly, format!("{binary} is not installed"))
+            };
+            self.runtime.mode = mode;
+            said.push(format!("runtime.mode auto: {} ({why})", mode_name(mode)));
+        }
+        let strategy = match self.runtime.mode {
+            RuntimeMode::CdiOnly => DeviceListStrategy::CdiCri,
+            _ => DeviceListStrategy::Envvar,
+        };
+        let dp = &mut self.device_plugin;
+        let lists = std::iter::once(&mut dp.device_list_strategy)
+            .chain(dp.profiles.values_mut().filter_map(|p| p.device_list_strategy.as_mut()));
+        let mut resolved = false;
+        for list in lists {
+            if list.as_slice() == [DeviceListStrategy::Auto] {
+                *list = DeviceListStrategies(vec![strategy]);
+                resolved = true;
+            }
+        }
+        if resolved {
+            said.push(format!("device_list_strategy auto: {strategy}"));
+        }
+        (!said.is_empty()).then(|| said.join("; "))
+    }
+
+    /// [`Config::resolve_auto`] for the node under `root`.
+    pub fn resolve_auto_on(&mut self, root: &Path) -> Option<String> {
+        let toolkit = rooted(root, &self.runtime.runtime_binary).is_file();
+        self.resolve_auto(toolkit)
+    }
+}
+
+/// `runtime.mode`'s value as the config spells it.
+fn mode_name(mode: RuntimeMode) -> &'static str {
+    match mode {
+        RuntimeMode::Auto => "auto",
+        RuntimeMode::Runtime => "runtime",
+        RuntimeMode::CdiOnly => "cdi-only",
     }
 }
 

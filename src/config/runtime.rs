@@ -72,10 +72,13 @@ impl Engine {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum RuntimeMode {
+    /// `runtime` when the NVIDIA Container Toolkit's runtime (`runtime_binary`) is installed,
+    /// else `cdi-only` (decided once when the agent starts; see [`super::Config::resolve_auto`]).
+    Auto,
     /// The engines get the `nvidia` runtime (NVIDIA Container Toolkit), and the CDI spec is written.
     Runtime,
-    /// Only the CDI spec: the engines are not touched (containerd 2.x and CRI-O read CDI specs by
-    /// default); the device plugin should use a `cdi-*` device list strategy.
+    /// Only the CDI spec and the engines' CDI switches (containerd `enable_cdi`, docker
+    /// `features.cdi`), no `nvidia` runtime; the device plugin hands out CDI names.
     CdiOnly,
 }
 
@@ -85,7 +88,7 @@ pub enum RuntimeMode {
 pub struct RuntimeConfig {
     /// Run the runtime stage.
     pub enabled: bool,
-    /// `runtime` or `cdi-only`.
+    /// `auto`, `runtime` or `cdi-only`.
     pub mode: RuntimeMode,
     /// Engines to configure; empty: those found on the node (binary or systemd unit present).
     pub engines: Vec<Engine>,
@@ -174,7 +177,7 @@ impl Default for RuntimeConfig {
     fn default() -> Self {
         RuntimeConfig {
             enabled: DEFAULT_RUNTIME_ENABLED,
-            mode: RuntimeMode::Runtime,
+            mode: RuntimeMode::Auto,
             engines: Vec::new(),
             runtime_name: DEFAULT_RUNTIME_NAME.into(),
             runtime_binary: DEFAULT_RUNTIME_BINARY.into(),

@@ -24,13 +24,78 @@ fn defaults() {
     assert_eq!(config.nvml.library, Path::new("libnvidia-ml.so.1"));
     assert_eq!(
         config.device_plugin.device_list_strategy.as_slice(),
-        &[DeviceListStrategy::Envvar]
+        &[DeviceListStrategy::Auto]
     );
+    assert_eq!(config.runtime.mode, RuntimeMode::Auto);
     assert_eq!(config.health.ignored_xids, [13, 31, 43, 45, 68, 109]);
     assert_eq!(config.health.recovery_after, Duration::from_secs(300));
     assert!(config.driver.create_device_nodes);
     let off = parse(&[("c.toml", "[driver]\ncreate_device_nodes = false\n")]).unwrap();
     assert!(!off.driver.create_device_nodes);
+}
+
+/// `auto` follows the NVIDIA Container Toolkit: its runtime means today's envvar over the
+/// `nvidia` runtime; without it, CDI only, unless the config asks for what only the runtime does.
+#[test]
+fn auto_is_decided_by_the_toolkit_runtime() {
+    use DeviceListStrategy::*;
+    let decide = |text: &str, toolkit: bool| {
+        let mut config = parse(&[("c.toml", text)]).unwrap();
+        let said = config.resolve_auto(toolkit);
+        let profiles: Vec<Vec<DeviceListStrategy>> = config
+            .device_plugin
+            .profiles
+            .values()
+            .filter_map(|p| p.device_list_strategy.as_ref().map(|s| s.as_slice().to_vec()))
+            .collect();
+        (
+            config.runtime.mode,
+            config.device_plugin.device_list_strategy.as_slice().to_vec(),
+            profiles,
+            said.unwrap_or_default(),
+        )
+    };
+    let (mode, strategy, _, said) = decide("", true);
+    assert_eq!((mode, strategy), (RuntimeMode::Runtime, vec![Envvar]));
+    assert_eq!(
+        said,
+        "runtime.mode auto: runtime (/usr/bin/nvidia-container-runtime is installed); device_list_strategy auto: envvar"
+    );
+    let (mode, strategy, _, said) = decide("", false);
+    assert_eq!((mode, strategy), (RuntimeMode::CdiOnly, vec![CdiCri]));
+    assert!(
+        said.contains("cdi-only (/usr/bin/nvidia-container-runtime is not installed)"),
+        "{said}"
+    );
+    // A profile's auto follows too; a profile that needs the hook keeps the runtime mode, so the
+    // runtime stage names what is missing.
+    let profile = "[device_plugin.profiles.a]\ndevice_list_strategy = \"auto\"\n";
+    let (mode, _, profiles, _) = decide(profile, false);
+    assert_eq!((mode, profiles), (RuntimeMode::CdiOnly, vec![vec![CdiCri]]));
+    let hook = "[device_plugin.profiles.a]\ndevice_list_strategy = \"volume-mounts\"\n";
+    let (mode, strategy, _, said) = decide(hook, false);
+    assert_eq!((mode, strategy), (RuntimeMode::Runtime, vec![Envvar]));
+    assert!(said.contains("device_list_strategy volume-mounts needs it"), "{said}");
+    let (mode, _, _, said) = decide("[cdi]\nenabled = false\n", false);
+    assert_eq!(mode, RuntimeMode::Runtime);
+    assert!(said.contains("[cdi] is off"), "{said}");
+    // Explicit values stay, and then nothing is said.
+    let (mode, strategy, _, said) = decide(
+        "[runtime]\nmode = \"runtime\"\n[device_plugin]\ndevice_list_strategy = \"cdi-annotations\"\n",
+        false,
+    );
+    assert_eq!(
+        (mode, strategy, said.as_str()),
+        (RuntimeMode::Runtime, vec![CdiAnnotations], "")
+    );
+    let (mode, strategy, _, _) = decide("[device_plugin]\ndevice_list_strategy = \"cdi-annotations\"\n", false);
+    assert_eq!((mode, strategy), (RuntimeMode::CdiOnly, vec![CdiAnnotations]));
+    // auto stands alone.
+    let e = err(&[(
+        "c.toml",
+        "[device_plugin]\ndevice_list_strategy = [\"auto\", \"envvar\"]\n",
+    )]);
+    assert!(e.contains("auto picks one strategy itself"), "{e}");
 }
 
 #[test]
@@ -135,8 +200,17 @@ fn runtime_engine_sections_default_per_engine_and_check_their_keys() {
         e.contains("device_plugin.device_list_strategy") && e.contains("[cdi] enabled = false"),
         "{e}"
     );
-    let e = err(&[("c.toml", "[runtime]\nmode = \"cdi-only\"\n")]);
+    let e = err(&[(
+        "c.toml",
+        "[runtime]\nmode = \"cdi-only\"\n\n[device_plugin]\ndevice_list_strategy = \"envvar\"\n",
+    )]);
     assert!(e.contains("runtime.mode") && e.contains("cdi-cri"), "{e}");
+    let e = err(&[("c.toml", "[runtime]\nmode = \"cdi-only\"\n\n[cdi]\nenabled = false\n")]);
+    assert!(
+        e.contains("auto (with [runtime] mode = \"cdi-only\") hands out CDI names"),
+        "{e}"
+    );
+    parse(&[("c.toml", "[runtime]\nmode = \"cdi-only\"\n")]).expect("cdi-only with the auto strategy");
     parse(&[(
         "c.toml",
         "[runtime]\nmode = \"cdi-only\"\n\n[device_plugin]\ndevice_list_strategy = [\"cdi-cri\"]\n",
@@ -327,7 +401,7 @@ fn device_list_strategy_string_or_list() {
             "[device_plugin]\ndevice_list_strategy = [\"envvar\",\n  \"bogus\"]\n"
         )]),
         "c.toml:3: device_plugin.device_list_strategy[1] = \"bogus\" is not valid: expected \
-         one of envvar, volume-mounts, cdi-annotations, cdi-cri, host-mounts"
+         one of auto, envvar, volume-mounts, cdi-annotations, cdi-cri, host-mounts"
     );
     let e = err(&[("c.toml", "device_plugin.device_list_strategy = 1\n")]);
     assert!(
@@ -344,7 +418,7 @@ fn device_list_strategy_rules() {
     assert_eq!(
         err(&[("c.toml", "[device_plugin]\ndevice_list_strategy = []\n")]),
         "c.toml:2: device_plugin.device_list_strategy = [] is not valid: expected at least \
-         one of envvar, volume-mounts, cdi-annotations, cdi-cri, host-mounts"
+         one of auto, envvar, volume-mounts, cdi-annotations, cdi-cri, host-mounts"
     );
     assert_eq!(
         err(&[(

@@ -190,6 +190,10 @@ closed_enum! {
 closed_enum! {
     /// How allocated devices are passed to the container (`device_plugin.device_list_strategy`).
     pub enum DeviceListStrategy {
+        /// `envvar` when the engines get the NVIDIA runtime, `cdi-cri` when they do not
+        /// (`runtime.mode`, itself `auto`: no NVIDIA Container Toolkit on the node means CDI only).
+        /// Resolved once when the agent starts; it stands alone in a list.
+        Auto = "auto",
         /// `NVIDIA_VISIBLE_DEVICES` environment variable, read by the NVIDIA runtime hook.
         Envvar = "envvar",
         /// Mounts under `/var/run/nvidia-container-devices/`, read by the runtime hook.
@@ -208,6 +212,12 @@ impl DeviceListStrategy {
     /// Whether the strategy hands devices over as CDI names.
     pub fn is_cdi(self) -> bool {
         matches!(self, DeviceListStrategy::CdiAnnotations | DeviceListStrategy::CdiCri)
+    }
+
+    /// Whether the strategy needs the NVIDIA runtime in the engines to deliver a GPU (its hook
+    /// reads the variable or the mounts).
+    pub fn needs_runtime(self) -> bool {
+        matches!(self, DeviceListStrategy::Envvar | DeviceListStrategy::VolumeMounts)
     }
 }
 

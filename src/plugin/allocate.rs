@@ -157,7 +157,12 @@ pub fn allocate(
                 host_path: "/dev/null".to_string(),
                 read_only: false,
             }));
-        } else if has(DeviceListStrategy::Envvar) || has(DeviceListStrategy::HostMounts) {
+        } else if has(DeviceListStrategy::Envvar)
+            || has(DeviceListStrategy::HostMounts)
+            // Decided at start (Config::resolve_auto); left as it is, it means what a node with
+            // the NVIDIA runtime makes of it.
+            || has(DeviceListStrategy::Auto)
+        {
             resp.envs.insert(VISIBLE_DEVICES_ENV.to_string(), visible.join(","));
         }
         if has(DeviceListStrategy::HostMounts) {

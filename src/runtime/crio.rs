@@ -149,6 +149,7 @@ mod tests {
             },
             enable_cdi,
             also: Vec::new(),
+            runtimes: true,
         }
     }
 

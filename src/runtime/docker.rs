@@ -363,6 +363,7 @@ mod tests {
             },
             enable_cdi,
             also: Vec::new(),
+            runtimes: true,
         }
     }
 

@@ -31,6 +31,10 @@ pub struct NvidiaRuntime {
     /// More runtimes added next to `name`, with the same options: the GPU Operator's
     /// `nvidia-cdi` and `nvidia-legacy` (name, binary), for the toolkit binaries the node has.
     pub also: Vec<(String, PathBuf)>,
+    /// Add the runtimes. `false` under `cdi-only`: the engine gets its CDI switch and no runtime
+    /// ([`NvidiaRuntime::all`] is empty), and `default` is [`DefaultRuntime::Unset`], so a default
+    /// naming one of the agent's runtimes (from a run with the toolkit) goes back to the engine's.
+    pub runtimes: bool,
 }
 
 impl NvidiaRuntime {
@@ -39,10 +43,20 @@ impl NvidiaRuntime {
         std::iter::once(self.name.as_str()).chain(self.also.iter().map(|(n, _)| n.as_str()))
     }
 
-    /// Every runtime the agent adds, name and binary.
+    /// Every runtime the agent adds, name and binary: none under `cdi-only`.
     pub fn all(&self) -> impl Iterator<Item = (&str, &std::path::Path)> {
         std::iter::once((self.name.as_str(), self.binary.as_path()))
             .chain(self.also.iter().map(|(n, b)| (n.as_str(), b.as_path())))
+            .filter(|_| self.runtimes)
+    }
+
+    /// The CDI switch alone, for `cdi-only`: no runtime, CDI on, a default naming one of the
+    /// agent's runtimes undone.
+    pub fn cdi_only(mut self) -> NvidiaRuntime {
+        self.runtimes = false;
+        self.enable_cdi = true;
+        self.default = DefaultRuntime::Unset;
+        self
     }
 }
 

@@ -123,7 +123,7 @@ pub struct ObservedEngine {
     /// name in another standard directory (`/usr/local/bin` for upstream tarballs).
     pub binary: Option<PathBuf>,
     /// containerd's version (major, minor) from `containerd --version`, when known.
-    pub containerd_version: Option<(u32, u32)>,
+    pub version: Option<(u32, u32)>,
     /// containerd: the other files it loads through `imports` once the agent's entry is there,
     /// in its load order, without the agent's drop-in (see [`containerd_imports`]). CRI-O: the
     /// other files of its drop-in directory, in name order (see [`crio_drop_ins`]).
@@ -236,7 +236,9 @@ impl RuntimePlan {
             .iter()
             .filter(|e| e.skipped.is_none() && e.error.is_none())
             .map(|e| {
-                if e.runtime.default == DefaultRuntime::Set {
+                if !e.runtime.runtimes {
+                    format!("{} (CDI only)", e.engine.as_str())
+                } else if e.runtime.default == DefaultRuntime::Set {
                     format!("{} (default)", e.engine.as_str())
                 } else {
                     e.engine.as_str().to_owned()
@@ -244,6 +246,29 @@ impl RuntimePlan {
             })
             .collect();
         names.join(", ")
+    }
+
+    /// What the engines have, for status: `nvidia runtime in containerd (default)`, or under
+    /// `cdi-only` `CDI, no runtime, in containerd`.
+    pub fn describe(&self, runtime_name: &str) -> String {
+        if let Some(note) = &self.note {
+            return note.clone();
+        }
+        let configured = self.engines.iter().filter(|e| e.skipped.is_none() && e.error.is_none());
+        let names: Vec<String> = configured
+            .map(|e| {
+                if e.runtime.default == DefaultRuntime::Set && e.runtime.runtimes {
+                    format!("{} (default)", e.engine.as_str())
+                } else {
+                    e.engine.as_str().to_owned()
+                }
+            })
+            .collect();
+        if self.engines.iter().any(|e| !e.runtime.runtimes) {
+            format!("CDI, no runtime, in {}", names.join(", "))
+        } else {
+            format!("{runtime_name} runtime in {}", names.join(", "))
+        }
     }
 
     /// The engines left alone, with why, and their warnings: lines for status and the log.
@@ -273,6 +298,7 @@ pub fn nvidia_runtime(config: &RuntimeConfig, kubelet: bool, also: &[(String, Pa
         },
         enable_cdi: config.enable_cdi,
         also: also.to_vec(),
+        runtimes: true,
     }
 }
 
@@ -355,9 +381,13 @@ pub fn observe(config: &Config, root: &HostRoot, runner: &Runner) -> Result<Obse
         } else {
             Vec::new()
         };
-        let (containerd_version, effective) = match &binary {
+        let (version, effective) = match &binary {
             Some(binary) if containerd => {
                 containerd_facts(config, root, runner, &files, binary, main.as_deref(), &imported)
+            }
+            // Docker has CDI from 25 on: asked only where the agent relies on it.
+            Some(binary) if engine == Engine::Docker && selected && rc.mode == RuntimeMode::CdiOnly => {
+                (engine_version(runner, binary), None)
             }
             _ => (None, None),
         };
@@ -381,7 +411,7 @@ pub fn observe(config: &Config, root: &HostRoot, runner: &Runner) -> Result<Obse
             main_target,
             drop_in_target,
             binary,
-            containerd_version,
+            version,
             imported,
             effective,
             cri_socket,
@@ -494,7 +524,7 @@ fn containerd_facts(
     {
         return (*version, dump.clone());
     }
-    let version = containerd_version(runner, binary);
+    let version = engine_version(runner, binary);
     let dump = match containerd_effective(config, root, runner, files, binary, main, version) {
         Ok(dump) => Some(dump),
         Err(e) => {
@@ -507,14 +537,15 @@ fn containerd_facts(
     (version, dump)
 }
 
-/// `containerd --version` → (major, minor) (`containerd github.com/containerd/containerd
-/// v1.7.20 ...` → (1, 7)). `None` when it cannot be told (logged).
-fn containerd_version(runner: &Runner, binary: &Path) -> Option<(u32, u32)> {
+/// `<engine> --version` → (major, minor) (`containerd github.com/containerd/containerd
+/// v1.7.20 ...` → (1, 7), `Docker version 26.1.5+dfsg1, build a72d7cd` → (26, 1)). `None` when
+/// it cannot be told (logged).
+fn engine_version(runner: &Runner, binary: &Path) -> Option<(u32, u32)> {
     let cmd = Cmd::new(binary).arg("--version").timeout(Duration::from_secs(10));
     match runner.run(&cmd) {
         Ok(out) => parse_version(&out.stdout),
         Err(e) => {
-            tracing::warn!("cannot tell containerd's version: {e}");
+            tracing::warn!("cannot tell the version of {}: {e}", binary.display());
             None
         }
     }
@@ -785,10 +816,7 @@ pub fn plan(observed: &Observed, config: &RuntimeConfig) -> Result<RuntimePlan, 
         note: None,
         toolkit: Vec::new(),
     };
-    if config.mode == RuntimeMode::CdiOnly {
-        out.note = Some("cdi-only: the container engines are not touched".into());
-        return Ok(out);
-    }
+    let cdi_only = config.mode == RuntimeMode::CdiOnly;
     let selected: Vec<&ObservedEngine> = observed.engines.iter().filter(|e| e.selected).collect();
     if selected.is_empty() {
         out.note = Some(
@@ -797,12 +825,12 @@ pub fn plan(observed: &Observed, config: &RuntimeConfig) -> Result<RuntimePlan, 
         );
         return Ok(out);
     }
-    if !observed.runtime_binary_present {
+    if !cdi_only && !observed.runtime_binary_present {
         return Err(RuntimeError::MissingRuntime {
             binary: config.runtime_binary.clone(),
         });
     }
-    if observed.volume_mounts {
+    if observed.volume_mounts && !cdi_only {
         let (path, target, text) = &observed.toolkit;
         let after = toolkit::configure(text.as_deref(), &path.to_string_lossy())?;
         out.toolkit.extend(change(path, target, text, Some(after)));
@@ -811,16 +839,34 @@ pub fn plan(observed: &Observed, config: &RuntimeConfig) -> Result<RuntimePlan, 
     for e in selected {
         let kubelet = kubelet_engine == Some(e.engine);
         let mut rt = nvidia_runtime(config, kubelet, &observed.also);
+        if cdi_only {
+            rt = rt.cdi_only();
+        }
         let mut warnings = Vec::new();
-        if e.engine == Engine::Containerd
-            && rt.enable_cdi
-            && let Some((major, minor)) = e.containerd_version
-            && (major, minor) < (1, 7)
-        {
-            rt.enable_cdi = false;
-            warnings.push(format!(
-                "[runtime] enable_cdi is left out: containerd {major}.{minor} has no CDI (1.7 and later do)"
-            ));
+        let mut error = None;
+        if let Some((major, minor)) = e.version {
+            let first = match e.engine {
+                Engine::Containerd => (1, 7),
+                Engine::Docker => (25, 0),
+                Engine::Crio => (0, 0),
+            };
+            if rt.enable_cdi && (major, minor) < first {
+                let name = e.engine.as_str();
+                if cdi_only {
+                    error = Some(format!(
+                        "{name} {major}.{minor} has no CDI ({}.{} and later do), so under [runtime] mode = \"cdi-only\" \
+                         its containers would get no GPU: install the NVIDIA Container Toolkit (its runtime), or a newer {name}; \
+                         nothing was changed",
+                        first.0, first.1
+                    ));
+                } else {
+                    rt.enable_cdi = false;
+                    warnings.push(format!(
+                        "[runtime] enable_cdi is left out: {name} {major}.{minor} has no CDI ({}.{} and later do)",
+                        first.0, first.1
+                    ));
+                }
+            }
         }
         let mut plan = EnginePlan {
             engine: e.engine,
@@ -832,13 +878,15 @@ pub fn plan(observed: &Observed, config: &RuntimeConfig) -> Result<RuntimePlan, 
             cri_socket: e.cri_socket.clone(),
             binary: e.binary.clone(),
             skipped: None,
-            error: None,
+            error,
             warnings,
         };
-        match engine_changes(e, &plan.runtime) {
-            Ok(Changes::Files(changes)) => plan.changes = changes,
-            Ok(Changes::Skip(why)) => plan.skipped = Some(why),
-            Err(err) => plan.error = Some(err.to_string()),
+        if plan.error.is_none() {
+            match engine_changes(e, &plan.runtime) {
+                Ok(Changes::Files(changes)) => plan.changes = changes,
+                Ok(Changes::Skip(why)) => plan.skipped = Some(why),
+                Err(err) => plan.error = Some(err.to_string()),
+            }
         }
         out.engines.push(plan);
     }
@@ -871,7 +919,7 @@ fn engine_changes(e: &ObservedEngine, rt: &NvidiaRuntime) -> Result<Changes, Run
                 main: e.main.as_deref(),
                 main_file: &main_file,
                 drop_in_path: &drop_in_path,
-                binary_major: e.containerd_version.map(|v| v.0),
+                binary_major: e.version.map(|v| v.0),
                 imported: &e.imported,
                 effective: e.effective.as_deref(),
             };
@@ -887,6 +935,11 @@ fn engine_changes(e: &ObservedEngine, rt: &NvidiaRuntime) -> Result<Changes, Run
         Engine::Docker => {
             let text = docker::configure(e.main.as_deref(), &main_file, rt)?;
             changes.extend(change(&e.files.config, &e.main_target, &e.main, Some(text)));
+        }
+        // CRI-O reads CDI specs (from /etc/cdi and /var/run/cdi) whatever its configuration:
+        // the agent's drop-in, which only ever holds its runtimes, goes.
+        Engine::Crio if !rt.runtimes => {
+            changes.extend(change(&e.files.drop_in, &e.drop_in_target, &e.drop_in, None));
         }
         Engine::Crio => {
             let drop_ins: Vec<(String, String)> = e.imported.iter().map(|f| (f.file.clone(), f.text.clone())).collect();
@@ -1196,7 +1249,7 @@ fn apply_engine(
     kill_point("check");
     if opts.restart && e.installed {
         let wanted: Vec<&str> = match purpose {
-            Purpose::Configure => e.runtime.names().collect(),
+            Purpose::Configure => e.runtime.all().map(|(name, _)| name).collect(),
             Purpose::Unconfigure => Vec::new(),
         };
         if let Err(reason) = restart(config, root, runner, e, &wanted) {

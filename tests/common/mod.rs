@@ -127,6 +127,17 @@ impl Node {
         node
     }
 
+    /// Installs a stand-in for the NVIDIA Container Toolkit's runtime
+    /// (`/usr/bin/nvidia-container-runtime`, an empty script): the agent's `auto` mode then gives
+    /// the engines the `nvidia` runtime and hands GPUs out as `NVIDIA_VISIBLE_DEVICES`.
+    pub fn install_toolkit_runtime(&self) {
+        use std::os::unix::fs::PermissionsExt;
+        let path = self.root.join("usr/bin/nvidia-container-runtime");
+        fs::create_dir_all(path.parent().expect("bin dir")).expect("mkdir bin");
+        fs::write(&path, "#!/bin/sh\nexit 0\n").expect("write runtime");
+        fs::set_permissions(&path, fs::Permissions::from_mode(0o755)).expect("chmod runtime");
+    }
+
     pub fn config_path(&self) -> PathBuf {
         self.root.join("etc/gpu-node-agent/config.toml")
     }

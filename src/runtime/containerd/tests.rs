@@ -52,6 +52,7 @@ fn rt(set_as_default: bool, enable_cdi: bool) -> NvidiaRuntime {
         },
         enable_cdi,
         also: Vec::new(),
+        runtimes: true,
     }
 }
 
