@@ -98,6 +98,11 @@ impl Containerd {
     /// Starts containerd with the config file `config` (its imports already pointing at real
     /// paths), its root, state and socket under `dir`.
     fn start(config: &Path, dir: &Path) -> Containerd {
+        Containerd::start_binary(CONTAINERD, config, dir)
+    }
+
+    /// [`Containerd::start`] with the containerd binary `binary`.
+    fn start_binary(binary: &str, config: &Path, dir: &Path) -> Containerd {
         let socket = dir.join("c.sock");
         let (root, state) = (dir.join("root"), dir.join("state"));
         let args = os_args(&[
@@ -110,7 +115,7 @@ impl Containerd {
             &"--address",
             &socket,
         ]);
-        let (child, log) = spawn_isolated(dir, CONTAINERD, &args);
+        let (child, log) = spawn_isolated(dir, binary, &args);
         Containerd { child, socket, log }
     }
 
@@ -605,4 +610,128 @@ fn a_tarball_containerd_1_6_with_enable_cdi_asked_for() {
         .cri()
         .unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(status.default_handler.as_deref(), Some("nvidia"));
+}
+
+/// containerd 1.7 (the first with CDI): the one scripts/deps unpacks under `.test-deps/`, or the
+/// system's when it is 1.7 or later.
+fn containerd_1_7() -> String {
+    let fetched = Path::new(env!("CARGO_MANIFEST_DIR")).join(".test-deps/containerd-1.7/usr/bin/containerd");
+    if fetched.is_file() {
+        return fetched.to_string_lossy().into_owned();
+    }
+    let version = Command::new(CONTAINERD)
+        .arg("--version")
+        .output()
+        .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
+        .unwrap_or_default();
+    let recent = version.split_whitespace().any(|w| {
+        let mut parts = w.trim_start_matches('v').split('.');
+        let major: u32 = parts.next().and_then(|p| p.parse().ok()).unwrap_or(0);
+        let minor: u32 = parts.next().and_then(|p| p.parse().ok()).unwrap_or(0);
+        (major, minor) >= (1, 7)
+    });
+    assert!(
+        recent,
+        "tests need containerd 1.7 or later and {CONTAINERD} is {version:?}: scripts/deps unpacks one into .test-deps/"
+    );
+    CONTAINERD.to_owned()
+}
+
+/// The CRI's CDI settings (`enableCDI`, `cdiSpecDirs`) from its verbose status.
+fn cdi_settings(status: &CriStatus) -> (bool, Vec<String>) {
+    let config: serde_json::Value =
+        serde_json::from_str(status.config.as_deref().unwrap_or("{}")).expect("CRI config JSON");
+    let dirs = config["cdiSpecDirs"]
+        .as_array()
+        .map(|a| a.iter().filter_map(|d| d.as_str().map(str::to_owned)).collect())
+        .unwrap_or_default();
+    (config["enableCDI"].as_bool().unwrap_or(false), dirs)
+}
+
+/// Real containerd 1.7 with the agent's files. Without NVIDIA's toolkit (the defaults decide
+/// cdi-only) its CRI has CDI on, reads the agent's spec directory, and has no `nvidia` handler,
+/// its default and every other setting as before; with the toolkit and `enable_cdi` it has
+/// both. The runtime stage's own check (`config dump`) ran with this containerd too.
+#[test]
+fn containerd_1_7_gets_cdi_with_or_without_the_toolkit() {
+    let binary = containerd_1_7();
+    let main = node_fixture("containerd-kubeadm.toml");
+    for (case, toolkit, config) in [
+        ("no toolkit (auto: cdi-only)", false, ""),
+        ("toolkit with enable_cdi", true, "[runtime]\nenable_cdi = true\n"),
+    ] {
+        let node = Node::new(&common::machine("A100-SXM4-40GB", 1), config);
+        let root = node.root.clone();
+        link(&root, CONTAINERD, &binary);
+        link(&root, CTR, &Path::new(&binary).with_file_name("ctr").to_string_lossy());
+        if toolkit {
+            runtime_stub(&root);
+        }
+        put(&root, MAIN, &main);
+        let before = Containerd::start_binary(&binary, &rebased_main(&root), &node.tmp.path().join("before"))
+            .cri()
+            .unwrap_or_else(|e| panic!("{case}: the input itself does not load containerd 1.7's CRI: {e}"));
+        assert!(before.runtime.contains("1.7"), "{case}: {}", before.runtime);
+        assert!(
+            !cdi_settings(&before).0,
+            "{case}: containerd 1.7 has CDI off by default"
+        );
+
+        let out = run_agent(&node, &["runtime", "configure", "--no-restart"]);
+        let drop_in = fs::read_to_string(root.join(DROP_IN.trim_start_matches('/'))).unwrap_or_default();
+        let after = Containerd::start_binary(&binary, &rebased_main(&root), &node.tmp.path().join("after"))
+            .cri()
+            .unwrap_or_else(|e| panic!("{case}: containerd 1.7's CRI does not load: {e}\n{out}\n{drop_in}"));
+        let (enabled, dirs) = cdi_settings(&after);
+        assert!(enabled, "{case}: enableCDI\n{drop_in}");
+        assert!(dirs.iter().any(|d| d == "/var/run/cdi"), "{case}: {dirs:?}");
+        assert_eq!(
+            after.handlers.contains("nvidia"),
+            toolkit,
+            "{case}: {:?}\n{drop_in}",
+            after.handlers
+        );
+        if !toolkit {
+            assert_eq!(after.default_handler, before.default_handler, "{case}");
+        }
+        let without_cdi = |status: &CriStatus| {
+            let mut settings = settings_without_ours(status);
+            if let Some(top) = settings.as_object_mut() {
+                top.remove("enableCDI");
+            }
+            settings
+        };
+        assert_eq!(
+            without_cdi(&after),
+            without_cdi(&before),
+            "{case}: every other CRI setting is as before\n{drop_in}"
+        );
+    }
+}
+
+/// containerd 1.6 has no CDI: without NVIDIA's toolkit nothing would deliver a GPU there, so
+/// the runtime stage fails for it, naming both ways out, and writes nothing.
+#[test]
+fn containerd_1_6_without_the_toolkit_is_an_error_naming_the_fix() {
+    require_root_and(CONTAINERD);
+    let node = Node::new(&common::machine("A100-SXM4-40GB", 1), "");
+    let root = node.root.clone();
+    link(&root, CONTAINERD, CONTAINERD);
+    let main = node_fixture("containerd-kubeadm.toml");
+    put(&root, MAIN, &main);
+    let out = node.run(&["runtime", "configure", "--no-restart"]);
+    let text = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{text}");
+    for words in [
+        "containerd 1.6 has no CDI (1.7 and later do)",
+        "install the NVIDIA Container Toolkit",
+        "nothing was changed",
+    ] {
+        assert!(text.contains(words), "{words:?} in {text}");
+    }
+    assert_eq!(
+        fs::read_to_string(root.join(MAIN.trim_start_matches('/'))).ok(),
+        Some(main)
+    );
+    assert!(!root.join(DROP_IN.trim_start_matches('/')).exists());
 }
