@@ -448,6 +448,12 @@ struct Dockerd {
 
 impl Dockerd {
     fn start(daemon_json: &Path, dir: &Path) -> Dockerd {
+        Dockerd::start_binary(DOCKERD, daemon_json, dir)
+    }
+
+    /// [`Dockerd::start`] with the dockerd binary `binary` (the programs it starts, such as
+    /// `docker-proxy`, from its folder first).
+    fn start_binary(binary: &str, daemon_json: &Path, dir: &Path) -> Dockerd {
         let socket = dir.join("d.sock");
         let (data, exec, pid) = (dir.join("data"), dir.join("exec"), dir.join("docker.pid"));
         let host = format!("unix://{}", socket.display());
@@ -465,7 +471,7 @@ impl Dockerd {
             &"--bridge=none",
             &"--iptables=false",
         ]);
-        let (child, log) = spawn_isolated(dir, DOCKERD, &args);
+        let (child, log) = spawn_isolated(dir, binary, &args);
         Dockerd { child, socket, log }
     }
 
@@ -495,6 +501,38 @@ impl Dockerd {
                 Instant::now() < deadline,
                 "dockerd did not answer: {}\n{}",
                 String::from_utf8_lossy(&out.stderr),
+                fs::read_to_string(&self.log).unwrap_or_default()
+            );
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    }
+}
+
+impl Dockerd {
+    /// The engine's own `GET /info` (over its socket with curl: Debian 12's docker CLI is older
+    /// than the daemons asked here and drops the fields it does not know).
+    fn info(&mut self) -> serde_json::Value {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            let out = Command::new("curl")
+                .args(["-sf", "--unix-socket"])
+                .arg(&self.socket)
+                .arg("http://localhost/info")
+                .output()
+                .expect("curl (scripts/deps installs it)");
+            let info: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap_or_default();
+            if out.status.success() && !info["Runtimes"].is_null() {
+                return info;
+            }
+            if let Ok(Some(status)) = self.child.try_wait() {
+                panic!(
+                    "dockerd exited with {status}:\n{}",
+                    fs::read_to_string(&self.log).unwrap_or_default()
+                );
+            }
+            assert!(
+                Instant::now() < deadline,
+                "dockerd did not answer:\n{}",
                 fs::read_to_string(&self.log).unwrap_or_default()
             );
             std::thread::sleep(Duration::from_millis(200));
@@ -734,4 +772,85 @@ fn containerd_1_6_without_the_toolkit_is_an_error_naming_the_fix() {
         Some(main)
     );
     assert!(!root.join(DROP_IN.trim_start_matches('/')).exists());
+}
+
+/// docker 25 or later (the first with CDI): the one scripts/deps unpacks under `.test-deps/`, or
+/// the system's when it is recent enough.
+fn dockerd_25() -> String {
+    let fetched = Path::new(env!("CARGO_MANIFEST_DIR")).join(".test-deps/docker-26/usr/sbin/dockerd");
+    if fetched.is_file() {
+        return fetched.to_string_lossy().into_owned();
+    }
+    let version = Command::new(DOCKERD)
+        .arg("--version")
+        .output()
+        .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
+        .unwrap_or_default();
+    let major: u32 = version
+        .split_whitespace()
+        .nth(2)
+        .and_then(|v| v.split('.').next())
+        .and_then(|m| m.parse().ok())
+        .unwrap_or(0);
+    assert!(
+        major >= 25,
+        "tests need docker 25 or later and {DOCKERD} is {version:?}: scripts/deps unpacks one into .test-deps/"
+    );
+    DOCKERD.to_owned()
+}
+
+/// Real dockerd 26 with the daemon.json the agent wrote on a node without NVIDIA's toolkit:
+/// CDI is on (its API lists the spec directories, the agent's among them) and it has no
+/// `nvidia` runtime; the user's keys stay. Debian 12's docker 20.10 has no CDI: there the stage
+/// fails for docker, naming the fix, and writes nothing.
+#[test]
+fn docker_without_the_toolkit_gets_cdi_from_25_on() {
+    let binary = dockerd_25();
+    let node = Node::new(&common::machine("A100-SXM4-40GB", 1), "");
+    put(&node.root, "/lib/systemd/system/docker.service", "[Service]\n");
+    link(&node.root, "/usr/sbin/dockerd", &binary);
+    put(&node.root, DAEMON_JSON, "{\n  \"log-level\": \"warn\"\n}\n");
+    let before = Dockerd::start_binary(
+        &binary,
+        &node.root.join(DAEMON_JSON.trim_start_matches('/')),
+        &node.tmp.path().join("before"),
+    )
+    .info();
+    assert_eq!(
+        before["CDISpecDirs"],
+        serde_json::json!([]),
+        "CDI is off by default in docker 26"
+    );
+
+    let out = run_agent(&node, &["runtime", "configure", "--no-restart"]);
+    let written = fs::read_to_string(node.root.join(DAEMON_JSON.trim_start_matches('/'))).expect("daemon.json");
+    let after = Dockerd::start_binary(
+        &binary,
+        &node.root.join(DAEMON_JSON.trim_start_matches('/')),
+        &node.tmp.path().join("after"),
+    )
+    .info();
+    let dirs: Vec<&str> = after["CDISpecDirs"]
+        .as_array()
+        .map(|a| a.iter().filter_map(|d| d.as_str()).collect())
+        .unwrap_or_default();
+    assert!(dirs.contains(&"/var/run/cdi"), "{dirs:?}\n{out}\n{written}");
+    assert!(after["Runtimes"].get("nvidia").is_none(), "{}", after["Runtimes"]);
+    assert!(written.contains("\"log-level\": \"warn\""), "{written}");
+
+    require_root_and(DOCKERD);
+    let old = Node::new(&common::machine("A100-SXM4-40GB", 1), "");
+    put(&old.root, "/lib/systemd/system/docker.service", "[Service]\n");
+    link(&old.root, "/usr/sbin/dockerd", DOCKERD);
+    let out = old.run(&["runtime", "configure", "--no-restart"]);
+    let text = String::from_utf8_lossy(&out.stderr);
+    if dockerd_25() == DOCKERD {
+        return; // the system's docker has CDI: no old one to try
+    }
+    assert!(!out.status.success(), "{text}");
+    assert!(
+        text.contains("has no CDI (25.0 and later do)") && text.contains("install the NVIDIA Container Toolkit"),
+        "{text}"
+    );
+    assert!(!old.root.join(DAEMON_JSON.trim_start_matches('/')).exists());
 }
