@@ -1338,6 +1338,51 @@ fn only_the_kubelets_engine_failing_fails_the_runtime_stage() {
     }
 }
 
+/// A node without NVIDIA's toolkit under the defaults: the pass succeeds, the runtime stage is
+/// ok (CDI in containerd, no runtime), and the stages after it run.
+#[test]
+fn without_the_toolkit_the_runtime_stage_is_ok_and_the_rest_proceeds() {
+    let node = engine_node(Engine::Containerd, None, NO_KUBERNETES);
+    fs::remove_file(under(&node.root, RUNTIME_BINARY)).expect("remove runtime binary");
+    let out = expect_exit(&node, &["run", "--once"], 0);
+    let status = node.status_json();
+    let stage = |name: &str| {
+        status["stages"]
+            .as_array()
+            .and_then(|stages| stages.iter().find(|s| s["name"] == name))
+            .cloned()
+            .unwrap_or_default()
+    };
+    let runtime = stage("runtime");
+    assert_eq!(
+        runtime["state"],
+        "ok",
+        "{runtime}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        runtime["detail"]
+            .as_str()
+            .unwrap_or_default()
+            .starts_with("CDI, no runtime, in containerd"),
+        "{runtime}"
+    );
+    assert_eq!(stage("mig")["state"], "ok", "{}", stage("mig"));
+    let plugin = stage("device-plugin");
+    assert!(
+        plugin["detail"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("would advertise nvidia.com/gpu"),
+        "the device plugin is not held back: {plugin}"
+    );
+    let log = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        log.contains("runtime.mode auto: cdi-only (/usr/bin/nvidia-container-runtime is not installed)"),
+        "the log says what auto became: {log}"
+    );
+}
+
 // === unconfigure takes out only what the agent put in ===
 
 /// The user's config already imported conf.d (for files of their own): after configure, a
