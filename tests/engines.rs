@@ -436,7 +436,6 @@ fn docker_ce_containerd_with_cri_disabled_is_left_alone() {
 // === docker ===
 
 const DOCKERD: &str = "/usr/sbin/dockerd";
-const DOCKER_CLI: &str = "/usr/bin/docker";
 const DAEMON_JSON: &str = "/etc/docker/daemon.json";
 
 /// A dockerd of its own (no bridge, no iptables), killed when dropped.
@@ -475,40 +474,13 @@ impl Dockerd {
         Dockerd { child, socket, log }
     }
 
-    /// `docker info`'s runtimes and default runtime.
+    /// Its runtimes and default runtime, as `GET /info` shows them.
     fn runtimes(&mut self) -> (serde_json::Value, String) {
-        let deadline = Instant::now() + Duration::from_secs(60);
-        loop {
-            let out = Command::new(DOCKER_CLI)
-                .arg("--host")
-                .arg(format!("unix://{}", self.socket.display()))
-                .args(["info", "--format", "{{json .}}"])
-                .output()
-                .expect("docker info");
-            // `docker info` also exits 0 while the daemon does not answer yet (ServerErrors).
-            let info: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap_or_default();
-            if out.status.success() && info["ServerErrors"].is_null() && !info["Runtimes"].is_null() {
-                let default = info["DefaultRuntime"].as_str().unwrap_or_default().to_owned();
-                return (info["Runtimes"].clone(), default);
-            }
-            if let Ok(Some(status)) = self.child.try_wait() {
-                panic!(
-                    "dockerd exited with {status}:\n{}",
-                    fs::read_to_string(&self.log).unwrap_or_default()
-                );
-            }
-            assert!(
-                Instant::now() < deadline,
-                "dockerd did not answer: {}\n{}",
-                String::from_utf8_lossy(&out.stderr),
-                fs::read_to_string(&self.log).unwrap_or_default()
-            );
-            std::thread::sleep(Duration::from_millis(200));
-        }
+        let info = self.info();
+        let default = info["DefaultRuntime"].as_str().unwrap_or_default().to_owned();
+        (info["Runtimes"].clone(), default)
     }
-}
 
-impl Dockerd {
     /// The engine's own `GET /info` (over its socket with curl: Debian 12's docker CLI is older
     /// than the daemons asked here and drops the fields it does not know).
     fn info(&mut self) -> serde_json::Value {
@@ -650,29 +622,35 @@ fn a_tarball_containerd_1_6_with_enable_cdi_asked_for() {
     assert_eq!(status.default_handler.as_deref(), Some("nvidia"));
 }
 
-/// containerd 1.7 (the first with CDI): the one scripts/deps unpacks under `.test-deps/`, or the
-/// system's when it is 1.7 or later.
-fn containerd_1_7() -> String {
-    let fetched = Path::new(env!("CARGO_MANIFEST_DIR")).join(".test-deps/containerd-1.7/usr/bin/containerd");
-    if fetched.is_file() {
-        return fetched.to_string_lossy().into_owned();
+/// An engine of version `first` or later: the one scripts/deps unpacks under
+/// `.test-deps/<fetched>`, or the system's `system` when it is recent enough.
+fn engine_at_least(system: &str, fetched: &str, first: (u32, u32)) -> String {
+    let unpacked = Path::new(env!("CARGO_MANIFEST_DIR")).join(".test-deps").join(fetched);
+    if unpacked.is_file() {
+        return unpacked.to_string_lossy().into_owned();
     }
-    let version = Command::new(CONTAINERD)
+    let version = Command::new(system)
         .arg("--version")
         .output()
         .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
         .unwrap_or_default();
-    let recent = version.split_whitespace().any(|w| {
+    // `containerd github.com/containerd/containerd v1.7.24 …`, `Docker version 26.1.5, build …`
+    let found = version.split_whitespace().find_map(|w| {
         let mut parts = w.trim_start_matches('v').split('.');
-        let major: u32 = parts.next().and_then(|p| p.parse().ok()).unwrap_or(0);
-        let minor: u32 = parts.next().and_then(|p| p.parse().ok()).unwrap_or(0);
-        (major, minor) >= (1, 7)
+        Some((parts.next()?.parse::<u32>().ok()?, parts.next()?.parse::<u32>().ok()?))
     });
     assert!(
-        recent,
-        "tests need containerd 1.7 or later and {CONTAINERD} is {version:?}: scripts/deps unpacks one into .test-deps/"
+        found.is_some_and(|v| v >= first),
+        "tests need {system} {}.{} or later and it is {version:?}: scripts/deps unpacks one into .test-deps/",
+        first.0,
+        first.1
     );
-    CONTAINERD.to_owned()
+    system.to_owned()
+}
+
+/// containerd 1.7, the first with CDI.
+fn containerd_1_7() -> String {
+    engine_at_least(CONTAINERD, "containerd-1.7/usr/bin/containerd", (1, 7))
 }
 
 /// The CRI's CDI settings (`enableCDI`, `cdiSpecDirs`) from its verbose status.
@@ -774,29 +752,9 @@ fn containerd_1_6_without_the_toolkit_is_an_error_naming_the_fix() {
     assert!(!root.join(DROP_IN.trim_start_matches('/')).exists());
 }
 
-/// docker 25 or later (the first with CDI): the one scripts/deps unpacks under `.test-deps/`, or
-/// the system's when it is recent enough.
+/// docker 25, the first with CDI.
 fn dockerd_25() -> String {
-    let fetched = Path::new(env!("CARGO_MANIFEST_DIR")).join(".test-deps/docker-26/usr/sbin/dockerd");
-    if fetched.is_file() {
-        return fetched.to_string_lossy().into_owned();
-    }
-    let version = Command::new(DOCKERD)
-        .arg("--version")
-        .output()
-        .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
-        .unwrap_or_default();
-    let major: u32 = version
-        .split_whitespace()
-        .nth(2)
-        .and_then(|v| v.split('.').next())
-        .and_then(|m| m.parse().ok())
-        .unwrap_or(0);
-    assert!(
-        major >= 25,
-        "tests need docker 25 or later and {DOCKERD} is {version:?}: scripts/deps unpacks one into .test-deps/"
-    );
-    DOCKERD.to_owned()
+    engine_at_least(DOCKERD, "docker-26/usr/sbin/dockerd", (25, 0))
 }
 
 /// Real dockerd 26 with the daemon.json the agent wrote on a node without NVIDIA's toolkit:
