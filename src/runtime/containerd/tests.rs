@@ -1019,3 +1019,22 @@ mod glob_properties {
         );
     }
 }
+
+/// containerd 2.x under cdi-only: the drop-in holds `enable_cdi` in the runtime plugin and no
+/// runtime at all; a default naming `nvidia` from a run with the toolkit goes back to runc
+/// (2.x merges the drop-in key by key, so only a value replaces the other files' default).
+#[test]
+fn cdi_only_on_containerd_2_turns_cdi_on_and_adds_no_runtime() {
+    let dump = DUMP_1_6_DEFAULTS
+        .replace("version = 2", "version = 3")
+        .replace(CRI_PLUGIN_V2, CRI_PLUGIN_V3)
+        .replace("default_runtime_name = \"runc\"", "default_runtime_name = \"nvidia\"");
+    let out = from_dump(Some("version = 3\n"), &dump, &rt(true, false).cdi_only());
+    let doc = parse_toml(&out.drop_in, DROP_IN).unwrap();
+    assert_eq!(doc["version"].as_integer(), Some(3));
+    let cri = doc["plugins"][CRI_PLUGIN_V3].as_table().unwrap();
+    assert_eq!(cri["enable_cdi"].as_bool(), Some(true), "{}", out.drop_in);
+    assert_eq!(cri["containerd"]["default_runtime_name"].as_str(), Some(RUNC));
+    let runtimes = cri["containerd"].get("runtimes").and_then(|r| r.as_table());
+    assert!(runtimes.is_none_or(|r| r.is_empty()), "{}", out.drop_in);
+}
