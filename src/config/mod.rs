@@ -214,10 +214,11 @@ impl Config {
     /// (`runtime.runtime_binary`) is (`toolkit_runtime`) or is not installed, and returns what
     /// was decided, in words (`None` when nothing was `auto`). Pure.
     ///
-    /// `runtime.mode = "auto"` becomes `runtime` with the toolkit, else `cdi-only`, unless CDI
-    /// cannot deliver a GPU under this config (`[cdi]` off, or a device list strategy of the
-    /// top level or of a profile that only the runtime's hook reads): then it stays `runtime`,
-    /// and the runtime stage says the runtime is missing. A device list strategy `auto`
+    /// `runtime.mode = "auto"` becomes `runtime` with the toolkit, else `cdi-only`, unless the
+    /// runtime stage is off (the engines are someone else's) or CDI cannot deliver a GPU under
+    /// this config (`[cdi]` off, or a device list strategy of the top level or of a profile
+    /// that only the runtime's hook reads): then it stays `runtime`, and the runtime stage says
+    /// the runtime is missing. A device list strategy `auto`
     /// becomes `envvar` under `runtime` and `cdi-cri` under `cdi-only`.
     pub fn resolve_auto(&mut self, toolkit_runtime: bool) -> Option<String> {
         let dp = &self.device_plugin;
@@ -241,6 +242,13 @@ impl Config {
             let binary = self.runtime.runtime_binary.display();
             let (mode, why) = if toolkit_runtime {
                 (RuntimeMode::Runtime, format!("{binary} is installed"))
+            } else if !self.runtime.enabled {
+                // The engines are configured by someone else (the GPU Operator's toolkit keeps
+                // its runtime in /usr/local/nvidia/toolkit): NVIDIA's plugin's default.
+                (
+                    RuntimeMode::Runtime,
+                    "[runtime] enabled = false: the engines are configured by other means".to_owned(),
+                )
             } else if !self.cdi.enabled {
                 (
                     RuntimeMode::Runtime,

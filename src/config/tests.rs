@@ -76,6 +76,9 @@ fn auto_is_decided_by_the_toolkit_runtime() {
     let (mode, strategy, _, said) = decide(hook, false);
     assert_eq!((mode, strategy), (RuntimeMode::Runtime, vec![Envvar]));
     assert!(said.contains("device_list_strategy volume-mounts needs it"), "{said}");
+    let (mode, strategy, _, said) = decide("[runtime]\nenabled = false\n", false);
+    assert_eq!((mode, strategy), (RuntimeMode::Runtime, vec![Envvar]));
+    assert!(said.contains("configured by other means"), "{said}");
     let (mode, _, _, said) = decide("[cdi]\nenabled = false\n", false);
     assert_eq!(mode, RuntimeMode::Runtime);
     assert!(said.contains("[cdi] is off"), "{said}");
