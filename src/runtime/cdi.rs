@@ -9,14 +9,16 @@
 //! - [`to_json`] renders it; [`spec_file_name`] names the file (`nvidia.com-gpu.json`). Writing it
 //!   under `/etc/cdi` or `/var/run/cdi` is the caller's job.
 //!
-//! Differences from `nvidia-ctk` (toolkit 1.17/1.18), all deliberate:
-//! - Only the compute and utility libraries of libnvidia-container's list are mounted
-//!   ([`DRIVER_LIBRARIES`]); `nvidia-ctk` mounts every `*.so.<version>` next to `libcuda`,
-//!   graphics and video included.
-//! - The hooks are `create-symlinks` and `update-ldcache` only. `enable-cuda-compat`,
-//!   `disable-device-node-modification` and `update-application-profile` need a recent
+//! Differences from `nvidia-ctk` (toolkit 1.17/1.18), all deliberate, are listed in README
+//! ("Differences from `nvidia-ctk cdi generate`"). `golden.rs` checks them entry for entry against
+//! the expected spec of NVIDIA's own generate test on its test driver root, among them:
+//! - Each GPU is named by UUID as well as by index; a driver root without `libnvidia-ml` is an
+//!   error ([`REQUIRED_LIBRARIES`]).
+//! - With the toolkit's hook binary the hooks are `create-symlinks` and `update-ldcache` only:
+//!   `enable-cuda-compat` and `disable-device-node-modification` need a recent
 //!   `nvidia-cdi-hook`, and a hook subcommand the installed binary does not know fails every
-//!   container start.
+//!   container start. The agent as hook ([`hook`]) runs all four.
+//! - `create-symlinks` also recreates the host's soname links; hooks carry no environment.
 //! - No deprecated `chmod` hook for `/dev/nvidia-caps`.
 //!
 //! The files: `driver_files.rs` ([`discover`] and the lists of what it looks for), `generate.rs`
@@ -75,5 +77,7 @@ pub enum CdiError {
     Render { message: String },
 }
 
+#[cfg(test)]
+mod golden;
 #[cfg(test)]
 mod tests;
