@@ -153,9 +153,12 @@ pub struct DriverFiles {
     /// Every `*.so.<version>` in the folder of `libcuda` and its `vdpau/`, sorted, then each of
     /// [`DRIVER_LIBRARIES`] found elsewhere.
     pub libraries: Vec<PathBuf>,
-    /// The folder `libcuda.so.<version>` was found in (the first of [`LIBRARY_DIRS`] that has
+    /// The folder `libcuda.so.<version>` was found in (the first of `library_search` that has
     /// it), if any.
     pub libcuda_dir: Option<PathBuf>,
+    /// The folders searched for libraries, in order (host paths): [`LIBRARY_DIRS`], then those
+    /// the driver root's `/etc/ld.so.conf` names (see [`ld_so_conf_dirs`]).
+    pub library_search: Vec<PathBuf>,
     /// The directories of `libraries`, sorted, without duplicates.
     pub library_dirs: Vec<PathBuf>,
     /// Symlinks next to the libraries that point straight at one of them, such as the soname link
@@ -207,13 +210,25 @@ pub fn discover(root: &Path, driver_root: &Path, version: &str, hooks: &HookSear
     }
     let suffix = format!(".so.{version}");
 
+    // A driver in a folder of its own (`/var/lib/nvidia/lib64`) is found the way the dynamic
+    // linker finds it: through the folders ld.so.conf names.
+    let mut library_search: Vec<PathBuf> = LIBRARY_DIRS.iter().map(|dir| host(dir)).collect();
+    for dir in ld_so_conf_dirs(
+        &|p| std::fs::read_to_string(look(&host(&p.to_string_lossy()))).ok(),
+        &|dir| dir_entries(&look(&host(&dir.to_string_lossy()))),
+    ) {
+        let dir = host(&dir.to_string_lossy());
+        if !library_search.contains(&dir) {
+            library_search.push(dir);
+        }
+    }
     let mut libraries: Vec<PathBuf> = Vec::new();
     let mut libcuda_dir = None;
     if versioned {
-        libcuda_dir = LIBRARY_DIRS
+        libcuda_dir = library_search
             .iter()
-            .map(|dir| host(dir))
-            .find(|dir| look(&dir.join(format!("libcuda{suffix}"))).is_file());
+            .find(|dir| look(&dir.join(format!("libcuda{suffix}"))).is_file())
+            .cloned();
         if let Some(dir) = &libcuda_dir {
             for folder in [dir.clone(), dir.join("vdpau")] {
                 for name in dir_entries(&look(&folder)) {
@@ -232,9 +247,9 @@ pub fn discover(root: &Path, driver_root: &Path, version: &str, hooks: &HookSear
             {
                 continue;
             }
-            let found = LIBRARY_DIRS
+            let found = library_search
                 .iter()
-                .map(|dir| host(dir).join(&file))
+                .map(|dir| dir.join(&file))
                 .find(|path| look(path).is_file());
             libraries.extend(found);
         }
@@ -318,6 +333,7 @@ pub fn discover(root: &Path, driver_root: &Path, version: &str, hooks: &HookSear
 
     DriverFiles {
         driver_root: driver_root.to_path_buf(),
+        library_search,
         version: version.to_string(),
         libraries,
         libcuda_dir,
@@ -347,6 +363,70 @@ fn is_plain_version(version: &str) -> bool {
 }
 
 /// File names in a directory, sorted; empty when it cannot be read.
+/// Most `include` levels followed in ld.so.conf (glibc has no limit; a loop must end).
+const LD_SO_CONF_DEPTH: u32 = 8;
+
+/// The folders `/etc/ld.so.conf` names, in its order, `include` lines followed (a relative
+/// pattern against the including file's folder; `*` and `?` in the file name, matches in name
+/// order), as `ldconfig` reads it: `#` starts a comment, folders are separated by whitespace,
+/// `:` or `,`, and `hwcap` lines are skipped. `read` gives a file's text (`None`: missing),
+/// `list` a folder's entry names; both take paths as the driver root sees them.
+pub fn ld_so_conf_dirs(read: &dyn Fn(&Path) -> Option<String>, list: &dyn Fn(&Path) -> Vec<String>) -> Vec<PathBuf> {
+    fn walk(
+        file: &Path,
+        depth: u32,
+        read: &dyn Fn(&Path) -> Option<String>,
+        list: &dyn Fn(&Path) -> Vec<String>,
+        out: &mut Vec<PathBuf>,
+    ) {
+        let Some(text) = read(file) else { return };
+        for line in text.lines() {
+            let line = line.split('#').next().unwrap_or_default().trim();
+            if let Some(pattern) = line
+                .strip_prefix("include")
+                .filter(|p| p.starts_with(char::is_whitespace))
+            {
+                if depth == 0 {
+                    continue;
+                }
+                for pattern in pattern.split_whitespace() {
+                    let pattern = file.parent().unwrap_or(Path::new("/")).join(pattern);
+                    let (Some(dir), Some(name)) = (pattern.parent(), pattern.file_name()) else {
+                        continue;
+                    };
+                    let name = name.to_string_lossy();
+                    for entry in list(dir).iter().filter(|e| glob_name(&name, e)) {
+                        walk(&dir.join(entry), depth - 1, read, list, out);
+                    }
+                }
+            } else if !line.starts_with("hwcap") {
+                for dir in line.split(|c: char| c.is_whitespace() || c == ':' || c == ',') {
+                    if dir.starts_with('/') && !out.iter().any(|d| d == Path::new(dir)) {
+                        out.push(PathBuf::from(dir));
+                    }
+                }
+            }
+        }
+    }
+    let mut out = Vec::new();
+    walk(Path::new("/etc/ld.so.conf"), LD_SO_CONF_DEPTH, read, list, &mut out);
+    out
+}
+
+/// Whether the file name `name` matches `pattern` with `*` (any run) and `?` (one character).
+fn glob_name(pattern: &str, name: &str) -> bool {
+    fn go(p: &[char], n: &[char]) -> bool {
+        match p.split_first() {
+            None => n.is_empty(),
+            Some(('*', rest)) => (0..=n.len()).any(|i| go(rest, &n[i..])),
+            Some(('?', rest)) => !n.is_empty() && go(rest, &n[1..]),
+            Some((c, rest)) => n.first() == Some(c) && go(rest, &n[1..]),
+        }
+    }
+    let (p, n): (Vec<char>, Vec<char>) = (pattern.chars().collect(), name.chars().collect());
+    !name.starts_with('.') && go(&p, &n)
+}
+
 fn dir_entries(dir: &Path) -> Vec<String> {
     let Ok(entries) = std::fs::read_dir(dir) else {
         return Vec::new();

@@ -109,10 +109,7 @@ pub fn spec(
     if !missing.is_empty() {
         return Err(CdiError::DriverLibrariesMissing {
             missing,
-            searched: super::LIBRARY_DIRS
-                .iter()
-                .map(|d| rooted(&files.driver_root, Path::new(d)))
-                .collect(),
+            searched: files.library_search.clone(),
         });
     }
     let mut gpus: Vec<&GpuInfo> = inventory.gpus.iter().collect();

@@ -180,6 +180,7 @@ fn discovery_finds_exactly_the_driver_files() {
                 PathBuf::from("/usr/lib64/libnvidia-cfg.so.550.54.15"),
             ],
             libcuda_dir: Some(LIB.into()),
+            library_search: paths(&LIBRARY_DIRS),
             library_dirs: paths(&[
                 "/usr/lib/x86_64-linux-gnu",
                 "/usr/lib/x86_64-linux-gnu/vdpau",
@@ -768,4 +769,70 @@ fn the_agent_as_hook_gets_all_four_hooks_in_nvidia_ctks_order() {
         .map(|h| h.args[1].as_str())
         .collect();
     assert_eq!(names, ["create-symlinks", "update-ldcache"]);
+}
+
+/// ld.so.conf as `ldconfig` reads it: comments, separators, nested includes relative to the
+/// including file, globs in name order, hwcap lines, and an include loop that ends.
+#[test]
+fn ld_so_conf_names_folders_like_ldconfig() {
+    use std::collections::BTreeMap;
+    let files: BTreeMap<&str, &str> = [
+        (
+            "/etc/ld.so.conf",
+            "# top\ninclude /etc/ld.so.conf.d/*.conf\n/opt/a:/opt/b, /opt/c # trailing\n",
+        ),
+        (
+            "/etc/ld.so.conf.d/10-nvidia.conf",
+            "/var/lib/nvidia/lib64\ninclude more/*.conf\n",
+        ),
+        ("/etc/ld.so.conf.d/more/x.conf", "/opt/more\n"),
+        (
+            "/etc/ld.so.conf.d/20-loop.conf",
+            "hwcap 0 nosegneg\ninclude /etc/ld.so.conf\n",
+        ),
+        ("/etc/ld.so.conf.d/.hidden.conf", "/opt/hidden\n"),
+        ("/etc/ld.so.conf.d/notes.txt", "/opt/txt\n"),
+    ]
+    .into_iter()
+    .collect();
+    let read = |p: &Path| files.get(p.to_str().unwrap_or_default()).map(|t| t.to_string());
+    let list = |dir: &Path| -> Vec<String> {
+        let prefix = format!("{}/", dir.display());
+        let mut names: Vec<String> = files
+            .keys()
+            .filter_map(|f| f.strip_prefix(&prefix))
+            .filter(|rest| !rest.contains('/'))
+            .map(str::to_owned)
+            .collect();
+        names.sort();
+        names
+    };
+    assert_eq!(
+        ld_so_conf_dirs(&read, &list),
+        paths(&["/var/lib/nvidia/lib64", "/opt/more", "/opt/a", "/opt/b", "/opt/c"])
+    );
+    assert!(ld_so_conf_dirs(&|_| None, &|_| Vec::new()).is_empty());
+}
+
+/// A driver installed in a folder of its own, found only through ld.so.conf (NVIDIA's
+/// `rootfs-2` layout): its libraries are found there, and a missing one names that folder.
+#[test]
+fn a_driver_folder_named_by_ld_so_conf_is_searched() {
+    let tmp = tempfile::tempdir().unwrap();
+    let put = |path: &str, text: &str| {
+        let file = tmp.path().join(path.trim_start_matches('/'));
+        std::fs::create_dir_all(file.parent().unwrap()).unwrap();
+        std::fs::write(file, text).unwrap();
+    };
+    put("/etc/ld.so.conf", "include /etc/ld.so.conf.d/*.conf\n");
+    put("/etc/ld.so.conf.d/nvidia.conf", "/var/lib/nvidia/lib64\n");
+    put(&format!("/var/lib/nvidia/lib64/libcuda.so.{VERSION}"), "");
+    put(&format!("/var/lib/nvidia/lib64/libnvidia-ml.so.{VERSION}"), "");
+    let files = discover(tmp.path(), Path::new("/"), VERSION, &HookSearch::default());
+    assert_eq!(files.libcuda_dir, Some(PathBuf::from("/var/lib/nvidia/lib64")));
+    assert_eq!(
+        files.library_search.last(),
+        Some(&PathBuf::from("/var/lib/nvidia/lib64"))
+    );
+    assert_eq!(files.libraries.len(), 2, "{:?}", files.libraries);
 }
