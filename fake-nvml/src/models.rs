@@ -11,12 +11,39 @@ use nvml_wrapper_sys::bindings::{
     nvmlBrandType_enum_NVML_BRAND_TESLA,
 };
 
-/// Number of memory slices on every MIG-capable model here.
-pub const MEMORY_SLICES: u32 = 8;
-/// Number of compute slices (GPCs usable by MIG) on every MIG-capable model here.
-pub const COMPUTE_SLICES: u32 = 7;
-/// Largest MIG device count (`nvmlDeviceGetMaxMigDeviceCount`) on MIG-capable models.
-pub const MAX_MIG_DEVICES: u32 = 7;
+/// Memory slices, compute slices and MIG device slots of the 7-slice parts (A100, H100):
+/// 8 memory slices, 7 compute slices (GPCs usable by MIG), `nvmlDeviceGetMaxMigDeviceCount` 7.
+const SEVEN_SLICE: MigGeometry = MigGeometry {
+    memory_slices: 8,
+    compute_slices: 7,
+    max_mig_devices: 7,
+};
+
+/// A30: 4 memory slices, 4 compute slices, at most 4 MIG devices (MIG user guide, "Supported
+/// GPUs": A30 max 4 instances; its profile fractions are quarters).
+const FOUR_SLICE: MigGeometry = MigGeometry {
+    memory_slices: 4,
+    compute_slices: 4,
+    max_mig_devices: 4,
+};
+
+/// No MIG (T4).
+const NO_MIG: MigGeometry = MigGeometry {
+    memory_slices: 0,
+    compute_slices: 0,
+    max_mig_devices: 0,
+};
+
+/// How a MIG-capable model divides into slices.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MigGeometry {
+    /// Memory slices; GPU-instance placements are in these units.
+    pub memory_slices: u32,
+    /// Compute slices (the `Ng` of the profile names add up to at most this).
+    pub compute_slices: u32,
+    /// `nvmlDeviceGetMaxMigDeviceCount` with MIG enabled; also the number of MIG device slots.
+    pub max_mig_devices: u32,
+}
 
 /// One GPU model the machine file can name.
 #[derive(Debug)]
@@ -52,6 +79,8 @@ pub struct GpuModel {
     /// HBM memory, whose temperature NVML reports (field `NVML_FI_DEV_MEMORY_TEMP`); GDDR parts
     /// answer NOT_SUPPORTED.
     pub hbm: bool,
+    /// Slice counts; all zero when the model has no MIG.
+    pub mig: MigGeometry,
     /// GPU-instance profiles; empty when the model has no MIG.
     pub gi_profiles: &'static [GiProfile],
 }
@@ -223,7 +252,9 @@ static A100_40GB_PROFILES: [GiProfile; 7] = [
 ];
 
 /// A100-SXM4-80GB: same ids, counts, SMs and placements as the 40GB part; memory and the
-/// 1g.10gb decoder count as a real A100-80GB listing shows them.
+/// 1g.10gb decoder count as a real A100-80GB listing shows them
+/// (`tests/fixtures/a100-sxm4-80gb.lgip`). 7g.80gb is 78.75 GiB = 80640 MiB there, not the
+/// 79.25 GiB (81152 MiB) of the H100 table this value was once copied from.
 static A100_80GB_PROFILES: [GiProfile; 7] = [
     gi(
         0,
@@ -275,7 +306,7 @@ static A100_80GB_PROFILES: [GiProfile; 7] = [
     ),
     gi(2, 9, "3g.40gb", 2, 3, 42, eng(3, 2, 0, 0, 0), 40192, 4, HALF_STARTS),
     gi(3, 5, "4g.40gb", 1, 4, 56, eng(4, 2, 0, 0, 0), 40192, 4, ZERO_START),
-    gi(4, 0, "7g.80gb", 1, 7, 98, eng(7, 5, 0, 1, 1), 81152, 8, ZERO_START),
+    gi(4, 0, "7g.80gb", 1, 7, 98, eng(7, 5, 0, 1, 1), 80640, 8, ZERO_START),
 ];
 
 /// H100 80GB HBM3 (SXM5), the hardware table (not go-nvml's mock table).
@@ -333,8 +364,166 @@ static H100_80GB_PROFILES: [GiProfile; 7] = [
     gi(4, 0, "7g.80gb", 1, 7, 132, eng(8, 7, 0, 7, 1), 81152, 8, ZERO_START),
 ];
 
+const QUARTER_STARTS: &[u32] = &[0, 1, 2, 3];
+const HALF_OF_FOUR_STARTS: &[u32] = &[0, 2];
+
+/// A30-24GB (4 memory slices, 4 compute slices). Every number is from a public `nvidia-smi
+/// mig -lgip/-lgipp/-lcip` listing on driver 535.183.01 (`tests/fixtures/a30-24gb.lgip`);
+/// NVML indices 1_SLICE, 1_SLICE_REV1, 2_SLICE, 2_SLICE_REV1 and 4_SLICE are the ones
+/// go-nvml's A30 table keys these profiles by. The MIG user guide's table gives 1g.6gb
+/// "0 NVDECs" while NVML reports DEC 1 for it; the listing is what NVML answers, so it wins.
+/// Memory: 1g and 2g are exact (`nvidia-smi` shows those MIG devices with 5952 and 11968
+/// MiB); 4g.24gb is listed as 23.44 GiB only, and 24000 MiB is the value that prints so
+/// (a newer driver's listing shows 23.50 GiB).
+static A30_24GB_PROFILES: [GiProfile; 5] = [
+    gi(0, 14, "1g.6gb", 4, 1, 14, eng(1, 1, 0, 0, 0), 5952, 1, QUARTER_STARTS),
+    gi(
+        7,
+        21,
+        "1g.6gb+me",
+        1,
+        1,
+        14,
+        eng(1, 1, 0, 1, 1),
+        5952,
+        1,
+        QUARTER_STARTS,
+    ),
+    gi(
+        1,
+        5,
+        "2g.12gb",
+        2,
+        2,
+        28,
+        eng(2, 2, 0, 0, 0),
+        11968,
+        2,
+        HALF_OF_FOUR_STARTS,
+    ),
+    gi(
+        8,
+        6,
+        "2g.12gb+me",
+        1,
+        2,
+        28,
+        eng(2, 2, 0, 1, 1),
+        11968,
+        2,
+        HALF_OF_FOUR_STARTS,
+    ),
+    gi(3, 0, "4g.24gb", 1, 4, 56, eng(4, 4, 0, 1, 1), 24000, 4, ZERO_START),
+];
+
+/// A100 80GB PCIe as driver 515.86.01 lists it (`tests/fixtures/a100-pcie-80gb.lgip`): the
+/// SXM4-80GB ids, counts, SMs and engines, 7g.80gb at 79.00 GiB (80896 MiB), and no
+/// 1g.20gb, which that driver predates (the guide: the double-memory 1g profile needs R525).
+/// 1g.10gb memory is exact (GPU Feature Discovery labels that MIG device 9728 MiB); the
+/// others are the listed GiB x 1024.
+static A100_PCIE_80GB_PROFILES: [GiProfile; 6] = [
+    gi(
+        0,
+        19,
+        "1g.10gb",
+        7,
+        1,
+        14,
+        eng(1, 0, 0, 0, 0),
+        9728,
+        1,
+        ONE_SLICE_STARTS,
+    ),
+    gi(
+        7,
+        20,
+        "1g.10gb+me",
+        1,
+        1,
+        14,
+        eng(1, 1, 0, 1, 1),
+        9728,
+        1,
+        ONE_SLICE_STARTS,
+    ),
+    gi(
+        1,
+        14,
+        "2g.20gb",
+        3,
+        2,
+        28,
+        eng(2, 1, 0, 0, 0),
+        19968,
+        2,
+        TWO_SLICE_STARTS,
+    ),
+    gi(2, 9, "3g.40gb", 2, 3, 42, eng(3, 2, 0, 0, 0), 40192, 4, HALF_STARTS),
+    gi(3, 5, "4g.40gb", 1, 4, 56, eng(4, 2, 0, 0, 0), 40192, 4, ZERO_START),
+    gi(4, 0, "7g.80gb", 1, 7, 98, eng(7, 5, 0, 1, 1), 80896, 8, ZERO_START),
+];
+
+/// H100 NVL (94 GB), driver 560.35.03 (`tests/fixtures/h100-nvl.lgip`): the H100 ids,
+/// indices, SMs, engines and placements with NVL memory. 1g.12gb, 1g.24gb/2g.24gb and
+/// 3g.47gb/4g.47gb memory is exact (the same source's `nvidia-smi` shows those MIG devices
+/// with 11008, 22144 and 47488 MiB); 7g.94gb is listed as 93.12 GiB only, and 95360 MiB
+/// (93.125 GiB) is the value that prints so.
+static H100_NVL_PROFILES: [GiProfile; 7] = [
+    gi(
+        0,
+        19,
+        "1g.12gb",
+        7,
+        1,
+        16,
+        eng(1, 1, 0, 1, 0),
+        11008,
+        1,
+        ONE_SLICE_STARTS,
+    ),
+    gi(
+        7,
+        20,
+        "1g.12gb+me",
+        1,
+        1,
+        16,
+        eng(1, 1, 0, 1, 1),
+        11008,
+        1,
+        ONE_SLICE_STARTS,
+    ),
+    gi(
+        9,
+        15,
+        "1g.24gb",
+        4,
+        1,
+        26,
+        eng(1, 1, 0, 1, 0),
+        22144,
+        2,
+        DOUBLE_MEM_ONE_SLICE_STARTS,
+    ),
+    gi(
+        1,
+        14,
+        "2g.24gb",
+        3,
+        2,
+        32,
+        eng(2, 2, 0, 2, 0),
+        22144,
+        2,
+        TWO_SLICE_STARTS,
+    ),
+    gi(2, 9, "3g.47gb", 2, 3, 60, eng(3, 3, 0, 3, 0), 47488, 4, HALF_STARTS),
+    gi(3, 5, "4g.47gb", 1, 4, 64, eng(4, 4, 0, 4, 0), 47488, 4, ZERO_START),
+    gi(4, 0, "7g.94gb", 1, 7, 132, eng(8, 7, 0, 7, 1), 95360, 8, ZERO_START),
+];
+
 /// Every model the fake simulates.
-pub static MODELS: [GpuModel; 4] = [
+pub static MODELS: [GpuModel; 7] = [
     GpuModel {
         key: "A100-SXM4-40GB",
         name: "NVIDIA A100-SXM4-40GB",
@@ -351,6 +540,7 @@ pub static MODELS: [GpuModel; 4] = [
         sm_clock_mhz: (210, 1410),
         memory_clock_mhz: 1215,
         hbm: true,
+        mig: SEVEN_SLICE,
         gi_profiles: &A100_40GB_PROFILES,
     },
     GpuModel {
@@ -369,6 +559,7 @@ pub static MODELS: [GpuModel; 4] = [
         sm_clock_mhz: (210, 1410),
         memory_clock_mhz: 1593,
         hbm: true,
+        mig: SEVEN_SLICE,
         gi_profiles: &A100_80GB_PROFILES,
     },
     GpuModel {
@@ -387,7 +578,73 @@ pub static MODELS: [GpuModel; 4] = [
         sm_clock_mhz: (345, 1980),
         memory_clock_mhz: 2619,
         hbm: true,
+        mig: SEVEN_SLICE,
         gi_profiles: &H100_80GB_PROFILES,
+    },
+    GpuModel {
+        key: "A30-24GB",
+        name: "NVIDIA A30",
+        pci_device_id: 0x20B7,
+        // Subsystem id not taken from a public dump: left 0 (vendor half only).
+        pci_subsystem_id: 0x0000_10DE,
+        memory_mib: 24576,
+        compute_capability: (8, 0),
+        architecture: NVML_DEVICE_ARCH_AMPERE,
+        brand: nvmlBrandType_enum_NVML_BRAND_NVIDIA,
+        sm_count: 56,
+        engines: eng(4, 4, 0, 1, 1),
+        // The optional NVLink bridge is not modelled.
+        nvlink_links: 0,
+        // Readings defaults, not MIG data: idle draw as the listing's nvidia-smi shows it,
+        // boost and HBM2 clocks of the A30 datasheet.
+        idle_power_mw: 32_000,
+        sm_clock_mhz: (210, 1440),
+        memory_clock_mhz: 1215,
+        hbm: true,
+        mig: FOUR_SLICE,
+        gi_profiles: &A30_24GB_PROFILES,
+    },
+    GpuModel {
+        key: "A100-PCIE-80GB",
+        name: "NVIDIA A100 80GB PCIe",
+        pci_device_id: 0x20B5,
+        pci_subsystem_id: 0x0000_10DE,
+        memory_mib: 81920,
+        compute_capability: (8, 0),
+        architecture: NVML_DEVICE_ARCH_AMPERE,
+        brand: nvmlBrandType_enum_NVML_BRAND_NVIDIA,
+        sm_count: 108,
+        engines: eng(7, 5, 0, 1, 1),
+        // Bridge-only NVLink on the PCIe card is not modelled.
+        nvlink_links: 0,
+        // Readings defaults, not MIG data: idle draw as the listing's nvidia-smi shows it;
+        // clocks of the A100 80GB PCIe datasheet.
+        idle_power_mw: 75_000,
+        sm_clock_mhz: (210, 1410),
+        memory_clock_mhz: 1512,
+        hbm: true,
+        mig: SEVEN_SLICE,
+        gi_profiles: &A100_PCIE_80GB_PROFILES,
+    },
+    GpuModel {
+        key: "H100-NVL",
+        name: "NVIDIA H100 NVL",
+        pci_device_id: 0x2321,
+        pci_subsystem_id: 0x0000_10DE,
+        memory_mib: 95830,
+        compute_capability: (9, 0),
+        architecture: NVML_DEVICE_ARCH_HOPPER,
+        brand: nvmlBrandType_enum_NVML_BRAND_NVIDIA,
+        sm_count: 132,
+        engines: eng(8, 7, 0, 7, 1),
+        nvlink_links: 18,
+        // Idle draw as the listing's nvidia-smi shows it; clocks are the H100 SXM model's.
+        idle_power_mw: 62_000,
+        sm_clock_mhz: (345, 1980),
+        memory_clock_mhz: 2619,
+        hbm: true,
+        mig: SEVEN_SLICE,
+        gi_profiles: &H100_NVL_PROFILES,
     },
     GpuModel {
         key: "T4",
@@ -405,6 +662,7 @@ pub static MODELS: [GpuModel; 4] = [
         sm_clock_mhz: (300, 1590),
         memory_clock_mhz: 5001,
         hbm: false,
+        mig: NO_MIG,
         gi_profiles: &[],
     },
 ];
@@ -471,21 +729,19 @@ pub fn ci_profile_by_index(gi: &GiProfile, index: u32) -> Option<CiProfile> {
     ci_profiles(gi).into_iter().find(|c| c.index == index)
 }
 
-/// The GPU-instance id the fake assigns to an instance at `start` occupying `mem_size`
-/// memory slices.
+/// The GPU-instance id the fake assigns to an instance at `start` occupying `mem_size` of
+/// `memory_slices` memory slices.
 ///
 /// Real drivers assign ids from a fixed table keyed by placement, not by creation order
 /// (H100: 1g placements 0..6 were ids 7..13). The fake uses a binary-tree numbering of the
-/// 8 memory slices: size 8 -> 0; size 4 at 0/4 -> 1/2; size 2 at 0/2/4/6 -> 3..6;
-/// size 1 at 0..7 -> 7..14. Two instances that can coexist never overlap, so they never share
-/// an id.
-pub fn gi_id_for(start: u32, mem_size: u32) -> u32 {
-    match mem_size {
-        8 => 0,
-        4 => 1 + start / 4,
-        2 => 3 + start / 2,
-        _ => 7 + start,
-    }
+/// memory slices: `memory_slices / mem_size - 1 + start / mem_size`. With 8 slices: size 8
+/// -> 0; size 4 at 0/4 -> 1/2; size 2 at 0/2/4/6 -> 3..6; size 1 at 0..7 -> 7..14. With 4
+/// (A30): size 4 -> 0; size 2 at 0/2 -> 1/2; size 1 at 0..3 -> 3..6, which is what a real A30
+/// reported (1g at 0:1 and 1:1 -> GI 3 and 4, 2g at 2:2 -> GI 2). Two instances that can
+/// coexist never overlap, so they never share an id.
+pub fn gi_id_for(start: u32, mem_size: u32, memory_slices: u32) -> u32 {
+    let size = mem_size.max(1);
+    memory_slices / size - 1 + start / size
 }
 
 /// The compute-instance id the fake assigns inside a GPU instance with `gi_slices` compute
@@ -525,10 +781,9 @@ mod tests {
         for m in MODELS.iter().filter(|m| m.has_mig()) {
             for p in m.gi_profiles {
                 assert_eq!(m.gi_profile_by_id(p.id).map(|x| x.index), Some(p.index));
+                assert!(p.slices <= m.mig.compute_slices, "{} {}", m.key, p.name);
                 for &s in p.starts {
-                    assert!(s + p.mem_size <= MEMORY_SLICES, "{} {}", m.key, p.name);
-                    // compute slices [start, start + slices) stay inside 0..7
-                    assert!(s + p.slices <= COMPUTE_SLICES, "{} {}", m.key, p.name);
+                    assert!(s + p.mem_size <= m.mig.memory_slices, "{} {}", m.key, p.name);
                 }
             }
         }
@@ -536,11 +791,33 @@ mod tests {
 
     #[test]
     fn gi_ids_match_h100_observation() {
-        let ids: Vec<u32> = (0..7).map(|s| gi_id_for(s, 1)).collect();
+        let ids: Vec<u32> = (0..7).map(|s| gi_id_for(s, 1, 8)).collect();
         assert_eq!(ids, vec![7, 8, 9, 10, 11, 12, 13]);
-        assert_eq!(gi_id_for(0, 8), 0);
-        assert_eq!(gi_id_for(4, 4), 2);
-        assert_eq!(gi_id_for(6, 2), 6);
+        assert_eq!(gi_id_for(0, 8, 8), 0);
+        assert_eq!(gi_id_for(4, 4, 8), 2);
+        assert_eq!(gi_id_for(6, 2, 8), 6);
+    }
+
+    #[test]
+    fn gi_ids_match_a30_observation() {
+        // 1g.6gb at 0:1 and 1:1 were GI 3 and 4, 2g.12gb at 2:2 was GI 2 (A30 listing).
+        assert_eq!(gi_id_for(0, 1, 4), 3);
+        assert_eq!(gi_id_for(1, 1, 4), 4);
+        assert_eq!(gi_id_for(2, 2, 4), 2);
+        assert_eq!(gi_id_for(0, 4, 4), 0);
+    }
+
+    #[test]
+    fn mig_models_fit_their_slices_and_others_have_none() {
+        for m in &MODELS {
+            if m.has_mig() {
+                assert!(m.mig.memory_slices > 0 && m.mig.compute_slices > 0, "{}", m.key);
+                let full = m.gi_profiles.iter().map(|p| p.slices).max().unwrap_or(0);
+                assert_eq!(full, m.mig.compute_slices, "{}", m.key);
+            } else {
+                assert_eq!(m.mig, NO_MIG, "{}", m.key);
+            }
+        }
     }
 
     #[test]

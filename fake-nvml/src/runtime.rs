@@ -13,7 +13,7 @@ use crate::error::{NvmlError, NvmlResult};
 use crate::ids::{BusId, mig_uuid};
 use crate::inject::{Injections, note, write_atomic};
 use crate::machine::{GpuSpec, Machine};
-use crate::models::{CiProfile, GiProfile, MAX_MIG_DEVICES, ci_profile_by_index};
+use crate::models::{CiProfile, GiProfile, ci_profile_by_index};
 use crate::state::State;
 
 /// Environment variable naming the machine file.
@@ -571,11 +571,7 @@ impl Cx<'_> {
         let model = self.lib.spec(d.gpu()).model;
         match d {
             Dev::Gpu(_) => {
-                let slices = if model.has_mig() {
-                    crate::models::COMPUTE_SLICES
-                } else {
-                    0
-                };
+                let slices = model.mig.compute_slices;
                 nvmlDeviceAttributes_t {
                     multiprocessorCount: model.sm_count,
                     sharedCopyEngineCount: model.engines.ce,
@@ -1032,10 +1028,12 @@ impl Cx<'_> {
         Ok(())
     }
 
-    /// `nvmlDeviceGetMaxMigDeviceCount`: 7 with MIG enabled, else 0.
+    /// `nvmlDeviceGetMaxMigDeviceCount`: the model's slot count (7, or 4 on A30) with MIG
+    /// enabled, else 0.
     pub fn max_mig_devices(&self, g: usize) -> u32 {
-        if self.lib.spec(g).model.has_mig() && self.lib.state.gpus[g].mig_current {
-            MAX_MIG_DEVICES
+        let model = self.lib.spec(g).model;
+        if model.has_mig() && self.lib.state.gpus[g].mig_current {
+            model.mig.max_mig_devices
         } else {
             0
         }
@@ -1043,8 +1041,8 @@ impl Cx<'_> {
 
     /// `nvmlDeviceGetMigDeviceHandleByIndex` (sparse slots, see `GpuState::mig_slots`).
     pub fn mig_by_slot(&mut self, g: usize, slot: u32) -> NvmlResult<usize> {
-        self.mig_enabled_model(g)?;
-        if slot >= MAX_MIG_DEVICES {
+        let model = self.mig_enabled_model(g)?;
+        if slot >= model.mig.max_mig_devices {
             return Err(NvmlError::InvalidArgument);
         }
         let (_, gi, ci) = self.lib.state.gpus[g]

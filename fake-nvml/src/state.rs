@@ -7,7 +7,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::{NvmlError, NvmlResult};
 use crate::machine::{GpuSpec, Machine};
-use crate::models::{COMPUTE_SLICES, GiProfile, GpuModel, ci_id_for, ci_profile_by_index, ci_profiles, gi_id_for};
+use crate::models::{GiProfile, GpuModel, ci_id_for, ci_profile_by_index, ci_profiles, gi_id_for};
 
 /// Version of the `state.json` layout.
 pub const STATE_FORMAT: u32 = 1;
@@ -282,7 +282,7 @@ impl GpuState {
         if self.memory_mask(model) & mask(start, profile.mem_size) != 0 {
             return Err(NvmlError::InsufficientResources);
         }
-        if self.compute_used(model) + profile.slices > COMPUTE_SLICES {
+        if self.compute_used(model) + profile.slices > model.mig.compute_slices {
             return Err(NvmlError::InsufficientResources);
         }
         Ok(())
@@ -313,7 +313,7 @@ impl GpuState {
                 .find(|&s| self.check_gi_placement(model, profile, s).is_ok())
                 .ok_or(NvmlError::InsufficientResources)?,
         };
-        let id = gi_id_for(start, profile.mem_size);
+        let id = gi_id_for(start, profile.mem_size, model.mig.memory_slices);
         self.gpu_instances.push(GpuInstance {
             serial,
             id,
@@ -353,7 +353,7 @@ impl GpuState {
     /// MIG device slot of each compute instance: (slot, GI position, CI position).
     ///
     /// A slot is the CI's first absolute compute slice (GI start + CI start), which is
-    /// unique and below 7, so slots are sparse and stable.
+    /// unique and below the model's slot count (7, or 4 on A30), so slots are sparse and stable.
     pub fn mig_slots(&self) -> Vec<(u32, usize, usize)> {
         let mut v = Vec::new();
         for (g, gi) in self.gpu_instances.iter().enumerate() {

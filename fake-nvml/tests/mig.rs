@@ -394,3 +394,38 @@ fn state_survives_reinit() {
     let d = nvml.device_by_index(0).unwrap();
     assert!(matches!(d.mig_device_by_index(2), Err(NvmlError::NotFound)));
 }
+
+/// A30: 4 memory and 4 compute slices, 4 MIG device slots, GI ids on the 4-slice tree, the
+/// `2_SLICE_REV1` (index 8) profile 2g.12gb+me, and nothing left once the slices are used.
+#[test]
+fn a30_four_slice_geometry() {
+    let fake = Fake::new(&example("a30-mig.toml"));
+    let nvml = fake.init();
+    let gpu = nvml.device_by_index(0).unwrap();
+    assert_eq!(gpu.name().unwrap(), "NVIDIA A30");
+    assert_eq!(gpu.mig_device_count().unwrap(), 4);
+    let seen: Vec<(u32, (u32, u32), String)> = (0..4)
+        .filter_map(|slot| gpu.mig_device_by_index(slot).ok().map(|m| (slot, m)))
+        .map(|(slot, m)| (slot, mig_ids(&nvml, &m), m.name().unwrap()))
+        .collect();
+    assert_eq!(
+        seen,
+        vec![
+            (0, (1, 0), "NVIDIA A30 MIG 2g.12gb".to_string()),
+            (2, (5, 0), "NVIDIA A30 MIG 1g.6gb".to_string()),
+            (3, (6, 0), "NVIDIA A30 MIG 1g.6gb".to_string()),
+        ]
+    );
+    assert!(matches!(gpu.mig_device_by_index(4), Err(NvmlError::InvalidArg)));
+
+    let (rc, me) = gi_profile_v(&nvml, &gpu, 8);
+    assert_eq!(rc, SUCCESS);
+    assert_eq!(
+        (me.id, me.sliceCount, c_string(&me.name)),
+        (6, 2, "MIG 2g.12gb+me".into())
+    );
+    // 7_SLICE (index 4) does not exist on A30.
+    assert_eq!(gi_profile_v(&nvml, &gpu, 4).0, NOT_SUPPORTED);
+    assert_eq!(placements(&nvml, &gpu, 6), (SUCCESS, vec![(0, 2), (2, 2)]));
+    assert_eq!(create_gi(&nvml, &gpu, 14).0, INSUFFICIENT_RESOURCES);
+}
