@@ -22,11 +22,10 @@
 //! - **A GPU without MIG** is skipped, as mig-parted's apply does, unless an entry that applies
 //!   to it lists its index explicitly and enables MIG (then the layout is refused, naming it):
 //!   `devices: all` and `mig_enabled = false` both leave it alone.
-//! - **Several**: mig-parted applies the entries one after the other, so the last one wins,
-//!   and its assert fails forever when they disagree. [`MigLayout::check`] therefore rejects
-//!   a layout in which two entries that can apply to the same GPU differ in `mig_enabled` or
-//!   `profiles`; in a checked layout all entries returned agree, and [`MigLayout::entry_for`]
-//!   (the last one, as mig-parted would end up with) is the one to use.
+//! - **Several**: mig-parted applies the entries one after the other, so the last one wins
+//!   ("`devices: all`, then an override for `[0]`"). [`MigLayout::entry_for`] (the last one)
+//!   is the one used; [`MigLayout::overrides`] names each later entry that overrides an
+//!   earlier one with a different state, for a warning.
 
 pub mod defaults;
 
@@ -44,6 +43,87 @@ pub const NVIDIA_VENDOR_ID: u16 = 0x10DE;
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct MigLayout {
     pub entries: Vec<LayoutEntry>,
+    /// What happens to a MIG-capable GPU no entry covers (`[mig] uncovered_gpus`).
+    pub uncovered: Uncovered,
+}
+
+/// What a layout does with a MIG-capable GPU that no entry covers.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum Uncovered {
+    /// Left as it is, and the layout still succeeds (mig-manager's behaviour).
+    #[default]
+    Leave,
+    /// The layout is refused before anything changes, naming the GPU.
+    Fail,
+}
+
+/// A built-in layout's profiles, worked out for each GPU from the GPU instance profiles NVML
+/// reports for it, as mig-manager's generated config (v0.14 and later) holds them: every MIG
+/// GPU, current or future, gets the GPU Operator's names with no table.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Generated {
+    /// `all-<profile>`: as many instances of the profile as fit (its NVML instance count). A
+    /// GPU without the profile is not covered.
+    Max(String),
+    /// `all-balanced`: on a GPU whose largest profile has 7 slices 2 × 1g + 1 × 2g + 1 × 3g, on
+    /// one with 4 slices 2 × 1g + 1 × 2g; each of these the profile without attributes of that
+    /// slice count that fits most often (`1g.5gb` rather than `1g.10gb` on an A100-40GB). Other
+    /// GPUs are not covered.
+    Balanced,
+}
+
+/// What [`Generated::profiles_for`] needs of one GPU instance profile.
+#[derive(Debug, Clone, Copy)]
+pub struct ProfileFacts<'a> {
+    /// NVML's name without `MIG `, e.g. `1g.5gb+me`.
+    pub name: &'a str,
+    /// Compute slices.
+    pub slices: u32,
+    /// How many fit at most.
+    pub instances: u32,
+}
+
+impl Generated {
+    /// The profile counts for a GPU with the GPU instance profiles `profiles`; `None` when the
+    /// GPU has nothing that fits (the entry does not apply to it).
+    pub fn profiles_for(&self, profiles: &[ProfileFacts]) -> Option<BTreeMap<String, u32>> {
+        match self {
+            Generated::Max(wanted) => {
+                let wanted = parse_profile_name(wanted).ok()?;
+                let found = profiles
+                    .iter()
+                    .find(|p| parse_profile_name(p.name).is_ok_and(|name| name.same_profile(&wanted)))?;
+                (found.instances > 0).then(|| BTreeMap::from([(found.name.to_owned(), found.instances)]))
+            }
+            Generated::Balanced => {
+                let base = |slices: u32| {
+                    profiles
+                        .iter()
+                        .filter(|p| p.slices == slices && p.instances > 0)
+                        .filter(|p| {
+                            parse_profile_name(p.name).is_ok_and(|n| {
+                                n.attrs.is_empty() && n.neg_attrs.is_empty() && n.compute_slices.is_none()
+                            })
+                        })
+                        // The most instances; of equals, the first NVML lists.
+                        .fold(None::<&ProfileFacts>, |best, p| match best {
+                            Some(b) if b.instances >= p.instances => Some(b),
+                            _ => Some(p),
+                        })
+                };
+                let largest = profiles.iter().map(|p| p.slices).max()?;
+                let recipe: &[(u32, u32)] = match largest {
+                    7 => &[(1, 2), (2, 1), (3, 1)],
+                    4 => &[(1, 2), (2, 1)],
+                    _ => return None,
+                };
+                recipe
+                    .iter()
+                    .map(|&(slices, count)| base(slices).map(|p| (p.name.to_owned(), count)))
+                    .collect()
+            }
+        }
+    }
 }
 
 /// One entry of a layout: which GPUs, and the MIG state they should have.
@@ -58,6 +138,8 @@ pub struct LayoutEntry {
     /// Profile name → number of instances, e.g. `1g.5gb` → 7, `1c.4g.20gb` → 4. Empty with
     /// `mig_enabled`: MIG on with no instances. Always empty without `mig_enabled`.
     pub profiles: BTreeMap<String, u32>,
+    /// A built-in layout's profiles, worked out per GPU instead of `profiles` (then empty).
+    pub generated: Option<Generated>,
 }
 
 /// `devices`: every GPU, or the GPUs with these NVML indices.
@@ -106,14 +188,17 @@ impl LayoutEntry {
 
     /// Whether both ask for the same MIG state.
     fn same_state(&self, other: &LayoutEntry) -> bool {
-        self.mig_enabled == other.mig_enabled && self.profiles == other.profiles
+        self.mig_enabled == other.mig_enabled && self.profiles == other.profiles && self.generated == other.generated
     }
 }
 
 impl MigLayout {
     /// A layout of these entries.
     pub fn new(entries: Vec<LayoutEntry>) -> Self {
-        MigLayout { entries }
+        MigLayout {
+            entries,
+            uncovered: Uncovered::default(),
+        }
     }
 
     /// Every entry that applies to the GPU with NVML index `gpu_index` and PCI device id
@@ -139,8 +224,10 @@ impl MigLayout {
     /// - `device_filter` has no duplicates;
     /// - without `mig_enabled`, no profiles;
     /// - every profile name parses ([`parse_profile_name`]), no two name the same profile
-    ///   (attributes in another order), and every count is at least 1;
-    /// - two entries that can apply to the same GPU ask for the same state.
+    ///   (attributes in another order), and every count is at least 1.
+    ///
+    /// Entries that can apply to the same GPU may differ: the last one wins (see
+    /// [`MigLayout::overrides`]).
     pub fn check(&self) -> Result<(), LayoutError> {
         if self.entries.is_empty() {
             return Err(LayoutError::NoEntries);
@@ -148,23 +235,23 @@ impl MigLayout {
         for (i, entry) in self.entries.iter().enumerate() {
             check_entry(i, entry)?;
         }
+        Ok(())
+    }
+
+    /// A warning for each entry that can apply to the same GPUs as an earlier one but asks for
+    /// a different MIG state: on those GPUs the later entry wins, as in mig-parted.
+    pub fn overrides(&self) -> Vec<String> {
+        let mut out = Vec::new();
         for (i, later) in self.entries.iter().enumerate() {
-            if let Some(j) = self.entries[..i]
-                .iter()
-                .position(|earlier| earlier.overlaps(later) && !earlier.same_state(later))
-            {
-                return Err(LayoutError::Entry {
-                    entry: i,
-                    field: EntryField::Devices,
-                    item: None,
-                    reason: format!(
-                        "entry {i} can apply to the same GPUs as entry {j} (their devices and device \
-                         filters overlap) but asks for a different MIG state; make them disjoint"
-                    ),
-                });
+            for (j, earlier) in self.entries[..i].iter().enumerate() {
+                if earlier.overlaps(later) && !earlier.same_state(later) {
+                    out.push(format!(
+                        "entry {i} overrides entry {j} on the GPUs both select (the last entry wins, as in mig-parted)"
+                    ));
+                }
             }
         }
-        Ok(())
+        out
     }
 }
 
@@ -710,6 +797,7 @@ impl<'de> Deserialize<'de> for LayoutEntry {
                     device_filter: device_filter.unwrap_or_default(),
                     mig_enabled,
                     profiles: profiles.unwrap_or_default(),
+                    generated: None,
                 })
             }
         }
@@ -740,7 +828,7 @@ impl<'de> Deserialize<'de> for MigLayout {
                 while let Some(e) = seq.next_element()? {
                     entries.push(e);
                 }
-                Ok(MigLayout { entries })
+                Ok(MigLayout::new(entries))
             }
         }
 
@@ -758,6 +846,7 @@ mod tests {
             device_filter: filter.to_vec(),
             mig_enabled: enabled,
             profiles: profiles.iter().map(|(p, n)| (p.to_string(), *n)).collect(),
+            generated: None,
         }
     }
 
@@ -872,52 +961,46 @@ mod tests {
     }
 
     #[test]
-    fn overlapping_entries_must_agree() {
+    fn overlapping_entries_the_last_wins_with_a_warning() {
         // GPU 0 with device 0x20B2 is matched by both; same state is fine.
         let same = MigLayout::new(vec![
             entry(DeviceSelector::All, &[0x20B2], true, &[("1g.10gb", 7)]),
             entry(DeviceSelector::Indices(vec![0]), &[], true, &[("1g.10gb", 7)]),
         ]);
         same.check().unwrap();
+        assert!(same.overrides().is_empty());
         assert_eq!(same.entries_for(0, 0x20B2).len(), 2);
         assert_eq!(same.entry_for(0, 0x20B2), Some(&same.entries[1]));
 
+        // "devices: all, then an override for [0]": accepted, the last entry wins, and it says so.
         let conflict = MigLayout::new(vec![
             entry(DeviceSelector::All, &[0x20B2], true, &[("1g.10gb", 7)]),
             entry(DeviceSelector::Indices(vec![0]), &[], false, &[]),
         ]);
-        let e = conflict.check().unwrap_err();
-        assert!(
-            matches!(
-                e,
-                LayoutError::Entry {
-                    entry: 1,
-                    field: EntryField::Devices,
-                    ..
-                }
-            ),
-            "{e}"
+        conflict.check().unwrap();
+        assert_eq!(conflict.entry_for(0, 0x20B2), Some(&conflict.entries[1]));
+        assert_eq!(conflict.entry_for(1, 0x20B2), Some(&conflict.entries[0]));
+        assert_eq!(
+            conflict.overrides(),
+            ["entry 1 overrides entry 0 on the GPUs both select (the last entry wins, as in mig-parted)"]
         );
-        assert!(e.to_string().contains("same GPUs as entry 0"), "{e}");
 
         // An index entry without a filter can meet an `all` entry with one.
-        MigLayout::new(vec![
+        let meets = MigLayout::new(vec![
             entry(DeviceSelector::All, &[0x20B0], true, &[("1g.10gb", 4)]),
             entry(DeviceSelector::All, &[0x20B2], true, &[("1g.10gb", 7)]),
             entry(DeviceSelector::Indices(vec![1]), &[], false, &[]),
             entry(DeviceSelector::Indices(vec![2]), &[], true, &[]),
-        ])
-        .check()
-        .unwrap_err();
+        ]);
+        assert_eq!(meets.overrides().len(), 4, "{:?}", meets.overrides());
         // Disjoint indices, or the same index with disjoint filters, never conflict.
-        MigLayout::new(vec![
+        let disjoint = MigLayout::new(vec![
             entry(DeviceSelector::Indices(vec![1]), &[], false, &[]),
             entry(DeviceSelector::Indices(vec![2]), &[], true, &[]),
             entry(DeviceSelector::Indices(vec![3]), &[0x20B0], true, &[("1g.10gb", 4)]),
             entry(DeviceSelector::Indices(vec![3]), &[0x20B2], true, &[("1g.10gb", 7)]),
-        ])
-        .check()
-        .unwrap();
+        ]);
+        assert!(disjoint.overrides().is_empty());
     }
 
     #[test]

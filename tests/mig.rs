@@ -542,11 +542,12 @@ fn an_impossible_compute_instance_layout_never_reboots() {
     assert_eq!(node.run(&["mig", "assert", "all-disabled"]).status.code(), Some(0));
 }
 
-/// A MIG-capable GPU no entry of the layout covers fails the layout (mig-parted's assert does)
-/// before anything changes on any GPU.
+/// Under `[mig] uncovered_gpus = "fail"` a MIG GPU no entry covers fails the layout before
+/// anything changes, by every path.
 #[test]
-fn a_mig_gpu_the_layout_does_not_cover_fails_it_before_any_change() {
-    let layouts = "[[mig.layouts.only-0]]\ndevices = [0]\nmig_enabled = true\nprofiles = { \"1g.5gb\" = 7 }\n";
+fn a_mig_gpu_the_layout_does_not_cover_fails_it_before_any_change_when_strict() {
+    let layouts = "[mig]\nuncovered_gpus = \"fail\"\n\
+                   [[mig.layouts.only-0]]\ndevices = [0]\nmig_enabled = true\nprofiles = { \"1g.5gb\" = 7 }\n";
     let node = mig_off_node("", layouts);
     let uuid1 = gpu_uuid(1);
     let wanted = [
@@ -554,6 +555,7 @@ fn a_mig_gpu_the_layout_does_not_cover_fails_it_before_any_change() {
         "no entry for GPU 1",
         uuid1.as_str(),
         "0x20B0",
+        "uncovered_gpus",
         "nothing changed",
     ];
     fails_with(&node, &["mig", "apply", "only-0"], &wanted);
@@ -562,18 +564,6 @@ fn a_mig_gpu_the_layout_does_not_cover_fails_it_before_any_change() {
         &node,
         &["mig", "assert", "only-0"],
         &["no entry for GPU 1", uuid1.as_str(), "0x20B0"],
-    );
-    // A built-in layout for other models covers neither A100.
-    fails_with(
-        &node,
-        &["mig", "apply", "all-3g.40gb"],
-        &[
-            "layout all-3g.40gb",
-            "no entry for GPU 0",
-            &gpu_uuid(0),
-            "0x20B0",
-            "nothing changed",
-        ],
     );
     let out = node.run(&["plan", "--mig-layout", "only-0"]);
     assert_eq!(out.status.code(), Some(1), "{}", String::from_utf8_lossy(&out.stdout));
@@ -601,6 +591,34 @@ fn a_mig_gpu_the_layout_does_not_cover_fails_it_before_any_change() {
         "{error}"
     );
     mig_is_off_everywhere(&node);
+}
+
+/// By default a MIG GPU no entry covers is left as it is and the layout succeeds, as under
+/// mig-manager (the Operator's `custom-mig` example names GPUs 0–3 of an 8-GPU node); a
+/// built-in layout whose profile no GPU of the node has fails, naming what the GPUs have.
+#[test]
+fn a_mig_gpu_the_layout_does_not_cover_is_left_as_it_is() {
+    let layouts = "[[mig.layouts.only-0]]\ndevices = [0]\nmig_enabled = true\nprofiles = { \"1g.5gb\" = 7 }\n";
+    let node = mig_off_node("", layouts);
+    let out = node.run(&["mig", "apply", "only-0"]);
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(node.run(&["mig", "assert", "only-0"]).status.code(), Some(0));
+    let listed = String::from_utf8_lossy(&node.run(&["mig", "export"]).stdout).to_string();
+    assert!(
+        listed.contains("devices = [1]\nmig_enabled = false"),
+        "GPU 1 untouched:\n{listed}"
+    );
+
+    fails_with(
+        &node,
+        &["mig", "apply", "all-3g.40gb"],
+        &[
+            "layout all-3g.40gb",
+            "no GPU of this node has the profile 3g.40gb",
+            "GPU 0 has 1g.5gb",
+            "nothing changed",
+        ],
+    );
 }
 
 /// mig-parted skips a GPU without MIG under `devices: all`; naming it explicitly with MIG on is
@@ -728,8 +746,9 @@ fn the_default_layout_applies_without_a_label() {
     assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
     assert_eq!(node.status_json()["labels"][STATE], "success");
     assert_eq!(node.run(&["mig", "assert", "all-3g.20gb"]).status.code(), Some(0));
-    // A name that is not a layout is a config error.
-    let bad = Node::new(&two_a100s(), "[mig]\ndefault_layout = \"all-9g.99gb\"\n");
+    // A name that is not a layout is a config error (`all-<profile>` is one for any profile
+    // name: whether the GPUs have it is known only on the node).
+    let bad = Node::new(&two_a100s(), "[mig]\ndefault_layout = \"all-9g\"\n");
     let out = bad.run(&["config", "check"]);
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(64), "{err}");

@@ -919,6 +919,7 @@ mod mig {
                 device_filter: filter.into_iter().collect(),
                 mig_enabled,
                 profiles: if mig_enabled { profiles } else { BTreeMap::new() },
+                generated: None,
             })
     }
 

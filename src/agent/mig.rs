@@ -86,6 +86,9 @@ impl Agent {
                 "label {key}={name} names no MIG layout (defined: {defined}); nothing changed"
             ));
         };
+        for warning in layout.overrides() {
+            tracing::warn!("MIG layout {name}: {warning}");
+        }
         // What would change: withdraw those GPUs from the kubelet before touching them.
         let (g, l) = (gpus.clone(), layout.clone());
         let planned = tokio::task::spawn_blocking(move || {
@@ -330,6 +333,11 @@ pub fn mig_command(config: &Config, root: &HostRoot, command: MigCommand) -> Exi
         return match import::import_mig_parted(&text) {
             Ok(layouts) => {
                 println!("# MIG layouts imported from {}", file.display());
+                for (name, layout) in &layouts {
+                    for warning in layout.overrides() {
+                        println!("# warning: layout {name}: {warning}");
+                    }
+                }
                 print!("{}", import::to_toml(&layouts));
                 ExitCode::SUCCESS
             }

@@ -2,9 +2,10 @@
 
 use super::merge::KeyPath;
 use super::values;
+use super::values::UncoveredGpus;
 use super::{Check, Invalid, absolute_path, invalid};
-use crate::mig_layout::defaults::default_layouts;
-use crate::mig_layout::{EntryField, Item, LayoutError, MigLayout};
+use crate::mig_layout::defaults::{self, default_layouts};
+use crate::mig_layout::{EntryField, Item, LayoutError, MigLayout, Uncovered};
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::time::Duration;
@@ -23,6 +24,8 @@ pub const DEFAULT_MIG_PROCESS_WAIT_TIMEOUT: Duration = Duration::from_secs(10 * 
 pub const DEFAULT_MIG_REBOOT_ON_MODE_CHANGE: bool = false;
 /// Reset an idle GPU to finish a pending MIG mode change.
 pub const DEFAULT_MIG_GPU_RESET: bool = true;
+/// `mig.uncovered_gpus`: a MIG-capable GPU no entry of the layout covers is left as it is.
+pub const DEFAULT_MIG_UNCOVERED_GPUS: UncoveredGpus = UncoveredGpus::Leave;
 /// Where the driver's nvidia-smi is.
 pub const DEFAULT_NVIDIA_SMI: &str = "/usr/bin/nvidia-smi";
 
@@ -48,6 +51,9 @@ pub struct MigConfig {
     pub gpu_reset: bool,
     /// The nvidia-smi binary used for GPU resets (host path).
     pub nvidia_smi: PathBuf,
+    /// A MIG-capable GPU no entry of the layout covers: `leave` it as it is (the layout still
+    /// succeeds, as under mig-manager) or `fail` the layout before anything changes.
+    pub uncovered_gpus: UncoveredGpus,
     /// The layout applied while the Node has no `nvidia.com/mig.config` label (empty: none,
     /// the GPUs are left as they are). Lets a bootstrap apply a layout before the node joins.
     pub default_layout: String,
@@ -64,6 +70,7 @@ impl Default for MigConfig {
             reboot_on_mode_change: DEFAULT_MIG_REBOOT_ON_MODE_CHANGE,
             gpu_reset: DEFAULT_MIG_GPU_RESET,
             nvidia_smi: DEFAULT_NVIDIA_SMI.into(),
+            uncovered_gpus: DEFAULT_MIG_UNCOVERED_GPUS,
             default_layout: String::new(),
             layouts: BTreeMap::new(),
         }
@@ -73,14 +80,21 @@ impl Default for MigConfig {
 impl MigConfig {
     /// The layout a label value names: a user layout, else a built-in one when
     /// `default_layouts` is on; `None` when neither has it.
+    ///
+    /// A built-in one is generated per GPU from NVML's profiles ([`defaults::layout`]), so
+    /// `all-<profile>` exists for any GPU instance profile name. Either way it carries
+    /// `uncovered_gpus`.
     pub fn layout(&self, name: &str) -> Option<MigLayout> {
-        if let Some(layout) = self.layouts.get(name) {
-            return Some(layout.clone());
-        }
-        if self.default_layouts {
-            return default_layouts().remove(name);
-        }
-        None
+        let mut layout = match self.layouts.get(name) {
+            Some(layout) => layout.clone(),
+            None if self.default_layouts => defaults::layout(name)?,
+            None => return None,
+        };
+        layout.uncovered = match self.uncovered_gpus {
+            UncoveredGpus::Leave => Uncovered::Leave,
+            UncoveredGpus::Fail => Uncovered::Fail,
+        };
+        Some(layout)
     }
 
     /// Every layout name a label may select, sorted.

@@ -47,7 +47,8 @@ pub use runtime::*;
 pub use sharing::{MemoryBudget, RESOURCE_PREFIX, SharedDevices, SharedResource, Sharing};
 pub use values::{
     DeviceIdStrategy, DeviceListStrategies, DeviceListStrategy, LogFormat, MemoryAction, MigStrategy,
-    ParseDurationError, ParseEnumError, SetAsDefault, SharedPolicy, SharingStrategy, format_duration, parse_duration,
+    ParseDurationError, ParseEnumError, SetAsDefault, SharedPolicy, SharingStrategy, UncoveredGpus, format_duration,
+    parse_duration,
 };
 
 use merge::{KeyPath, Merged};

@@ -748,14 +748,14 @@ fn mig_layout_errors_name_file_line_and_key() {
         name.starts_with("m.toml:1: mig.layouts.-x = ") && name.contains("a layout name is selected by a label value"),
         "{name}"
     );
-    assert_eq!(
-        e(
-            "[[mig.layouts.x]]\ndevices = \"all\"\nmig_enabled = false\n\n[[mig.layouts.x]]\ndevices = [1]\n\
-           mig_enabled = true\nprofiles = {}\n"
-        ),
-        "m.toml:6: mig.layouts.x[1].devices = [1] is not valid: entry 1 can apply to the same GPUs as entry 0 \
-         (their devices and device filters overlap) but asks for a different MIG state; make them disjoint"
-    );
+    // Overlapping entries are accepted: the last one wins, as in mig-parted.
+    let overriding = parse(&[(
+        "m.toml",
+        "[[mig.layouts.x]]\ndevices = \"all\"\nmig_enabled = false\n\n[[mig.layouts.x]]\ndevices = [1]\n\
+         mig_enabled = true\nprofiles = {}\n",
+    )])
+    .unwrap();
+    assert_eq!(overriding.mig.layouts["x"].overrides().len(), 1);
     assert_eq!(
         e("[mig]\nprocess_wait_timeout = \"10 minutes\"\n"),
         "m.toml:2: mig.process_wait_timeout = \"10 minutes\" is not valid: expected a duration such as \
@@ -764,7 +764,7 @@ fn mig_layout_errors_name_file_line_and_key() {
     assert_eq!(
         e("[mig]\nreboot = true\n"),
         "m.toml:2: unknown key mig.reboot: expected one of enabled, default_layouts, process_wait_timeout, \
-         reboot_on_mode_change, gpu_reset, nvidia_smi, default_layout, layouts"
+         reboot_on_mode_change, gpu_reset, nvidia_smi, uncovered_gpus, default_layout, layouts"
     );
 }
 

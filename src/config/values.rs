@@ -188,6 +188,16 @@ closed_enum! {
 }
 
 closed_enum! {
+    /// What a MIG layout does with a MIG-capable GPU no entry covers (`mig.uncovered_gpus`).
+    pub enum UncoveredGpus {
+        /// Leave it as it is; the layout still succeeds (mig-manager's behaviour).
+        Leave = "leave",
+        /// Refuse the layout before anything changes, naming the GPU.
+        Fail = "fail",
+    }
+}
+
+closed_enum! {
     /// How allocated devices are passed to the container (`device_plugin.device_list_strategy`).
     pub enum DeviceListStrategy {
         /// `envvar` when the engines get the NVIDIA runtime, `cdi-cri` when they do not

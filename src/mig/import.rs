@@ -192,6 +192,7 @@ fn entry(at: &At, item: &Value) -> Result<LayoutEntry, ImportError> {
         device_filter,
         mig_enabled,
         profiles,
+        generated: None,
     })
 }
 
@@ -676,13 +677,15 @@ mig-configs:
             "config \"custom\", entry 0, device-filter: 548409566: expected a device id string such as \
              \"0x20B010DE\""
         );
+        // "devices: all, then an override for [1]" imports: the last entry wins, as in mig-parted.
+        let overriding = import_mig_parted(
+            "version: v1\nmig-configs:\n  custom:\n    - devices: all\n      mig-enabled: false\n    \
+             - devices: [1]\n      mig-enabled: true\n      mig-devices: {}\n",
+        )
+        .unwrap();
         assert_eq!(
-            one(
-                "    - devices: all\n      mig-enabled: false\n    - devices: [1]\n      mig-enabled: true\n      \
-                 mig-devices: {}\n"
-            ),
-            "config \"custom\", entry 1, devices: entry 1 can apply to the same GPUs as entry 0 (their devices and \
-             device filters overlap) but asks for a different MIG state; make them disjoint"
+            overriding["custom"].entry_for(1, 0x20B0),
+            Some(&overriding["custom"].entries[1])
         );
     }
 

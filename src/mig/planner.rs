@@ -59,11 +59,11 @@ pub struct DesiredGpu {
 pub enum PlanError {
     #[error("GPU {gpu} does not support MIG, but the layout enables MIG on it")]
     NotMigCapable { gpu: String },
-    /// No entry of the layout applies to a GPU that supports MIG: mig-parted leaves it alone
-    /// and its assert then fails, so the layout is refused (see [`crate::mig_layout`]).
+    /// No entry of the layout applies to a GPU that supports MIG, under `[mig] uncovered_gpus =
+    /// "fail"` (see [`crate::mig_layout`]).
     #[error(
         "no entry for GPU {index} ({uuid}, {}device {}), which supports MIG: every MIG-capable GPU \
-         must be covered",
+         must be covered ([mig] uncovered_gpus = \"fail\")",
         model.as_deref().map(|m| format!("{m}, ")).unwrap_or_default(),
         crate::mig_layout::format_device_id(*pci_device_id)
     )]
@@ -74,6 +74,9 @@ pub enum PlanError {
         model: Option<String>,
         pci_device_id: u16,
     },
+    /// A built-in layout for a profile (or a balanced layout) that no GPU of the node has.
+    #[error("no GPU of this node has {wanted} ({})", gpus.join("; "))]
+    NoGpuHasProfile { wanted: String, gpus: Vec<String> },
     #[error("the layout disables MIG on GPU {gpu} but asks for MIG devices ({layout})")]
     ProfilesWithMigDisabled { gpu: String, layout: String },
     #[error("GPU {gpu} has no MIG profile {profile:?}; its profiles are {}", available.join(", "))]
@@ -1845,6 +1848,7 @@ mod tests {
                     device_filter: Vec::new(),
                     mig_enabled: *mig_enabled,
                     profiles: profiles.iter().map(|(n, c)| (n.to_string(), *c)).collect(),
+                    generated: None,
                 })
                 .collect(),
         )
@@ -1897,10 +1901,15 @@ mod tests {
     }
 
     #[test]
-    fn a_mig_gpu_no_entry_covers_is_an_error() {
+    fn a_mig_gpu_no_entry_covers_is_left_alone_or_an_error_when_strict() {
+        use crate::mig_layout::Uncovered;
         use DeviceSelector::Indices;
         let gpus = node(vec![a100_40gb(), a100_40gb(), t4()]);
-        let l = layout(&[(Indices(vec![0]), true, &[("1g.5gb", 7)])]);
+        let mut l = layout(&[(Indices(vec![0]), true, &[("1g.5gb", 7)])]);
+        // By default GPU 1 is left as it is.
+        let plans = plan_layout(&gpus, &l).unwrap();
+        assert_eq!(plans.iter().map(|p| p.index).collect::<Vec<_>>(), [0]);
+        l.uncovered = Uncovered::Fail;
         let err = plan_layout(&gpus, &l).unwrap_err();
         assert_eq!(
             err,
@@ -1918,6 +1927,7 @@ mod tests {
         assert_eq!(gpus_to_change(&gpus, &l).unwrap_err(), err);
         // Covered by a device filter for another model: not covered either.
         let mut l = layout(&[(DeviceSelector::All, true, &[])]);
+        l.uncovered = Uncovered::Fail;
         l.entries[0].device_filter = vec![0x2330];
         assert!(matches!(
             plan_layout(&gpus, &l),

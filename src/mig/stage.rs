@@ -8,13 +8,16 @@ use tokio_util::sync::CancellationToken;
 
 use super::planner::{DesiredGpu, PlanError, plan_gpu};
 use super::state::{CiProfile, GiRef, GpuPlan, MigOp, ObservedGpu};
-use crate::mig_layout::{DeviceSelector, LayoutEntry, MigLayout};
+use crate::mig_layout::defaults;
+use crate::mig_layout::{DeviceSelector, Generated, LayoutEntry, MigLayout, ProfileFacts, Uncovered};
 use crate::nvml::{Gpus, Inventory, MigDeviceInfo};
 
-/// The plan for every GPU the layout covers. A MIG-capable GPU that no entry covers is an
-/// error ([`PlanError::NotCovered`]: mig-parted's assert would never pass); a GPU without MIG
-/// is left out when no entry covers it, or when no entry naming it explicitly enables MIG
-/// (mig-parted skips it under `devices: all` and with MIG disabled). Every GPU is planned
+/// The plan for every GPU the layout covers. A MIG-capable GPU that no entry covers is left as
+/// it is (mig-manager's behaviour), or with [`Uncovered::Fail`] an error
+/// ([`PlanError::NotCovered`]); a GPU without MIG is left out when no entry covers it, or when
+/// no entry naming it explicitly enables MIG (mig-parted skips it under `devices: all` and with
+/// MIG disabled). A built-in layout ([`Generated`] entries) that covers no GPU of the node is an
+/// error ([`PlanError::NoGpuHasProfile`]): its name means nothing here. Every GPU is planned
 /// before answering, and an error that no read of NVML's compute instance profiles can lift
 /// wins over [`PlanError::CiProfilesUnknown`] on another GPU. Pure.
 pub fn plan_layout(observed: &[ObservedGpu], layout: &MigLayout) -> Result<Vec<GpuPlan>, PlanError> {
@@ -57,22 +60,74 @@ fn plan_all(observed: &[ObservedGpu], layout: &MigLayout) -> Result<Planned, Pla
         plans: Vec::new(),
         unknown: Vec::new(),
     };
+    let mut covered = false;
     for gpu in observed {
         match plan_covered(gpu, layout) {
             None => {}
-            Some(Ok(plan)) => planned.plans.push(plan),
-            Some(Err(e @ PlanError::CiProfilesUnknown { .. })) => planned.unknown.push(e),
+            Some(Ok(plan)) => {
+                covered = true;
+                planned.plans.push(plan)
+            }
+            Some(Err(e @ PlanError::CiProfilesUnknown { .. })) => {
+                covered = true;
+                planned.unknown.push(e)
+            }
             Some(Err(e)) => return Err(e),
         }
+    }
+    let generated = layout.entries.iter().find_map(|e| e.generated.as_ref());
+    if let Some(generated) = generated
+        && !covered
+    {
+        return Err(PlanError::NoGpuHasProfile {
+            wanted: match generated {
+                Generated::Max(profile) => format!("the profile {profile}"),
+                Generated::Balanced => "a balanced layout (2 × 1g, 1 × 2g and on 7-slice GPUs 1 × 3g)".to_owned(),
+            },
+            gpus: observed
+                .iter()
+                .filter(|g| g.mode.is_some())
+                .map(|g| {
+                    let names: Vec<&str> = g.profiles.iter().map(|p| p.name.as_str()).collect();
+                    format!("GPU {} has {}", g.index, names.join(", "))
+                })
+                .collect(),
+        });
     }
     Ok(planned)
 }
 
+/// The profiles `entry` asks of `gpu`: its own, or those generated from the GPU's profile
+/// table (the Operator's table for its model when NVML lists none); `None` when a generated
+/// entry has nothing for this GPU (it does not cover it).
+fn desired_profiles(gpu: &ObservedGpu, entry: &LayoutEntry) -> Option<BTreeMap<String, u32>> {
+    let Some(generated) = &entry.generated else {
+        return Some(entry.profiles.clone());
+    };
+    if gpu.profiles.is_empty() {
+        return defaults::fallback(generated, gpu.pci_device_id);
+    }
+    let facts: Vec<ProfileFacts> = gpu
+        .profiles
+        .iter()
+        .map(|p| ProfileFacts {
+            name: &p.name,
+            slices: p.slice_count,
+            instances: p.instance_count,
+        })
+        .collect();
+    generated.profiles_for(&facts)
+}
+
 /// The plan for one GPU, `None` when the layout leaves it alone (see [`plan_layout`]).
 fn plan_covered(gpu: &ObservedGpu, layout: &MigLayout) -> Option<Result<GpuPlan, PlanError>> {
-    let entries = layout.entries_for(gpu.index, gpu.pci_device_id);
+    let entries: Vec<&LayoutEntry> = layout
+        .entries_for(gpu.index, gpu.pci_device_id)
+        .into_iter()
+        .filter(|e| !e.mig_enabled || gpu.mode.is_none() || desired_profiles(gpu, e).is_some())
+        .collect();
     let Some(entry) = entries.last() else {
-        return gpu.mode.is_some().then(|| {
+        return (gpu.mode.is_some() && layout.uncovered == Uncovered::Fail).then(|| {
             Err(PlanError::NotCovered {
                 index: gpu.index,
                 uuid: gpu.uuid.clone(),
@@ -87,7 +142,7 @@ fn plan_covered(gpu: &ObservedGpu, layout: &MigLayout) -> Option<Result<GpuPlan,
     }
     let desired = DesiredGpu {
         mig_enabled: entry.mig_enabled,
-        profiles: entry.profiles.clone(),
+        profiles: desired_profiles(gpu, entry).unwrap_or_default(),
     };
     Some(plan_gpu(gpu, &desired))
 }
@@ -705,6 +760,7 @@ pub fn export(observed: &[ObservedGpu]) -> MigLayout {
                 device_filter: Vec::new(),
                 mig_enabled: enabled,
                 profiles: if enabled { profiles } else { BTreeMap::new() },
+                generated: None,
             }
         })
         .collect();

@@ -2,6 +2,13 @@
 //! node labelled `nvidia.com/mig.config=all-1g.10gb` (or `all-balanced`, `all-disabled`, ...)
 //! means the same here as under the GPU Operator.
 //!
+//! [`layout`] gives them as mig-manager v0.14 and later generates them on each node: the
+//! profiles are worked out for each GPU from the profiles NVML reports for it
+//! ([`Generated`]), so every MIG GPU, including one this file has never heard of, gets every
+//! name. [`default_layouts`] is the Operator's file as a table, per model: the list of names,
+//! and what a GPU gets when NVML lists no profiles for it (drivers of the R535 class while MIG is
+//! off; see [`fallback`]).
+//!
 //! - `all-disabled`: MIG off on every GPU.
 //! - `all-enabled`: MIG on, no instances, on every GPU.
 //! - `all-<profile>` (`+` written `.`: `all-1g.5gb.me`): as many instances of the profile as
@@ -16,7 +23,7 @@
 
 use std::collections::BTreeMap;
 
-use super::{DeviceSelector, LayoutEntry, MigLayout};
+use super::{DeviceSelector, Generated, LayoutEntry, MigLayout};
 
 /// One GPU model (or family of models with the same MIG profiles) of the operator's config.
 struct Model {
@@ -136,10 +143,59 @@ fn model_entry(model: &Model, profiles: &[(&str, u32)]) -> LayoutEntry {
         device_filter: model.device_ids.to_vec(),
         mig_enabled: true,
         profiles: profiles.iter().map(|(p, n)| ((*p).to_owned(), *n)).collect(),
+        generated: None,
     }
 }
 
-/// The built-in layouts by name (see the module docs).
+/// The built-in layout `name` (`all-disabled`, `all-enabled`, `all-balanced`, `all-<profile>`
+/// with `+` written `.`), generated per GPU; `None` for any other name.
+pub fn layout(name: &str) -> Option<MigLayout> {
+    let everywhere = |mig_enabled, generated| {
+        MigLayout::new(vec![LayoutEntry {
+            devices: DeviceSelector::All,
+            device_filter: Vec::new(),
+            mig_enabled,
+            profiles: BTreeMap::new(),
+            generated,
+        }])
+    };
+    match name.strip_prefix("all-")? {
+        "disabled" => Some(everywhere(false, None)),
+        "enabled" => Some(everywhere(true, None)),
+        "balanced" => Some(everywhere(true, Some(Generated::Balanced))),
+        label => profile_of_label(label).map(|p| everywhere(true, Some(Generated::Max(p)))),
+    }
+}
+
+/// The profile a label part names: `1g.5gb.me` → `1g.5gb+me`, `1g.24gb.me.all` →
+/// `1g.24gb+me.all`, `1g.24gb-me` and `3g.40gb` as they are (the Operator writes `+` as `.`).
+/// `None` for what names no GPU instance profile (compute instance profiles `1c.4g.20gb`
+/// included: mig-manager generates none).
+pub fn profile_of_label(label: &str) -> Option<String> {
+    let g = label.find("g.")?;
+    let gb = g + 2 + label[g + 2..].find("gb")? + 2;
+    let (base, rest) = label.split_at(gb);
+    let name = match rest.strip_prefix('.') {
+        Some(attrs) => format!("{base}+{attrs}"),
+        None => label.to_owned(),
+    };
+    let parsed = super::parse_profile_name(&name).ok()?;
+    parsed.compute_slices.is_none().then_some(name)
+}
+
+/// What the Operator's file gives a GPU of PCI device id `device` for `generated`, for a GPU
+/// whose NVML lists no GPU instance profiles; `None` when the file has nothing for that model.
+pub fn fallback(generated: &Generated, device: u16) -> Option<BTreeMap<String, u32>> {
+    let model = MODELS.iter().find(|m| m.device_ids.contains(&device))?;
+    let list: Vec<(&str, u32)> = match generated {
+        Generated::Balanced => model.balanced.to_vec(),
+        Generated::Max(profile) => model.profiles.iter().filter(|(p, _)| p == profile).copied().collect(),
+    };
+    (!list.is_empty()).then(|| list.into_iter().map(|(p, n)| (p.to_owned(), n)).collect())
+}
+
+/// The Operator's file as a table (see the module docs): one entry per model, restricted to its
+/// PCI device ids.
 pub fn default_layouts() -> BTreeMap<String, MigLayout> {
     let everywhere = |mig_enabled| {
         MigLayout::new(vec![LayoutEntry {
@@ -147,6 +203,7 @@ pub fn default_layouts() -> BTreeMap<String, MigLayout> {
             device_filter: Vec::new(),
             mig_enabled,
             profiles: BTreeMap::new(),
+            generated: None,
         }])
     };
     let mut out = BTreeMap::new();
@@ -173,6 +230,7 @@ pub fn default_layouts() -> BTreeMap<String, MigLayout> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::mig_layout::ProfileFacts;
     use crate::names::check_label_value;
 
     fn counts(layout: &MigLayout, gpu: u32, device: u16) -> Option<Vec<(String, u32)>> {
@@ -185,6 +243,89 @@ mod tests {
         let mut v: Vec<(String, u32)> = list.iter().map(|(p, n)| ((*p).to_owned(), *n)).collect();
         v.sort();
         v
+    }
+
+    #[test]
+    fn label_names_give_profiles_as_the_operator_writes_them() {
+        for (label, profile) in [
+            ("1g.5gb", Some("1g.5gb")),
+            ("1g.5gb.me", Some("1g.5gb+me")),
+            ("1g.24gb.me.all", Some("1g.24gb+me.all")),
+            ("1g.24gb-me", Some("1g.24gb-me")),
+            ("1g.24gb.gfx", Some("1g.24gb+gfx")),
+            ("7g.141gb", Some("7g.141gb")),
+            ("1c.4g.20gb", None),
+            ("9g", None),
+            ("balance", None),
+        ] {
+            assert_eq!(profile_of_label(label).as_deref(), profile, "{label}");
+        }
+        assert!(layout("all-1g.23gb").is_some());
+        assert!(layout("all-nope").is_none() && layout("custom").is_none());
+        let balanced = layout("all-balanced").unwrap();
+        assert_eq!(balanced.entries[0].generated, Some(Generated::Balanced));
+        assert!(balanced.check().is_ok());
+    }
+
+    /// A model this file has no table for (a future one) gets every name from its NVML table.
+    #[test]
+    fn generated_profiles_follow_the_gpus_table() {
+        let facts = |list: &[(&'static str, u32, u32)]| -> Vec<ProfileFacts<'static>> {
+            list.iter()
+                .map(|&(name, slices, instances)| ProfileFacts {
+                    name,
+                    slices,
+                    instances,
+                })
+                .collect()
+        };
+        let b200 = facts(&[
+            ("1g.23gb", 1, 7),
+            ("1g.23gb+me", 1, 1),
+            ("1g.45gb", 1, 4),
+            ("2g.45gb", 2, 3),
+            ("3g.90gb", 3, 2),
+            ("4g.90gb", 4, 1),
+            ("7g.180gb", 7, 1),
+        ]);
+        let one = |p: &str, n: u32| Some(BTreeMap::from([(p.to_owned(), n)]));
+        assert_eq!(Generated::Max("1g.23gb".into()).profiles_for(&b200), one("1g.23gb", 7));
+        assert_eq!(
+            Generated::Max("1g.23gb+me".into()).profiles_for(&b200),
+            one("1g.23gb+me", 1)
+        );
+        assert_eq!(Generated::Max("1g.5gb".into()).profiles_for(&b200), None);
+        assert_eq!(
+            Generated::Balanced.profiles_for(&b200),
+            Some(BTreeMap::from([
+                ("1g.23gb".to_owned(), 2),
+                ("2g.45gb".to_owned(), 1),
+                ("3g.90gb".to_owned(), 1)
+            ]))
+        );
+        // A 4-slice GPU (A30): no 3g.
+        let a30 = facts(&[
+            ("1g.6gb", 1, 4),
+            ("1g.6gb+me", 1, 1),
+            ("2g.12gb", 2, 2),
+            ("4g.24gb", 4, 1),
+        ]);
+        assert_eq!(
+            Generated::Balanced.profiles_for(&a30),
+            Some(BTreeMap::from([("1g.6gb".to_owned(), 2), ("2g.12gb".to_owned(), 1)]))
+        );
+        // No profiles at all: nothing generated (the planner falls back to the table).
+        assert_eq!(Generated::Balanced.profiles_for(&[]), None);
+        assert_eq!(
+            fallback(&Generated::Balanced, 0x20B0),
+            Some(BTreeMap::from([
+                ("1g.5gb".to_owned(), 2),
+                ("2g.10gb".to_owned(), 1),
+                ("3g.20gb".to_owned(), 1)
+            ]))
+        );
+        assert_eq!(fallback(&Generated::Max("7g.40gb".into()), 0x20B0), one("7g.40gb", 1));
+        assert_eq!(fallback(&Generated::Max("7g.40gb".into()), 0x1EB8), None);
     }
 
     #[test]
