@@ -61,6 +61,8 @@ struct MigJson<'a> {
     gpus: &'a [GpuPlan],
     error: Option<&'a str>,
     incomplete: bool,
+    /// Host GPU clients (systemd units) stopped first, in order, and started again after.
+    stop_units: &'a [String],
 }
 
 #[derive(Serialize)]
@@ -137,6 +139,7 @@ pub fn to_json(plan: &NodePlan) -> String {
             gpus: &m.gpus,
             error: m.error.as_deref(),
             incomplete: m.incomplete,
+            stop_units: &m.stop_units,
         }),
         cdi: plan.cdi.as_ref().map(|c| CdiJson {
             path: &c.path,
@@ -197,6 +200,17 @@ fn render_runtime(out: &mut String, runtime: &Option<Result<RuntimePlan, String>
     let _ = writeln!(out);
 }
 
+/// The host GPU clients a MIG change stops first, for a person.
+fn render_stop_units(out: &mut String, units: &[String]) {
+    if !units.is_empty() {
+        let _ = writeln!(
+            out,
+            "  first stop the host GPU clients {} (started again after the change, the other way round)",
+            units.join(", ")
+        );
+    }
+}
+
 /// The MIG stage's plan, for a person.
 fn render_mig(out: &mut String, mig: &MigPlan) {
     let name = &mig.layout;
@@ -206,6 +220,7 @@ fn render_mig(out: &mut String, mig: &MigPlan) {
         }
         None => {
             let _ = writeln!(out, "MIG plan for layout {name} ({} NVML operations):", mig.operations);
+            render_stop_units(out, &mig.stop_units);
             for p in &mig.gpus {
                 let _ = writeln!(out, "{}", planner::describe(p));
             }
@@ -216,8 +231,10 @@ fn render_mig(out: &mut String, mig: &MigPlan) {
                 out,
                 "MIG plan for layout {name}: not complete yet:\n  {e}\n  (applying enables MIG mode where it is \
                  off, reads those compute instance profiles from a short-lived GPU instance, then plans and applies \
-                 the whole layout)\n"
+                 the whole layout)"
             );
+            render_stop_units(out, &mig.stop_units);
+            let _ = writeln!(out);
         }
         Some(e) => {
             let _ = writeln!(out, "MIG plan for layout {name}: would fail: {e}\n");

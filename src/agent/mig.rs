@@ -11,7 +11,11 @@ use crate::config::Config;
 use crate::desired::Selection;
 use crate::exit::Exit;
 use crate::host::HostRoot;
-use crate::mig::stage::{MigState as MigLabelState, ResetGpu, Step, converge, export, gpus_to_change, plan_layout};
+use crate::mig::clients::{self, HostClients};
+use crate::mig::stage::{
+    BeforeChange, MigState as MigLabelState, ResetGpu, Step, changes_mode, converge, export, gpus_to_change,
+    plan_layout,
+};
 use crate::mig::{import, planner};
 use crate::nvml::Gpus;
 
@@ -57,6 +61,7 @@ impl Agent {
     /// in `pending` (failing after `[mig] process_wait_timeout`); a layout that cannot fit, or a
     /// name that is not defined, changes nothing and fails with the reason.
     pub(super) async fn mig_step(&mut self, gpus: &Gpus) {
+        self.start_left_over_clients().await;
         let key = self.config.labels.mig_config.clone();
         if !self.config.mig.enabled {
             self.stages[StageId::Mig].set(StageState::Disabled, None, Some("[mig] enabled = false".into()));
@@ -92,14 +97,15 @@ impl Agent {
         // What would change: withdraw those GPUs from the kubelet before touching them.
         let (g, l) = (gpus.clone(), layout.clone());
         let planned = tokio::task::spawn_blocking(move || {
-            g.mig_observe()
-                .map_err(|e| e.to_string())
-                .and_then(|o| gpus_to_change(&o, &l).map_err(|e| e.to_string()))
+            let observed = g.mig_observe().map_err(|e| e.to_string())?;
+            let changing = gpus_to_change(&observed, &l).map_err(|e| e.to_string())?;
+            let mode_change = changes_mode(&observed, &l).map_err(|e| e.to_string())?;
+            Ok((changing, mode_change))
         })
         .await
         .unwrap_or_else(|e| Err(format!("MIG planning task failed: {e}")));
-        let changing = match planned {
-            Ok(uuids) => uuids,
+        let (changing, mode_change) = match planned {
+            Ok(planned) => planned,
             Err(e) => return self.mig_failed(format!("layout {name}: {e}; nothing changed")),
         };
         if changing.is_empty() {
@@ -145,17 +151,23 @@ impl Agent {
         let smi = self.root.join(&self.config.mig.nvidia_smi);
         let allow_reset = self.config.mig.gpu_reset;
         let stop = self.stop.clone();
-        let step = tokio::task::spawn_blocking(move || {
+        let (config, root) = (self.config.clone(), self.root.clone());
+        let (step, clients_note) = tokio::task::spawn_blocking(move || {
             let reset = |uuid: &str| crate::host::reset_gpu(&smi, uuid);
-            converge(&g, &n, &l, allow_reset.then_some(&reset as ResetGpu<'_>), Some(&stop))
+            let reset = allow_reset.then_some(&reset as ResetGpu<'_>);
+            with_host_clients(&config, &root, mode_change, Some(&stop), |before| {
+                converge(&g, &n, &l, reset, Some(&stop), Some(before))
+            })
         })
         .await
-        .unwrap_or_else(|e| Step::Failed {
-            reason: format!("MIG apply task failed: {e}"),
+        .unwrap_or_else(|e| {
+            let reason = format!("MIG apply task failed: {e}");
+            (Step::Failed { reason }, None)
         });
-        match step {
+        let note = clients_note.as_deref().map(|n| format!("; {n}")).unwrap_or_default();
+        match with_note(step, clients_note.as_deref()) {
             Step::Converged => {
-                self.mig_done(&name, format!("layout {name} in place"));
+                self.mig_done(&name, format!("layout {name} in place{note}"));
             }
             Step::Applied {
                 mutations,
@@ -164,7 +176,7 @@ impl Agent {
                 self.mig_done(
                     &name,
                     format!(
-                        "layout {name} applied to {} ({mutations} NVML operations)",
+                        "layout {name} applied to {} ({mutations} NVML operations){note}",
                         changed.join(", ")
                     ),
                 );
@@ -224,6 +236,29 @@ impl Agent {
                     None,
                 );
             }
+        }
+    }
+
+    /// Starts the host GPU clients an interrupted MIG change left stopped (recorded in the state
+    /// dir), before anything else of the MIG stage.
+    async fn start_left_over_clients(&mut self) {
+        let journal = self
+            .root
+            .join(self.config.agent.state_dir.join(clients::STOPPED_UNITS_FILE));
+        if !journal.exists() {
+            return;
+        }
+        let (config, root) = (self.config.clone(), self.root.clone());
+        match tokio::task::spawn_blocking(move || clients::start_left_over(&config, &root)).await {
+            Ok((started, problems)) => {
+                if !started.is_empty() {
+                    tracing::info!("started host GPU clients again: {}", started.join(", "));
+                }
+                for problem in problems {
+                    tracing::error!("{problem}");
+                }
+            }
+            Err(e) => tracing::error!("starting the host GPU clients left stopped failed: {e}"),
         }
     }
 
@@ -317,6 +352,54 @@ impl Agent {
         if let Err(e) = crate::host::command::Runner::new(&self.root).run(&cmd) {
             tracing::error!("cannot reboot: {e}");
         }
+    }
+}
+
+/// Runs `apply` (a converge, given the hook that stops the host GPU clients before its first
+/// NVML change) with the host GPU clients of this change: the configured ones that are active
+/// then, and the kubelet first for a `mode_change` with `[mig] stop_kubelet_on_mode_change`.
+/// Whatever `apply` gives, every unit stopped is started again (the last stopped first).
+/// Blocking. Returns the step and a note for the stage: the units stopped and started again,
+/// or those that did not start again.
+fn with_host_clients(
+    config: &Config,
+    root: &HostRoot,
+    mode_change: bool,
+    stop: Option<&tokio_util::sync::CancellationToken>,
+    apply: impl FnOnce(BeforeChange<'_>) -> Step,
+) -> (Step, Option<String>) {
+    let units = clients::candidates(&config.mig, mode_change);
+    let mut host = HostClients::new(config, root, units, stop);
+    let step = apply(&mut || host.stop_all());
+    let stopped = host.stopped().to_vec();
+    let problems = host.start_all();
+    let note = match (stopped.is_empty(), problems.is_empty()) {
+        (true, _) => None,
+        (false, true) => Some(format!(
+            "host GPU clients stopped for the change and started again: {}",
+            stopped.join(", ")
+        )),
+        (false, false) => Some(problems.join("; ")),
+    };
+    (step, note)
+}
+
+/// `step` with `note` added to its reason, where it has one.
+fn with_note(step: Step, note: Option<&str>) -> Step {
+    let Some(note) = note else { return step };
+    match step {
+        Step::Failed { reason } => Step::Failed {
+            reason: format!("{reason}; {note}"),
+        },
+        Step::Busy { gpus, reason } => Step::Busy {
+            gpus,
+            reason: format!("{reason}; {note}"),
+        },
+        Step::ModePending { gpus, reason } => Step::ModePending {
+            gpus,
+            reason: format!("{reason}; {note}"),
+        },
+        other => other,
     }
 }
 
@@ -416,9 +499,23 @@ pub fn mig_command(config: &Config, root: &HostRoot, command: MigCommand) -> Exi
             let smi = root.join(&config.mig.nvidia_smi);
             let reset = |uuid: &str| crate::host::reset_gpu(&smi, uuid);
             let reset: Option<ResetGpu<'_>> = config.mig.gpu_reset.then_some(&reset);
-            match converge(&gpus, &name, &layout, reset, None) {
+            let (_, problems) = clients::start_left_over(config, root);
+            for problem in &problems {
+                eprintln!("gpu-node-agent: warning: {problem}");
+            }
+            let mode_change = gpus
+                .mig_observe()
+                .ok()
+                .and_then(|o| changes_mode(&o, &layout).ok())
+                .unwrap_or(false);
+            let (step, note) = with_host_clients(config, root, mode_change, None, |before| {
+                converge(&gpus, &name, &layout, reset, None, Some(before))
+            });
+            let step = with_note(step, note.as_deref());
+            let note = note.map(|n| format!("; {n}")).unwrap_or_default();
+            match step {
                 Step::Converged => {
-                    println!("the GPUs already match MIG layout {name}: nothing to do");
+                    println!("the GPUs already match MIG layout {name}: nothing to do{note}");
                     device_nodes_for(config, root, &gpus)
                 }
                 Step::Applied {
@@ -426,7 +523,7 @@ pub fn mig_command(config: &Config, root: &HostRoot, command: MigCommand) -> Exi
                     gpus: changed,
                 } => {
                     println!(
-                        "applied MIG layout {name} to {} GPU(s) ({mutations} NVML operations)",
+                        "applied MIG layout {name} to {} GPU(s) ({mutations} NVML operations){note}",
                         changed.len()
                     );
                     device_nodes_for(config, root, &gpus)

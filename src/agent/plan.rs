@@ -15,8 +15,9 @@ use crate::driver::plan::DriverPlan;
 use crate::driver::stage as drv;
 use crate::host::HostRoot;
 use crate::host::command::Runner;
+use crate::mig::clients;
 use crate::mig::planner::PlanError;
-use crate::mig::stage::{MigState, plan_layout, predict_inventory};
+use crate::mig::stage::{MigState, changes_mode, plan_layout, predict_inventory};
 use crate::mig::state::GpuPlan;
 use crate::nvml::{Gpus, Inventory};
 use crate::plugin::devnodes::DeviceNodes;
@@ -68,6 +69,10 @@ pub struct MigPlan {
     pub error: Option<String>,
     /// Whether `error` is the not-complete-yet case (applying would go on), not a failure.
     pub incomplete: bool,
+    /// The host's GPU clients (systemd units, `[mig] host_gpu_clients`, the kubelet for a mode
+    /// change with `stop_kubelet_on_mode_change`) active now that applying would stop first, in
+    /// order, and start again after, the other way round.
+    pub stop_units: Vec<String>,
 }
 
 /// The CDI spec's plan.
@@ -112,7 +117,7 @@ pub async fn node_plan(config: &Config, root: &HostRoot, mig_layout: Option<&str
     });
     let gpus = gpus?;
     let inventory = gpus.inventory(&root.join("/sys"))?;
-    let mig = mig_plan(config, &gpus, &selected.mig_config, mig_layout);
+    let mig = mig_plan(config, root, &gpus, &selected.mig_config, mig_layout);
     let after = match &mig {
         Some((plan, observed)) if plan.error.is_none() => predict_inventory(&inventory, observed, &plan.gpus),
         _ => inventory.clone(),
@@ -177,6 +182,7 @@ fn gpu_processes(gpus: &Gpus, root: &HostRoot) -> Option<usize> {
 /// chooses it, with what was observed; `None` when no layout is asked for.
 fn mig_plan(
     config: &Config,
+    root: &HostRoot,
     gpus: &Gpus,
     selection: &Selection,
     chosen: Option<&str>,
@@ -189,6 +195,7 @@ fn mig_plan(
             operations: 0,
             error: Some(error),
             incomplete: false,
+            stop_units: Vec::new(),
         };
         Some((plan, Vec::new()))
     };
@@ -213,24 +220,38 @@ fn mig_plan(
         Ok(o) => o,
         Err(e) => return failed(name, e.to_string()),
     };
+    // The host GPU clients the change would stop: only when something changes.
+    let stop_units = |changes: bool| {
+        if !changes {
+            return Vec::new();
+        }
+        let mode_change = changes_mode(&observed, &layout).unwrap_or(false);
+        let units = clients::candidates(&config.mig, mode_change);
+        clients::plan_clients(&units, &clients::observe_active(config, root, &units))
+    };
     let plan = match plan_layout(&observed, &layout) {
         Ok(plans) => {
             let gpus: Vec<GpuPlan> = plans.into_iter().filter(|p| !p.ops.is_empty()).collect();
             MigPlan {
                 operations: gpus.iter().map(|p| p.ops.len()).sum(),
+                stop_units: stop_units(!gpus.is_empty()),
                 layout: name,
                 gpus,
                 error: None,
                 incomplete: false,
             }
         }
-        Err(e) => MigPlan {
-            incomplete: matches!(e, PlanError::CiProfilesUnknown { .. }),
-            layout: name,
-            gpus: Vec::new(),
-            operations: 0,
-            error: Some(e.to_string()),
-        },
+        Err(e) => {
+            let incomplete = matches!(e, PlanError::CiProfilesUnknown { .. });
+            MigPlan {
+                incomplete,
+                stop_units: stop_units(incomplete),
+                layout: name,
+                gpus: Vec::new(),
+                operations: 0,
+                error: Some(e.to_string()),
+            }
+        }
     };
     Some((plan, observed))
 }

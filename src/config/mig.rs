@@ -3,7 +3,7 @@
 use super::merge::KeyPath;
 use super::values;
 use super::values::UncoveredGpus;
-use super::{Check, Invalid, absolute_path, invalid};
+use super::{Check, Invalid, absolute_path, invalid, positive};
 use crate::mig_layout::defaults::{self, default_layouts};
 use crate::mig_layout::{EntryField, Item, LayoutError, MigLayout, Uncovered};
 use std::collections::BTreeMap;
@@ -28,6 +28,27 @@ pub const DEFAULT_MIG_GPU_RESET: bool = true;
 pub const DEFAULT_MIG_UNCOVERED_GPUS: UncoveredGpus = UncoveredGpus::Leave;
 /// Where the driver's nvidia-smi is.
 pub const DEFAULT_NVIDIA_SMI: &str = "/usr/bin/nvidia-smi";
+/// `mig.host_gpu_clients`: the host's systemd units that hold the GPUs open, stopped (when
+/// active) before a MIG change and started again after it: the GPU Operator's
+/// `default-gpu-clients` list, which its MIG manager stops with a host driver.
+pub const DEFAULT_MIG_HOST_GPU_CLIENTS: [&str; 9] = [
+    "nvsm.service",
+    "nvsm-mqtt.service",
+    "nvsm-core.service",
+    "nvsm-api-gateway.service",
+    "nvsm-notifier.service",
+    "nv_peer_mem.service",
+    "nvidia-dcgm.service",
+    "dcgm.service",
+    "dcgm-exporter.service",
+];
+/// `mig.host_gpu_clients_stop_timeout`: how long one unit may take to stop (or start) before the
+/// MIG change fails (the MIG manager's 30 s).
+pub const DEFAULT_MIG_HOST_GPU_CLIENTS_STOP_TIMEOUT: Duration = Duration::from_secs(30);
+/// `mig.stop_kubelet_on_mode_change`: stop the kubelet too for a MIG mode change.
+pub const DEFAULT_MIG_STOP_KUBELET_ON_MODE_CHANGE: bool = false;
+/// `mig.kubelet_unit`: the kubelet's systemd unit.
+pub const DEFAULT_MIG_KUBELET_UNIT: &str = "kubelet.service";
 
 /// `[mig]`: MIG layouts, named like mig-parted's configs and selected by the
 /// `nvidia.com/mig.config` label.
@@ -54,6 +75,19 @@ pub struct MigConfig {
     /// A MIG-capable GPU no entry of the layout covers: `leave` it as it is (the layout still
     /// succeeds, as under mig-manager) or `fail` the layout before anything changes.
     pub uncovered_gpus: UncoveredGpus,
+    /// Host systemd units that hold the GPUs open (DCGM, NVSM, ...): those active are stopped,
+    /// in this order, right before a MIG change and started again, the other way round, after
+    /// it, whether it worked or not. Empty: none.
+    pub host_gpu_clients: Vec<String>,
+    /// How long one of them (or the kubelet) may take to stop or start; a unit that does not
+    /// stop in time fails the MIG change before anything changed.
+    #[serde(with = "values::duration")]
+    pub host_gpu_clients_stop_timeout: Duration,
+    /// For a MIG mode change (not for instance changes alone), stop `kubelet_unit` first, before
+    /// the host GPU clients, and start it again last.
+    pub stop_kubelet_on_mode_change: bool,
+    /// The kubelet's systemd unit, for `stop_kubelet_on_mode_change`.
+    pub kubelet_unit: String,
     /// The layout applied while the Node has no `nvidia.com/mig.config` label (empty: none,
     /// the GPUs are left as they are). Lets a bootstrap apply a layout before the node joins.
     pub default_layout: String,
@@ -71,6 +105,10 @@ impl Default for MigConfig {
             gpu_reset: DEFAULT_MIG_GPU_RESET,
             nvidia_smi: DEFAULT_NVIDIA_SMI.into(),
             uncovered_gpus: DEFAULT_MIG_UNCOVERED_GPUS,
+            host_gpu_clients: DEFAULT_MIG_HOST_GPU_CLIENTS.iter().map(|u| u.to_string()).collect(),
+            host_gpu_clients_stop_timeout: DEFAULT_MIG_HOST_GPU_CLIENTS_STOP_TIMEOUT,
+            stop_kubelet_on_mode_change: DEFAULT_MIG_STOP_KUBELET_ON_MODE_CHANGE,
+            kubelet_unit: DEFAULT_MIG_KUBELET_UNIT.into(),
             default_layout: String::new(),
             layouts: BTreeMap::new(),
         }
@@ -118,6 +156,21 @@ impl MigConfig {
 impl MigConfig {
     pub(super) fn validate(&self) -> Check {
         absolute_path("mig.nvidia_smi", &self.nvidia_smi)?;
+        let clients = KeyPath::dotted("mig.host_gpu_clients");
+        for (i, unit) in self.host_gpu_clients.iter().enumerate() {
+            check_unit_name(unit).map_err(|reason| Invalid {
+                key: clients.clone().index(i),
+                reason,
+            })?;
+            if self.host_gpu_clients[..i].contains(unit) {
+                return Err(Invalid {
+                    key: clients.clone().index(i),
+                    reason: format!("{unit} is listed twice"),
+                });
+            }
+        }
+        positive("mig.host_gpu_clients_stop_timeout", self.host_gpu_clients_stop_timeout)?;
+        check_unit_name(&self.kubelet_unit).map_err(|reason| invalid("mig.kubelet_unit", reason))?;
         // process_wait_timeout = 0s means wait forever.
         for (name, layout) in &self.layouts {
             let at = KeyPath::dotted("mig.layouts").key(name);
@@ -163,5 +216,20 @@ impl MigConfig {
             ));
         }
         Ok(())
+    }
+}
+
+/// The suffixes of the systemd unit types a host GPU client can be.
+const UNIT_SUFFIXES: [&str; 6] = [".service", ".socket", ".target", ".timer", ".path", ".mount"];
+
+/// A systemd unit name as `systemctl stop` takes it: `nvidia-dcgm.service`, never a path, an
+/// option or a glob.
+pub fn check_unit_name(unit: &str) -> Result<(), String> {
+    let expected = "expected a systemd unit name such as \"nvidia-dcgm.service\"";
+    let stem = UNIT_SUFFIXES.iter().find_map(|s| unit.strip_suffix(s));
+    let allowed = |c: char| c.is_ascii_alphanumeric() || ":-_.\\@".contains(c);
+    match stem {
+        Some(stem) if !stem.is_empty() && !unit.starts_with('-') && unit.chars().all(allowed) => Ok(()),
+        _ => Err(format!("{expected} (with one of {})", UNIT_SUFFIXES.join(", "))),
     }
 }

@@ -764,7 +764,56 @@ fn mig_layout_errors_name_file_line_and_key() {
     assert_eq!(
         e("[mig]\nreboot = true\n"),
         "m.toml:2: unknown key mig.reboot: expected one of enabled, default_layouts, process_wait_timeout, \
-         reboot_on_mode_change, gpu_reset, nvidia_smi, uncovered_gpus, default_layout, layouts"
+         reboot_on_mode_change, gpu_reset, nvidia_smi, uncovered_gpus, host_gpu_clients, host_gpu_clients_stop_timeout, \
+         stop_kubelet_on_mode_change, kubelet_unit, default_layout, layouts"
+    );
+}
+
+#[test]
+fn host_gpu_clients_are_unit_names_each_listed_once() {
+    let e = |text: &str| err(&[("m.toml", text)]);
+    let config = parse(&[(
+        "m.toml",
+        "[mig]\nhost_gpu_clients = [\"nvidia-dcgm.service\", \"nvsm@x.service\"]\nstop_kubelet_on_mode_change = true\n",
+    )])
+    .unwrap();
+    assert_eq!(config.mig.host_gpu_clients, ["nvidia-dcgm.service", "nvsm@x.service"]);
+    assert!(config.mig.stop_kubelet_on_mode_change);
+    assert_eq!(
+        Config::default().mig.host_gpu_clients,
+        crate::config::DEFAULT_MIG_HOST_GPU_CLIENTS
+    );
+    let path = e("[mig]\nhost_gpu_clients = [\"dcgm.service\", \"/etc/systemd/system/x.service\"]\n");
+    assert!(
+        path.starts_with(
+            "m.toml:2: mig.host_gpu_clients[1] = \"/etc/systemd/system/x.service\" is not valid: expected a systemd \
+             unit name such as \"nvidia-dcgm.service\""
+        ),
+        "{path}"
+    );
+    for bad in [
+        "\"--all\"",
+        "\"dcgm\"",
+        "\".service\"",
+        "\"a b.service\"",
+        "\"*.service\"",
+    ] {
+        let text = e(&format!("[mig]\nhost_gpu_clients = [{bad}]\n"));
+        assert!(
+            text.contains("mig.host_gpu_clients[0]") && text.contains("expected a systemd unit name"),
+            "{text}"
+        );
+    }
+    assert_eq!(
+        e("[mig]\nhost_gpu_clients = [\"dcgm.service\", \"dcgm.service\"]\n"),
+        "m.toml:2: mig.host_gpu_clients[1] = \"dcgm.service\" is not valid: dcgm.service is listed twice"
+    );
+    assert!(
+        e("[mig]\nkubelet_unit = \"kubelet\"\n").starts_with("m.toml:2: mig.kubelet_unit = \"kubelet\" is not valid")
+    );
+    assert_eq!(
+        e("[mig]\nhost_gpu_clients_stop_timeout = \"0s\"\n"),
+        "m.toml:2: mig.host_gpu_clients_stop_timeout = \"0s\" is not valid: expected a duration greater than 0s"
     );
 }
 

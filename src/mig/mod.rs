@@ -4,6 +4,7 @@
 //! [`crate::mig_layout`], below the config.
 
 pub mod apply;
+pub mod clients;
 pub mod import;
 pub mod planner;
 pub mod stage;

@@ -156,6 +156,25 @@ pub fn gpus_to_change(observed: &[ObservedGpu], layout: &MigLayout) -> Result<Ve
     Ok(planned.changing(observed))
 }
 
+/// Whether converging to `layout` changes the MIG mode of a GPU: a plan sets it, or MIG must be
+/// enabled first on a GPU whose compute instance profiles are to be read. Errors as
+/// [`plan_layout`]'s. Pure.
+pub fn changes_mode(observed: &[ObservedGpu], layout: &MigLayout) -> Result<bool, PlanError> {
+    let planned = plan_all(observed, layout)?;
+    let sets_mode = |p: &GpuPlan| p.ops.iter().any(|op| matches!(op, MigOp::SetMode { .. }));
+    let enables_first = |e: &PlanError| match e {
+        PlanError::CiProfilesUnknown { uuid, .. } => observed
+            .iter()
+            .any(|g| g.uuid == *uuid && !g.mode.is_some_and(|m| m.current)),
+        _ => false,
+    };
+    Ok(planned.plans.iter().any(sets_mode) || planned.unknown.iter().any(enables_first))
+}
+
+/// Called once, right before a converge's first NVML change (the GPUs it changes were found
+/// idle): stops the host's GPU clients. `Err` (why) ends the converge with nothing changed.
+pub type BeforeChange<'a> = &'a mut dyn FnMut() -> Result<(), String>;
+
 /// The GPU Operator's `nvidia.com/mig.config.state` values.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -233,18 +252,24 @@ pub type ResetGpu<'a> = &'a dyn Fn(&str) -> Result<(), String>;
 ///
 /// `stop` (the daemon's SIGTERM) is looked at between NVML operations: once cancelled, the
 /// converge returns [`Step::Stopped`] without starting another.
+///
+/// `before_change` runs once, after the idle check and before the first NVML change (never
+/// when nothing is to change or the GPUs are busy); when it fails the converge fails with its
+/// reason and nothing changed.
 pub fn converge(
     gpus: &Gpus,
     name: &str,
     layout: &MigLayout,
     reset: Option<ResetGpu<'_>>,
     stop: Option<&CancellationToken>,
+    before_change: Option<BeforeChange<'_>>,
 ) -> Step {
     let mut run = Run {
         gpus,
         name,
         layout,
         stop,
+        before_change,
         learned: Learned::new(),
         enabled: Vec::new(),
         applying: false,
@@ -262,7 +287,7 @@ type Learned = BTreeMap<(String, u32), Vec<CiProfile>>;
 const MAX_ROUNDS: usize = 16;
 
 /// One converge.
-struct Run<'a> {
+struct Run<'a, 'b> {
     gpus: &'a Gpus,
     stop: Option<&'a CancellationToken>,
     name: &'a str,
@@ -274,6 +299,8 @@ struct Run<'a> {
     /// Set once the layout's own plans are being applied: what changes from then on is the
     /// layout's doing, and stays.
     applying: bool,
+    /// Runs before the first NVML change; taken when it has run.
+    before_change: Option<BeforeChange<'b>>,
 }
 
 fn observe(gpus: &Gpus, learned: &Learned) -> Result<Vec<ObservedGpu>, String> {
@@ -293,7 +320,18 @@ fn model_name(gpus: &Gpus, index: u32) -> Option<String> {
     gpus.nvml().device_by_index(index).ok()?.name().ok()
 }
 
-impl Run<'_> {
+impl Run<'_, '_> {
+    /// Right before the first NVML change: runs `before_change` (once). `Err`: the step to
+    /// report, nothing changed.
+    fn prepare(&mut self) -> Result<(), Step> {
+        match self.before_change.take() {
+            Some(before) => before().map_err(|e| Step::Failed {
+                reason: format!("layout {}: {e}; nothing changed", self.name),
+            }),
+            None => Ok(()),
+        }
+    }
+
     /// A layout refused by the planner; nothing changed (unless this converge read compute
     /// instance profiles first: [`Run::undo_probes`] says what then).
     fn refused(&self, e: PlanError) -> Step {
@@ -392,6 +430,9 @@ impl Run<'_> {
                 },
                 Err(step) => step,
             };
+        }
+        if let Err(step) = self.prepare() {
+            return step;
         }
         let plans = planned.plans;
         self.applying = true;
@@ -506,6 +547,7 @@ impl Run<'_> {
                 });
             }
         }
+        self.prepare()?;
         let failed = |e: super::apply::MigCallError| {
             if e.in_use() {
                 Step::Busy {
