@@ -1153,3 +1153,36 @@ fn after_a_mig_apply_the_new_devices_capability_nodes_exist() {
     // 3g.20gb: two per GPU; 1g.5gb: seven per GPU; two capabilities each.
     assert_eq!(layouts_seen, [("all-3g.20gb", 8), ("all-1g.5gb", 28)]);
 }
+
+/// Without the label a MIG-capable node gets `all-disabled`, as the GPU Operator labels it, and
+/// reports the state; a node without MIG-capable GPUs reports no MIG state at all.
+#[test]
+fn without_a_label_a_mig_node_gets_all_disabled_and_a_state() {
+    let mut machine = common::machine("A100-SXM4-40GB", 1);
+    machine = machine.replace(
+        "numa_node = 0\n",
+        "numa_node = 0\nmig_mode = true\n[[gpu.mig_device]]\nprofile = \"3g.20gb\"\n",
+    );
+    let node = Node::new(
+        &machine,
+        "[kubernetes]\nenabled = false\n[mig]\ndefault_layout = \"all-disabled\"\n",
+    );
+    let out = node.run(&["run", "--once"]);
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(node.status_json()["labels"][STATE], "success");
+    mig_is_off_everywhere(&node);
+
+    let t4 = Node::new(
+        &common::machine("T4", 1),
+        "[kubernetes]\nenabled = false\n[mig]\ndefault_layout = \"all-disabled\"\n",
+    );
+    let out = t4.run(&["run", "--once"]);
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    let status = t4.status_json();
+    assert!(status["labels"].get(STATE).is_none(), "{}", status["labels"]);
+    let detail = common::stage(&status, "mig")["detail"]
+        .as_str()
+        .unwrap_or_default()
+        .to_owned();
+    assert!(detail.contains("no layout requested"), "{detail}");
+}

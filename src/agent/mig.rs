@@ -68,8 +68,19 @@ impl Agent {
             self.mig.state = None;
             return;
         }
+        // Without the label, `[mig] default_layout` (the Operator's `all-disabled`), but only on
+        // a node with a MIG-capable GPU: the Operator runs no MIG manager elsewhere, and such a
+        // node reports no MIG state.
+        let default = &self.config.mig.default_layout;
+        let unset = matches!(self.desired_sel.mig_config, Selection::Unset);
+        let defaulted = unset && !default.is_empty() && self.config.mig.layout(default).is_some() && {
+            let g = gpus.clone();
+            tokio::task::spawn_blocking(move || g.mig_observe().is_ok_and(|o| o.iter().any(|g| g.mode.is_some())))
+                .await
+                .unwrap_or(false)
+        };
         let name = match self.desired_sel.mig_config.clone() {
-            Selection::Unset if !self.config.mig.default_layout.is_empty() => self.config.mig.default_layout.clone(),
+            Selection::Unset if defaulted => default.clone(),
             Selection::Unset => {
                 self.stages[StageId::Mig].set(
                     StageState::Ok,

@@ -202,7 +202,13 @@ fn mig_plan(
     let name = match (chosen, selection) {
         (Some(name), _) => name.to_string(),
         _ if !config.mig.enabled => return None,
-        (None, Selection::Unset) if !config.mig.default_layout.is_empty() => config.mig.default_layout.clone(),
+        (None, Selection::Unset)
+            if !config.mig.default_layout.is_empty()
+                && config.mig.layout(&config.mig.default_layout).is_some()
+                && gpus.mig_observe().is_ok_and(|o| o.iter().any(|g| g.mode.is_some())) =>
+        {
+            config.mig.default_layout.clone()
+        }
         (None, Selection::Unset) => return None,
         (None, Selection::Invalid { value, reason }) => {
             return failed(value.clone(), format!("label {key}={value:?} is not valid: {reason}"));

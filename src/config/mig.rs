@@ -26,6 +26,9 @@ pub const DEFAULT_MIG_REBOOT_ON_MODE_CHANGE: bool = false;
 pub const DEFAULT_MIG_GPU_RESET: bool = true;
 /// `mig.uncovered_gpus`: a MIG-capable GPU no entry of the layout covers is left as it is.
 pub const DEFAULT_MIG_UNCOVERED_GPUS: UncoveredGpus = UncoveredGpus::Leave;
+/// `mig.default_layout`: what the GPU Operator labels a MIG-capable node with when the label is
+/// absent.
+pub const DEFAULT_MIG_DEFAULT_LAYOUT: &str = "all-disabled";
 /// Where the driver's nvidia-smi is.
 pub const DEFAULT_NVIDIA_SMI: &str = "/usr/bin/nvidia-smi";
 /// `mig.host_gpu_clients`: the host's systemd units that hold the GPUs open, stopped (when
@@ -88,8 +91,9 @@ pub struct MigConfig {
     pub stop_kubelet_on_mode_change: bool,
     /// The kubelet's systemd unit, for `stop_kubelet_on_mode_change`.
     pub kubelet_unit: String,
-    /// The layout applied while the Node has no `nvidia.com/mig.config` label (empty: none,
-    /// the GPUs are left as they are). Lets a bootstrap apply a layout before the node joins.
+    /// The layout applied while the Node has no `nvidia.com/mig.config` label, on a node with a
+    /// MIG-capable GPU: `all-disabled`, as the GPU Operator labels such nodes (empty: none, the
+    /// GPUs are left as they booted). Lets a bootstrap apply a layout before the node joins.
     pub default_layout: String,
     /// User layouts by name (`[[mig.layouts.<name>]]`), each a list of entries.
     pub layouts: BTreeMap<String, MigLayout>,
@@ -109,7 +113,7 @@ impl Default for MigConfig {
             host_gpu_clients_stop_timeout: DEFAULT_MIG_HOST_GPU_CLIENTS_STOP_TIMEOUT,
             stop_kubelet_on_mode_change: DEFAULT_MIG_STOP_KUBELET_ON_MODE_CHANGE,
             kubelet_unit: DEFAULT_MIG_KUBELET_UNIT.into(),
-            default_layout: String::new(),
+            default_layout: DEFAULT_MIG_DEFAULT_LAYOUT.into(),
             layouts: BTreeMap::new(),
         }
     }
@@ -209,7 +213,10 @@ impl MigConfig {
                 },
             })?;
         }
-        if !self.default_layout.is_empty() && self.layout(&self.default_layout).is_none() {
+        // The default names a built-in layout; with `default_layouts = false` and no layout of
+        // that name it means none.
+        let defaulted = self.default_layout == DEFAULT_MIG_DEFAULT_LAYOUT && !self.default_layouts;
+        if !self.default_layout.is_empty() && !defaulted && self.layout(&self.default_layout).is_none() {
             return Err(invalid(
                 "mig.default_layout",
                 format!("names no MIG layout (defined: {})", self.layout_names().join(", ")),

@@ -149,9 +149,12 @@ impl Node {
         let path = self.config_path();
         let dir = path.parent().expect("etc dir");
         fs::create_dir_all(dir.join("config.d")).expect("mkdir config dir");
-        // Metrics on a free loopback port: tests run many agents at once.
+        // Metrics on a free loopback port: tests run many agents at once. The machines boot with
+        // the MIG devices a test describes, kept without a label (`default_layout = ""`; the
+        // agent's default, `all-disabled` as under the GPU Operator, has tests of its own).
         let main = format!(
-            "[nvml]\nlibrary = \"{NVML_PATH}\"\n\n[health]\nlost_check_interval = \"100ms\"\n\n[metrics]\naddress = \"127.0.0.1:0\"\n"
+            "[nvml]\nlibrary = \"{NVML_PATH}\"\n\n[health]\nlost_check_interval = \"100ms\"\n\n[metrics]\naddress = \"127.0.0.1:0\"\n\n\
+             [mig]\ndefault_layout = \"\"\n"
         );
         fs::write(&path, main).expect("write config");
         let dropin = dir.join("config.d/50-test.toml");
