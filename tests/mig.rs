@@ -1186,3 +1186,50 @@ fn without_a_label_a_mig_node_gets_all_disabled_and_a_state() {
         .to_owned();
     assert!(detail.contains("no layout requested"), "{detail}");
 }
+
+/// The GPU Operator's `values.yaml` example `custom-mig` (GPUs 0–3 only) on an 8-GPU H100 node:
+/// imported with `mig import`, it applies, the other four GPUs stay as they were, and the state
+/// is `success`, as under mig-manager.
+#[test]
+fn the_operators_custom_mig_example_applies_on_an_eight_gpu_node() {
+    let yaml = "version: v1\nmig-configs:\n  custom-mig:\n    - devices: [0]\n      mig-enabled: false\n\
+                \x20   - devices: [1]\n      mig-enabled: true\n      mig-devices:\n        \"1g.10gb\": 7\n\
+                \x20   - devices: [2]\n      mig-enabled: true\n      mig-devices:\n        \"2g.20gb\": 2\n        \"3g.40gb\": 1\n\
+                \x20   - devices: [3]\n      mig-enabled: true\n      mig-devices:\n        \"3g.40gb\": 1\n        \"4g.40gb\": 1\n";
+    // GPUs 4-7 (NUMA node 1) booted with MIG and one 7g.80gb each, made by other means.
+    let machine = common::machine("H100-80GB-HBM3", 8).replace(
+        "numa_node = 1\n",
+        "numa_node = 1\nmig_mode = true\n[[gpu.mig_device]]\nprofile = \"7g.80gb\"\n",
+    );
+    let node = Node::new(&machine, "[kubernetes]\nenabled = false\n");
+    let file = node.tmp.path().join("custom-mig.yaml");
+    std::fs::write(&file, yaml).expect("yaml");
+    let out = node.run(&["mig", "import", file.to_str().expect("path")]);
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    let imported = String::from_utf8_lossy(&out.stdout).to_string();
+    node.write_config(&format!(
+        "[kubernetes]\nenabled = false\n[desired]\nlabels_file = \"/etc/gpu-node-agent/labels\"\n{imported}"
+    ));
+    std::fs::write(
+        node.root.join("etc/gpu-node-agent/labels"),
+        "nvidia.com/mig.config=custom-mig\n",
+    )
+    .expect("labels");
+    let out = node.run(&["run", "--once"]);
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(node.status_json()["labels"][STATE], "success");
+    assert_eq!(node.run(&["mig", "assert", "custom-mig"]).status.code(), Some(0));
+    let export = String::from_utf8_lossy(&node.run(&["mig", "export"]).stdout).to_string();
+    assert!(
+        export.contains("devices = [1]\nmig_enabled = true\nprofiles = { \"1g.10gb\" = 7 }"),
+        "{export}"
+    );
+    for gpu in 4..8 {
+        assert!(
+            export.contains(&format!(
+                "devices = [{gpu}]\nmig_enabled = true\nprofiles = {{ \"7g.80gb\" = 1 }}"
+            )),
+            "GPU {gpu} untouched:\n{export}"
+        );
+    }
+}
