@@ -424,16 +424,26 @@ pub fn mig_command(config: &Config, root: &HostRoot, command: MigCommand) -> Exi
                 return ExitCode::FAILURE;
             }
         };
-        return match import::import_mig_parted(&text) {
-            Ok(layouts) => {
+        // Every config that can be imported is; each one that cannot is named on stderr (and
+        // as a comment), and then the exit status says the output is not the whole file.
+        return match import::import_what_fits(&text) {
+            Ok((layouts, refused)) => {
                 println!("# MIG layouts imported from {}", file.display());
+                for e in &refused {
+                    println!("# not imported: {e}");
+                    eprintln!("gpu-node-agent: {}: not imported: {e}", file.display());
+                }
                 for (name, layout) in &layouts {
                     for warning in layout.overrides() {
                         println!("# warning: layout {name}: {warning}");
                     }
                 }
                 print!("{}", import::to_toml(&layouts));
-                ExitCode::SUCCESS
+                if refused.is_empty() {
+                    ExitCode::SUCCESS
+                } else {
+                    Exit::Usage.into()
+                }
             }
             Err(e) => {
                 eprintln!("gpu-node-agent: {}: {e}", file.display());

@@ -104,6 +104,17 @@ const ENTRY_KEYS: &[&str] = &["device-filter", "devices", "mig-enabled", "mig-de
 
 /// Reads a mig-parted config file (YAML or JSON) into layouts by name.
 pub fn import_mig_parted(text: &str) -> Result<BTreeMap<String, MigLayout>, ImportError> {
+    let (layouts, mut refused) = import_what_fits(text)?;
+    match refused.is_empty() {
+        true => Ok(layouts),
+        false => Err(refused.remove(0)),
+    }
+}
+
+/// [`import_mig_parted`], importing every config that can be and returning the errors of
+/// those that cannot (one each, in file order) beside them; an error of the file itself (not
+/// YAML, no `mig-configs`, an unknown version) is still the whole answer.
+pub fn import_what_fits(text: &str) -> Result<(BTreeMap<String, MigLayout>, Vec<ImportError>), ImportError> {
     let top = At::default();
     let doc: Value = serde_saphyr::from_str(text).map_err(|e| top.err(format!("not valid YAML: {e}")))?;
     let Value::Object(doc) = doc else {
@@ -149,27 +160,38 @@ pub fn import_mig_parted(text: &str) -> Result<BTreeMap<String, MigLayout>, Impo
     };
 
     let mut out = BTreeMap::new();
+    let mut refused = Vec::new();
     for (name, list) in configs {
-        let at = At::config(name);
-        if name.is_empty() {
-            return Err(at.err("a config name cannot be empty"));
+        match config(name, list) {
+            Ok(layout) => {
+                out.insert(name.clone(), layout);
+            }
+            Err(e) => refused.push(e),
         }
-        check_label_value(name).map_err(|reason| at.err(format!("the name is selected by a node label: {reason}")))?;
-        let items = match list {
-            Value::Array(items) if !items.is_empty() => items,
-            Value::Array(_) => return Err(at.err("expected at least one entry")),
-            other => return Err(at.err(format!("expected a list of entries, found {}", kind(other)))),
-        };
-        let entries = items
-            .iter()
-            .enumerate()
-            .map(|(i, item)| entry(&at.entry(i), item))
-            .collect::<Result<Vec<_>, _>>()?;
-        let layout = MigLayout::new(entries);
-        layout.check().map_err(|e| layout_error(&at, e))?;
-        out.insert(name.clone(), layout);
     }
-    Ok(out)
+    Ok((out, refused))
+}
+
+/// One config of `mig-configs`.
+fn config(name: &str, list: &Value) -> Result<MigLayout, ImportError> {
+    let at = At::config(name);
+    if name.is_empty() {
+        return Err(at.err("a config name cannot be empty"));
+    }
+    check_label_value(name).map_err(|reason| at.err(format!("the name is selected by a node label: {reason}")))?;
+    let items = match list {
+        Value::Array(items) if !items.is_empty() => items,
+        Value::Array(_) => return Err(at.err("expected at least one entry")),
+        other => return Err(at.err(format!("expected a list of entries, found {}", kind(other)))),
+    };
+    let entries = items
+        .iter()
+        .enumerate()
+        .map(|(i, item)| entry(&at.entry(i), item))
+        .collect::<Result<Vec<_>, _>>()?;
+    let layout = MigLayout::new(entries);
+    layout.check().map_err(|e| layout_error(&at, e))?;
+    Ok(layout)
 }
 
 fn entry(at: &At, item: &Value) -> Result<LayoutEntry, ImportError> {
@@ -687,6 +709,29 @@ mig-configs:
             overriding["custom"].entry_for(1, 0x20B0),
             Some(&overriding["custom"].entries[1])
         );
+    }
+
+    /// One config that cannot be imported no longer costs the others: they are imported, and it
+    /// is named with its reason.
+    #[test]
+    fn what_fits_is_imported_and_the_rest_named() {
+        let text = "version: v1\nmig-configs:\n  good:\n    - devices: all\n      mig-enabled: false\n  \
+                    bad:\n    - devices: all\n      mig-enabled: true\n      mig-devices:\n        \"1g.5gb\": -1\n  \
+                    also-good:\n    - devices: [0]\n      mig-enabled: true\n      mig-devices: {}\n";
+        let (layouts, refused) = import_what_fits(text).unwrap();
+        assert_eq!(layouts.keys().collect::<Vec<_>>(), ["also-good", "good"]);
+        assert_eq!(refused.len(), 1);
+        assert!(
+            refused[0]
+                .to_string()
+                .starts_with("config \"bad\", entry 0, mig-devices"),
+            "{}",
+            refused[0]
+        );
+        // The strict form refuses the file with that reason.
+        assert_eq!(import_mig_parted(text).unwrap_err(), refused[0]);
+        // A file-level error is still the whole answer.
+        assert!(import_what_fits("version: v2\nmig-configs: {}\n").is_err());
     }
 
     #[test]
