@@ -42,25 +42,6 @@ fn all_layouts(gpu: &ObservedGpu) -> Vec<BTreeMap<String, u32>> {
     out
 }
 
-fn gi_counts(gpu: &ObservedGpu) -> BTreeMap<String, u32> {
-    let mut counts = BTreeMap::new();
-    for gi in &gpu.gpu_instances {
-        let name = gpu
-            .profiles
-            .iter()
-            .find(|p| p.id == gi.profile_id)
-            .map(|p| p.name.clone())
-            .unwrap_or_default();
-        assert_eq!(
-            gi.compute_instances.len(),
-            1,
-            "one spanning compute instance per GPU instance"
-        );
-        *counts.entry(name).or_insert(0) += 1;
-    }
-    counts
-}
-
 #[test]
 fn every_layout_that_fits_is_applied_on_the_fake_and_read_back_equal() {
     let node = common::Node::new(MACHINE, "");
@@ -92,7 +73,11 @@ fn every_layout_that_fits_is_applied_on_the_fake_and_read_back_equal() {
             gpus.mig_apply(&plan)
                 .unwrap_or_else(|e| panic!("GPU {index} {profiles:?}: the fake refused the plan: {e}"));
             let after = gpus.mig_observe().expect("observe after");
-            assert_eq!(gi_counts(&after[index]), profiles, "GPU {index}: read back equal");
+            assert_eq!(
+                common::gi_counts(&after[index]),
+                profiles,
+                "GPU {index}: read back equal"
+            );
             let again = plan_gpu(&after[index], &desired).expect("re-plan");
             assert!(
                 again.ops.is_empty(),

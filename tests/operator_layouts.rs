@@ -6,10 +6,7 @@
 
 mod common;
 
-use std::collections::BTreeMap;
-
 use gpu_node_agent::mig::stage::plan_layout;
-use gpu_node_agent::mig::state::ObservedGpu;
 use gpu_node_agent::mig_layout::defaults::{self, default_layouts};
 use gpu_node_agent::nvml::Gpus;
 
@@ -22,20 +19,6 @@ const MODELS: [&str; 6] = [
     "A100-PCIE-80GB",
     "H100-NVL",
 ];
-
-fn gi_counts(gpu: &ObservedGpu) -> BTreeMap<String, u32> {
-    let mut counts = BTreeMap::new();
-    for gi in &gpu.gpu_instances {
-        let name = gpu
-            .profiles
-            .iter()
-            .find(|p| p.id == gi.profile_id)
-            .map(|p| p.name.clone())
-            .unwrap_or_default();
-        *counts.entry(name).or_insert(0) += 1;
-    }
-    counts
-}
 
 #[test]
 fn every_operator_name_is_generated_with_the_operators_counts_and_applies() {
@@ -94,7 +77,7 @@ fn every_operator_name_is_generated_with_the_operators_counts_and_applies() {
                 gpu.index
             );
             assert_eq!(
-                gi_counts(gpu),
+                common::gi_counts(gpu),
                 entry.profiles,
                 "{name}: GPU {} ({:#06x})",
                 gpu.index,

@@ -477,3 +477,24 @@ impl NotifySocket {
         got
     }
 }
+
+/// The GPU instances of `gpu` counted by profile name, each with the one compute instance that
+/// spans it (asserted).
+pub fn gi_counts(gpu: &gpu_node_agent::mig::state::ObservedGpu) -> std::collections::BTreeMap<String, u32> {
+    let mut counts = std::collections::BTreeMap::new();
+    for gi in &gpu.gpu_instances {
+        let name = gpu
+            .profiles
+            .iter()
+            .find(|p| p.id == gi.profile_id)
+            .map(|p| p.name.clone())
+            .unwrap_or_default();
+        assert_eq!(
+            gi.compute_instances.len(),
+            1,
+            "one spanning compute instance per GPU instance"
+        );
+        *counts.entry(name).or_insert(0) += 1;
+    }
+    counts
+}
