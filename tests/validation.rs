@@ -152,6 +152,11 @@ fn cuda_is_not_available_without_libcuda_and_fails_cleanly_with_a_broken_one() {
     assert!(error.contains("cuda: cuInit: CUDA error 100"), "{error}");
 }
 
+/// Where the fake libcuda counts its `cuInit` calls, one line each.
+fn cuda_runs(node: &Node) -> std::path::PathBuf {
+    node.tmp.path().join("cuda-runs")
+}
+
 /// Builds a fake `libcuda.so.1` under the node's driver root that sees `count` devices, all
 /// A100s: CUDA ordinal `n` is the GPU at bus `0x11 - n` (fastest first: ordinal 0 is NVML's
 /// GPU 1 at `00000000:11:00.0`), and the kernel launch fails on ordinal `fail` (-1: none).
@@ -164,7 +169,7 @@ fn fake_libcuda(node: &Node, count: u32, fail: i32) {
 #include <stdlib.h>
 #include <string.h>
 static int current = -1;
-int cuInit(unsigned f) { (void)f; return 0; }
+int cuInit(unsigned f) { (void)f; FILE *r = fopen(RUNS, "a"); if (r) { fputs("cuInit\n", r); fclose(r); } return 0; }
 int cuDriverGetVersion(int *v) { *v = 12040; return 0; }
 int cuDeviceGetCount(int *n) { *n = COUNT; return 0; }
 int cuDeviceGet(int *d, int o) { *d = o; return 0; }
@@ -198,6 +203,7 @@ int cuGetErrorString(int e, const char **s) { *s = e == 719 ? "unspecified launc
             "-fPIC",
             &format!("-DCOUNT={count}"),
             &format!("-DFAIL={fail}"),
+            &format!("-DRUNS=\"{}\"", cuda_runs(node).display()),
             "-o",
         ])
         .arg(&lib)
@@ -439,4 +445,52 @@ async fn gpus_with_nothing_advertised_fail_the_device_plugin_check() {
     );
     assert_eq!(status["labels"]["nvidia.com/gpu-node-agent.validation.state"], "failed");
     assert!(kubelet.resources().is_empty(), "{:?}", kubelet.resources());
+}
+
+/// A MIG change makes the CUDA check run again (it is otherwise kept for a day per driver
+/// version): the GPUs it passed on no longer look that way.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_mig_change_runs_the_cuda_check_again() {
+    let node = Node::new(
+        &common::machine("A100-SXM4-40GB", 2),
+        "[kubernetes]\nenabled = false\n[desired]\nlabels_file = \"/etc/gpu-node-agent/labels\"\n\
+         [agent]\nresync_interval = \"1s\"\n",
+    );
+    fake_libcuda(&node, 2, -1);
+    let labels = node.root.join("etc/gpu-node-agent/labels");
+    std::fs::write(&labels, "# none yet\n").expect("labels");
+    let runs = || {
+        std::fs::read_to_string(cuda_runs(&node))
+            .unwrap_or_default()
+            .lines()
+            .count()
+    };
+    let kubelet = TestKubelet::start(&node.plugin_dir(), KubeletOptions::default())
+        .await
+        .expect("kubelet");
+    let agent = node.spawn();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while runs() == 0 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the CUDA check never ran: {}",
+            validation(&node.status_json())
+        );
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    let first = runs();
+    std::fs::write(&labels, "nvidia.com/mig.config=all-1g.5gb\n").expect("label");
+    node.wait_status(std::time::Duration::from_secs(30), |s| {
+        s["labels"]["nvidia.com/mig.config.state"] == "success"
+    });
+    while runs() == first {
+        assert!(
+            std::time::Instant::now() < deadline + std::time::Duration::from_secs(30),
+            "the CUDA check did not run again after the MIG change ({first} runs before): {}",
+            validation(&node.status_json())
+        );
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    assert_eq!(agent.stop(), 0);
+    drop(kubelet);
 }

@@ -191,8 +191,12 @@ impl Agent {
                         changed.join(", ")
                     ),
                 );
-                // The MIG devices changed: read the inventory again before advertising.
+                // The MIG devices changed: read the inventory again before advertising, and run
+                // the CUDA check again (on every device CUDA sees, the new MIG devices included)
+                // rather than keep the day-old result of GPUs that no longer look that way.
                 self.inventory = None;
+                self.cuda_run = None;
+                self.stages[StageId::Validation].now();
             }
             Step::Busy { reason, .. } => {
                 let since = *self.mig.pending_since.get_or_insert_with(Instant::now);
