@@ -40,7 +40,13 @@ fn main() -> ExitCode {
         }
     };
     // `auto` values are decided once, against this node: every command sees the same.
-    let as_written = config.clone();
+    let as_written = matches!(
+        cli.command,
+        Command::Config {
+            command: ConfigCommand::Check
+        }
+    )
+    .then(|| config.clone());
     let decided = config.resolve_auto_on(root.path());
     // One writer per node: the daemon and the commands that change the node hold the state
     // dir's lock while they run; a second one is refused, naming the first.
@@ -68,7 +74,7 @@ fn main() -> ExitCode {
             if let Some(decided) = &decided {
                 println!("# on this node: {decided}");
             }
-            match toml::to_string_pretty(&as_written) {
+            match toml::to_string_pretty(as_written.as_ref().unwrap_or(&config)) {
                 Ok(text) => {
                     println!("{text}");
                     ExitCode::SUCCESS

@@ -74,10 +74,18 @@ impl Agent {
         let default = &self.config.mig.default_layout;
         let unset = matches!(self.desired_sel.mig_config, Selection::Unset);
         let defaulted = unset && !default.is_empty() && self.config.mig.layout(default).is_some() && {
-            let g = gpus.clone();
-            tokio::task::spawn_blocking(move || g.mig_observe().is_ok_and(|o| o.iter().any(|g| g.mode.is_some())))
-                .await
-                .unwrap_or(false)
+            // The inventory says it without asking NVML again; at boot (no inventory yet) ask.
+            match &self.inventory {
+                Some(inventory) => inventory.gpus.iter().any(|g| g.mig.is_some()),
+                None => {
+                    let g = gpus.clone();
+                    tokio::task::spawn_blocking(move || {
+                        g.mig_observe().is_ok_and(|o| o.iter().any(|g| g.mode.is_some()))
+                    })
+                    .await
+                    .unwrap_or(false)
+                }
+            }
         };
         let name = match self.desired_sel.mig_config.clone() {
             Selection::Unset if defaulted => default.clone(),

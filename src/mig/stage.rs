@@ -121,12 +121,15 @@ fn desired_profiles(gpu: &ObservedGpu, entry: &LayoutEntry) -> Option<BTreeMap<S
 
 /// The plan for one GPU, `None` when the layout leaves it alone (see [`plan_layout`]).
 fn plan_covered(gpu: &ObservedGpu, layout: &MigLayout) -> Option<Result<GpuPlan, PlanError>> {
-    let entries: Vec<&LayoutEntry> = layout
+    // Each entry that applies, with what it asks of this GPU; a generated entry with nothing
+    // for a MIG GPU does not apply to it.
+    let entries: Vec<(&LayoutEntry, Option<BTreeMap<String, u32>>)> = layout
         .entries_for(gpu.index, gpu.pci_device_id)
         .into_iter()
-        .filter(|e| !e.mig_enabled || gpu.mode.is_none() || desired_profiles(gpu, e).is_some())
+        .map(|e| (e, desired_profiles(gpu, e)))
+        .filter(|(e, profiles)| !e.mig_enabled || gpu.mode.is_none() || profiles.is_some())
         .collect();
-    let Some(entry) = entries.last() else {
+    let Some((entry, profiles)) = entries.last() else {
         return (gpu.mode.is_some() && layout.uncovered == Uncovered::Fail).then(|| {
             Err(PlanError::NotCovered {
                 index: gpu.index,
@@ -136,13 +139,15 @@ fn plan_covered(gpu: &ObservedGpu, layout: &MigLayout) -> Option<Result<GpuPlan,
             })
         });
     };
-    let named_and_enabled = |e: &&LayoutEntry| e.mig_enabled && matches!(e.devices, DeviceSelector::Indices(_));
-    if gpu.mode.is_none() && !entries.iter().any(named_and_enabled) {
+    let named_and_enabled = entries
+        .iter()
+        .any(|(e, _)| e.mig_enabled && matches!(e.devices, DeviceSelector::Indices(_)));
+    if gpu.mode.is_none() && !named_and_enabled {
         return None;
     }
     let desired = DesiredGpu {
         mig_enabled: entry.mig_enabled,
-        profiles: desired_profiles(gpu, entry).unwrap_or_default(),
+        profiles: profiles.clone().unwrap_or_default(),
     };
     Some(plan_gpu(gpu, &desired))
 }

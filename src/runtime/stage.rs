@@ -228,47 +228,43 @@ impl RuntimePlan {
 
     /// One line for status: what is configured or what would change.
     pub fn summary(&self) -> String {
-        if let Some(note) = &self.note {
-            return note.clone();
+        match &self.note {
+            Some(note) => note.clone(),
+            None => self.engine_names(true),
         }
-        let names: Vec<String> = self
-            .engines
-            .iter()
-            .filter(|e| e.skipped.is_none() && e.error.is_none())
-            .map(|e| {
-                if !e.runtime.runtimes {
-                    format!("{} (CDI only)", e.engine.as_str())
-                } else if e.runtime.default == DefaultRuntime::Set {
-                    format!("{} (default)", e.engine.as_str())
-                } else {
-                    e.engine.as_str().to_owned()
-                }
-            })
-            .collect();
-        names.join(", ")
     }
 
     /// What the engines have, for status: `nvidia runtime in containerd (default)`, or under
     /// `cdi-only` `CDI, no runtime, in containerd`.
     pub fn describe(&self, runtime_name: &str) -> String {
-        if let Some(note) = &self.note {
-            return note.clone();
+        match &self.note {
+            Some(note) => note.clone(),
+            None if self.engines.iter().any(|e| !e.runtime.runtimes) => {
+                format!("CDI, no runtime, in {}", self.engine_names(false))
+            }
+            None => format!("{runtime_name} runtime in {}", self.engine_names(false)),
         }
-        let configured = self.engines.iter().filter(|e| e.skipped.is_none() && e.error.is_none());
-        let names: Vec<String> = configured
+    }
+
+    /// The configured engines, `(default)` after one whose default the runtime becomes and,
+    /// with `cdi_mark`, `(CDI only)` after one that gets no runtime.
+    fn engine_names(&self, cdi_mark: bool) -> String {
+        let names: Vec<String> = self
+            .engines
+            .iter()
+            .filter(|e| e.skipped.is_none() && e.error.is_none())
             .map(|e| {
-                if e.runtime.default == DefaultRuntime::Set && e.runtime.runtimes {
-                    format!("{} (default)", e.engine.as_str())
+                let engine = e.engine.as_str();
+                if !e.runtime.runtimes && cdi_mark {
+                    format!("{engine} (CDI only)")
+                } else if e.runtime.default == DefaultRuntime::Set && e.runtime.runtimes {
+                    format!("{engine} (default)")
                 } else {
-                    e.engine.as_str().to_owned()
+                    engine.to_owned()
                 }
             })
             .collect();
-        if self.engines.iter().any(|e| !e.runtime.runtimes) {
-            format!("CDI, no runtime, in {}", names.join(", "))
-        } else {
-            format!("{runtime_name} runtime in {}", names.join(", "))
-        }
+        names.join(", ")
     }
 
     /// The engines left alone, with why, and their warnings: lines for status and the log.
