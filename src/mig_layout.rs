@@ -11,7 +11,9 @@
 //!
 //! An entry applies to GPU `i` with PCI device id `d` when both hold (mig-parted's rule):
 //! - its `devices` is [`DeviceSelector::All`], or lists `i` (the NVML index);
-//! - its `device_filter` is empty, or lists `d`.
+//! - its `device_filter` is empty, or lists `d` ([`DeviceId`]: a device id alone matches every
+//!   GPU with it; one with a subsystem id, mig-parted's `0x<device>10DE:0x<subsystem>`, only
+//!   the GPUs whose NVML `pciSubSystemId` is that).
 //!
 //! [`MigLayout::entries_for`] returns every entry that applies, in order.
 //! - **None**: the layout does not cover that GPU. mig-parted's `apply` leaves such a GPU as it
@@ -131,8 +133,9 @@ impl Generated {
 pub struct LayoutEntry {
     /// The GPUs (NVML indices) it is for.
     pub devices: DeviceSelector,
-    /// 16-bit PCI device ids (e.g. 0x20B0 for A100-SXM4-40GB); empty: any.
-    pub device_filter: Vec<u16>,
+    /// PCI device ids (e.g. 0x20B0 for A100-SXM4-40GB), each perhaps with a subsystem id;
+    /// empty: any.
+    pub device_filter: Vec<DeviceId>,
     /// The MIG mode.
     pub mig_enabled: bool,
     /// Profile name → number of instances, e.g. `1g.5gb` → 7, `1c.4g.20gb` → 4. Empty with
@@ -171,18 +174,21 @@ impl DeviceSelector {
 }
 
 impl LayoutEntry {
-    /// Whether this entry applies to the GPU with NVML index `gpu_index` and PCI device id
-    /// `pci_device_id` (see the module docs).
-    pub fn matches(&self, gpu_index: u32, pci_device_id: u16) -> bool {
+    /// Whether this entry applies to the GPU with NVML index `gpu_index` and PCI ids `pci`
+    /// (see the module docs).
+    pub fn matches(&self, gpu_index: u32, pci: GpuPciIds) -> bool {
         self.devices.contains(gpu_index)
-            && (self.device_filter.is_empty() || self.device_filter.contains(&pci_device_id))
+            && (self.device_filter.is_empty() || self.device_filter.iter().any(|d| d.matches(pci)))
     }
 
     /// Whether some GPU could be matched by both entries.
     fn overlaps(&self, other: &LayoutEntry) -> bool {
         let filters_meet = self.device_filter.is_empty()
             || other.device_filter.is_empty()
-            || self.device_filter.iter().any(|d| other.device_filter.contains(d));
+            || self
+                .device_filter
+                .iter()
+                .any(|d| other.device_filter.iter().any(|o| d.meets(o)));
         filters_meet && self.devices.intersects(&other.devices)
     }
 
@@ -201,20 +207,16 @@ impl MigLayout {
         }
     }
 
-    /// Every entry that applies to the GPU with NVML index `gpu_index` and PCI device id
-    /// `pci_device_id`, in order. Empty: the layout does not cover that GPU. In a layout that
-    /// passed [`check`](Self::check), several entries returned all ask for the same state.
-    pub fn entries_for(&self, gpu_index: u32, pci_device_id: u16) -> Vec<&LayoutEntry> {
-        self.entries
-            .iter()
-            .filter(|e| e.matches(gpu_index, pci_device_id))
-            .collect()
+    /// Every entry that applies to the GPU with NVML index `gpu_index` and PCI ids `pci`, in
+    /// order. Empty: the layout does not cover that GPU.
+    pub fn entries_for(&self, gpu_index: u32, pci: GpuPciIds) -> Vec<&LayoutEntry> {
+        self.entries.iter().filter(|e| e.matches(gpu_index, pci)).collect()
     }
 
     /// The entry that decides the GPU's state: the last one that applies, which is what
     /// mig-parted ends up with after applying entries in order. `None`: not covered.
-    pub fn entry_for(&self, gpu_index: u32, pci_device_id: u16) -> Option<&LayoutEntry> {
-        self.entries.iter().rev().find(|e| e.matches(gpu_index, pci_device_id))
+    pub fn entry_for(&self, gpu_index: u32, pci: GpuPciIds) -> Option<&LayoutEntry> {
+        self.entries.iter().rev().find(|e| e.matches(gpu_index, pci))
     }
 
     /// The rules every layout follows, wherever it comes from (the config, an import, the
@@ -285,7 +287,7 @@ fn check_entry(index: usize, entry: &LayoutEntry) -> Result<(), LayoutError> {
             return Err(problem(
                 EntryField::DeviceFilter,
                 Some(Item::Index(k)),
-                format!("device id {} is listed twice", format_device_id(*id)),
+                format!("device id {id} is listed twice"),
             ));
         }
     }
@@ -543,6 +545,84 @@ fn parse_attrs(list: &str) -> Result<Vec<String>, String> {
 
 // === PCI device ids ===
 
+/// One element of `device_filter`: a PCI device id, and perhaps the subsystem id too
+/// (mig-parted v0.15's `0x<device>10DE:0x<subsystem device><subsystem vendor>`), for models
+/// that share a device id but differ in their boards (A16 and A2 are both 0x25B6).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct DeviceId {
+    /// The 16-bit PCI device id, e.g. 0x20B0.
+    pub device: u16,
+    /// The subsystem id as NVML's `pciSubSystemId` holds it (subsystem device id in the high
+    /// half, subsystem vendor id in the low half), e.g. 0x134F10DE; `None`: any.
+    pub subsystem: Option<u32>,
+}
+
+/// What a GPU shows a device filter: its PCI device id and NVML's `pciSubSystemId`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GpuPciIds {
+    pub device: u16,
+    pub subsystem: u32,
+}
+
+/// A GPU of device id `device` whose subsystem id NVML reports as 0 (unknown).
+impl From<u16> for GpuPciIds {
+    fn from(device: u16) -> Self {
+        GpuPciIds { device, subsystem: 0 }
+    }
+}
+
+/// A bare device id equals a filter of that device id without a subsystem.
+impl PartialEq<u16> for DeviceId {
+    fn eq(&self, device: &u16) -> bool {
+        self.subsystem.is_none() && self.device == *device
+    }
+}
+
+impl From<u16> for DeviceId {
+    fn from(device: u16) -> Self {
+        DeviceId {
+            device,
+            subsystem: None,
+        }
+    }
+}
+
+impl DeviceId {
+    /// Whether a GPU with these ids is one this filter names.
+    pub fn matches(&self, gpu: GpuPciIds) -> bool {
+        self.device == gpu.device && self.subsystem.is_none_or(|s| s == gpu.subsystem)
+    }
+
+    /// Whether some GPU could match both.
+    fn meets(&self, other: &DeviceId) -> bool {
+        self.device == other.device
+            && match (self.subsystem, other.subsystem) {
+                (Some(a), Some(b)) => a == b,
+                _ => true,
+            }
+    }
+
+    /// mig-parted's spelling: `0x20B010DE`, or `0x20B010DE:0x134F10DE`.
+    pub fn to_mig_parted(&self) -> String {
+        let primary = format!("0x{:04X}{NVIDIA_VENDOR_ID:04X}", self.device);
+        match self.subsystem {
+            Some(s) => format!("{primary}:0x{s:08X}"),
+            None => primary,
+        }
+    }
+}
+
+/// The config's spelling: `0x20B0`, or `0x20B0:0x134F10DE`.
+impl fmt::Display for DeviceId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&format_device_id(self.device))?;
+        match self.subsystem {
+            Some(s) => write!(f, ":0x{s:08X}"),
+            None => Ok(()),
+        }
+    }
+}
+
 /// Writes a device id the way the config does: `0x20B0`.
 pub fn format_device_id(id: u16) -> String {
     format!("0x{id:04X}")
@@ -564,36 +644,48 @@ pub fn device_id_from_pci_id(value: u32) -> Result<u16, String> {
 }
 
 const DEVICE_ID_EXPECTED: &str = "expected a PCI device id such as \"0x20B0\", or device and vendor id such as \
-     \"0x20B010DE\", or an integer";
+     \"0x20B010DE\", either perhaps followed by a subsystem id (\"0x25B610DE:0x14A910DE\"), or an integer";
 
-/// A device id as the config accepts it: `"0x20B0"` (1 to 4 hex digits: the device id),
-/// `"0x20B010DE"` (5 to 8 hex digits: device and NVIDIA's vendor id, mig-parted's form).
-/// mig-parted's subsystem qualifier (`...:0x...`) is not supported.
-pub fn parse_device_id(text: &str) -> Result<u16, String> {
-    if text.contains(':') {
-        return Err(format!(
-            "subsystem qualifiers are not supported (only the device id is matched); {DEVICE_ID_EXPECTED}"
-        ));
-    }
+/// Hex digits after `0x`, as a number of at most 32 bits, and how many digits there were.
+fn hex_u32(text: &str) -> Option<(u32, usize)> {
     let hex = text
         .strip_prefix("0x")
         .or_else(|| text.strip_prefix("0X"))
-        .filter(|h| !h.is_empty() && h.len() <= 8 && h.bytes().all(|b| b.is_ascii_hexdigit()))
-        .ok_or_else(|| DEVICE_ID_EXPECTED.to_owned())?;
-    let value = u32::from_str_radix(hex, 16).map_err(|_| DEVICE_ID_EXPECTED.to_owned())?;
-    if hex.len() <= 4 {
-        Ok(value as u16)
+        .filter(|h| !h.is_empty() && h.len() <= 8 && h.bytes().all(|b| b.is_ascii_hexdigit()))?;
+    Some((u32::from_str_radix(hex, 16).ok()?, hex.len()))
+}
+
+/// A device id as the config accepts it: `"0x20B0"` (1 to 4 hex digits: the device id),
+/// `"0x20B010DE"` (5 to 8 hex digits: device and NVIDIA's vendor id, mig-parted's form), either
+/// perhaps followed by `:0x<subsystem device><subsystem vendor>` (8 hex digits at most, as
+/// NVML's `pciSubSystemId`; mig-parted v0.15's subsystem filter).
+pub fn parse_device_id(text: &str) -> Result<DeviceId, String> {
+    let (primary, subsystem) = match text.split_once(':') {
+        Some((p, s)) => (p, Some(s)),
+        None => (text, None),
+    };
+    let (value, digits) = hex_u32(primary).ok_or_else(|| DEVICE_ID_EXPECTED.to_owned())?;
+    let device = if digits <= 4 {
+        value as u16
     } else {
-        device_id_from_pci_id(value)
-    }
+        device_id_from_pci_id(value)?
+    };
+    let subsystem =
+        match subsystem {
+            None => None,
+            Some(s) => Some(hex_u32(s).map(|(v, _)| v).ok_or_else(|| {
+                format!("the subsystem id {s:?} is not 0x and 1 to 8 hex digits; {DEVICE_ID_EXPECTED}")
+            })?),
+        };
+    Ok(DeviceId { device, subsystem })
 }
 
 /// A device id given as an integer: up to 0xFFFF the device id, above it mig-parted's 32-bit
 /// device-and-vendor form.
-fn device_id_from_int(value: i64) -> Result<u16, String> {
+fn device_id_from_int(value: i64) -> Result<DeviceId, String> {
     match u32::try_from(value) {
-        Ok(v) if v <= 0xFFFF => Ok(v as u16),
-        Ok(v) => device_id_from_pci_id(v),
+        Ok(v) if v <= 0xFFFF => Ok(DeviceId::from(v as u16)),
+        Ok(v) => device_id_from_pci_id(v).map(DeviceId::from),
         Err(_) => Err(DEVICE_ID_EXPECTED.to_owned()),
     }
 }
@@ -642,9 +734,9 @@ impl<'de> Deserialize<'de> for DeviceSelector {
 }
 
 /// One element of `device_filter`.
-struct DeviceId(u16);
+struct DeviceIdDe(DeviceId);
 
-impl<'de> Deserialize<'de> for DeviceId {
+impl<'de> Deserialize<'de> for DeviceIdDe {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
         d.deserialize_any(DeviceIdVisitor)
     }
@@ -653,28 +745,28 @@ impl<'de> Deserialize<'de> for DeviceId {
 struct DeviceIdVisitor;
 
 impl<'de> Visitor<'de> for DeviceIdVisitor {
-    type Value = DeviceId;
+    type Value = DeviceIdDe;
 
     fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(DEVICE_ID_EXPECTED.trim_start_matches("expected "))
     }
 
-    fn visit_str<E: de::Error>(self, v: &str) -> Result<DeviceId, E> {
-        parse_device_id(v).map(DeviceId).map_err(E::custom)
+    fn visit_str<E: de::Error>(self, v: &str) -> Result<DeviceIdDe, E> {
+        parse_device_id(v).map(DeviceIdDe).map_err(E::custom)
     }
 
-    fn visit_i64<E: de::Error>(self, v: i64) -> Result<DeviceId, E> {
-        device_id_from_int(v).map(DeviceId).map_err(E::custom)
+    fn visit_i64<E: de::Error>(self, v: i64) -> Result<DeviceIdDe, E> {
+        device_id_from_int(v).map(DeviceIdDe).map_err(E::custom)
     }
 
-    fn visit_u64<E: de::Error>(self, v: u64) -> Result<DeviceId, E> {
+    fn visit_u64<E: de::Error>(self, v: u64) -> Result<DeviceIdDe, E> {
         let v = i64::try_from(v).map_err(|_| E::custom(DEVICE_ID_EXPECTED))?;
         self.visit_i64(v)
     }
 }
 
 /// `device_filter`: one device id or an array of them.
-struct DeviceFilter(Vec<u16>);
+struct DeviceFilter(Vec<DeviceId>);
 
 impl<'de> Deserialize<'de> for DeviceFilter {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
@@ -701,7 +793,7 @@ impl<'de> Deserialize<'de> for DeviceFilter {
 
             fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<DeviceFilter, A::Error> {
                 let mut out = Vec::new();
-                while let Some(DeviceId(id)) = seq.next_element()? {
+                while let Some(DeviceIdDe(id)) = seq.next_element()? {
                     out.push(id);
                 }
                 Ok(DeviceFilter(out))
@@ -712,13 +804,13 @@ impl<'de> Deserialize<'de> for DeviceFilter {
     }
 }
 
-struct DeviceIds<'a>(&'a [u16]);
+struct DeviceIds<'a>(&'a [DeviceId]);
 
 impl Serialize for DeviceIds<'_> {
     fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
         let mut seq = s.serialize_seq(Some(self.0.len()))?;
         for id in self.0 {
-            seq.serialize_element(&format_device_id(*id))?;
+            seq.serialize_element(&id.to_string())?;
         }
         seq.end()
     }
@@ -843,7 +935,7 @@ mod tests {
     fn entry(devices: DeviceSelector, filter: &[u16], enabled: bool, profiles: &[(&str, u32)]) -> LayoutEntry {
         LayoutEntry {
             devices,
-            device_filter: filter.to_vec(),
+            device_filter: filter.iter().map(|&d| d.into()).collect(),
             mig_enabled: enabled,
             profiles: profiles.iter().map(|(p, n)| (p.to_string(), *n)).collect(),
             generated: None,
@@ -937,13 +1029,13 @@ mod tests {
         ]);
         layout.check().unwrap();
         // By index, any model.
-        assert_eq!(layout.entries_for(0, 0x20B0), [&layout.entries[0]]);
-        assert_eq!(layout.entries_for(1, 0x1234), [&layout.entries[0]]);
-        assert!(layout.entries_for(2, 0x20B0).is_empty());
+        assert_eq!(layout.entries_for(0, 0x20B0.into()), [&layout.entries[0]]);
+        assert_eq!(layout.entries_for(1, 0x1234.into()), [&layout.entries[0]]);
+        assert!(layout.entries_for(2, 0x20B0.into()).is_empty());
         // Index and filter both needed.
-        assert_eq!(layout.entries_for(3, 0x20B0), [&layout.entries[1]]);
-        assert!(layout.entries_for(3, 0x20B5).is_empty());
-        assert_eq!(layout.entry_for(3, 0x20B5), None);
+        assert_eq!(layout.entries_for(3, 0x20B0.into()), [&layout.entries[1]]);
+        assert!(layout.entries_for(3, 0x20B5.into()).is_empty());
+        assert_eq!(layout.entry_for(3, 0x20B5.into()), None);
 
         // `all` restricted by the filter: one entry per model.
         let per_model = MigLayout::new(vec![
@@ -951,13 +1043,13 @@ mod tests {
             entry(DeviceSelector::All, &[0x20B0], true, &[("1g.10gb", 4)]),
         ]);
         per_model.check().unwrap();
-        assert_eq!(per_model.entries_for(5, 0x2330), [&per_model.entries[0]]);
-        assert_eq!(per_model.entries_for(2, 0x20B2), [&per_model.entries[0]]);
-        assert_eq!(per_model.entries_for(2, 0x20B0), [&per_model.entries[1]]);
-        assert!(per_model.entries_for(2, 0x20B5).is_empty());
+        assert_eq!(per_model.entries_for(5, 0x2330.into()), [&per_model.entries[0]]);
+        assert_eq!(per_model.entries_for(2, 0x20B2.into()), [&per_model.entries[0]]);
+        assert_eq!(per_model.entries_for(2, 0x20B0.into()), [&per_model.entries[1]]);
+        assert!(per_model.entries_for(2, 0x20B5.into()).is_empty());
 
         let all = MigLayout::new(vec![entry(DeviceSelector::All, &[], false, &[])]);
-        assert_eq!(all.entries_for(7, 0xFFFF).len(), 1);
+        assert_eq!(all.entries_for(7, 0xFFFF.into()).len(), 1);
     }
 
     #[test]
@@ -969,8 +1061,8 @@ mod tests {
         ]);
         same.check().unwrap();
         assert!(same.overrides().is_empty());
-        assert_eq!(same.entries_for(0, 0x20B2).len(), 2);
-        assert_eq!(same.entry_for(0, 0x20B2), Some(&same.entries[1]));
+        assert_eq!(same.entries_for(0, 0x20B2.into()).len(), 2);
+        assert_eq!(same.entry_for(0, 0x20B2.into()), Some(&same.entries[1]));
 
         // "devices: all, then an override for [0]": accepted, the last entry wins, and it says so.
         let conflict = MigLayout::new(vec![
@@ -978,8 +1070,8 @@ mod tests {
             entry(DeviceSelector::Indices(vec![0]), &[], false, &[]),
         ]);
         conflict.check().unwrap();
-        assert_eq!(conflict.entry_for(0, 0x20B2), Some(&conflict.entries[1]));
-        assert_eq!(conflict.entry_for(1, 0x20B2), Some(&conflict.entries[0]));
+        assert_eq!(conflict.entry_for(0, 0x20B2.into()), Some(&conflict.entries[1]));
+        assert_eq!(conflict.entry_for(1, 0x20B2.into()), Some(&conflict.entries[0]));
         assert_eq!(
             conflict.overrides(),
             ["entry 1 overrides entry 0 on the GPUs both select (the last entry wins, as in mig-parted)"]
@@ -1052,27 +1144,83 @@ mod tests {
 
     #[test]
     fn device_ids() {
-        assert_eq!(parse_device_id("0x20B0"), Ok(0x20B0));
-        assert_eq!(parse_device_id("0x20b0"), Ok(0x20B0));
-        assert_eq!(parse_device_id("0X20B010DE"), Ok(0x20B0));
-        assert_eq!(parse_device_id("0x233010de"), Ok(0x2330));
+        let id = |device| Ok(DeviceId::from(device));
+        assert_eq!(parse_device_id("0x20B0"), id(0x20B0));
+        assert_eq!(parse_device_id("0x20b0"), id(0x20B0));
+        assert_eq!(parse_device_id("0X20B010DE"), id(0x20B0));
+        assert_eq!(parse_device_id("0x233010de"), id(0x2330));
+        let a16 = DeviceId {
+            device: 0x25B6,
+            subsystem: Some(0x14A9_10DE),
+        };
+        assert_eq!(parse_device_id("0x25B610DE:0x14A910DE"), Ok(a16));
+        assert_eq!(parse_device_id("0x25B6:0x14a910de"), Ok(a16));
         for bad in [
             "20B0",
             "0x",
             "0xG0",
             "0x20B010DE0",
             "0x20B01002",
-            "0x20B010DE:0x134F10DE",
+            "0x20B010DE:",
+            "0x20B010DE:134F10DE",
+            "0x20B010DE:0x134F10DE0",
+            "0x20B010DE:0x1:0x2",
             "",
         ] {
             assert!(parse_device_id(bad).is_err(), "{bad:?} accepted");
         }
         assert!(parse_device_id("0x20B01002").unwrap_err().contains("vendor id 0x1002"));
-        assert_eq!(device_id_from_int(0x20B0), Ok(0x20B0));
-        assert_eq!(device_id_from_int(0x20B010DE), Ok(0x20B0));
+        assert_eq!(device_id_from_int(0x20B0), id(0x20B0));
+        assert_eq!(device_id_from_int(0x20B010DE), id(0x20B0));
         assert!(device_id_from_int(-1).is_err());
         assert!(device_id_from_int(0x1_0000_0000).is_err());
         assert_eq!(format_device_id(0x20B0), "0x20B0");
         assert_eq!(format_device_id(0x0A), "0x000A");
+        assert_eq!(a16.to_string(), "0x25B6:0x14A910DE");
+        assert_eq!(a16.to_mig_parted(), "0x25B610DE:0x14A910DE");
+        assert_eq!(DeviceId::from(0x20B0).to_mig_parted(), "0x20B010DE");
+    }
+
+    /// mig-parted's `DeviceID.Matches`: a filter without a subsystem matches every board of the
+    /// device id; one with a subsystem only that board, and not a GPU whose subsystem NVML
+    /// reports as 0 (unknown), unless the filter says 0.
+    #[test]
+    fn subsystem_filters_match_as_mig_parted_does() {
+        let a16 = GpuPciIds {
+            device: 0x25B6,
+            subsystem: 0x14A9_10DE,
+        };
+        let a2 = GpuPciIds {
+            device: 0x25B6,
+            subsystem: 0x157E_10DE,
+        };
+        let unknown = GpuPciIds {
+            device: 0x25B6,
+            subsystem: 0,
+        };
+        let only_a16 = parse_device_id("0x25B610DE:0x14A910DE").unwrap();
+        let any = parse_device_id("0x25B610DE").unwrap();
+        let zero = parse_device_id("0x25B610DE:0x0").unwrap();
+        assert!(any.matches(a16) && any.matches(a2) && any.matches(unknown));
+        assert!(only_a16.matches(a16) && !only_a16.matches(a2) && !only_a16.matches(unknown));
+        assert!(zero.matches(unknown) && !zero.matches(a16));
+        assert!(!parse_device_id("0x1E30").unwrap().matches(a16));
+
+        // Entries for two boards of one device id do not overlap; a bare id overlaps both.
+        let entry = |filter: &[DeviceId], n| LayoutEntry {
+            devices: DeviceSelector::All,
+            device_filter: filter.to_vec(),
+            mig_enabled: true,
+            profiles: BTreeMap::from([("1g.6gb".to_owned(), n)]),
+            generated: None,
+        };
+        let other = parse_device_id("0x25B610DE:0x157E10DE").unwrap();
+        let layout = MigLayout::new(vec![entry(&[only_a16], 1), entry(&[other], 2)]);
+        assert!(layout.overrides().is_empty(), "{:?}", layout.overrides());
+        assert_eq!(layout.entry_for(0, a16).unwrap().profiles["1g.6gb"], 1);
+        assert_eq!(layout.entry_for(0, a2).unwrap().profiles["1g.6gb"], 2);
+        assert!(layout.entry_for(0, unknown).is_none());
+        let layout = MigLayout::new(vec![entry(&[only_a16], 1), entry(&[any], 2)]);
+        assert_eq!(layout.overrides().len(), 1);
     }
 }

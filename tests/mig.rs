@@ -1233,3 +1233,63 @@ fn the_operators_custom_mig_example_applies_on_an_eight_gpu_node() {
         );
     }
 }
+
+/// mig-parted v0.15's subsystem filters: two boards of one device id (same model, different
+/// `pciSubSystemId`) get different layouts from one config imported from the Operator's
+/// ConfigMap form, and a board neither names is left as it booted.
+#[test]
+fn subsystem_device_filters_tell_boards_of_one_model_apart() {
+    let yaml = "version: v1\nmig-configs:\n  by-board:\n\
+                \x20   - devices: all\n      device-filter: \"0x233010DE:0x16C110DE\"\n      mig-enabled: true\n      mig-devices:\n        \"1g.10gb\": 7\n\
+                \x20   - devices: all\n      device-filter: [\"0x233010DE:0x16C010DE\"]\n      mig-enabled: true\n      mig-devices:\n        \"3g.40gb\": 2\n";
+    let indented: String = yaml.lines().map(|l| format!("    {l}\n")).collect();
+    let config_map = format!(
+        "apiVersion: v1\nkind: ConfigMap\nmetadata:\n  name: custom-mig-config\ndata:\n  config.yaml: |\n{indented}"
+    );
+    // GPU 0 and 1: two boards; GPU 2: a third board, booted with one 7g.80gb.
+    let machine = common::machine("H100-80GB-HBM3", 3);
+    let mut gpus = machine.split("[[gpu]]");
+    let head = gpus.next().unwrap_or_default().to_owned();
+    let with = |gpu: &str, extra: &str| format!("[[gpu]]{gpu}{extra}");
+    let bodies: Vec<&str> = gpus.collect();
+    assert_eq!(bodies.len(), 3, "{machine}");
+    let machine = format!(
+        "{head}{}{}{}",
+        with(bodies[0], "pci_subsystem_id = 0x16C110DE\nmig_mode = true\n"),
+        with(bodies[1], "pci_subsystem_id = 0x16C010DE\nmig_mode = true\n"),
+        with(
+            bodies[2],
+            "pci_subsystem_id = 0x17A110DE\nmig_mode = true\n[[gpu.mig_device]]\nprofile = \"7g.80gb\"\n"
+        ),
+    );
+    let node = Node::new(&machine, "[kubernetes]\nenabled = false\n");
+    let file = node.tmp.path().join("custom-mig-config.yaml");
+    std::fs::write(&file, config_map).expect("yaml");
+    let out = node.run(&["mig", "import", file.to_str().expect("path")]);
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    let imported = String::from_utf8_lossy(&out.stdout).to_string();
+    assert!(
+        imported.contains("device_filter = [\"0x2330:0x16C110DE\"]"),
+        "{imported}"
+    );
+    node.write_config(&format!(
+        "[kubernetes]\nenabled = false\n[desired]\nlabels_file = \"/etc/gpu-node-agent/labels\"\n{imported}"
+    ));
+    std::fs::write(
+        node.root.join("etc/gpu-node-agent/labels"),
+        "nvidia.com/mig.config=by-board\n",
+    )
+    .expect("labels");
+    let out = node.run(&["run", "--once"]);
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(node.status_json()["labels"][STATE], "success");
+    let export = String::from_utf8_lossy(&node.run(&["mig", "export"]).stdout).to_string();
+    for (gpu, profiles) in [(0, "\"1g.10gb\" = 7"), (1, "\"3g.40gb\" = 2"), (2, "\"7g.80gb\" = 1")] {
+        assert!(
+            export.contains(&format!(
+                "devices = [{gpu}]\nmig_enabled = true\nprofiles = {{ {profiles} }}"
+            )),
+            "GPU {gpu} wants {profiles}:\n{export}"
+        );
+    }
+}

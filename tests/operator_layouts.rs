@@ -43,7 +43,7 @@ fn every_operator_name_is_generated_with_the_operators_counts_and_applies() {
         let before = gpus.mig_observe().expect("observe");
         if !before
             .iter()
-            .any(|g| operators.entry_for(g.index, g.pci_device_id).is_some())
+            .any(|g| operators.entry_for(g.index, g.pci_ids()).is_some())
         {
             // Only for models the fake does not implement (H200, Blackwell): the name means
             // nothing on this node, and says so.
@@ -59,7 +59,7 @@ fn every_operator_name_is_generated_with_the_operators_counts_and_applies() {
         }
         let after = gpus.mig_observe().expect("observe after");
         for gpu in &after {
-            let Some(entry) = operators.entry_for(gpu.index, gpu.pci_device_id) else {
+            let Some(entry) = operators.entry_for(gpu.index, gpu.pci_ids()) else {
                 continue;
             };
             let planned = plans.iter().any(|p| p.uuid == gpu.uuid);

@@ -862,7 +862,7 @@ mod mig {
     use gpu_node_agent::config::{Config, Source};
     use gpu_node_agent::mig::import::{import_mig_parted, to_toml};
     use gpu_node_agent::mig_layout::{
-        DeviceSelector, LayoutEntry, MigLayout, format_device_id, parse_device_id, parse_profile_name,
+        DeviceId, DeviceSelector, LayoutEntry, MigLayout, format_device_id, parse_device_id, parse_profile_name,
     };
 
     /// A profile name and what it should parse to: (C, G, GB, +attrs, -attrs).
@@ -910,13 +910,16 @@ mod mig {
         };
         (
             devices,
-            prop::collection::btree_set(any::<u16>(), 0..3),
+            prop::collection::btree_set((any::<u16>(), prop::option::of(any::<u32>())), 0..3),
             any::<bool>(),
             prop::collection::btree_map(profile().prop_map(|(text, _)| text), 1u32..=7, 0..4),
         )
             .prop_map(|(devices, filter, mig_enabled, profiles)| LayoutEntry {
                 devices,
-                device_filter: filter.into_iter().collect(),
+                device_filter: filter
+                    .into_iter()
+                    .map(|(device, subsystem)| DeviceId { device, subsystem })
+                    .collect(),
                 mig_enabled,
                 profiles: if mig_enabled { profiles } else { BTreeMap::new() },
                 generated: None,
@@ -952,7 +955,11 @@ mod mig {
                         out += &format!("    - devices: [{}]\n", list.join(", "));
                     }
                 }
-                let ids: Vec<String> = e.device_filter.iter().map(|id| format!("\"0x{id:04X}10DE\"")).collect();
+                let ids: Vec<String> = e
+                    .device_filter
+                    .iter()
+                    .map(|id| format!("\"{}\"", id.to_mig_parted()))
+                    .collect();
                 match (ids.as_slice(), style % 2) {
                     ([], _) => {}
                     ([one], 0) => out += &format!("      device-filter: {one}\n"),
@@ -1016,14 +1023,22 @@ mod mig {
         }
 
         #[test]
-        fn device_ids_round_trip(id in any::<u16>(), vendor in any::<u16>(), lower in any::<bool>()) {
+        fn device_ids_round_trip(
+            id in any::<u16>(),
+            vendor in any::<u16>(),
+            subsystem in prop::option::of(any::<u32>()),
+            lower in any::<bool>(),
+        ) {
             let short = format_device_id(id);
             let short = if lower { short.to_lowercase().replacen("0x", "0X", 1) } else { short };
-            prop_assert_eq!(parse_device_id(&short), Ok(id));
+            prop_assert_eq!(parse_device_id(&short), Ok(DeviceId::from(id)));
+            let with_subsystem = DeviceId { device: id, subsystem };
+            prop_assert_eq!(parse_device_id(&with_subsystem.to_string()), Ok(with_subsystem));
+            prop_assert_eq!(parse_device_id(&with_subsystem.to_mig_parted()), Ok(with_subsystem));
             let long = format!("0x{id:04X}{vendor:04X}");
             let parsed = parse_device_id(&long);
             if vendor == 0x10DE {
-                prop_assert_eq!(parsed, Ok(id));
+                prop_assert_eq!(parsed, Ok(DeviceId::from(id)));
             } else {
                 prop_assert!(parsed.is_err_and(|e| e.contains("vendor")));
             }

@@ -35,6 +35,7 @@ struct GpuEntry {
     mig_mode: bool,
     #[serde(default)]
     mig_reset_required: bool,
+    pci_subsystem_id: Option<u32>,
     pcie_switch: Option<String>,
     #[serde(default)]
     nvlink_peers: Vec<String>,
@@ -114,6 +115,9 @@ pub struct GpuSpec {
     /// MIG mode changes wait for a GPU reset (`SetMigMode` activation status RESET_REQUIRED;
     /// a line with the UUID in the `reset` injection file performs the reset).
     pub mig_reset_required: bool,
+    /// `pciSubSystemId` (subsystem device << 16 | subsystem vendor): the model's unless the
+    /// machine file names one (boards of one device id differ here).
+    pub pci_subsystem_id: u32,
     /// PCIe switch name, for topology.
     pub pcie_switch: Option<String>,
     /// Remote end of each active NVLink, link 0 first.
@@ -258,6 +262,7 @@ fn gpu_spec(index: usize, e: GpuEntry) -> Result<GpuSpec, String> {
         minor: e.minor.unwrap_or(u32::try_from(index).unwrap_or(u32::MAX)),
         mig_mode: e.mig_mode,
         mig_reset_required: e.mig_reset_required,
+        pci_subsystem_id: e.pci_subsystem_id.unwrap_or(model.pci_subsystem_id),
         pcie_switch: e.pcie_switch,
         nvlink_peers,
         mig_devices,

@@ -562,7 +562,7 @@ impl Cx<'_> {
         let spec = self.lib.spec(g);
         let mut info = pci_for_bus(&spec.bus_id);
         info.pciDeviceId = (u32::from(spec.model.pci_device_id) << 16) | 0x10DE;
-        info.pciSubSystemId = spec.model.pci_subsystem_id;
+        info.pciSubSystemId = spec.pci_subsystem_id;
         info
     }
 

@@ -378,6 +378,7 @@ impl Gpus {
                 index,
                 uuid: raw.uuid.clone(),
                 pci_device_id: (pci.pci_device_id >> 16) as u16,
+                pci_subsystem_id: pci.pci_sub_system_id.unwrap_or(0),
                 mode,
                 profiles,
                 gpu_instances,

@@ -6,8 +6,8 @@
 //! differ:
 //! - counts of 0 are accepted as mig-parted does (and ignored, as its assert does): they are
 //!   dropped from the layout;
-//! - device filters must name NVIDIA's vendor id (`0x<device>10DE`), and subsystem qualifiers
-//!   (`0x20B010DE:0x134F10DE`) are rejected: the agent matches on the device id alone;
+//! - device filters must name NVIDIA's vendor id (`0x<device>10DE`); a subsystem qualifier
+//!   (`0x25B610DE:0x14A910DE`, mig-parted v0.15) is kept and matched as mig-parted does;
 //! - config names must be Kubernetes label values (the node label selects them);
 //! - the rules of [`MigLayout::check`] apply: no empty or repeated `devices`, no two entries
 //!   that can apply to the same GPU with different settings.
@@ -18,8 +18,7 @@ use std::fmt::{self, Write as _};
 use serde_json::{Map, Value};
 
 use crate::mig_layout::{
-    DeviceSelector, Item, LayoutEntry, LayoutError, MigLayout, device_id_from_pci_id, format_device_id,
-    parse_profile_name,
+    DeviceId, DeviceSelector, Item, LayoutEntry, LayoutError, MigLayout, device_id_from_pci_id, parse_profile_name,
 };
 use crate::names::check_label_value;
 
@@ -123,6 +122,9 @@ pub fn import_what_fits(text: &str) -> Result<(BTreeMap<String, MigLayout>, Vec<
             kind(&doc)
         )));
     };
+    if doc.get("kind").and_then(Value::as_str) == Some("ConfigMap") {
+        return import_what_fits(&config_map_file(&doc)?);
+    }
     for key in doc.keys() {
         if key != "version" && key != "mig-configs" {
             let hint = if matches!(key.as_str(), "apiVersion" | "kind" | "data" | "metadata") {
@@ -170,6 +172,34 @@ pub fn import_what_fits(text: &str) -> Result<(BTreeMap<String, MigLayout>, Vec<
         }
     }
     Ok((out, refused))
+}
+
+/// The mig-parted file a ConfigMap holds (`kubectl get configmap default-mig-parted-config -o
+/// yaml`, or the Operator's `custom-mig-config`): `data."config.yaml"`, else its only key.
+fn config_map_file(doc: &Map<String, Value>) -> Result<String, ImportError> {
+    let at = At::default().field("data");
+    let Some(Value::Object(data)) = doc.get("data") else {
+        return Err(at.err("a ConfigMap without data: expected data.\"config.yaml\" holding a mig-parted file"));
+    };
+    let value = match data.get("config.yaml") {
+        Some(v) => v,
+        None if data.len() == 1 => data.values().next().unwrap_or(&Value::Null),
+        None => {
+            let keys: Vec<&str> = data.keys().map(String::as_str).collect();
+            return Err(at.err(format!(
+                "no config.yaml among the ConfigMap's keys ({}); import the one that holds the mig-parted \
+                 file on its own",
+                keys.join(", ")
+            )));
+        }
+    };
+    match value {
+        Value::String(text) => Ok(text.clone()),
+        other => Err(at.err(format!(
+            "expected the mig-parted file as a string, found {}",
+            kind(other)
+        ))),
+    }
 }
 
 /// One config of `mig-configs`.
@@ -254,7 +284,7 @@ fn mig_enabled(at: &At, map: &Map<String, Value>) -> Result<bool, ImportError> {
     }
 }
 
-fn device_filter(at: &At, map: &Map<String, Value>) -> Result<Vec<u16>, ImportError> {
+fn device_filter(at: &At, map: &Map<String, Value>) -> Result<Vec<DeviceId>, ImportError> {
     let at = at.field("device-filter");
     let one = |at: &At, v: &Value| match v {
         Value::String(s) => mig_parted_device_id(s).map_err(|reason| at.err(format!("{s:?}: {reason}"))),
@@ -274,21 +304,31 @@ fn device_filter(at: &At, map: &Map<String, Value>) -> Result<Vec<u16>, ImportEr
     }
 }
 
-/// A device filter as mig-parted parses it (an unsigned integer in any base Go's
-/// `ParseUint(s, 0, 32)` reads, here hex with `0x` or decimal): device id in the high 16 bits,
-/// vendor id in the low 16.
-fn mig_parted_device_id(text: &str) -> Result<u16, String> {
-    if text.contains(':') {
-        return Err("subsystem qualifiers are not supported: the agent matches on the device id only".to_owned());
-    }
-    let value = match text.strip_prefix("0x").or_else(|| text.strip_prefix("0X")) {
+/// A device filter as mig-parted parses it: `<device and vendor>` or
+/// `<device and vendor>:<subsystem device and vendor>` (v0.15), each an unsigned integer of at
+/// most 32 bits in any base Go's `ParseUint(s, 0, 32)` reads (here hex with `0x` or decimal):
+/// device id in the high 16 bits, vendor id in the low 16. The vendor must be NVIDIA's; the
+/// subsystem vendor is the board maker's and may be anything.
+fn mig_parted_device_id(text: &str) -> Result<DeviceId, String> {
+    const EXPECTED: &str = "expected a 32-bit device and vendor id such as \"0x20B010DE\", perhaps followed by \
+                            :<subsystem id> such as \"0x25B610DE:0x14A910DE\"";
+    let number = |text: &str| match text.strip_prefix("0x").or_else(|| text.strip_prefix("0X")) {
         Some(hex) if !hex.is_empty() && hex.bytes().all(|b| b.is_ascii_hexdigit()) => u32::from_str_radix(hex, 16).ok(),
         Some(_) => None,
         None if !text.is_empty() && text.bytes().all(|b| b.is_ascii_digit()) => text.parse().ok(),
         None => None,
     };
-    let value = value.ok_or_else(|| "expected a 32-bit device and vendor id such as \"0x20B010DE\"".to_owned())?;
-    device_id_from_pci_id(value)
+    let mut parts = text.split(':');
+    let (primary, subsystem) = (parts.next().unwrap_or_default(), parts.next());
+    if parts.next().is_some() {
+        return Err(format!("more than one ':'; {EXPECTED}"));
+    }
+    let device = device_id_from_pci_id(number(primary).ok_or_else(|| EXPECTED.to_owned())?)?;
+    let subsystem = match subsystem {
+        None => None,
+        Some(s) => Some(number(s).ok_or_else(|| format!("the subsystem id {s:?} is not a number; {EXPECTED}"))?),
+    };
+    Ok(DeviceId { device, subsystem })
 }
 
 fn mig_devices(at: &At, map: &Map<String, Value>, mig_enabled: bool) -> Result<BTreeMap<String, u32>, ImportError> {
@@ -386,11 +426,7 @@ pub fn to_toml(layouts: &BTreeMap<String, MigLayout>) -> String {
                 }
             }
             if !e.device_filter.is_empty() {
-                let ids: Vec<String> = e
-                    .device_filter
-                    .iter()
-                    .map(|id| format!("\"{}\"", format_device_id(*id)))
-                    .collect();
+                let ids: Vec<String> = e.device_filter.iter().map(|id| format!("\"{id}\"")).collect();
                 let _ = writeln!(out, "device_filter = [{}]", ids.join(", "));
             }
             let _ = writeln!(out, "mig_enabled = {}", e.mig_enabled);
@@ -425,6 +461,7 @@ fn toml_key(key: &str) -> String {
 mod tests {
     use super::*;
     use crate::config::{Config, Source};
+    use crate::mig_layout::GpuPciIds;
     use crate::mig_layout::defaults::default_layouts;
 
     /// In the style of the GPU Operator's default-mig-parted-config.
@@ -523,8 +560,8 @@ mig-configs:
         assert_eq!(layouts["all-1g.10gb"], defaults["all-1g.10gb"]);
 
         let l = &layouts["all-1g.10gb"];
-        assert_eq!(l.entries_for(0, 0x20F1)[0].profiles["1g.10gb"], 4);
-        assert_eq!(l.entries_for(0, 0x2330)[0].profiles["1g.10gb"], 7);
+        assert_eq!(l.entries_for(0, 0x20F1.into())[0].profiles["1g.10gb"], 4);
+        assert_eq!(l.entries_for(0, 0x2330.into())[0].profiles["1g.10gb"], 7);
         let b = &layouts["all-balanced"];
         assert_eq!(b.entries[0].device_filter, [0x20B7]);
         assert_eq!(b.entries[1].device_filter, [0x20B0, 0x20B1, 0x20F1, 0x20F6]);
@@ -534,8 +571,8 @@ mig-configs:
         assert!(!c.entries[0].mig_enabled && c.entries[0].profiles.is_empty());
         // The 0 count is dropped.
         assert_eq!(c.entries[1].profiles, BTreeMap::from([("1c.4g.20gb".to_owned(), 4)]));
-        assert_eq!(c.entry_for(6, 0x20B0).unwrap().profiles.len(), 3);
-        assert!(c.entries_for(7, 0x20B0).is_empty());
+        assert_eq!(c.entry_for(6, 0x20B0.into()).unwrap().profiles.len(), 3);
+        assert!(c.entries_for(7, 0x20B0.into()).is_empty());
     }
 
     #[test]
@@ -573,6 +610,60 @@ mig-configs:
         assert_eq!(again, config);
     }
 
+    /// mig-parted v0.15's subsystem filters are kept, and matched on the subsystem as well.
+    #[test]
+    fn subsystem_device_filters_import() {
+        let layouts = import_mig_parted(
+            "version: v1\nmig-configs:\n  boards:\n    - devices: all\n      device-filter: [\"0x233010DE:0x16C110DE\", \
+             \"0x2330\"]\n      mig-enabled: true\n      mig-devices: {\"7g.80gb\": 1}\n    - devices: all\n      \
+             device-filter: \"0x233010DE:0x16C010DE\"\n      mig-enabled: false\n",
+        );
+        // "0x2330" is not a 32-bit id with NVIDIA's vendor: refused as mig-parted would.
+        assert!(layouts.is_err());
+        let text = "version: v1\nmig-configs:\n  boards:\n    - devices: all\n      device-filter: \
+                    \"0x233010DE:0x16C110DE\"\n      mig-enabled: true\n      mig-devices: {\"7g.80gb\": 1}\n    - \
+                    devices: all\n      device-filter: \"0x233010DE:0x16C010DE\"\n      mig-enabled: false\n";
+        let layouts = import_mig_parted(text).unwrap();
+        let boards = &layouts["boards"];
+        assert!(boards.overrides().is_empty(), "two boards do not overlap");
+        let board = |subsystem| GpuPciIds {
+            device: 0x2330,
+            subsystem,
+        };
+        assert!(boards.entry_for(0, board(0x16C1_10DE)).unwrap().mig_enabled);
+        assert!(!boards.entry_for(0, board(0x16C0_10DE)).unwrap().mig_enabled);
+        assert!(boards.entry_for(0, board(0)).is_none());
+        // And they survive the trip through the config's TOML.
+        let toml = to_toml(&layouts);
+        assert!(toml.contains("device_filter = [\"0x2330:0x16C110DE\"]"), "{toml}");
+        let config =
+            Config::from_sources(&[Source::new("i.toml", toml.clone())]).unwrap_or_else(|e| panic!("{e}\n{toml}"));
+        assert_eq!(config.mig.layouts, layouts);
+    }
+
+    /// `kubectl get configmap … -o yaml` output imports as the file it holds.
+    #[test]
+    fn a_config_map_imports_as_the_file_it_holds() {
+        let file = "version: v1\nmig-configs:\n  x:\n    - devices: all\n      mig-enabled: false\n";
+        let indented: String = file.lines().map(|l| format!("    {l}\n")).collect();
+        let cm = format!(
+            "apiVersion: v1\nkind: ConfigMap\nmetadata:\n  name: custom-mig-config\ndata:\n  config.yaml: |\n{indented}"
+        );
+        assert_eq!(import_mig_parted(&cm).unwrap(), import_mig_parted(file).unwrap());
+        let other_key = cm.replace("config.yaml:", "mig.yaml:");
+        assert_eq!(import_mig_parted(&other_key).unwrap(), import_mig_parted(file).unwrap());
+        let two_keys = format!("{other_key}  other.yaml: \"x\"\n");
+        assert_eq!(
+            err(&two_keys),
+            "data: no config.yaml among the ConfigMap's keys (mig.yaml, other.yaml); import the one that holds \
+             the mig-parted file on its own"
+        );
+        assert_eq!(
+            err("apiVersion: v1\nkind: ConfigMap\nmetadata: {name: x}\n"),
+            "data: a ConfigMap without data: expected data.\"config.yaml\" holding a mig-parted file"
+        );
+    }
+
     #[test]
     fn json_is_yaml_too() {
         let layouts = import_mig_parted(
@@ -605,7 +696,7 @@ mig-configs:
             err("version: v1\nmig-configs: {a: [{devices: all, mig-enabled: false}]}\nhooks: {}\n"),
             "hooks: unexpected field; expected version and mig-configs"
         );
-        assert!(err("apiVersion: v1\nkind: ConfigMap\ndata: {}\n").contains("looks like a Kubernetes object"),);
+        assert!(err("apiVersion: v1\nkind: Secret\ndata: {}\n").contains("looks like a Kubernetes object"),);
         assert_eq!(
             err("mig-configs: {a: [{devices: all, mig-enabled: false}]}\n"),
             "version: missing; expected version: v1"
@@ -690,9 +781,17 @@ mig-configs:
             "config \"custom\", entry 0, device-filter[1]: \"0x20B0\": 0x000020B0 has vendor id 0x20B0, not \
              NVIDIA's 0x10DE; expected 0x<device id>10DE, e.g. \"0x20B010DE\""
         );
+        assert_eq!(
+            one("    - devices: all\n      device-filter: \"0x20B010DE:0x134F10DE:0x1\"\n      mig-enabled: false\n"),
+            "config \"custom\", entry 0, device-filter: \"0x20B010DE:0x134F10DE:0x1\": more than one ':'; expected a \
+             32-bit device and vendor id such as \"0x20B010DE\", perhaps followed by :<subsystem id> such as \
+             \"0x25B610DE:0x14A910DE\""
+        );
         assert!(
-            one("    - devices: all\n      device-filter: \"0x20B010DE:0x134F10DE\"\n      mig-enabled: false\n")
-                .starts_with("config \"custom\", entry 0, device-filter: \"0x20B010DE:0x134F10DE\": subsystem")
+            one("    - devices: all\n      device-filter: \"0x20B010DE:A100\"\n      mig-enabled: false\n")
+                .starts_with(
+                    "config \"custom\", entry 0, device-filter: \"0x20B010DE:A100\": the subsystem id \"A100\""
+                )
         );
         assert_eq!(
             one("    - devices: all\n      device-filter: 548409566\n      mig-enabled: false\n"),
@@ -706,7 +805,7 @@ mig-configs:
         )
         .unwrap();
         assert_eq!(
-            overriding["custom"].entry_for(1, 0x20B0),
+            overriding["custom"].entry_for(1, 0x20B0.into()),
             Some(&overriding["custom"].entries[1])
         );
     }

@@ -810,6 +810,7 @@ mod tests {
             index: 0,
             uuid: uuid.to_string(),
             pci_device_id,
+            pci_subsystem_id: 0,
             mode: Some(MigState {
                 current: false,
                 pending: false,
@@ -1870,6 +1871,7 @@ mod tests {
             index: 0,
             uuid: "GPU-t4".into(),
             pci_device_id: 0x1eb8,
+            pci_subsystem_id: 0x12A2_10DE,
             mode: None,
             profiles: Vec::new(),
             gpu_instances: Vec::new(),
@@ -1928,7 +1930,7 @@ mod tests {
         // Covered by a device filter for another model: not covered either.
         let mut l = layout(&[(DeviceSelector::All, true, &[])]);
         l.uncovered = Uncovered::Fail;
-        l.entries[0].device_filter = vec![0x2330];
+        l.entries[0].device_filter = vec![0x2330.into()];
         assert!(matches!(
             plan_layout(&gpus, &l),
             Err(PlanError::NotCovered { index: 0, .. })

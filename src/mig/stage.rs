@@ -124,7 +124,7 @@ fn plan_covered(gpu: &ObservedGpu, layout: &MigLayout) -> Option<Result<GpuPlan,
     // Each entry that applies, with what it asks of this GPU; a generated entry with nothing
     // for a MIG GPU does not apply to it.
     let entries: Vec<(&LayoutEntry, Option<BTreeMap<String, u32>>)> = layout
-        .entries_for(gpu.index, gpu.pci_device_id)
+        .entries_for(gpu.index, gpu.pci_ids())
         .into_iter()
         .map(|e| (e, desired_profiles(gpu, e)))
         .filter(|(e, profiles)| !e.mig_enabled || gpu.mode.is_none() || profiles.is_some())

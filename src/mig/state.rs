@@ -87,12 +87,25 @@ pub struct ObservedGpu {
     pub uuid: String,
     /// 16-bit PCI device id, e.g. 0x20b0 (for `device_filter`).
     pub pci_device_id: u16,
+    /// NVML's `pciSubSystemId` (subsystem device << 16 | subsystem vendor), for `device_filter`
+    /// entries with a subsystem id.
+    pub pci_subsystem_id: u32,
     /// `None`: the GPU does not support MIG.
     pub mode: Option<crate::nvml::MigState>,
     /// The GPU's instance profiles (empty for a GPU without MIG). NVML reports them whether or
     /// not MIG is enabled.
     pub profiles: Vec<GiProfile>,
     pub gpu_instances: Vec<ObservedGi>,
+}
+
+impl ObservedGpu {
+    /// What a layout's `device_filter` is matched against.
+    pub fn pci_ids(&self) -> crate::mig_layout::GpuPciIds {
+        crate::mig_layout::GpuPciIds {
+            device: self.pci_device_id,
+            subsystem: self.pci_subsystem_id,
+        }
+    }
 }
 
 /// One NVML mutation. GPU and compute instances are named by id (existing ones) or by the

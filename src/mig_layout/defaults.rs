@@ -140,7 +140,7 @@ const MODELS: &[Model] = &[
 fn model_entry(model: &Model, profiles: &[(&str, u32)]) -> LayoutEntry {
     LayoutEntry {
         devices: DeviceSelector::All,
-        device_filter: model.device_ids.to_vec(),
+        device_filter: model.device_ids.iter().map(|&d| d.into()).collect(),
         mig_enabled: true,
         profiles: profiles.iter().map(|(p, n)| ((*p).to_owned(), *n)).collect(),
         generated: None,
@@ -234,7 +234,7 @@ mod tests {
     use crate::names::check_label_value;
 
     fn counts(layout: &MigLayout, gpu: u32, device: u16) -> Option<Vec<(String, u32)>> {
-        let entries = layout.entries_for(gpu, device);
+        let entries = layout.entries_for(gpu, device.into());
         assert!(entries.len() <= 1, "{entries:?}");
         entries.first().map(|e| e.profiles.clone().into_iter().collect())
     }
@@ -394,10 +394,10 @@ mod tests {
     fn everywhere_layouts() {
         let layouts = default_layouts();
         for (gpu, device) in [(0, 0x20B0), (3, 0x2330), (1, 0x1EB8)] {
-            let off = layouts["all-disabled"].entries_for(gpu, device);
+            let off = layouts["all-disabled"].entries_for(gpu, device.into());
             assert_eq!(off.len(), 1);
             assert!(!off[0].mig_enabled && off[0].profiles.is_empty());
-            let on = layouts["all-enabled"].entries_for(gpu, device);
+            let on = layouts["all-enabled"].entries_for(gpu, device.into());
             assert_eq!(on.len(), 1);
             assert!(on[0].mig_enabled && on[0].profiles.is_empty());
         }
