@@ -18,16 +18,17 @@ use std::thread::sleep;
 use std::time::{Duration, Instant};
 
 use nvml_wrapper_sys::bindings::{
-    field_id::NVML_FI_DEV_MEMORY_TEMP, nvmlClockType_t, nvmlEccCounterType_t, nvmlFieldValue_t, nvmlMemoryErrorType_t,
-    nvmlValue_t, nvmlValueType_enum_NVML_VALUE_TYPE_UNSIGNED_INT,
-};
-use nvml_wrapper_sys::bindings::{
-    nvmlComputeInstance_t, nvmlComputeInstanceInfo_t, nvmlComputeInstancePlacement_t, nvmlComputeInstanceProfileInfo_t,
+    NVML_COMPUTE_INSTANCE_PROFILE_CAPS_GFX, NVML_GPU_INSTANCE_PROFILE_CAPS_GFX, nvmlComputeInstance_t,
+    nvmlComputeInstanceInfo_t, nvmlComputeInstancePlacement_t, nvmlComputeInstanceProfileInfo_t,
     nvmlComputeInstanceProfileInfo_v2_t, nvmlComputeInstanceProfileInfo_v3_t, nvmlDevice_t, nvmlDeviceArchitecture_t,
     nvmlDeviceAttributes_t, nvmlEnableState_t, nvmlEventData_t, nvmlEventSet_t, nvmlGpuInstance_t,
     nvmlGpuInstanceInfo_t, nvmlGpuInstancePlacement_t, nvmlGpuInstanceProfileInfo_t, nvmlGpuInstanceProfileInfo_v2_t,
     nvmlGpuInstanceProfileInfo_v3_t, nvmlGpuTopologyLevel_t, nvmlMemory_t, nvmlMemory_v2_t, nvmlPciInfo_t,
     nvmlProcessInfo_t, nvmlReturn_t, nvmlTemperatureSensors_t, nvmlUtilization_t,
+};
+use nvml_wrapper_sys::bindings::{
+    field_id::NVML_FI_DEV_MEMORY_TEMP, nvmlClockType_t, nvmlEccCounterType_t, nvmlFieldValue_t, nvmlMemoryErrorType_t,
+    nvmlValue_t, nvmlValueType_enum_NVML_VALUE_TYPE_UNSIGNED_INT,
 };
 
 use crate::error::{NvmlError, NvmlResult, SUCCESS, error_string};
@@ -807,7 +808,7 @@ unsafe fn put_gi_info_versioned(info: *mut nvmlGpuInstanceProfileInfo_v2_t, p: &
             ofaCount: p.engines.ofa,
             memorySizeMB: p.memory_mib,
             name: [0; 96],
-            capabilities: 0,
+            capabilities: if p.gfx() { NVML_GPU_INSTANCE_PROFILE_CAPS_GFX } else { 0 },
         };
         fill_chars(&mut v.name, &name);
         unsafe { put(info.cast::<nvmlGpuInstanceProfileInfo_v3_t>(), v) }
@@ -1064,7 +1065,11 @@ pub unsafe extern "C" fn nvmlGpuInstanceGetComputeInstanceProfileInfoV(
                 sharedJpegCount: b.sharedJpegCount,
                 sharedOfaCount: b.sharedOfaCount,
                 name: [0; 96],
-                capabilities: 0,
+                capabilities: if cx.gi_profile_of(g, gi).gfx() {
+                    NVML_COMPUTE_INSTANCE_PROFILE_CAPS_GFX
+                } else {
+                    0
+                },
             };
             fill_chars(&mut v.name, &name);
             unsafe { put(info.cast::<nvmlComputeInstanceProfileInfo_v3_t>(), v) }

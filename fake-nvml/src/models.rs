@@ -7,7 +7,8 @@
 //! [`ci_profiles`]).
 
 use nvml_wrapper_sys::bindings::{
-    NVML_DEVICE_ARCH_AMPERE, NVML_DEVICE_ARCH_HOPPER, NVML_DEVICE_ARCH_TURING, nvmlBrandType_enum_NVML_BRAND_NVIDIA,
+    NVML_DEVICE_ARCH_AMPERE, NVML_DEVICE_ARCH_BLACKWELL, NVML_DEVICE_ARCH_HOPPER, NVML_DEVICE_ARCH_TURING,
+    nvmlBrandType_enum_NVML_BRAND_NVIDIA, nvmlBrandType_enum_NVML_BRAND_NVIDIA_RTX,
     nvmlBrandType_enum_NVML_BRAND_TESLA,
 };
 
@@ -19,13 +20,20 @@ const SEVEN_SLICE: MigGeometry = MigGeometry {
     max_mig_devices: 7,
 };
 
-/// A30: 4 memory slices, 4 compute slices, at most 4 MIG devices (MIG user guide, "Supported
-/// GPUs": A30 max 4 instances; its profile fractions are quarters).
+/// A30 and RTX PRO 6000 Blackwell: 4 memory slices, 4 compute slices, at most 4 MIG devices
+/// (MIG user guide, "Supported GPUs": both max 4 instances; their profile fractions are
+/// quarters).
 const FOUR_SLICE: MigGeometry = MigGeometry {
     memory_slices: 4,
     compute_slices: 4,
     max_mig_devices: 4,
 };
+
+/// `NVML_GPU_INSTANCE_PROFILE_COUNT` of the newest NVML header (13.3: 18, after
+/// `3_SLICE_GFX` = 17; nvml-wrapper-sys 0.10's bindings stop at `2_SLICE_ALL_ME` = 16, COUNT
+/// 17). Profile-info calls answer INVALID_ARGUMENT from this index on and NOT_SUPPORTED below
+/// it for an index the model lacks, so callers probing indices 0.. stop here.
+pub const GI_PROFILE_INDEX_COUNT: u32 = 18;
 
 /// No MIG (T4).
 const NO_MIG: MigGeometry = MigGeometry {
@@ -101,9 +109,18 @@ impl GpuModel {
         self.gi_profiles.iter().find(|p| p.index == index)
     }
 
-    /// GPU-instance profile by its name, e.g. `3g.20gb`.
+    /// GPU-instance profile by its name, e.g. `3g.20gb` or `1g.24gb+me.all`.
     pub fn gi_profile_by_name(&self, name: &str) -> Option<&'static GiProfile> {
         self.gi_profiles.iter().find(|p| p.name == name)
+    }
+}
+
+impl GiProfile {
+    /// Whether the profile supports graphics (the `+gfx` profiles of GB20x parts): NVML's
+    /// `NVML_GPU_INSTANCE_PROFILE_CAPS_GFX`, and `NVML_COMPUTE_INSTANCE_PROFILE_CAPS_GFX` on
+    /// the compute instances inside it.
+    pub fn gfx(&self) -> bool {
+        self.name.ends_with("+gfx")
     }
 }
 
@@ -522,8 +539,391 @@ static H100_NVL_PROFILES: [GiProfile; 7] = [
     gi(4, 0, "7g.94gb", 1, 7, 132, eng(8, 7, 0, 7, 1), 95360, 8, ZERO_START),
 ];
 
+// === Hopper parts without a full public -lgip listing, and Blackwell ===
+//
+// Engines, copy engines, instance counts and the memory/SM fractions (memory slices used,
+// compute slices) come from the MIG user guide v580, "Supported MIG Profiles"
+// (docs.nvidia.com/datacenter/tesla/mig-user-guide/supported-mig-profiles.html), and are
+// checked row by row by `tests/guide_fractions.rs` against `tests/fixtures/<key>.guide`.
+// Hardware profile ids, NVML indices and placements are the H100's (same GH100 die). B200
+// reuses them: no public B200 `-lgip`/`-lgipp` listing was found.
+// SMs and MiB are not in the guide: each table says where they come from and which are
+// estimates.
+
+/// H200 (SXM, 141 GB), the guide's Table 8 "GPU Instance Profiles on H200".
+/// SMs are the H100's hardware values (16/16/26/32/60/64/132); a public `nvidia-smi mig -lgip`
+/// excerpt of an H200 (test data of a public repository, code-index file id 57000499299) shows
+/// 1g.18gb 16, 2g.35gb 32 and 7g.141gb 132 SMs, and H200 3g.71gb MIG devices are reported
+/// with 60 SMs in public benchmark notes. Memory: 1g.18gb 16.00 GiB (16384 MiB), 2g.35gb
+/// 32.50 GiB (33280 MiB) and 7g.141gb 140.00 GiB (143360 MiB) as that excerpt prints them;
+/// 1g.35gb is 2g's memory (as on every H100 table). 3g/4g.71gb 71424 MiB (69.75 GiB) is an
+/// estimate: public notes report "VRAM 69.8GB" (GiB) for an H200 3g.71gb device, and it is
+/// 7g/2 - 256 as on the H100 NVL (47488 vs 95360/2 - 192).
+static H200_141GB_PROFILES: [GiProfile; 7] = [
+    gi(
+        0,
+        19,
+        "1g.18gb",
+        7,
+        1,
+        16,
+        eng(1, 1, 0, 1, 0),
+        16384,
+        1,
+        ONE_SLICE_STARTS,
+    ),
+    gi(
+        7,
+        20,
+        "1g.18gb+me",
+        1,
+        1,
+        16,
+        eng(1, 1, 0, 1, 1),
+        16384,
+        1,
+        ONE_SLICE_STARTS,
+    ),
+    gi(
+        9,
+        15,
+        "1g.35gb",
+        4,
+        1,
+        26,
+        eng(1, 1, 0, 1, 0),
+        33280,
+        2,
+        DOUBLE_MEM_ONE_SLICE_STARTS,
+    ),
+    gi(
+        1,
+        14,
+        "2g.35gb",
+        3,
+        2,
+        32,
+        eng(2, 2, 0, 2, 0),
+        33280,
+        2,
+        TWO_SLICE_STARTS,
+    ),
+    gi(2, 9, "3g.71gb", 2, 3, 60, eng(3, 3, 0, 3, 0), 71424, 4, HALF_STARTS),
+    gi(3, 5, "4g.71gb", 1, 4, 64, eng(4, 4, 0, 4, 0), 71424, 4, ZERO_START),
+    gi(4, 0, "7g.141gb", 1, 7, 132, eng(8, 7, 0, 7, 1), 143360, 8, ZERO_START),
+];
+
+/// GH200 144G HBM3e. The guide copy has no table for it: engines, copy engines, counts and
+/// fractions are the H200 table's (same GH100 die, same 8/7 slicing); names are the GPU
+/// Operator's default mig config ("GH200 144G HBM3e": 1g.18gb, 1g.36gb, 2g.36gb, 3g.72gb,
+/// 4g.72gb, 7g.144gb). SMs are the H200's (GH200 has 132 SMs). Memory is an estimate: the
+/// H200's per-profile share of its 7g (16384/33280/71424 of 143360) applied to 7g.144gb =
+/// 145920 MiB (142.50 GiB), rounded down to 128 MiB.
+static GH200_144GB_PROFILES: [GiProfile; 7] = [
+    gi(
+        0,
+        19,
+        "1g.18gb",
+        7,
+        1,
+        16,
+        eng(1, 1, 0, 1, 0),
+        16640,
+        1,
+        ONE_SLICE_STARTS,
+    ),
+    gi(
+        7,
+        20,
+        "1g.18gb+me",
+        1,
+        1,
+        16,
+        eng(1, 1, 0, 1, 1),
+        16640,
+        1,
+        ONE_SLICE_STARTS,
+    ),
+    gi(
+        9,
+        15,
+        "1g.36gb",
+        4,
+        1,
+        26,
+        eng(1, 1, 0, 1, 0),
+        33792,
+        2,
+        DOUBLE_MEM_ONE_SLICE_STARTS,
+    ),
+    gi(
+        1,
+        14,
+        "2g.36gb",
+        3,
+        2,
+        32,
+        eng(2, 2, 0, 2, 0),
+        33792,
+        2,
+        TWO_SLICE_STARTS,
+    ),
+    gi(2, 9, "3g.72gb", 2, 3, 60, eng(3, 3, 0, 3, 0), 72704, 4, HALF_STARTS),
+    gi(3, 5, "4g.72gb", 1, 4, 64, eng(4, 4, 0, 4, 0), 72704, 4, ZERO_START),
+    gi(4, 0, "7g.144gb", 1, 7, 132, eng(8, 7, 0, 7, 1), 145920, 8, ZERO_START),
+];
+
+/// H100 96GB (H100 on GH200, `NVIDIA GH200 480GB`). The guide copy names the product but its
+/// table is missing: engines, copy engines, counts and fractions are the H200/H100 tables'
+/// (same GH100 die). Names as the GPU Operator's default mig config lists them for H100-96GB.
+/// SMs are the H100 NVL listing's (`tests/fixtures/h100-nvl.lgip`), the same die with the
+/// same 132 SMs. Memory is an estimate: the H100 NVL listing's shares of its 7g (11008,
+/// 22144, 47488 of 95360 MiB) applied to 7g.96gb = 97408 MiB (95.125 GiB, total 97871 MiB
+/// less about 460 MiB as on the NVL), rounded to 128 MiB.
+static H100_96GB_PROFILES: [GiProfile; 7] = [
+    gi(
+        0,
+        19,
+        "1g.12gb",
+        7,
+        1,
+        16,
+        eng(1, 1, 0, 1, 0),
+        11264,
+        1,
+        ONE_SLICE_STARTS,
+    ),
+    gi(
+        7,
+        20,
+        "1g.12gb+me",
+        1,
+        1,
+        16,
+        eng(1, 1, 0, 1, 1),
+        11264,
+        1,
+        ONE_SLICE_STARTS,
+    ),
+    gi(
+        9,
+        15,
+        "1g.24gb",
+        4,
+        1,
+        26,
+        eng(1, 1, 0, 1, 0),
+        22656,
+        2,
+        DOUBLE_MEM_ONE_SLICE_STARTS,
+    ),
+    gi(
+        1,
+        14,
+        "2g.24gb",
+        3,
+        2,
+        32,
+        eng(2, 2, 0, 2, 0),
+        22656,
+        2,
+        TWO_SLICE_STARTS,
+    ),
+    gi(2, 9, "3g.48gb", 2, 3, 60, eng(3, 3, 0, 3, 0), 48512, 4, HALF_STARTS),
+    gi(3, 5, "4g.48gb", 1, 4, 64, eng(4, 4, 0, 4, 0), 48512, 4, ZERO_START),
+    gi(4, 0, "7g.96gb", 1, 7, 132, eng(8, 7, 0, 7, 1), 97408, 8, ZERO_START),
+];
+
+/// B200 (180 GB), the guide's Table 9 "GPU Instance Profiles on B200": copy engines
+/// 2/2/2/3/6/8/16 and one NVDEC and one JPEG in every profile, OFA only in +me and 7g, as the
+/// table gives them. Hardware ids are the Hopper ones (19/20/15/14/9/5/0, no public B200
+/// listing known). SMs are estimates: 18 per compute slice (1g..4g: 18/18/18/36/54/72) and
+/// the whole part's 148 for 7g. Memory is an estimate: the H200's per-profile share of its
+/// 7g applied to 7g.180gb = 182912 MiB (178.625 GiB; total 183359 MiB less about 450 MiB),
+/// rounded to 128 MiB (1g.23gb 20864 MiB = 20.375 GiB, which public notes on B200 1g.23gb
+/// devices, "~20.5 GB", agree with).
+static B200_PROFILES: [GiProfile; 7] = [
+    gi(
+        0,
+        19,
+        "1g.23gb",
+        7,
+        1,
+        18,
+        eng(2, 1, 0, 1, 0),
+        20864,
+        1,
+        ONE_SLICE_STARTS,
+    ),
+    gi(
+        7,
+        20,
+        "1g.23gb+me",
+        1,
+        1,
+        18,
+        eng(2, 1, 0, 1, 1),
+        20864,
+        1,
+        ONE_SLICE_STARTS,
+    ),
+    gi(
+        9,
+        15,
+        "1g.45gb",
+        4,
+        1,
+        18,
+        eng(2, 1, 0, 1, 0),
+        42496,
+        2,
+        DOUBLE_MEM_ONE_SLICE_STARTS,
+    ),
+    gi(
+        1,
+        14,
+        "2g.45gb",
+        3,
+        2,
+        36,
+        eng(3, 1, 0, 1, 0),
+        42496,
+        2,
+        TWO_SLICE_STARTS,
+    ),
+    gi(2, 9, "3g.90gb", 2, 3, 54, eng(6, 1, 0, 1, 0), 91136, 4, HALF_STARTS),
+    gi(3, 5, "4g.90gb", 1, 4, 72, eng(8, 1, 0, 1, 0), 91136, 4, ZERO_START),
+    gi(4, 0, "7g.180gb", 1, 7, 148, eng(16, 1, 0, 1, 1), 182912, 8, ZERO_START),
+];
+
+/// RTX PRO 6000 Blackwell Server Edition (96 GB GDDR7), the guide's Table 11 "GPU Instance
+/// Profiles on RTX PRO 6000": 4 memory and 4 compute slices like the A30, with NVENCs, and
+/// the `+gfx` (graphics), `+me.all` (every media engine) and `-me` (no media engine) kinds at
+/// NVML indices 10..16 (`1_SLICE_GFX` 10, `2_SLICE_GFX` 11, `4_SLICE_GFX` 12, `1_SLICE_NO_ME`
+/// 13, `2_SLICE_NO_ME` 14, `1_SLICE_ALL_ME` 15, `2_SLICE_ALL_ME` 16).
+/// Hardware ids, SMs and memory are from a public table transcribed from `nvidia-smi mig
+/// -lgip` on an RTX PRO 6000 Blackwell (code-index file id 53820038330; the same ids appear
+/// in an unrelated public setup script, 56111908165): 1g.24gb 14, +me 21, +gfx 47, +me.all
+/// 65, -me 67, 2g.48gb 5, +gfx 35, +me.all 64, -me 66, 4g.96gb 0, +gfx 32 (1g/1g+me/2g/4g
+/// are the A30's ids); SMs 46/94/188; memory 23.62, 47.38 and 95.00 GiB, i.e. 24192, 48512
+/// and 97280 MiB. That table has no placement lines: placements are the A30's (quarters,
+/// halves, whole). Not modelled: a `+me.all` instance takes every media engine, so real
+/// drivers then refuse other instances that need one; the fake checks only slices and counts.
+static RTX_PRO_6000_PROFILES: [GiProfile; 11] = [
+    gi(0, 14, "1g.24gb", 4, 1, 46, eng(1, 1, 1, 1, 0), 24192, 1, QUARTER_STARTS),
+    gi(
+        7,
+        21,
+        "1g.24gb+me",
+        1,
+        1,
+        46,
+        eng(1, 1, 1, 1, 1),
+        24192,
+        1,
+        QUARTER_STARTS,
+    ),
+    gi(
+        10,
+        47,
+        "1g.24gb+gfx",
+        4,
+        1,
+        46,
+        eng(1, 1, 1, 1, 0),
+        24192,
+        1,
+        QUARTER_STARTS,
+    ),
+    gi(
+        15,
+        65,
+        "1g.24gb+me.all",
+        1,
+        1,
+        46,
+        eng(1, 4, 4, 4, 1),
+        24192,
+        1,
+        QUARTER_STARTS,
+    ),
+    gi(
+        13,
+        67,
+        "1g.24gb-me",
+        4,
+        1,
+        46,
+        eng(1, 0, 0, 0, 0),
+        24192,
+        1,
+        QUARTER_STARTS,
+    ),
+    gi(
+        1,
+        5,
+        "2g.48gb",
+        2,
+        2,
+        94,
+        eng(2, 2, 2, 2, 0),
+        48512,
+        2,
+        HALF_OF_FOUR_STARTS,
+    ),
+    gi(
+        11,
+        35,
+        "2g.48gb+gfx",
+        2,
+        2,
+        94,
+        eng(2, 2, 2, 2, 0),
+        48512,
+        2,
+        HALF_OF_FOUR_STARTS,
+    ),
+    gi(
+        16,
+        64,
+        "2g.48gb+me.all",
+        1,
+        2,
+        94,
+        eng(2, 4, 4, 4, 1),
+        48512,
+        2,
+        HALF_OF_FOUR_STARTS,
+    ),
+    gi(
+        14,
+        66,
+        "2g.48gb-me",
+        2,
+        2,
+        94,
+        eng(2, 0, 0, 0, 0),
+        48512,
+        2,
+        HALF_OF_FOUR_STARTS,
+    ),
+    gi(3, 0, "4g.96gb", 1, 4, 188, eng(4, 4, 4, 4, 1), 97280, 4, ZERO_START),
+    gi(
+        12,
+        32,
+        "4g.96gb+gfx",
+        1,
+        4,
+        188,
+        eng(4, 4, 4, 4, 1),
+        97280,
+        4,
+        ZERO_START,
+    ),
+];
+
 /// Every model the fake simulates.
-pub static MODELS: [GpuModel; 7] = [
+pub static MODELS: [GpuModel; 12] = [
     GpuModel {
         key: "A100-SXM4-40GB",
         name: "NVIDIA A100-SXM4-40GB",
@@ -647,6 +1047,118 @@ pub static MODELS: [GpuModel; 7] = [
         gi_profiles: &H100_NVL_PROFILES,
     },
     GpuModel {
+        key: "H200-141GB",
+        name: "NVIDIA H200",
+        pci_device_id: 0x2335,
+        pci_subsystem_id: 0x0000_10DE,
+        // nvidia-smi's total for an H200 SXM (141 GB HBM3e).
+        memory_mib: 143771,
+        compute_capability: (9, 0),
+        architecture: NVML_DEVICE_ARCH_HOPPER,
+        brand: nvmlBrandType_enum_NVML_BRAND_NVIDIA,
+        sm_count: 132,
+        // The guide's 7g.141gb row: 8 CE, 7 NVDEC, 7 JPEG, 1 OFA.
+        engines: eng(8, 7, 0, 7, 1),
+        nvlink_links: 18,
+        // Readings defaults, not MIG data (estimates): the H100 SXM's clocks and an idle draw
+        // near it; HBM3e memory clock as H200 nvidia-smi reports its maximum.
+        idle_power_mw: 75_000,
+        sm_clock_mhz: (345, 1980),
+        memory_clock_mhz: 3201,
+        hbm: true,
+        mig: SEVEN_SLICE,
+        gi_profiles: &H200_141GB_PROFILES,
+    },
+    GpuModel {
+        key: "GH200-144GB",
+        name: "NVIDIA GH200 144G HBM3e",
+        pci_device_id: 0x2348,
+        pci_subsystem_id: 0x0000_10DE,
+        // Estimate: a public fake-libcuda test gives this part's cuDeviceTotalMem as
+        // 153008209920 bytes (145920 MiB); nvidia-smi's total is about 450 MiB more on H100
+        // 80GB (81559 vs CUDA's 81106 MiB).
+        memory_mib: 146373,
+        compute_capability: (9, 0),
+        architecture: NVML_DEVICE_ARCH_HOPPER,
+        brand: nvmlBrandType_enum_NVML_BRAND_NVIDIA,
+        sm_count: 132,
+        engines: eng(8, 7, 0, 7, 1),
+        nvlink_links: 18,
+        // Readings defaults (estimates): the H200's.
+        idle_power_mw: 90_000,
+        sm_clock_mhz: (345, 1980),
+        memory_clock_mhz: 3201,
+        hbm: true,
+        mig: SEVEN_SLICE,
+        gi_profiles: &GH200_144GB_PROFILES,
+    },
+    GpuModel {
+        key: "H100-96GB",
+        name: "NVIDIA GH200 480GB",
+        pci_device_id: 0x2342,
+        pci_subsystem_id: 0x0000_10DE,
+        // nvidia-smi's total for the GPU of a GH200 480GB (96 GB HBM3).
+        memory_mib: 97871,
+        compute_capability: (9, 0),
+        architecture: NVML_DEVICE_ARCH_HOPPER,
+        brand: nvmlBrandType_enum_NVML_BRAND_NVIDIA,
+        sm_count: 132,
+        engines: eng(8, 7, 0, 7, 1),
+        nvlink_links: 18,
+        // Readings defaults (estimates): the H100 SXM's clocks.
+        idle_power_mw: 90_000,
+        sm_clock_mhz: (345, 1980),
+        memory_clock_mhz: 2619,
+        hbm: true,
+        mig: SEVEN_SLICE,
+        gi_profiles: &H100_96GB_PROFILES,
+    },
+    GpuModel {
+        key: "B200",
+        name: "NVIDIA B200",
+        pci_device_id: 0x2901,
+        pci_subsystem_id: 0x0000_10DE,
+        // Approximately nvidia-smi's total for a B200 (180 GB HBM3e); an estimate.
+        memory_mib: 183359,
+        compute_capability: (10, 0),
+        architecture: NVML_DEVICE_ARCH_BLACKWELL,
+        brand: nvmlBrandType_enum_NVML_BRAND_NVIDIA,
+        sm_count: 148,
+        // The guide's 7g.180gb row: 16 CE, 1 NVDEC, 1 JPEG, 1 OFA.
+        engines: eng(16, 1, 0, 1, 1),
+        nvlink_links: 18,
+        // Readings defaults (estimates): B200 boost clock and HBM3e memory clock.
+        idle_power_mw: 140_000,
+        sm_clock_mhz: (345, 1965),
+        memory_clock_mhz: 3996,
+        hbm: true,
+        mig: SEVEN_SLICE,
+        gi_profiles: &B200_PROFILES,
+    },
+    GpuModel {
+        key: "RTX-PRO-6000",
+        name: "NVIDIA RTX PRO 6000 Blackwell Server Edition",
+        pci_device_id: 0x2BB5,
+        pci_subsystem_id: 0x0000_10DE,
+        // nvidia-smi's total for the 96 GB GDDR7 card.
+        memory_mib: 97887,
+        compute_capability: (12, 0),
+        architecture: NVML_DEVICE_ARCH_BLACKWELL,
+        brand: nvmlBrandType_enum_NVML_BRAND_NVIDIA_RTX,
+        sm_count: 188,
+        // The guide's 4g.96gb row: 4 CE, 4 NVDEC, 4 NVENC, 4 JPEG, 1 OFA.
+        engines: eng(4, 4, 4, 4, 1),
+        nvlink_links: 0,
+        // Readings defaults (estimates): boost clock of the datasheet, GDDR7 memory clock.
+        idle_power_mw: 30_000,
+        sm_clock_mhz: (180, 2430),
+        memory_clock_mhz: 12481,
+        // GDDR7: no memory temperature.
+        hbm: false,
+        mig: FOUR_SLICE,
+        gi_profiles: &RTX_PRO_6000_PROFILES,
+    },
+    GpuModel {
         key: "T4",
         name: "Tesla T4",
         pci_device_id: 0x1EB8,
@@ -689,7 +1201,10 @@ fn ci_index_for_slices(slices: u32) -> Option<u32> {
 /// Compute-instance profiles available inside a GPU instance of profile `gi`.
 ///
 /// The sizes follow `nvidia-smi mig -lcip` on A100: a 1g GI offers only the full CI; 2g offers
-/// 1c and 2g; 3g offers 1c, 2c, 3g; 4g offers 1c, 2c, 4g; 7g offers 1c, 2c, 3c, 4c, 7g.
+/// 1c and 2g; 3g offers 1c, 2c, 3g; 4g offers 1c, 2c, 4g; 7g offers 1c, 2c, 3c, 4c, 7g. The
+/// whole-GPU 4g GI of a 4-slice part (A30 4g.24gb, RTX PRO 6000 4g.96gb and 4g.96gb+gfx) is a
+/// 4g like any other. Every kind of GI (`+me`, `+gfx`, `-me`, `+me.all`) is sized by its
+/// compute slices alone; CI names keep the suffix (`1c.2g.48gb+gfx`).
 /// Placements of a `k`-slice CI start at multiples of `k` and must fit inside the GI.
 /// SMs are the GI's SMs scaled by `k / n` (exact on A100; an approximation on H100, whose
 /// GPCs are uneven). Shared engines are the GI's, so they are not stored per CI profile.
@@ -787,6 +1302,70 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn profile_indices_are_unique_and_below_count() {
+        for m in MODELS.iter().filter(|m| m.has_mig()) {
+            let mut seen = std::collections::BTreeSet::new();
+            for p in m.gi_profiles {
+                assert!(p.index < GI_PROFILE_INDEX_COUNT, "{} {}", m.key, p.name);
+                assert!(seen.insert(p.index), "{} {}: index {} twice", m.key, p.name, p.index);
+                assert_eq!(m.gi_profile_by_index(p.index).map(|x| x.id), Some(p.id));
+                assert_eq!(m.gi_profile_by_name(p.name).map(|x| x.id), Some(p.id));
+                // The most instances of a profile fit the card's memory and its placements.
+                assert!(
+                    u64::from(p.instance_count) * p.memory_mib <= m.memory_mib,
+                    "{} {}",
+                    m.key,
+                    p.name
+                );
+                assert!(p.instance_count as usize <= p.starts.len(), "{} {}", m.key, p.name);
+            }
+        }
+    }
+
+    #[test]
+    fn rtx_pro_6000_kinds_sit_at_indices_10_to_16() {
+        let rtx = model_by_key("RTX-PRO-6000").unwrap();
+        assert_eq!(rtx.mig, FOUR_SLICE);
+        let by_index: Vec<(u32, &str, bool)> = (10..17)
+            .map(|i| {
+                let p = rtx.gi_profile_by_index(i).unwrap();
+                (i, p.name, p.gfx())
+            })
+            .collect();
+        assert_eq!(
+            by_index,
+            vec![
+                (10, "1g.24gb+gfx", true),
+                (11, "2g.48gb+gfx", true),
+                (12, "4g.96gb+gfx", true),
+                (13, "1g.24gb-me", false),
+                (14, "2g.48gb-me", false),
+                (15, "1g.24gb+me.all", false),
+                (16, "2g.48gb+me.all", false),
+            ]
+        );
+        // A 4-slice whole-GPU GI offers 1c, 2c and itself; names keep the suffix.
+        let g4 = rtx.gi_profile_by_name("4g.96gb+gfx").unwrap();
+        let cis: Vec<(u32, u32, u32, String)> = ci_profiles(g4)
+            .into_iter()
+            .map(|c| (c.index, c.slices, c.instance_count, c.name))
+            .collect();
+        assert_eq!(
+            cis,
+            vec![
+                (0, 1, 4, "1c.4g.96gb+gfx".to_string()),
+                (1, 2, 2, "2c.4g.96gb+gfx".to_string()),
+                (3, 4, 1, "4g.96gb+gfx".to_string()),
+            ]
+        );
+        let g2 = rtx.gi_profile_by_name("2g.48gb+me.all").unwrap();
+        let names: Vec<String> = ci_profiles(g2).into_iter().map(|c| c.name).collect();
+        assert_eq!(names, vec!["1c.2g.48gb+me.all", "2g.48gb+me.all"]);
+        assert_eq!(ci_id_for(g4, 4, 0), 0);
+        assert_eq!(ci_id_for(g4, 1, 3), 6);
     }
 
     #[test]

@@ -13,7 +13,7 @@ use crate::error::{NvmlError, NvmlResult};
 use crate::ids::{BusId, mig_uuid};
 use crate::inject::{Injections, note, write_atomic};
 use crate::machine::{GpuSpec, Machine};
-use crate::models::{CiProfile, GiProfile, ci_profile_by_index};
+use crate::models::{CiProfile, GI_PROFILE_INDEX_COUNT, GiProfile, ci_profile_by_index};
 use crate::state::State;
 
 /// Environment variable naming the machine file.
@@ -864,11 +864,12 @@ impl Cx<'_> {
         Ok(status)
     }
 
-    /// GPU-instance profile by NVML index. INVALID_ARGUMENT past the newest header's COUNT,
-    /// NOT_SUPPORTED for an index the model lacks (or a non-MIG model).
+    /// GPU-instance profile by NVML index. INVALID_ARGUMENT at or past the newest header's
+    /// COUNT ([`GI_PROFILE_INDEX_COUNT`]), NOT_SUPPORTED for an index below it the model lacks
+    /// (or a non-MIG model).
     pub fn gi_profile_by_index(&self, g: usize, index: u32) -> NvmlResult<&'static GiProfile> {
         let model = self.mig_model(g)?;
-        if index >= 18 {
+        if index >= GI_PROFILE_INDEX_COUNT {
             return Err(NvmlError::InvalidArgument);
         }
         model.gi_profile_by_index(index).ok_or(NvmlError::NotSupported)

@@ -537,6 +537,33 @@ mod tests {
     }
 
     #[test]
+    fn profile_names_with_suffixes_parse() {
+        let rtx = model_by_key("RTX-PRO-6000").unwrap();
+        let parsed = |name: &str| parse_mig_profile(rtx, name).map(|(p, k)| (p.name, k));
+        assert_eq!(parsed("1g.24gb+me.all"), Ok(("1g.24gb+me.all", 1)));
+        assert_eq!(parsed("2g.48gb-me"), Ok(("2g.48gb-me", 2)));
+        assert_eq!(parsed("4g.96gb+gfx"), Ok(("4g.96gb+gfx", 4)));
+        assert_eq!(parsed("1c.2g.48gb+me.all"), Ok(("2g.48gb+me.all", 1)));
+        assert_eq!(parsed("1c.2g.48gb-me"), Ok(("2g.48gb-me", 1)));
+        assert_eq!(parsed("2c.4g.96gb+gfx"), Ok(("4g.96gb+gfx", 2)));
+        // No 3-slice CI in a 4g GI, no CI smaller than a 1g GI, no 7g on a 4-slice part.
+        for bad in [
+            "3c.4g.96gb+gfx",
+            "1c.1g.24gb+gfx",
+            "7g.96gb",
+            "1g.24gb+gfx.all",
+            "1c.2g.48gb+",
+        ] {
+            assert!(parsed(bad).is_err(), "{bad}");
+        }
+        let h200 = model_by_key("H200-141GB").unwrap();
+        assert_eq!(
+            parse_mig_profile(h200, "3c.7g.141gb").map(|(p, k)| (p.name, k)),
+            Ok(("7g.141gb", 3))
+        );
+    }
+
+    #[test]
     fn example_machines_build() {
         let examples = [
             include_str!("../machines/dgx-a100.toml"),

@@ -429,3 +429,238 @@ fn a30_four_slice_geometry() {
     assert_eq!(placements(&nvml, &gpu, 6), (SUCCESS, vec![(0, 2), (2, 2)]));
     assert_eq!(create_gi(&nvml, &gpu, 14).0, INSUFFICIENT_RESOURCES);
 }
+
+/// The Hopper and Blackwell models added from the MIG user guide's tables.
+const GUIDE_MODELS: [&str; 5] = ["H200-141GB", "GH200-144GB", "H100-96GB", "B200", "RTX-PRO-6000"];
+
+fn machine_of(models: &[&str]) -> String {
+    let mut m = String::from("driver_version = \"580.95.05\"\ncuda_driver_version = 13000\n");
+    for model in models {
+        m.push_str(&format!("[[gpu]]\nmodel = \"{model}\"\nmig_mode = true\n"));
+    }
+    m
+}
+
+/// GPU-instance profiles NVML lists by probing indices 0.. until INVALID_ARGUMENT, as the
+/// agent does: (index, id, name, instance count, slices, MiB).
+fn listed_profiles(nvml: &Nvml, d: &nvml_wrapper::Device<'_>) -> Vec<(u32, u32, String, u32, u32, u64)> {
+    let mut out = Vec::new();
+    for index in 0.. {
+        let (rc, p) = gi_profile_v(nvml, d, index);
+        match rc {
+            SUCCESS => out.push((
+                index,
+                p.id,
+                c_string(&p.name),
+                p.instanceCount,
+                p.sliceCount,
+                p.memorySizeMB,
+            )),
+            NOT_SUPPORTED => {}
+            INVALID_ARGUMENT => break,
+            other => panic!("index {index}: {other}"),
+        }
+        assert!(index < 64, "no INVALID_ARGUMENT");
+    }
+    out
+}
+
+/// Every new model through the real nvml-wrapper: NVML lists exactly the model's profiles
+/// (NOT_SUPPORTED for indices it lacks, INVALID_ARGUMENT at 18), and on an empty GPU each
+/// profile can be created as many times as its instance count says, no more, each instance
+/// shows up as a MIG device named and sized after its profile, and all are destroyed again.
+#[test]
+fn guide_models_create_every_profile_to_its_instance_count() {
+    let fake = Fake::new(&machine_of(&GUIDE_MODELS));
+    let nvml = fake.init();
+    for (g, key) in GUIDE_MODELS.iter().enumerate() {
+        let model = fake_nvml::models::model_by_key(key).unwrap();
+        let d = nvml.device_by_index(g as u32).unwrap();
+        assert_eq!(d.name().unwrap(), model.name, "{key}");
+        assert_eq!(d.mig_device_count().unwrap(), model.mig.max_mig_devices, "{key}");
+
+        let listed = listed_profiles(&nvml, &d);
+        let mut want: Vec<(u32, u32, String, u32, u32, u64)> = model
+            .gi_profiles
+            .iter()
+            .map(|p| {
+                (
+                    p.index,
+                    p.id,
+                    format!("MIG {}", p.name),
+                    p.instance_count,
+                    p.slices,
+                    p.memory_mib,
+                )
+            })
+            .collect();
+        want.sort();
+        assert_eq!(listed, want, "{key}");
+        assert_eq!(gi_profile_v(&nvml, &d, 17).0, NOT_SUPPORTED, "{key}");
+        assert_eq!(gi_profile_v(&nvml, &d, 18).0, INVALID_ARGUMENT, "{key}");
+
+        for p in model.gi_profiles {
+            let what = format!("{key} {}", p.name);
+            assert_eq!(
+                placements(&nvml, &d, p.id),
+                (SUCCESS, p.starts.iter().map(|&s| (s, p.mem_size)).collect()),
+                "{what}"
+            );
+            let mut gis = Vec::new();
+            for k in 0..p.instance_count {
+                let (rc, gi) = create_gi(&nvml, &d, p.id);
+                assert_eq!(rc, SUCCESS, "{what} #{k}");
+                gis.push(gi);
+            }
+            assert_eq!(create_gi(&nvml, &d, p.id).0, INSUFFICIENT_RESOURCES, "{what}: one more");
+            assert_eq!(gpu_instances(&nvml, &d, p.id).1.len(), gis.len(), "{what}");
+            // One full-size compute instance in each: a MIG device named after the profile.
+            let mut cis = Vec::new();
+            for &gi in &gis {
+                let full = (0..8)
+                    .map(|i| ci_profile_v(&nvml, gi, i))
+                    .find(|(rc, c)| *rc == SUCCESS && c.sliceCount == p.slices)
+                    .map(|(_, c)| c)
+                    .unwrap_or_else(|| panic!("{what}: no full-size CI profile"));
+                assert_eq!(c_string(&full.name), format!("MIG {}", p.name), "{what}");
+                let (rc, ci) = create_ci(&nvml, gi, full.id);
+                assert_eq!(rc, SUCCESS, "{what}");
+                cis.push(ci);
+            }
+            let devices: Vec<(String, u64)> = (0..model.mig.max_mig_devices)
+                .filter_map(|slot| d.mig_device_by_index(slot).ok())
+                .map(|m| (m.name().unwrap(), m.memory_info().unwrap().total >> 20))
+                .collect();
+            let name = format!("{} MIG {}", model.name, p.name);
+            assert_eq!(devices, vec![(name, p.memory_mib); gis.len()], "{what}");
+            for ci in cis {
+                assert_eq!(destroy_ci(&nvml, ci), SUCCESS, "{what}");
+            }
+            for gi in gis {
+                assert_eq!(destroy_gi(&nvml, gi), SUCCESS, "{what}");
+            }
+            assert_eq!(gpu_instances(&nvml, &d, p.id).1.len(), 0, "{what}");
+        }
+    }
+}
+
+/// RTX PRO 6000: the `+gfx`, `-me` and `+me.all` profiles are listed at NVML indices 10..16,
+/// `+gfx` ones carry the GFX capability (profile info v3, and their compute instances'),
+/// all of them can be created, machine files can name them (also as `1c.` compute
+/// instances), and a mixed layout fills the 4 slices.
+#[test]
+fn rtx_pro_6000_gfx_and_media_engine_profiles() {
+    use nvml_wrapper_sys::bindings::{nvmlComputeInstanceProfileInfo_v3_t, nvmlGpuInstanceProfileInfo_v3_t};
+    let machine = format!(
+        "{}[[gpu.mig_device]]\nprofile = \"1c.2g.48gb+gfx\"\nplacement = 0\n\
+         [[gpu.mig_device]]\nprofile = \"1c.2g.48gb+gfx\"\nplacement = 0\n\
+         [[gpu.mig_device]]\nprofile = \"1g.24gb+me.all\"\nplacement = 2\n\
+         [[gpu.mig_device]]\nprofile = \"1g.24gb-me\"\nplacement = 3\n",
+        machine_of(&["RTX-PRO-6000"])
+    );
+    let fake = Fake::new(&machine);
+    let nvml = fake.init();
+    let d = nvml.device_by_index(0).unwrap();
+    assert_eq!(d.name().unwrap(), "NVIDIA RTX PRO 6000 Blackwell Server Edition");
+
+    // The machine file's devices: 2g.48gb+gfx@0 split into two 1c, 1g+me.all@2, 1g-me@3.
+    let seen: Vec<(u32, String)> = (0..4)
+        .filter_map(|slot| d.mig_device_by_index(slot).ok().map(|m| (slot, m.name().unwrap())))
+        .collect();
+    let n = |p: &str| format!("NVIDIA RTX PRO 6000 Blackwell Server Edition MIG {p}");
+    assert_eq!(
+        seen,
+        vec![
+            (0, n("1c.2g.48gb+gfx")),
+            (1, n("1c.2g.48gb+gfx")),
+            (2, n("1g.24gb+me.all")),
+            (3, n("1g.24gb-me")),
+        ]
+    );
+    assert_eq!(create_gi(&nvml, &d, 14).0, INSUFFICIENT_RESOURCES);
+
+    let kinds: Vec<(u32, u32, String)> = (10..17)
+        .map(|i| {
+            let (rc, p) = gi_profile_v(&nvml, &d, i);
+            assert_eq!(rc, SUCCESS, "index {i}");
+            (i, p.id, c_string(&p.name))
+        })
+        .collect();
+    assert_eq!(
+        kinds,
+        vec![
+            (10, 47, "MIG 1g.24gb+gfx".into()),
+            (11, 35, "MIG 2g.48gb+gfx".into()),
+            (12, 32, "MIG 4g.96gb+gfx".into()),
+            (13, 67, "MIG 1g.24gb-me".into()),
+            (14, 66, "MIG 2g.48gb-me".into()),
+            (15, 65, "MIG 1g.24gb+me.all".into()),
+            (16, 64, "MIG 2g.48gb+me.all".into()),
+        ]
+    );
+    // 7_SLICE and the other 8-slice indices do not exist here.
+    for i in [2, 4, 5, 6, 8, 9] {
+        assert_eq!(gi_profile_v(&nvml, &d, i).0, NOT_SUPPORTED, "index {i}");
+    }
+
+    // Capabilities through profile info v3: GFX on +gfx profiles only.
+    let caps = |index: u32| {
+        let mut info: nvmlGpuInstanceProfileInfo_v3_t = unsafe { std::mem::zeroed() };
+        info.version = std::mem::size_of::<nvmlGpuInstanceProfileInfo_v3_t>() as u32 | (3 << 24);
+        let f = sym!(nvml, nvmlDeviceGetGpuInstanceProfileInfoV);
+        let rc = unsafe {
+            f(
+                handle(&d),
+                index,
+                (&mut info as *mut nvmlGpuInstanceProfileInfo_v3_t).cast(),
+            )
+        };
+        assert_eq!(rc, SUCCESS);
+        info.capabilities
+    };
+    let gfx: Vec<u32> = (10..17).map(caps).collect();
+    assert_eq!(gfx, vec![2, 2, 2, 0, 0, 0, 0]);
+    assert_eq!((caps(0), caps(3)), (0, 0));
+
+    // Empty the GPU (compute instances first), then create each kind.
+    for p in fake_nvml::models::model_by_key("RTX-PRO-6000").unwrap().gi_profiles {
+        for gi in gpu_instances(&nvml, &d, p.id).1 {
+            let mut cis = vec![std::ptr::null_mut(); 4];
+            for ci_index in 0..4 {
+                let mut n: c_uint = 0;
+                let f = sym!(nvml, nvmlGpuInstanceGetComputeInstances);
+                if unsafe { f(gi, ci_index, cis.as_mut_ptr(), &mut n) } == SUCCESS {
+                    for &ci in &cis[..n as usize] {
+                        assert_eq!(destroy_ci(&nvml, ci), SUCCESS);
+                    }
+                }
+            }
+            assert_eq!(destroy_gi(&nvml, gi), SUCCESS, "{}", p.name);
+        }
+    }
+    assert!(matches!(d.mig_device_by_index(0), Err(NvmlError::NotFound)));
+    for (index, id) in [(10, 47), (11, 35), (12, 32), (13, 67), (14, 66), (15, 65), (16, 64)] {
+        let (rc, gi) = create_gi(&nvml, &d, id);
+        assert_eq!(rc, SUCCESS, "index {index}");
+        assert_eq!(gi_info(&nvml, gi).profileId, id);
+        // Compute instances of a +gfx GI carry the CI GFX capability.
+        let mut ci: nvmlComputeInstanceProfileInfo_v3_t = unsafe { std::mem::zeroed() };
+        ci.version = std::mem::size_of::<nvmlComputeInstanceProfileInfo_v3_t>() as u32 | (3 << 24);
+        let f = sym!(nvml, nvmlGpuInstanceGetComputeInstanceProfileInfoV);
+        assert_eq!(
+            unsafe { f(gi, 0, 0, (&mut ci as *mut nvmlComputeInstanceProfileInfo_v3_t).cast()) },
+            SUCCESS
+        );
+        assert_eq!(ci.capabilities, u32::from(index <= 12), "index {index}");
+        let (rc, c) = create_ci(&nvml, gi, 0);
+        assert_eq!(rc, SUCCESS, "index {index}");
+        assert_eq!(destroy_ci(&nvml, c), SUCCESS);
+        assert_eq!(destroy_gi(&nvml, gi), SUCCESS);
+    }
+    // A mixed layout: 2g.48gb-me + 1g.24gb+gfx + 1g.24gb+me fills the GPU.
+    let (rc, _) = create_gi_at(&nvml, &d, 66, 0, 2);
+    assert_eq!(rc, SUCCESS);
+    assert_eq!(create_gi_at(&nvml, &d, 47, 2, 1).0, SUCCESS);
+    assert_eq!(create_gi_at(&nvml, &d, 21, 3, 1).0, SUCCESS);
+    assert_eq!(create_gi(&nvml, &d, 67).0, INSUFFICIENT_RESOURCES);
+}
