@@ -610,6 +610,52 @@ mig-configs:
         assert_eq!(again, config);
     }
 
+    /// The built-in fallback table ([`default_layouts`], for GPUs whose NVML lists no profiles)
+    /// says what the Operator's own file says (the copy in tests/fixtures/mig/), both ways:
+    /// each (name, device id) of the table has the file's counts, and each name of the file
+    /// whose entry for a device id names only profiles the table lists for that id (beyond
+    /// `all-balanced`) is in the table for it. Only the B300 and GB300 entries, newer than that copy, are not in it.
+    #[test]
+    fn the_fallback_table_is_the_operators_file() {
+        let file = import_mig_parted(include_str!(
+            "../../tests/fixtures/mig/gpu-operator-default-mig-parted-config.yaml"
+        ))
+        .expect("the Operator's file imports");
+        let table = default_layouts();
+        let newer = [0x3182, 0x31C2];
+        let mut compared = 0;
+        for (name, layout) in &table {
+            for entry in &layout.entries {
+                for id in &entry.device_filter {
+                    let in_file = file.get(name).and_then(|l| l.entry_for(0, id.device.into()));
+                    if newer.contains(&id.device) {
+                        assert!(in_file.is_none(), "{name} {id}: now in the file");
+                        continue;
+                    }
+                    let in_file = in_file.unwrap_or_else(|| panic!("{name} {id}: not in the Operator's file"));
+                    assert_eq!(in_file.profiles, entry.profiles, "{name} {id}");
+                    compared += 1;
+                }
+            }
+        }
+        // Every name of the file is in the table but the GB200-only ones (the table has only
+        // GB200's all-balanced: its other profiles are not known from a real listing).
+        let gb200_only = [
+            "all-1g.47gb",
+            "all-2g.47gb",
+            "all-3g.93gb",
+            "all-3g.95gb",
+            "all-4g.93gb",
+            "all-4g.95gb",
+            "all-7g.186gb",
+            "all-7g.189gb",
+        ];
+        let missing: Vec<&String> = file.keys().filter(|n| !table.contains_key(*n)).collect();
+        assert_eq!(missing, gb200_only);
+        assert!(table.keys().all(|n| file.contains_key(n)));
+        assert!(compared > 100, "{compared}");
+    }
+
     /// mig-parted v0.15's subsystem filters are kept, and matched on the subsystem as well.
     #[test]
     fn subsystem_device_filters_import() {

@@ -104,13 +104,70 @@ const MODELS: &[Model] = &[
         ],
         balanced: &[("1g.18gb", 2), ("2g.35gb", 1), ("3g.71gb", 1)],
     },
-    // Models of which only `all-balanced` is taken over.
+    // GH200 144G HBM3e
+    Model {
+        device_ids: &[0x2348],
+        profiles: &[
+            ("1g.18gb", 7),
+            ("1g.18gb+me", 1),
+            ("1g.36gb", 4),
+            ("2g.36gb", 3),
+            ("3g.72gb", 2),
+            ("4g.72gb", 1),
+            ("7g.144gb", 1),
+        ],
+        balanced: &[("1g.18gb", 2), ("2g.36gb", 1), ("3g.72gb", 1)],
+    },
+    // H100-96GB (GH200 96GB), PG506-96GB, H20: the file's `all-balanced` names all four; its
+    // profile names are the 96 GB ones.
+    Model {
+        device_ids: &[0x2342, 0x233D, 0x20B6, 0x2329],
+        profiles: &[
+            ("1g.12gb", 7),
+            ("1g.12gb+me", 1),
+            ("1g.24gb", 4),
+            ("2g.24gb", 3),
+            ("3g.48gb", 2),
+            ("4g.48gb", 1),
+            ("7g.96gb", 1),
+        ],
+        balanced: &[("1g.12gb", 2), ("2g.24gb", 1), ("3g.48gb", 1)],
+    },
     // B200
     Model {
         device_ids: &[0x2901],
-        profiles: &[],
+        profiles: &[
+            ("1g.23gb", 7),
+            ("1g.23gb+me", 1),
+            ("1g.45gb", 4),
+            ("2g.45gb", 3),
+            ("3g.90gb", 2),
+            ("4g.90gb", 1),
+            ("7g.180gb", 1),
+        ],
         balanced: &[("1g.23gb", 2), ("2g.45gb", 1), ("3g.90gb", 1)],
     },
+    // RTX PRO 6000 Blackwell (4 slices)
+    Model {
+        device_ids: &[0x2BB5],
+        profiles: &[
+            ("1g.24gb", 4),
+            ("1g.24gb+me", 1),
+            ("1g.24gb+gfx", 4),
+            ("1g.24gb+me.all", 1),
+            ("1g.24gb-me", 4),
+            ("2g.48gb", 2),
+            ("2g.48gb+gfx", 2),
+            ("2g.48gb+me.all", 1),
+            ("2g.48gb-me", 2),
+            ("4g.96gb", 1),
+            ("4g.96gb+gfx", 1),
+        ],
+        balanced: &[("1g.24gb", 2), ("2g.48gb", 1)],
+    },
+    // Models of which only `all-balanced` is taken over (GB200 from the Operator's file; B300
+    // and GB300 from its v25.10 release notes, newer than the file kept in
+    // tests/fixtures/mig/).
     // GB200
     Model {
         device_ids: &[0x2941],
@@ -128,12 +185,6 @@ const MODELS: &[Model] = &[
         device_ids: &[0x31C2],
         profiles: &[],
         balanced: &[("1g.35gb", 2), ("2g.70gb", 1), ("3g.139gb", 1)],
-    },
-    // RTX PRO 6000
-    Model {
-        device_ids: &[0x2BB5],
-        profiles: &[],
-        balanced: &[("1g.24gb", 2), ("2g.48gb", 1)],
     },
 ];
 
