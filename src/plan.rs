@@ -229,9 +229,9 @@ fn render_mig(out: &mut String, mig: &MigPlan) {
         Some(e) if mig.incomplete => {
             let _ = writeln!(
                 out,
-                "MIG plan for layout {name}: not complete yet:\n  {e}\n  (applying enables MIG mode where it is \
-                 off, reads those compute instance profiles from a short-lived GPU instance, then plans and applies \
-                 the whole layout)"
+                "MIG plan for layout {name}: not complete yet:\n  {e}\n  (applying reads those profiles from NVML \
+                 first, only on idle GPUs, then plans and applies the whole layout; should the layout fail before \
+                 it is applied, what was changed only to read them is undone)"
             );
             render_stop_units(out, &mig.stop_units);
             let _ = writeln!(out);

@@ -383,19 +383,91 @@ fn compute_instance_forms_apply_on_a_fresh_gpu() {
     );
 }
 
-/// With no room left for a GPU instance to read compute instance profiles from, the apply
-/// fails with the reason and leaves the GPU as it was.
+/// With no room left for a GPU instance to read compute instance profiles from, the GPU's
+/// instances (which the layout replaces anyway) are destroyed first, and the layout applies.
 #[test]
-fn compute_instance_forms_without_room_to_read_them_fail_and_change_nothing() {
+fn compute_instance_forms_on_a_full_gpu_make_room_to_read_them() {
     let full = "[[mig.layouts.full]]\ndevices = \"all\"\nmig_enabled = true\nprofiles = { \"1g.5gb\" = 7 }\n\
                 [[mig.layouts.mixed]]\ndevices = \"all\"\nmig_enabled = true\nprofiles = { \"1c.4g.20gb\" = 2, \"1g.5gb\" = 3 }\n";
     let node = reset_node(full, true);
     assert_eq!(node.run(&["mig", "apply", "full"]).status.code(), Some(0));
     let out = node.run(&["mig", "apply", "mixed"]);
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(1), "{stderr}");
-    assert!(stderr.contains("no room for a 4g.20gb GPU instance"), "{stderr}");
-    assert_eq!(node.run(&["mig", "assert", "full"]).status.code(), Some(0), "unchanged");
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(node.run(&["mig", "assert", "mixed"]).status.code(), Some(0));
+}
+
+/// An H100-80GB with MIG on and one full-GPU instance (7g.80gb).
+fn full_h100(layouts: &str) -> Node {
+    let machine = format!(
+        "{}\n[[gpu]]\nmodel = \"H100-80GB-HBM3\"\nuuid = \"{}\"\nmig_mode = true\n[[gpu.mig_device]]\nprofile = \"7g.80gb\"\n",
+        common::DGX_A100,
+        gpu_uuid(0)
+    );
+    let config = format!(
+        "[kubernetes]\nenabled = false\n\
+         [[mig.layouts.full]]\ndevices = \"all\"\nmig_enabled = true\nprofiles = {{ \"7g.80gb\" = 1 }}\n{layouts}"
+    );
+    Node::new(&machine, &config)
+}
+
+/// Issue 17: a compute instance layout on a full GPU. `plan` says it applies after destroying the
+/// full-GPU instance to make room for reading the compute instance profiles, and `mig apply`
+/// does exactly that (before, `plan` said it would apply and the apply failed for want of room).
+#[test]
+fn plan_and_apply_agree_on_a_compute_instance_layout_for_a_full_gpu() {
+    let node = full_h100(
+        "[[mig.layouts.ci]]\ndevices = \"all\"\nmig_enabled = true\nprofiles = { \"1c.4g.40gb\" = 1, \"3g.40gb\" = 1 }\n",
+    );
+    assert_eq!(node.run(&["mig", "assert", "full"]).status.code(), Some(0));
+    let out = node.run(&["plan", "--mig-layout", "ci"]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{stdout}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    for wanted in [
+        "not complete yet",
+        "\"1c.4g.40gb\"",
+        "no room for one: its 1 GPU instance(s) are destroyed first",
+        "made again if it then fails",
+    ] {
+        assert!(stdout.contains(wanted), "{wanted:?} not in {stdout}");
+    }
+
+    let out = node.run(&["mig", "apply", "ci"]);
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    let out = node.run(&["mig", "export"]);
+    let exported = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        exported.contains(r#"profiles = { "1c.4g.40gb" = 1, "3g.40gb" = 1 }"#),
+        "{exported}"
+    );
+    let out = node.run(&["mig", "apply", "ci"]);
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("nothing to do"),
+        "zero NVML mutations on re-apply"
+    );
+}
+
+/// When the layout fails once the compute instance profiles are read, the GPU instances destroyed
+/// to make room are made again, and the failure says so.
+#[test]
+fn a_compute_instance_layout_failing_after_making_room_restores_the_gpu_instances() {
+    let node =
+        full_h100("[[mig.layouts.no-3c]]\ndevices = \"all\"\nmig_enabled = true\nprofiles = { \"3c.4g.40gb\" = 1 }\n");
+    let stderr = fails_with(
+        &node,
+        &["mig", "apply", "no-3c"],
+        &["3c.4g.40gb", "destroyed to make room", "made again"],
+    );
+    assert!(!stderr.contains("nothing changed"), "{stderr}");
+    assert_eq!(
+        node.run(&["mig", "assert", "full"]).status.code(),
+        Some(0),
+        "the 7g.80gb instance is back"
+    );
 }
 
 /// Two A100-40GB with MIG off, no reset needed, and `layouts` in the config.
@@ -509,6 +581,122 @@ fn a_layout_failing_after_reading_compute_instance_profiles_undoes_the_mode_chan
         "enable and disable each reset once: {resets}"
     );
     assert_eq!(node.run(&["mig", "assert", "all-disabled"]).status.code(), Some(0));
+}
+
+/// `n` H100-80GB with MIG off on a driver that lists no GPU instance profiles while MIG is off
+/// (R535 class; `profiles_need_mig` in the fake), and `layouts` in the config.
+fn r535_node(n: u32, layouts: &str) -> Node {
+    let machine = format!("profiles_need_mig = true\n{}", common::machine("H100-80GB-HBM3", n));
+    Node::new(&machine, &format!("[kubernetes]\nenabled = false\n{layouts}"))
+}
+
+/// On such a driver a built-in layout is planned from the profiles read by enabling MIG mode on
+/// each GPU (`plan` says so), applies with the counts of the GPU's own table, and re-applies
+/// with zero operations.
+#[test]
+fn r535_built_in_layouts_read_the_profiles_by_enabling_mig() {
+    let node = r535_node(2, "");
+    let out = node.run(&["plan", "--mig-layout", "all-1g.10gb"]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{stdout}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    for wanted in [
+        "not complete yet",
+        "NVML lists no GPU instance profiles while MIG mode is off",
+        "applying enables MIG mode on GPU 0 to read them",
+        "applying enables MIG mode on GPU 1 to read them",
+    ] {
+        assert!(stdout.contains(wanted), "{wanted:?} not in {stdout}");
+    }
+    mig_is_off_everywhere(&node);
+
+    let out = node.run(&["mig", "apply", "all-1g.10gb"]);
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    let out = node.run(&["mig", "export"]);
+    let exported = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(
+        exported.matches(r#"profiles = { "1g.10gb" = 7 }"#).count(),
+        2,
+        "seven 1g.10gb on each GPU: {exported}"
+    );
+    let out = node.run(&["mig", "apply", "all-1g.10gb"]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        stdout.contains("nothing to do") && !stdout.contains("NVML operation"),
+        "zero NVML mutations on re-apply: {stdout}"
+    );
+    // A layout that wants MIG disabled needs no profiles.
+    let out = node.run(&["mig", "apply", "all-disabled"]);
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    mig_is_off_everywhere(&node);
+}
+
+/// A layout that fails once the profiles are read (an H100 has no 1g.5gb) leaves MIG mode
+/// disabled again, and says so.
+#[test]
+fn r535_a_layout_failing_after_the_read_leaves_mig_disabled() {
+    let node = r535_node(
+        2,
+        "[[mig.layouts.a100-names]]\ndevices = \"all\"\nmig_enabled = true\nprofiles = { \"1g.5gb\" = 2 }\n",
+    );
+    let stderr = fails_with(
+        &node,
+        &["mig", "apply", "a100-names"],
+        &[
+            "no MIG profile \"1g.5gb\"",
+            "to read its GPU instance profiles and was disabled again",
+        ],
+    );
+    assert!(!stderr.contains("nothing changed"), "{stderr}");
+    mig_is_off_everywhere(&node);
+}
+
+/// A GPU the Operator's table says a built-in layout covers, whose own profiles (read by enabling
+/// MIG mode) lack the layout's profile: MIG mode is disabled again there, and the layout applies
+/// on the other GPU. (The fake's A100-PCIE-80GB lists no 1g.20gb; the Operator's file gives it
+/// `all-1g.20gb`.)
+#[test]
+fn r535_a_gpu_the_layout_turns_out_not_to_cover_gets_mig_disabled_again() {
+    let machine = format!(
+        "profiles_need_mig = true\n{}\n[[gpu]]\nmodel = \"A100-PCIE-80GB\"\nuuid = \"{}\"\n\
+         [[gpu]]\nmodel = \"H100-80GB-HBM3\"\nuuid = \"{}\"\n",
+        common::DGX_A100,
+        gpu_uuid(0),
+        gpu_uuid(1)
+    );
+    let node = Node::new(&machine, "[kubernetes]\nenabled = false\n");
+    let out = node.run(&["mig", "apply", "all-1g.20gb"]);
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    let out = node.run(&["mig", "export"]);
+    let exported = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        exported.contains("devices = [0]\nmig_enabled = false")
+            && exported.contains("devices = [1]\nmig_enabled = true\nprofiles = { \"1g.20gb\" = 4 }"),
+        "{exported}"
+    );
+    // Applying again reads GPU 0's profiles again (nothing remembers them across converges:
+    // its MIG mode is enabled and disabled once more), and leaves the same state.
+    let out = node.run(&["mig", "apply", "all-1g.20gb"]);
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    let out = node.run(&["mig", "export"]);
+    assert_eq!(String::from_utf8_lossy(&out.stdout), exported);
+}
+
+/// Without the driver quirk nothing is read first: `plan` gives the whole plan at once.
+#[test]
+fn without_the_r535_quirk_the_plan_is_complete_at_once() {
+    let node = Node::new(&common::machine("H100-80GB-HBM3", 2), "[kubernetes]\nenabled = false\n");
+    let out = node.run(&["plan", "--mig-layout", "all-1g.10gb"]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(0), "{stdout}");
+    assert!(
+        stdout.contains("MIG plan for layout all-1g.10gb (30 NVML operations)") && !stdout.contains("not complete"),
+        "{stdout}"
+    );
 }
 
 /// A compute instance layout whose GPU instances cannot fit never gets as far as a mode change,

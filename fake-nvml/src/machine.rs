@@ -20,6 +20,8 @@ struct MachineFile {
     cuda_driver_version: i32,
     nvml_version: Option<String>,
     #[serde(default)]
+    profiles_need_mig: bool,
+    #[serde(default)]
     gpu: Vec<GpuEntry>,
 }
 
@@ -93,6 +95,11 @@ pub struct Machine {
     pub cuda_driver_version: i32,
     /// `nvmlSystemGetNVMLVersion`.
     pub nvml_version: String,
+    /// The driver lists no GPU instance profiles while a GPU's MIG mode is off (drivers of the
+    /// R535 class, as mig-parted notes): `nvmlDeviceGetGpuInstanceProfileInfo(V)` answers
+    /// NOT_SUPPORTED for every profile index, and `…ProfileInfoByIdV` and
+    /// `…GpuInstancePossiblePlacements_v2` for every profile id, until MIG mode is current.
+    pub profiles_need_mig: bool,
     /// The GPUs, in NVML index order.
     pub gpus: Vec<GpuSpec>,
 }
@@ -168,6 +175,7 @@ impl Machine {
             driver_version: raw.driver_version,
             cuda_driver_version: raw.cuda_driver_version,
             nvml_version,
+            profiles_need_mig: raw.profiles_need_mig,
             gpus,
         })
     }
@@ -292,6 +300,7 @@ mod tests {
         assert_eq!(m.gpus[1].minor, 1);
         assert_eq!(m.gpus[0].uuid, default_gpu_uuid("T4", 0));
         assert!(m.gpus[0].numa_node.is_none());
+        assert!(!m.profiles_need_mig);
     }
 
     #[test]

@@ -864,20 +864,33 @@ impl Cx<'_> {
         Ok(status)
     }
 
+    /// The MIG model of GPU `g`, when the driver lists its GPU instance profiles now:
+    /// NOT_SUPPORTED on a model without MIG, and under the machine's `profiles_need_mig` (R535
+    /// class) while MIG mode is not current.
+    fn listed_profiles_model(&self, g: usize) -> NvmlResult<&'static crate::models::GpuModel> {
+        let model = self.mig_model(g)?;
+        if self.lib.machine.profiles_need_mig && !self.lib.state.gpus[g].mig_current {
+            return Err(NvmlError::NotSupported);
+        }
+        Ok(model)
+    }
+
     /// GPU-instance profile by NVML index. INVALID_ARGUMENT at or past the newest header's
     /// COUNT ([`GI_PROFILE_INDEX_COUNT`]), NOT_SUPPORTED for an index below it the model lacks
-    /// (or a non-MIG model).
+    /// (or a non-MIG model), and for every index under `profiles_need_mig` while MIG mode is
+    /// not current.
     pub fn gi_profile_by_index(&self, g: usize, index: u32) -> NvmlResult<&'static GiProfile> {
-        let model = self.mig_model(g)?;
+        let model = self.listed_profiles_model(g)?;
         if index >= GI_PROFILE_INDEX_COUNT {
             return Err(NvmlError::InvalidArgument);
         }
         model.gi_profile_by_index(index).ok_or(NvmlError::NotSupported)
     }
 
-    /// GPU-instance profile by hardware id (INVALID_ARGUMENT when unknown).
+    /// GPU-instance profile by hardware id (INVALID_ARGUMENT when unknown; NOT_SUPPORTED as
+    /// [`Cx::gi_profile_by_index`] under `profiles_need_mig`).
     pub fn gi_profile_by_id(&self, g: usize, id: u32) -> NvmlResult<&'static GiProfile> {
-        self.mig_model(g)?
+        self.listed_profiles_model(g)?
             .gi_profile_by_id(id)
             .ok_or(NvmlError::InvalidArgument)
     }

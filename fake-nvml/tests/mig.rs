@@ -353,6 +353,64 @@ fn mig_mode_changes_and_pending_state() {
     assert_eq!(gpu_instances(&nvml, &d, 19).0, NOT_SUPPORTED);
 }
 
+/// Every GPU instance profile (the V call, by index and by id) and its possible placements.
+fn profile_answers(nvml: &Nvml, d: &nvml_wrapper::Device<'_>) -> Vec<(u32, u32, u32)> {
+    (0..24)
+        .map(|index| {
+            let rc = gi_profile_v(nvml, d, index).0;
+            let mut by_id: nvml_wrapper_sys::bindings::nvmlGpuInstanceProfileInfo_v2_t = unsafe { std::mem::zeroed() };
+            by_id.version = std::mem::size_of_val(&by_id) as u32 | (2 << 24);
+            // 0..24 as profile ids too: some are the A100's ids, the rest unknown ones.
+            let by_id_rc =
+                unsafe { sym!(nvml, nvmlDeviceGetGpuInstanceProfileInfoByIdV)(handle(d), index, &mut by_id) };
+            (rc, by_id_rc, placements(nvml, d, index).0)
+        })
+        .collect()
+}
+
+/// `profiles_need_mig` (drivers of the R535 class): while MIG mode is not current, no GPU
+/// instance profile is listed, by index or id, and no placement; once it is, all are, as
+/// without the key.
+#[test]
+fn profiles_need_mig_hides_the_profiles_while_mig_is_off() {
+    let off = A100_MIG.replace("mig_mode = true", "mig_mode = false");
+    let listed = {
+        let plain = Fake::new(&off);
+        let nvml = plain.init();
+        let d = nvml.device_by_index(0).unwrap();
+        assert_eq!(gi_profile_v(&nvml, &d, 0).0, SUCCESS, "listed with MIG off by default");
+        assert_eq!(gi_profile_v(&nvml, &d, 18).0, INVALID_ARGUMENT);
+        assert_eq!(placements(&nvml, &d, 19).1.len(), 7);
+        profile_answers(&nvml, &d)
+    };
+
+    let fake = Fake::new(&format!("profiles_need_mig = true\n{off}"));
+    let nvml = fake.init();
+    let d = nvml.device_by_index(0).unwrap();
+    let uuid = d.uuid().unwrap();
+    for (index, answers) in profile_answers(&nvml, &d).into_iter().enumerate() {
+        assert_eq!(
+            answers,
+            (NOT_SUPPORTED, NOT_SUPPORTED, NOT_SUPPORTED),
+            "index/id {index} with MIG off"
+        );
+    }
+    // A pending enable (processes run) is not enough: the mode must be current.
+    fake_nvml::write_processes(&fake.state, &[(uuid.as_str(), 4242, 100)]).unwrap();
+    assert_eq!(d.set_mig_mode(true).unwrap(), IN_USE);
+    assert_eq!(gi_profile_v(&nvml, &d, 0).0, NOT_SUPPORTED);
+    fake_nvml::write_processes(&fake.state, &[]).unwrap();
+    assert_eq!(d.set_mig_mode(true).unwrap(), SUCCESS);
+    assert_eq!(profile_answers(&nvml, &d), listed, "MIG on: as without the key");
+    let (rc, info) = gi_profile_v(&nvml, &d, 0);
+    assert_eq!((rc, info.id, info.sliceCount), (SUCCESS, 19, 1));
+    assert_eq!(placements(&nvml, &d, 19).1.len(), 7);
+    // Off again: hidden again.
+    assert_eq!(d.set_mig_mode(false).unwrap(), SUCCESS);
+    assert_eq!(gi_profile_v(&nvml, &d, 0).0, NOT_SUPPORTED);
+    assert_eq!(placements(&nvml, &d, 19).0, NOT_SUPPORTED);
+}
+
 #[test]
 fn state_survives_reinit() {
     let fake = Fake::new(A100_MIG);

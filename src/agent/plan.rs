@@ -16,8 +16,7 @@ use crate::driver::stage as drv;
 use crate::host::HostRoot;
 use crate::host::command::Runner;
 use crate::mig::clients;
-use crate::mig::planner::PlanError;
-use crate::mig::stage::{MigState, changes_mode, plan_layout, predict_inventory};
+use crate::mig::stage::{MigState, changes_mode, plan_layout, predict_inventory, reads_first};
 use crate::mig::state::GpuPlan;
 use crate::nvml::{Gpus, Inventory};
 use crate::plugin::devnodes::DeviceNodes;
@@ -64,8 +63,9 @@ pub struct MigPlan {
     pub gpus: Vec<GpuPlan>,
     /// NVML operations in all.
     pub operations: usize,
-    /// Why the layout would fail, or why its plan is not complete yet (compute instance
-    /// profiles NVML lists only inside a GPU instance, read while applying).
+    /// Why the layout would fail, or why its plan is not complete yet: what applying reads from
+    /// NVML first, one line per GPU (compute instance profiles NVML lists only inside a GPU
+    /// instance; GPU instance profiles a driver lists only while MIG mode is on), and how.
     pub error: Option<String>,
     /// Whether `error` is the not-complete-yet case (applying would go on), not a failure.
     pub incomplete: bool,
@@ -248,14 +248,20 @@ fn mig_plan(
             }
         }
         Err(e) => {
-            let incomplete = matches!(e, PlanError::CiProfilesUnknown { .. });
+            let incomplete = e.read_first().is_some();
+            // Every read applying makes first, on every GPU, and how (MIG mode enabled, GPU
+            // instances destroyed to make room).
+            let error = match reads_first(&observed, &layout) {
+                Ok(lines) if incomplete && !lines.is_empty() => lines.join("\n  "),
+                _ => e.to_string(),
+            };
             MigPlan {
                 incomplete,
                 stop_units: stop_units(incomplete),
                 layout: name,
                 gpus: Vec::new(),
                 operations: 0,
-                error: Some(e.to_string()),
+                error: Some(error),
             }
         }
     };

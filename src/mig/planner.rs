@@ -101,6 +101,14 @@ pub enum PlanError {
         gi_profile: String,
         gi_profile_id: u32,
     },
+    /// A GPU that must end with MIG enabled, whose NVML lists no GPU instance profiles while its
+    /// MIG mode is off (drivers of the R535 class): they are read by enabling MIG mode first
+    /// ([`super::stage::converge`] does, and disables it again when the layout then fails).
+    #[error(
+        "GPU {gpu}: NVML lists no GPU instance profiles while MIG mode is off, so the layout can only be \
+         planned once MIG mode is enabled on GPU {index} to read them"
+    )]
+    GiProfilesUnknown { gpu: String, index: u32, uuid: String },
     #[error("MIG layout `{layout}` does not fit on GPU {gpu}: {profile}: {reason}")]
     DoesNotFit {
         gpu: String,
@@ -108,6 +116,18 @@ pub enum PlanError {
         profile: String,
         reason: String,
     },
+}
+
+impl PlanError {
+    /// The GPU (UUID) whose profiles NVML must be asked for before the layout can be planned in
+    /// full ([`PlanError::CiProfilesUnknown`], [`PlanError::GiProfilesUnknown`]): everything
+    /// else about the layout holds. `None` for the errors no read can lift.
+    pub fn read_first(&self) -> Option<&str> {
+        match self {
+            PlanError::CiProfilesUnknown { uuid, .. } | PlanError::GiProfilesUnknown { uuid, .. } => Some(uuid),
+            _ => None,
+        }
+    }
 }
 
 /// Plans one GPU: no operations when it already is as `desired` wants.
@@ -647,7 +667,7 @@ fn matches(observed: &ObservedGpu, placed: &[PlacedGi]) -> bool {
 }
 
 /// Every compute instance, then every GPU instance.
-fn destroy_all(observed: &ObservedGpu, ops: &mut Vec<MigOp>) {
+pub(crate) fn destroy_all(observed: &ObservedGpu, ops: &mut Vec<MigOp>) {
     for gi in &observed.gpu_instances {
         for ci in &gi.compute_instances {
             ops.push(MigOp::DestroyCi {
@@ -1973,5 +1993,104 @@ mod tests {
             );
             assert_eq!(gpus_to_change(&gpus, &l).unwrap_err(), err);
         }
+    }
+
+    /// A GPU whose driver lists no GPU instance profiles while MIG mode is off (R535 class).
+    fn profiles_hidden(mut model: ObservedGpu) -> ObservedGpu {
+        model.profiles.clear();
+        model
+    }
+
+    #[test]
+    fn gpus_listing_no_profiles_with_mig_off_are_read_only_when_the_layout_needs_them() {
+        use crate::mig::stage::{changes_mode, reads_first};
+        use crate::mig_layout::defaults;
+        let gpus = node(vec![profiles_hidden(a100_40gb())]);
+        let hidden = |l: &MigLayout| {
+            matches!(
+                plan_layout(&gpus, l),
+                Err(PlanError::GiProfilesUnknown { index: 0, .. })
+            )
+        };
+        // MIG devices wanted (a user layout, or a built-in one the Operator's table gives the
+        // model): read first, by enabling MIG mode, which counts as a change of GPU and mode.
+        let user = layout(&[(DeviceSelector::All, true, &[("1g.5gb", 7)])]);
+        let built_in = defaults::layout("all-1g.10gb").expect("built in");
+        for l in [&user, &built_in] {
+            assert!(hidden(l));
+            assert_eq!(gpus_to_change(&gpus, l).unwrap(), ["GPU-0"]);
+            assert!(changes_mode(&gpus, l).unwrap());
+            let lines = reads_first(&gpus, l).unwrap();
+            assert_eq!(lines.len(), 1);
+            assert!(
+                lines[0].contains("applying enables MIG mode on GPU 0 to read them"),
+                "{lines:?}"
+            );
+        }
+        // No MIG devices wanted: nothing to read.
+        let off = plan_layout(&gpus, &defaults::layout("all-disabled").expect("built in")).unwrap();
+        assert!(off[0].ops.is_empty());
+        let on = plan_layout(&gpus, &layout(&[(DeviceSelector::All, true, &[])])).unwrap();
+        assert_eq!(on[0].ops, [MigOp::SetMode { enabled: true }]);
+        // The Operator's table says the model has no 1g.20gb: not covered, nothing read.
+        let none = defaults::layout("all-1g.20gb").expect("built in");
+        assert!(matches!(
+            plan_layout(&gpus, &none),
+            Err(PlanError::NoGpuHasProfile { .. })
+        ));
+        // A model the table does not know: only reading can tell.
+        let mut unknown_model = profiles_hidden(a100_40gb());
+        unknown_model.pci_device_id = 0x1234;
+        let gpus = node(vec![unknown_model]);
+        assert!(matches!(
+            plan_layout(&gpus, &none),
+            Err(PlanError::GiProfilesUnknown { .. })
+        ));
+        // Once MIG mode is on, an empty listing is what the GPU has: nothing more to read.
+        let mut on_but_empty = profiles_hidden(a100_40gb());
+        on_but_empty.mode = Some(MigState {
+            current: true,
+            pending: true,
+        });
+        let gpus = node(vec![on_but_empty]);
+        assert!(matches!(
+            plan_layout(&gpus, &user),
+            Err(PlanError::UnknownProfile { .. })
+        ));
+    }
+
+    #[test]
+    fn reading_compute_instance_profiles_on_a_full_gpu_says_its_instances_are_destroyed_first() {
+        use crate::mig::stage::reads_first;
+        let mut full = unread(a100_40gb());
+        full.mode = Some(MigState {
+            current: true,
+            pending: true,
+        });
+        full.gpu_instances.push(ObservedGi {
+            id: 0,
+            profile_id: 0,
+            placement: p(0, 8),
+            compute_instances: Vec::new(),
+        });
+        let seven_g = full.profiles.iter().find(|g| g.name == "7g.40gb").map(|g| g.id);
+        full.gpu_instances[0].profile_id = seven_g.expect("7g.40gb");
+        let l = layout(&[(DeviceSelector::All, true, &[("1c.4g.20gb", 1)])]);
+        let mut with_room = full.clone();
+        let gpus = node(vec![full]);
+        let lines = reads_first(&gpus, &l).unwrap();
+        assert!(
+            lines.len() == 1 && lines[0].contains("no room for one: its 1 GPU instance(s) are destroyed first"),
+            "{lines:?}"
+        );
+        // A 1g.5gb in the last slice leaves room for a 4g.20gb at slice 0.
+        with_room.gpu_instances[0].profile_id = with_room.profiles.iter().find(|g| g.name == "1g.5gb").expect("1g").id;
+        with_room.gpu_instances[0].placement = p(6, 1);
+        let gpus = node(vec![with_room]);
+        let lines = reads_first(&gpus, &l).unwrap();
+        assert!(
+            lines.len() == 1 && lines[0].ends_with("from a short-lived 4g.20gb GPU instance on GPU 0"),
+            "{lines:?}"
+        );
     }
 }

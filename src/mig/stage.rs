@@ -19,7 +19,8 @@ use crate::nvml::{Gpus, Inventory, MigDeviceInfo};
 /// MIG disabled). A built-in layout ([`Generated`] entries) that covers no GPU of the node is an
 /// error ([`PlanError::NoGpuHasProfile`]): its name means nothing here. Every GPU is planned
 /// before answering, and an error that no read of NVML's compute instance profiles can lift
-/// wins over [`PlanError::CiProfilesUnknown`] on another GPU. Pure.
+/// wins over [`PlanError::CiProfilesUnknown`] and [`PlanError::GiProfilesUnknown`] (profiles
+/// converge reads from NVML first) on another GPU. Pure.
 pub fn plan_layout(observed: &[ObservedGpu], layout: &MigLayout) -> Result<Vec<GpuPlan>, PlanError> {
     let planned = plan_all(observed, layout)?;
     match planned.unknown.into_iter().next() {
@@ -28,28 +29,23 @@ pub fn plan_layout(observed: &[ObservedGpu], layout: &MigLayout) -> Result<Vec<G
     }
 }
 
-/// Every GPU planned: the plans, and the [`PlanError::CiProfilesUnknown`] of the GPUs that need
-/// compute instance profiles read first (everything else about them holds).
+/// Every GPU planned: the plans, and the [`PlanError::CiProfilesUnknown`] and
+/// [`PlanError::GiProfilesUnknown`] of the GPUs that need profiles read first (everything else
+/// about them holds).
 struct Planned {
     plans: Vec<GpuPlan>,
     unknown: Vec<PlanError>,
 }
 
 impl Planned {
-    /// The GPUs (UUIDs, in NVML order) that will change: operations planned, or compute
-    /// instance profiles to read first.
+    /// The GPUs (UUIDs, in NVML order) that will change: operations planned, or profiles to
+    /// read first.
     fn changing(&self, observed: &[ObservedGpu]) -> Vec<String> {
         let planned = affected(&self.plans);
         observed
             .iter()
             .map(|g| &g.uuid)
-            .filter(|uuid| {
-                planned.contains(uuid)
-                    || self
-                        .unknown
-                        .iter()
-                        .any(|e| matches!(e, PlanError::CiProfilesUnknown { uuid: u, .. } if u == *uuid))
-            })
+            .filter(|uuid| planned.contains(uuid) || self.unknown.iter().any(|e| e.read_first() == Some(uuid.as_str())))
             .cloned()
             .collect()
     }
@@ -68,7 +64,7 @@ fn plan_all(observed: &[ObservedGpu], layout: &MigLayout) -> Result<Planned, Pla
                 covered = true;
                 planned.plans.push(plan)
             }
-            Some(Err(e @ PlanError::CiProfilesUnknown { .. })) => {
+            Some(Err(e)) if e.read_first().is_some() => {
                 covered = true;
                 planned.unknown.push(e)
             }
@@ -97,15 +93,32 @@ fn plan_all(observed: &[ObservedGpu], layout: &MigLayout) -> Result<Planned, Pla
     Ok(planned)
 }
 
+/// Whether NVML lists no GPU instance profiles for `gpu` while its MIG mode is off: drivers of
+/// the R535 class list them only once MIG mode is enabled, so they are read by enabling it
+/// ([`PlanError::GiProfilesUnknown`]).
+fn profiles_unread(gpu: &ObservedGpu) -> bool {
+    gpu.profiles.is_empty() && gpu.mode.is_some_and(|m| !m.current)
+}
+
 /// The profiles `entry` asks of `gpu`: its own, or those generated from the GPU's profile
-/// table (the Operator's table for its model when NVML lists none); `None` when a generated
-/// entry has nothing for this GPU (it does not cover it).
+/// table; `None` when a generated entry has nothing for this GPU (it does not cover it). When
+/// NVML lists no profiles, the Operator's table for the GPU's model stands in; for a GPU whose
+/// profiles are still to be read ([`profiles_unread`]) it only decides whether the entry covers
+/// it (they are read, then planned with), and a model the table does not know is covered (an
+/// empty placeholder): only the read can tell.
 fn desired_profiles(gpu: &ObservedGpu, entry: &LayoutEntry) -> Option<BTreeMap<String, u32>> {
     let Some(generated) = &entry.generated else {
         return Some(entry.profiles.clone());
     };
     if gpu.profiles.is_empty() {
-        return defaults::fallback(generated, gpu.pci_device_id);
+        let fallback = defaults::fallback(generated, gpu.pci_device_id);
+        // Every model of the Operator's table has a balanced layout: `None` there means the
+        // table does not know the model.
+        let known_model = defaults::fallback(&Generated::Balanced, gpu.pci_device_id).is_some();
+        return match fallback {
+            None if profiles_unread(gpu) && !known_model => Some(BTreeMap::new()),
+            fallback => fallback,
+        };
     }
     let facts: Vec<ProfileFacts> = gpu
         .profiles
@@ -149,31 +162,104 @@ fn plan_covered(gpu: &ObservedGpu, layout: &MigLayout) -> Option<Result<GpuPlan,
         mig_enabled: entry.mig_enabled,
         profiles: profiles.clone().unwrap_or_default(),
     };
+    // Profiles are needed to plan MIG devices (and those of a generated entry come from them);
+    // a GPU that ends with MIG disabled, or enabled with no MIG devices, needs none.
+    let wants_devices = entry.generated.is_some() || desired.profiles.values().any(|&n| n > 0);
+    if entry.mig_enabled && wants_devices && profiles_unread(gpu) {
+        return Some(Err(PlanError::GiProfilesUnknown {
+            gpu: format!("{} ({})", gpu.index, gpu.uuid),
+            index: gpu.index,
+            uuid: gpu.uuid.clone(),
+        }));
+    }
     Some(plan_gpu(gpu, &desired))
 }
 
 /// The GPUs (UUIDs) that converging to `layout` would change: those with operations in their
-/// plan, and those whose compute instance profiles must first be read from NVML
-/// ([`PlanError::CiProfilesUnknown`]: a change is certain there). Errors as [`plan_layout`]'s.
-/// Pure.
+/// plan, and those whose profiles must first be read from NVML ([`PlanError::read_first`]: a
+/// change is certain there). Errors as [`plan_layout`]'s. Pure.
 pub fn gpus_to_change(observed: &[ObservedGpu], layout: &MigLayout) -> Result<Vec<String>, PlanError> {
     let planned = plan_all(observed, layout)?;
     Ok(planned.changing(observed))
 }
 
 /// Whether converging to `layout` changes the MIG mode of a GPU: a plan sets it, or MIG must be
-/// enabled first on a GPU whose compute instance profiles are to be read. Errors as
-/// [`plan_layout`]'s. Pure.
+/// enabled first on a GPU whose profiles are to be read. Errors as [`plan_layout`]'s. Pure.
 pub fn changes_mode(observed: &[ObservedGpu], layout: &MigLayout) -> Result<bool, PlanError> {
     let planned = plan_all(observed, layout)?;
     let sets_mode = |p: &GpuPlan| p.ops.iter().any(|op| matches!(op, MigOp::SetMode { .. }));
-    let enables_first = |e: &PlanError| match e {
-        PlanError::CiProfilesUnknown { uuid, .. } => observed
-            .iter()
-            .any(|g| g.uuid == *uuid && !g.mode.is_some_and(|m| m.current)),
-        _ => false,
+    let enables_first = |e: &PlanError| {
+        e.read_first().is_some_and(|uuid| {
+            observed
+                .iter()
+                .any(|g| g.uuid == uuid && !g.mode.is_some_and(|m| m.current))
+        })
     };
     Ok(planned.plans.iter().any(sets_mode) || planned.unknown.iter().any(enables_first))
+}
+
+/// What converging to `layout` must read from NVML before it can plan the whole layout, one
+/// line per GPU and read, for `plan`: empty when [`plan_layout`] plans it in full. Says which
+/// GPUs get MIG mode enabled for it, and which have their GPU instances destroyed first to make
+/// room for the short-lived instance compute instance profiles are read from (the layout
+/// replaces them anyway; [`converge`] makes them again when the layout then fails). Errors as
+/// [`plan_layout`]'s. Pure.
+pub fn reads_first(observed: &[ObservedGpu], layout: &MigLayout) -> Result<Vec<String>, PlanError> {
+    let planned = plan_all(observed, layout)?;
+    let mut lines = Vec::new();
+    for e in &planned.unknown {
+        let Some(gpu) = observed.iter().find(|g| Some(g.uuid.as_str()) == e.read_first()) else {
+            continue;
+        };
+        let index = gpu.index;
+        let enable = if gpu.mode.is_some_and(|m| m.current) {
+            String::new()
+        } else {
+            format!(", after enabling MIG mode on GPU {index}")
+        };
+        lines.push(match e {
+            PlanError::GiProfilesUnknown { .. } => format!(
+                "{e}: applying enables MIG mode on GPU {index} to read them (it is disabled again if the layout \
+                 then fails)"
+            ),
+            PlanError::CiProfilesUnknown {
+                gi_profile,
+                gi_profile_id,
+                ..
+            } if !has_room(gpu, *gi_profile_id) => format!(
+                "{e}: applying reads them from a short-lived {gi_profile} GPU instance on GPU {index}, which has no \
+                 room for one: its {} GPU instance(s) are destroyed first (the layout replaces them; they are made \
+                 again if it then fails)",
+                gpu.gpu_instances.len()
+            ),
+            PlanError::CiProfilesUnknown { gi_profile, .. } => {
+                format!("{e}: applying reads them from a short-lived {gi_profile} GPU instance on GPU {index}{enable}")
+            }
+            other => other.to_string(),
+        });
+    }
+    Ok(lines)
+}
+
+/// Whether a GPU instance of profile `profile_id` has a placement on `gpu` that no existing GPU
+/// instance overlaps (NVML would make one there). Pure.
+fn has_room(gpu: &ObservedGpu, profile_id: u32) -> bool {
+    let Some(profile) = gpu.profiles.iter().find(|p| p.id == profile_id) else {
+        return false;
+    };
+    let overlaps = |a: &super::state::Placement, b: &super::state::Placement| {
+        a.start < b.start + b.size && b.start < a.start + a.size
+    };
+    let existing = gpu
+        .gpu_instances
+        .iter()
+        .filter(|gi| gi.profile_id == profile_id)
+        .count();
+    u32::try_from(existing).is_ok_and(|n| n < profile.instance_count)
+        && profile
+            .placements
+            .iter()
+            .any(|p| !gpu.gpu_instances.iter().any(|gi| overlaps(p, &gi.placement)))
 }
 
 /// Called once, right before a converge's first NVML change (the GPUs it changes were found
@@ -253,7 +339,18 @@ pub type ResetGpu<'a> = &'a dyn Fn(&str) -> Result<(), String>;
 /// every GPU before that ([`plan_layout`]); then they are read from a short-lived instance
 /// (after enabling MIG mode when it is off), and the layout is planned with them. When it fails
 /// before its own plans are applied, a MIG mode enabled only to read them is disabled again
-/// (finished with `reset` where NVML leaves that pending), and the reason says so.
+/// (finished with `reset` where NVML leaves that pending), and the reason says so. A GPU with
+/// MIG on and no room for that short-lived instance has its GPU instances destroyed first: the
+/// layout replaces them anyway (it wants an instance of a profile the GPU has none of), and when
+/// the layout then fails before its own plans are applied they are made again, with the same
+/// profiles and placements (their MIG devices get new UUIDs), and the reason says so.
+///
+/// A GPU whose NVML lists no GPU instance profiles while MIG mode is off (drivers of the R535
+/// class; [`PlanError::GiProfilesUnknown`]) and that must end with MIG devices gets MIG mode
+/// enabled the same way, on the same conditions (idle, `before_change` first), to read them;
+/// undone the same way. When the layout turns out not to cover that GPU once they are read (a
+/// built-in layout whose profile its model lacks), MIG mode is disabled again there and the
+/// rest of the layout applies.
 ///
 /// `stop` (the daemon's SIGTERM) is looked at between NVML operations: once cancelled, the
 /// converge returns [`Step::Stopped`] without starting another.
@@ -276,7 +373,9 @@ pub fn converge(
         stop,
         before_change,
         learned: Learned::new(),
+        listed: BTreeMap::new(),
         enabled: Vec::new(),
+        cleared: Vec::new(),
         applying: false,
     };
     let step = run.step(reset, 0);
@@ -298,9 +397,14 @@ struct Run<'a, 'b> {
     name: &'a str,
     layout: &'a MigLayout,
     learned: Learned,
-    /// GPUs (index, UUID) on which this converge enabled MIG mode to read compute instance
-    /// profiles.
-    enabled: Vec<(u32, String)>,
+    /// The GPU instance profiles each GPU (UUID) listed in this converge: they stand in where
+    /// the GPU lists none later (its MIG mode enabled to read them, then disabled again).
+    listed: BTreeMap<String, Vec<super::state::GiProfile>>,
+    /// GPUs on which this converge enabled MIG mode to read profiles.
+    enabled: Vec<Probe>,
+    /// GPUs whose GPU instances this converge destroyed to make room for a short-lived one, as
+    /// they were.
+    cleared: Vec<ObservedGpu>,
     /// Set once the layout's own plans are being applied: what changes from then on is the
     /// layout's doing, and stays.
     applying: bool,
@@ -308,9 +412,22 @@ struct Run<'a, 'b> {
     before_change: Option<BeforeChange<'b>>,
 }
 
-fn observe(gpus: &Gpus, learned: &Learned) -> Result<Vec<ObservedGpu>, String> {
+/// NVML's MIG state, with what this converge read before: GPU instance profiles a GPU listed
+/// earlier where it lists none now, compute instance profiles read from short-lived instances.
+fn observe(
+    gpus: &Gpus,
+    learned: &Learned,
+    listed: &mut BTreeMap<String, Vec<super::state::GiProfile>>,
+) -> Result<Vec<ObservedGpu>, String> {
     let mut observed = gpus.mig_observe().map_err(|e| e.to_string())?;
     for gpu in &mut observed {
+        if gpu.profiles.is_empty() {
+            if let Some(profiles) = listed.get(&gpu.uuid) {
+                gpu.profiles = profiles.clone();
+            }
+        } else {
+            listed.insert(gpu.uuid.clone(), gpu.profiles.clone());
+        }
         for profile in gpu.profiles.iter_mut().filter(|p| !p.ci_profiles_read()) {
             if let Some(read) = learned.get(&(gpu.uuid.clone(), profile.id)) {
                 profile.ci_profiles = read.clone();
@@ -318,6 +435,47 @@ fn observe(gpus: &Gpus, learned: &Learned) -> Result<Vec<ObservedGpu>, String> {
         }
     }
     Ok(observed)
+}
+
+/// A GPU on which a converge enabled MIG mode only to read profiles.
+struct Probe {
+    index: u32,
+    uuid: String,
+    /// What was read: `its GPU instance profiles`.
+    what: String,
+}
+
+/// The plan that makes `gpu`'s GPU and compute instances again as they are, with the same
+/// profiles and placements, on the GPU once they are gone. Pure.
+fn rebuild(gpu: &ObservedGpu) -> GpuPlan {
+    let mut ops = Vec::new();
+    for (n, gi) in gpu.gpu_instances.iter().enumerate() {
+        let profile = gpu.profiles.iter().find(|p| p.id == gi.profile_id);
+        ops.push(MigOp::CreateGi {
+            profile_id: gi.profile_id,
+            placement: gi.placement,
+            name: profile.map_or_else(|| format!("profile {}", gi.profile_id), |p| p.name.clone()),
+        });
+        for ci in &gi.compute_instances {
+            let name = profile
+                .and_then(|p| p.ci_profiles.iter().find(|c| c.id == ci.profile_id))
+                .map_or_else(
+                    || format!("compute instance profile {}", ci.profile_id),
+                    |c| c.name.clone(),
+                );
+            ops.push(MigOp::CreateCi {
+                gi: GiRef::New(n),
+                profile_id: ci.profile_id,
+                placement: ci.placement,
+                name,
+            });
+        }
+    }
+    GpuPlan {
+        index: gpu.index,
+        uuid: gpu.uuid.clone(),
+        ops,
+    }
 }
 
 /// NVML's name of GPU `index` (`NVIDIA A100-SXM4-40GB`), when it answers.
@@ -364,7 +522,7 @@ impl Run<'_, '_> {
             return Step::Stopped { mutations: 0 };
         }
         let (gpus, name) = (self.gpus, self.name);
-        let observed = match observe(gpus, &self.learned) {
+        let observed = match observe(gpus, &self.learned, &mut self.listed) {
             Ok(o) => o,
             Err(e) => {
                 return Step::Failed {
@@ -376,6 +534,37 @@ impl Run<'_, '_> {
             Ok(p) => p,
             Err(e) => return self.refused(e),
         };
+        // A GPU whose MIG mode was enabled only to read its GPU instance profiles, and that the
+        // layout turns out not to cover: back as it was before the rest is applied.
+        if !self.applying {
+            let covered = |uuid: &str| {
+                planned.plans.iter().any(|p| p.uuid == uuid)
+                    || planned.unknown.iter().any(|e| e.read_first() == Some(uuid))
+            };
+            let (left, kept): (Vec<Probe>, Vec<Probe>) = std::mem::take(&mut self.enabled)
+                .into_iter()
+                .partition(|p| !covered(&p.uuid));
+            self.enabled = kept;
+            if !left.is_empty() {
+                let (notes, mutations) = self.undo_enabled(&left, reset);
+                tracing::warn!(
+                    "layout {name} does not cover it once its profiles are read: {}",
+                    notes.join("; ")
+                );
+                let gpus: Vec<String> = left.into_iter().map(|p| p.uuid).collect();
+                return match self.step(reset, round + 1) {
+                    Step::Converged => Step::Applied { mutations, gpus },
+                    Step::Applied {
+                        mutations: more,
+                        gpus: also,
+                    } => Step::Applied {
+                        mutations: mutations + more,
+                        gpus: gpus.iter().fold(also, |all, uuid| merged(all, uuid)),
+                    },
+                    other => other,
+                };
+            }
+        }
         let changing = planned.changing(&observed);
         if changing.is_empty() {
             return Step::Converged;
@@ -402,26 +591,24 @@ impl Run<'_, '_> {
             };
         }
         if let Some(unknown) = planned.unknown.into_iter().next() {
-            let PlanError::CiProfilesUnknown {
-                index,
-                ref uuid,
-                ref gi_profile,
-                gi_profile_id,
-                ..
-            } = unknown
-            else {
-                unreachable!("plan_all keeps only CiProfilesUnknown here");
+            let uuid = match unknown.read_first() {
+                Some(uuid) if round < MAX_ROUNDS => uuid.to_string(),
+                _ => return self.refused(unknown),
             };
-            if round >= MAX_ROUNDS {
-                return self.refused(unknown);
-            }
-            let uuid = uuid.clone();
-            let Some(gpu) = observed.iter().find(|g| g.index == index) else {
+            let Some(gpu) = observed.iter().find(|g| g.uuid == uuid) else {
                 return Step::Failed {
-                    reason: format!("layout {name}: GPU {index} ({uuid}) went away while planning"),
+                    reason: format!("layout {name}: GPU {uuid} went away while planning"),
                 };
             };
-            return match self.read_ci_profiles(gpu, gi_profile, gi_profile_id, reset) {
+            let read = match &unknown {
+                PlanError::CiProfilesUnknown {
+                    gi_profile,
+                    gi_profile_id,
+                    ..
+                } => self.read_ci_profiles(gpu, gi_profile, *gi_profile_id, reset),
+                _ => self.read_gi_profiles(gpu, reset),
+            };
+            return match read {
                 Ok(mutations) => match self.step(reset, round + 1) {
                     Step::Applied { mutations: more, gpus } => Step::Applied {
                         mutations: mutations + more,
@@ -507,9 +694,7 @@ impl Run<'_, '_> {
             };
         }
         // Verify: a second plan must be empty.
-        match gpus
-            .mig_observe()
-            .map_err(|e| e.to_string())
+        match observe(gpus, &self.learned, &mut self.listed)
             .and_then(|o| plan_layout(&o, self.layout).map_err(|e| e.to_string()))
         {
             Ok(again) if affected(&again).is_empty() => Step::Applied {
@@ -528,11 +713,95 @@ impl Run<'_, '_> {
         }
     }
 
+    /// Checks that `gpu` is idle (NVML lists no processes on it), then runs `before_change`
+    /// (once): what every read does before its first change. `Err`: the step to report.
+    fn idle_before_reading(&mut self, uuid: &str) -> Result<(), Step> {
+        match self.gpus.process_count(uuid) {
+            Some(0) => {}
+            n => {
+                let n = n.map_or("an unknown number of".to_string(), |n| n.to_string());
+                return Err(Step::Busy {
+                    gpus: vec![uuid.to_string()],
+                    reason: format!("waiting for GPU processes to end before changing MIG: {n} on {uuid}"),
+                });
+            }
+        }
+        self.prepare()
+    }
+
+    /// How a failed NVML call during a read is reported: busy when NVML says the GPU is in use.
+    fn read_failed(&self, uuid: &str, e: super::apply::MigCallError) -> Step {
+        if e.in_use() {
+            Step::Busy {
+                gpus: vec![uuid.to_string()],
+                reason: format!("GPU in use: {e}"),
+            }
+        } else {
+            Step::Failed {
+                reason: format!("layout {}: {e}", self.name),
+            }
+        }
+    }
+
+    /// Enables MIG mode on `gpu` (idle, `before_change` run) to read `what` (`its GPU instance
+    /// profiles`), finishing it with `reset` when NVML leaves it pending, and notes it in
+    /// `enabled` (unless a pending enable was there before: that is not this converge's doing).
+    /// `Ok`: the NVML mutations made (observe again: the profiles are read once the mode is
+    /// current).
+    fn enable_to_read(&mut self, gpu: &ObservedGpu, what: &str, reset: Option<ResetGpu<'_>>) -> Result<usize, Step> {
+        let uuid = gpu.uuid.clone();
+        let plan = GpuPlan {
+            index: gpu.index,
+            uuid: uuid.clone(),
+            ops: vec![MigOp::SetMode { enabled: true }],
+        };
+        tracing::info!("{} (to read {what})", super::planner::describe(&plan));
+        let applied = self.gpus.mig_apply(&plan).map_err(|e| self.read_failed(&uuid, e))?;
+        if !gpu.mode.is_some_and(|m| m.pending) {
+            self.enabled.push(Probe {
+                index: gpu.index,
+                uuid: uuid.clone(),
+                what: what.to_string(),
+            });
+        }
+        if applied.mode_pending {
+            let reason = format!("the MIG mode change on {uuid} is pending until the GPU is reset or the node reboots");
+            let Some(reset) = reset else {
+                return Err(Step::ModePending {
+                    gpus: vec![uuid],
+                    reason,
+                });
+            };
+            tracing::info!(gpu = %uuid, "resetting {uuid} to finish its MIG mode change");
+            if let Err(e) = reset(&uuid) {
+                return Err(Step::ModePending {
+                    gpus: vec![uuid],
+                    reason: format!("{reason}; the reset failed: {e}"),
+                });
+            }
+        }
+        Ok(applied.mutations)
+    }
+
+    /// Makes NVML's GPU instance profiles of `gpu` known, which its driver lists only while MIG
+    /// mode is on ([`PlanError::GiProfilesUnknown`]): enables MIG mode on it (only when idle).
+    /// `Ok` carries the NVML mutations made; `Err` the step to report instead.
+    fn read_gi_profiles(&mut self, gpu: &ObservedGpu, reset: Option<ResetGpu<'_>>) -> Result<usize, Step> {
+        self.idle_before_reading(&gpu.uuid)?;
+        tracing::info!(
+            gpu = %gpu.uuid,
+            "NVML lists no GPU instance profiles for GPU {} while MIG mode is off: enabling it to read them",
+            gpu.index
+        );
+        self.enable_to_read(gpu, "its GPU instance profiles", reset)
+    }
+
     /// Makes NVML's compute instance profiles of `gi_profile` on `gpu` known (into `learned`):
-    /// enables MIG mode first when it is not on (finishing it with `reset` when NVML leaves it
-    /// pending, and noting it in `enabled`), then reads them from a short-lived GPU instance.
-    /// Only on an idle GPU. `Ok` carries the NVML mutations made; `Err` the step to report
-    /// instead.
+    /// enables MIG mode first when it is not on ([`Run::enable_to_read`]), then reads them from a
+    /// short-lived GPU instance. When the GPU has no room for one, its GPU instances are
+    /// destroyed first (the layout replaces them: it wants an instance of a profile the GPU has
+    /// none of), noted in `cleared`. Only on an idle GPU. `Ok` carries the NVML mutations made;
+    /// `Err` the step to report instead.
     fn read_ci_profiles(
         &mut self,
         gpu: &ObservedGpu,
@@ -542,91 +811,55 @@ impl Run<'_, '_> {
     ) -> Result<usize, Step> {
         let (gpus, name) = (self.gpus, self.name);
         let uuid = gpu.uuid.clone();
-        match gpus.process_count(&uuid) {
-            Some(0) => {}
-            n => {
-                let n = n.map_or("an unknown number of".to_string(), |n| n.to_string());
-                return Err(Step::Busy {
-                    gpus: vec![uuid.clone()],
-                    reason: format!("waiting for GPU processes to end before changing MIG: {n} on {uuid}"),
-                });
-            }
-        }
-        self.prepare()?;
-        let failed = |e: super::apply::MigCallError| {
-            if e.in_use() {
-                Step::Busy {
-                    gpus: vec![uuid.clone()],
-                    reason: format!("GPU in use: {e}"),
-                }
-            } else {
-                Step::Failed {
-                    reason: format!("layout {name}: {e}"),
-                }
-            }
-        };
+        self.idle_before_reading(&uuid)?;
         if !gpu.mode.is_some_and(|m| m.current) {
-            let plan = GpuPlan {
-                index: gpu.index,
-                uuid: uuid.clone(),
-                ops: vec![MigOp::SetMode { enabled: true }],
-            };
-            tracing::info!(
-                "{} (to read NVML's compute instance profiles of {gi_profile})",
-                super::planner::describe(&plan)
-            );
-            let applied = gpus.mig_apply(&plan).map_err(failed)?;
-            // A pending enable that was there before is not this converge's doing.
-            if !gpu.mode.is_some_and(|m| m.pending) {
-                self.enabled.push((gpu.index, uuid.clone()));
-            }
-            if applied.mode_pending {
-                let reason =
-                    format!("the MIG mode change on {uuid} is pending until the GPU is reset or the node reboots");
-                let Some(reset) = reset else {
-                    return Err(Step::ModePending {
-                        gpus: vec![uuid],
-                        reason,
-                    });
-                };
-                tracing::info!(gpu = %uuid, "resetting {uuid} to finish its MIG mode change");
-                if let Err(e) = reset(&uuid) {
-                    return Err(Step::ModePending {
-                        gpus: vec![uuid],
-                        reason: format!("{reason}; the reset failed: {e}"),
-                    });
-                }
-            }
-            // Observe again: the compute instance profiles are read once the mode is current.
-            return Ok(applied.mutations);
+            return self.enable_to_read(gpu, &format!("its compute instance profiles of {gi_profile}"), reset);
         }
         tracing::info!(
             gpu = %uuid,
             "reading NVML's compute instance profiles of {gi_profile} from a short-lived GPU instance on {uuid}"
         );
-        match gpus.mig_read_ci_profiles(gpu.index, gi_profile_id).map_err(failed)? {
-            Some(profiles) => {
-                self.learned.insert((uuid, gi_profile_id), profiles);
-                Ok(2)
-            }
-            None => Err(Step::Failed {
+        let read = gpus
+            .mig_read_ci_profiles(gpu.index, gi_profile_id)
+            .map_err(|e| self.read_failed(&uuid, e))?;
+        if let Some(profiles) = read {
+            self.learned.insert((uuid, gi_profile_id), profiles);
+            return Ok(2);
+        }
+        if gpu.gpu_instances.is_empty() || self.applying || self.cleared.iter().any(|g| g.uuid == uuid) {
+            return Err(Step::Failed {
                 reason: format!(
                     "layout {name}: GPU {} ({uuid}) has no room for a {gi_profile} GPU instance, and NVML lists the \
-                     compute instance profiles of {gi_profile} only inside one; apply a layout that frees room \
-                     first (e.g. all-disabled); nothing changed",
+                     compute instance profiles of {gi_profile} only inside one; nothing changed",
                     gpu.index
                 ),
-            }),
+            });
         }
+        // No room: the layout destroys every GPU instance of this GPU anyway. Destroy them now,
+        // remembering them to make them again should the layout fail before it is applied.
+        let mut plan = GpuPlan {
+            index: gpu.index,
+            uuid: uuid.clone(),
+            ops: Vec::new(),
+        };
+        super::planner::destroy_all(gpu, &mut plan.ops);
+        tracing::info!(
+            "{} (no room for a short-lived {gi_profile} GPU instance to read its compute instance profiles from; \
+             the layout replaces them)",
+            super::planner::describe(&plan)
+        );
+        self.cleared.push(gpu.clone());
+        let applied = gpus.mig_apply(&plan).map_err(|e| self.read_failed(&uuid, e))?;
+        Ok(applied.mutations)
     }
 
     /// When the layout failed (or must wait) before its own plans were applied, after this
-    /// converge enabled MIG mode on GPUs only to read compute instance profiles: disables it
-    /// again where those GPUs still have no instances (through the applier, finishing with
-    /// `reset` where NVML leaves it pending), and says in the reason what was changed and
-    /// undone, or left.
+    /// converge changed GPUs only to read profiles: disables MIG mode again where it enabled it
+    /// and those GPUs still have no instances (through the applier, finishing with `reset`
+    /// where NVML leaves it pending), makes again the GPU instances it destroyed to make room,
+    /// and says in the reason what was changed and undone, or left.
     fn undo_probes(&self, step: Step, reset: Option<ResetGpu<'_>>) -> Step {
-        if self.enabled.is_empty() || self.applying {
+        if (self.enabled.is_empty() && self.cleared.is_empty()) || self.applying {
             return step;
         }
         match step {
@@ -643,11 +876,23 @@ impl Run<'_, '_> {
 
     fn undo(&self, reason: &str, reset: Option<ResetGpu<'_>>) -> String {
         let reason = reason.strip_suffix("; nothing changed").unwrap_or(reason);
+        let (mut notes, _) = self.undo_enabled(&self.enabled, reset);
+        notes.extend(self.cleared.iter().map(|before| self.restore(before)));
+        tracing::warn!("{}", notes.join("; "));
+        format!("{reason}; {}", notes.join("; "))
+    }
+
+    /// Disables MIG mode again on `probes` where they have no GPU instances. The notes say what
+    /// was done on each; the count is of the GPUs disabled.
+    fn undo_enabled(&self, probes: &[Probe], reset: Option<ResetGpu<'_>>) -> (Vec<String>, usize) {
+        if probes.is_empty() {
+            return (Vec::new(), 0);
+        }
         let observed = self.gpus.mig_observe();
         let mut notes = Vec::new();
-        for (index, uuid) in &self.enabled {
-            let what =
-                format!("MIG mode had been enabled on GPU {index} ({uuid}) to read its compute instance profiles");
+        let mut disabled = 0;
+        for Probe { index, uuid, what } in probes {
+            let what = format!("MIG mode had been enabled on GPU {index} ({uuid}) to read {what}");
             let gpu = observed.as_ref().map(|o| o.iter().find(|g| g.uuid == *uuid));
             notes.push(match gpu {
                 Err(e) => format!("{what} and is left enabled: its state cannot be read again ({e})"),
@@ -657,13 +902,48 @@ impl Run<'_, '_> {
                     format!("{what} and is left enabled: it has GPU instances now")
                 }
                 Ok(Some(g)) => match self.disable(g, reset) {
-                    Ok(how) => format!("{what} and was disabled again{how}"),
+                    Ok(how) => {
+                        disabled += 1;
+                        format!("{what} and was disabled again{how}")
+                    }
                     Err(e) => format!("{what} and is left enabled: {e}"),
                 },
             });
         }
-        tracing::warn!("{}", notes.join("; "));
-        format!("{reason}; {}", notes.join("; "))
+        (notes, disabled)
+    }
+
+    /// Makes again the GPU instances of `before` (as observed before they were destroyed to make
+    /// room for a short-lived one), when the GPU still has none. The note says what was done.
+    fn restore(&self, before: &ObservedGpu) -> String {
+        let (index, uuid) = (before.index, &before.uuid);
+        let what = format!(
+            "the {} GPU instance(s) of GPU {index} ({uuid}) had been destroyed to make room for reading compute \
+             instance profiles",
+            before.gpu_instances.len()
+        );
+        let now = self.gpus.mig_observe().map(|o| o.into_iter().find(|g| g.uuid == *uuid));
+        match now {
+            Err(e) => format!("{what} and were not made again: its state cannot be read ({e})"),
+            Ok(None) => format!("{what}; the GPU is gone now"),
+            Ok(Some(g)) if !g.gpu_instances.is_empty() => {
+                format!("{what} and were not made again: it has GPU instances now")
+            }
+            Ok(Some(_)) => {
+                let plan = rebuild(before);
+                tracing::info!(
+                    "{} (undoing what was destroyed to make room)",
+                    super::planner::describe(&plan)
+                );
+                match self.gpus.mig_apply(&plan) {
+                    Ok(_) => format!(
+                        "{what} and were made again with the same profiles and placements (their MIG devices have \
+                         new UUIDs)"
+                    ),
+                    Err(e) => format!("{what} and were not all made again: {e}"),
+                }
+            }
+        }
     }
 
     /// Disables MIG mode on `gpu` (which has no instances). `Ok`: how ("" or " with a GPU

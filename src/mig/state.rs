@@ -92,8 +92,9 @@ pub struct ObservedGpu {
     pub pci_subsystem_id: u32,
     /// `None`: the GPU does not support MIG.
     pub mode: Option<crate::nvml::MigState>,
-    /// The GPU's instance profiles (empty for a GPU without MIG). NVML reports them whether or
-    /// not MIG is enabled.
+    /// The GPU's instance profiles (empty for a GPU without MIG). Most drivers report them
+    /// whether or not MIG is enabled; those of the R535 class only while it is (empty with MIG
+    /// off: [`super::planner::PlanError::GiProfilesUnknown`]).
     pub profiles: Vec<GiProfile>,
     pub gpu_instances: Vec<ObservedGi>,
 }
