@@ -678,8 +678,9 @@ fn r535_a_gpu_the_layout_turns_out_not_to_cover_gets_mig_disabled_again() {
             && exported.contains("devices = [1]\nmig_enabled = true\nprofiles = { \"1g.20gb\" = 4 }"),
         "{exported}"
     );
-    // Applying again reads GPU 0's profiles again (nothing remembers them across converges:
-    // its MIG mode is enabled and disabled once more), and leaves the same state.
+    // A new process applying again reads GPU 0's profiles again (the daemon remembers them
+    // only for its own NVML session, see tests/mig_profiles_memory.rs: its MIG mode is enabled
+    // and disabled once more), and leaves the same state.
     let out = node.run(&["mig", "apply", "all-1g.20gb"]);
     assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
     let out = node.run(&["mig", "export"]);

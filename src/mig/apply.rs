@@ -2,6 +2,9 @@
 //! instance calls (and its `possible_placements` returns nothing), so these go through
 //! `Nvml::lib()`; each `unsafe` block says why it is sound.
 
+use std::collections::BTreeMap;
+use std::sync::Mutex;
+
 use nvml_wrapper::error::NvmlError;
 use nvml_wrapper::{Device, Nvml};
 use nvml_wrapper_sys::bindings as sys;
@@ -345,6 +348,7 @@ impl Gpus {
                     source: e.source,
                 };
                 let mut profiles = raw.gi_profiles().map_err(to_gpu)?;
+                self.remember_profiles(&raw.uuid, &mut profiles);
                 let instances = if mode.is_some_and(|m| m.current) {
                     raw.instances(&mut profiles)
                         .map_err(to_gpu)?
@@ -385,6 +389,29 @@ impl Gpus {
             });
         }
         Ok(gpus)
+    }
+
+    /// Keeps the GPU instance profiles a GPU lists, and gives them back to it when it lists
+    /// none (a driver of the R535 class while MIG is off): the table is the card's and the
+    /// driver's, so it is kept per GPU UUID and driver version for as long as the process runs.
+    /// A GPU whose profiles had to be read by enabling MIG is then not switched again by every
+    /// later converge of the daemon.
+    fn remember_profiles(&self, uuid: &str, profiles: &mut Vec<GiProfile>) {
+        static SEEN: Mutex<BTreeMap<(String, String), Vec<GiProfile>>> = Mutex::new(BTreeMap::new());
+        let Ok(driver) = self.nvml().sys_driver_version() else {
+            return;
+        };
+        let Ok(mut seen) = SEEN.lock() else {
+            return;
+        };
+        let key = (uuid.to_owned(), driver);
+        if profiles.is_empty() {
+            if let Some(known) = seen.get(&key) {
+                profiles.clone_from(known);
+            }
+        } else {
+            seen.insert(key, profiles.clone());
+        }
     }
 
     /// Reads the compute instance profiles of GPU instance profile `gi_profile_id` on GPU

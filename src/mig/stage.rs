@@ -112,11 +112,8 @@ fn desired_profiles(gpu: &ObservedGpu, entry: &LayoutEntry) -> Option<BTreeMap<S
     };
     if gpu.profiles.is_empty() {
         let fallback = defaults::fallback(generated, gpu.pci_device_id);
-        // Every model of the Operator's table has a balanced layout: `None` there means the
-        // table does not know the model.
-        let known_model = defaults::fallback(&Generated::Balanced, gpu.pci_device_id).is_some();
         return match fallback {
-            None if profiles_unread(gpu) && !known_model => Some(BTreeMap::new()),
+            None if profiles_unread(gpu) && !defaults::knows(gpu.pci_device_id) => Some(BTreeMap::new()),
             fallback => fallback,
         };
     }

@@ -5,9 +5,10 @@
 //! [`layout`] gives them as mig-manager v0.14 and later generates them on each node: the
 //! profiles are worked out for each GPU from the profiles NVML reports for it
 //! ([`Generated`]), so every MIG GPU, including one this file has never heard of, gets every
-//! name. [`default_layouts`] is the Operator's file as a table, per model: the list of names,
-//! and what a GPU gets when NVML lists no profiles for it (drivers of the R535 class while MIG is
-//! off; see [`fallback`]).
+//! name. [`default_layouts`] is the Operator's file as a table, per model (checked against a
+//! copy of that file in tests/fixtures/mig/): the list of names, and, for a GPU whose NVML lists
+//! no profiles yet (drivers of the R535 class while MIG is off), whether a name covers a model
+//! the table knows before the profiles are read by enabling MIG ([`fallback`], [`knows`]).
 //!
 //! - `all-disabled`: MIG off on every GPU.
 //! - `all-enabled`: MIG on, no instances, on every GPU.
@@ -234,8 +235,15 @@ pub fn profile_of_label(label: &str) -> Option<String> {
     parsed.compute_slices.is_none().then_some(name)
 }
 
+/// Whether the Operator's file (as this table) knows the model of PCI device id `device`.
+pub fn knows(device: u16) -> bool {
+    MODELS.iter().any(|m| m.device_ids.contains(&device))
+}
+
 /// What the Operator's file gives a GPU of PCI device id `device` for `generated`, for a GPU
-/// whose NVML lists no GPU instance profiles; `None` when the file has nothing for that model.
+/// whose NVML lists no GPU instance profiles yet (it decides whether the name covers the GPU;
+/// the plan is made with the profiles read once MIG is on); `None` when the file has nothing
+/// for that model and name.
 pub fn fallback(generated: &Generated, device: u16) -> Option<BTreeMap<String, u32>> {
     let model = MODELS.iter().find(|m| m.device_ids.contains(&device))?;
     let list: Vec<(&str, u32)> = match generated {
