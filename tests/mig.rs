@@ -348,18 +348,7 @@ const SHARED_LAYOUT: &str = "[[mig.layouts.shared]]\ndevices = \"all\"\nmig_enab
 #[test]
 fn compute_instance_forms_apply_on_a_fresh_gpu() {
     let node = reset_node(SHARED_LAYOUT, true);
-    let out = node.run(&["plan", "--mig-layout", "shared"]);
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert_eq!(
-        out.status.code(),
-        Some(0),
-        "{stdout}{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    assert!(
-        stdout.contains("not complete yet") && stdout.contains("\"1c.4g.20gb\"") && stdout.contains("4g.20gb GPU"),
-        "{stdout}"
-    );
+    plan_says(&node, "shared", &["not complete yet", "\"1c.4g.20gb\"", "4g.20gb GPU"]);
 
     let out = node.run(&["mig", "apply", "shared"]);
     assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
@@ -419,22 +408,16 @@ fn plan_and_apply_agree_on_a_compute_instance_layout_for_a_full_gpu() {
         "[[mig.layouts.ci]]\ndevices = \"all\"\nmig_enabled = true\nprofiles = { \"1c.4g.40gb\" = 1, \"3g.40gb\" = 1 }\n",
     );
     assert_eq!(node.run(&["mig", "assert", "full"]).status.code(), Some(0));
-    let out = node.run(&["plan", "--mig-layout", "ci"]);
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert_eq!(
-        out.status.code(),
-        Some(0),
-        "{stdout}{}",
-        String::from_utf8_lossy(&out.stderr)
+    plan_says(
+        &node,
+        "ci",
+        &[
+            "not complete yet",
+            "\"1c.4g.40gb\"",
+            "no room for one: its 1 GPU instance(s) are destroyed first",
+            "made again if it then fails",
+        ],
     );
-    for wanted in [
-        "not complete yet",
-        "\"1c.4g.40gb\"",
-        "no room for one: its 1 GPU instance(s) are destroyed first",
-        "made again if it then fails",
-    ] {
-        assert!(stdout.contains(wanted), "{wanted:?} not in {stdout}");
-    }
 
     let out = node.run(&["mig", "apply", "ci"]);
     assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
@@ -596,22 +579,16 @@ fn r535_node(n: u32, layouts: &str) -> Node {
 #[test]
 fn r535_built_in_layouts_read_the_profiles_by_enabling_mig() {
     let node = r535_node(2, "");
-    let out = node.run(&["plan", "--mig-layout", "all-1g.10gb"]);
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert_eq!(
-        out.status.code(),
-        Some(0),
-        "{stdout}{}",
-        String::from_utf8_lossy(&out.stderr)
+    plan_says(
+        &node,
+        "all-1g.10gb",
+        &[
+            "not complete yet",
+            "NVML lists no GPU instance profiles while MIG mode is off",
+            "applying enables MIG mode on GPU 0 to read them",
+            "applying enables MIG mode on GPU 1 to read them",
+        ],
     );
-    for wanted in [
-        "not complete yet",
-        "NVML lists no GPU instance profiles while MIG mode is off",
-        "applying enables MIG mode on GPU 0 to read them",
-        "applying enables MIG mode on GPU 1 to read them",
-    ] {
-        assert!(stdout.contains(wanted), "{wanted:?} not in {stdout}");
-    }
     mig_is_off_everywhere(&node);
 
     let out = node.run(&["mig", "apply", "all-1g.10gb"]);
@@ -691,13 +668,12 @@ fn r535_a_gpu_the_layout_turns_out_not_to_cover_gets_mig_disabled_again() {
 #[test]
 fn without_the_r535_quirk_the_plan_is_complete_at_once() {
     let node = Node::new(&common::machine("H100-80GB-HBM3", 2), "[kubernetes]\nenabled = false\n");
-    let out = node.run(&["plan", "--mig-layout", "all-1g.10gb"]);
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert_eq!(out.status.code(), Some(0), "{stdout}");
-    assert!(
-        stdout.contains("MIG plan for layout all-1g.10gb (30 NVML operations)") && !stdout.contains("not complete"),
-        "{stdout}"
+    let stdout = plan_says(
+        &node,
+        "all-1g.10gb",
+        &["MIG plan for layout all-1g.10gb (30 NVML operations)"],
     );
+    assert!(!stdout.contains("not complete"), "{stdout}");
 }
 
 /// A compute instance layout whose GPU instances cannot fit never gets as far as a mode change,
@@ -1481,4 +1457,20 @@ fn subsystem_device_filters_tell_boards_of_one_model_apart() {
             "GPU {gpu} wants {profiles}:\n{export}"
         );
     }
+}
+
+/// `plan --mig-layout LAYOUT`'s output, which must exit 0 and contain each of `wanted`.
+fn plan_says(node: &Node, layout: &str, wanted: &[&str]) -> String {
+    let out = node.run(&["plan", "--mig-layout", layout]);
+    let stdout = String::from_utf8_lossy(&out.stdout).to_string();
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{stdout}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    for w in wanted {
+        assert!(stdout.contains(w), "{w:?} not in {stdout}");
+    }
+    stdout
 }
