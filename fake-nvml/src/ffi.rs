@@ -30,6 +30,11 @@ use nvml_wrapper_sys::bindings::{
     field_id::NVML_FI_DEV_MEMORY_TEMP, nvmlClockType_t, nvmlEccCounterType_t, nvmlFieldValue_t, nvmlMemoryErrorType_t,
     nvmlValue_t, nvmlValueType_enum_NVML_VALUE_TYPE_UNSIGNED_INT,
 };
+use nvml_wrapper_sys::bindings::{
+    field_id::{NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX, NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX},
+    nvmlGridLicensableFeatures_t, nvmlGridLicenseFeatureCode_t_NVML_GRID_LICENSE_FEATURE_CODE_VGPU,
+    nvmlPcieUtilCounter_t, nvmlValueType_enum_NVML_VALUE_TYPE_UNSIGNED_LONG_LONG,
+};
 
 use crate::error::{NvmlError, NvmlResult, SUCCESS, error_string};
 use crate::models::{CiProfile, GiProfile};
@@ -325,13 +330,15 @@ pub unsafe extern "C" fn nvmlDeviceGetMemoryInfo(device: nvmlDevice_t, memory: *
     run(|cx| {
         let d = cx.dev(addr(device))?;
         nonnull(memory)?;
+        // The v1 struct has no `reserved`: the driver's reserve counts as used.
         let (total, used) = cx.memory(d);
+        let used = (used + cx.memory_reserved(d)).min(total);
         unsafe {
             put(
                 memory,
                 nvmlMemory_t {
                     total,
-                    free: total - used.min(total),
+                    free: total - used,
                     used,
                 },
             )
@@ -351,11 +358,13 @@ pub unsafe extern "C" fn nvmlDeviceGetMemoryInfo_v2(
             return Err(NvmlError::ArgumentVersionMismatch);
         }
         let (total, used) = cx.memory(d);
+        let reserved = cx.memory_reserved(d).min(total);
+        let used = used.min(total - reserved);
         let v = nvmlMemory_v2_t {
             version,
             total,
-            reserved: 0,
-            free: total - used.min(total),
+            reserved,
+            free: total - reserved - used,
             used,
         };
         unsafe { put(memory, v) }
@@ -568,9 +577,11 @@ pub unsafe extern "C" fn nvmlDeviceGetCurrentClocksEventReasons(
     unsafe { nvmlDeviceGetCurrentClocksThrottleReasons(device, reasons) }
 }
 
-/// `nvmlDeviceGetFieldValues`: only `NVML_FI_DEV_MEMORY_TEMP` (82) is known; every other field
-/// gets NOT_SUPPORTED in its own `nvmlReturn`, and the call itself succeeds. On a MIG handle the
-/// call is NOT_SUPPORTED.
+/// `nvmlDeviceGetFieldValues`: `NVML_FI_DEV_MEMORY_TEMP` (82) and the NVLink data throughput
+/// counters `NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX`/`_RX` (138/139; `scopeId` a link, or
+/// `UINT_MAX` for all links; NOT_SUPPORTED without NVLink) are known; every other field gets
+/// NOT_SUPPORTED in its own `nvmlReturn`, and the call itself succeeds. On a MIG handle the call
+/// is NOT_SUPPORTED.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn nvmlDeviceGetFieldValues(
     device: nvmlDevice_t,
@@ -589,22 +600,150 @@ pub unsafe extern "C" fn nvmlDeviceGetFieldValues(
         let micros = START.elapsed().as_micros() as i64;
         for v in values {
             let reading = match v.fieldId {
-                NVML_FI_DEV_MEMORY_TEMP => cx.memory_temperature(g),
+                NVML_FI_DEV_MEMORY_TEMP => cx.memory_temperature(g).map(|t| Ok(Reading::U32(t))),
+                NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX | NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX => cx
+                    .nvlink_data_kib(g, v.fieldId == NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX, v.scopeId)
+                    .map(|r| r.map(Reading::U64)),
                 _ => None,
             };
             v.timestamp = micros;
             v.latencyUsec = 0;
             match reading {
-                Some(value) => {
+                Some(Ok(Reading::U32(value))) => {
                     v.valueType = nvmlValueType_enum_NVML_VALUE_TYPE_UNSIGNED_INT;
                     v.nvmlReturn = SUCCESS;
                     v.value = nvmlValue_t { uiVal: value };
                 }
+                Some(Ok(Reading::U64(value))) => {
+                    v.valueType = nvmlValueType_enum_NVML_VALUE_TYPE_UNSIGNED_LONG_LONG;
+                    v.nvmlReturn = SUCCESS;
+                    v.value = nvmlValue_t { ullVal: value };
+                }
+                Some(Err(e)) => v.nvmlReturn = e.code(),
                 None => v.nvmlReturn = NvmlError::NotSupported.code(),
             }
         }
         Ok(())
     })
+}
+
+// === dcgm-exporter's default counters: PCIe throughput, codecs, remapped rows, vGPU license ===
+// (physical GPUs only; MIG handles answer NOT_SUPPORTED, as for the other sensors)
+
+/// `nvmlDeviceGetPcieThroughput`: KB/s over NVML's last 20 ms window; counter TX_BYTES (0) or
+/// RX_BYTES (1).
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceGetPcieThroughput(
+    device: nvmlDevice_t,
+    counter: nvmlPcieUtilCounter_t,
+    value: *mut c_uint,
+) -> nvmlReturn_t {
+    run(|cx| {
+        let g = physical_or_not_supported(cx, device)?;
+        if counter > 1 {
+            return Err(NvmlError::InvalidArgument);
+        }
+        nonnull(value)?;
+        let kbps = cx.pcie_throughput_kbps(g, counter == 1);
+        unsafe { put(value, kbps) }
+    })
+}
+
+/// Encoder or decoder utilization and its sampling period; NOT_SUPPORTED while MIG mode is on,
+/// like the other utilization rates.
+unsafe fn codec_utilization(
+    device: nvmlDevice_t,
+    decoder: bool,
+    utilization: *mut c_uint,
+    sampling_period_us: *mut c_uint,
+) -> nvmlReturn_t {
+    run(|cx| {
+        let g = physical_or_not_supported(cx, device)?;
+        if cx.mig_enabled(g) {
+            return Err(NvmlError::NotSupported);
+        }
+        nonnull(utilization)?;
+        nonnull(sampling_period_us)?;
+        let u = cx.codec_utilization(g, decoder);
+        unsafe {
+            put(utilization, u)?;
+            put(sampling_period_us, 167_000)
+        }
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceGetEncoderUtilization(
+    device: nvmlDevice_t,
+    utilization: *mut c_uint,
+    sampling_period_us: *mut c_uint,
+) -> nvmlReturn_t {
+    unsafe { codec_utilization(device, false, utilization, sampling_period_us) }
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceGetDecoderUtilization(
+    device: nvmlDevice_t,
+    utilization: *mut c_uint,
+    sampling_period_us: *mut c_uint,
+) -> nvmlReturn_t {
+    unsafe { codec_utilization(device, true, utilization, sampling_period_us) }
+}
+
+/// `nvmlDeviceGetRemappedRows`: Ampere and later; NOT_SUPPORTED on older GPUs (T4).
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceGetRemappedRows(
+    device: nvmlDevice_t,
+    corr_rows: *mut c_uint,
+    unc_rows: *mut c_uint,
+    is_pending: *mut c_uint,
+    failure_occurred: *mut c_uint,
+) -> nvmlReturn_t {
+    run(|cx| {
+        let g = physical_or_not_supported(cx, device)?;
+        let (corr, unc, pending, failure) = cx.remapped_rows(g).ok_or(NvmlError::NotSupported)?;
+        for p in [corr_rows, unc_rows, is_pending, failure_occurred] {
+            nonnull(p)?;
+        }
+        unsafe {
+            put(corr_rows, corr)?;
+            put(unc_rows, unc)?;
+            put(is_pending, c_uint::from(pending))?;
+            put(failure_occurred, c_uint::from(failure))
+        }
+    })
+}
+
+/// `nvmlDeviceGetGridLicensableFeatures_v4`: in a vGPU guest (`readings.vgpu_licensed`), one
+/// licensable feature, vGPU, licensed or not; NOT_SUPPORTED on bare metal.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceGetGridLicensableFeatures_v4(
+    device: nvmlDevice_t,
+    features: *mut nvmlGridLicensableFeatures_t,
+) -> nvmlReturn_t {
+    run(|cx| {
+        let g = physical_or_not_supported(cx, device)?;
+        let licensed = cx.vgpu_licensed(g).ok_or(NvmlError::NotSupported)?;
+        nonnull(features)?;
+        // SAFETY: an all-zero nvmlGridLicensableFeatures_t is valid (integers and char arrays).
+        let mut v: nvmlGridLicensableFeatures_t = unsafe { std::mem::zeroed() };
+        v.isGridLicenseSupported = 1;
+        v.licensableFeaturesCount = 1;
+        v.gridLicensableFeatures[0].featureCode = nvmlGridLicenseFeatureCode_t_NVML_GRID_LICENSE_FEATURE_CODE_VGPU;
+        v.gridLicensableFeatures[0].featureState = c_uint::from(licensed);
+        v.gridLicensableFeatures[0].featureEnabled = 1;
+        crate::runtime::fill_chars(
+            &mut v.gridLicensableFeatures[0].productName,
+            "NVIDIA Virtual Compute Server",
+        );
+        unsafe { put(features, v) }
+    })
+}
+
+/// A field value's payload.
+enum Reading {
+    U32(u32),
+    U64(u64),
 }
 
 // === topology ===

@@ -84,6 +84,33 @@ pub struct Readings {
     pub ecc_uncorrected: Option<u64>,
     /// `nvmlDeviceGetCurrentClocksThrottleReasons` bitmask.
     pub throttle_reasons: Option<u64>,
+    /// `nvmlDeviceGetMemoryInfo_v2().reserved`, in MiB (default: the model's, see the README).
+    pub memory_reserved_mib: Option<u64>,
+    /// `nvmlDeviceGetPcieThroughput(NVML_PCIE_UTIL_TX_BYTES)`, in KB/s.
+    pub pcie_tx_kbps: Option<u32>,
+    /// `nvmlDeviceGetPcieThroughput(NVML_PCIE_UTIL_RX_BYTES)`, in KB/s.
+    pub pcie_rx_kbps: Option<u32>,
+    /// `nvmlDeviceGetEncoderUtilization`, in %.
+    pub encoder_utilization: Option<u32>,
+    /// `nvmlDeviceGetDecoderUtilization`, in %.
+    pub decoder_utilization: Option<u32>,
+    /// Field `NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX` summed over all links, in KiB (models with
+    /// NVLink only).
+    pub nvlink_data_tx_kib: Option<u64>,
+    /// Field `NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX` summed over all links, in KiB.
+    pub nvlink_data_rx_kib: Option<u64>,
+    /// `nvmlDeviceGetRemappedRows` correctable rows (Ampere and later only).
+    pub remapped_rows_correctable: Option<u32>,
+    /// `nvmlDeviceGetRemappedRows` uncorrectable rows.
+    pub remapped_rows_uncorrectable: Option<u32>,
+    /// `nvmlDeviceGetRemappedRows` `isPending`.
+    pub row_remap_pending: Option<bool>,
+    /// `nvmlDeviceGetRemappedRows` `failureOccurred`.
+    pub row_remap_failure: Option<bool>,
+    /// Makes the GPU a licensed (true) or unlicensed (false) vGPU guest:
+    /// `nvmlDeviceGetGridLicensableFeatures_v4` then lists the vGPU feature in that state. Left
+    /// out (bare metal), the call answers NOT_SUPPORTED.
+    pub vgpu_licensed: Option<bool>,
 }
 
 /// A validated machine description.
@@ -219,6 +246,8 @@ fn gpu_spec(index: usize, e: GpuEntry) -> Result<GpuSpec, String> {
     for (key, value) in [
         ("gpu_utilization", e.readings.gpu_utilization),
         ("memory_utilization", e.readings.memory_utilization),
+        ("encoder_utilization", e.readings.encoder_utilization),
+        ("decoder_utilization", e.readings.decoder_utilization),
     ] {
         if let Some(v) = value
             && v > 100
@@ -231,6 +260,15 @@ fn gpu_spec(index: usize, e: GpuEntry) -> Result<GpuSpec, String> {
     }
     if !e.mig_device.is_empty() && !e.mig_mode {
         return Err("mig_device entries need mig_mode = true".into());
+    }
+    if (e.readings.nvlink_data_tx_kib.is_some() || e.readings.nvlink_data_rx_kib.is_some()) && model.nvlink_links == 0 {
+        return Err(format!(
+            "readings.nvlink_data_* given but model {} has no NVLink",
+            model.key
+        ));
+    }
+    if e.readings.memory_reserved_mib.is_some_and(|r| r > model.memory_mib) {
+        return Err("readings.memory_reserved_mib is more than the model's memory".into());
     }
     if !e.nvlink_peers.is_empty() && model.nvlink_links == 0 {
         return Err(format!("nvlink_peers given but model {} has no NVLink", model.key));

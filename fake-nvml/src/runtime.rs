@@ -536,6 +536,24 @@ impl Cx<'_> {
         }
     }
 
+    /// Memory the driver reserves on GPU `g` (`nvmlMemory_v2_t.reserved`), in bytes: the machine
+    /// file's, else the model's (roughly what `nvidia-smi -q` shows as "Reserved" on R535-R550
+    /// drivers). A MIG device has none: the GPU's reserve is outside every GPU instance.
+    pub fn memory_reserved(&self, d: Dev) -> u64 {
+        const MIB: u64 = 1024 * 1024;
+        let Dev::Gpu(g) = d else { return 0 };
+        let spec = self.lib.spec(g);
+        let mib = spec.readings.memory_reserved_mib.unwrap_or(match spec.model.key {
+            "T4" => 259,
+            "A30-24GB" => 482,
+            "A100-SXM4-40GB" | "A100-PCIE-40GB" => 634,
+            "A100-SXM4-80GB" | "A100-PCIE-80GB" => 656,
+            "RTX-PRO-6000" => 512,
+            _ => 576,
+        });
+        mib * MIB
+    }
+
     /// (total, used) memory in bytes.
     pub fn memory(&mut self, d: Dev) -> (u64, u64) {
         const MIB: u64 = 1024 * 1024;
@@ -702,6 +720,67 @@ impl Cx<'_> {
             return bits;
         }
         if self.busy(g) > 0 { 0 } else { 0x1 }
+    }
+
+    /// `nvmlDeviceGetPcieThroughput` in KB/s, TX (`rx` false) or RX: the machine file's, else
+    /// 0 without processes and 250 MB/s per process.
+    pub fn pcie_throughput_kbps(&mut self, g: usize, rx: bool) -> u32 {
+        let r = &self.lib.spec(g).readings;
+        let fixed = if rx { r.pcie_rx_kbps } else { r.pcie_tx_kbps };
+        fixed.unwrap_or_else(|| 250_000 * self.busy(g).min(16))
+    }
+
+    /// Encoder (`decoder` false) or decoder utilization in %: the machine file's, else 0 (no
+    /// process of the fake codes video).
+    pub fn codec_utilization(&self, g: usize, decoder: bool) -> u32 {
+        let r = &self.lib.spec(g).readings;
+        if decoder {
+            r.decoder_utilization
+        } else {
+            r.encoder_utilization
+        }
+        .unwrap_or(0)
+    }
+
+    /// NVLink data throughput counter (KiB, TX or RX) of link `scope`, or of all links for
+    /// `u32::MAX`: `None` (NOT_SUPPORTED) on a model without NVLink, `Err` for a link the model
+    /// does not have. The machine file's total is spread evenly over the links, the remainder on
+    /// link 0; default 0.
+    pub fn nvlink_data_kib(&self, g: usize, rx: bool, scope: u32) -> Option<NvmlResult<u64>> {
+        let spec = self.lib.spec(g);
+        let links = u64::from(spec.model.nvlink_links);
+        if links == 0 {
+            return None;
+        }
+        let r = &spec.readings;
+        let total = if rx { r.nvlink_data_rx_kib } else { r.nvlink_data_tx_kib }.unwrap_or(0);
+        Some(match scope {
+            u32::MAX => Ok(total),
+            0 => Ok(total / links + total % links),
+            s if u64::from(s) < links => Ok(total / links),
+            _ => Err(NvmlError::InvalidArgument),
+        })
+    }
+
+    /// `nvmlDeviceGetRemappedRows` (correctable, uncorrectable, pending, failure): `None`
+    /// (NOT_SUPPORTED) before Ampere, whose GPUs retire pages instead of remapping rows.
+    pub fn remapped_rows(&self, g: usize) -> Option<(u32, u32, bool, bool)> {
+        let spec = self.lib.spec(g);
+        if spec.model.architecture < nvml_wrapper_sys::bindings::NVML_DEVICE_ARCH_AMPERE {
+            return None;
+        }
+        let r = &spec.readings;
+        Some((
+            r.remapped_rows_correctable.unwrap_or(0),
+            r.remapped_rows_uncorrectable.unwrap_or(0),
+            r.row_remap_pending.unwrap_or(false),
+            r.row_remap_failure.unwrap_or(false),
+        ))
+    }
+
+    /// Whether the vGPU guest on GPU `g` holds a license; `None` on bare metal (no vGPU).
+    pub fn vgpu_licensed(&self, g: usize) -> Option<bool> {
+        self.lib.spec(g).readings.vgpu_licensed
     }
 
     /// Whether GPU `g` is in MIG mode now (NVML then answers utilization NOT_SUPPORTED).

@@ -33,7 +33,9 @@ fn dgx_a100_inventory() {
         assert_eq!(d.numa_node_id().unwrap(), i / 4);
         let mem = d.memory_info().unwrap();
         assert_eq!(mem.total, 40960 * 1024 * 1024);
-        assert_eq!((mem.used, mem.free), (0, mem.total));
+        // The driver's reserve (the model's, 634 MiB) is neither used nor free.
+        assert_eq!(mem.reserved, 634 * 1024 * 1024);
+        assert_eq!((mem.used, mem.free), (0, mem.total - mem.reserved));
         let cc = d.cuda_compute_capability().unwrap();
         assert_eq!((cc.major, cc.minor), (8, 0));
         assert_eq!(d.architecture().unwrap(), DeviceArchitecture::Ampere);

@@ -143,3 +143,134 @@ fn readings_must_be_percentages() {
     .unwrap_err();
     assert!(err.contains("unknown field"), "{err}");
 }
+
+/// `nvmlDeviceGetRemappedRows` through the raw symbol (nvml-wrapper has no method for it).
+fn remapped_rows(d: &nvml_wrapper::Device<'_>) -> Result<[u32; 4], NvmlError> {
+    let sym = d.nvml().lib().nvmlDeviceGetRemappedRows.as_ref().expect("symbol");
+    let mut out = [0u32; 4];
+    let [a, b, c, e] = &mut out;
+    // SAFETY: live handle, four u32 out-pointers.
+    nvml_wrapper::error::nvml_try(unsafe { sym(d.handle(), a, b, c, e) })?;
+    Ok(out)
+}
+
+/// NVLink data counter `field` with `scope` (a link, or u32::MAX for all).
+fn nvlink_data(d: &nvml_wrapper::Device<'_>, field: u32, scope: u32) -> Result<u64, NvmlError> {
+    use nvml_wrapper_sys::bindings::nvmlFieldValue_t;
+    let sym = d.nvml().lib().nvmlDeviceGetFieldValues.as_ref().expect("symbol");
+    // SAFETY: all-zero is a valid field value.
+    let mut v: nvmlFieldValue_t = unsafe { std::mem::zeroed() };
+    v.fieldId = field;
+    v.scopeId = scope;
+    // SAFETY: live handle, one field value.
+    nvml_wrapper::error::nvml_try(unsafe { sym(d.handle(), 1, &mut v) })?;
+    nvml_wrapper::error::nvml_try(v.nvmlReturn)?;
+    // SAFETY: the fake answers these fields as unsigned long long.
+    Ok(unsafe { v.value.ullVal })
+}
+
+/// `nvmlDeviceGetGridLicensableFeatures_v4`: (supported, vGPU feature state).
+fn vgpu_license(d: &nvml_wrapper::Device<'_>) -> Result<(i32, u32, u32), NvmlError> {
+    use nvml_wrapper_sys::bindings::nvmlGridLicensableFeatures_t;
+    let sym = d
+        .nvml()
+        .lib()
+        .nvmlDeviceGetGridLicensableFeatures_v4
+        .as_ref()
+        .expect("symbol");
+    // SAFETY: all-zero is valid for this struct of integers and char arrays.
+    let mut f: nvmlGridLicensableFeatures_t = unsafe { std::mem::zeroed() };
+    // SAFETY: live handle, a valid struct.
+    nvml_wrapper::error::nvml_try(unsafe { sym(d.handle(), &mut f) })?;
+    let first = f.gridLicensableFeatures[0];
+    Ok((f.isGridLicenseSupported, first.featureCode, first.featureState))
+}
+
+#[test]
+fn dcgm_default_counter_calls_follow_the_hardware_rules() {
+    use nvml_wrapper::enum_wrappers::device::PcieUtilCounter;
+    use nvml_wrapper_sys::bindings::field_id::{
+        NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX as RX, NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX as TX,
+    };
+    let fake = Fake::new(
+        r#"
+driver_version = "550.54.15"
+cuda_driver_version = 12040
+
+[[gpu]]
+model = "H100-80GB-HBM3"
+[gpu.readings]
+memory_reserved_mib = 300
+pcie_tx_kbps = 11
+pcie_rx_kbps = 22
+encoder_utilization = 3
+decoder_utilization = 4
+nvlink_data_tx_kib = 1801
+nvlink_data_rx_kib = 36
+remapped_rows_correctable = 5
+remapped_rows_uncorrectable = 6
+row_remap_pending = true
+row_remap_failure = true
+vgpu_licensed = true
+
+[[gpu]]
+model = "T4"
+
+[[gpu]]
+model = "A100-SXM4-40GB"
+mig_mode = true
+[[gpu.mig_device]]
+profile = "3g.20gb"
+"#,
+    );
+    let nvml = fake.init();
+    let mib = 1024 * 1024;
+
+    let h100 = nvml.device_by_index(0).unwrap();
+    let m = h100.memory_info().unwrap();
+    assert_eq!(
+        (m.total / mib, m.reserved / mib, m.used, m.free / mib),
+        (81559, 300, 0, 81559 - 300)
+    );
+    assert_eq!(h100.pcie_throughput(PcieUtilCounter::Send).unwrap(), 11);
+    assert_eq!(h100.pcie_throughput(PcieUtilCounter::Receive).unwrap(), 22);
+    assert_eq!(h100.encoder_utilization().unwrap().utilization, 3);
+    assert_eq!(h100.decoder_utilization().unwrap().utilization, 4);
+    // 18 links: 1801 KiB is 100 per link, the remainder on link 0; UINT_MAX sums them.
+    assert_eq!(nvlink_data(&h100, TX, u32::MAX).unwrap(), 1801);
+    assert_eq!(nvlink_data(&h100, TX, 0).unwrap(), 101);
+    assert_eq!(nvlink_data(&h100, TX, 17).unwrap(), 100);
+    assert_eq!(nvlink_data(&h100, RX, 1).unwrap(), 2);
+    assert!(matches!(nvlink_data(&h100, TX, 18), Err(NvmlError::InvalidArg)));
+    assert_eq!(remapped_rows(&h100).unwrap(), [5, 6, 1, 1]);
+    assert_eq!(vgpu_license(&h100).unwrap(), (1, 1, 1));
+
+    // A T4: GDDR6 with a reserve, no NVLink, no row remapping (Turing retires pages), bare metal.
+    let t4 = nvml.device_by_index(1).unwrap();
+    let m = t4.memory_info().unwrap();
+    assert_eq!((m.total / mib, m.reserved / mib), (15360, 259));
+    assert_eq!(t4.pcie_throughput(PcieUtilCounter::Send).unwrap(), 0);
+    assert_eq!(t4.encoder_utilization().unwrap().utilization, 0);
+    assert!(matches!(nvlink_data(&t4, TX, u32::MAX), Err(NvmlError::NotSupported)));
+    assert!(matches!(remapped_rows(&t4), Err(NvmlError::NotSupported)));
+    assert!(matches!(vgpu_license(&t4), Err(NvmlError::NotSupported)));
+    // The v1 call has no reserve field: the reserve counts as used.
+    let sym = nvml.lib().nvmlDeviceGetMemoryInfo.as_ref().expect("symbol");
+    // SAFETY: all-zero nvmlMemory_t is valid; live handle.
+    let mut v1: nvml_wrapper_sys::bindings::nvmlMemory_t = unsafe { std::mem::zeroed() };
+    nvml_wrapper::error::nvml_try(unsafe { sym(t4.handle(), &mut v1) }).unwrap();
+    assert_eq!((v1.used / mib, v1.free / mib), (259, 15360 - 259));
+
+    // MIG mode: no codec utilization on the GPU; a MIG device has no sensors and no reserve.
+    let a100 = nvml.device_by_index(2).unwrap();
+    assert!(matches!(a100.encoder_utilization(), Err(NvmlError::NotSupported)));
+    assert_eq!(remapped_rows(&a100).unwrap(), [0, 0, 0, 0]);
+    let mig = a100.mig_device_by_index(0).unwrap();
+    assert_eq!(mig.memory_info().unwrap().reserved, 0);
+    assert!(matches!(
+        mig.pcie_throughput(PcieUtilCounter::Send),
+        Err(NvmlError::NotSupported)
+    ));
+    assert!(matches!(mig.decoder_utilization(), Err(NvmlError::NotSupported)));
+    assert!(matches!(remapped_rows(&mig), Err(NvmlError::NotSupported)));
+}
