@@ -23,7 +23,8 @@ use tokio::sync::{oneshot, watch};
 const GPU0: &str = "GPU-00000000-1111-2222-3333-444455556666";
 const GPU1: &str = "GPU-00000001-1111-2222-3333-444455556666";
 
-/// GPU 0: an A100 without MIG whose readings are all fixed. GPU 1: an A100 in MIG mode with a
+/// GPU 0: an A100 without MIG whose readings are all fixed (a licensed vGPU guest, so that every
+/// field has a value). GPU 1: an A100 in MIG mode with a
 /// 3g.20gb GPU instance at slice 0 and one at slice 4 split into two 1-slice compute instances.
 const MACHINE: &str = r#"
 driver_version = "550.54.15"
@@ -46,6 +47,17 @@ pcie_replay = 3
 ecc_corrected = 5
 ecc_uncorrected = 1
 throttle_reasons = 4
+memory_reserved_mib = 500
+pcie_tx_kbps = 1000
+pcie_rx_kbps = 2000
+encoder_utilization = 7
+decoder_utilization = 9
+nvlink_data_tx_kib = 3000
+nvlink_data_rx_kib = 4000
+remapped_rows_correctable = 2
+remapped_rows_uncorrectable = 1
+row_remap_failure = true
+vgpu_licensed = true
 
 [[gpu]]
 model = "A100-SXM4-40GB"
@@ -328,18 +340,32 @@ async fn scrape_reports_gpus_mig_instances_pods_and_agent_metrics() {
         ("DCGM_FI_DEV_PCIE_REPLAY_COUNTER", 3.0),
         ("DCGM_FI_DEV_GPU_UTIL", 42.0),
         ("DCGM_FI_DEV_MEM_COPY_UTIL", 17.0),
-        ("DCGM_FI_DEV_FB_FREE", 40960.0 - 2048.0),
+        ("DCGM_FI_DEV_FB_FREE", 40960.0 - 500.0 - 2048.0),
         ("DCGM_FI_DEV_FB_USED", 2048.0),
+        ("DCGM_FI_DEV_FB_RESERVED", 500.0),
         ("DCGM_FI_DEV_ECC_SBE_VOL_TOTAL", 5.0),
         ("DCGM_FI_DEV_ECC_DBE_VOL_TOTAL", 1.0),
         ("DCGM_FI_DEV_CLOCK_THROTTLE_REASONS", 4.0),
+        ("DCGM_FI_DEV_PCIE_TX_THROUGHPUT", 1000.0),
+        ("DCGM_FI_DEV_PCIE_RX_THROUGHPUT", 2000.0),
+        ("DCGM_FI_DEV_ENC_UTIL", 7.0),
+        ("DCGM_FI_DEV_DEC_UTIL", 9.0),
+        ("DCGM_FI_DEV_NVLINK_BANDWIDTH_TOTAL", 7000.0),
+        ("DCGM_FI_DEV_VGPU_LICENSE_STATUS", 1.0),
+        ("DCGM_FI_DEV_UNCORRECTABLE_REMAPPED_ROWS", 1.0),
+        ("DCGM_FI_DEV_CORRECTABLE_REMAPPED_ROWS", 2.0),
+        ("DCGM_FI_DEV_ROW_REMAP_FAILURE", 1.0),
     ];
     assert_eq!(expected_gpu0.len(), FIELDS.len(), "every field is checked");
     for (name, want) in expected_gpu0 {
         assert_eq!(value(&scrape, name, &gpu0), Some(*want), "{name} on GPU 0 in:\n{body}");
     }
     assert_eq!(
-        value(&scrape, XID_ERRORS, &with(&gpu0, &[("err_code", "79")])),
+        value(
+            &scrape,
+            XID_ERRORS,
+            &with(&gpu0, &[("err_code", "79"), ("err_msg", "GPU has fallen off the bus")])
+        ),
         Some(79.0)
     );
 
@@ -363,6 +389,21 @@ async fn scrape_reports_gpus_mig_instances_pods_and_agent_metrics() {
         Some(5000.0)
     );
     assert_eq!(value(&scrape, "DCGM_FI_DEV_FB_USED", &gpu1), Some(1024.0));
+    // The model's reserve (no `memory_reserved_mib`), outside used and free.
+    assert_eq!(value(&scrape, "DCGM_FI_DEV_FB_RESERVED", &gpu1), Some(634.0));
+    assert_eq!(
+        value(&scrape, "DCGM_FI_DEV_FB_FREE", &gpu1),
+        Some(40960.0 - 634.0 - 1024.0)
+    );
+    // Bare metal: no vGPU license; MIG mode: no codec utilization, as no GPU utilization.
+    for absent in [
+        "DCGM_FI_DEV_VGPU_LICENSE_STATUS",
+        "DCGM_FI_DEV_ENC_UTIL",
+        "DCGM_FI_DEV_DEC_UTIL",
+    ] {
+        assert_eq!(value(&scrape, absent, &gpu1), None, "{absent} on GPU 1");
+    }
+    assert_eq!(value(&scrape, "DCGM_FI_DEV_ROW_REMAP_FAILURE", &gpu1), Some(0.0));
     assert!(
         !samples(&scrape, "DCGM_FI_DEV_GPU_UTIL")
             .iter()
@@ -370,7 +411,11 @@ async fn scrape_reports_gpus_mig_instances_pods_and_agent_metrics() {
         "no utilization for a GPU in MIG mode"
     );
     assert_eq!(
-        value(&scrape, XID_ERRORS, &with(&gpu1, &[("err_code", "43")])),
+        value(
+            &scrape,
+            XID_ERRORS,
+            &with(&gpu1, &[("err_code", "43"), ("err_msg", "GPU stopped processing")])
+        ),
         Some(43.0)
     );
 
@@ -391,7 +436,11 @@ async fn scrape_reports_gpus_mig_instances_pods_and_agent_metrics() {
     assert_eq!(value(&scrape, "DCGM_FI_DEV_FB_USED", &split_gi), Some(1024.0));
     assert_eq!(value(&scrape, "DCGM_FI_DEV_FB_FREE", &split_gi), Some(19968.0 - 1024.0));
     assert_eq!(
-        value(&scrape, XID_ERRORS, &with(&split_gi, &[("err_code", "43")])),
+        value(
+            &scrape,
+            XID_ERRORS,
+            &with(&split_gi, &[("err_code", "43"), ("err_msg", "GPU stopped processing")])
+        ),
         Some(43.0)
     );
     let mig_families: Vec<&str> = scrape
@@ -404,7 +453,12 @@ async fn scrape_reports_gpus_mig_instances_pods_and_agent_metrics() {
         .collect();
     assert_eq!(
         mig_families,
-        vec!["DCGM_FI_DEV_FB_FREE", "DCGM_FI_DEV_FB_USED", XID_ERRORS],
+        vec![
+            "DCGM_FI_DEV_FB_FREE",
+            "DCGM_FI_DEV_FB_RESERVED",
+            "DCGM_FI_DEV_FB_USED",
+            XID_ERRORS
+        ],
         "NVML gives a MIG device its memory only"
     );
     // One series per GPU instance: the split instance's two compute instances share theirs.

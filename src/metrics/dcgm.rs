@@ -1,13 +1,17 @@
 //! The GPU series, named and labelled as dcgm-exporter names and labels them, so its Grafana
 //! dashboards and alerts work unchanged.
 //!
-//! Names, HELP texts and types follow dcgm-exporter's counter files (`default-counters.csv`,
-//! `dcp-metrics-included.csv`). Labels follow its exposition: `gpu` (NVML index), `UUID` (the
-//! GPU's, also on its MIG series), `pci_bus_id`, `device` (`nvidia<index>`), `modelName`,
+//! Names, HELP texts and types follow dcgm-exporter's counter files (every series of
+//! `etc/default-counters.csv`, plus `DCGM_FI_DEV_FB_RESERVED` of `dcp-metrics-included.csv` and
+//! the ECC and throttle-reason fields). Labels follow its exposition: `gpu` (NVML index), `UUID`
+//! (the GPU's, also on its MIG series), `pci_bus_id`, `device` (`nvidia<index>`), `modelName`,
 //! `GPU_I_PROFILE` and `GPU_I_ID` on MIG GPU-instance series, `Hostname`,
 //! `DCGM_FI_DRIVER_VERSION`, then `container`, `namespace`, `pod` when a pod holds the device,
-//! and `err_code` on `DCGM_FI_DEV_XID_ERRORS` (dcgm-exporter's `err_msg`, a text per Xid
-//! number, is left out).
+//! and `err_code` and `err_msg` on `DCGM_FI_DEV_XID_ERRORS` (see [`xid_message`]).
+//!
+//! A field NVML does not give for a device is left out for it, as dcgm-exporter skips DCGM's
+//! blank values: remapped rows before Ampere, NVLink without NVLink, the vGPU license outside a
+//! vGPU guest, sensors on MIG GPU instances.
 //!
 //! One difference in the OpenMetrics exposition (what Prometheus asks for): a `counter` family
 //! must name its samples `<name>_total`, so the cumulative DCGM fields, which keep
@@ -74,6 +78,194 @@ fn int64(v: Option<u64>) -> Option<Number> {
 pub const XID_ERRORS: &str = "DCGM_FI_DEV_XID_ERRORS";
 const XID_HELP: &str = "Value of the last XID error encountered.";
 
+/// The text dcgm-exporter puts in `err_msg` for Xid `xid`: NVIDIA's name of the Xid, as listed in
+/// dcgm-exporter's `internal/pkg/collector/xid_errors.go` (NVIDIA/dcgm-exporter, which takes it
+/// from <https://docs.nvidia.com/deploy/xid-errors/>), and `Unknown Error` past its table.
+pub fn xid_message(xid: u64) -> &'static str {
+    usize::try_from(xid)
+        .ok()
+        .and_then(|i| XID_MESSAGES.get(i))
+        .copied()
+        .unwrap_or("Unknown Error")
+}
+
+/// Xid number → message, indexed by number (0 = no error).
+const XID_MESSAGES: &[&str] = &[
+    "No Error",
+    "Invalid or corrupted push buffer stream",
+    "Invalid or corrupted push buffer stream",
+    "Invalid or corrupted push buffer stream",
+    "Invalid or corrupted push buffer stream",
+    "Unused",
+    "Invalid or corrupted push buffer stream",
+    "Invalid or corrupted push buffer address",
+    "GPU stopped processing",
+    "Driver error programming GPU",
+    "Unused", // 10
+    "Invalid or corrupted push buffer stream",
+    "Driver error handling GPU exception",
+    "Graphics Engine Exception",
+    "Unused",
+    "Unused",
+    "Display engine hung",
+    "Unused",
+    "Bus mastering disabled in PCI Config Space",
+    "Display Engine error",
+    "Invalid or corrupted Mpeg push buffer", // 20
+    "Invalid or corrupted Motion Estimation push buffer",
+    "Invalid or corrupted Video Processor push buffer",
+    "Unused",
+    "GPU semaphore timeout",
+    "Invalid or illegal push buffer stream",
+    "Framebuffer timeout",
+    "Video processor exception",
+    "Video processor exception",
+    "Video processor exception",
+    "GPU semaphore access error", // 30
+    "GPU memory page fault",
+    "Invalid or corrupted push buffer stream",
+    "Internal micro-controller error",
+    "Video processor exception",
+    "Video processor exception",
+    "Video processor exception",
+    "Driver firmware error",
+    "Driver firmware error",
+    "Unused",
+    "Unused", // 40
+    "Unused",
+    "Video processor exception",
+    "GPU stopped processing",
+    "Graphics Engine fault during context switch",
+    "Preemptive cleanup, due to previous errors -- Most likely to see when running multiple cuda",
+    "GPU stopped processing",
+    "Video processor exception",
+    "Double Bit ECC Error",
+    "Unused",
+    "Unused", // 50
+    "Unused",
+    "Unused",
+    "Unused",
+    "Auxiliary power is not connected to the GPU board",
+    "Unused",
+    "Display Engine error",
+    "Error programming video memory interface",
+    "Unstable video memory interface detected",
+    "Internal micro-controller error",
+    "Video processor exception", // 60
+    "Internal micro-controller breakpoint/warning",
+    "Internal micro-controller halt",
+    "ECC page retirement or row remapping recording event",
+    "ECC page retirement or row remapper recording failure",
+    "Video processor exception",
+    "Illegal access by driver",
+    "Illegal access by driver",
+    "NVDEC0 Exception",
+    "Graphics Engine class error",
+    "CE3: Unknown Error", // 70
+    "CE4: Unknown Error",
+    "CE5: Unknown Error",
+    "NVENC2 Error",
+    "NVLINK Error",
+    "CE6: Unknown Error",
+    "CE7: Unknown Error",
+    "CE8: Unknown Error",
+    "vGPU Start Error",
+    "GPU has fallen off the bus",
+    "Corrupted data sent to GPU", // 80
+    "VGA Subsystem Error",
+    "NVJPG0 Error",
+    "NVDEC1 Error",
+    "NVDEC2 Error",
+    "CE9: Unknown Error",
+    "OFA Exception",
+    "Reserved",
+    "NVDEC3 Error",
+    "NVDEC4 Error",
+    "Reserved", // 90
+    "Reserved",
+    "High single-bit ECC error rate",
+    "Non-fatal violation of provisioned InfoROM wear limit",
+    "Contained ECC error",
+    "Uncontained ECC error",
+    "NVDEC5 Error",
+    "NVDEC6 Error",
+    "NVDEC7 Error",
+    "NVJPG1 Error",
+    "NVJPG2 Error", // 100
+    "NVJPG3 Error",
+    "NVJPG4 Error",
+    "NVJPG5 Error",
+    "NVJPG6 Error",
+    "NVJPG7 Error",
+    "SMBPBI Test Message",
+    "SMBPBI Test Message Silent",
+    "Reserved",
+    "Context Switch Timeout Error",
+    "Security Fault Error", // 110
+    "Display Bundle Error Event",
+    "Display Supervisor Error",
+    "DP Link Training Error",
+    "Display Pipeline Underflow Error",
+    "Display Core Channel Error",
+    "Display Window Channel Error",
+    "Display Cursor Channel Error",
+    "Display Pixel Pipeline Error",
+    "GSP RPC Timeout",
+    "GSP Error", // 120
+    "C2C Link Error",
+    "SPI PMU RPC Read Failure",
+    "SPI PMU RPC Write Failure",
+    "SPI PMU RPC Erase Failure",
+    "Inforom FS Failure",
+    "Robust Channel CE10 Error",
+    "Robust Channel CE11 Error",
+    "Robust Channel CE12 Error",
+    "Robust Channel CE13 Error",
+    "Robust Channel CE14 Error", // 130
+    "Robust Channel CE15 Error",
+    "Robust Channel CE16 Error",
+    "Robust Channel CE17 Error",
+    "Robust Channel CE18 Error",
+    "Robust Channel CE19 Error",
+    "ALI Training Fail",
+    "NVLink Privilege Error",
+    "Robust Channel DLA Error",
+    "Robust Channel OFA1 Error",
+    "Unrecovered ECC Error", // 140
+    "Robust Channel Fast Path Error",
+    "Robust Channel NVENVC3 Error",
+    "GPU Initialization Failure",
+    "NVLINK: Saw Error",
+    "NVLINK: RLW Error",
+    "NVLINK: TLW Error",
+    "NVLINK: TREX Error",
+    "NVLINK: NVLPW_CTRL Error",
+    "NVLINK: NETIR Error",
+    "NVLINK: MSE Error", // 150
+    "Robust Channel Key rotation Error",
+    "Robust Channel DLA SMMU Error",
+    "Robust Channel DLA timeout Error",
+    "GPU Recovery Action Changed",
+    "NVLINK: SW Defined Error",
+    "Resource Retirement Event",
+    "Resource Retirement Failure",
+    "GPU Fatal Timeout",
+    "Robust Channel CHI Non-Data Error",
+    "Channel Retirement Event", // 160
+    "Channel Retirement Failure",
+    "Power Smoothing HW Circuitry Reengaged",
+    "Power Smoothing HW Circuitry Disengaged",
+    "Power Smoothing HW Circuitry Low Lifetime",
+    "Power Smoothing HW Circuitry Lifetime Exhausted",
+    "NVLINK Secure Crypto Error",
+    "PCIE Fatal Timeout",
+    "Reduced GPU Memory Capacity (Errors found in write protection region)",
+    "Internal micro-controller halt",
+    "NVLINK: Interrupt seen in CC mode", // 170
+    "Uncorrectable DRAM Error",
+    "Uncorrectable SRAM Error",
+];
+
 /// Every field read from NVML, in dcgm-exporter's file order.
 pub const FIELDS: &[Field] = &[
     Field {
@@ -113,6 +305,20 @@ pub const FIELDS: &[Field] = &[
         read: |v| int64(v.energy_mj),
     },
     Field {
+        name: "DCGM_FI_DEV_PCIE_TX_THROUGHPUT",
+        help: "Total number of bytes transmitted through PCIe TX (in KB) via NVML.",
+        kind: Kind::Cumulative,
+        // DCGM's value is nvmlDeviceGetPcieThroughput's: KB/s over NVML's last 20 ms window
+        // (dcgm-exporter's file types it `counter` all the same).
+        read: |v| int(v.pcie_tx_kbps),
+    },
+    Field {
+        name: "DCGM_FI_DEV_PCIE_RX_THROUGHPUT",
+        help: "Total number of bytes received through PCIe RX (in KB) via NVML.",
+        kind: Kind::Cumulative,
+        read: |v| int(v.pcie_rx_kbps),
+    },
+    Field {
         name: "DCGM_FI_DEV_PCIE_REPLAY_COUNTER",
         help: "Total number of PCIe retries.",
         kind: Kind::Cumulative,
@@ -131,6 +337,18 @@ pub const FIELDS: &[Field] = &[
         read: |v| int(v.mem_copy_util),
     },
     Field {
+        name: "DCGM_FI_DEV_ENC_UTIL",
+        help: "Encoder utilization (in %).",
+        kind: Kind::Gauge,
+        read: |v| int(v.enc_util),
+    },
+    Field {
+        name: "DCGM_FI_DEV_DEC_UTIL",
+        help: "Decoder utilization (in %).",
+        kind: Kind::Gauge,
+        read: |v| int(v.dec_util),
+    },
+    Field {
         name: "DCGM_FI_DEV_FB_FREE",
         help: "Framebuffer memory free (in MiB).",
         kind: Kind::Gauge,
@@ -143,6 +361,12 @@ pub const FIELDS: &[Field] = &[
         read: |v| int64(v.fb_used_mib),
     },
     Field {
+        name: "DCGM_FI_DEV_FB_RESERVED",
+        help: "Framebuffer memory reserved (in MiB).",
+        kind: Kind::Gauge,
+        read: |v| int64(v.fb_reserved_mib),
+    },
+    Field {
         name: "DCGM_FI_DEV_ECC_SBE_VOL_TOTAL",
         help: "Total number of single-bit volatile ECC errors.",
         kind: Kind::Cumulative,
@@ -153,6 +377,36 @@ pub const FIELDS: &[Field] = &[
         help: "Total number of double-bit volatile ECC errors.",
         kind: Kind::Cumulative,
         read: |v| int64(v.ecc_dbe_volatile),
+    },
+    Field {
+        name: "DCGM_FI_DEV_NVLINK_BANDWIDTH_TOTAL",
+        help: "Total number of NVLink bandwidth counters for all lanes",
+        kind: Kind::Cumulative,
+        read: |v| int64(v.nvlink_kib),
+    },
+    Field {
+        name: "DCGM_FI_DEV_VGPU_LICENSE_STATUS",
+        help: "vGPU License status",
+        kind: Kind::Gauge,
+        read: |v| int(v.vgpu_license),
+    },
+    Field {
+        name: "DCGM_FI_DEV_UNCORRECTABLE_REMAPPED_ROWS",
+        help: "Number of remapped rows for uncorrectable errors",
+        kind: Kind::Cumulative,
+        read: |v| int(v.remapped_uncorrectable),
+    },
+    Field {
+        name: "DCGM_FI_DEV_CORRECTABLE_REMAPPED_ROWS",
+        help: "Number of remapped rows for correctable errors",
+        kind: Kind::Cumulative,
+        read: |v| int(v.remapped_correctable),
+    },
+    Field {
+        name: "DCGM_FI_DEV_ROW_REMAP_FAILURE",
+        help: "Whether remapping of rows has failed",
+        kind: Kind::Gauge,
+        read: |v| int(v.row_remap_failure),
     },
     Field {
         name: "DCGM_FI_DEV_CLOCK_THROTTLE_REASONS",
@@ -342,6 +596,7 @@ impl Collector for GpuCollector {
                 };
                 let mut labels = d.labels.clone();
                 labels.push(("err_code", value.to_string()));
+                labels.push(("err_msg", xid_message(value).to_string()));
                 Some((labels, value))
             })
             .collect();
@@ -353,5 +608,34 @@ impl Collector for GpuCollector {
             }
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn xid_messages_follow_dcgm_exporter() {
+        assert_eq!(XID_MESSAGES.len(), 173, "Xids 0 to 172");
+        assert_eq!(xid_message(0), "No Error");
+        assert_eq!(xid_message(13), "Graphics Engine Exception");
+        assert_eq!(xid_message(48), "Double Bit ECC Error");
+        assert_eq!(xid_message(79), "GPU has fallen off the bus");
+        assert_eq!(xid_message(94), "Contained ECC error");
+        assert_eq!(xid_message(109), "Context Switch Timeout Error");
+        assert_eq!(xid_message(172), "Uncorrectable SRAM Error");
+        assert_eq!(xid_message(173), "Unknown Error");
+        assert_eq!(xid_message(999), "Unknown Error");
+        assert_eq!(xid_message(u64::MAX), "Unknown Error");
+    }
+
+    #[test]
+    fn fields_have_unique_names_in_dcgm_style() {
+        let mut names: Vec<&str> = FIELDS.iter().map(|f| f.name).collect();
+        assert!(names.iter().all(|n| n.starts_with("DCGM_FI_DEV_")), "{names:?}");
+        names.sort_unstable();
+        names.dedup();
+        assert_eq!(names.len(), FIELDS.len());
     }
 }

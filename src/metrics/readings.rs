@@ -4,15 +4,24 @@
 //! turns the result into series. A call NVML answers NOT_SUPPORTED (a MIG handle's
 //! temperature, a GPU's utilization in MIG mode, ECC on a part without it) leaves that value
 //! out for that device; any other failure (a lost GPU) does too, logged at debug level.
+//!
+//! Calls nvml-wrapper has no safe method for (remapped rows, the vGPU license, field values with
+//! a `scopeId`) go through its raw symbol table.
 
 use std::collections::BTreeMap;
 
 use nvml_wrapper::Device;
-use nvml_wrapper::enum_wrappers::device::{Clock, EccCounter, MemoryError, TemperatureSensor};
+use nvml_wrapper::enum_wrappers::device::{Clock, EccCounter, MemoryError, PcieUtilCounter, TemperatureSensor};
 use nvml_wrapper::enums::device::SampleValue;
 use nvml_wrapper::error::NvmlError;
 use nvml_wrapper::structs::device::FieldId;
-use nvml_wrapper_sys::bindings::field_id::NVML_FI_DEV_MEMORY_TEMP;
+use nvml_wrapper_sys::bindings::field_id::{
+    NVML_FI_DEV_MEMORY_TEMP, NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX, NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX,
+};
+use nvml_wrapper_sys::bindings::{
+    nvmlFieldValue_t, nvmlGridLicensableFeatures_t, nvmlGridLicenseFeatureCode_t_NVML_GRID_LICENSE_FEATURE_CODE_VGPU,
+    nvmlReturn_enum_NVML_SUCCESS, nvmlValueType_enum_NVML_VALUE_TYPE_UNSIGNED_LONG_LONG,
+};
 
 use crate::nvml::{Gpus, Inventory, MigDeviceInfo};
 
@@ -90,6 +99,27 @@ pub struct Values {
     pub ecc_dbe_volatile: Option<u64>,
     /// NVML's clock throttle (clock event) reason bits.
     pub throttle_reasons: Option<u64>,
+    /// Framebuffer the driver reserves, MiB (`nvmlMemory_v2_t.reserved`).
+    pub fb_reserved_mib: Option<u64>,
+    /// PCIe TX throughput, KB/s (`nvmlDeviceGetPcieThroughput`, as DCGM reports it).
+    pub pcie_tx_kbps: Option<u32>,
+    /// PCIe RX throughput, KB/s.
+    pub pcie_rx_kbps: Option<u32>,
+    /// Encoder utilization, %.
+    pub enc_util: Option<u32>,
+    /// Decoder utilization, %.
+    pub dec_util: Option<u32>,
+    /// NVLink data TX + RX over all links since the driver loaded, KiB (NVML fields
+    /// `NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX`/`_RX`, scope all links).
+    pub nvlink_kib: Option<u64>,
+    /// vGPU license: 1 licensed, 0 not; `None` outside a vGPU guest.
+    pub vgpu_license: Option<u32>,
+    /// Rows remapped for uncorrectable errors (`nvmlDeviceGetRemappedRows`).
+    pub remapped_uncorrectable: Option<u32>,
+    /// Rows remapped for correctable errors.
+    pub remapped_correctable: Option<u32>,
+    /// Whether a row remapping failed: 1 or 0.
+    pub row_remap_failure: Option<u32>,
 }
 
 /// Reads every GPU and MIG GPU instance of `inventory` through NVML. Never fails: a device
@@ -175,6 +205,7 @@ fn keep<T>(what: &str, uuid: &str, result: Result<T, NvmlError>) -> Option<T> {
 fn read_values(device: &Device<'_>, uuid: &str) -> Values {
     let utilization = keep("nvmlDeviceGetUtilizationRates", uuid, device.utilization_rates());
     let memory = keep("nvmlDeviceGetMemoryInfo_v2", uuid, device.memory_info());
+    let remapped = remapped_rows(device, uuid);
     Values {
         gpu_util: utilization.as_ref().map(|u| u.gpu),
         mem_copy_util: utilization.as_ref().map(|u| u.memory),
@@ -211,7 +242,115 @@ fn read_values(device: &Device<'_>, uuid: &str) -> Values {
             device.current_throttle_reasons(),
         )
         .map(|r| r.bits()),
+        fb_reserved_mib: memory.as_ref().map(|m| m.reserved / MIB),
+        pcie_tx_kbps: keep(
+            "nvmlDeviceGetPcieThroughput(TX)",
+            uuid,
+            device.pcie_throughput(PcieUtilCounter::Send),
+        ),
+        pcie_rx_kbps: keep(
+            "nvmlDeviceGetPcieThroughput(RX)",
+            uuid,
+            device.pcie_throughput(PcieUtilCounter::Receive),
+        ),
+        enc_util: keep("nvmlDeviceGetEncoderUtilization", uuid, device.encoder_utilization()).map(|u| u.utilization),
+        dec_util: keep("nvmlDeviceGetDecoderUtilization", uuid, device.decoder_utilization()).map(|u| u.utilization),
+        nvlink_kib: nvlink_data(device, uuid),
+        vgpu_license: vgpu_license(device, uuid),
+        remapped_uncorrectable: remapped.map(|r| r.1),
+        remapped_correctable: remapped.map(|r| r.0),
+        row_remap_failure: remapped.map(|r| u32::from(r.3)),
     }
+}
+
+/// NVML's answer as a `Result`.
+fn nvml_result(rc: nvml_wrapper_sys::bindings::nvmlReturn_t) -> Result<(), NvmlError> {
+    if rc == nvmlReturn_enum_NVML_SUCCESS {
+        Ok(())
+    } else {
+        Err(NvmlError::from(rc))
+    }
+}
+
+/// `nvmlDeviceGetRemappedRows`: (correctable, uncorrectable, pending, failure occurred).
+/// NOT_SUPPORTED before Ampere (those GPUs retire pages instead) and on MIG devices.
+fn remapped_rows(device: &Device<'_>, uuid: &str) -> Option<(u32, u32, bool, bool)> {
+    let call = || -> Result<(u32, u32, bool, bool), NvmlError> {
+        let sym = device
+            .nvml()
+            .lib()
+            .nvmlDeviceGetRemappedRows
+            .as_ref()
+            .map_err(|e| NvmlError::FailedToLoadSymbol(e.to_string()))?;
+        let (mut corr, mut unc, mut pending, mut failure) = (0u32, 0u32, 0u32, 0u32);
+        // SAFETY: the handle is live (we hold its `Device`), the out-pointers are u32s on our
+        // stack.
+        nvml_result(unsafe { sym(device.handle(), &mut corr, &mut unc, &mut pending, &mut failure) })?;
+        Ok((corr, unc, pending != 0, failure != 0))
+    };
+    keep("nvmlDeviceGetRemappedRows", uuid, call())
+}
+
+/// `nvmlDeviceGetGridLicensableFeatures_v4`: the vGPU feature's state (1 licensed, 0 not) when
+/// the GPU is a vGPU guest; `None` on bare metal (NOT_SUPPORTED, or no vGPU feature listed).
+fn vgpu_license(device: &Device<'_>, uuid: &str) -> Option<u32> {
+    let call = || -> Result<Option<u32>, NvmlError> {
+        let sym = device
+            .nvml()
+            .lib()
+            .nvmlDeviceGetGridLicensableFeatures_v4
+            .as_ref()
+            .map_err(|e| NvmlError::FailedToLoadSymbol(e.to_string()))?;
+        // SAFETY: an all-zero struct of integers and char arrays is valid.
+        let mut features: nvmlGridLicensableFeatures_t = unsafe { std::mem::zeroed() };
+        // SAFETY: live handle; `features` is a valid struct on our stack.
+        nvml_result(unsafe { sym(device.handle(), &mut features) })?;
+        if features.isGridLicenseSupported == 0 {
+            return Ok(None);
+        }
+        let count = (features.licensableFeaturesCount as usize).min(features.gridLicensableFeatures.len());
+        Ok(features.gridLicensableFeatures[..count]
+            .iter()
+            .find(|f| f.featureCode == nvmlGridLicenseFeatureCode_t_NVML_GRID_LICENSE_FEATURE_CODE_VGPU)
+            .map(|f| u32::from(f.featureState != 0)))
+    };
+    keep("nvmlDeviceGetGridLicensableFeatures_v4", uuid, call()).flatten()
+}
+
+/// NVLink data TX + RX of all links (`scopeId` = `UINT_MAX`), KiB. NOT_SUPPORTED without NVLink.
+fn nvlink_data(device: &Device<'_>, uuid: &str) -> Option<u64> {
+    let call = || -> Result<u64, NvmlError> {
+        let sym = device
+            .nvml()
+            .lib()
+            .nvmlDeviceGetFieldValues
+            .as_ref()
+            .map_err(|e| NvmlError::FailedToLoadSymbol(e.to_string()))?;
+        let request = |field_id| {
+            // SAFETY: an all-zero field value (integers and a union of integers) is valid.
+            let mut v: nvmlFieldValue_t = unsafe { std::mem::zeroed() };
+            v.fieldId = field_id;
+            v.scopeId = u32::MAX;
+            v
+        };
+        let mut values = [
+            request(NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX),
+            request(NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX),
+        ];
+        // SAFETY: live handle; `values` holds the 2 entries we say it holds.
+        nvml_result(unsafe { sym(device.handle(), 2, values.as_mut_ptr()) })?;
+        let mut total = 0u64;
+        for v in &values {
+            nvml_result(v.nvmlReturn)?;
+            if v.valueType != nvmlValueType_enum_NVML_VALUE_TYPE_UNSIGNED_LONG_LONG {
+                return Err(NvmlError::UnexpectedVariant(v.valueType));
+            }
+            // SAFETY: NVML said the union holds an unsigned long long.
+            total = total.saturating_add(unsafe { v.value.ullVal });
+        }
+        Ok(total)
+    };
+    keep("nvmlDeviceGetFieldValues(NVLINK_THROUGHPUT_DATA)", uuid, call())
 }
 
 /// HBM temperature through `nvmlDeviceGetFieldValues` (NVML has no plain call for it).
