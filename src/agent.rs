@@ -194,6 +194,8 @@ struct Agent {
     desired_sel: Desired,
     /// The machine's DMI product name, for the `gpu.machine` label.
     machine: Option<String>,
+    /// A vGPU guest, for the `vgpu.present` label ([`crate::labels::vgpu`]).
+    vgpu: bool,
     /// What the runtime stage keeps between passes.
     runtime: runtime::RuntimeStage,
     /// The last pass's validation checks (the device plugin's is added as its status changes).
@@ -285,6 +287,7 @@ pub async fn run(config: Config, root: HostRoot, once: bool) -> Result<i32, Agen
         },
         desired_sel: Desired::none(),
         machine: None,
+        vgpu: false,
         runtime: runtime::RuntimeStage::default(),
         validation_checks: Vec::new(),
         validation_detail: Vec::new(),
@@ -303,6 +306,7 @@ pub async fn run(config: Config, root: HostRoot, once: bool) -> Result<i32, Agen
         no_gpu: None,
     };
     agent.machine = machine_name(&agent.root);
+    agent.vgpu = crate::labels::vgpu::vgpu_present(&agent.root);
 
     // The cluster link: the desired state comes from it before the first reconcile. Under
     // `run --once` too: a bootstrap applies the MIG layout the labels ask for before the
@@ -1099,6 +1103,7 @@ impl Agent {
             inventory: self.inventory.as_ref()?,
             dp: &self.dp,
             machine: self.machine.as_deref(),
+            vgpu: self.vgpu,
             profile: &self.profile,
             mig_state: self.mig.state,
             validation,
@@ -1134,6 +1139,41 @@ impl Agent {
                     MigLabelState::Rebooting => link.event(EventType::Warning, "MigConfigRebooting", text),
                     MigLabelState::Failed => link.event(EventType::Warning, "MigConfigFailed", text),
                 }
+            }
+        }
+        // Driver, runtime and validation: an Event when the stage turns failed (not at every
+        // failed pass), and when validation passes again after failing. What the driver and
+        // runtime stages change is posted where they change it.
+        for (id, failed) in [
+            (StageId::Driver, "DriverFailed"),
+            (StageId::Runtime, "RuntimeFailed"),
+            (StageId::Validation, "ValidationFailed"),
+        ] {
+            let Some(stage) = status.stages.iter().find(|s| s.name == id.as_str()) else {
+                continue;
+            };
+            let was = before
+                .and_then(|b| b.stages.iter().find(|s| s.name == id.as_str()))
+                .map(|s| s.state);
+            match stage.state {
+                StageState::Failed if was != Some(StageState::Failed) => link.event(
+                    EventType::Warning,
+                    failed,
+                    format!(
+                        "{} stage failed: {}",
+                        id.as_str(),
+                        stage.error.as_deref().unwrap_or("-")
+                    ),
+                ),
+                StageState::Ok if id == StageId::Validation && was == Some(StageState::Failed) => link.event(
+                    EventType::Normal,
+                    "ValidationRecovered",
+                    format!(
+                        "validation passes again: {}",
+                        stage.detail.as_deref().unwrap_or("every check passed")
+                    ),
+                ),
+                _ => {}
             }
         }
         let Some(stage) = status.stages.iter().find(|s| s.name == StageId::DevicePlugin.as_str()) else {
@@ -1209,6 +1249,13 @@ impl Agent {
 }
 
 impl Agent {
+    /// Posts an Event on the Node when there is a cluster link (not under `run --once`).
+    fn event(&self, kind: EventType, reason: &str, message: String) {
+        if let Some(link) = &self.link {
+            link.event(kind, reason, message);
+        }
+    }
+
     /// Keeps the desired-state labels the source gave last (the MIG layout and device plugin
     /// profile) in the state dir: at boot a source that does not answer in time (an API server
     /// still starting) must not mean whole GPUs advertised where a MIG layout was asked for.
@@ -1239,6 +1286,8 @@ pub(crate) struct NodeLabels<'a> {
     pub dp: &'a DevicePluginConfig,
     /// The machine's DMI product name ([`machine_name`]).
     pub machine: Option<&'a str>,
+    /// A vGPU guest ([`crate::labels::vgpu::vgpu_present`]).
+    pub vgpu: bool,
     pub profile: &'a ProfileOutcome,
     pub mig_state: Option<MigLabelState>,
     /// The validation state label's value, when validation has an answer.
@@ -1255,6 +1304,7 @@ pub(crate) fn node_labels(n: &NodeLabels<'_>) -> BTreeMap<String, String> {
             mig_strategy: n.dp.mig_strategy,
             prefix: &keys.feature_prefix,
             machine: n.machine,
+            vgpu: n.vgpu,
             sharing_strategy: n.dp.sharing.strategy.as_str(),
             shared: &shared,
         })

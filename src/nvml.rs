@@ -89,6 +89,39 @@ pub struct GpuInfo {
     pub mig: Option<MigState>,
     /// MIG devices that exist now, by slot index.
     pub mig_devices: Vec<MigDeviceInfo>,
+    /// The GPU's NVLink fabric membership (`nvmlDeviceGetGpuFabricInfoV`); `None` where NVML
+    /// has none (NOT_SUPPORTED: no fabric, an older GPU or driver).
+    pub fabric: Option<FabricInfo>,
+    /// The PCI class code sysfs gives for the GPU's bus id (`0x030200` 3D controller, `0x030000`
+    /// VGA); `None` when it cannot be read.
+    pub pci_class: Option<u32>,
+}
+
+/// What NVML says of a GPU's place in an NVLink fabric (GB200 NVL72 class: many nodes, one
+/// NVLink domain).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct FabricInfo {
+    /// `clusterUuid` in the canonical form, e.g. `0123abcd-0000-1111-2222-333344445555`;
+    /// all zeros when the GPU is in no multi-node domain.
+    pub cluster_uuid: String,
+    pub clique_id: u32,
+    /// `NVML_GPU_FABRIC_STATE_*`: 1 not started, 2 in progress, 3 completed.
+    pub state: u8,
+    /// The fabric probe's own `nvmlReturn_t` (0 = success).
+    pub status: u32,
+}
+
+/// `NVML_GPU_FABRIC_STATE_COMPLETED`.
+pub const FABRIC_STATE_COMPLETED: u8 = 3;
+
+impl FabricInfo {
+    /// Attached to a multi-node fabric as NVIDIA's go-nvlib decides it (`IsFabricAttached`):
+    /// registration completed, the probe succeeded and the cluster UUID is not all zeros.
+    pub fn attached(&self) -> bool {
+        self.state == FABRIC_STATE_COMPLETED
+            && self.status == 0
+            && self.cluster_uuid.chars().any(|c| c != '0' && c != '-')
+    }
 }
 
 /// MIG mode as NVML reports it.
@@ -238,6 +271,7 @@ impl Gpus {
         let minor = device
             .minor_number()
             .map_err(dev_err("nvmlDeviceGetMinorNumber", &uuid))?;
+        let pci_class = class_from_sysfs(sysfs, &pci.bus_id);
         let numa_node = numa_from_sysfs(sysfs, &pci.bus_id).or_else(|| device.numa_node_id().ok().map(i64::from));
         let compute_capability = device.cuda_compute_capability().ok().map(|c| (c.major, c.minor));
         let mig = match device.mig_mode() {
@@ -265,6 +299,45 @@ impl Gpus {
             compute_capability,
             mig,
             mig_devices,
+            fabric: self.fabric_info(device, index),
+            pci_class,
+        })
+    }
+
+    /// `nvmlDeviceGetGpuFabricInfoV` with the v2 struct (what every driver with the call takes).
+    /// NOT_SUPPORTED (no fabric), a library without the symbol or any other answer is `None`:
+    /// fabric facts only add a label, they never fail the inventory.
+    fn fabric_info(&self, device: &Device<'_>, index: u32) -> Option<FabricInfo> {
+        let call = self.nvml.lib().nvmlDeviceGetGpuFabricInfoV.as_ref().ok()?;
+        // SAFETY: the device handle is live (we hold the Nvml and the Device); the out-pointer is
+        // a zeroed v2 struct on our stack with its version word set, which NVML reads before
+        // writing that version's fields only.
+        let (rc, info) = unsafe {
+            let mut info: sys::nvmlGpuFabricInfo_v2_t = std::mem::zeroed();
+            info.version = struct_version(std::mem::size_of::<sys::nvmlGpuFabricInfo_v2_t>(), 2);
+            let rc = call(device.handle(), (&raw mut info).cast::<sys::nvmlGpuFabricInfoV_t>());
+            (rc, info)
+        };
+        if rc != sys::nvmlReturn_enum_NVML_SUCCESS {
+            if rc != sys::nvmlReturn_enum_NVML_ERROR_NOT_SUPPORTED {
+                tracing::debug!(gpu = index, "nvmlDeviceGetGpuFabricInfoV: {}", NvmlError::from(rc));
+            }
+            return None;
+        }
+        let u = info.clusterUuid;
+        let hex: String = u.iter().map(|b| format!("{b:02x}")).collect();
+        Some(FabricInfo {
+            cluster_uuid: format!(
+                "{}-{}-{}-{}-{}",
+                &hex[0..8],
+                &hex[8..12],
+                &hex[12..16],
+                &hex[16..20],
+                &hex[20..32]
+            ),
+            clique_id: info.cliqueId,
+            state: info.state,
+            status: info.status,
         })
     }
 
@@ -708,6 +781,16 @@ fn numa_from_sysfs(sysfs: &Path, bus_id: &str) -> Option<i64> {
     text.trim().parse::<i64>().ok().filter(|n| *n >= 0)
 }
 
+/// PCI class of a device from `<sysfs>/bus/pci/devices/<bus id>/class` (`0x030200`).
+fn class_from_sysfs(sysfs: &Path, bus_id: &str) -> Option<u32> {
+    let path = sysfs
+        .join("bus/pci/devices")
+        .join(normalise_bus_id(bus_id))
+        .join("class");
+    let text = std::fs::read_to_string(path).ok()?;
+    crate::driver::observe::parse_sysfs_hex(&text).filter(|c| *c <= 0xff_ffff)
+}
+
 /// Inventories for unit tests: one A100 builder the planners, labels and specs all start from,
 /// adjusted with struct-update syntax where a test needs another value.
 #[cfg(test)]
@@ -729,6 +812,8 @@ pub(crate) mod sample {
             compute_capability: Some((8, 0)),
             mig: Some(mig(false)),
             mig_devices: Vec::new(),
+            fabric: None,
+            pci_class: Some(0x030200),
         }
     }
 

@@ -317,3 +317,72 @@ fn an_oversized_config_file_is_refused_naming_it() {
         "{err}"
     );
 }
+
+/// The GFD labels `plan --json` reports for a machine: `n` GPUs of `model`, each entry followed
+/// by `extra(i)` (machine-file keys and tables of that GPU).
+fn planned_labels(model: &str, n: u32, extra: impl Fn(u32) -> String) -> serde_json::Map<String, serde_json::Value> {
+    let mut m = machine(model, 0);
+    for i in 0..n {
+        m.push_str(&format!(
+            "\n[[gpu]]\nmodel = \"{model}\"\nuuid = \"{}\"\n{}\n",
+            gpu_uuid(i),
+            extra(i)
+        ));
+    }
+    let node = Node::new(&m, "");
+    let out = node.run(&["plan", "--json"]);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    let plan: serde_json::Value = serde_json::from_slice(&out.stdout).expect("plan --json parses");
+    plan["labels"].as_object().cloned().expect("labels")
+}
+
+fn fabric(uuid: &str, clique: u32, state: &str) -> String {
+    format!("[gpu.fabric]\ncluster_uuid = \"{uuid}\"\nclique_id = {clique}\nstate = \"{state}\"\n")
+}
+
+const DOMAIN: &str = "0123abcd-0000-1111-2222-333344445555";
+
+#[test]
+fn gpu_mode_vgpu_and_clique_labels_follow_sysfs_and_the_fabric() {
+    let label = |labels: &serde_json::Map<String, serde_json::Value>, k: &str| {
+        labels
+            .get(&format!("nvidia.com/{k}"))
+            .and_then(|v| v.as_str())
+            .map(str::to_owned)
+    };
+    // A compute H100 node: 3D controllers, no vGPU, no fabric table (NOT_SUPPORTED).
+    let h100 = planned_labels("H100-80GB-HBM3", 2, |_| String::new());
+    assert_eq!(label(&h100, "gpu.mode").as_deref(), Some("compute"), "{h100:?}");
+    assert_eq!(label(&h100, "vgpu.present").as_deref(), Some("false"));
+    assert_eq!(label(&h100, "gpu.clique"), None);
+    // An HGX H100 with its NVSwitch fabric up but no multi-node domain (all-zero cluster UUID).
+    let hgx = planned_labels("H100-80GB-HBM3", 2, |_| {
+        fabric("00000000-0000-0000-0000-000000000000", 0, "completed")
+    });
+    assert_eq!(label(&hgx, "gpu.clique"), None, "{hgx:?}");
+    // A GB200-class tray: every GPU in one NVLink domain and clique.
+    let tray = planned_labels("B200", 4, |_| fabric(DOMAIN, 7, "completed"));
+    assert_eq!(
+        label(&tray, "gpu.clique").as_deref(),
+        Some("0123abcd-0000-1111-2222-333344445555.7"),
+        "{tray:?}"
+    );
+    // GPUs in different cliques, or a fabric still registering: no clique label.
+    let split = planned_labels("B200", 2, |i| fabric(DOMAIN, 7 + i, "completed"));
+    assert_eq!(label(&split, "gpu.clique"), None, "{split:?}");
+    let starting = planned_labels("B200", 2, |_| fabric(DOMAIN, 7, "in-progress"));
+    assert_eq!(label(&starting, "gpu.clique"), None, "{starting:?}");
+    // A vGPU guest in graphics (VGA) mode.
+    let guest = planned_labels("H100-80GB-HBM3", 1, |_| "vgpu = true\npci_class = 0x030000\n".into());
+    assert_eq!(label(&guest, "vgpu.present").as_deref(), Some("true"), "{guest:?}");
+    assert_eq!(label(&guest, "gpu.mode").as_deref(), Some("graphics"));
+    // GPUs in different modes.
+    let mixed = planned_labels("H100-80GB-HBM3", 2, |i| {
+        if i == 0 {
+            "pci_class = 0x030000".into()
+        } else {
+            String::new()
+        }
+    });
+    assert_eq!(label(&mixed, "gpu.mode").as_deref(), Some("unknown"), "{mixed:?}");
+}

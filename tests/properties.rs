@@ -683,6 +683,8 @@ mod labels {
                     }),
                 })
                 .collect(),
+            fabric: None,
+            pci_class: Some(0x030200),
         }
     }
 
@@ -841,6 +843,7 @@ mod labels {
                 mig_strategy: strategy,
                 prefix: "nvidia.com/",
                 machine: machine.as_deref(),
+                vgpu: false,
                 sharing_strategy: &sharing,
                 shared: &shared,
             };

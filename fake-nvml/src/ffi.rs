@@ -1496,3 +1496,71 @@ pub unsafe extern "C" fn nvmlEventSetWait(
 ) -> nvmlReturn_t {
     unsafe { nvmlEventSetWait_v2(set, data, timeoutms) }
 }
+
+// === GPU fabric (the machine file's `[gpu.fabric]`, see crate::fabric) ===
+
+/// The GPU's fabric, NOT_SUPPORTED for a GPU without one (and for MIG handles).
+fn fabric_of(cx: &mut Cx<'_>, device: nvmlDevice_t) -> NvmlResult<crate::fabric::Fabric> {
+    let g = physical_or_not_supported(cx, device)?;
+    cx.lib.machine.gpus[g].fabric.ok_or(NvmlError::NotSupported)
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceGetGpuFabricInfo(
+    device: nvmlDevice_t,
+    info: *mut nvml_wrapper_sys::bindings::nvmlGpuFabricInfo_t,
+) -> nvmlReturn_t {
+    run(|cx| {
+        nonnull(info)?;
+        let f = fabric_of(cx, device)?;
+        let v = nvml_wrapper_sys::bindings::nvmlGpuFabricInfo_t {
+            clusterUuid: f.cluster_uuid,
+            status: f.status,
+            cliqueId: f.clique_id,
+            state: f.state,
+        };
+        unsafe { put(info, v) }
+    })
+}
+
+/// `nvmlDeviceGetGpuFabricInfoV`: the v2 struct (health mask 0) or v3 (health summary
+/// `NVML_GPU_FABRIC_HEALTH_SUMMARY_HEALTHY` once the fabric is up, NOT_SUPPORTED before);
+/// any other version word is ARGUMENT_VERSION_MISMATCH.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceGetGpuFabricInfoV(
+    device: nvmlDevice_t,
+    info: *mut nvml_wrapper_sys::bindings::nvmlGpuFabricInfoV_t,
+) -> nvmlReturn_t {
+    use nvml_wrapper_sys::bindings::{nvmlGpuFabricInfo_v2_t, nvmlGpuFabricInfo_v3_t};
+    run(|cx| {
+        let version = unsafe { version_of(info.cast()) }?;
+        let v2 = struct_version::<nvmlGpuFabricInfo_v2_t>(2);
+        let v3 = struct_version::<nvmlGpuFabricInfo_v3_t>(3);
+        if version != v2 && version != v3 {
+            return Err(NvmlError::ArgumentVersionMismatch);
+        }
+        let f = fabric_of(cx, device)?;
+        if version == v2 {
+            let v = nvmlGpuFabricInfo_v2_t {
+                version,
+                clusterUuid: f.cluster_uuid,
+                status: f.status,
+                cliqueId: f.clique_id,
+                state: f.state,
+                healthMask: 0,
+            };
+            return unsafe { put(info.cast::<nvmlGpuFabricInfo_v2_t>(), v) };
+        }
+        let healthy = f.state == crate::fabric::STATE_COMPLETED && f.status == SUCCESS;
+        let v = nvmlGpuFabricInfo_v3_t {
+            version,
+            clusterUuid: f.cluster_uuid,
+            status: f.status,
+            cliqueId: f.clique_id,
+            state: f.state,
+            healthMask: 0,
+            healthSummary: u8::from(healthy),
+        };
+        unsafe { put(info, v) }
+    })
+}

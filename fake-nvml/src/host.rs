@@ -8,8 +8,9 @@ use std::path::Path;
 use crate::machine::Machine;
 
 /// `(path relative to the root, content)` for every file.
-pub fn host_files(machine: &Machine) -> Vec<(String, String)> {
-    let mut files = Vec::new();
+pub fn host_files(machine: &Machine) -> Vec<(String, Vec<u8>)> {
+    let mut files: Vec<(String, String)> = Vec::new();
+    let mut binary: Vec<(String, Vec<u8>)> = Vec::new();
     for gpu in &machine.gpus {
         let b = &gpu.bus_id;
         let dir = format!(
@@ -18,7 +19,11 @@ pub fn host_files(machine: &Machine) -> Vec<(String, String)> {
         );
         files.push((format!("{dir}/vendor"), "0x10de\n".to_string()));
         files.push((format!("{dir}/device"), format!("0x{:04x}\n", gpu.model.pci_device_id)));
-        files.push((format!("{dir}/class"), "0x030200\n".to_string()));
+        files.push((format!("{dir}/class"), format!("{:#08x}\n", gpu.pci_class)));
+        binary.push((
+            format!("{dir}/config"),
+            config_space(gpu.model.pci_device_id, gpu.pci_class, gpu.vgpu),
+        ));
         let numa = gpu.numa_node.map_or(-1, i64::from);
         files.push((format!("{dir}/numa_node"), format!("{numa}\n")));
     }
@@ -44,6 +49,32 @@ pub fn host_files(machine: &Machine) -> Vec<(String, String)> {
         mig_minors_table(machine.gpus.iter().map(|g| g.minor + 1).max().unwrap_or(0).max(8)),
     ));
     files
+        .into_iter()
+        .map(|(p, c)| (p, c.into_bytes()))
+        .chain(binary)
+        .collect()
+}
+
+/// The first 256 bytes of the GPU's PCI configuration space, as `config` in sysfs shows them to
+/// root: vendor and device id, and a capability list that holds NVIDIA's vendor-specific
+/// capability with the vGPU signature (`"VF"` at bytes 3 and 4, then the host driver version and
+/// branch records) when the GPU is a vGPU guest, and a plain PCI Express capability otherwise.
+fn config_space(device_id: u16, class: u32, vgpu: bool) -> Vec<u8> {
+    let mut c = [0u8; 256];
+    c[0..2].copy_from_slice(&0x10deu16.to_le_bytes());
+    c[2..4].copy_from_slice(&device_id.to_le_bytes());
+    c[0x06] = 0x10; // status: capability list present
+    c[0x09..0x0c].copy_from_slice(&class.to_le_bytes()[0..3]); // prog-if, subclass, base class
+    c[0x34] = 0x60; // first capability
+    c[0x60] = 0x10; // PCI Express
+    if vgpu {
+        c[0x61] = 0xd4; // next
+        let cap = [0x09u8, 0x00, 0x1b, b'V', b'F', 0x00, 0x16];
+        c[0xd4..0xd4 + cap.len()].copy_from_slice(&cap);
+        c[0xdb..0xe1].copy_from_slice(b"550.54");
+        c[0xe5..0xeb].copy_from_slice(b"r550_0");
+    }
+    c.to_vec()
 }
 
 /// Writes [`host_files`] under `root`.

@@ -13,6 +13,7 @@
 //! reading the machine file and the injection files, writing `state.json`, and stderr notes.
 
 pub mod error;
+pub mod fabric;
 mod ffi;
 pub mod host;
 pub mod ids;

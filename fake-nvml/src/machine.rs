@@ -45,6 +45,10 @@ struct GpuEntry {
     mig_device: Vec<MigDeviceEntry>,
     #[serde(default)]
     readings: Readings,
+    fabric: Option<crate::fabric::FabricEntry>,
+    pci_class: Option<u32>,
+    #[serde(default)]
+    vgpu: bool,
 }
 
 #[derive(Debug, Deserialize)]
@@ -160,6 +164,12 @@ pub struct GpuSpec {
     pub mig_devices: Vec<MigDeviceSpec>,
     /// Fixed readings from the machine file.
     pub readings: Readings,
+    /// NVLink fabric info (`[gpu.fabric]`); `None` answers NOT_SUPPORTED.
+    pub fabric: Option<crate::fabric::Fabric>,
+    /// PCI class code in sysfs (`0x030200` 3D controller unless the file says otherwise).
+    pub pci_class: u32,
+    /// A vGPU guest: the PCI config space carries NVIDIA's vGPU vendor capability.
+    pub vgpu: bool,
 }
 
 /// A pre-existing MIG device from the machine file.
@@ -300,6 +310,11 @@ fn gpu_spec(index: usize, e: GpuEntry) -> Result<GpuSpec, String> {
             placement: m.placement,
         })
         .collect();
+    let fabric = e.fabric.map(|f| crate::fabric::fabric_spec(model, f)).transpose()?;
+    let pci_class = e.pci_class.unwrap_or(0x030200);
+    if pci_class > 0xff_ffff {
+        return Err(format!("pci_class {pci_class:#x} is not a 24-bit PCI class code"));
+    }
     Ok(GpuSpec {
         model,
         uuid,
@@ -313,6 +328,9 @@ fn gpu_spec(index: usize, e: GpuEntry) -> Result<GpuSpec, String> {
         nvlink_peers,
         mig_devices,
         readings: e.readings,
+        fabric,
+        pci_class,
+        vgpu: e.vgpu,
     })
 }
 

@@ -10,6 +10,7 @@ use crate::driver::stage::{self as drv, Planned};
 use crate::driver::{observe, plan::Step, validate};
 use crate::exit::Exit;
 use crate::host::HostRoot;
+use crate::kube::EventType;
 use crate::logging;
 use crate::nvml::Gpus;
 use std::process::ExitCode;
@@ -168,6 +169,16 @@ impl Agent {
                 for line in &applied.done {
                     tracing::info!("driver: {line}");
                 }
+                let (reason, what) = if upgrade {
+                    ("DriverUpgraded", "driver upgraded")
+                } else {
+                    ("DriverInstalled", "driver installed")
+                };
+                self.event(
+                    EventType::Normal,
+                    reason,
+                    format!("{what}: {}", crate::driver::plan::describe(&planned.plan)),
+                );
             }
             Err(e) => {
                 tracing::error!("driver stage failed: {e}");

@@ -150,6 +150,7 @@ pub async fn node_plan(config: &Config, root: &HostRoot, mig_layout: Option<&str
         inventory: &after,
         dp: &dp,
         machine: machine_name(root).as_deref(),
+        vgpu: crate::labels::vgpu::vgpu_present(root),
         profile: &profile,
         mig_state,
         validation: None,

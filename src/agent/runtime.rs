@@ -8,6 +8,7 @@ use crate::config::Config;
 use crate::exit::Exit;
 use crate::host::HostRoot;
 use crate::host::command::Runner;
+use crate::kube::EventType;
 use crate::logging;
 use crate::nvml::Gpus;
 use crate::runtime::cdi::CdiError;
@@ -25,6 +26,9 @@ pub(super) struct RuntimeStage {
     pub(super) cdi_detail: Option<String>,
     /// Why the CDI spec could not be written.
     pub(super) cdi_error: Option<String>,
+    /// The rollbacks last posted as Events (engine and reason): the same rollback at every
+    /// pass is posted once.
+    pub(super) rolled_back: Vec<String>,
 }
 
 impl Agent {
@@ -74,6 +78,7 @@ impl Agent {
                 if !applied.restarted.is_empty() {
                     detail.push_str(&format!(" (restarted {})", applied.restarted.join(", ")));
                 }
+                self.runtime_events(&applied);
                 for remark in plan.remarks() {
                     tracing::info!("runtime: {remark}");
                     detail.push_str(&format!("; {remark}"));
@@ -127,6 +132,30 @@ impl Agent {
     }
 
     /// Rewrites the CDI spec for the current inventory when its bytes change.
+    /// Events for what the pass changed: `RuntimeConfigured` when it wrote files, and
+    /// `RuntimeRolledBack` for each engine whose new configuration was put back (once per
+    /// engine and reason, however many passes meet it again).
+    fn runtime_events(&mut self, applied: &rt::Applied) {
+        if !applied.files.is_empty() {
+            let files: Vec<String> = applied.files.iter().map(|f| f.display().to_string()).collect();
+            let mut message = format!("container runtime configuration written: {}", files.join(", "));
+            if !applied.restarted.is_empty() {
+                message.push_str(&format!("; restarted {}", applied.restarted.join(", ")));
+            }
+            self.event(EventType::Normal, "RuntimeConfigured", message);
+        }
+        let rolled_back: Vec<String> = applied
+            .failures
+            .iter()
+            .filter(|f| matches!(f.error, RuntimeError::Check { .. } | RuntimeError::Restart { .. }))
+            .map(|f| format!("{}: {}", f.engine.as_str(), f.error))
+            .collect();
+        for message in rolled_back.iter().filter(|m| !self.runtime.rolled_back.contains(m)) {
+            self.event(EventType::Warning, "RuntimeRolledBack", message.clone());
+        }
+        self.runtime.rolled_back = rolled_back;
+    }
+
     pub(super) fn cdi_step(&mut self) {
         if !self.config.cdi.enabled {
             self.runtime.cdi_detail = None;

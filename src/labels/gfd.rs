@@ -8,6 +8,9 @@
 //! |---|---|
 //! | `gpu.present` | `true`, or `false` when NVML sees no GPU (then it is the only label) |
 //! | `gpu.machine` | DMI product name, sanitised; `unknown` when not given or nothing is left |
+//! | `gpu.mode` | the GPUs' PCI class in sysfs: `compute` when every GPU is a 3D controller (`0x030200`), `graphics` when every one is a VGA controller (`0x030000`), else `unknown` (mixed classes, another class, or a class that cannot be read) |
+//! | `vgpu.present` | `true` when an NVIDIA PCI function carries NVIDIA's vGPU capability (a vGPU guest: the vendor-specific capability in its config space has the `VF` signature), else `false` |
+//! | `gpu.clique` | `<cluster UUID>.<clique id>` from NVML's fabric info, over the GPUs attached to a fabric (state completed, status success, cluster UUID not all zeros); absent when none is attached or the attached ones differ in cluster UUID or clique id |
 //! | `cuda.driver-version.{major,minor,revision,full}`, `cuda.driver.{major,minor,rev}` | the driver version split on `.` (`550.54.15` → `550`, `54`, `15`); `revision`/`rev` empty for `X.Y`; all absent unless the version has 2 or 3 parts |
 //! | `cuda.runtime-version.{major,minor,full}`, `cuda.runtime.{major,minor}` | CUDA driver API version `12.4` → `12`, `4`, `12.4`; absent unless it parses |
 //! | `mig.capable` | `true` if any GPU supports MIG |
@@ -57,9 +60,12 @@
 //! label would have been rejected, so no selector can depend on it. A label whose key would be
 //! invalid is left out.
 //!
-//! Not produced (nothing in the inventory to derive them from): `gpu.mode` (needs the PCI class),
-//! `gpu.clique` (fabric info), `vgpu.*`, and `gfd.timestamp` (it would change the Node on every
-//! pass).
+//! `gpu.mode`, `vgpu.present` and `gpu.clique` follow GFD's `internal/lm` (`newGPUModeLabeler`,
+//! the vGPU labeler, `newImexLabeler`): GFD also writes `unknown` when a class cannot be read and
+//! `false` when the vGPU scan fails, and skips GPUs not attached to a fabric.
+//!
+//! Not produced: `vgpu.host-driver-{version,branch}` (from the vGPU capability's records),
+//! `gpu.imex-domain`, and `gfd.timestamp` (it would change the Node on every pass).
 
 use std::collections::BTreeMap;
 
@@ -74,6 +80,8 @@ pub struct FeatureInputs<'a> {
     pub prefix: &'a str,
     /// DMI product name as read from `/sys/class/dmi/id/product_name` (raw; sanitised here).
     pub machine: Option<&'a str>,
+    /// A vGPU guest: some NVIDIA PCI function has the vGPU capability ([`super::vgpu`]).
+    pub vgpu: bool,
     /// `none` | `time-slicing` | `mps`.
     pub sharing_strategy: &'a str,
     /// The shared resources by name after `nvidia.com/` (`gpu`, `mig-1g.5gb`); a resource not
@@ -104,6 +112,11 @@ pub fn feature_labels(inputs: &FeatureInputs) -> BTreeMap<String, String> {
     }
     out.set("gpu.present", "true");
     out.set("gpu.machine", machine_value(inputs.machine));
+    out.set("gpu.mode", gpu_mode(&inventory.gpus));
+    out.set("vgpu.present", bool_value(inputs.vgpu));
+    if let Some(clique) = clique(&inventory.gpus) {
+        out.set("gpu.clique", clique);
+    }
     version_labels(&mut out, inventory);
     let mig_enabled = inventory.gpus.iter().any(mig_on);
     out.set(
@@ -193,6 +206,33 @@ fn mig_on(gpu: &GpuInfo) -> bool {
 
 fn bool_value(b: bool) -> &'static str {
     if b { "true" } else { "false" }
+}
+
+/// PCI class codes: VGA-compatible controller and 3D controller.
+const CLASS_VGA: u32 = 0x03_00_00;
+const CLASS_3D: u32 = 0x03_02_00;
+
+fn gpu_mode(gpus: &[GpuInfo]) -> &'static str {
+    let first = gpus.first().and_then(|g| g.pci_class);
+    if first.is_none() || gpus.iter().any(|g| g.pci_class != first) {
+        return "unknown";
+    }
+    match first {
+        Some(CLASS_3D) => "compute",
+        Some(CLASS_VGA) => "graphics",
+        _ => "unknown",
+    }
+}
+
+/// `<cluster UUID>.<clique id>` when the GPUs attached to a fabric agree on both.
+fn clique(gpus: &[GpuInfo]) -> Option<String> {
+    let mut attached = gpus.iter().filter_map(|g| g.fabric.as_ref()).filter(|f| f.attached());
+    let first = attached.next()?;
+    if attached.any(|f| f.cluster_uuid != first.cluster_uuid || f.clique_id != first.clique_id) {
+        tracing::warn!("GPUs report different fabric cluster UUIDs or clique ids: no gpu.clique label");
+        return None;
+    }
+    Some(format!("{}.{}", first.cluster_uuid, first.clique_id))
 }
 
 fn machine_value(raw: Option<&str>) -> String {
@@ -489,6 +529,7 @@ mod tests {
             mig_strategy,
             prefix: "nvidia.com/",
             machine: None,
+            vgpu: false,
             sharing_strategy: "none",
             shared: &NOT_SHARED,
         }
@@ -512,6 +553,8 @@ mod tests {
         vec![
             ("gpu.present", "true".into()),
             ("gpu.machine", machine.into()),
+            ("gpu.mode", "compute".into()),
+            ("vgpu.present", "false".into()),
             ("cuda.driver-version.major", "550".into()),
             ("cuda.driver-version.minor", "54".into()),
             ("cuda.driver-version.revision", "15".into()),
@@ -646,7 +689,7 @@ mod tests {
         }
         let got = feature_labels(&inputs(&inv, MigStrategy::Mixed));
         assert_eq!(got, want);
-        assert_eq!(got.len(), 16 + 1 + 8 + 3 * 13);
+        assert_eq!(got.len(), 18 + 1 + 8 + 3 * 13);
     }
 
     #[test]
@@ -1001,6 +1044,7 @@ mod tests {
                     mig_strategy: *strategy,
                     prefix: "nvidia.com/",
                     machine: Some("PowerEdge XE9680 (rev. 2)"),
+                    vgpu: true,
                     sharing_strategy: sharing,
                     shared: &resources,
                 };
@@ -1009,5 +1053,107 @@ mod tests {
                 assert_all_valid(&got);
             }
         }
+    }
+
+    fn fabric(uuid: &str, clique: u32, state: u8, status: u32) -> Option<crate::nvml::FabricInfo> {
+        Some(crate::nvml::FabricInfo {
+            cluster_uuid: uuid.into(),
+            clique_id: clique,
+            state,
+            status,
+        })
+    }
+
+    const DOMAIN: &str = "0123abcd-0000-1111-2222-333344445555";
+    const OTHER: &str = "0123abcd-0000-1111-2222-999944445555";
+    const ZERO: &str = "00000000-0000-0000-0000-000000000000";
+
+    fn with_fabrics(fabrics: Vec<Option<crate::nvml::FabricInfo>>) -> Inventory {
+        sample::inventory(
+            fabrics
+                .into_iter()
+                .enumerate()
+                .map(|(i, fabric)| GpuInfo {
+                    fabric,
+                    ..h100(i as u32)
+                })
+                .collect(),
+        )
+    }
+
+    fn clique_of(inventory: &Inventory) -> Option<String> {
+        get(&feature_labels(&inputs(inventory, MigStrategy::None)), "gpu.clique").map(str::to_owned)
+    }
+
+    #[test]
+    fn clique_when_every_attached_gpu_agrees() {
+        let done = |u| fabric(u, 7, 3, 0);
+        let node = with_fabrics(vec![done(DOMAIN), done(DOMAIN), done(DOMAIN), done(DOMAIN)]);
+        assert_eq!(
+            clique_of(&node).as_deref(),
+            Some("0123abcd-0000-1111-2222-333344445555.7")
+        );
+        // As GFD: a GPU not attached (not completed, failed probe, zero UUID, no fabric) is
+        // skipped; the others still name the clique.
+        for odd in [
+            fabric(DOMAIN, 7, 2, 0),
+            fabric(DOMAIN, 7, 3, 15),
+            fabric(ZERO, 0, 3, 0),
+            None,
+        ] {
+            let node = with_fabrics(vec![done(DOMAIN), odd.clone()]);
+            assert_eq!(
+                clique_of(&node).as_deref(),
+                Some("0123abcd-0000-1111-2222-333344445555.7"),
+                "{odd:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn no_clique_when_gpus_disagree_or_none_is_attached() {
+        let cases = [
+            vec![fabric(DOMAIN, 7, 3, 0), fabric(DOMAIN, 8, 3, 0)],
+            vec![fabric(DOMAIN, 7, 3, 0), fabric(OTHER, 7, 3, 0)],
+            vec![fabric(DOMAIN, 7, 1, 0), fabric(DOMAIN, 7, 2, 0)],
+            vec![fabric(DOMAIN, 7, 3, 15), fabric(DOMAIN, 7, 3, 15)],
+            vec![fabric(ZERO, 0, 3, 0), fabric(ZERO, 0, 3, 0)],
+            vec![None, None],
+        ];
+        for case in cases {
+            assert_eq!(clique_of(&with_fabrics(case.clone())), None, "{case:?}");
+        }
+    }
+
+    #[test]
+    fn gpu_mode_follows_the_pci_class_of_every_gpu() {
+        let mode = |classes: &[Option<u32>]| {
+            let inv = sample::inventory(
+                classes
+                    .iter()
+                    .enumerate()
+                    .map(|(i, c)| GpuInfo {
+                        pci_class: *c,
+                        ..h100(i as u32)
+                    })
+                    .collect(),
+            );
+            get(&feature_labels(&inputs(&inv, MigStrategy::None)), "gpu.mode").map(str::to_owned)
+        };
+        assert_eq!(mode(&[Some(0x030200), Some(0x030200)]).as_deref(), Some("compute"));
+        assert_eq!(mode(&[Some(0x030000)]).as_deref(), Some("graphics"));
+        assert_eq!(mode(&[Some(0x030200), Some(0x030000)]).as_deref(), Some("unknown"));
+        assert_eq!(mode(&[Some(0x030200), None]).as_deref(), Some("unknown"));
+        assert_eq!(mode(&[Some(0x038000)]).as_deref(), Some("unknown"));
+        assert_eq!(mode(&[Some(0x030201)]).as_deref(), Some("unknown"));
+    }
+
+    #[test]
+    fn vgpu_present_is_written_either_way() {
+        let inv = a100_none();
+        let mut i = inputs(&inv, MigStrategy::None);
+        assert_eq!(get(&feature_labels(&i), "vgpu.present"), Some("false"));
+        i.vgpu = true;
+        assert_eq!(get(&feature_labels(&i), "vgpu.present"), Some("true"));
     }
 }

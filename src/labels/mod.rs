@@ -2,3 +2,4 @@
 
 pub mod gfd;
 pub mod report;
+pub mod vgpu;
