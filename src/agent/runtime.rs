@@ -131,7 +131,6 @@ impl Agent {
         }
     }
 
-    /// Rewrites the CDI spec for the current inventory when its bytes change.
     /// Events for what the pass changed: `RuntimeConfigured` when it wrote files, and
     /// `RuntimeRolledBack` for each engine whose new configuration was put back (once per
     /// engine and reason, however many passes meet it again).
@@ -156,6 +155,7 @@ impl Agent {
         self.runtime.rolled_back = rolled_back;
     }
 
+    /// Rewrites the CDI spec for the current inventory when its bytes change.
     pub(super) fn cdi_step(&mut self) {
         if !self.config.cdi.enabled {
             self.runtime.cdi_detail = None;
