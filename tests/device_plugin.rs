@@ -104,6 +104,7 @@ async fn h100_mig_devices_in_each_strategy() {
 
     // single with two profiles: refused with the reason, nothing advertised.
     let node = Node::new(H100_MIG, "[device_plugin]\nmig_strategy = \"single\"\n");
+    let api = common::api_server_for(&node, &[]).await;
     let kubelet = start_kubelet(&node).await;
     let agent = node.spawn();
     let status = node.wait_status(T, |s| common::stage(s, "device-plugin")["state"] == "failed");
@@ -116,6 +117,21 @@ async fn h100_mig_devices_in_each_strategy() {
         "{error}"
     );
     assert!(kubelet.registrations().is_empty());
+    // A Warning on the Node with the reason, once: a pass that fails the same way posts none.
+    let event = common::event_posted(&api, "DevicePluginFailed").await;
+    common::assert_event(&event, "Warning", &["gpu-node-agent device plugin", "one MIG profile"]);
+    common::another_pass(&agent).await;
+    assert_eq!(
+        common::events_with(&api, "DevicePluginFailed").len(),
+        1,
+        "{:?}",
+        api.events()
+    );
+    assert!(
+        common::events_with(&api, "DevicePluginReady").is_empty(),
+        "{:?}",
+        api.events()
+    );
     assert_eq!(agent.stop(), 0);
 }
 
