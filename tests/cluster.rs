@@ -196,6 +196,14 @@ async fn an_unknown_profile_changes_nothing_and_is_reported() {
             .unwrap_or_default()
             .contains("nothing changed")
     );
+    // Rejected once: a pass with the same label posts nothing more.
+    common::another_pass(&agent).await;
+    assert_eq!(
+        common::events_with(&api, "DevicePluginProfileRejected").len(),
+        1,
+        "{:?}",
+        api.events()
+    );
     // Nothing changed for the kubelet.
     assert_eq!(kubelet.registrations().len(), registrations);
     assert!(kubelet.is_connected(GPU));

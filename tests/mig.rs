@@ -131,6 +131,20 @@ async fn an_unknown_or_impossible_layout_fails_and_changes_nothing() {
         })
         .await;
     assert!(ok, "the reason names the profile that does not fit: {:?}", api.events());
+    let failed = common::events_with(&api, "MigConfigFailed");
+    assert_eq!(
+        failed.last().map(|e| e["type"].clone()),
+        Some("Warning".into()),
+        "{failed:?}"
+    );
+    // A pass that fails the same way posts no second Event.
+    common::another_pass(&agent).await;
+    assert_eq!(
+        common::events_with(&api, "MigConfigFailed").len(),
+        failed.len(),
+        "{:?}",
+        api.events()
+    );
     // Nothing changed: the 1g.5gb devices are still there.
     let devices = kubelet.devices("nvidia.com/mig-1g.5gb").expect("still listed");
     assert_eq!(devices.len(), 14);

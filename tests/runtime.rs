@@ -1795,6 +1795,9 @@ async fn runtime_classes_are_created_or_the_node_says_what_to_apply() {
         for reason in ["RuntimeFailed", "RuntimeRolledBack"] {
             assert!(common::events_with(&api, reason).is_empty(), "{:?}", api.events());
         }
+        // What to apply is said once, not at every pass.
+        let missing = common::events_with(&api, "RuntimeClassMissing").len();
+        assert_eq!(missing, usize::from(!allowed), "{:?}", api.events());
     }
 }
 
