@@ -32,7 +32,8 @@ fn executable(path: &Path, body: &str) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_check_passes_or_is_not_applicable_on_a_healthy_node() {
-    let node = node("");
+    let node = Node::new(&common::machine("A100-SXM4-40GB", 2), "");
+    let api = common::api_server_for(&node, &[]).await;
     let kubelet = TestKubelet::start(&node.plugin_dir(), KubeletOptions::default())
         .await
         .expect("kubelet");
@@ -49,6 +50,11 @@ async fn every_check_passes_or_is_not_applicable_on_a_healthy_node() {
         status["labels"]["nvidia.com/gpu-node-agent.validation.state"],
         "success"
     );
+    // Passing from the start is no recovery: no validation Event at all.
+    common::another_pass(&agent).await;
+    for reason in ["ValidationFailed", "ValidationRecovered"] {
+        assert!(common::events_with(&api, reason).is_empty(), "{:?}", api.events());
+    }
     drop(kubelet);
 }
 
