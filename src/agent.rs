@@ -1249,7 +1249,8 @@ impl Agent {
 }
 
 impl Agent {
-    /// Posts an Event on the Node when there is a cluster link (not under `run --once`).
+    /// Posts an Event on the Node through the cluster link (under `run --once` too; nothing
+    /// without a link or with `[kubernetes] events = false`).
     fn event(&self, kind: EventType, reason: &str, message: String) {
         if let Some(link) = &self.link {
             link.event(kind, reason, message);

@@ -138,17 +138,21 @@ async fn a_label_change_reaches_the_agent_by_watch_and_swaps_resources() {
         .wait_for_disconnect(GPU, T)
         .await
         .expect("nvidia.com/gpu withdrawn");
-    assert!(
-        api.events().iter().any(|e| e["reason"] == "DevicePluginProfileApplied"),
-        "{:?}",
-        api.events()
-    );
+    let event = common::event_posted(&api, "DevicePluginProfileApplied").await;
+    common::assert_event(&event, "Normal", &["device plugin profile mig-mixed applied"]);
 
     // Removing the label returns to the configured keys.
     api.set_label(NODE, "nvidia.com/device-plugin.config", None);
     kubelet.wait_for_registration(GPU, T).await.expect("whole GPUs again");
     wait_label(&api, "nvidia.com/device-plugin.config.state", None).await;
     wait_label(&api, "nvidia.com/mig.strategy", None).await;
+    let event = common::event_posted(&api, "DevicePluginProfileCleared").await;
+    common::assert_event(&event, "Normal", &["no device plugin profile selected"]);
+    // A pass without a change posts neither again.
+    common::another_pass(&agent).await;
+    for reason in ["DevicePluginProfileApplied", "DevicePluginProfileCleared"] {
+        assert_eq!(common::events_with(&api, reason).len(), 1, "{:?}", api.events());
+    }
     assert_eq!(agent.stop(), 0);
 }
 
@@ -191,6 +195,14 @@ async fn an_unknown_profile_changes_nothing_and_is_reported() {
             .as_str()
             .unwrap_or_default()
             .contains("nothing changed")
+    );
+    // Rejected once: a pass with the same label posts nothing more.
+    common::another_pass(&agent).await;
+    assert_eq!(
+        common::events_with(&api, "DevicePluginProfileRejected").len(),
+        1,
+        "{:?}",
+        api.events()
     );
     // Nothing changed for the kubelet.
     assert_eq!(kubelet.registrations().len(), registrations);

@@ -104,6 +104,7 @@ async fn h100_mig_devices_in_each_strategy() {
 
     // single with two profiles: refused with the reason, nothing advertised.
     let node = Node::new(H100_MIG, "[device_plugin]\nmig_strategy = \"single\"\n");
+    let api = common::api_server_for(&node, &[]).await;
     let kubelet = start_kubelet(&node).await;
     let agent = node.spawn();
     let status = node.wait_status(T, |s| common::stage(s, "device-plugin")["state"] == "failed");
@@ -116,6 +117,21 @@ async fn h100_mig_devices_in_each_strategy() {
         "{error}"
     );
     assert!(kubelet.registrations().is_empty());
+    // A Warning on the Node with the reason, once: a pass that fails the same way posts none.
+    let event = common::event_posted(&api, "DevicePluginFailed").await;
+    common::assert_event(&event, "Warning", &["gpu-node-agent device plugin", "one MIG profile"]);
+    common::another_pass(&agent).await;
+    assert_eq!(
+        common::events_with(&api, "DevicePluginFailed").len(),
+        1,
+        "{:?}",
+        api.events()
+    );
+    assert!(
+        common::events_with(&api, "DevicePluginReady").is_empty(),
+        "{:?}",
+        api.events()
+    );
     assert_eq!(agent.stop(), 0);
 }
 
@@ -439,6 +455,7 @@ async fn xid_on_a_mig_device_affects_only_that_device() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn lost_gpu_is_unhealthy_until_nvml_answers_again() {
     let node = Node::new(&machine("A100-SXM4-40GB", 2), "");
+    let api = common::api_server_for(&node, &[]).await;
     let kubelet = start_kubelet(&node).await;
     let agent = node.spawn();
     kubelet
@@ -459,11 +476,29 @@ async fn lost_gpu_is_unhealthy_until_nvml_answers_again() {
             .contains("lost"),
         "{status}"
     );
+    // Each transition is an Event on the Node, once: not again while the GPU stays lost.
+    let event = common::event_posted(&api, "GpuUnhealthy").await;
+    let gpu0 = format!("GPU 0 ({})", gpu_uuid(0));
+    common::assert_event(&event, "Warning", &[&gpu0, "is unhealthy", "lost"]);
+    // Lost-GPU probes every 100 ms meanwhile. (Not a SIGHUP here: re-reading the inventory
+    // with a GPU lost fails the device plugin stage, another transition.)
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    assert_eq!(common::events_with(&api, "GpuUnhealthy").len(), 1, "{:?}", api.events());
     node.set_injection("lost", "");
     kubelet
         .wait_for_devices(GPU, T, |d| healthy(d, &gpu_uuid(0)) == Some(true))
         .await
         .expect("back");
+    let event = common::event_posted(&api, "GpuHealthy").await;
+    common::assert_event(&event, "Normal", &[&gpu0, "is healthy again"]);
+    common::another_pass(&agent).await;
+    assert_eq!(common::events_with(&api, "GpuHealthy").len(), 1, "{:?}", api.events());
+    assert_eq!(common::events_with(&api, "GpuUnhealthy").len(), 1, "{:?}", api.events());
+    // The device plugin served throughout: ready once, at the start.
+    let ready = common::events_with(&api, "DevicePluginReady");
+    assert_eq!(ready.len(), 1, "{:?}", api.events());
+    common::assert_event(&ready[0], "Normal", &["gpu-node-agent device plugin"]);
+    assert!(common::events_with(&api, "DevicePluginFailed").is_empty());
     assert_eq!(agent.stop(), 0);
 }
 

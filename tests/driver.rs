@@ -690,9 +690,8 @@ fn prebuilt_modules_are_verified_unpacked_into_the_cache_and_loaded() {
 /// swapped, NVML is reopened, and the GPUs come back.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_daemon_withdraws_the_gpus_for_an_upgrade_and_advertises_them_again() {
-    let node = bare_node(&format!(
-        "[kubernetes]\nenabled = false\n[driver]\nsource = \"package\"\nversion = \"{VERSION}\"\n"
-    ));
+    let node = bare_node(&format!("[driver]\nsource = \"package\"\nversion = \"{VERSION}\"\n"));
+    let api = common::api_server_for(&node, &[]).await;
     write(&node.root, "sys/module/nvidia/version", "535.161.08\n");
     for m in ["nvidia_uvm", "nvidia_modeset"] {
         fs::create_dir_all(node.root.join("sys/module").join(m)).expect("module");
@@ -750,6 +749,47 @@ async fn the_daemon_withdraws_the_gpus_for_an_upgrade_and_advertises_them_again(
     // or listed none.
     let withdrawn = gpus_withdrawn(&mut events);
     assert!(withdrawn, "the GPUs were withdrawn from the kubelet during the upgrade");
+
+    // The upgrade is posted on the Node once: not while it waited, not at a later pass.
+    let event = common::event_posted(&api, "DriverUpgraded").await;
+    common::assert_event(&event, "Normal", &["driver upgraded", "550.54.15"]);
+    common::another_pass(&agent).await;
+    assert_eq!(
+        common::events_with(&api, "DriverUpgraded").len(),
+        1,
+        "{:?}",
+        api.events()
+    );
+    for reason in ["DriverInstalled", "DriverFailed"] {
+        assert!(common::events_with(&api, reason).is_empty(), "{:?}", api.events());
+    }
+}
+
+/// A driver the daemon installs is posted on the Node once (`DriverInstalled`); a later pass
+/// with nothing to do posts nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_driver_the_daemon_installs_is_posted_once_as_an_event() {
+    let node = bare_node(&format!("[driver]\nsource = \"package\"\nversion = \"{VERSION}\"\n"));
+    let api = common::api_server_for(&node, &[]).await;
+    let agent = node.spawn();
+    let event = common::event_posted(&api, "DriverInstalled").await;
+    common::assert_event(
+        &event,
+        "Normal",
+        &["driver installed", "apt-get install", "nvidia-utils-550-server"],
+    );
+    let t = std::time::Duration::from_secs(20);
+    node.wait_status(t, |s| common::stage(s, "driver")["state"] == "ok");
+    common::another_pass(&agent).await;
+    assert_eq!(
+        common::events_with(&api, "DriverInstalled").len(),
+        1,
+        "{:?}",
+        api.events()
+    );
+    for reason in ["DriverUpgraded", "DriverFailed"] {
+        assert!(common::events_with(&api, reason).is_empty(), "{:?}", api.events());
+    }
 }
 
 /// The old driver's node for an upgrade to `VERSION` from packages: 535 loaded, with
@@ -956,9 +996,8 @@ fn the_daemon_does_not_install_again_after_an_install_gave_another_version() {
 /// use) gives them back on the driver still loaded, with the stage failed and the reason.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_failed_upgrade_in_the_daemon_reopens_nvml_and_advertises_the_gpus_again() {
-    let node = upgrade_node(&format!(
-        "[kubernetes]\nenabled = false\n[driver]\nsource = \"package\"\nversion = \"{VERSION}\"\n"
-    ));
+    let node = upgrade_node(&format!("[driver]\nsource = \"package\"\nversion = \"{VERSION}\"\n"));
+    let api = common::api_server_for(&node, &[]).await;
     stand_in(
         &node,
         "/usr/sbin/rmmod",
@@ -1032,6 +1071,14 @@ async fn a_failed_upgrade_in_the_daemon_reopens_nvml_and_advertises_the_gpus_aga
         commands(&node)
     );
     assert!(!gpus_withdrawn(&mut events), "withdrawn again");
+
+    // One DriverFailed, for the pass that failed: the passes that stay failed post none.
+    let event = common::event_posted(&api, "DriverFailed").await;
+    common::assert_event(&event, "Warning", &["driver stage failed", "Module nvidia is in use"]);
+    assert_eq!(common::events_with(&api, "DriverFailed").len(), 1, "{:?}", api.events());
+    for reason in ["DriverInstalled", "DriverUpgraded"] {
+        assert!(common::events_with(&api, reason).is_empty(), "{:?}", api.events());
+    }
 }
 
 /// Whether the kubelet events so far show `nvidia.com/gpu` withdrawn: its stream ended, or it

@@ -288,6 +288,7 @@ fn kill_escalates_to_sigkill_after_the_grace_period() {
     std::thread::sleep(p.grace.saturating_sub(terminated.elapsed()) + Duration::from_millis(100));
     let records = pass(&mut e, &s.gpus, &p);
     assert_eq!(kinds(&records), [(sc.a, RecordKind::Killed)]);
+    assert_eq!(records[0].kind.reason(), "GPUMemoryOverBudgetKilled");
     assert_pod_a(&records[0]);
     assert_eq!(children.ended(sc.a).signal(), Some(SIGKILL));
     assert!(children.running(sc.b) && children.running(sc.c));
@@ -303,6 +304,7 @@ fn dry_run_and_log_report_and_kill_nobody() {
     let dry = policy(Action::DryRun);
     let records = pass(&mut e, &s.gpus, &dry);
     assert_eq!(kinds(&records), [(sc.a, RecordKind::WouldKill)]);
+    assert_eq!(records[0].kind.reason(), "GPUMemoryOverBudgetWouldKill");
     assert_pod_a(&records[0]);
     std::thread::sleep(dry.grace);
     assert!(pass(&mut e, &s.gpus, &dry).is_empty(), "reported once per crossing");
@@ -311,6 +313,7 @@ fn dry_run_and_log_report_and_kill_nobody() {
     let log = policy(Action::Log);
     let records = pass(&mut e, &s.gpus, &log);
     assert_eq!(kinds(&records), [(sc.a, RecordKind::Warned)]);
+    assert_eq!(records[0].kind.reason(), "GPUMemoryOverBudget");
     assert_pod_a(&records[0]);
     assert!(pass(&mut e, &s.gpus, &log).is_empty(), "reported once per crossing");
 
@@ -457,4 +460,58 @@ async fn the_agent_terminates_a_pod_process_over_its_replicas_fair_share() {
         })
         .await;
     assert!(posted, "{:?}", api.events());
+}
+
+/// Under `dry-run` and `log` the running agent kills nobody and posts one Warning per crossing
+/// (`GPUMemoryOverBudgetWouldKill`, `GPUMemoryOverBudget`) naming the pod, not one per
+/// enforcer pass (every 100 ms here) while the process stays over its budget.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_agent_posts_one_event_per_crossing_under_dry_run_and_log() {
+    for (action, reason) in [
+        ("dry-run", "GPUMemoryOverBudgetWouldKill"),
+        ("log", "GPUMemoryOverBudget"),
+    ] {
+        let config = format!(
+            "[device_plugin.sharing]\nstrategy = \"time-slicing\"\nrename_by_default = true\n\
+             [[device_plugin.sharing.resources]]\nname = \"nvidia.com/gpu\"\nreplicas = 4\nmemory_per_replica = \"fair\"\n\
+             [device_plugin.memory_limits]\naction = \"{action}\"\ninterval = \"100ms\"\ngrace_period = \"1s\"\n"
+        );
+        let node = common::Node::new(&common::machine("A100-SXM4-40GB", 1), &config);
+        let api = common::api_server_for(&node, &[]).await;
+        let mut child = node.pod_process();
+        let pid = child.id();
+        let logs = node.root.join("var/log");
+        fs::create_dir_all(logs.join(format!("pods/ml_train-0_{}/worker", common::POD_UID))).expect("mkdir");
+        fs::create_dir_all(logs.join("containers")).expect("mkdir");
+        std::os::unix::fs::symlink(
+            format!("/var/log/pods/ml_train-0_{}/worker/0.log", common::POD_UID),
+            logs.join(format!("containers/train-0_ml_worker-{}.log", common::CONTAINER_ID)),
+        )
+        .expect("symlink");
+        // 40960 MiB / 4 replicas = 10240 MiB each; it uses 30000.
+        node.set_injection("processes", &format!("{} {pid} 30000\n", common::gpu_uuid(0)));
+        let agent = node.spawn();
+        let event = common::event_posted(&api, reason).await;
+        common::assert_event(&event, "Warning", &["pod ml/train-0 container worker"]);
+        // Ten more enforcer passes over budget: nothing more, and the process runs.
+        tokio::time::sleep(Duration::from_millis(1000)).await;
+        assert_eq!(
+            common::events_with(&api, reason).len(),
+            1,
+            "{action}: {:?}\n{}",
+            api.events(),
+            agent.log_text()
+        );
+        assert!(child.try_wait().expect("try_wait").is_none(), "{action}: killed nobody");
+        for other in ["GPUMemoryOverBudgetTerminated", "GPUMemoryOverBudgetKilled"] {
+            assert!(
+                common::events_with(&api, other).is_empty(),
+                "{action}: {:?}",
+                api.events()
+            );
+        }
+        let _ = child.kill();
+        let _ = child.wait();
+        drop(agent);
+    }
 }

@@ -131,6 +131,20 @@ async fn an_unknown_or_impossible_layout_fails_and_changes_nothing() {
         })
         .await;
     assert!(ok, "the reason names the profile that does not fit: {:?}", api.events());
+    let failed = common::events_with(&api, "MigConfigFailed");
+    assert_eq!(
+        failed.last().map(|e| e["type"].clone()),
+        Some("Warning".into()),
+        "{failed:?}"
+    );
+    // A pass that fails the same way posts no second Event.
+    common::another_pass(&agent).await;
+    assert_eq!(
+        common::events_with(&api, "MigConfigFailed").len(),
+        failed.len(),
+        "{:?}",
+        api.events()
+    );
     // Nothing changed: the 1g.5gb devices are still there.
     let devices = kubelet.devices("nvidia.com/mig-1g.5gb").expect("still listed");
     assert_eq!(devices.len(), 14);
@@ -170,6 +184,27 @@ async fn gpu_work_keeps_the_layout_pending_until_it_ends() {
     assert!(
         reason.contains("waiting for GPU processes") && reason.contains(&gpu_uuid(0)),
         "{reason}"
+    );
+    // Posted with the reason it waits; a pass that still waits for the same reason posts
+    // nothing more.
+    let posted = api
+        .wait_for(T, |a| {
+            common::events_with(a, "MigConfigPending").iter().any(|e| {
+                e["message"]
+                    .as_str()
+                    .is_some_and(|m| m.contains("waiting for GPU processes"))
+            })
+        })
+        .await;
+    assert!(posted, "{:?}", api.events());
+    let pending = common::events_with(&api, "MigConfigPending");
+    assert_eq!(pending[0]["type"], "Normal", "{pending:?}");
+    common::another_pass(&agent).await;
+    assert_eq!(
+        common::events_with(&api, "MigConfigPending").len(),
+        pending.len(),
+        "{:?}",
+        api.events()
     );
     // Both GPUs change, so both are withdrawn from the kubelet while it waits; nothing is killed.
     kubelet
@@ -938,6 +973,8 @@ async fn rebooting_reaches_the_node_before_the_reboot() {
         .iter()
         .any(|r| r.method == "PATCH" && r.body.contains(&format!("\"{STATE}\":\"rebooting\"")));
     assert!(rebooting, "{:?}", api.labels(NODE));
+    let event = common::event_posted(&api, "MigConfigRebooting").await;
+    assert_eq!(event["type"], "Warning", "{event}");
 }
 
 /// Layouts do not survive a reboot, and at boot the API server may not answer yet: the agent

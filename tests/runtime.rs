@@ -1778,6 +1778,26 @@ async fn runtime_classes_are_created_or_the_node_says_what_to_apply() {
             };
             eventually("status says which RuntimeClasses are missing", &agent, says).await;
         }
+        // The files written are posted once; a later pass that writes nothing posts nothing.
+        let event = common::event_posted(&api, "RuntimeConfigured").await;
+        common::assert_event(
+            &event,
+            "Normal",
+            &["container runtime configuration written", CONTAINERD_DROP_IN],
+        );
+        common::another_pass(&agent).await;
+        assert_eq!(
+            common::events_with(&api, "RuntimeConfigured").len(),
+            1,
+            "{:?}",
+            api.events()
+        );
+        for reason in ["RuntimeFailed", "RuntimeRolledBack"] {
+            assert!(common::events_with(&api, reason).is_empty(), "{:?}", api.events());
+        }
+        // What to apply is said once, not at every pass.
+        let missing = common::events_with(&api, "RuntimeClassMissing").len();
+        assert_eq!(missing, usize::from(!allowed), "{:?}", api.events());
     }
 }
 
@@ -1846,4 +1866,56 @@ fn a_failing_stage_is_retried_on_its_backoff_schedule_not_every_pass() {
         "SIGHUP ran the stage before its backoff ended"
     );
     assert_eq!(agent.stop(), 0);
+}
+
+// === Events ===
+
+/// A containerd that rejects the new files, in the daemon: the rollback is posted once
+/// (`RuntimeRolledBack`, naming the engine and containerd's words), the stage's failure once
+/// (`RuntimeFailed`: containerd is the kubelet's engine), and the passes that meet the same
+/// rollback again post neither, nor a `RuntimeConfigured` for files that were put back.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_rollback_in_the_daemon_is_posted_once_with_the_failed_stage() {
+    let main = fixture("containerd/v2-systemd-cgroup.main.toml");
+    let node = engine_node(Engine::Containerd, Some(&main), "");
+    script(
+        &node.root,
+        REAL_CONTAINERD,
+        "echo 'containerd: failed to load TOML: invalid plugin key' >&2; exit 1",
+    );
+    let api = common::api_server_for(&node, &[]).await;
+    let agent = node.spawn();
+    let event = common::event_posted(&api, "RuntimeRolledBack").await;
+    common::assert_event(
+        &event,
+        "Warning",
+        &["containerd", "rejects the new configuration", "invalid plugin key"],
+    );
+    let event = common::event_posted(&api, "RuntimeFailed").await;
+    common::assert_event(
+        &event,
+        "Warning",
+        &[
+            "runtime stage failed",
+            "containerd (the engine the kubelet uses)",
+            "invalid plugin key",
+        ],
+    );
+    for _ in 0..2 {
+        common::another_pass(&agent).await;
+    }
+    let log = agent.log_text();
+    assert!(
+        log.matches("containerd rejects the new configuration").count() >= 3,
+        "the later passes met the rollback again\n{log}"
+    );
+    for reason in ["RuntimeRolledBack", "RuntimeFailed"] {
+        assert_eq!(common::events_with(&api, reason).len(), 1, "{:?}", api.events());
+    }
+    assert!(
+        common::events_with(&api, "RuntimeConfigured").is_empty(),
+        "{:?}",
+        api.events()
+    );
+    assert_eq!(read(&node.root, CONTAINERD_MAIN), Some(main), "main put back");
 }

@@ -32,7 +32,8 @@ fn executable(path: &Path, body: &str) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_check_passes_or_is_not_applicable_on_a_healthy_node() {
-    let node = node("");
+    let node = Node::new(&common::machine("A100-SXM4-40GB", 2), "");
+    let api = common::api_server_for(&node, &[]).await;
     let kubelet = TestKubelet::start(&node.plugin_dir(), KubeletOptions::default())
         .await
         .expect("kubelet");
@@ -49,12 +50,18 @@ async fn every_check_passes_or_is_not_applicable_on_a_healthy_node() {
         status["labels"]["nvidia.com/gpu-node-agent.validation.state"],
         "success"
     );
+    // Passing from the start is no recovery: no validation Event at all.
+    common::another_pass(&agent).await;
+    for reason in ["ValidationFailed", "ValidationRecovered"] {
+        assert!(common::events_with(&api, reason).is_empty(), "{:?}", api.events());
+    }
     drop(kubelet);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_gpu_missing_from_nvml_fails_validation_and_the_plugin_keeps_serving() {
-    let node = node("");
+    let node = Node::new(&common::machine("A100-SXM4-40GB", 2), "");
+    let api = common::api_server_for(&node, &[]).await;
     // A third NVIDIA GPU on the PCI bus that NVML does not see (fell off the bus, vfio-pci).
     let extra = node.root.join("sys/bus/pci/devices/0000:c1:00.0");
     for (file, value) in [("vendor", "0x10de\n"), ("device", "0x20b0\n"), ("class", "0x030200\n")] {
@@ -74,6 +81,38 @@ async fn a_gpu_missing_from_nvml_fails_validation_and_the_plugin_keeps_serving()
         .await
         .expect("the device plugin keeps serving both GPUs");
     assert_eq!(devices.len(), 2, "{}", agent.log_text());
+
+    // Failed once: one Warning, however many passes stay failed.
+    let event = common::event_posted(&api, "ValidationFailed").await;
+    common::assert_event(&event, "Warning", &["validation stage failed", "NVML sees 2"]);
+    common::another_pass(&agent).await;
+    assert_eq!(
+        common::events_with(&api, "ValidationFailed").len(),
+        1,
+        "{:?}",
+        api.events()
+    );
+    assert!(common::events_with(&api, "ValidationRecovered").is_empty());
+
+    // The GPU gone from the bus: validation passes again, posted once.
+    std::fs::remove_dir_all(&extra).expect("rm");
+    common::another_pass(&agent).await;
+    node.wait_status(T, |s| validation(s)["state"] == "ok");
+    let event = common::event_posted(&api, "ValidationRecovered").await;
+    common::assert_event(&event, "Normal", &["validation passes again", "driver ok"]);
+    common::another_pass(&agent).await;
+    assert_eq!(
+        common::events_with(&api, "ValidationRecovered").len(),
+        1,
+        "{:?}",
+        api.events()
+    );
+    assert_eq!(
+        common::events_with(&api, "ValidationFailed").len(),
+        1,
+        "{:?}",
+        api.events()
+    );
 }
 
 #[test]

@@ -498,3 +498,46 @@ pub fn gi_counts(gpu: &gpu_node_agent::mig::state::ObservedGpu) -> std::collecti
     }
     counts
 }
+
+/// The Events posted on the Node with `reason`, oldest first.
+pub fn events_with(api: &test_apiserver::TestApiServer, reason: &str) -> Vec<serde_json::Value> {
+    api.events().into_iter().filter(|e| e["reason"] == reason).collect()
+}
+
+/// Waits (20 s) for an Event with `reason` and returns the first one.
+pub async fn event_posted(api: &test_apiserver::TestApiServer, reason: &str) -> serde_json::Value {
+    let posted = api
+        .wait_for(Duration::from_secs(20), |a| {
+            a.events().iter().any(|e| e["reason"] == reason)
+        })
+        .await;
+    assert!(posted, "no {reason} Event: {:?}", api.events());
+    events_with(api, reason).remove(0)
+}
+
+/// Asserts the Event's type and that its message contains every one of `parts`.
+pub fn assert_event(event: &serde_json::Value, kind: &str, parts: &[&str]) {
+    assert_eq!(event["type"], kind, "{event}");
+    let message = event["message"].as_str().unwrap_or_default();
+    for part in parts {
+        assert!(message.contains(part), "{part:?} not in the message: {event}");
+    }
+}
+
+/// SIGHUP (every stage runs again), then waits for the agent to log it and for the pass to end
+/// and post what it posts: a pass without a transition that should post nothing.
+pub async fn another_pass(agent: &Agent) {
+    let sighups = |log: &str| log.matches("SIGHUP: re-reading").count();
+    let before = sighups(&agent.log_text());
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(agent.pid()),
+        nix::sys::signal::Signal::SIGHUP,
+    )
+    .expect("SIGHUP");
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while sighups(&agent.log_text()) <= before {
+        assert!(Instant::now() < deadline, "no SIGHUP in the log:\n{}", agent.log_text());
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+}
