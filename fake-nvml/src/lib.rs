@@ -14,6 +14,7 @@
 
 pub mod error;
 mod ffi;
+pub mod gpm;
 pub mod host;
 pub mod ids;
 pub mod inject;

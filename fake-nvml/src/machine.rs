@@ -45,6 +45,8 @@ struct GpuEntry {
     mig_device: Vec<MigDeviceEntry>,
     #[serde(default)]
     readings: Readings,
+    #[serde(default)]
+    gpm: crate::gpm::Activity,
 }
 
 #[derive(Debug, Deserialize)]
@@ -133,6 +135,8 @@ pub struct GpuSpec {
     pub mig_devices: Vec<MigDeviceSpec>,
     /// Fixed readings from the machine file.
     pub readings: Readings,
+    /// GPM activity from the machine file (`[gpu.gpm]`).
+    pub gpm: crate::gpm::Activity,
 }
 
 /// A pre-existing MIG device from the machine file.
@@ -226,6 +230,7 @@ fn gpu_spec(index: usize, e: GpuEntry) -> Result<GpuSpec, String> {
             return Err(format!("readings.{key} = {v} is not a percentage"));
         }
     }
+    e.gpm.validate()?;
     if e.mig_mode && !model.has_mig() {
         return Err(format!("mig_mode = true but model {} has no MIG", model.key));
     }
@@ -275,6 +280,7 @@ fn gpu_spec(index: usize, e: GpuEntry) -> Result<GpuSpec, String> {
         nvlink_peers,
         mig_devices,
         readings: e.readings,
+        gpm: e.gpm,
     })
 }
 
