@@ -1,7 +1,9 @@
 //! `cargo bench --bench metrics`: the cost of one readings interval and of one scrape on 8 GPUs
 //! (fake-nvml's `dgx-a100.toml`, each GPU held by a pod through the test kubelet's
-//! pod-resources API), and the same with every GPU split into 7 MIG devices. Printed as a table
-//! of p50 and max.
+//! pod-resources API), and the same with every GPU split into 7 MIG devices; then the same
+//! machine with H100s, whose GPM gives the profiling series (per GPU and per GPU instance).
+//! Printed as a table of p50 and max, with the sampler's CPU time: per interval, and while it
+//! runs with no interval due (idle).
 
 #[path = "../tests/common/mod.rs"]
 mod common;
@@ -11,7 +13,7 @@ use std::net::{SocketAddr, TcpStream};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use gpu_node_agent::metrics::{Metrics, MetricsServer, Sampler, SamplerConfig, attribution, sample};
+use gpu_node_agent::metrics::{GpmSampler, Metrics, MetricsServer, Sampler, SamplerConfig, attribution, sample};
 use gpu_node_agent::nvml::Gpus;
 use test_kubelet::{KubeletOptions, PodContainer, TestKubelet};
 use tokio::sync::watch;
@@ -25,17 +27,45 @@ fn dgx_a100() -> String {
 
 /// dgx-a100.toml with every GPU in MIG mode, split into 7× 1g.5gb.
 fn dgx_a100_mig() -> String {
+    split(&dgx_a100(), "1g.5gb")
+}
+
+/// dgx-a100.toml with H100s (GPM: the profiling series).
+fn hgx_h100() -> String {
+    dgx_a100().replace("A100-SXM4-40GB", "H100-80GB-HBM3")
+}
+
+/// `machine` with every GPU in MIG mode, split into 7× `profile`.
+fn split(machine: &str, profile: &str) -> String {
     let mut text = String::new();
-    for line in dgx_a100().lines() {
+    for line in machine.lines() {
         text.push_str(line);
         text.push('\n');
         if line.starts_with("nvlink_peers") {
             text.push_str("mig_mode = true\n");
-            text.push_str(&"[[gpu.mig_device]]\nprofile = \"1g.5gb\"\n".repeat(7));
+            text.push_str(&format!("[[gpu.mig_device]]\nprofile = \"{profile}\"\n").repeat(7));
         }
     }
     text
 }
+
+/// CPU time this process has used (user + system).
+fn cpu_time() -> Duration {
+    let usage = nix::sys::resource::getrusage(nix::sys::resource::UsageWho::RUSAGE_SELF).expect("getrusage");
+    let tv = |t: nix::sys::time::TimeVal| Duration::new(t.tv_sec() as u64, t.tv_usec() as u32 * 1000);
+    tv(usage.user_time()) + tv(usage.system_time())
+}
+
+/// The sampler's CPU use on one machine.
+struct Cpu {
+    /// CPU time per readings interval (Sampler::tick, averaged over ROUNDS).
+    per_interval: Duration,
+    /// CPU time of a running sampler over IDLE with no interval due (after its first).
+    idle: Duration,
+}
+
+/// How long the idle sampler runs.
+const IDLE: Duration = Duration::from_secs(2);
 
 fn percentile(sorted: &[f64], p: f64) -> f64 {
     sorted[((sorted.len() - 1) as f64 * p).round() as usize]
@@ -77,7 +107,7 @@ struct Row {
 }
 
 /// Loads the fake NVML with `machine` (a fresh state) and times every step on it.
-async fn bench(name: &str, machine: &str, node: &common::Node, rows: &mut Vec<(String, Vec<Row>)>) {
+async fn bench(name: &str, machine: &str, node: &common::Node, rows: &mut Vec<(String, Vec<Row>, Cpu)>) {
     std::fs::write(&node.machine, machine).expect("machine");
     let _ = std::fs::remove_dir_all(&node.state);
     // Each call opens NVML afresh (the previous call dropped its handles), so the fake reads
@@ -157,12 +187,28 @@ async fn bench(name: &str, machine: &str, node: &common::Node, rows: &mut Vec<(S
         p50_us,
         max_us,
     });
+    let mut gpm = GpmSampler::new();
+    gpm.sample(gpus, &inventory);
+    let mut gpm_devices = 0;
+    let (p50_us, max_us) = time(|| {
+        gpm_devices = gpm.sample(gpus, &inventory).len();
+        async {}
+    })
+    .await;
+    table.push(Row {
+        what: "GPM samples + metrics (GpmSampler)",
+        p50_us,
+        max_us,
+    });
+    drop(gpm);
+    let cpu_before = cpu_time();
     let mut sampler_rounds = Vec::with_capacity(ROUNDS);
     for _ in 0..ROUNDS {
         let t = Instant::now();
         assert!(sampler.tick().await);
         sampler_rounds.push(t.elapsed().as_secs_f64() * 1e6);
     }
+    let per_interval = (cpu_time() - cpu_before) / ROUNDS as u32;
     sampler_rounds.sort_by(f64::total_cmp);
     table.push(Row {
         what: "one readings interval (Sampler::tick)",
@@ -200,13 +246,33 @@ async fn bench(name: &str, machine: &str, node: &common::Node, rows: &mut Vec<(S
     });
     let _ = stop.send(());
     let _ = serving.await;
+
+    // Idle: a running sampler (default interval) after its first interval, nothing due.
+    let (_tx, rx) = watch::channel(Some(inventory.clone()));
+    let idle_sampler = Sampler::new(
+        gpus.clone(),
+        metrics.clone(),
+        rx,
+        SamplerConfig {
+            interval: Duration::from_secs(30),
+            hostname: "gpu-node-1".into(),
+            pod_resources_socket: Some(socket.clone()),
+        },
+    );
+    let running = tokio::spawn(idle_sampler.run(tokio::time::sleep(IDLE + Duration::from_millis(500))));
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let idle_before = cpu_time();
+    let _ = running.await;
+    let idle = cpu_time() - idle_before;
+
     kubelet.stop().await;
     rows.push((
         format!(
-            "{name}: {} GPUs, {instances} MIG GPU instances, {size} bytes per scrape",
+            "{name}: {} GPUs, {instances} MIG GPU instances, {gpm_devices} devices with GPM series, {size} bytes per scrape",
             inventory.gpus.len()
         ),
         table,
+        Cpu { per_interval, idle },
     ));
 }
 
@@ -221,13 +287,33 @@ async fn main() {
     let mut rows = Vec::new();
     bench("dgx-a100.toml", &dgx_a100(), &node, &mut rows).await;
     bench("dgx-a100.toml, 7x 1g.5gb each", &dgx_a100_mig(), &node, &mut rows).await;
+    bench("dgx-a100.toml as H100s (GPM)", &hgx_h100(), &node, &mut rows).await;
+    bench(
+        "dgx-a100.toml as H100s (GPM), 7x 1g.10gb each",
+        &split(&hgx_h100(), "1g.10gb"),
+        &node,
+        &mut rows,
+    )
+    .await;
     println!("metrics on the fake NVML, {ROUNDS} rounds each (µs)\n");
-    for (title, table) in rows {
+    for (title, table, cpu) in rows {
         println!("{title}");
         println!("  {:<40} {:>10} {:>10}", "step", "p50", "max");
         for r in table {
             println!("  {:<40} {:>10.1} {:>10.1}", r.what, r.p50_us, r.max_us);
         }
+        let per = cpu.per_interval.as_secs_f64();
+        println!(
+            "  CPU per readings interval: {:.2} ms ({:.4} % of one core at the 10 s default interval)",
+            per * 1e3,
+            per / 10.0 * 100.0
+        );
+        println!(
+            "  CPU while idle (no interval due) for {} s: {:.2} ms ({:.4} % of one core)",
+            IDLE.as_secs(),
+            cpu.idle.as_secs_f64() * 1e3,
+            cpu.idle.as_secs_f64() / IDLE.as_secs_f64() * 100.0
+        );
         println!();
     }
 }

@@ -1,12 +1,23 @@
 //! Plain facts about the node's devices that several layers share: the pairwise GPU
 //! [`Topology`] the NVML inventory reads and the device plugin's preferred allocation scores,
 //! and the replica IDs (`<uuid>::<n>`) time-slicing and MPS advertise, which the device plugin
-//! writes and the metrics' pod attribution reads back.
+//! writes and the metrics' pod attribution reads back; and how sysfs writes PCI ids, which the
+//! driver stage, the inventory and the labels read.
 //!
 //! A leaf: it imports nothing from the crate, so the inventory (`nvml`), the device plugin and
 //! the metrics can all use it without importing each other.
 
 use std::collections::HashMap;
+
+/// The PCI vendor id of NVIDIA.
+pub const NVIDIA_VENDOR: u16 = 0x10de;
+
+/// Parses a sysfs hex attribute such as `0x10de\n` (`vendor`, `device`, `class`).
+pub fn parse_sysfs_hex(text: &str) -> Option<u32> {
+    let t = text.trim();
+    let digits = t.strip_prefix("0x").or_else(|| t.strip_prefix("0X")).unwrap_or(t);
+    u32::from_str_radix(digits, 16).ok()
+}
 
 /// Separator between a device UUID and its replica number in time-slicing/MPS IDs.
 pub const REPLICA_SEPARATOR: &str = "::";

@@ -788,7 +788,7 @@ fn class_from_sysfs(sysfs: &Path, bus_id: &str) -> Option<u32> {
         .join(normalise_bus_id(bus_id))
         .join("class");
     let text = std::fs::read_to_string(path).ok()?;
-    crate::driver::observe::parse_sysfs_hex(&text).filter(|c| *c <= 0xff_ffff)
+    crate::devices::parse_sysfs_hex(&text).filter(|c| *c <= 0xff_ffff)
 }
 
 /// Inventories for unit tests: one A100 builder the planners, labels and specs all start from,

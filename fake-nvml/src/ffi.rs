@@ -35,6 +35,7 @@ use nvml_wrapper_sys::bindings::{
     nvmlGridLicensableFeatures_t, nvmlGridLicenseFeatureCode_t_NVML_GRID_LICENSE_FEATURE_CODE_VGPU,
     nvmlPcieUtilCounter_t, nvmlValueType_enum_NVML_VALUE_TYPE_UNSIGNED_LONG_LONG,
 };
+use nvml_wrapper_sys::bindings::{nvmlGpmMetricsGet_t, nvmlGpmSample_t, nvmlGpmSupport_t};
 
 use crate::error::{NvmlError, NvmlResult, SUCCESS, error_string};
 use crate::models::{CiProfile, GiProfile};
@@ -1562,5 +1563,71 @@ pub unsafe extern "C" fn nvmlDeviceGetGpuFabricInfoV(
             healthSummary: u8::from(healthy),
         };
         unsafe { put(info, v) }
+    })
+}
+
+// === GPM (Hopper and newer; logic in crate::gpm) ===
+
+/// `nvmlGpmQueryDeviceSupport`: `isSupportedDevice` 1 on Hopper and newer, 0 before; a MIG
+/// handle answers for its GPU. The version word must be `NVML_GPM_SUPPORT_VERSION`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlGpmQueryDeviceSupport(
+    device: nvmlDevice_t,
+    support: *mut nvmlGpmSupport_t,
+) -> nvmlReturn_t {
+    run(|cx| {
+        let g = cx.dev(addr(device))?.gpu();
+        nonnull(support)?;
+        // SAFETY: non-NULL and valid for reads and writes per the module's contract.
+        let support = unsafe { &mut *support };
+        support.isSupportedDevice = crate::gpm::query_support(cx, g, support.version)?;
+        Ok(())
+    })
+}
+
+/// `nvmlGpmSampleAlloc`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlGpmSampleAlloc(sample: *mut nvmlGpmSample_t) -> nvmlReturn_t {
+    run(|_| {
+        nonnull(sample)?;
+        unsafe { put(sample, crate::gpm::alloc() as nvmlGpmSample_t) }
+    })
+}
+
+/// `nvmlGpmSampleFree`: INVALID_ARGUMENT for anything but an allocated sample.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlGpmSampleFree(sample: nvmlGpmSample_t) -> nvmlReturn_t {
+    run(|_| crate::gpm::free(addr(sample)))
+}
+
+/// `nvmlGpmSampleGet`: a physical GPU only (INVALID_ARGUMENT for a MIG handle).
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlGpmSampleGet(device: nvmlDevice_t, sample: nvmlGpmSample_t) -> nvmlReturn_t {
+    run(|cx| {
+        let g = cx.gpu(addr(device))?;
+        crate::gpm::sample(cx, g, None, addr(sample))
+    })
+}
+
+/// `nvmlGpmMigSampleGet`: GPU instance `gpu_instance_id` of a physical GPU in MIG mode.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlGpmMigSampleGet(
+    device: nvmlDevice_t,
+    gpu_instance_id: c_uint,
+    sample: nvmlGpmSample_t,
+) -> nvmlReturn_t {
+    run(|cx| {
+        let g = cx.gpu(addr(device))?;
+        crate::gpm::sample(cx, g, Some(gpu_instance_id), addr(sample))
+    })
+}
+
+/// `nvmlGpmMetricsGet`: metrics from two samples of one device (see `crate::gpm::metrics`).
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlGpmMetricsGet(metrics_get: *mut nvmlGpmMetricsGet_t) -> nvmlReturn_t {
+    run(|_| {
+        nonnull(metrics_get)?;
+        // SAFETY: non-NULL and valid for reads and writes per the module's contract.
+        crate::gpm::metrics(unsafe { &mut *metrics_get })
     })
 }

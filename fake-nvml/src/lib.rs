@@ -9,12 +9,13 @@
 //!
 //! The crate owns: the exported NVML C symbols (module `ffi`), the model tables
 //! ([`models`]), the machine-file parser ([`machine`]), the MIG placement engine
-//! ([`state`]) and the injection-file readers and writers ([`inject`]). Its only effects are
+//! ([`state`]), the GPM counters ([`gpm`]) and the injection-file readers and writers ([`inject`]). Its only effects are
 //! reading the machine file and the injection files, writing `state.json`, and stderr notes.
 
 pub mod error;
 pub mod fabric;
 mod ffi;
+pub mod gpm;
 pub mod host;
 pub mod ids;
 pub mod inject;

@@ -49,6 +49,8 @@ struct GpuEntry {
     pci_class: Option<u32>,
     #[serde(default)]
     vgpu: bool,
+    #[serde(default)]
+    gpm: crate::gpm::Activity,
 }
 
 #[derive(Debug, Deserialize)]
@@ -170,6 +172,8 @@ pub struct GpuSpec {
     pub pci_class: u32,
     /// A vGPU guest: the PCI config space carries NVIDIA's vGPU vendor capability.
     pub vgpu: bool,
+    /// GPM activity from the machine file (`[gpu.gpm]`).
+    pub gpm: crate::gpm::Activity,
 }
 
 /// A pre-existing MIG device from the machine file.
@@ -265,6 +269,7 @@ fn gpu_spec(index: usize, e: GpuEntry) -> Result<GpuSpec, String> {
             return Err(format!("readings.{key} = {v} is not a percentage"));
         }
     }
+    e.gpm.validate()?;
     if e.mig_mode && !model.has_mig() {
         return Err(format!("mig_mode = true but model {} has no MIG", model.key));
     }
@@ -331,6 +336,7 @@ fn gpu_spec(index: usize, e: GpuEntry) -> Result<GpuSpec, String> {
         fabric,
         pci_class,
         vgpu: e.vgpu,
+        gpm: e.gpm,
     })
 }
 

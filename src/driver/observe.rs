@@ -17,8 +17,7 @@ use serde::{Serialize, Serializer};
 use super::Flavour;
 use crate::host::HostRoot;
 
-/// The PCI vendor id of NVIDIA.
-pub const NVIDIA_VENDOR: u16 = 0x10de;
+pub use crate::devices::{NVIDIA_VENDOR, parse_sysfs_hex};
 
 /// PCI class (base class and subclass, the top 16 of the 24 bits) of a VGA controller.
 const CLASS_VGA: u32 = 0x0300;
@@ -218,13 +217,6 @@ impl PciDevice {
     pub fn is_nvidia_gpu(&self) -> bool {
         self.vendor == NVIDIA_VENDOR && matches!(self.class >> 8, CLASS_VGA | CLASS_3D)
     }
-}
-
-/// Parses a sysfs hex attribute such as `0x10de\n`.
-pub fn parse_sysfs_hex(text: &str) -> Option<u32> {
-    let t = text.trim();
-    let digits = t.strip_prefix("0x").or_else(|| t.strip_prefix("0X")).unwrap_or(t);
-    u32::from_str_radix(digits, 16).ok()
 }
 
 /// The NVIDIA GPUs on the PCI bus (`/sys/bus/pci/devices/*`, physical functions only), sorted

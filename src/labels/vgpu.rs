@@ -8,7 +8,7 @@
 
 use std::path::Path;
 
-use crate::driver::observe::{NVIDIA_VENDOR, parse_sysfs_hex};
+use crate::devices::{NVIDIA_VENDOR, parse_sysfs_hex};
 use crate::host::HostRoot;
 
 /// PCI config space: status register, its "capability list" bit, and the first capability.

@@ -29,6 +29,7 @@ use prometheus_client::collector::Collector;
 use prometheus_client::encoding::{DescriptorEncoder, MetricEncoder};
 use prometheus_client::metrics::MetricType;
 
+use super::gpm::{PROF_FIELDS, ProfValues};
 use super::pods::Attribution;
 use super::readings::{Readings, Values};
 use crate::nvml::NO_INSTANCE;
@@ -434,6 +435,8 @@ struct Device {
     labels: Labels,
     values: Values,
     xid: XidKey,
+    /// The profiling (GPM) values, where the GPU has them.
+    prof: ProfValues,
 }
 
 /// The GPU series of the last readings interval.
@@ -476,6 +479,7 @@ impl Snapshot {
                 labels,
                 values: gpu.values,
                 xid: XidKey::Gpu(gpu.uuid.clone()),
+                prof: readings.profiling.gpu(&gpu.uuid).copied().unwrap_or_default(),
             });
             for instance in &gpu.instances {
                 let mut labels = base(Some((&instance.profile, instance.gi_id)));
@@ -491,6 +495,10 @@ impl Snapshot {
                     labels,
                     values: instance.values,
                     xid: XidKey::Instance(gpu.uuid.clone(), instance.gi_id),
+                    prof: (readings.profiling)
+                        .instance(&gpu.uuid, instance.gi_id)
+                        .copied()
+                        .unwrap_or_default(),
                 });
             }
         }
@@ -581,6 +589,22 @@ impl Collector for GpuCollector {
             for (labels, value) in series {
                 let mut metric = family.encode_family(labels)?;
                 encode_value(&mut metric, value)?;
+            }
+        }
+        // The profiling (GPM) families: only devices whose GPU gave a value.
+        for field in PROF_FIELDS {
+            let series: Vec<(&Labels, f64)> = snapshot
+                .devices
+                .iter()
+                .filter_map(|d| (field.read)(&d.prof).map(|v| (&d.labels, v)))
+                .collect();
+            if series.is_empty() {
+                continue;
+            }
+            let mut family = encoder.encode_descriptor(field.name, field.help, None, MetricType::Gauge)?;
+            for (labels, value) in series {
+                let mut metric = family.encode_family(labels)?;
+                encode_value(&mut metric, Number::Float(value))?;
             }
         }
         // The Xid family: every GPU (0 until an Xid happens), and each GPU instance that had one.

@@ -16,6 +16,7 @@
 //! pod-resources `List` per interval, and a TCP listener.
 
 pub mod dcgm;
+pub mod gpm;
 mod http;
 pub mod pods;
 pub mod readings;
@@ -40,6 +41,7 @@ use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::{Registry, Unit};
 
 pub use dcgm::{FIELDS, GpuCollector, Snapshot, XID_ERRORS};
+pub use gpm::{GpmSampler, PROF_FIELDS, ProfValues, Profiling};
 pub use http::{MetricsServer, serve};
 pub use pods::{Attribution, AttributionError, PodRef, attribution};
 pub use readings::{GpuReadings, InstanceReadings, Readings, Values, sample};

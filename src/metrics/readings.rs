@@ -34,6 +34,9 @@ pub struct Readings {
     pub driver_version: String,
     /// One entry per GPU of the inventory, in NVML index order.
     pub gpus: Vec<GpuReadings>,
+    /// The profiling (GPM) values per GPU and MIG GPU instance; [`sample`] leaves this empty,
+    /// the [`GpmSampler`](super::gpm::GpmSampler) fills it.
+    pub profiling: super::gpm::Profiling,
 }
 
 /// The readings of one physical GPU and of its MIG GPU instances.
@@ -169,6 +172,7 @@ pub fn sample(gpus: &Gpus, inventory: &Inventory) -> Readings {
     Readings {
         driver_version: inventory.driver_version.clone(),
         gpus: readings,
+        profiling: Default::default(),
     }
 }
 

@@ -10,6 +10,7 @@ use tokio::sync::watch;
 use tokio::time::MissedTickBehavior;
 
 use super::Metrics;
+use super::gpm::GpmSampler;
 use super::pods::{Attribution, attribution};
 use super::readings::sample;
 use crate::nvml::{Gpus, Inventory};
@@ -43,6 +44,8 @@ pub struct Sampler {
     attribution: Attribution,
     /// Whether the last `List` failed (its error is logged once until it works again).
     attribution_failing: bool,
+    /// The previous GPM samples (the profiling metrics are rates between two intervals).
+    gpm: Arc<std::sync::Mutex<GpmSampler>>,
 }
 
 impl Sampler {
@@ -61,6 +64,7 @@ impl Sampler {
             config,
             attribution: Attribution::default(),
             attribution_failing: false,
+            gpm: Arc::default(),
         }
     }
 
@@ -72,7 +76,15 @@ impl Sampler {
             return false;
         };
         let gpus = self.gpus.clone();
-        let readings = match tokio::task::spawn_blocking(move || sample(&gpus, &inventory)).await {
+        let gpm = self.gpm.clone();
+        let readings = match tokio::task::spawn_blocking(move || {
+            let mut readings = sample(&gpus, &inventory);
+            let mut gpm = gpm.lock().unwrap_or_else(|p| p.into_inner());
+            readings.profiling = gpm.sample(&gpus, &inventory);
+            readings
+        })
+        .await
+        {
             Ok(readings) => readings,
             Err(e) => {
                 tracing::error!("the GPU readings failed: {e}");
