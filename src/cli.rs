@@ -209,10 +209,11 @@ pub enum MigCommand {
     Assert { layout: String },
     /// Print the current MIG state as a layout ([[mig.layouts.current]] TOML).
     Export,
-    /// Read a mig-parted `version: v1` YAML file and print its layouts as config TOML, for a
-    /// drop-in such as /etc/gpu-node-agent/config.d/50-mig.toml.
+    /// Read a mig-parted `version: v1` YAML file (or the ConfigMap holding one, as `kubectl get
+    /// configmap -o yaml` prints it) and print its layouts as config TOML, for a drop-in such as
+    /// /etc/gpu-node-agent/config.d/50-mig.toml.
     Import {
-        /// The mig-parted file (a host path, not under --root).
+        /// The mig-parted file or ConfigMap (a host path, not under --root).
         file: PathBuf,
     },
 }
