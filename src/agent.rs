@@ -109,6 +109,7 @@ pub fn allocate_options(dp: &DevicePluginConfig) -> AllocateOptions {
         host_mounts_driver_dir: dp.host_mounts_driver_dir.clone(),
         host_mounts_container_dir: dp.host_mounts_container_dir.clone(),
         fail_requests_greater_than_one: dp.sharing.fail_requests_greater_than_one,
+        injections: crate::plugin::injections::Injections::from_config(dp),
     }
 }
 

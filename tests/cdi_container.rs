@@ -462,3 +462,40 @@ fn the_agents_names_resolve_beside_the_toolkits_nvidia_yaml() {
         text(&out)
     );
 }
+
+/// `gdrcopy_enabled`: `cdi generate` writes `k8s.device-plugin.nvidia.com-gdrcopy.json` beside
+/// the GPU spec when the host has `/dev/gdrdrv`, and a container asking for the name the device
+/// plugin hands out (`k8s.device-plugin.nvidia.com/gdrcopy=all`) gets the node; off, there is
+/// no such spec and the name does not resolve.
+#[test]
+fn a_container_given_the_gdrcopy_device_sees_dev_gdrdrv() {
+    let setup = setup();
+    let dev = setup.node.root.join(DRIVER_ROOT.trim_start_matches('/')).join("dev");
+    char_node(&dev.join("gdrdrv"), 1, 3);
+    let config = CONFIG.replace("[device_plugin]\n", "[device_plugin]\ngdrcopy_enabled = true\n");
+    let spec = setup.spec(&config);
+    let out = setup.node.run(&["cdi", "generate"]);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out));
+    let cdi = setup.node.root.join("var/run/cdi");
+    let gdrcopy = fs::read_to_string(cdi.join("k8s.device-plugin.nvidia.com-gdrcopy.json")).expect("gdrcopy spec");
+    // Only the classes enabled get a spec.
+    for off in ["gds", "mofed", "imex-channel"] {
+        assert!(!cdi.join(format!("k8s.device-plugin.nvidia.com-{off}.json")).exists(), "{off}");
+    }
+
+    let name = "k8s.device-plugin.nvidia.com/gdrcopy=all";
+    let out = setup.container_beside(&spec, &[("gdrcopy.json", &gdrcopy)], name, "ls -l /dev/gdrdrv; echo end");
+    let seen = text(&out);
+    assert!(out.status.success(), "{seen}");
+    assert!(seen.contains("/dev/gdrdrv") && !seen.contains("No such file"), "{seen}");
+
+    // Turned off: the agent removes its spec, and the name no longer resolves.
+    setup.node.write_config(CONFIG);
+    let out = setup.node.run(&["cdi", "generate"]);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out));
+    assert!(!cdi.join("k8s.device-plugin.nvidia.com-gdrcopy.json").exists());
+    let out = setup.container(&spec, name, "true");
+    let seen = text(&out);
+    assert!(!out.status.success(), "{seen}");
+    assert!(seen.contains("unresolvable CDI devices"), "{seen}");
+}

@@ -600,3 +600,106 @@ async fn preferred_allocation_follows_nvlink_read_through_nvml_before_numa() {
     );
     assert_eq!(agent.stop(), 0);
 }
+
+/// NVIDIA's opt-in injections (`gdsEnabled`, `mofedEnabled`, `gdrcopyEnabled`, `imex`): on a host
+/// with their device nodes, a container gets the envs the NVIDIA runtime hook reads and the CDI
+/// names, and the agent writes a CDI spec per class that resolves them; off (the default), none
+/// of it, whatever the host has.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn opt_in_injections_reach_the_container_only_when_enabled() {
+    let strategies = "[device_plugin]\ndevice_list_strategy = [\"envvar\", \"cdi-cri\"]\n";
+    let on = format!(
+        "{strategies}gds_enabled = true\nmofed_enabled = true\ngdrcopy_enabled = true\n\n[device_plugin.imex]\nchannel_ids = [0]\n"
+    );
+    let a = gpu_uuid(0);
+    let vendor = "k8s.device-plugin.nvidia.com";
+    let classes = ["gdrcopy", "gds", "mofed", "imex-channel"];
+    for (case, config) in [("on", on.as_str()), ("off", strategies)] {
+        let node = Node::new(&machine("A100-SXM4-40GB", 1), config);
+        for dev in [
+            "nvidiactl",
+            "nvidia0",
+            "gdrdrv",
+            "nvidia-fs0",
+            "infiniband/uverbs0",
+            "infiniband/rdma_cm",
+            "nvidia-caps-imex-channels/channel0",
+        ] {
+            let p = node.root.join("dev").join(dev);
+            std::fs::create_dir_all(p.parent().expect("dev")).expect("mkdir dev");
+            std::fs::write(p, "").expect("fake device node");
+        }
+        let kubelet = start_kubelet(&node).await;
+        let agent = node.spawn();
+        kubelet.wait_for_devices(GPU, T, |d| d.len() == 1).await.expect(case);
+        let resp = kubelet
+            .allocate(GPU, &[&a])
+            .await
+            .unwrap_or_else(|e| panic!("{case}: {e}"));
+        let mut envs: Vec<_> = resp.envs.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+        envs.sort();
+        let names: Vec<_> = resp.cdi_devices.iter().map(|d| d.name.clone()).collect();
+        let cdi = node.root.join("var/run/cdi");
+        let spec = |class: &str| cdi.join(format!("{vendor}-{class}.json"));
+        // The GPU spec is written in the same pass as the injection specs.
+        node.wait_status(T, |_| cdi.join(format!("{vendor}-gpu.json")).exists());
+        if case == "on" {
+            assert_eq!(
+                envs,
+                [
+                    ("NVIDIA_GDRCOPY", "enabled"),
+                    ("NVIDIA_GDS", "enabled"),
+                    ("NVIDIA_IMEX_CHANNELS", "0"),
+                    ("NVIDIA_MOFED", "enabled"),
+                    ("NVIDIA_VISIBLE_DEVICES", a.as_str()),
+                ]
+            );
+            assert_eq!(
+                names,
+                [
+                    format!("{vendor}/gpu={a}"),
+                    format!("{vendor}/imex-channel=0"),
+                    format!("{vendor}/gdrcopy=all"),
+                    format!("{vendor}/gds=all"),
+                    format!("{vendor}/mofed=all"),
+                ]
+            );
+            // Every name handed out resolves in a spec the agent wrote, to the host's nodes.
+            for class in classes {
+                let text = std::fs::read_to_string(spec(class)).unwrap_or_else(|e| panic!("{class}: {e}"));
+                let doc: serde_json::Value = serde_json::from_str(&text).expect("json");
+                assert_eq!(doc["kind"], format!("{vendor}/{class}"));
+                let device = if class == "imex-channel" { "0" } else { "all" };
+                assert_eq!(doc["devices"][0]["name"], device, "{class}");
+                assert!(!doc["devices"][0]["containerEdits"]["deviceNodes"].as_array().expect("nodes").is_empty());
+            }
+            let text = std::fs::read_to_string(spec("mofed")).expect("mofed");
+            assert!(text.contains("/dev/infiniband/uverbs0") && text.contains("/dev/infiniband/rdma_cm"), "{text}");
+        } else {
+            assert_eq!(envs, [("NVIDIA_VISIBLE_DEVICES", a.as_str())]);
+            assert_eq!(names, [format!("{vendor}/gpu={a}")]);
+            for class in classes {
+                assert!(!spec(class).exists(), "{class}");
+            }
+        }
+        assert_eq!(agent.stop(), 0);
+    }
+}
+
+/// `[device_plugin.imex] required = true` and no channel node: Allocate is refused with an error
+/// naming the node, instead of a container that silently lacks the channel.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_required_imex_channel_that_is_missing_refuses_allocate() {
+    let config = "[device_plugin]\ndevice_list_strategy = \"envvar\"\n\n[device_plugin.imex]\nchannel_ids = [0]\nrequired = true\n";
+    let node = Node::new(&machine("A100-SXM4-40GB", 1), config);
+    let kubelet = start_kubelet(&node).await;
+    let agent = node.spawn();
+    kubelet.wait_for_devices(GPU, T, |d| d.len() == 1).await.expect("one GPU");
+    let err = kubelet.allocate(GPU, &[&gpu_uuid(0)]).await.expect_err("refused");
+    assert!(
+        err.message().contains("/dev/nvidia-caps-imex-channels/channel0 does not exist"),
+        "{}",
+        err.message()
+    );
+    assert_eq!(agent.stop(), 0);
+}

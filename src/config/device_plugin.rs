@@ -44,6 +44,9 @@ pub const DEFAULT_DEV_ROOT: &str = "/";
 pub const DEFAULT_HOST_MOUNTS_DRIVER_DIR: &str = "/usr/local/nvidia";
 /// `device_plugin.host_mounts_container_dir`: where that dir is mounted in the container.
 pub const DEFAULT_HOST_MOUNTS_CONTAINER_DIR: &str = "/usr/local/nvidia";
+/// `device_plugin.gds_enabled`, `mofed_enabled`, `gdrcopy_enabled`: NVIDIA's `gdsEnabled`,
+/// `mofedEnabled`, `gdrcopyEnabled`, off by default.
+pub const DEFAULT_INJECTION_ENABLED: bool = false;
 /// `device_plugin.memory_limits.action`: a process over its replica's memory budget is logged.
 pub const DEFAULT_MEMORY_ACTION: MemoryAction = MemoryAction::Log;
 /// `device_plugin.memory_limits.interval`: how often GPU processes' memory is checked.
@@ -117,6 +120,44 @@ pub struct DevicePluginConfig {
     /// `[device_plugin.memory_limits]`: what happens to a process over its replica's memory
     /// budget (`sharing.resources[].memory_per_replica`).
     pub memory_limits: MemoryLimitsConfig,
+    /// GPUDirect Storage: `NVIDIA_GDS=enabled` and the CDI device `<vendor>/gds=all`
+    /// (NVIDIA's `gdsEnabled`).
+    pub gds_enabled: bool,
+    /// MOFED (InfiniBand verbs): `NVIDIA_MOFED=enabled` and `<vendor>/mofed=all` (NVIDIA's
+    /// `mofedEnabled`).
+    pub mofed_enabled: bool,
+    /// GDRCopy: `NVIDIA_GDRCOPY=enabled` and `<vendor>/gdrcopy=all` (NVIDIA's `gdrcopyEnabled`).
+    pub gdrcopy_enabled: bool,
+    /// `[device_plugin.imex]`: IMEX channels given to every container with a GPU.
+    pub imex: ImexConfig,
+}
+
+/// `[device_plugin.imex]`: NVIDIA's `imex` config: IMEX channels injected into every container
+/// that gets a device of this plugin.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ImexConfig {
+    /// `[]` (none, the default) or `[0]`, as NVIDIA allows.
+    pub channel_ids: Vec<u32>,
+    /// A listed channel whose `/dev/nvidia-caps-imex-channels/channel<N>` does not exist is an
+    /// error (Allocate fails, the CDI spec is not written) instead of being left out.
+    pub required: bool,
+}
+
+impl ImexConfig {
+    /// NVIDIA's rule (`AssertChannelIDsValid`): `channel_ids` is `[]` or `[0]`.
+    fn validate(&self, key: &KeyPath) -> Check {
+        if self.channel_ids.is_empty() || self.channel_ids == [0] {
+            return Ok(());
+        }
+        Err(Invalid {
+            key: key.clone().key("channel_ids"),
+            reason: format!(
+                "must be [] or [0] (the only IMEX channel NVIDIA's device plugin hands out), found {:?}",
+                self.channel_ids
+            ),
+        })
+    }
 }
 
 /// `[device_plugin.memory_limits]`: the memory-limit enforcer's settings.
@@ -158,6 +199,15 @@ pub struct DevicePluginProfile {
     /// Replaces the whole `[device_plugin.sharing]` table.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub sharing: Option<Sharing>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub gds_enabled: Option<bool>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub mofed_enabled: Option<bool>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub gdrcopy_enabled: Option<bool>,
+    /// Replaces the whole `[device_plugin.imex]` table.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub imex: Option<ImexConfig>,
 }
 
 impl DevicePluginConfig {
@@ -181,6 +231,18 @@ impl DevicePluginConfig {
         if let Some(v) = &p.sharing {
             out.sharing = v.clone();
         }
+        if let Some(v) = p.gds_enabled {
+            out.gds_enabled = v;
+        }
+        if let Some(v) = p.mofed_enabled {
+            out.mofed_enabled = v;
+        }
+        if let Some(v) = p.gdrcopy_enabled {
+            out.gdrcopy_enabled = v;
+        }
+        if let Some(v) = &p.imex {
+            out.imex = v.clone();
+        }
         Some(out)
     }
 }
@@ -203,6 +265,10 @@ impl Default for DevicePluginConfig {
             profiles: BTreeMap::new(),
             sharing: Sharing::default(),
             memory_limits: MemoryLimitsConfig::default(),
+            gds_enabled: DEFAULT_INJECTION_ENABLED,
+            mofed_enabled: DEFAULT_INJECTION_ENABLED,
+            gdrcopy_enabled: DEFAULT_INJECTION_ENABLED,
+            imex: ImexConfig::default(),
         }
     }
 }
@@ -222,10 +288,14 @@ impl DevicePluginConfig {
             if let Some(strategies) = &profile.device_list_strategy {
                 check_strategies(at.clone().key("device_list_strategy"), strategies)?;
             }
+            if let Some(imex) = &profile.imex {
+                imex.validate(&at.clone().key("imex"))?;
+            }
             if let Some(sharing) = &profile.sharing {
                 sharing.validate(&at.key("sharing"))?;
             }
         }
+        self.imex.validate(&KeyPath::dotted("device_plugin.imex"))?;
         self.sharing.validate(&KeyPath::dotted("device_plugin.sharing"))?;
         positive("device_plugin.memory_limits.interval", self.memory_limits.interval)?;
         if !self.default_profile.is_empty() && !self.profiles.contains_key(&self.default_profile) {

@@ -245,7 +245,7 @@ fn unknown_keys_name_file_line_and_key() {
          expected one of enabled, mig_strategy, device_list_strategy, device_id_strategy, \
          pass_device_specs, cdi_annotation_prefix, cdi_kind, driver_root, dev_root, \
          host_mounts_driver_dir, host_mounts_container_dir, default_profile, profiles, sharing, \
-         memory_limits"
+         memory_limits, gds_enabled, mofed_enabled, gdrcopy_enabled, imex"
     );
     // A section name typo is reported at its header.
     let e = err(&[("main.toml", "[log]\n[helth]\nenabled = false\n")]);
@@ -875,4 +875,35 @@ fn list_entry_errors_name_file_line_and_index() {
         e("[driver.module_params]\n\"bad mod\" = [\"a=1\"]\n"),
         "d.toml:2: driver.module_params.\"bad mod\" = [\"a=1\"] is not valid: \"bad mod\" is not a kernel module name"
     );
+}
+
+/// NVIDIA's gdsEnabled/mofedEnabled/gdrcopyEnabled and imex keys, in the agent's spelling; the
+/// IMEX channel list is [] or [0] as NVIDIA allows, in profiles too.
+#[test]
+fn injection_keys_and_imex_validation() {
+    let config = parse(&[(
+        "main.toml",
+        "[device_plugin]\ngds_enabled = true\ngdrcopy_enabled = true\n\n[device_plugin.imex]\nchannel_ids = [0]\nrequired = true\n\n[device_plugin.profiles.ib]\nmofed_enabled = true\nimex = { channel_ids = [] }\n",
+    )])
+    .unwrap();
+    let dp = &config.device_plugin;
+    assert!(dp.gds_enabled && dp.gdrcopy_enabled && !dp.mofed_enabled);
+    assert_eq!(dp.imex.channel_ids, [0]);
+    assert!(dp.imex.required);
+    let ib = dp.with_profile("ib").expect("profile");
+    assert!(ib.mofed_enabled && ib.gds_enabled);
+    assert!(ib.imex.channel_ids.is_empty() && !ib.imex.required);
+
+    assert_eq!(
+        err(&[("main.toml", "[device_plugin.imex]\nchannel_ids = [1]\n")]),
+        "main.toml:2: device_plugin.imex.channel_ids = [1] is not valid: must be [] or [0] (the only IMEX channel NVIDIA's device plugin hands out), found [1]"
+    );
+    let e = err(&[("main.toml", "[device_plugin.imex]\nchannel_ids = [0, 0]\n")]);
+    assert!(e.contains("device_plugin.imex.channel_ids") && e.contains("[0, 0]"), "{e}");
+    let e = err(&[("main.toml", "[device_plugin.profiles.p.imex]\nchannel_ids = [2]\n")]);
+    assert!(e.starts_with("main.toml:2: device_plugin.profiles.p.imex.channel_ids"), "{e}");
+    let e = err(&[("main.toml", "[device_plugin]\ngds_enabled = \"yes\"\n")]);
+    assert!(e.contains("device_plugin.gds_enabled"), "{e}");
+    let e = err(&[("main.toml", "[device_plugin.imex]\nchannelIDs = [0]\n")]);
+    assert!(e.contains("unknown key device_plugin.imex.channelIDs"), "{e}");
 }

@@ -12,6 +12,7 @@ use crate::api::{CdiDevice, ContainerAllocateRequest, ContainerAllocateResponse,
 use crate::devices::is_replica_id;
 use crate::host::devnodes::{ci_access_key, gi_access_key};
 use crate::plugin::devnodes::DeviceNodes;
+use crate::plugin::injections::{Injected, Injections};
 use crate::plugin::resources::{PluginDevice, Resource};
 
 /// The environment variable the NVIDIA Container Toolkit reads.
@@ -46,6 +47,8 @@ pub struct AllocateOptions {
     pub host_mounts_container_dir: PathBuf,
     /// For shared (replica) resources: refuse requests for more than one ID.
     pub fail_requests_greater_than_one: bool,
+    /// GDS, MOFED, GDRCopy and IMEX channels (see [`crate::plugin::injections`]).
+    pub injections: Injections,
 }
 
 impl Default for AllocateOptions {
@@ -61,6 +64,7 @@ impl Default for AllocateOptions {
             host_mounts_driver_dir: PathBuf::from("/home/kubernetes/bin/nvidia"),
             host_mounts_container_dir: PathBuf::from("/usr/local/nvidia"),
             fail_requests_greater_than_one: false,
+            injections: Injections::default(),
         }
     }
 }
@@ -80,6 +84,9 @@ pub enum AllocateError {
     /// The driver's `mig-minors` table has no entry for a capability a MIG device needs.
     #[error("MIG device {device}: capability {key:?} not found in /proc/driver/nvidia-caps/mig-minors")]
     MissingMigCapability { key: String, device: String },
+    /// `[device_plugin.imex] required` and a listed channel's node does not exist.
+    #[error("IMEX channel {path} does not exist and [device_plugin.imex] required = true")]
+    ImexChannelMissing { path: String },
 }
 
 /// Builds the response for one container request.
@@ -102,6 +109,7 @@ pub enum AllocateError {
 /// - If every strategy is a CDI one, no envs, mounts or device specs are returned at all (the
 ///   CDI spec carries them).
 /// - Device specs (`pass_device_specs` or `host-mounts`): see [`device_specs`].
+/// - GDS, MOFED, GDRCopy and IMEX channels are added last: see [`crate::plugin::injections`].
 pub fn allocate(
     resource: &Resource,
     req: &ContainerAllocateRequest,
@@ -146,6 +154,7 @@ pub fn allocate(
     let has = |s: DeviceListStrategy| strategies.contains(&s);
     let all_cdi = strategies.iter().all(|s| s.is_cdi());
 
+    let injected = Injected::new(opts, &nodes.extra)?;
     let mut resp = ContainerAllocateResponse::default();
 
     if !all_cdi {
@@ -175,7 +184,8 @@ pub fn allocate(
         }
     }
 
-    let qualified: Vec<String> = visible.iter().map(|id| format!("{}={id}", opts.cdi_kind)).collect();
+    let mut qualified: Vec<String> = visible.iter().map(|id| format!("{}={id}", opts.cdi_kind)).collect();
+    qualified.extend(injected.cdi_names());
     if has(DeviceListStrategy::CdiAnnotations) {
         let key = format!(
             "{}{CDI_ANNOTATION_KEY_STEM}{}",
@@ -187,6 +197,7 @@ pub fn allocate(
     if has(DeviceListStrategy::CdiCri) {
         resp.cdi_devices = qualified.into_iter().map(|name| CdiDevice { name }).collect();
     }
+    injected.apply(&mut resp, strategies);
     Ok(resp)
 }
 
@@ -272,7 +283,7 @@ pub(crate) fn mig_capability_nodes(
 }
 
 /// `dev_root` joined with an absolute container path; `/` or empty means no prefix.
-fn host_path(dev_root: &Path, path: &str) -> String {
+pub(crate) fn host_path(dev_root: &Path, path: &str) -> String {
     if dev_root.as_os_str().is_empty() || dev_root == Path::new("/") {
         return path.to_string();
     }
@@ -367,6 +378,7 @@ mod tests {
                 ("gpu1/gi2/ci0/access".into(), 22),
             ]
             .into(),
+            extra: Default::default(),
         }
     }
 

@@ -7,7 +7,7 @@
 //! additionally need the `/dev/nvidia-caps/nvidia-cap<N>` nodes of their GPU and compute
 //! instances.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
 
 /// Control nodes the NVIDIA driver may create, in the order they are handed to containers.
@@ -44,6 +44,76 @@ pub struct DeviceNodes {
     /// `"gpu0/gi1/ci0/access" -> 22`, `"config" -> 1`, `"monitor" -> 2`, ...
     /// The minor `N` is the one of `/dev/nvidia-caps/nvidia-cap<N>`.
     pub mig_minors: BTreeMap<String, u32>,
+    /// The nodes of the opt-in injections (GDS, MOFED, GDRCopy, IMEX channels).
+    pub extra: ExtraNodes,
+}
+
+/// Folder of the IMEX channel nodes (`channel<N>`).
+pub const IMEX_CHANNELS_DIR: &str = "/dev/nvidia-caps-imex-channels";
+/// The GDRCopy node.
+pub const GDRCOPY_NODE: &str = "/dev/gdrdrv";
+
+/// The container path of IMEX channel `id`.
+pub fn imex_channel_path(id: u32) -> String {
+    format!("{IMEX_CHANNELS_DIR}/channel{id}")
+}
+
+/// Device nodes of the opt-in injections found under `<dev_root>/dev`, as container paths,
+/// sorted; the nodes the NVIDIA Container Toolkit's CDI modes `gds`, `mofed`, `gdrcopy` and
+/// `imex` look for.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ExtraNodes {
+    /// `/dev/nvidia-fs*` (GPUDirect Storage, the `nvidia-fs` module).
+    pub gds: Vec<String>,
+    /// `/dev/infiniband/uverbs*` and `/dev/infiniband/rdma_cm` (MOFED).
+    pub mofed: Vec<String>,
+    /// `/dev/gdrdrv` (GDRCopy, the `gdrdrv` module).
+    pub gdrcopy: Vec<String>,
+    /// `N` of every `/dev/nvidia-caps-imex-channels/channel<N>`.
+    pub imex_channels: BTreeSet<u32>,
+}
+
+impl ExtraNodes {
+    /// Reads `<dev_root>/dev`; an unreadable folder counts as empty.
+    pub fn gather(dev_root: &Path) -> ExtraNodes {
+        let names = |dir: &str| -> Vec<String> {
+            let mut names: Vec<String> = std::fs::read_dir(dev_root.join(dir.trim_start_matches('/')))
+                .map(|entries| {
+                    entries
+                        .filter_map(Result::ok)
+                        .filter_map(|e| e.file_name().into_string().ok())
+                        .collect()
+                })
+                .unwrap_or_default();
+            names.sort();
+            names
+        };
+        let gds = names("/dev")
+            .into_iter()
+            .filter(|n| n.starts_with("nvidia-fs"))
+            .map(|n| format!("/dev/{n}"))
+            .collect();
+        let mofed = names("/dev/infiniband")
+            .into_iter()
+            .filter(|n| n.starts_with("uverbs") || n == "rdma_cm")
+            .map(|n| format!("/dev/infiniband/{n}"))
+            .collect();
+        let gdrcopy = [GDRCOPY_NODE]
+            .into_iter()
+            .filter(|node| dev_root.join(node.trim_start_matches('/')).exists())
+            .map(str::to_string)
+            .collect();
+        let imex_channels = names(IMEX_CHANNELS_DIR)
+            .iter()
+            .filter_map(|n| n.strip_prefix("channel")?.parse().ok())
+            .collect();
+        ExtraNodes {
+            gds,
+            mofed,
+            gdrcopy,
+            imex_channels,
+        }
+    }
 }
 
 /// Parses the driver's `mig-minors` table: one `<name> <minor>` pair per line, separated by
@@ -104,7 +174,11 @@ impl DeviceNodes {
             }
         };
 
-        DeviceNodes { control, mig_minors }
+        DeviceNodes {
+            control,
+            mig_minors,
+            extra: ExtraNodes::gather(dev_root),
+        }
     }
 }
 
@@ -179,9 +253,46 @@ gpu0/gi1/access 12\ngpu0/gi1/ci0/access 13\n\ngpu1/gi2/access 147\ngpu1/gi2/ci0/
         );
         assert_eq!(nodes.mig_minors["gpu0/gi1/access"], 12);
 
+        assert_eq!(nodes.extra, ExtraNodes::default());
+
         // Malformed table: still no failure, empty map.
         std::fs::write(proc.path().join(MIG_MINORS_PATH), "garbage\n").unwrap();
         let nodes = DeviceNodes::gather(dev.path(), proc.path());
         assert!(nodes.mig_minors.is_empty());
+    }
+
+    #[test]
+    fn gather_finds_the_injection_nodes() {
+        let dev = tempfile::tempdir().unwrap();
+        for node in [
+            "dev/nvidia-fs1",
+            "dev/nvidia-fs0",
+            "dev/nvidiactl",
+            "dev/gdrdrv",
+            "dev/infiniband/uverbs1",
+            "dev/infiniband/uverbs0",
+            "dev/infiniband/rdma_cm",
+            "dev/infiniband/umad0",
+            "dev/nvidia-caps-imex-channels/channel0",
+            "dev/nvidia-caps-imex-channels/channel7",
+            "dev/nvidia-caps-imex-channels/other",
+        ] {
+            let path = dev.path().join(node);
+            std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+            std::fs::write(path, "").unwrap();
+        }
+        let extra = ExtraNodes::gather(dev.path());
+        assert_eq!(extra.gds, ["/dev/nvidia-fs0", "/dev/nvidia-fs1"]);
+        assert_eq!(
+            extra.mofed,
+            [
+                "/dev/infiniband/rdma_cm",
+                "/dev/infiniband/uverbs0",
+                "/dev/infiniband/uverbs1"
+            ]
+        );
+        assert_eq!(extra.gdrcopy, ["/dev/gdrdrv"]);
+        assert_eq!(extra.imex_channels, [0, 7].into());
+        assert_eq!(imex_channel_path(7), "/dev/nvidia-caps-imex-channels/channel7");
     }
 }

@@ -6,6 +6,7 @@
 pub mod allocate;
 pub mod devnodes;
 pub mod health;
+pub mod injections;
 pub mod manager;
 pub mod memlimit;
 pub mod preferred;

@@ -21,12 +21,16 @@
 //! - `create-symlinks` also recreates the host's soname links; hooks carry no environment.
 //! - No deprecated `chmod` hook for `/dev/nvidia-caps`.
 //!
+//! The opt-in injections (GDS, MOFED, GDRCopy, IMEX channels) get a spec per class, as NVIDIA's
+//! device plugin writes them: `extra.rs` ([`extra_specs`]).
+//!
 //! The files: `driver_files.rs` ([`discover`] and the lists of what it looks for), `generate.rs`
 //! ([`spec`], its options and what goes into every spec), `model.rs` (the spec's types,
 //! [`minimum_version`], [`to_json`], [`spec_file_name`]).
 
 pub mod conflicts;
 mod driver_files;
+mod extra;
 mod generate;
 pub mod hook;
 mod model;
@@ -38,6 +42,7 @@ pub use driver_files::{
     GRAPHICS_CONFIGS, HookBinary, HookSearch, IPC_SOCKETS, LIBRARY_DIRS, LibraryLink, PCI_DEVICES, REQUIRED_LIBRARIES,
     XORG_MODULE_DIRS, discover, ld_so_conf_dirs,
 };
+pub use extra::{ExtraOptions, ExtraSpec, GDS_MOUNTS, extra_specs, gds_mounts};
 pub use generate::{
     ALL_DEVICE, CdiOptions, DEFAULT_KIND, IPC_MOUNT_OPTIONS, LIBCUDA_DIR_ENV, MOUNT_OPTIONS, VISIBLE_DEVICES_VOID, spec,
 };
@@ -72,6 +77,10 @@ pub enum CdiError {
     /// A path that would go into the spec is not UTF-8; CDI specs are JSON text.
     #[error("path {} is not valid UTF-8 and cannot be written to a CDI spec", path.display())]
     NonUtf8Path { path: PathBuf },
+    /// `[device_plugin.imex] required` and a listed IMEX channel's node does not exist (the
+    /// same text as the device plugin's Allocate error).
+    #[error("IMEX channel {path} does not exist and [device_plugin.imex] required = true")]
+    ImexChannelMissing { path: String },
     /// serde_json refused the spec (it cannot for these types; kept so rendering never panics).
     #[error("cannot render the CDI spec as JSON: {message}")]
     Render { message: String },

@@ -1634,9 +1634,10 @@ pub fn cdi_conflicts(config: &Config, root: &HostRoot, text: &str) -> Vec<cdi::c
     cdi::conflicts::conflicts(&ours, ours_dir, &kind, &names, &others)
 }
 
-/// Writes the CDI spec when its bytes change; whether it was written, and the other specs that
-/// define its names (looked for every time, from the spec text in hand: a toolkit spec written
-/// after the agent's is seen at the next pass).
+/// Writes the CDI spec when its bytes change, and the injection specs ([`write_extra_cdi`]);
+/// whether any was written, and the other specs that define the GPU spec's names (looked for
+/// every time, from the spec text in hand: a toolkit spec written after the agent's is seen at
+/// the next pass). A required IMEX channel that is missing fails before anything is written.
 pub fn write_cdi(
     config: &Config,
     root: &HostRoot,
@@ -1644,12 +1645,82 @@ pub fn write_cdi(
     nodes: &DeviceNodes,
 ) -> Result<(bool, Vec<cdi::conflicts::Conflict>), RuntimeError> {
     let text = cdi_spec(config, root, inventory, nodes)?;
+    let extra = extra_cdi_specs(config, root, nodes)?;
     let path = root.join(cdi_path(config));
-    let written = read_optional(&path)?.as_deref() != Some(text.as_str());
+    let mut written = read_optional(&path)?.as_deref() != Some(text.as_str());
     if written {
         write_atomic(&path, text.as_bytes(), 0o644)?;
     }
+    written |= write_extra_cdi(root, &extra)?;
     Ok((written, cdi_conflicts(config, root, &text)))
+}
+
+/// The injection specs (GDS, MOFED, GDRCopy, IMEX channels; see [`cdi::extra_specs`]) with their
+/// host paths (`[cdi] dir`/`<vendor>-<class>.json`), text `None` for a class with nothing to
+/// write. A class counts as enabled when `[device_plugin]` or any of its profiles enables it,
+/// so that a profile a label selects later finds its spec; whether a name is handed out is
+/// Allocate's decision. `required` applies with the `[device_plugin]` keys.
+pub fn extra_cdi_specs(
+    config: &Config,
+    root: &HostRoot,
+    nodes: &DeviceNodes,
+) -> Result<Vec<(PathBuf, Option<String>)>, RuntimeError> {
+    let dp = &config.device_plugin;
+    let mut injections = crate::plugin::injections::Injections::from_config(dp);
+    for name in dp.profiles.keys() {
+        if let Some(p) = dp.with_profile(name) {
+            injections.gds |= p.gds_enabled;
+            injections.mofed |= p.mofed_enabled;
+            injections.gdrcopy |= p.gdrcopy_enabled;
+            for id in p.imex.channel_ids {
+                if !injections.imex_channel_ids.contains(&id) {
+                    injections.imex_channel_ids.push(id);
+                }
+            }
+        }
+    }
+    let vendor = dp.cdi_kind.split_once('/').map_or(dp.cdi_kind.as_str(), |(v, _)| v);
+    let opts = cdi::ExtraOptions {
+        vendor: vendor.to_string(),
+        injections,
+        dev_root: dp.dev_root.clone(),
+        gds_mounts: cdi::gds_mounts(root.path(), &dp.driver_root),
+        driver_root: dp.driver_root.clone(),
+    };
+    let mut out = Vec::new();
+    for extra in cdi::extra_specs(&nodes.extra, &opts)? {
+        let path = config.cdi.dir.join(cdi::spec_file_name(&extra.kind));
+        let text = extra.spec.as_ref().map(cdi::to_json).transpose()?;
+        out.push((path, text));
+    }
+    Ok(out)
+}
+
+/// Writes the injection specs whose bytes changed and removes those with nothing to write
+/// (a class turned off, or its nodes gone); whether anything changed.
+pub fn write_extra_cdi(root: &HostRoot, specs: &[(PathBuf, Option<String>)]) -> Result<bool, RuntimeError> {
+    let mut changed = false;
+    for (path, text) in specs {
+        let host = root.join(path);
+        let current = read_optional(&host)?;
+        match text {
+            Some(text) if current.as_deref() != Some(text.as_str()) => {
+                write_atomic(&host, text.as_bytes(), 0o644)?;
+                tracing::info!("CDI spec written to {}", path.display());
+                changed = true;
+            }
+            None if current.is_some() => {
+                std::fs::remove_file(&host).map_err(|source| RuntimeError::Read {
+                    path: host.clone(),
+                    source,
+                })?;
+                tracing::info!("CDI spec {} removed: nothing to inject", path.display());
+                changed = true;
+            }
+            _ => {}
+        }
+    }
+    Ok(changed)
 }
 
 #[cfg(test)]

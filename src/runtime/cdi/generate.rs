@@ -198,7 +198,7 @@ pub fn spec(
 
 /// A device node at `path` in the container, with a `hostPath` under `dev_root` unless that is
 /// `/` (or empty).
-fn device_node(dev_root: &Path, path: String) -> Result<DeviceNode, CdiError> {
+pub(super) fn device_node(dev_root: &Path, path: String) -> Result<DeviceNode, CdiError> {
     let host = rooted(dev_root, Path::new(&path));
     let host_path = if host == Path::new(&path) {
         None

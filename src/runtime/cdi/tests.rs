@@ -72,6 +72,7 @@ fn nodes() -> DeviceNodes {
         .into_iter()
         .map(|(k, v)| (k.to_string(), v))
         .collect(),
+        extra: Default::default(),
     }
 }
 
@@ -835,4 +836,173 @@ fn a_driver_folder_named_by_ld_so_conf_is_searched() {
         Some(&PathBuf::from("/var/lib/nvidia/lib64"))
     );
     assert_eq!(files.libraries.len(), 2, "{:?}", files.libraries);
+}
+
+mod extra {
+    use super::*;
+    use crate::plugin::devnodes::ExtraNodes;
+    use crate::plugin::injections::Injections;
+
+    fn host_nodes() -> ExtraNodes {
+        ExtraNodes {
+            gds: vec!["/dev/nvidia-fs0".into(), "/dev/nvidia-fs1".into()],
+            mofed: vec!["/dev/infiniband/rdma_cm".into(), "/dev/infiniband/uverbs0".into()],
+            gdrcopy: vec!["/dev/gdrdrv".into()],
+            imex_channels: [0].into(),
+        }
+    }
+
+    fn opts(injections: Injections) -> ExtraOptions {
+        ExtraOptions {
+            vendor: "k8s.device-plugin.nvidia.com".into(),
+            injections,
+            dev_root: "/".into(),
+            gds_mounts: vec!["/etc/cufile.json".into()],
+            driver_root: "/".into(),
+        }
+    }
+
+    fn all_on() -> Injections {
+        Injections {
+            gds: true,
+            mofed: true,
+            gdrcopy: true,
+            imex_channel_ids: vec![0],
+            imex_required: true,
+        }
+    }
+
+    /// (kind, device names, device node paths of the first device, mounts) per written spec.
+    fn summary(specs: &[ExtraSpec]) -> Vec<(String, Vec<String>, Vec<String>, Vec<String>)> {
+        specs
+            .iter()
+            .filter_map(|s| s.spec.as_ref())
+            .map(|s| {
+                let edits = &s.devices[0].container_edits;
+                (
+                    s.kind.clone(),
+                    s.devices.iter().map(|d| d.name.clone()).collect(),
+                    edits.device_nodes.iter().map(|n| n.path.clone()).collect(),
+                    edits.mounts.iter().map(|m| m.container_path.clone()).collect(),
+                )
+            })
+            .collect()
+    }
+
+    #[test]
+    fn one_spec_per_enabled_class_with_the_hosts_nodes() {
+        let specs = extra_specs(&host_nodes(), &opts(all_on())).unwrap();
+        let kinds: Vec<_> = specs.iter().map(|s| s.kind.as_str()).collect();
+        assert_eq!(
+            kinds,
+            [
+                "k8s.device-plugin.nvidia.com/gdrcopy",
+                "k8s.device-plugin.nvidia.com/gds",
+                "k8s.device-plugin.nvidia.com/mofed",
+                "k8s.device-plugin.nvidia.com/imex-channel"
+            ]
+        );
+        let s = |v: &[&str]| v.iter().map(|x| x.to_string()).collect::<Vec<_>>();
+        assert_eq!(
+            summary(&specs),
+            [
+                (kinds[0].to_string(), s(&["all"]), s(&["/dev/gdrdrv"]), s(&[])),
+                (
+                    kinds[1].to_string(),
+                    s(&["all"]),
+                    s(&["/dev/nvidia-fs0", "/dev/nvidia-fs1"]),
+                    s(&["/etc/cufile.json"])
+                ),
+                (
+                    kinds[2].to_string(),
+                    s(&["all"]),
+                    s(&["/dev/infiniband/rdma_cm", "/dev/infiniband/uverbs0"]),
+                    s(&[])
+                ),
+                (
+                    kinds[3].to_string(),
+                    s(&["0"]),
+                    s(&["/dev/nvidia-caps-imex-channels/channel0"]),
+                    s(&[])
+                ),
+            ]
+        );
+        // File names follow NVIDIA's <vendor>-<class>.json.
+        assert_eq!(spec_file_name(kinds[3]), "k8s.device-plugin.nvidia.com-imex-channel.json");
+        // Every spec is a valid CDI document.
+        for spec in specs.iter().filter_map(|s| s.spec.as_ref()) {
+            let doc: serde_json::Value = serde_json::from_str(&to_json(spec).unwrap()).unwrap();
+            assert_eq!(schema_errors(&doc), Vec::<String>::new(), "{}", spec.kind);
+        }
+    }
+
+    #[test]
+    fn off_or_absent_means_no_spec() {
+        let specs = extra_specs(&host_nodes(), &opts(Injections::default())).unwrap();
+        assert!(specs.iter().all(|s| s.spec.is_none()));
+        assert_eq!(specs.len(), 4);
+
+        // On, but the host has no such nodes: nothing that names a missing node.
+        let not_required = Injections {
+            imex_required: false,
+            ..all_on()
+        };
+        let specs = extra_specs(&ExtraNodes::default(), &opts(not_required)).unwrap();
+        assert!(specs.iter().all(|s| s.spec.is_none()));
+        let mut nodes = host_nodes();
+        nodes.gds.clear();
+        let specs = extra_specs(&nodes, &opts(all_on())).unwrap();
+        assert!(specs[1].spec.is_none());
+        assert!(specs[0].spec.is_some() && specs[2].spec.is_some());
+    }
+
+    #[test]
+    fn required_imex_channel_missing_names_its_host_path() {
+        let mut nodes = host_nodes();
+        nodes.imex_channels.clear();
+        let o = ExtraOptions {
+            dev_root: "/run/nvidia/driver".into(),
+            ..opts(all_on())
+        };
+        let err = extra_specs(&nodes, &o).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "IMEX channel /run/nvidia/driver/dev/nvidia-caps-imex-channels/channel0 does not exist \
+             and [device_plugin.imex] required = true"
+        );
+    }
+
+    #[test]
+    fn dev_root_and_driver_root_become_host_paths() {
+        let o = ExtraOptions {
+            dev_root: "/run/nvidia/driver".into(),
+            driver_root: "/run/nvidia/driver".into(),
+            gds_mounts: vec!["/run/nvidia/driver/etc/cufile.json".into()],
+            ..opts(all_on())
+        };
+        let specs = extra_specs(&host_nodes(), &o).unwrap();
+        let gds = specs[1].spec.as_ref().unwrap();
+        let edits = &gds.devices[0].container_edits;
+        assert_eq!(edits.device_nodes[0].path, "/dev/nvidia-fs0");
+        assert_eq!(
+            edits.device_nodes[0].host_path.as_deref(),
+            Some("/run/nvidia/driver/dev/nvidia-fs0")
+        );
+        assert_eq!(edits.mounts[0].container_path, "/etc/cufile.json");
+        assert_eq!(edits.mounts[0].host_path, "/run/nvidia/driver/etc/cufile.json");
+        assert_eq!(gds.cdi_version, "0.5.0");
+    }
+
+    #[test]
+    fn gds_mounts_are_read_under_the_root() {
+        let root = tempfile::tempdir().unwrap();
+        assert!(gds_mounts(root.path(), Path::new("/")).is_empty());
+        fs::create_dir_all(root.path().join("drv/etc")).unwrap();
+        fs::write(root.path().join("drv/etc/cufile.json"), "{}").unwrap();
+        fs::create_dir_all(root.path().join("drv/run/udev")).unwrap();
+        assert_eq!(
+            gds_mounts(root.path(), Path::new("/drv")),
+            [PathBuf::from("/drv/etc/cufile.json"), PathBuf::from("/drv/run/udev")]
+        );
+    }
 }
