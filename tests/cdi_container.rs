@@ -480,11 +480,19 @@ fn a_container_given_the_gdrcopy_device_sees_dev_gdrdrv() {
     let gdrcopy = fs::read_to_string(cdi.join("k8s.device-plugin.nvidia.com-gdrcopy.json")).expect("gdrcopy spec");
     // Only the classes enabled get a spec.
     for off in ["gds", "mofed", "imex-channel"] {
-        assert!(!cdi.join(format!("k8s.device-plugin.nvidia.com-{off}.json")).exists(), "{off}");
+        assert!(
+            !cdi.join(format!("k8s.device-plugin.nvidia.com-{off}.json")).exists(),
+            "{off}"
+        );
     }
 
     let name = "k8s.device-plugin.nvidia.com/gdrcopy=all";
-    let out = setup.container_beside(&spec, &[("gdrcopy.json", &gdrcopy)], name, "ls -l /dev/gdrdrv; echo end");
+    let out = setup.container_beside(
+        &spec,
+        &[("gdrcopy.json", &gdrcopy)],
+        name,
+        "ls -l /dev/gdrdrv; echo end",
+    );
     let seen = text(&out);
     assert!(out.status.success(), "{seen}");
     assert!(seen.contains("/dev/gdrdrv") && !seen.contains("No such file"), "{seen}");

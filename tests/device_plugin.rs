@@ -671,10 +671,18 @@ async fn opt_in_injections_reach_the_container_only_when_enabled() {
                 assert_eq!(doc["kind"], format!("{vendor}/{class}"));
                 let device = if class == "imex-channel" { "0" } else { "all" };
                 assert_eq!(doc["devices"][0]["name"], device, "{class}");
-                assert!(!doc["devices"][0]["containerEdits"]["deviceNodes"].as_array().expect("nodes").is_empty());
+                assert!(
+                    !doc["devices"][0]["containerEdits"]["deviceNodes"]
+                        .as_array()
+                        .expect("nodes")
+                        .is_empty()
+                );
             }
             let text = std::fs::read_to_string(spec("mofed")).expect("mofed");
-            assert!(text.contains("/dev/infiniband/uverbs0") && text.contains("/dev/infiniband/rdma_cm"), "{text}");
+            assert!(
+                text.contains("/dev/infiniband/uverbs0") && text.contains("/dev/infiniband/rdma_cm"),
+                "{text}"
+            );
         } else {
             assert_eq!(envs, [("NVIDIA_VISIBLE_DEVICES", a.as_str())]);
             assert_eq!(names, [format!("{vendor}/gpu={a}")]);
@@ -694,10 +702,14 @@ async fn a_required_imex_channel_that_is_missing_refuses_allocate() {
     let node = Node::new(&machine("A100-SXM4-40GB", 1), config);
     let kubelet = start_kubelet(&node).await;
     let agent = node.spawn();
-    kubelet.wait_for_devices(GPU, T, |d| d.len() == 1).await.expect("one GPU");
+    kubelet
+        .wait_for_devices(GPU, T, |d| d.len() == 1)
+        .await
+        .expect("one GPU");
     let err = kubelet.allocate(GPU, &[&gpu_uuid(0)]).await.expect_err("refused");
     assert!(
-        err.message().contains("/dev/nvidia-caps-imex-channels/channel0 does not exist"),
+        err.message()
+            .contains("/dev/nvidia-caps-imex-channels/channel0 does not exist"),
         "{}",
         err.message()
     );

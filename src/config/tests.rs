@@ -899,9 +899,15 @@ fn injection_keys_and_imex_validation() {
         "main.toml:2: device_plugin.imex.channel_ids = [1] is not valid: must be [] or [0] (the only IMEX channel NVIDIA's device plugin hands out), found [1]"
     );
     let e = err(&[("main.toml", "[device_plugin.imex]\nchannel_ids = [0, 0]\n")]);
-    assert!(e.contains("device_plugin.imex.channel_ids") && e.contains("[0, 0]"), "{e}");
+    assert!(
+        e.contains("device_plugin.imex.channel_ids") && e.contains("[0, 0]"),
+        "{e}"
+    );
     let e = err(&[("main.toml", "[device_plugin.profiles.p.imex]\nchannel_ids = [2]\n")]);
-    assert!(e.starts_with("main.toml:2: device_plugin.profiles.p.imex.channel_ids"), "{e}");
+    assert!(
+        e.starts_with("main.toml:2: device_plugin.profiles.p.imex.channel_ids"),
+        "{e}"
+    );
     let e = err(&[("main.toml", "[device_plugin]\ngds_enabled = \"yes\"\n")]);
     assert!(e.contains("device_plugin.gds_enabled"), "{e}");
     let e = err(&[("main.toml", "[device_plugin.imex]\nchannelIDs = [0]\n")]);

@@ -269,7 +269,10 @@ mod tests {
             assert_eq!(with.envs, without.envs, "{strategies:?}");
             assert_eq!(with.mounts, without.mounts);
             assert_eq!(with.cdi_devices, without.cdi_devices);
-            assert_eq!(with.annotations.values().collect::<Vec<_>>(), without.annotations.values().collect::<Vec<_>>());
+            assert_eq!(
+                with.annotations.values().collect::<Vec<_>>(),
+                without.annotations.values().collect::<Vec<_>>()
+            );
             assert!(with.devices.iter().all(|d| d.container_path.starts_with("/dev/nvidia")));
         }
     }

@@ -872,8 +872,11 @@ mod extra {
         }
     }
 
-    /// (kind, device names, device node paths of the first device, mounts) per written spec.
-    fn summary(specs: &[ExtraSpec]) -> Vec<(String, Vec<String>, Vec<String>, Vec<String>)> {
+    /// Kind, device names, device node paths of the first device, its mount container paths.
+    type Summary = (String, Vec<String>, Vec<String>, Vec<String>);
+
+    /// A [`Summary`] per written spec.
+    fn summary(specs: &[ExtraSpec]) -> Vec<Summary> {
         specs
             .iter()
             .filter_map(|s| s.spec.as_ref())
@@ -928,7 +931,10 @@ mod extra {
             ]
         );
         // File names follow NVIDIA's <vendor>-<class>.json.
-        assert_eq!(spec_file_name(kinds[3]), "k8s.device-plugin.nvidia.com-imex-channel.json");
+        assert_eq!(
+            spec_file_name(kinds[3]),
+            "k8s.device-plugin.nvidia.com-imex-channel.json"
+        );
         // Every spec is a valid CDI document.
         for spec in specs.iter().filter_map(|s| s.spec.as_ref()) {
             let doc: serde_json::Value = serde_json::from_str(&to_json(spec).unwrap()).unwrap();
