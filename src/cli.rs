@@ -149,9 +149,10 @@ pub enum RuntimeCommand {
 #[derive(Debug, Subcommand)]
 pub enum CdiCommand {
     /// Write the CDI spec for the GPUs NVML reports to [cdi] dir (as the agent does at start and
-    /// after every MIG change).
+    /// after every MIG change), and the specs of the enabled GDS, MOFED, GDRCopy and IMEX
+    /// injections whose device nodes the host has (removing those that no longer apply).
     Generate {
-        /// Write here instead (a real path, not under --root); `-` prints it.
+        /// Write the GPU spec here instead (a real path, not under --root); `-` prints it.
         #[arg(long, value_name = "FILE")]
         output: Option<PathBuf>,
     },

@@ -1761,6 +1761,48 @@ mod tests {
         (tmp, root)
     }
 
+    /// A class a profile enables gets its spec (a label may select that profile later); once
+    /// nothing enables it, the spec left from before is removed, and only that one.
+    #[test]
+    fn injection_specs_follow_profiles_and_are_removed_when_off() {
+        let (_tmp, root) = host(&[("/var/run/cdi/other.json", "{}")], &[]);
+        let mut config = Config::default();
+        let profile: crate::config::DevicePluginProfile =
+            toml::from_str("gdrcopy_enabled = true\nimex = { channel_ids = [0] }\n").unwrap();
+        config.device_plugin.profiles.insert("rdma".into(), profile);
+        let mut nodes = DeviceNodes::default();
+        nodes.extra.gdrcopy = vec!["/dev/gdrdrv".into()];
+        nodes.extra.imex_channels = [0].into();
+
+        let specs = extra_cdi_specs(&config, &root, &nodes).unwrap();
+        let written: Vec<_> = specs
+            .iter()
+            .filter(|(_, text)| text.is_some())
+            .map(|(path, _)| path.to_string_lossy().into_owned())
+            .collect();
+        assert_eq!(
+            written,
+            [
+                "/var/run/cdi/k8s.device-plugin.nvidia.com-gdrcopy.json",
+                "/var/run/cdi/k8s.device-plugin.nvidia.com-imex-channel.json"
+            ]
+        );
+        assert!(write_extra_cdi(&root, &specs).unwrap());
+        assert!(
+            !write_extra_cdi(&root, &specs).unwrap(),
+            "unchanged bytes are not rewritten"
+        );
+        let gdrcopy = root.join("/var/run/cdi/k8s.device-plugin.nvidia.com-gdrcopy.json");
+        assert!(std::fs::read_to_string(&gdrcopy).unwrap().contains("\"/dev/gdrdrv\""));
+
+        config.device_plugin.profiles.clear();
+        let specs = extra_cdi_specs(&config, &root, &nodes).unwrap();
+        assert!(specs.iter().all(|(_, text)| text.is_none()));
+        assert!(write_extra_cdi(&root, &specs).unwrap());
+        assert!(!gdrcopy.exists());
+        assert!(root.join("/var/run/cdi/other.json").exists());
+    }
+
     fn resolved(root: &HostRoot, path: &str) -> String {
         resolve(root, Path::new(path)).unwrap().to_string_lossy().into_owned()
     }
