@@ -713,5 +713,15 @@ async fn a_required_imex_channel_that_is_missing_refuses_allocate() {
         "{}",
         err.message()
     );
+    // The status and the dry run say why the CDI specs are not written.
+    let status = node.wait_status(T, |s| common::stage(s, "runtime")["state"] == "failed");
+    let error = common::stage(&status, "runtime")["error"].to_string();
+    assert!(error.contains("channel0 does not exist"), "{status}");
+    let out = node.run(&["plan"]);
+    let said = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        said.contains("cannot be made: CDI spec: IMEX channel /dev/nvidia-caps-imex-channels/channel0 does not exist"),
+        "{said}"
+    );
     assert_eq!(agent.stop(), 0);
 }

@@ -127,9 +127,17 @@ pub async fn node_plan(config: &Config, root: &HostRoot, mig_layout: Option<&str
     let cdi = config.cdi.enabled.then(|| {
         let nodes = DeviceNodes::gather(&root.join(&config.device_plugin.dev_root), &root.join("/proc"));
         let path = rt::cdi_path(config);
-        match rt::cdi_spec(config, root, &inventory, &nodes) {
-            Ok(text) => CdiPlan {
-                write: mig_changes || std::fs::read_to_string(root.join(&path)).ok().as_deref() != Some(text.as_str()),
+        // The injection specs (GDS, MOFED, GDRCopy, IMEX) are written in the same pass: a
+        // change there is a write, a missing required IMEX channel the plan's error.
+        let specs = rt::cdi_spec(config, root, &inventory, &nodes)
+            .and_then(|text| Ok((text, rt::extra_cdi_specs(config, root, &nodes)?)));
+        match specs {
+            Ok((text, extra)) => CdiPlan {
+                write: mig_changes
+                    || std::fs::read_to_string(root.join(&path)).ok().as_deref() != Some(text.as_str())
+                    || extra
+                        .iter()
+                        .any(|(p, t)| std::fs::read_to_string(root.join(p)).ok() != *t),
                 path,
                 error: None,
             },
