@@ -304,48 +304,56 @@ impl Partitions {
     }
 
     fn set_score(&self, set: u64) -> u64 {
-        let members: Vec<usize> = (0..self.n).filter(|i| set & (1 << i) != 0).collect();
         let mut s = 0;
-        for (x, &i) in members.iter().enumerate() {
-            for &j in &members[x + 1..] {
+        let mut rest = set & !self.padding;
+        while rest != 0 {
+            let i = rest.trailing_zeros() as usize;
+            rest &= rest - 1;
+            let mut others = rest;
+            while others != 0 {
+                let j = others.trailing_zeros() as usize;
+                others &= others - 1;
                 s += self.score[i * self.n + j];
             }
         }
         s
     }
 
-    /// Whether `set` may be part of a partition: all padding or none, and the must-include
-    /// GPUs all in it (without padding) or none of them.
-    fn valid(&self, set: u64) -> bool {
-        let pad = set & self.padding;
-        let req = set & self.required;
-        (pad == 0 || pad == self.padding) && (req == 0 || (req == self.required && pad == 0))
-    }
-
-    /// The sets of `size` holding the lowest member of `mask`, in go-gpuallocator's order
-    /// (the other members as combinations in position order).
+    /// The sets of `size` holding the lowest member of `mask` that may be part of a partition
+    /// (all padding or none; all must-include GPUs without padding, or none of them), in
+    /// go-gpuallocator's order: the other members as combinations in position order. The
+    /// padding and the must-include GPUs are chosen as blocks, so only valid sets are built.
     fn sets(&self, mask: u64) -> Vec<u64> {
         let low = mask.trailing_zeros();
-        let rest: Vec<u32> = (low + 1..64).filter(|i| mask & (1 << i) != 0).collect();
-        let k = self.size - 1;
+        let low_bit = 1u64 << low;
+        let (req, pad) = (mask & self.required, mask & self.padding);
+        let singles: Vec<u32> = (low + 1..64)
+            .filter(|&i| (mask & !self.required & !self.padding) & (1 << i) != 0)
+            .collect();
+        let blocks: Vec<u64> = if req & low_bit != 0 {
+            // The must-include GPUs are all still here (they leave together), no padding.
+            vec![req]
+        } else {
+            let mut b = vec![low_bit];
+            if req != 0 {
+                b.push(low_bit | req);
+            }
+            if pad != 0 {
+                b.push(low_bit | pad);
+            }
+            b
+        };
         let mut out = Vec::new();
-        if rest.len() < k {
-            return out;
-        }
-        let mut combo: Vec<usize> = (0..k).collect();
-        loop {
-            let set = combo.iter().fold(1u64 << low, |acc, &c| acc | 1 << rest[c]);
-            if self.valid(set) {
-                out.push(set);
-            }
-            let Some(i) = (0..k).rev().find(|&i| combo[i] < rest.len() - k + i) else {
-                return out;
+        for base in blocks {
+            let Some(k) = self.size.checked_sub(base.count_ones() as usize) else {
+                continue;
             };
-            combo[i] += 1;
-            for j in i + 1..k {
-                combo[j] = combo[j - 1] + 1;
-            }
+            combinations(&singles, k, |combo| out.push(base | combo));
         }
+        if out.len() > 1 {
+            out.sort_by_cached_key(|&set| (0..64).filter(|i| set & (1 << i) != 0).collect::<Vec<u32>>());
+        }
+        out
     }
 
     /// The best score of partitioning `mask`, memoised.
@@ -547,6 +555,25 @@ fn greedy(scorer: &SetScorer, n: usize, k: usize, seeded: bool) -> Vec<usize> {
         }
     }
     best.map(|(_, s)| s).unwrap_or_default()
+}
+
+/// Calls `f` with every `k`-subset of `items` (bit positions) as a mask, in lexicographic
+/// order of positions.
+fn combinations(items: &[u32], k: usize, mut f: impl FnMut(u64)) {
+    if k > items.len() {
+        return;
+    }
+    let mut combo: Vec<usize> = (0..k).collect();
+    loop {
+        f(combo.iter().fold(0u64, |acc, &c| acc | 1 << items[c]));
+        let Some(i) = (0..k).rev().find(|&i| combo[i] < items.len() - k + i) else {
+            return;
+        };
+        combo[i] += 1;
+        for j in i + 1..k {
+            combo[j] = combo[j - 1] + 1;
+        }
+    }
 }
 
 /// C(n, k), saturating at `u64::MAX`.
@@ -1001,6 +1028,132 @@ mod tests {
         assert_eq!(got, s(&["MIG-1-2::1", "MIG-0-0::0"]));
         let got = preferred_allocation(&shared, &avail, &[], 2, &t, D).unwrap();
         assert_eq!(got, s(&["MIG-0-0::0", "MIG-0-1::0"]));
+    }
+
+    /// go-gpuallocator's `Allocate`, literally: every partition in its enumeration order (the
+    /// one difference kept: a set with padding is never the answer). Returns the answer mask.
+    fn go_best_effort(n: usize, size: usize, score: &[u64], required: u64) -> Option<u64> {
+        fn sets_of(devs: &[usize], k: usize, f: &mut dyn FnMut(&[usize])) {
+            let mut combo: Vec<usize> = (0..k).collect();
+            if k > devs.len() {
+                return;
+            }
+            loop {
+                let set: Vec<usize> = combo.iter().map(|&c| devs[c]).collect();
+                f(&set);
+                let Some(i) = (0..k).rev().find(|&i| combo[i] < devs.len() - k + i) else {
+                    return;
+                };
+                combo[i] += 1;
+                for j in i + 1..k {
+                    combo[j] = combo[j - 1] + 1;
+                }
+            }
+        }
+        fn iterate(devs: &[usize], size: usize, n: usize, padding: usize, accum: &mut Vec<Vec<usize>>, cb: &mut dyn FnMut(&[Vec<usize>])) {
+            if devs.len() == size {
+                accum.push(devs.to_vec());
+                cb(accum);
+                accum.pop();
+                return;
+            }
+            sets_of(&devs[1..], size - 1, &mut |rest: &[usize]| {
+                let mut set = vec![devs[0]];
+                set.extend_from_slice(rest);
+                let p = set.iter().filter(|&&d| d >= n).count();
+                if p != 0 && p != padding {
+                    return;
+                }
+                let remaining: Vec<usize> = devs.iter().copied().filter(|d| !set.contains(d)).collect();
+                accum.push(set);
+                iterate(&remaining, size, n, padding, accum, cb);
+                accum.pop();
+            });
+        }
+        let mask = |set: &[usize]| set.iter().fold(0u64, |a, &d| a | 1 << d);
+        let set_score = |set: &[usize]| {
+            let mut s = 0;
+            for (x, &i) in set.iter().enumerate() {
+                for &j in &set[x + 1..] {
+                    if i < n && j < n {
+                        s += score[i * n + j];
+                    }
+                }
+            }
+            s
+        };
+        let pad_mask = |set: &[usize]| set.iter().any(|&d| d >= n);
+        let total = n.div_ceil(size) * size;
+        let devs: Vec<usize> = (0..total).collect();
+        let mut best: Option<(u64, Vec<Vec<usize>>)> = None;
+        let mut consider = |partition: &[Vec<usize>]| {
+            let ok = partition
+                .iter()
+                .any(|set| mask(set) & required == required && !pad_mask(set));
+            if !ok {
+                return;
+            }
+            let sc: u64 = partition.iter().map(|set| set_score(set)).sum();
+            if best.as_ref().is_none_or(|(b, _)| sc > *b) {
+                best = Some((sc, partition.to_vec()));
+            }
+        };
+        if size == 1 {
+            for d in 0..n {
+                consider(&[vec![d]]);
+            }
+        } else {
+            iterate(&devs, size, n, total - n, &mut Vec::new(), &mut consider);
+        }
+        let (_, partition) = best?;
+        let mut answer: Option<(u64, u64)> = None;
+        for set in &partition {
+            if mask(set) & required != required || pad_mask(set) {
+                continue;
+            }
+            let sc = set_score(set);
+            if answer.is_none_or(|(_, b)| sc > b) {
+                answer = Some((mask(set), sc));
+            }
+        }
+        answer.map(|(m, _)| m)
+    }
+
+    #[test]
+    fn partition_search_matches_go_gpuallocator_literally() {
+        // Pseudo-random scores with many ties (few distinct values), every size, must-include
+        // sets of 0..=2 GPUs.
+        let mut seed = 0x2545_f491_4f6c_dd1du64;
+        let mut next = || {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed
+        };
+        for n in 1..=8usize {
+            for round in 0..6 {
+                let mut score = vec![0u64; n * n];
+                for i in 0..n {
+                    for j in i + 1..n {
+                        let v = [10, 20, 30, 110, 130, 250][(next() % 6) as usize];
+                        let v = if round == 0 { 10 } else { v };
+                        score[i * n + j] = v;
+                        score[j * n + i] = v;
+                    }
+                }
+                for size in 1..=n {
+                    let musts: [u64; 4] = [0, 1 << (next() % n as u64), (1 << (n - 1)) | 1, 0b110];
+                    for required in musts {
+                        if required.count_ones() as usize > size || required >> n != 0 {
+                            continue;
+                        }
+                        let want = go_best_effort(n, size, &score, required);
+                        let got = Partitions::new(n, size, score.clone(), required).best_set();
+                        assert_eq!(got, want, "n {n} size {size} required {required:b} round {round}");
+                    }
+                }
+            }
+        }
     }
 
     #[test]
