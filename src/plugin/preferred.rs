@@ -350,9 +350,10 @@ impl Partitions {
             };
             combinations(&singles, k, |combo| out.push(base | combo));
         }
-        if out.len() > 1 {
-            out.sort_by_cached_key(|&set| (0..64).filter(|i| set & (1 << i) != 0).collect::<Vec<u32>>());
-        }
+        // Lexicographic order of the members' positions: of two sets of one size, the one
+        // holding the lowest position where they differ comes first, which is the larger
+        // bit-reversed mask.
+        out.sort_unstable_by_key(|&set| Reverse(set.reverse_bits()));
         out
     }
 
