@@ -77,14 +77,24 @@ fn main() {
                 let got = preferred_allocation(&res, &avail, &[], size, &topo, SharedPolicy::Distributed);
                 assert_eq!(got.map(|g| g.len()).ok(), Some(size));
             });
-            println!("{:<34} {:>12.3?} {:>12.3?}", format!("{n} GPUs, size {size}"), median, worst);
+            println!(
+                "{:<34} {:>12.3?} {:>12.3?}",
+                format!("{n} GPUs, size {size}"),
+                median,
+                worst
+            );
         }
         let must = [uuid(n - 1)];
         let (median, worst) = time(|| {
             let got = preferred_allocation(&res, &avail, &must, 3, &topo, SharedPolicy::Distributed);
             assert!(got.is_ok());
         });
-        println!("{:<34} {:>12.3?} {:>12.3?}", format!("{n} GPUs, size 3, 1 must-include"), median, worst);
+        println!(
+            "{:<34} {:>12.3?} {:>12.3?}",
+            format!("{n} GPUs, size 3, 1 must-include"),
+            median,
+            worst
+        );
     }
     let mut devices = BTreeMap::new();
     for g in 0..16 {
@@ -102,6 +112,11 @@ fn main() {
             let got = preferred_allocation(&res, &avail, &[], 8, &Topology::new(), policy);
             assert!(got.is_ok());
         });
-        println!("{:<34} {:>12.3?} {:>12.3?}", format!("16x16 replicas, size 8, {policy}"), median, worst);
+        println!(
+            "{:<34} {:>12.3?} {:>12.3?}",
+            format!("16x16 replicas, size 8, {policy}"),
+            median,
+            worst
+        );
     }
 }

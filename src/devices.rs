@@ -116,7 +116,11 @@ pub const MAX_SCORED_NVLINKS: u32 = 12;
 /// not tell: 0). Links to an NVSwitch are not links to a GPU and score nothing (go-gpuallocator
 /// matches a link's remote PCI address against the other GPU's).
 pub fn link_score(nvlinks: u32, level: Option<TopologyLevel>) -> u32 {
-    let nvlink = if nvlinks <= MAX_SCORED_NVLINKS { nvlinks * 100 } else { 0 };
+    let nvlink = if nvlinks <= MAX_SCORED_NVLINKS {
+        nvlinks * 100
+    } else {
+        0
+    };
     nvlink + level.map_or(0, TopologyLevel::score)
 }
 

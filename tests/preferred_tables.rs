@@ -96,7 +96,8 @@ async fn dgx1_volta() {
     let b = Bench::start("dgx1-volta.toml", 8, "").await;
     let all: &[u32] = &[0, 1, 2, 3, 4, 5, 6, 7];
     // TestBestEffortAllocate: (description, available, must-include, size, want).
-    let cases: [(&str, &[u32], &[u32], i32, &[u32]); 9] = [
+    type Case<'a> = (&'a str, &'a [u32], &'a [u32], i32, &'a [u32]);
+    let cases: [Case; 9] = [
         ("Single NVLINK, prefer same switch", &[0, 2, 4, 5], &[], 2, &[4, 5]),
         ("Single NVLINK, prefer same socket", &[0, 4, 5, 6], &[], 2, &[5, 6]),
         ("Prefer dual NVLINK same socket", &[0, 3, 1], &[], 2, &[0, 3]),
@@ -104,7 +105,13 @@ async fn dgx1_volta() {
         ("Must include with allocation size 1", all, &[4], 1, &[4]),
         ("Must include with allocation size 2", all, &[4], 2, &[4, 7]),
         ("Must include with allocation size 4", all, &[4], 4, &[4, 5, 6, 7]),
-        ("Must include with full set specified", all, &[0, 2, 4, 6], 4, &[0, 2, 4, 6]),
+        (
+            "Must include with full set specified",
+            all,
+            &[0, 2, 4, 6],
+            4,
+            &[0, 2, 4, 6],
+        ),
         ("Must include, size 8", all, &[3], 8, all),
     ];
     for (name, avail, must, size, want) in cases {
@@ -112,9 +119,24 @@ async fn dgx1_volta() {
         assert_eq!(got, want, "{name}");
     }
     let refused: [(&str, &[u32], &[u32], i32); 3] = [
-        ("Must include with unavailable device", &[1, 2, 3, 4, 5, 6, 7], &[0, 1, 2, 3], 4),
-        ("Must include with too many devices specified", all, &[1, 2, 3, 4, 5, 6], 4),
-        ("Required too many devices than available", &[1, 2, 3, 4, 5], &[1, 2, 3, 4, 5, 6], 1),
+        (
+            "Must include with unavailable device",
+            &[1, 2, 3, 4, 5, 6, 7],
+            &[0, 1, 2, 3],
+            4,
+        ),
+        (
+            "Must include with too many devices specified",
+            all,
+            &[1, 2, 3, 4, 5, 6],
+            4,
+        ),
+        (
+            "Required too many devices than available",
+            &[1, 2, 3, 4, 5],
+            &[1, 2, 3, 4, 5, 6],
+            1,
+        ),
     ];
     for (name, avail, must, size) in refused {
         let err = b.ask(avail, must, size).await.unwrap_err();
@@ -128,8 +150,12 @@ async fn dgx1_volta() {
         "TestBestEffortDGX1VoltaGPUAllocTwo",
     )
     .await;
-    b.successive(8, &[(4, &[0, 1, 2, 3]), (4, &[4, 5, 6, 7]), (1, &[])], "TestBestEffortDGX1VoltaGPUAllocFour")
-        .await;
+    b.successive(
+        8,
+        &[(4, &[0, 1, 2, 3]), (4, &[4, 5, 6, 7]), (1, &[])],
+        "TestBestEffortDGX1VoltaGPUAllocFour",
+    )
+    .await;
     b.successive(8, &[(8, all), (1, &[])], "TestBestEffortDGX1VoltaGPUAllocEight")
         .await;
     b.stop();
@@ -147,8 +173,12 @@ async fn dgx1_pascal() {
         "TestBestEffortDGX1PascalGPUAllocTwo",
     )
     .await;
-    b.successive(8, &[(4, &[0, 1, 2, 3]), (4, &[4, 5, 6, 7]), (1, &[])], "TestBestEffortDGX1PascalGPUAllocFour")
-        .await;
+    b.successive(
+        8,
+        &[(4, &[0, 1, 2, 3]), (4, &[4, 5, 6, 7]), (1, &[])],
+        "TestBestEffortDGX1PascalGPUAllocFour",
+    )
+    .await;
     b.successive(8, &[(8, all), (1, &[])], "TestBestEffortDGX1PascalGPUAllocEight")
         .await;
     b.stop();
@@ -163,10 +193,18 @@ async fn rtx8000_4x() {
         "TestBestEffort4xRTX8000GPUAllocOne",
     )
     .await;
-    b.successive(4, &[(2, &[0, 3]), (2, &[1, 2]), (1, &[])], "TestBestEffort4xRTX8000GPUAllocTwo")
-        .await;
-    b.successive(4, &[(4, &[0, 1, 2, 3]), (1, &[])], "TestBestEffort4xRTX8000GPUAllocFour")
-        .await;
+    b.successive(
+        4,
+        &[(2, &[0, 3]), (2, &[1, 2]), (1, &[])],
+        "TestBestEffort4xRTX8000GPUAllocTwo",
+    )
+    .await;
+    b.successive(
+        4,
+        &[(4, &[0, 1, 2, 3]), (1, &[])],
+        "TestBestEffort4xRTX8000GPUAllocFour",
+    )
+    .await;
     b.stop();
 }
 
@@ -190,7 +228,10 @@ async fn nvswitch_links_score_nothing() {
     b.successive(8, &[(4, &[0, 1, 2, 3]), (4, &[4, 5, 6, 7])], "quads")
         .await;
     // Must-include GPU 5: its switch partner.
-    assert_eq!(b.ask(&(0..8).collect::<Vec<_>>(), &[5], 2).await.expect("preferred"), [4, 5]);
+    assert_eq!(
+        b.ask(&(0..8).collect::<Vec<_>>(), &[5], 2).await.expect("preferred"),
+        [4, 5]
+    );
     b.stop();
 }
 

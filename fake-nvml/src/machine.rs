@@ -442,7 +442,10 @@ fn gpu_spec(index: usize, e: GpuEntry) -> Result<GpuSpec, String> {
         })
         .collect();
     if e.pcie_switch.is_some() && e.pcie_path.is_some() {
-        return Err("pcie_switch and pcie_path both given: pcie_path = [\"<host bridge>\", \"<switch>\", ...] says it all".into());
+        return Err(
+            "pcie_switch and pcie_path both given: pcie_path = [\"<host bridge>\", \"<switch>\", ...] says it all"
+                .into(),
+        );
     }
     let pcie_path = e.pcie_path.unwrap_or_default();
     if let Some(bad) = pcie_path.iter().find(|n| n.trim().is_empty()) {

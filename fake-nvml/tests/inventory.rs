@@ -164,7 +164,10 @@ pcie_path = ["hb1"]
     }
     let remote: PciInfo = d.link_wrapper_for(2).remote_pci_info().unwrap();
     assert_eq!(remote.bus_id, "00000000:11:00.0");
-    assert_eq!(remote.pci_device_id, nvml.device_by_index(1).unwrap().pci_info().unwrap().pci_device_id);
+    assert_eq!(
+        remote.pci_device_id,
+        nvml.device_by_index(1).unwrap().pci_info().unwrap().pci_device_id
+    );
     assert!(!d.link_wrapper_for(3).is_active().unwrap());
 }
 

@@ -238,12 +238,7 @@ fn shared_greedy<'a>(
 ///
 /// Instead of walking every partition, [`Partitions`] memoises the best score of each
 /// remaining set of GPUs and then retraces the first best partition, which is the same one.
-fn best_effort<'a>(
-    must: &[Entry<'a>],
-    candidates: Vec<Entry<'a>>,
-    size: usize,
-    topology: &Topology,
-) -> Vec<Entry<'a>> {
+fn best_effort<'a>(must: &[Entry<'a>], candidates: Vec<Entry<'a>>, size: usize, topology: &Topology) -> Vec<Entry<'a>> {
     let mut all: Vec<(Entry<'a>, bool)> = must
         .iter()
         .map(|e| (*e, true))
@@ -743,10 +738,7 @@ mod tests {
                 } else {
                     HostBridge
                 };
-                let links = nvlinks
-                    .iter()
-                    .find(|(x, y, _)| (*x, *y) == (a, b))
-                    .map_or(0, |l| l.2);
+                let links = nvlinks.iter().find(|(x, y, _)| (*x, *y) == (a, b)).map_or(0, |l| l.2);
                 t.set(&uuid(a), &uuid(b), link_score(links, Some(level)));
             }
         }
@@ -758,7 +750,8 @@ mod tests {
         // TestBestEffortAllocate in go-gpuallocator gpuallocator/besteffort_test.go.
         let res = gpus(8, 4);
         let t = dgx1_volta();
-        let cases: [(&[usize], &[usize], usize, &[usize]); 7] = [
+        type Case<'a> = (&'a [usize], &'a [usize], usize, &'a [usize]);
+        let cases: [Case; 7] = [
             (&[0, 2, 4, 5], &[], 2, &[4, 5]),
             (&[0, 4, 5, 6], &[], 2, &[5, 6]),
             (&[0, 3, 1], &[], 2, &[0, 3]),
@@ -989,7 +982,13 @@ mod tests {
         let res = replicated(2, 12);
         let t = Topology::new();
         // GPU 0: replicas 2, 10, 11 free (9 allocated); GPU 1: 3, 4 free (10 allocated).
-        let avail = vec![replica(0, 10), replica(0, 2), replica(0, 11), replica(1, 3), replica(1, 4)];
+        let avail = vec![
+            replica(0, 10),
+            replica(0, 2),
+            replica(0, 11),
+            replica(1, 3),
+            replica(1, 4),
+        ];
         let got = preferred_allocation(&res, &avail, &[], 1, &t, D).unwrap();
         assert_eq!(got, [replica(0, 2)]);
         let got = preferred_allocation(&res, &avail, &[], 2, &t, D).unwrap();
@@ -1051,7 +1050,14 @@ mod tests {
                 }
             }
         }
-        fn iterate(devs: &[usize], size: usize, n: usize, padding: usize, accum: &mut Vec<Vec<usize>>, cb: &mut dyn FnMut(&[Vec<usize>])) {
+        fn iterate(
+            devs: &[usize],
+            size: usize,
+            n: usize,
+            padding: usize,
+            accum: &mut Vec<Vec<usize>>,
+            cb: &mut dyn FnMut(&[Vec<usize>]),
+        ) {
             if devs.len() == size {
                 accum.push(devs.to_vec());
                 cb(accum);
