@@ -538,5 +538,11 @@ mod tests {
             "\"mixd\" is not valid: expected one of none, single, mixed"
         );
         assert_eq!(DeviceListStrategy::VolumeMounts.to_string(), "volume-mounts");
+        assert_eq!("spread".parse(), Ok(SharedPolicy::Spread));
+        let err = "tight".parse::<SharedPolicy>().unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "\"tight\" is not valid: expected one of distributed, packed, spread"
+        );
     }
 }
