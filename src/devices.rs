@@ -107,13 +107,21 @@ impl TopologyLevel {
     }
 }
 
-/// Score of one GPU pair: 100 per NVLink between them plus the PCIe level's score (`None`
-/// when NVML could not tell: 0). Summing both, as go-gpuallocator does, keeps NVLink
-/// dominant (one link outweighs any PCIe level) while still ranking NVLink pairs by locality.
+/// Most NVLinks between two GPUs that go-gpuallocator scores: its pair score has cases for
+/// 1..=12 links only, so a pair with more (18 on a bridged H100 NVL pair) gets no NVLink points.
+pub const MAX_SCORED_NVLINKS: u32 = 12;
+
+/// Score of one GPU pair, go-gpuallocator's `calculateGPUPairScore`: 100 per NVLink between
+/// them (none past [`MAX_SCORED_NVLINKS`]) plus the PCIe level's score (`None` when NVML could
+/// not tell: 0). Links to an NVSwitch are not links to a GPU and score nothing (go-gpuallocator
+/// matches a link's remote PCI address against the other GPU's).
 pub fn link_score(nvlinks: u32, level: Option<TopologyLevel>) -> u32 {
-    nvlinks
-        .saturating_mul(100)
-        .saturating_add(level.map_or(0, TopologyLevel::score))
+    let nvlink = if nvlinks <= MAX_SCORED_NVLINKS {
+        nvlinks * 100
+    } else {
+        0
+    };
+    nvlink + level.map_or(0, TopologyLevel::score)
 }
 
 #[cfg(test)]
@@ -130,7 +138,9 @@ mod tests {
         assert_eq!(link_score(0, Some(TopologyLevel::Single)), 50);
         assert_eq!(link_score(0, Some(TopologyLevel::Internal)), 60);
         assert_eq!(link_score(12, Some(TopologyLevel::System)), 1210);
-        assert_eq!(link_score(u32::MAX, None), u32::MAX);
+        assert_eq!(link_score(13, Some(TopologyLevel::System)), 10);
+        assert_eq!(link_score(18, None), 0);
+        assert_eq!(link_score(u32::MAX, None), 0);
 
         let mut t = Topology::new();
         assert!(t.is_empty());

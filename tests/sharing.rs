@@ -106,14 +106,14 @@ async fn four_replicas_on_two_gpus_are_eight_shared_gpus_one_per_container() {
         .await
         .expect("preferred");
     assert_ne!(physical(&spread[0]), physical(&spread[1]), "{spread:?}");
-    // GPU 0 has two replicas in use, GPU 1 none: still one replica of each GPU, the idle one
-    // first (two replicas of GPU 1 would be one GPU twice in the container).
+    // GPU 0 has two replicas in use, GPU 1 none: NVIDIA's distributed takes the least
+    // allocated GPU each time, so both from GPU 1 (1 allocated after the first is still < 2).
     let busy: Vec<&str> = available[2..].to_vec();
     let spread = kubelet
         .preferred_allocation(SHARED, &busy, &[], 2)
         .await
         .expect("preferred");
-    assert_eq!(spread, [want[4].clone(), want[2].clone()]);
+    assert_eq!(spread, [want[4].clone(), want[5].clone()]);
 
     // The GPU feature labels say how the GPUs are shared (renamed: no -SHARED product).
     wait_label(&api, "nvidia.com/gpu.replicas", Some("4")).await;
@@ -147,17 +147,17 @@ async fn four_replicas_on_two_gpus_are_eight_shared_gpus_one_per_container() {
     tokio::time::timeout(T, packed)
         .await
         .expect("packed preferred allocation");
-    // Two replicas are still two GPUs, the busier one first.
+    // Two replicas both come from the busier GPU while it has room (NVIDIA's packed).
     let two = kubelet
         .preferred_allocation(SHARED, &one_busy, &[], 2)
         .await
         .expect("preferred");
-    assert_eq!(two, [want[1].clone(), want[4].clone()]);
+    assert_eq!(two, [want[1].clone(), want[2].clone()]);
     let two = kubelet
         .preferred_allocation(SHARED, &available, &[], 2)
         .await
         .expect("preferred");
-    assert_eq!(two, [want[0].clone(), want[4].clone()]);
+    assert_eq!(two, [want[0].clone(), want[1].clone()]);
     assert!(kubelet.is_connected(SHARED));
     assert_eq!(kubelet.registrations().len(), registrations, "no new registration");
     while let Ok(event) = events.try_recv() {

@@ -23,6 +23,15 @@ struct MachineFile {
     profiles_need_mig: bool,
     #[serde(default)]
     gpu: Vec<GpuEntry>,
+    #[serde(default)]
+    nvswitch: Vec<NvSwitchEntry>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct NvSwitchEntry {
+    pci_bus_id: String,
+    pci_device_id: Option<u16>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -39,6 +48,8 @@ struct GpuEntry {
     mig_reset_required: bool,
     pci_subsystem_id: Option<u32>,
     pcie_switch: Option<String>,
+    pcie_path: Option<Vec<String>>,
+    pcie_board: Option<String>,
     #[serde(default)]
     nvlink_peers: Vec<String>,
     #[serde(default)]
@@ -133,6 +144,8 @@ pub struct Machine {
     /// NOT_SUPPORTED for every profile index, and `…ProfileInfoByIdV` and
     /// `…GpuInstancePossiblePlacements_v2` for every profile id, until MIG mode is current.
     pub profiles_need_mig: bool,
+    /// NVSwitches that NVLinks can end at (`[[nvswitch]]`).
+    pub nvswitches: Vec<NvSwitchSpec>,
     /// The GPUs, in NVML index order.
     pub gpus: Vec<GpuSpec>,
 }
@@ -160,6 +173,11 @@ pub struct GpuSpec {
     pub pci_subsystem_id: u32,
     /// PCIe switch name, for topology.
     pub pcie_switch: Option<String>,
+    /// PCIe path from the host bridge down to the switch the GPU sits under (names); empty
+    /// when not given.
+    pub pcie_path: Vec<String>,
+    /// Multi-GPU board name: GPUs on one board are `NVML_TOPOLOGY_INTERNAL`.
+    pub pcie_board: Option<String>,
     /// Remote end of each active NVLink, link 0 first.
     pub nvlink_peers: Vec<BusId>,
     /// MIG devices that exist when the state is first built.
@@ -174,6 +192,94 @@ pub struct GpuSpec {
     pub vgpu: bool,
     /// GPM activity from the machine file (`[gpu.gpm]`).
     pub gpm: crate::gpm::Activity,
+}
+
+/// An NVSwitch: the remote end of the NVLinks that name its bus id.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NvSwitchSpec {
+    /// PCI address.
+    pub bus_id: BusId,
+    /// PCI device id (the vendor is NVIDIA's).
+    pub pci_device_id: u16,
+}
+
+/// PCI device id of an NVSwitch when the machine file names none: the second-generation
+/// switch of the DGX A100.
+pub const DEFAULT_NVSWITCH_DEVICE_ID: u16 = 0x1af1;
+
+/// `nvmlDeviceGetTopologyCommonAncestor` of two distinct GPUs (`nvmlGpuTopologyLevel_t`):
+/// the same `pcie_board` is INTERNAL (0), the same `pcie_switch` SINGLE (10); with
+/// `pcie_path`s under one host bridge, the same path is SINGLE (10), a common switch
+/// MULTIPLE (20), only the host bridge in common HOSTBRIDGE (30); otherwise the same
+/// `numa_node` is NODE (40), and anything else SYSTEM (50).
+pub fn common_ancestor(x: &GpuSpec, y: &GpuSpec) -> u32 {
+    let (a, b) = (&x.pcie_path, &y.pcie_path);
+    if x.pcie_board.is_some() && x.pcie_board == y.pcie_board {
+        0
+    } else if x.pcie_switch.is_some() && x.pcie_switch == y.pcie_switch {
+        10
+    } else if !a.is_empty() && !b.is_empty() && a[0] == b[0] {
+        let common = a.iter().zip(b).take_while(|(p, q)| p == q).count();
+        if a == b && a.len() >= 2 {
+            10
+        } else if common >= 2 {
+            20
+        } else {
+            30
+        }
+    } else if x.numa_node.is_some() && x.numa_node == y.numa_node {
+        40
+    } else {
+        50
+    }
+}
+
+/// Checks that the `pcie_path`s describe one tree (each name has one parent, a host bridge is
+/// never a switch), that GPUs under one host bridge share a NUMA node, and that NVSwitch bus
+/// ids are unique. (NVLinks are not checked for symmetry: a file may list one end only.)
+fn check_topology(gpus: &[GpuSpec], nvswitches: &[NvSwitchSpec]) -> Result<(), String> {
+    use std::collections::HashMap;
+    let mut parent: HashMap<&str, (Option<&str>, usize)> = HashMap::new();
+    let mut bridge_numa: HashMap<&str, (Option<u32>, usize)> = HashMap::new();
+    for (i, g) in gpus.iter().enumerate() {
+        for (depth, name) in g.pcie_path.iter().enumerate() {
+            let up = depth.checked_sub(1).map(|d| g.pcie_path[d].as_str());
+            match parent.get(name.as_str()) {
+                Some(&(seen, first)) if seen != up => {
+                    let show = |p: Option<&str>| p.map_or("the root (a host bridge)".to_string(), |p| format!("{p:?}"));
+                    return Err(format!(
+                        "gpu[{i}]: pcie_path puts {name:?} under {}, gpu[{first}] under {}",
+                        show(up),
+                        show(seen)
+                    ));
+                }
+                Some(_) => {}
+                None => {
+                    parent.insert(name, (up, i));
+                }
+            }
+        }
+        if let Some(bridge) = g.pcie_path.first() {
+            match bridge_numa.get(bridge.as_str()) {
+                Some(&(numa, first)) if numa != g.numa_node => {
+                    return Err(format!(
+                        "gpu[{i}]: host bridge {bridge:?} is also gpu[{first}]'s, but the numa_node differs ({:?} and {:?})",
+                        g.numa_node, numa
+                    ));
+                }
+                Some(_) => {}
+                None => {
+                    bridge_numa.insert(bridge, (g.numa_node, i));
+                }
+            }
+        }
+    }
+    for (k, sw) in nvswitches.iter().enumerate() {
+        if gpus.iter().any(|g| g.bus_id == sw.bus_id) || nvswitches[..k].iter().any(|o| o.bus_id == sw.bus_id) {
+            return Err(format!("nvswitch[{k}]: pci_bus_id {} is used twice", sw.bus_id));
+        }
+    }
+    Ok(())
 }
 
 /// A pre-existing MIG device from the machine file.
@@ -212,13 +318,33 @@ impl Machine {
             }
             gpus.push(gpu);
         }
+        let nvswitches = raw
+            .nvswitch
+            .into_iter()
+            .enumerate()
+            .map(|(k, e)| {
+                let bus_id = BusId::parse(&e.pci_bus_id)
+                    .ok_or_else(|| format!("nvswitch[{k}]: pci_bus_id {:?} is not a PCI bus id", e.pci_bus_id))?;
+                Ok(NvSwitchSpec {
+                    bus_id,
+                    pci_device_id: e.pci_device_id.unwrap_or(DEFAULT_NVSWITCH_DEVICE_ID),
+                })
+            })
+            .collect::<Result<Vec<_>, String>>()?;
+        check_topology(&gpus, &nvswitches)?;
         Ok(Machine {
             driver_version: raw.driver_version,
             cuda_driver_version: raw.cuda_driver_version,
             nvml_version,
             profiles_need_mig: raw.profiles_need_mig,
+            nvswitches,
             gpus,
         })
+    }
+
+    /// The NVSwitch with this bus id.
+    pub fn nvswitch_by_bus_id(&self, bus: &BusId) -> Option<&NvSwitchSpec> {
+        self.nvswitches.iter().find(|s| s.bus_id == *bus)
     }
 
     /// Index of the GPU with this bus id.
@@ -315,6 +441,16 @@ fn gpu_spec(index: usize, e: GpuEntry) -> Result<GpuSpec, String> {
             placement: m.placement,
         })
         .collect();
+    if e.pcie_switch.is_some() && e.pcie_path.is_some() {
+        return Err(
+            "pcie_switch and pcie_path both given: pcie_path = [\"<host bridge>\", \"<switch>\", ...] says it all"
+                .into(),
+        );
+    }
+    let pcie_path = e.pcie_path.unwrap_or_default();
+    if let Some(bad) = pcie_path.iter().find(|n| n.trim().is_empty()) {
+        return Err(format!("pcie_path entry {bad:?} is empty"));
+    }
     let fabric = e.fabric.map(|f| crate::fabric::fabric_spec(model, f)).transpose()?;
     let pci_class = e.pci_class.unwrap_or(0x030200);
     if pci_class > 0xff_ffff {
@@ -330,6 +466,8 @@ fn gpu_spec(index: usize, e: GpuEntry) -> Result<GpuSpec, String> {
         mig_reset_required: e.mig_reset_required,
         pci_subsystem_id: e.pci_subsystem_id.unwrap_or(model.pci_subsystem_id),
         pcie_switch: e.pcie_switch,
+        pcie_path,
+        pcie_board: e.pcie_board,
         nvlink_peers,
         mig_devices,
         readings: e.readings,
@@ -392,5 +530,82 @@ mod tests {
             assert!(!err.contains('\n'));
         }
         assert!(Machine::parse("cuda_driver_version = 12040\n").is_err());
+    }
+
+    fn gpu(path: &[&str], numa: u32, peers: &[&str]) -> String {
+        let path: Vec<String> = path.iter().map(|p| format!("{p:?}")).collect();
+        let peers: Vec<String> = peers.iter().map(|p| format!("{p:?}")).collect();
+        format!(
+            "[[gpu]]\nmodel = \"A100-SXM4-40GB\"\nnuma_node = {numa}\npcie_path = [{}]\nnvlink_peers = [{}]\n",
+            path.join(", "),
+            peers.join(", ")
+        )
+    }
+
+    #[test]
+    fn pcie_paths_give_every_level() {
+        let base = "driver_version = \"550.54.15\"\ncuda_driver_version = 12040\n";
+        let text = [
+            gpu(&["hb0", "sw0", "sw1"], 0, &[]),
+            gpu(&["hb0", "sw0", "sw1"], 0, &[]),
+            gpu(&["hb0", "sw0", "sw2"], 0, &[]),
+            gpu(&["hb0", "sw3"], 0, &[]),
+            gpu(&["hb1"], 0, &[]),
+            gpu(&["hb2"], 1, &[]),
+        ]
+        .concat();
+        let mut m = Machine::parse(&format!("{base}{text}")).unwrap();
+        let level = |m: &Machine, a: usize, b: usize| common_ancestor(&m.gpus[a], &m.gpus[b]);
+        assert_eq!(level(&m, 0, 1), 10);
+        assert_eq!(level(&m, 0, 2), 20);
+        assert_eq!(level(&m, 0, 3), 30);
+        assert_eq!(level(&m, 0, 4), 40);
+        assert_eq!(level(&m, 4, 5), 50);
+        m.gpus[0].pcie_board = Some("b".into());
+        m.gpus[3].pcie_board = Some("b".into());
+        assert_eq!(level(&m, 0, 3), 0);
+    }
+
+    #[test]
+    fn topology_mistakes_are_named() {
+        let base = "driver_version = \"550.54.15\"\ncuda_driver_version = 12040\n";
+        let cases = [
+            (
+                [gpu(&["hb0", "sw0"], 0, &[]), gpu(&["hb1", "sw0"], 0, &[])].concat(),
+                "gpu[1]: pcie_path puts \"sw0\" under \"hb1\", gpu[0] under \"hb0\"",
+            ),
+            (
+                [gpu(&["hb0", "sw0"], 0, &[]), gpu(&["sw0"], 0, &[])].concat(),
+                "gpu[1]: pcie_path puts \"sw0\" under the root (a host bridge), gpu[0] under \"hb0\"",
+            ),
+            (
+                [gpu(&["hb0"], 0, &[]), gpu(&["hb0"], 1, &[])].concat(),
+                "gpu[1]: host bridge \"hb0\" is also gpu[0]'s, but the numa_node differs",
+            ),
+            (gpu(&["hb0", " "], 0, &[]), "gpu[0]: pcie_path entry \" \" is empty"),
+            (
+                "[[gpu]]\nmodel = \"T4\"\npcie_switch = \"s\"\npcie_path = [\"h\"]\n".to_string(),
+                "pcie_switch and pcie_path both given",
+            ),
+            (
+                "[[nvswitch]]\npci_bus_id = \"00000000:10:00.0\"\n[[gpu]]\nmodel = \"T4\"\n".to_string(),
+                "nvswitch[0]: pci_bus_id 00000000:10:00.0 is used twice",
+            ),
+        ];
+        for (extra, want) in cases {
+            let err = Machine::parse(&format!("{base}{extra}")).unwrap_err();
+            assert!(err.contains(want), "{extra:?}: {err}");
+        }
+    }
+
+    #[test]
+    fn nvswitches_are_parsed() {
+        let text = "driver_version = \"550.54.15\"\ncuda_driver_version = 12040\n\
+                    [[nvswitch]]\npci_bus_id = \"0000:c0:00.0\"\n\
+                    [[nvswitch]]\npci_bus_id = \"0000:c1:00.0\"\npci_device_id = 0x22a3\n";
+        let m = Machine::parse(text).unwrap();
+        let bus = BusId::parse("00000000:C1:00.0").unwrap();
+        assert_eq!(m.nvswitch_by_bus_id(&bus).map(|s| s.pci_device_id), Some(0x22a3));
+        assert_eq!(m.nvswitches[0].pci_device_id, DEFAULT_NVSWITCH_DEVICE_ID);
     }
 }

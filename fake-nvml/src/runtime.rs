@@ -790,25 +790,24 @@ impl Cx<'_> {
 
     /// `nvmlDeviceGetTopologyCommonAncestor` level between two GPUs.
     pub fn topology(&self, a: usize, b: usize) -> u32 {
-        let (x, y) = (self.lib.spec(a), self.lib.spec(b));
         if a == b {
             0
-        } else if x.pcie_switch.is_some() && x.pcie_switch == y.pcie_switch {
-            10
-        } else if x.numa_node.is_some() && x.numa_node == y.numa_node {
-            40
         } else {
-            50
+            crate::machine::common_ancestor(self.lib.spec(a), self.lib.spec(b))
         }
     }
 
     /// The PCI info of the remote end of NVLink `link` of GPU `g`.
     pub fn nvlink_remote(&self, g: usize, link: usize) -> Option<nvmlPciInfo_t> {
         let peer = *self.lib.spec(g).nvlink_peers.get(link)?;
-        Some(match self.lib.machine.gpu_by_bus_id(&peer) {
-            Some(p) => self.pci_info(p),
-            None => pci_for_bus(&peer),
-        })
+        if let Some(p) = self.lib.machine.gpu_by_bus_id(&peer) {
+            return Some(self.pci_info(p));
+        }
+        let mut info = pci_for_bus(&peer);
+        if let Some(switch) = self.lib.machine.nvswitch_by_bus_id(&peer) {
+            info.pciDeviceId = (u32::from(switch.pci_device_id) << 16) | 0x10DE;
+        }
+        Some(info)
     }
 
     /// Event types GPU `g` supports.

@@ -105,6 +105,73 @@ fn dgx_a100_inventory() {
 }
 
 #[test]
+fn pcie_paths_boards_and_nvswitch_links() {
+    let machine = r#"
+driver_version = "550.54.15"
+cuda_driver_version = 12040
+[[nvswitch]]
+pci_bus_id = "0000:c0:00.0"
+pci_device_id = 0x22a3
+[[gpu]]
+model = "H100-80GB-HBM3"
+numa_node = 0
+pcie_path = ["hb0", "sw0", "sw1"]
+nvlink_peers = ["0000:c0:00.0", "0000:c0:00.0", "0000:11:00.0"]
+[[gpu]]
+model = "H100-80GB-HBM3"
+numa_node = 0
+pcie_path = ["hb0", "sw0", "sw2"]
+nvlink_peers = ["0000:10:00.0"]
+[[gpu]]
+model = "H100-80GB-HBM3"
+numa_node = 0
+pcie_path = ["hb0", "sw0", "sw1"]
+[[gpu]]
+model = "H100-80GB-HBM3"
+numa_node = 0
+pcie_path = ["hb0", "sw3"]
+pcie_board = "b"
+[[gpu]]
+model = "H100-80GB-HBM3"
+numa_node = 0
+pcie_path = ["hb1"]
+pcie_board = "b"
+[[gpu]]
+model = "H100-80GB-HBM3"
+numa_node = 0
+pcie_path = ["hb1"]
+"#;
+    let fake = Fake::new(machine);
+    let nvml = fake.init();
+    let level = |a: u32, b: u32| {
+        let x = nvml.device_by_index(a).unwrap();
+        let y = nvml.device_by_index(b).unwrap();
+        x.topology_common_ancestor(y).unwrap()
+    };
+    assert_eq!(level(0, 2), TopologyLevel::Single);
+    assert_eq!(level(0, 1), TopologyLevel::Multiple);
+    assert_eq!(level(0, 3), TopologyLevel::HostBridge);
+    assert_eq!(level(3, 4), TopologyLevel::Internal);
+    assert_eq!(level(0, 5), TopologyLevel::Node);
+    assert_eq!(level(4, 5), TopologyLevel::HostBridge);
+
+    // Links into the NVSwitch report the switch: its address and its device id.
+    let d = nvml.device_by_index(0).unwrap();
+    for link in 0..2 {
+        let remote: PciInfo = d.link_wrapper_for(link).remote_pci_info().unwrap();
+        assert_eq!(remote.bus_id, "00000000:C0:00.0");
+        assert_eq!(remote.pci_device_id, 0x22A3_10DE);
+    }
+    let remote: PciInfo = d.link_wrapper_for(2).remote_pci_info().unwrap();
+    assert_eq!(remote.bus_id, "00000000:11:00.0");
+    assert_eq!(
+        remote.pci_device_id,
+        nvml.device_by_index(1).unwrap().pci_info().unwrap().pci_device_id
+    );
+    assert!(!d.link_wrapper_for(3).is_active().unwrap());
+}
+
+#[test]
 fn memory_info_v1_and_version_check() {
     let fake = Fake::new(&example("t4.toml"));
     let nvml = fake.init();

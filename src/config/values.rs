@@ -253,14 +253,21 @@ closed_enum! {
 }
 
 closed_enum! {
-    /// How `GetPreferredAllocation` picks shared devices (MIG devices and replicas) over
-    /// physical GPUs (`device_plugin.sharing.policy`, NVIDIA's
-    /// `sharedDevicesAllocationPolicy`).
+    /// How `GetPreferredAllocation` picks shared devices (MIG devices and replicas)
+    /// (`device_plugin.sharing.policy`, NVIDIA's `sharedDevicesAllocationPolicy`). Devices are
+    /// grouped as NVIDIA v0.20 groups them: a replica with the other replicas of its device, a
+    /// MIG device or whole GPU alone; "allocated" counts a group's devices that are not
+    /// available or already chosen.
     pub enum SharedPolicy {
-        /// Prefer the physical GPU with the fewest of the resource's devices in use.
+        /// NVIDIA's default: the group with the fewest allocated, then the one this request
+        /// took the fewest from.
         Distributed = "distributed",
-        /// Prefer the physical GPU with the most of the resource's devices in use.
+        /// The group with the most allocated, then the one this request took the fewest from.
         Packed = "packed",
+        /// The group this request took the fewest from (must-include devices count), then the
+        /// fewest allocated: a multi-replica request gets distinct GPUs while any have a
+        /// replica free (NVIDIA's `spread`, on its main branch after v0.20).
+        Spread = "spread",
     }
 }
 
@@ -531,5 +538,11 @@ mod tests {
             "\"mixd\" is not valid: expected one of none, single, mixed"
         );
         assert_eq!(DeviceListStrategy::VolumeMounts.to_string(), "volume-mounts");
+        assert_eq!("spread".parse(), Ok(SharedPolicy::Spread));
+        let err = "tight".parse::<SharedPolicy>().unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "\"tight\" is not valid: expected one of distributed, packed, spread"
+        );
     }
 }

@@ -1,28 +1,35 @@
 //! `GetPreferredAllocation`: which of the available devices the kubelet should give a
-//! container.
+//! container. Both paths do what NVIDIA's k8s-device-plugin v0.20 does, with NVIDIA's
+//! arbitrary tie orders (Go map order, `sort.Slice`, the kubelet's unsorted list) replaced by
+//! the candidate order ([`Entry::order_key`]: device index, then replica number), so the
+//! answer is deterministic.
 //!
-//! - Whole GPUs (no MIG devices, no replica IDs): the topology policy. Pick the set of `size`
-//!   GPUs containing every must-include GPU whose summed pairwise link score ([`Topology`]) is
-//!   highest. NVIDIA (go-gpuallocator's best-effort policy) partitions *all* available GPUs
-//!   into sets of `size` and returns the best set of the best partition; for one request what a
-//!   user observes is "the best-connected set", which is what this computes directly (the two
-//!   differ only when the best single set would leave badly connected leftovers, a trade-off
-//!   NVIDIA makes for future requests it cannot know).
-//! - MIG devices or time-slicing/MPS replicas: NVIDIA's shared-device greedy policy
-//!   ([`SharedPolicy`]), spreading over or packing onto physical GPUs.
+//! - Whole GPUs (no MIG devices, no replica IDs): go-gpuallocator's best-effort policy
+//!   ([`best_effort`]). Pad the available GPUs to a multiple of `size`, find the partition of
+//!   them into sets of `size` with the highest total pair score ([`Topology`]) among those with
+//!   a set holding every must-include GPU (and no padding), and return the highest-scoring such
+//!   set of that partition. So a request leaves well-connected sets for the requests after it:
+//!   on a DGX-1 (Volta) two pairs of `[0,2,4,5]` are `[0,2]` and `[4,5]`, and the answer is
+//!   `[4,5]`, not the single best pair `[0,4]`.
+//! - MIG devices or time-slicing/MPS replicas: NVIDIA's greedy loop ([`shared_greedy`]) under
+//!   the configured [`SharedPolicy`].
 //!
 //! The result is always the must-include IDs followed by the picks, spelled exactly as the
-//! kubelet sent them. Everything is deterministic.
+//! kubelet sent them.
 
 use std::cmp::Reverse;
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 use crate::devices::{Topology, split_replica_id};
 use crate::plugin::resources::{PluginDevice, Resource};
 
-/// Combination count up to which the topology policy searches exhaustively (covers every
-/// `size` for up to 16 candidate GPUs: C(16, 8) = 12870); beyond it, greedy.
+/// Combination count up to which the fallback for more than [`PARTITION_GPU_LIMIT`] GPUs
+/// searches exhaustively for the best single set; beyond it, greedy.
 pub const EXACT_SEARCH_LIMIT: u64 = 1 << 15;
+
+/// Available whole GPUs up to which the best-effort partition search runs (it is exact and
+/// takes milliseconds at 16). With more, the single best-connected set is returned instead.
+pub const PARTITION_GPU_LIMIT: usize = 16;
 
 /// How shared devices (MIG devices, time-slicing replicas) are chosen: the config's
 /// `[device_plugin.sharing] policy` (NVIDIA's `sharedDevicesAllocationPolicy`).
@@ -59,8 +66,8 @@ pub fn preferred_allocation<'a>(
     policy: SharedPolicy,
 ) -> Result<Vec<String>, PreferredError> {
     let lookup = |id: &'a String| -> Result<Entry<'a>, PreferredError> {
-        match resource.devices.get(id) {
-            Some(device) => Ok(Entry { id, device }),
+        match resource.devices.get_key_value(id) {
+            Some((key, device)) => Ok(Entry { id: key, device }),
             None => Err(PreferredError::UnknownDevice {
                 id: id.clone(),
                 resource: resource.name.clone(),
@@ -109,6 +116,8 @@ pub fn preferred_allocation<'a>(
         Vec::new()
     } else if shared {
         shared_greedy(resource, &must, candidates, needed, policy)
+    } else if must.len() + candidates.len() <= PARTITION_GPU_LIMIT {
+        best_effort(&must, candidates, size, topology)
     } else {
         best_connected(&must, candidates, needed, topology)
     };
@@ -116,14 +125,14 @@ pub fn preferred_allocation<'a>(
     Ok(must.iter().chain(&picks).map(|e| e.id.clone()).collect())
 }
 
-/// A requested ID and the device it names.
+/// A requested ID (the resource's own copy) and the device it names.
 #[derive(Debug, Clone, Copy)]
 struct Entry<'a> {
     id: &'a String,
     device: &'a PluginDevice,
 }
 
-impl Entry<'_> {
+impl<'a> Entry<'a> {
     /// Deterministic candidate order: device index numerically (`"2"` < `"10"`, `"1:0"` <
     /// `"1:1"`), then replica number numerically, then the ID itself.
     fn order_key(&self) -> (Vec<u32>, u64, String) {
@@ -136,6 +145,20 @@ impl Entry<'_> {
         let replica = split_replica_id(self.id).map_or(0, |(_, n)| n.parse::<u64>().map_or(u64::MAX, |n| n + 1));
         (index, replica, self.id.clone())
     }
+
+    /// NVIDIA's bucket for the shared-device policies (`AnnotatedID.GetID()`): the device a
+    /// replica `<uuid>::<n>` stands for, otherwise the ID itself. A MIG device is its own
+    /// bucket, not its parent GPU's (grouping by parent is NVIDIA's open PR #2036).
+    fn bucket(&self) -> &'a str {
+        bucket(self.id, self.device)
+    }
+}
+
+fn bucket<'a>(id: &'a str, device: &'a PluginDevice) -> &'a str {
+    match split_replica_id(id) {
+        Some(_) => device.uuid.as_str(),
+        None => id,
+    }
 }
 
 fn dedup(ids: &[String]) -> Vec<&String> {
@@ -143,57 +166,50 @@ fn dedup(ids: &[String]) -> Vec<&String> {
     ids.iter().filter(|id| seen.insert(id.as_str())).collect()
 }
 
-/// Shared devices, NVIDIA's greedy loop: one pick at a time, preferring
+/// Shared devices, NVIDIA's greedy loop (`greedyAlloc` in k8s-device-plugin
+/// `internal/rm/allocate.go`): one pick at a time, from the bucket ([`Entry::bucket`]) ranked
+/// first, where a bucket's *allocated* count is its devices in the resource that are not
+/// candidates any more (in use by other containers, must-include, or picked earlier in this
+/// loop) and *picked* is how many this loop took from it:
 ///
-/// 1. the candidate whose device (the GPU or MIG device a replica stands for; for a device that
-///    is not a replica, the device itself) is in this request the fewest times so far
-///    (must-include and picks): two replicas of one GPU in one container are the same GPU
-///    twice, so a request for several replicas gets distinct GPUs while any have one free;
-/// 2. then the candidate whose physical GPU carries the fewest (`Distributed`) / most
-///    (`Packed`) of this resource's devices already taken — in use by other containers (not
-///    available), must-include, or picked earlier in this loop;
-/// 3. then the GPU with the fewest devices in this request so far;
-/// 4. then candidate order ([`Entry::order_key`]).
+/// - `Distributed`: fewest allocated, then fewest picked (NVIDIA PR #1788);
+/// - `Packed`: most allocated, then fewest picked;
+/// - `Spread` (NVIDIA PR #1936): fewest picked, counting must-include devices as picked, then
+///   fewest allocated.
 ///
-/// Rule 1 never applies between MIG devices that are not replicas (each is a distinct device),
-/// so `Packed` still fills one GPU's MIG devices first. Counting devices in use elsewhere is what
-/// spreads single-device pods over GPUs under `Distributed`: a GPU's load is its device count in
-/// the resource minus its candidates not yet picked.
+/// Remaining ties go to the candidate order, which also chooses the replica within a bucket.
 fn shared_greedy<'a>(
-    resource: &Resource,
+    resource: &'a Resource,
     must: &[Entry<'a>],
     mut candidates: Vec<Entry<'a>>,
     needed: usize,
     policy: SharedPolicy,
 ) -> Vec<Entry<'a>> {
-    let mut load: BTreeMap<&str, usize> = BTreeMap::new();
-    for device in resource.devices.values() {
-        *load.entry(device.physical_uuid()).or_default() += 1;
+    let mut total: BTreeMap<&str, usize> = BTreeMap::new();
+    for (id, device) in &resource.devices {
+        *total.entry(bucket(id, device)).or_default() += 1;
     }
+    let mut left: BTreeMap<&str, usize> = BTreeMap::new();
     for c in &candidates {
-        if let Some(l) = load.get_mut(c.device.physical_uuid()) {
-            *l -= 1;
-        }
+        *left.entry(c.bucket()).or_default() += 1;
     }
-    // Per physical GPU, and per device the container would see (replicas of one device share
-    // it; any other ID is its own device).
-    let mut in_request: BTreeMap<&str, usize> = BTreeMap::new();
-    let mut same_device: BTreeMap<&str, usize> = BTreeMap::new();
-    for m in must {
-        *in_request.entry(m.device.physical_uuid()).or_default() += 1;
-        *same_device.entry(seen_device(m)).or_default() += 1;
+    let mut picked: BTreeMap<&str, usize> = BTreeMap::new();
+    if policy == SharedPolicy::Spread {
+        for m in must {
+            *picked.entry(m.bucket()).or_default() += 1;
+        }
     }
 
     let mut picks = Vec::with_capacity(needed);
     while picks.len() < needed && !candidates.is_empty() {
         let rank = |e: &Entry| {
-            let gpu = e.device.physical_uuid();
-            let d = same_device.get(seen_device(e)).copied().unwrap_or(0);
-            let l = load.get(gpu).copied().unwrap_or(0);
-            let r = in_request.get(gpu).copied().unwrap_or(0);
+            let b = e.bucket();
+            let allocated = total.get(b).copied().unwrap_or(0) - left.get(b).copied().unwrap_or(0);
+            let p = picked.get(b).copied().unwrap_or(0);
             match policy {
-                SharedPolicy::Distributed => (d, l, r),
-                SharedPolicy::Packed => (d, usize::MAX - l, r),
+                SharedPolicy::Distributed => (allocated, p),
+                SharedPolicy::Packed => (usize::MAX - allocated, p),
+                SharedPolicy::Spread => (p, allocated),
             }
         };
         // Candidates are in order, so the first minimum is the lowest in order among ties.
@@ -201,25 +217,196 @@ fn shared_greedy<'a>(
             .min_by_key(|&i| (rank(&candidates[i]), i))
             .expect("candidates is not empty");
         let pick = candidates.remove(best);
-        let gpu = pick.device.physical_uuid();
-        *load.entry(gpu).or_default() += 1;
-        *in_request.entry(gpu).or_default() += 1;
-        *same_device.entry(seen_device(&pick)).or_default() += 1;
+        let b = pick.bucket();
+        if let Some(l) = left.get_mut(b) {
+            *l -= 1;
+        }
+        *picked.entry(b).or_default() += 1;
         picks.push(pick);
     }
     picks
 }
 
-/// The device a container given `e` sees: for a replica (`<uuid>::<n>`) the device it
-/// replicates, otherwise the ID itself (never shared with another ID).
-fn seen_device<'a>(e: &Entry<'a>) -> &'a str {
-    match split_replica_id(e.id) {
-        Some(_) => e.device.uuid.as_str(),
-        None => e.id.as_str(),
+/// Whole GPUs, go-gpuallocator's `BestEffortPolicy` (`gpuallocator/besteffort_policy.go`):
+/// the GPUs (must-include and candidates, in candidate order) padded to a multiple of `size`
+/// are partitioned into sets of `size`; a partition counts only when its padding is in one set
+/// and some padding-free set holds every must-include GPU; the first partition (in
+/// go-gpuallocator's enumeration order) with the highest summed set score wins, and of its sets
+/// holding the must-include GPUs, the first with the highest score is the answer. A set with
+/// padding is never returned (go-gpuallocator would return a nil device there when it scores
+/// highest and the request has no must-include GPU; its plugin then fails the call).
+///
+/// Instead of walking every partition, [`Partitions`] memoises the best score of each
+/// remaining set of GPUs and then retraces the first best partition, which is the same one.
+fn best_effort<'a>(must: &[Entry<'a>], candidates: Vec<Entry<'a>>, size: usize, topology: &Topology) -> Vec<Entry<'a>> {
+    let mut all: Vec<(Entry<'a>, bool)> = must
+        .iter()
+        .map(|e| (*e, true))
+        .chain(candidates.into_iter().map(|e| (e, false)))
+        .collect();
+    all.sort_by_cached_key(|(e, _)| e.order_key());
+    let n = all.len();
+    let mut score = vec![0u64; n * n];
+    for (i, (a, _)) in all.iter().enumerate() {
+        for (j, (b, _)) in all.iter().enumerate() {
+            score[i * n + j] = u64::from(topology.score(&a.device.uuid, &b.device.uuid));
+        }
+    }
+    let required = all
+        .iter()
+        .enumerate()
+        .filter(|(_, (_, m))| *m)
+        .fold(0u64, |acc, (i, _)| acc | 1 << i);
+    let mut partitions = Partitions::new(n, size, score, required);
+    let Some(set) = partitions.best_set() else {
+        // Cannot happen: validation leaves `must ≤ size ≤ available`, so some partition fits.
+        return Vec::new();
+    };
+    all.iter()
+        .enumerate()
+        .filter(|(i, (_, m))| !m && set & (1 << i) != 0)
+        .map(|(_, (e, _))| *e)
+        .collect()
+}
+
+/// The partition search of [`best_effort`] over GPU positions `0..n` (bit `i` of a mask) and
+/// padding positions `n..total`.
+struct Partitions {
+    n: usize,
+    size: usize,
+    /// Pair scores, row-major over the `n` GPUs.
+    score: Vec<u64>,
+    /// Must-include GPUs.
+    required: u64,
+    /// The padding positions.
+    padding: u64,
+    /// Best partition score of each remaining mask; `None` when no valid partition exists.
+    memo: HashMap<u64, Option<u64>>,
+}
+
+impl Partitions {
+    fn new(n: usize, size: usize, score: Vec<u64>, required: u64) -> Self {
+        let total = n.div_ceil(size) * size;
+        let padding = (n..total).fold(0u64, |acc, i| acc | 1 << i);
+        Partitions {
+            n,
+            size,
+            score,
+            required,
+            padding,
+            memo: HashMap::new(),
+        }
+    }
+
+    fn set_score(&self, set: u64) -> u64 {
+        let mut s = 0;
+        let mut rest = set & !self.padding;
+        while rest != 0 {
+            let i = rest.trailing_zeros() as usize;
+            rest &= rest - 1;
+            let mut others = rest;
+            while others != 0 {
+                let j = others.trailing_zeros() as usize;
+                others &= others - 1;
+                s += self.score[i * self.n + j];
+            }
+        }
+        s
+    }
+
+    /// The sets of `size` holding the lowest member of `mask` that may be part of a partition
+    /// (all padding or none; all must-include GPUs without padding, or none of them), in
+    /// go-gpuallocator's order: the other members as combinations in position order. The
+    /// padding and the must-include GPUs are chosen as blocks, so only valid sets are built.
+    fn sets(&self, mask: u64) -> Vec<u64> {
+        let low = mask.trailing_zeros();
+        let low_bit = 1u64 << low;
+        let (req, pad) = (mask & self.required, mask & self.padding);
+        let singles: Vec<u32> = (low + 1..64)
+            .filter(|&i| (mask & !self.required & !self.padding) & (1 << i) != 0)
+            .collect();
+        let blocks: Vec<u64> = if req & low_bit != 0 {
+            // The must-include GPUs are all still here (they leave together), no padding.
+            vec![req]
+        } else {
+            let mut b = vec![low_bit];
+            if req != 0 {
+                b.push(low_bit | req);
+            }
+            if pad != 0 {
+                b.push(low_bit | pad);
+            }
+            b
+        };
+        let mut out = Vec::new();
+        for base in blocks {
+            let Some(k) = self.size.checked_sub(base.count_ones() as usize) else {
+                continue;
+            };
+            combinations(&singles, k, |combo| out.push(base | combo));
+        }
+        // Lexicographic order of the members' positions: of two sets of one size, the one
+        // holding the lowest position where they differ comes first, which is the larger
+        // bit-reversed mask.
+        out.sort_unstable_by_key(|&set| Reverse(set.reverse_bits()));
+        out
+    }
+
+    /// The best score of partitioning `mask`, memoised.
+    fn best(&mut self, mask: u64) -> Option<u64> {
+        if mask == 0 {
+            return Some(0);
+        }
+        if let Some(&known) = self.memo.get(&mask) {
+            return known;
+        }
+        let mut best = None;
+        for set in self.sets(mask) {
+            if let Some(rest) = self.best(mask & !set) {
+                let s = self.set_score(set) + rest;
+                if best.is_none_or(|b| s > b) {
+                    best = Some(s);
+                }
+            }
+        }
+        self.memo.insert(mask, best);
+        best
+    }
+
+    /// The answer set (a mask of GPU positions), or `None` when no partition is valid.
+    fn best_set(&mut self) -> Option<u64> {
+        let all = (0..self.n).fold(self.padding, |acc, i| acc | 1 << i);
+        let target = self.best(all)?;
+        // Retrace the first partition in enumeration order that reaches the best score: at
+        // each step the first set whose best completion keeps the total.
+        let mut partition = Vec::new();
+        let (mut mask, mut remaining) = (all, target);
+        while mask != 0 {
+            let next = self.sets(mask).into_iter().find_map(|set| {
+                let s = self.set_score(set);
+                let rest = self.best(mask & !set)?;
+                (s + rest == remaining).then_some((set, s, rest))
+            })?;
+            partition.push(next.0);
+            mask &= !next.0;
+            remaining = next.2;
+        }
+        let mut answer: Option<(u64, u64)> = None;
+        for set in partition {
+            if set & self.required != self.required || set & self.padding != 0 {
+                continue;
+            }
+            let s = self.set_score(set);
+            if answer.is_none_or(|(_, b)| s > b) {
+                answer = Some((set, s));
+            }
+        }
+        answer.map(|(set, _)| set)
     }
 }
 
-/// Whole GPUs: the set of `needed` candidates that, together with `must`, maximises
+/// Whole GPUs beyond [`PARTITION_GPU_LIMIT`], where the partition search would be slow: the
+/// set of `needed` candidates that, together with `must`, maximises
 /// (1) the summed pairwise [`Topology`] score, then (2) how many picks share a NUMA node with a
 /// must-include GPU, then (3) how many pairs in the whole set share a NUMA node, then
 /// (4) the lowest candidate order. Exhaustive when there are at most [`EXACT_SEARCH_LIMIT`]
@@ -366,6 +553,25 @@ fn greedy(scorer: &SetScorer, n: usize, k: usize, seeded: bool) -> Vec<usize> {
     best.map(|(_, s)| s).unwrap_or_default()
 }
 
+/// Calls `f` with every `k`-subset of `items` (bit positions) as a mask, in lexicographic
+/// order of positions.
+fn combinations(items: &[u32], k: usize, mut f: impl FnMut(u64)) {
+    if k > items.len() {
+        return;
+    }
+    let mut combo: Vec<usize> = (0..k).collect();
+    loop {
+        f(combo.iter().fold(0u64, |acc, &c| acc | 1 << items[c]));
+        let Some(i) = (0..k).rev().find(|&i| combo[i] < items.len() - k + i) else {
+            return;
+        };
+        combo[i] += 1;
+        for j in i + 1..k {
+            combo[j] = combo[j - 1] + 1;
+        }
+    }
+}
+
 /// C(n, k), saturating at `u64::MAX`.
 fn binomial(n: usize, k: usize) -> u64 {
     if k > n {
@@ -474,28 +680,112 @@ mod tests {
         let topo = islands(8, 4);
         let got = preferred_allocation(&res, &all(8), &ids(&[6]), 4, &topo, D).unwrap();
         assert_eq!(got, ids(&[6, 4, 5, 7]));
-        // Must-include across islands: the rest follows the bigger pull.
+        // Must-include across islands: {1,5,6,4} and {1,5,6,7} leave equally good other halves;
+        // the partition {0,2,3,4} {1,5,6,7} comes first.
         let got = preferred_allocation(&res, &all(8), &ids(&[5, 1, 6]), 4, &topo, D).unwrap();
-        assert_eq!(got, ids(&[5, 1, 6, 4]));
+        assert_eq!(got, ids(&[5, 1, 6, 7]));
         // size == must_include
         let got = preferred_allocation(&res, &all(8), &ids(&[3, 2]), 2, &topo, D).unwrap();
         assert_eq!(got, ids(&[3, 2]));
     }
 
     #[test]
-    fn numa_then_index_break_ties() {
+    fn ties_go_to_index_order() {
+        // go-gpuallocator has no NUMA tie-break: with nothing to tell GPUs apart, the first
+        // partition in index order wins.
         let res = gpus(8, 4);
         let flat = Topology::new();
-        // Equal scores: join the must-include GPU's NUMA node.
+        let got = preferred_allocation(&res, &all(8), &[], 2, &flat, D).unwrap();
+        assert_eq!(got, ids(&[0, 1]));
+        // 8 GPUs padded to 9: {0,1,2} {3,4,5} {6,7,pad}, the must-include GPU's set answers.
         let got = preferred_allocation(&res, &all(8), &ids(&[5]), 3, &flat, D).unwrap();
-        assert_eq!(got, ids(&[5, 4, 6]));
-        // No must-include: keep the set on one NUMA node.
-        let got = preferred_allocation(&res, &ids(&[2, 3, 4, 5, 6, 7]), &[], 4, &flat, D).unwrap();
-        assert_eq!(got, ids(&[4, 5, 6, 7]));
-        // Nothing to tell apart: lowest indices, numerically ordered.
+        assert_eq!(got, ids(&[5, 3, 4]));
+        // Numerical index order, whatever order the kubelet sends.
         let res = gpus(12, 12);
         let got = preferred_allocation(&res, &ids(&[11, 10, 2, 9]), &[], 2, &flat, D).unwrap();
         assert_eq!(got, ids(&[2, 9]));
+    }
+
+    /// go-gpuallocator's DGX-1 Volta table (`NewDGX1VoltaNode` in
+    /// NVIDIA/go-gpuallocator gpuallocator/common_test.go): NVLink counts, then PCIe levels.
+    fn dgx1_volta() -> Topology {
+        use TopologyLevel::{HostBridge, Single, System};
+        let nvlinks = [
+            (0, 1, 1),
+            (0, 2, 1),
+            (0, 3, 2),
+            (0, 4, 2),
+            (1, 2, 2),
+            (1, 3, 1),
+            (1, 5, 2),
+            (2, 3, 2),
+            (2, 6, 1),
+            (3, 7, 1),
+            (4, 5, 1),
+            (4, 6, 1),
+            (4, 7, 2),
+            (5, 6, 2),
+            (5, 7, 1),
+            (6, 7, 2),
+        ];
+        let mut t = Topology::new();
+        for a in 0..8 {
+            for b in a + 1..8 {
+                let level = if a / 4 != b / 4 {
+                    System
+                } else if a / 2 == b / 2 {
+                    Single
+                } else {
+                    HostBridge
+                };
+                let links = nvlinks.iter().find(|(x, y, _)| (*x, *y) == (a, b)).map_or(0, |l| l.2);
+                t.set(&uuid(a), &uuid(b), link_score(links, Some(level)));
+            }
+        }
+        t
+    }
+
+    #[test]
+    fn best_effort_partitions_like_go_gpuallocator() {
+        // TestBestEffortAllocate in go-gpuallocator gpuallocator/besteffort_test.go.
+        let res = gpus(8, 4);
+        let t = dgx1_volta();
+        type Case<'a> = (&'a [usize], &'a [usize], usize, &'a [usize]);
+        let cases: [Case; 7] = [
+            (&[0, 2, 4, 5], &[], 2, &[4, 5]),
+            (&[0, 4, 5, 6], &[], 2, &[5, 6]),
+            (&[0, 3, 1], &[], 2, &[0, 3]),
+            (&[0, 1, 4], &[], 2, &[0, 4]),
+            (&[0, 1, 2, 3, 4, 5, 6, 7], &[4], 1, &[4]),
+            (&[0, 1, 2, 3, 4, 5, 6, 7], &[4], 2, &[4, 7]),
+            (&[0, 1, 2, 3, 4, 5, 6, 7], &[4], 4, &[4, 5, 6, 7]),
+        ];
+        for (avail, must, size, want) in cases {
+            let got = preferred_allocation(&res, &ids(avail), &ids(must), size, &t, D).unwrap();
+            let mut got_sorted = got.clone();
+            got_sorted.sort();
+            assert_eq!(got_sorted, ids(want), "available {avail:?} must {must:?} size {size}");
+            assert_eq!(got[..must.len()], ids(must)[..]);
+        }
+        // Successive pairs (TestBestEffortDGX1VoltaGPUAllocTwo): each answer leaves the next.
+        let mut free: Vec<usize> = (0..8).collect();
+        for want in [[0, 3], [1, 2], [4, 7], [5, 6]] {
+            let got = preferred_allocation(&res, &ids(&free), &[], 2, &t, D).unwrap();
+            assert_eq!(got, ids(&want));
+            free.retain(|g| !want.contains(g));
+        }
+    }
+
+    #[test]
+    fn padded_sets_are_never_the_answer() {
+        // 5 GPUs, size 3: padded to 6. GPUs 3 and 4 are the best pair, so the best partition is
+        // {0,1,2} {3,4,pad}, whose padded set scores highest; the answer is the full set.
+        let res = gpus(5, 5);
+        let mut t = Topology::new();
+        t.set(&uuid(3), &uuid(4), 1000);
+        t.set(&uuid(0), &uuid(1), 10);
+        let got = preferred_allocation(&res, &all(5), &[], 3, &t, D).unwrap();
+        assert_eq!(got, ids(&[0, 1, 2]));
     }
 
     #[test]
@@ -582,67 +872,6 @@ mod tests {
         v.iter().map(|x| x.to_string()).collect()
     }
 
-    #[test]
-    fn mig_distributed_vs_packed() {
-        use SharedPolicy::Packed;
-        let res = migs(3);
-        let t = Topology::new();
-        let every = s(&["MIG-0-0", "MIG-0-1", "MIG-0-2", "MIG-1-0", "MIG-1-1", "MIG-1-2"]);
-
-        let got = preferred_allocation(&res, &every, &[], 2, &t, D).unwrap();
-        assert_eq!(got, s(&["MIG-0-0", "MIG-1-0"]));
-        let got = preferred_allocation(&res, &every, &[], 2, &t, Packed).unwrap();
-        assert_eq!(got, s(&["MIG-0-0", "MIG-0-1"]));
-        let got = preferred_allocation(&res, &every, &[], 4, &t, D).unwrap();
-        assert_eq!(got, s(&["MIG-0-0", "MIG-1-0", "MIG-0-1", "MIG-1-1"]));
-        let got = preferred_allocation(&res, &every, &[], 4, &t, Packed).unwrap();
-        assert_eq!(got, s(&["MIG-0-0", "MIG-0-1", "MIG-0-2", "MIG-1-0"]));
-
-        // MIG-0-0 in use by another pod: GPU 0 carries load 1.
-        let rest = &every[1..];
-        let got = preferred_allocation(&res, rest, &[], 1, &t, D).unwrap();
-        assert_eq!(got, s(&["MIG-1-0"]));
-        let got = preferred_allocation(&res, rest, &[], 1, &t, Packed).unwrap();
-        assert_eq!(got, s(&["MIG-0-1"]));
-
-        // Must-include counts as load on its GPU.
-        let must = s(&["MIG-1-1"]);
-        let got = preferred_allocation(&res, &every, &must, 2, &t, D).unwrap();
-        assert_eq!(got, s(&["MIG-1-1", "MIG-0-0"]));
-        let got = preferred_allocation(&res, &every, &must, 2, &t, Packed).unwrap();
-        assert_eq!(got, s(&["MIG-1-1", "MIG-1-0"]));
-    }
-
-    #[test]
-    fn replicas_spread_and_order_numerically() {
-        let mut devices = BTreeMap::new();
-        for g in 0..2 {
-            for n in 0..12 {
-                devices.insert(format!("{}::{n}", uuid(g)), gpu(g, 0));
-            }
-        }
-        let res = Resource {
-            name: "nvidia.com/gpu".into(),
-            devices,
-        };
-        let t = Topology::new();
-        let replica = |g: usize, n: usize| format!("{}::{n}", uuid(g));
-        // GPU 0 has replicas 0, 1 in use; 2 and 10, 11 free. GPU 1 has 0..=2 in use.
-        let avail = vec![
-            replica(0, 10),
-            replica(0, 2),
-            replica(0, 11),
-            replica(1, 3),
-            replica(1, 4),
-        ];
-        let got = preferred_allocation(&res, &avail, &[], 1, &t, D).unwrap();
-        assert_eq!(got, [replica(0, 2)]);
-        let got = preferred_allocation(&res, &avail, &[], 2, &t, D).unwrap();
-        assert_eq!(got, [replica(0, 2), replica(1, 3)]);
-        let got = preferred_allocation(&res, &avail, &[], 1, &t, SharedPolicy::Packed).unwrap();
-        assert_eq!(got, [replica(1, 3)]);
-    }
-
     /// `gpus` GPUs time-sliced into `replicas` each: IDs `<uuid>::<n>`.
     fn replicated(gpus: usize, replicas: usize) -> Resource {
         let mut devices = BTreeMap::new();
@@ -657,50 +886,281 @@ mod tests {
         }
     }
 
+    const P: SharedPolicy = SharedPolicy::Packed;
+    const S: SharedPolicy = SharedPolicy::Spread;
+
+    fn replica(g: usize, n: usize) -> String {
+        format!("{}::{n}", uuid(g))
+    }
+
+    /// Every replica of `gpus` GPUs × `replicas` except those `taken`.
+    fn free(gpus: usize, replicas: usize, taken: &[(usize, usize)]) -> Vec<String> {
+        (0..gpus)
+            .flat_map(|g| (0..replicas).map(move |n| (g, n)))
+            .filter(|p| !taken.contains(p))
+            .map(|(g, n)| replica(g, n))
+            .collect()
+    }
+
     #[test]
-    fn replicas_go_to_distinct_gpus_before_load_decides() {
-        use SharedPolicy::Packed;
+    fn issue_example_packed_fills_the_busiest_gpu() {
+        // 8 GPUs × 4 replicas, one replica each of GPUs 0 and 1 in use, 2 replicas wanted.
+        let res = replicated(8, 4);
+        let t = Topology::new();
+        let avail = free(8, 4, &[(0, 0), (1, 0)]);
+        // NVIDIA's packed keeps taking the most allocated GPU: both from GPU 0.
+        let got = preferred_allocation(&res, &avail, &[], 2, &t, P).unwrap();
+        assert_eq!(got, [replica(0, 1), replica(0, 2)]);
+        // distributed: the least allocated GPUs, rotating on ties (PR #1788).
+        let got = preferred_allocation(&res, &avail, &[], 2, &t, D).unwrap();
+        assert_eq!(got, [replica(2, 0), replica(3, 0)]);
+        let got = preferred_allocation(&res, &avail, &[], 2, &t, S).unwrap();
+        assert_eq!(got, [replica(2, 0), replica(3, 0)]);
+    }
+
+    #[test]
+    fn distributed_and_packed_follow_allocated_counts() {
         let res = replicated(2, 4);
         let t = Topology::new();
-        let replica = |g: usize, n: usize| format!("{}::{n}", uuid(g));
-        let free = |taken: &[(usize, usize)]| -> Vec<String> {
-            (0..2)
-                .flat_map(|g| (0..4).map(move |n| (g, n)))
-                .filter(|p| !taken.contains(p))
-                .map(|(g, n)| replica(g, n))
-                .collect()
-        };
-
-        // GPU 0 has one replica in use, GPU 1 none: one replica of each GPU under both
-        // policies; the policy only orders them (and breaks the tie for a third).
-        let avail = free(&[(0, 0)]);
+        // PR #1788's case: GPU 0 has one in use; distributed takes one from each.
+        let avail = free(2, 4, &[(0, 0)]);
         let got = preferred_allocation(&res, &avail, &[], 2, &t, D).unwrap();
         assert_eq!(got, [replica(1, 0), replica(0, 1)]);
-        let got = preferred_allocation(&res, &avail, &[], 2, &t, Packed).unwrap();
-        assert_eq!(got, [replica(0, 1), replica(1, 0)]);
         let got = preferred_allocation(&res, &avail, &[], 3, &t, D).unwrap();
         assert_eq!(got, [replica(1, 0), replica(0, 1), replica(1, 1)]);
-        let got = preferred_allocation(&res, &avail, &[], 3, &t, Packed).unwrap();
-        assert_eq!(got, [replica(0, 1), replica(1, 0), replica(0, 2)]);
-
-        // GPU 0 has two in use: distributed does not put both on the idle GPU 1.
-        let avail = free(&[(0, 0), (0, 1)]);
+        let got = preferred_allocation(&res, &avail, &[], 3, &t, P).unwrap();
+        assert_eq!(got, [replica(0, 1), replica(0, 2), replica(0, 3)]);
+        // GPU 0 has two in use: distributed puts both on the idle GPU 1 (no distinct-GPU rule:
+        // after one pick GPU 1 has 1 allocated, still fewer than 2).
+        let avail = free(2, 4, &[(0, 0), (0, 1)]);
         let got = preferred_allocation(&res, &avail, &[], 2, &t, D).unwrap();
-        assert_eq!(got, [replica(1, 0), replica(0, 2)]);
-        let got = preferred_allocation(&res, &avail, &[], 2, &t, Packed).unwrap();
-        assert_eq!(got, [replica(0, 2), replica(1, 0)]);
-
-        // A must-include replica's GPU counts as already in the request.
-        let avail = free(&[]);
-        let got = preferred_allocation(&res, &avail, &[replica(0, 3)], 2, &t, Packed).unwrap();
-        assert_eq!(got, [replica(0, 3), replica(1, 0)]);
+        assert_eq!(got, [replica(1, 0), replica(1, 1)]);
+        let got = preferred_allocation(&res, &avail, &[], 2, &t, P).unwrap();
+        assert_eq!(got, [replica(0, 2), replica(0, 3)]);
+        // Packed overflows to the next GPU once the busiest is full.
+        let got = preferred_allocation(&res, &avail, &[], 3, &t, P).unwrap();
+        assert_eq!(got, [replica(0, 2), replica(0, 3), replica(1, 0)]);
+        // A must-include replica counts as allocated on its GPU.
+        let avail = free(2, 4, &[]);
+        let got = preferred_allocation(&res, &avail, &[replica(0, 3)], 2, &t, P).unwrap();
+        assert_eq!(got, [replica(0, 3), replica(0, 0)]);
         let got = preferred_allocation(&res, &avail, &[replica(1, 2)], 2, &t, D).unwrap();
         assert_eq!(got, [replica(1, 2), replica(0, 0)]);
-
         // Only one GPU has replicas free: the request still fits, on that GPU.
-        let avail = free(&[(1, 0), (1, 1), (1, 2), (1, 3)]);
+        let avail = free(2, 4, &[(1, 0), (1, 1), (1, 2), (1, 3)]);
         let got = preferred_allocation(&res, &avail, &[], 2, &t, D).unwrap();
         assert_eq!(got, [replica(0, 0), replica(0, 1)]);
+    }
+
+    #[test]
+    fn spread_takes_distinct_gpus_first() {
+        // PR #1936's example: GPU 0 has 5 of 8 in use, GPU 1 has 3; 2 wanted.
+        let res = replicated(2, 8);
+        let t = Topology::new();
+        let taken: Vec<(usize, usize)> = (0..5).map(|n| (0, n)).chain((0..3).map(|n| (1, n))).collect();
+        let avail = free(2, 8, &taken);
+        let got = preferred_allocation(&res, &avail, &[], 2, &t, D).unwrap();
+        assert_eq!(got, [replica(1, 3), replica(1, 4)]);
+        let got = preferred_allocation(&res, &avail, &[], 2, &t, S).unwrap();
+        assert_eq!(got, [replica(1, 3), replica(0, 5)]);
+        let got = preferred_allocation(&res, &avail, &[], 3, &t, S).unwrap();
+        assert_eq!(got, [replica(1, 3), replica(0, 5), replica(1, 4)]);
+        // A must-include replica's GPU counts as picked under spread only.
+        let avail = free(2, 4, &[(1, 0), (1, 1)]);
+        let got = preferred_allocation(&res4(), &avail, &[replica(0, 3)], 2, &t, S).unwrap();
+        assert_eq!(got, [replica(0, 3), replica(1, 2)]);
+        let got = preferred_allocation(&res4(), &avail, &[replica(0, 3)], 2, &t, D).unwrap();
+        assert_eq!(got, [replica(0, 3), replica(0, 0)]);
+    }
+
+    fn res4() -> Resource {
+        replicated(2, 4)
+    }
+
+    #[test]
+    fn replicas_order_numerically() {
+        let res = replicated(2, 12);
+        let t = Topology::new();
+        // GPU 0: replicas 2, 10, 11 free (9 allocated); GPU 1: 3, 4 free (10 allocated).
+        let avail = vec![
+            replica(0, 10),
+            replica(0, 2),
+            replica(0, 11),
+            replica(1, 3),
+            replica(1, 4),
+        ];
+        let got = preferred_allocation(&res, &avail, &[], 1, &t, D).unwrap();
+        assert_eq!(got, [replica(0, 2)]);
+        let got = preferred_allocation(&res, &avail, &[], 2, &t, D).unwrap();
+        assert_eq!(got, [replica(0, 2), replica(1, 3)]);
+        let got = preferred_allocation(&res, &avail, &[], 1, &t, P).unwrap();
+        assert_eq!(got, [replica(1, 3)]);
+    }
+
+    #[test]
+    fn mig_devices_are_their_own_buckets() {
+        // NVIDIA v0.20 buckets by AnnotatedID.GetID(): a MIG device is its own bucket with one
+        // device, so every candidate has 0 allocated and the policies agree (index order).
+        let res = migs(3);
+        let t = Topology::new();
+        let every = s(&["MIG-0-0", "MIG-0-1", "MIG-0-2", "MIG-1-0", "MIG-1-1", "MIG-1-2"]);
+        for policy in [D, P, S] {
+            let got = preferred_allocation(&res, &every, &[], 2, &t, policy).unwrap();
+            assert_eq!(got, s(&["MIG-0-0", "MIG-0-1"]), "{policy:?}");
+            let got = preferred_allocation(&res, &every[1..], &[], 1, &t, policy).unwrap();
+            assert_eq!(got, s(&["MIG-0-1"]), "{policy:?}");
+            let got = preferred_allocation(&res, &every, &s(&["MIG-1-1"]), 2, &t, policy).unwrap();
+            assert_eq!(got, s(&["MIG-1-1", "MIG-0-0"]), "{policy:?}");
+        }
+        // Time-sliced MIG devices: replicas bucket by their MIG device.
+        let mut devices = BTreeMap::new();
+        for (id, dev) in &res.devices {
+            for n in 0..2 {
+                devices.insert(format!("{id}::{n}"), dev.clone());
+            }
+        }
+        let shared = Resource {
+            name: "nvidia.com/mig-1g.5gb".into(),
+            devices,
+        };
+        let avail: Vec<String> = shared.devices.keys().filter(|k| *k != "MIG-1-2::0").cloned().collect();
+        let got = preferred_allocation(&shared, &avail, &[], 2, &t, P).unwrap();
+        assert_eq!(got, s(&["MIG-1-2::1", "MIG-0-0::0"]));
+        let got = preferred_allocation(&shared, &avail, &[], 2, &t, D).unwrap();
+        assert_eq!(got, s(&["MIG-0-0::0", "MIG-0-1::0"]));
+    }
+
+    /// go-gpuallocator's `Allocate`, literally: every partition in its enumeration order (the
+    /// one difference kept: a set with padding is never the answer). Returns the answer mask.
+    fn go_best_effort(n: usize, size: usize, score: &[u64], required: u64) -> Option<u64> {
+        fn sets_of(devs: &[usize], k: usize, f: &mut dyn FnMut(&[usize])) {
+            let mut combo: Vec<usize> = (0..k).collect();
+            if k > devs.len() {
+                return;
+            }
+            loop {
+                let set: Vec<usize> = combo.iter().map(|&c| devs[c]).collect();
+                f(&set);
+                let Some(i) = (0..k).rev().find(|&i| combo[i] < devs.len() - k + i) else {
+                    return;
+                };
+                combo[i] += 1;
+                for j in i + 1..k {
+                    combo[j] = combo[j - 1] + 1;
+                }
+            }
+        }
+        fn iterate(
+            devs: &[usize],
+            size: usize,
+            n: usize,
+            padding: usize,
+            accum: &mut Vec<Vec<usize>>,
+            cb: &mut dyn FnMut(&[Vec<usize>]),
+        ) {
+            if devs.len() == size {
+                accum.push(devs.to_vec());
+                cb(accum);
+                accum.pop();
+                return;
+            }
+            sets_of(&devs[1..], size - 1, &mut |rest: &[usize]| {
+                let mut set = vec![devs[0]];
+                set.extend_from_slice(rest);
+                let p = set.iter().filter(|&&d| d >= n).count();
+                if p != 0 && p != padding {
+                    return;
+                }
+                let remaining: Vec<usize> = devs.iter().copied().filter(|d| !set.contains(d)).collect();
+                accum.push(set);
+                iterate(&remaining, size, n, padding, accum, cb);
+                accum.pop();
+            });
+        }
+        let mask = |set: &[usize]| set.iter().fold(0u64, |a, &d| a | 1 << d);
+        let set_score = |set: &[usize]| {
+            let mut s = 0;
+            for (x, &i) in set.iter().enumerate() {
+                for &j in &set[x + 1..] {
+                    if i < n && j < n {
+                        s += score[i * n + j];
+                    }
+                }
+            }
+            s
+        };
+        let pad_mask = |set: &[usize]| set.iter().any(|&d| d >= n);
+        let total = n.div_ceil(size) * size;
+        let devs: Vec<usize> = (0..total).collect();
+        let mut best: Option<(u64, Vec<Vec<usize>>)> = None;
+        let mut consider = |partition: &[Vec<usize>]| {
+            let ok = partition
+                .iter()
+                .any(|set| mask(set) & required == required && !pad_mask(set));
+            if !ok {
+                return;
+            }
+            let sc: u64 = partition.iter().map(|set| set_score(set)).sum();
+            if best.as_ref().is_none_or(|(b, _)| sc > *b) {
+                best = Some((sc, partition.to_vec()));
+            }
+        };
+        if size == 1 {
+            for d in 0..n {
+                consider(&[vec![d]]);
+            }
+        } else {
+            iterate(&devs, size, n, total - n, &mut Vec::new(), &mut consider);
+        }
+        let (_, partition) = best?;
+        let mut answer: Option<(u64, u64)> = None;
+        for set in &partition {
+            if mask(set) & required != required || pad_mask(set) {
+                continue;
+            }
+            let sc = set_score(set);
+            if answer.is_none_or(|(_, b)| sc > b) {
+                answer = Some((mask(set), sc));
+            }
+        }
+        answer.map(|(m, _)| m)
+    }
+
+    #[test]
+    fn partition_search_matches_go_gpuallocator_literally() {
+        // Pseudo-random scores with many ties (few distinct values), every size, must-include
+        // sets of 0..=2 GPUs.
+        let mut seed = 0x2545_f491_4f6c_dd1du64;
+        let mut next = || {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed
+        };
+        for n in 1..=8usize {
+            for round in 0..6 {
+                let mut score = vec![0u64; n * n];
+                for i in 0..n {
+                    for j in i + 1..n {
+                        let v = [10, 20, 30, 110, 130, 250][(next() % 6) as usize];
+                        let v = if round == 0 { 10 } else { v };
+                        score[i * n + j] = v;
+                        score[j * n + i] = v;
+                    }
+                }
+                for size in 1..=n {
+                    let musts: [u64; 4] = [0, 1 << (next() % n as u64), (1 << (n - 1)) | 1, 0b110];
+                    for required in musts {
+                        if required.count_ones() as usize > size || required >> n != 0 {
+                            continue;
+                        }
+                        let want = go_best_effort(n, size, &score, required);
+                        let got = Partitions::new(n, size, score.clone(), required).best_set();
+                        assert_eq!(got, want, "n {n} size {size} required {required:b} round {round}");
+                    }
+                }
+            }
+        }
     }
 
     #[test]
