@@ -25,7 +25,7 @@ pub const DEFAULT_RENAME_BY_DEFAULT: bool = false;
 /// `sharing.fail_requests_greater_than_one`: off, as in NVIDIA's time-slicing (backwards
 /// compatible: a container may ask for several replicas).
 pub const DEFAULT_FAIL_REQUESTS_GREATER_THAN_ONE: bool = false;
-/// `sharing.policy`: spread shared devices over physical GPUs (NVIDIA's default).
+/// `sharing.policy`: the least used physical GPU first (NVIDIA's default).
 pub const DEFAULT_SHARED_POLICY: SharedPolicy = SharedPolicy::Distributed;
 
 /// The domain every advertised resource lives under (NVIDIA's plugin requires it).

@@ -1030,8 +1030,9 @@ mod tests {
         assert_eq!(got, s(&["MIG-0-0::0", "MIG-0-1::0"]));
     }
 
-    /// go-gpuallocator's `Allocate`, literally: every partition in its enumeration order (the
-    /// one difference kept: a set with padding is never the answer). Returns the answer mask.
+    /// A naive reference for go-gpuallocator's `Allocate`: every partition, in its enumeration
+    /// order, is scored (the one difference kept: a set with padding is never the answer).
+    /// Returns the answer mask.
     fn go_best_effort(n: usize, size: usize, score: &[u64], required: u64) -> Option<u64> {
         fn sets_of(devs: &[usize], k: usize, f: &mut dyn FnMut(&[usize])) {
             let mut combo: Vec<usize> = (0..k).collect();
@@ -1127,7 +1128,7 @@ mod tests {
     }
 
     #[test]
-    fn partition_search_matches_go_gpuallocator_literally() {
+    fn partition_search_matches_the_naive_enumeration() {
         // Pseudo-random scores with many ties (few distinct values), every size, must-include
         // sets of 0..=2 GPUs.
         let mut seed = 0x2545_f491_4f6c_dd1du64;
