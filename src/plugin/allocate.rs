@@ -12,6 +12,7 @@ use crate::api::{CdiDevice, ContainerAllocateRequest, ContainerAllocateResponse,
 use crate::devices::is_replica_id;
 use crate::host::devnodes::{ci_access_key, gi_access_key};
 use crate::plugin::devnodes::DeviceNodes;
+use crate::plugin::mps::{MpsAllocate, add_to_response as add_mps};
 use crate::plugin::resources::{PluginDevice, Resource};
 
 /// The environment variable the NVIDIA Container Toolkit reads.
@@ -46,6 +47,8 @@ pub struct AllocateOptions {
     pub host_mounts_container_dir: PathBuf,
     /// For shared (replica) resources: refuse requests for more than one ID.
     pub fail_requests_greater_than_one: bool,
+    /// MPS: the control daemon of each resource shared through MPS ([`crate::plugin::mps`]).
+    pub mps: MpsAllocate,
 }
 
 impl Default for AllocateOptions {
@@ -61,6 +64,7 @@ impl Default for AllocateOptions {
             host_mounts_driver_dir: PathBuf::from("/home/kubernetes/bin/nvidia"),
             host_mounts_container_dir: PathBuf::from("/usr/local/nvidia"),
             fail_requests_greater_than_one: false,
+            mps: MpsAllocate::default(),
         }
     }
 }
@@ -102,6 +106,8 @@ pub enum AllocateError {
 /// - If every strategy is a CDI one, no envs, mounts or device specs are returned at all (the
 ///   CDI spec carries them).
 /// - Device specs (`pass_device_specs` or `host-mounts`): see [`device_specs`].
+/// - Replicas of a resource shared through MPS: the pipe folder, `/dev/shm` and the limits, see
+///   [`crate::plugin::mps::add_to_response`].
 pub fn allocate(
     resource: &Resource,
     req: &ContainerAllocateRequest,
@@ -187,6 +193,8 @@ pub fn allocate(
     if has(DeviceListStrategy::CdiCri) {
         resp.cdi_devices = qualified.into_iter().map(|name| CdiDevice { name }).collect();
     }
+    // Whatever the strategies: the CDI spec knows nothing of MPS.
+    add_mps(&opts.mps, resource, ids, &mut resp);
     Ok(resp)
 }
 

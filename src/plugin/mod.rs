@@ -8,6 +8,7 @@ pub mod devnodes;
 pub mod health;
 pub mod manager;
 pub mod memlimit;
+pub mod mps;
 pub mod preferred;
 pub mod resources;
 pub mod server;
