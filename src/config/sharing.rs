@@ -600,7 +600,7 @@ mod tests {
         );
         assert_eq!(
             err(&format!("[device_plugin]\nmig_strategy = \"mixed\"\n{MPS}{RES}")),
-            "s.toml:5: device_plugin.sharing.strategy = \"mps\" is not valid: MPS is not supported with \
+            "s.toml:4: device_plugin.sharing.strategy = \"mps\" is not valid: MPS is not supported with \
              device_plugin.mig_strategy = \"mixed\" (as in NVIDIA's plugin); MPS shares full GPUs: use mig_strategy \
              \"none\" or \"single\" without MIG"
         );
