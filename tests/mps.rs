@@ -216,3 +216,29 @@ async fn without_the_control_program_the_stage_fails_naming_it() {
     assert_eq!(compute_modes(&node), [0, 0], "no GPU changed without a daemon");
     assert_eq!(agent.stop(), 0);
 }
+
+#[test]
+fn plan_shows_what_mps_would_do_and_does_nothing() {
+    let config = format!("[device_plugin]\ndefault_profile = \"mps\"\n{PROFILES}");
+    let node = Node::new(&machine("A100-SXM4-40GB", 2), &config);
+    let out = node.run(&["plan"]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    for line in [
+        "MPS control daemons (nvidia-cuda-mps-control -f, compute mode EXCLUSIVE_PROCESS):",
+        &format!("  nvidia.com/gpu: GPU(s) 0 ({}), 1 ({})", gpu_uuid(0), gpu_uuid(1)),
+        "    pipe /run/nvidia/mps/nvidia.com/gpu/pipe, log /run/nvidia/mps/nvidia.com/gpu/log",
+        "    set_default_device_pinned_mem_limit 1 10240M",
+        "    set_default_active_thread_percentage 25",
+    ] {
+        assert!(stdout.contains(line), "{line:?} not in:\n{stdout}");
+    }
+    let out = node.run(&["plan", "--json"]);
+    let plan: serde_json::Value = serde_json::from_slice(&out.stdout).expect("plan --json parses");
+    let daemon = &plan["mps"]["plan"][0];
+    assert_eq!(daemon["resource"], "nvidia.com/gpu");
+    assert_eq!(daemon["commands"][2], "set_default_active_thread_percentage 25");
+    // Nothing was started or changed.
+    assert!(!path(&node, PIPE).exists());
+    assert_eq!(compute_modes(&node), [0, 0]);
+}
