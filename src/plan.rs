@@ -396,7 +396,10 @@ fn render_mps(out: &mut String, mps: &Result<Vec<MpsDaemon>, String>) {
             return;
         }
     };
-    let _ = writeln!(out, "\nMPS control daemons (nvidia-cuda-mps-control -f, compute mode EXCLUSIVE_PROCESS):");
+    let _ = writeln!(
+        out,
+        "\nMPS control daemons (nvidia-cuda-mps-control -f, compute mode EXCLUSIVE_PROCESS):"
+    );
     for d in daemons {
         let gpus: Vec<String> = d.gpus.iter().map(|g| format!("{} ({})", g.index, g.uuid)).collect();
         let _ = writeln!(out, "  {}: GPU(s) {}", d.resource, gpus.join(", "));

@@ -87,7 +87,10 @@ async fn an_mps_profile_runs_the_control_daemon_and_allocate_points_at_it() {
     let agent = node.spawn();
 
     // 2 GPUs × 4 replicas under the resource's own name.
-    let devices = kubelet.wait_for_devices(GPU, T, |d| d.len() == 8).await.expect("8 replicas");
+    let devices = kubelet
+        .wait_for_devices(GPU, T, |d| d.len() == 8)
+        .await
+        .expect("8 replicas");
     assert!(devices.iter().any(|d| d.id == format!("{}::3", gpu_uuid(1))));
 
     // The daemon: its pipe answers, its limits are NVIDIA's (40960 MiB / 4, 100 / 4), its GPUs
@@ -129,13 +132,23 @@ async fn an_mps_profile_runs_the_control_daemon_and_allocate_points_at_it() {
     );
     // MPS replicas are one per container, whatever the config says (NVIDIA forces it).
     let two = [format!("{}::0", gpu_uuid(0)), format!("{}::1", gpu_uuid(0))];
-    let refused = kubelet.allocate(GPU, &[&two[0], &two[1]]).await.expect_err("two replicas");
-    assert!(refused.message().contains("maximum request size for shared resources is 1"));
+    let refused = kubelet
+        .allocate(GPU, &[&two[0], &two[1]])
+        .await
+        .expect_err("two replicas");
+    assert!(
+        refused
+            .message()
+            .contains("maximum request size for shared resources is 1")
+    );
 
     // The status says the daemon runs; the feature labels say MPS.
     let stage = device_plugin_stage(&node);
     assert!(
-        stage["detail"].as_str().unwrap_or_default().contains("MPS nvidia.com/gpu: running (pid "),
+        stage["detail"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("MPS nvidia.com/gpu: running (pid "),
         "{stage}"
     );
     for (key, value) in [
@@ -152,7 +165,10 @@ async fn an_mps_profile_runs_the_control_daemon_and_allocate_points_at_it() {
 
     // The profile off: the daemon quits, compute mode DEFAULT again, whole GPUs advertised.
     api.set_label(NODE, PROFILE, Some("plain"));
-    kubelet.wait_for_devices(GPU, T, |d| d.len() == 2).await.expect("2 GPUs");
+    kubelet
+        .wait_for_devices(GPU, T, |d| d.len() == 2)
+        .await
+        .expect("2 GPUs");
     wait_until("the daemon quitting", || !daemon_listening(&pipe));
     wait_until("compute mode DEFAULT", || compute_modes(&node) == [0, 0]);
     assert!(!path(&node, STARTED).exists());
@@ -163,7 +179,10 @@ async fn an_mps_profile_runs_the_control_daemon_and_allocate_points_at_it() {
 
     // On again, then the agent stops: the daemon quits with it and compute mode is DEFAULT.
     api.set_label(NODE, PROFILE, Some("mps"));
-    kubelet.wait_for_devices(GPU, T, |d| d.len() == 8).await.expect("8 replicas again");
+    kubelet
+        .wait_for_devices(GPU, T, |d| d.len() == 8)
+        .await
+        .expect("8 replicas again");
     wait_until("the daemon listening again", || daemon_listening(&pipe));
     wait_until("compute mode EXCLUSIVE_PROCESS", || compute_modes(&node) == [3, 3]);
     assert_eq!(agent.stop(), 0);
@@ -177,11 +196,17 @@ async fn a_daemon_that_dies_is_started_again() {
     let config = format!("[device_plugin]\ndefault_profile = \"mps\"\n{PROFILES}");
     let (_api, node, kubelet) = setup(&config, &[]).await;
     let agent = node.spawn();
-    kubelet.wait_for_devices(GPU, T, |d| d.len() == 8).await.expect("8 replicas");
+    kubelet
+        .wait_for_devices(GPU, T, |d| d.len() == 8)
+        .await
+        .expect("8 replicas");
     let pipe = path(&node, PIPE);
     wait_until("the MPS control daemon listening", || daemon_listening(&pipe));
     let pid_of = |node: &Node| -> Option<String> {
-        let detail = device_plugin_stage(node)["detail"].as_str().unwrap_or_default().to_string();
+        let detail = device_plugin_stage(node)["detail"]
+            .as_str()
+            .unwrap_or_default()
+            .to_string();
         let rest = detail.split("MPS nvidia.com/gpu: running (pid ").nth(1)?;
         Some(rest.split(')').next()?.to_string())
     };
@@ -211,8 +236,14 @@ async fn without_the_control_program_the_stage_fails_naming_it() {
             .as_str()
             .is_some_and(|e| e.contains("nvidia-cuda-mps-control not found"))
     });
-    let error = common::stage(&status, "device-plugin")["error"].as_str().unwrap_or_default().to_string();
-    assert!(error.contains("/usr/bin") && error.contains("nvidia.com/gpu"), "{error}");
+    let error = common::stage(&status, "device-plugin")["error"]
+        .as_str()
+        .unwrap_or_default()
+        .to_string();
+    assert!(
+        error.contains("/usr/bin") && error.contains("nvidia.com/gpu"),
+        "{error}"
+    );
     assert_eq!(compute_modes(&node), [0, 0], "no GPU changed without a daemon");
     assert_eq!(agent.stop(), 0);
 }

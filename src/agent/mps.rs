@@ -91,7 +91,11 @@ impl Agent {
 
     /// The daemons' states.
     pub(super) fn mps_statuses(&self) -> Vec<DaemonStatus> {
-        self.mps.supervisor.as_ref().map(Supervisor::statuses).unwrap_or_default()
+        self.mps
+            .supervisor
+            .as_ref()
+            .map(Supervisor::statuses)
+            .unwrap_or_default()
     }
 
     /// A daemon that cannot run: why, for the device-plugin stage.

@@ -610,7 +610,9 @@ mod tests {
              strategy = \"mps\"\ncompact = [\"gpu::2\"]\n",
         );
         assert!(
-            profile.starts_with("s.toml:4: device_plugin.profiles.p.sharing.strategy = \"mps\" is not valid: MPS is not supported"),
+            profile.starts_with(
+                "s.toml:4: device_plugin.profiles.p.sharing.strategy = \"mps\" is not valid: MPS is not supported"
+            ),
             "{profile}"
         );
         assert_eq!(

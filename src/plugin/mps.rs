@@ -34,7 +34,7 @@ use std::path::{Path, PathBuf};
 use serde::Serialize;
 
 use crate::api::{ContainerAllocateResponse, Mount};
-use crate::config::{MemoryBudget, MigStrategy, SharingStrategy, Sharing};
+use crate::config::{MemoryBudget, MigStrategy, Sharing, SharingStrategy};
 use crate::devices::is_replica_id;
 use crate::nvml::Inventory;
 use crate::plugin::resources::Resource;
@@ -72,7 +72,11 @@ pub enum MpsError {
     #[error(
         "[device_plugin.sharing] strategy = \"mps\": {resource} has MIG device {device} (GPU {gpu}); sharing using MPS is not supported for MIG devices: disable MIG on the GPU or use mig_strategy = \"none\""
     )]
-    MigDevice { resource: String, device: String, gpu: String },
+    MigDevice {
+        resource: String,
+        device: String,
+        gpu: String,
+    },
 }
 
 /// One GPU under a control daemon.

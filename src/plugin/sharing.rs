@@ -31,7 +31,11 @@ pub enum SharingError {
     #[error(
         "[device_plugin.sharing] strategy = \"mps\": {resource} has MIG device {device} (GPU {gpu}); sharing using MPS is not supported for MIG devices: disable MIG on the GPU or use mig_strategy = \"none\""
     )]
-    MpsOnMig { resource: String, device: String, gpu: String },
+    MpsOnMig {
+        resource: String,
+        device: String,
+        gpu: String,
+    },
     /// The replicas' name is already advertised for other devices.
     #[error(
         "sharing {resource}: its replicas would be advertised as {name}, which is already advertised for other devices; choose another rename"

@@ -151,7 +151,10 @@ fn daemon() -> ExitCode {
         let _ = writeln!(log, "[{} Control {pid}] {text}", timestamp());
     };
     line(&format!("Starting control daemon using socket {}", socket.display()));
-    line(&format!("To connect CUDA applications to this daemon, set env CUDA_MPS_PIPE_DIRECTORY={}", dir.display()));
+    line(&format!(
+        "To connect CUDA applications to this daemon, set env CUDA_MPS_PIPE_DIRECTORY={}",
+        dir.display()
+    ));
     let mut defaults = Defaults {
         thread_percentage: 100.0,
         pinned: BTreeMap::new(),

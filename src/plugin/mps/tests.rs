@@ -58,8 +58,14 @@ fn one_daemon_per_shared_resource_with_nvidias_defaults() {
     assert_eq!(
         env,
         [
-            (PIPE_ENV.to_string(), "/tmp/r/run/nvidia/mps/nvidia.com/gpu/pipe".to_string()),
-            (LOG_ENV.to_string(), "/tmp/r/run/nvidia/mps/nvidia.com/gpu/log".to_string()),
+            (
+                PIPE_ENV.to_string(),
+                "/tmp/r/run/nvidia/mps/nvidia.com/gpu/pipe".to_string()
+            ),
+            (
+                LOG_ENV.to_string(),
+                "/tmp/r/run/nvidia/mps/nvidia.com/gpu/log".to_string()
+            ),
             ("CUDA_VISIBLE_DEVICES".to_string(), "GPU-0,GPU-1".to_string()),
         ]
     );
@@ -95,7 +101,9 @@ fn limits_from_the_config_and_per_gpu_counts() {
     // Per-GPU counts: each GPU's own limit, the daemon's default the smallest share.
     let mut e = entry(2);
     e.replicas_per_gpu.insert("GPU-1".into(), 5);
-    let d = plan(&two_a100s(), &mps(vec![e]), MigStrategy::None).expect("plan").remove(0);
+    let d = plan(&two_a100s(), &mps(vec![e]), MigStrategy::None)
+        .expect("plan")
+        .remove(0);
     assert_eq!(d.gpus[0].memory_limit_mib, Some(20480));
     assert_eq!(d.gpus[1].memory_limit_mib, Some(8192));
     assert_eq!(d.gpus[1].active_thread_percentage, 20);
@@ -108,8 +116,16 @@ fn nothing_without_mps_or_without_replicas() {
         strategy: SharingStrategy::TimeSlicing,
         ..mps(vec![entry(4)])
     };
-    assert!(plan(&two_a100s(), &time_slicing, MigStrategy::None).expect("plan").is_empty());
-    assert!(plan(&two_a100s(), &mps(vec![entry(1)]), MigStrategy::None).expect("plan").is_empty());
+    assert!(
+        plan(&two_a100s(), &time_slicing, MigStrategy::None)
+            .expect("plan")
+            .is_empty()
+    );
+    assert!(
+        plan(&two_a100s(), &mps(vec![entry(1)]), MigStrategy::None)
+            .expect("plan")
+            .is_empty()
+    );
 }
 
 #[test]
@@ -122,7 +138,8 @@ fn mig_devices_are_refused() {
     let inv = inventory(vec![gpu]);
     let err = plan(&inv, &mps(vec![entry(2)]), MigStrategy::Single).expect_err("MIG");
     assert!(
-        err.to_string().contains("sharing using MPS is not supported for MIG devices"),
+        err.to_string()
+            .contains("sharing using MPS is not supported for MIG devices"),
         "{err}"
     );
     // The advertised resources fail alike, so nothing is advertised.
@@ -136,7 +153,8 @@ fn allocate_ids(ids: &[&str], strategies: &[DeviceListStrategy]) -> ContainerAll
     let sharing = mps(vec![entry(4)]);
     let inv = two_a100s();
     let daemons = plan(&inv, &sharing, MigStrategy::None).expect("plan");
-    let resources = apply_sharing(build_resources(&inv, MigStrategy::None).expect("resources"), &sharing).expect("sharing");
+    let resources =
+        apply_sharing(build_resources(&inv, MigStrategy::None).expect("resources"), &sharing).expect("sharing");
     let opts = AllocateOptions {
         strategies: strategies.to_vec(),
         mps: MpsAllocate::new(&daemons),
