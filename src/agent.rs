@@ -1093,6 +1093,7 @@ impl Agent {
                 profile: self.profile.clone(),
             }),
             labels: self.wanted_labels().unwrap_or_default(),
+            mps: self.mps_statuses(),
         };
         // Skip the write when nothing but the timestamp would change.
         if self.last_status.as_ref() == Some(&status) {

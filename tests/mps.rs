@@ -151,6 +151,17 @@ async fn an_mps_profile_runs_the_control_daemon_and_allocate_points_at_it() {
             .contains("MPS nvidia.com/gpu: running (pid "),
         "{stage}"
     );
+    let daemon = &node.status_json()["mps"][0];
+    assert_eq!(daemon["resource"], "nvidia.com/gpu", "{daemon}");
+    assert_eq!(daemon["state"], "running", "{daemon}");
+    assert_eq!(daemon["pipe_dir"], "/run/nvidia/mps/nvidia.com/gpu/pipe");
+    assert_eq!(daemon["gpus"], serde_json::json!([gpu_uuid(0), gpu_uuid(1)]));
+    let shown = node.run(&["status"]);
+    let shown = String::from_utf8_lossy(&shown.stdout);
+    assert!(
+        shown.contains("MPS control daemon nvidia.com/gpu: running, pid "),
+        "{shown}"
+    );
     for (key, value) in [
         ("nvidia.com/gpu.sharing-strategy", "mps"),
         ("nvidia.com/mps.capable", "true"),

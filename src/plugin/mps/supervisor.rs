@@ -11,7 +11,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use super::{CONTROL_PROGRAM, MpsDaemon, PROGRAM_DIRS};
 use crate::host::backoff::Backoff;
@@ -30,7 +30,7 @@ const RESTART_MAX: Duration = Duration::from_secs(60);
 const STDERR_TAIL: usize = 2048;
 
 /// Where a daemon is.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum DaemonState {
     Starting,
@@ -44,17 +44,17 @@ pub enum DaemonState {
 }
 
 /// A daemon's state for the status file.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct DaemonStatus {
     pub resource: String,
     pub state: DaemonState,
-    #[serde(skip_serializing_if = "Option::is_none")]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pid: Option<u32>,
     /// Host path of the pipe folder.
     pub pipe_dir: String,
     pub gpus: Vec<String>,
     pub restarts: u32,
-    #[serde(skip_serializing_if = "Option::is_none")]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub error: Option<String>,
 }
 
