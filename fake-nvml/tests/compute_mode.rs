@@ -30,7 +30,6 @@ fn compute_mode_is_set_read_and_kept() {
     let mut d = nvml.device_by_index(0).unwrap();
     assert_eq!(d.compute_mode().unwrap(), ComputeMode::ExclusiveProcess);
     d.set_compute_mode(ComputeMode::Default).unwrap();
-    drop(d);
     drop(nvml);
     let state = std::fs::read_to_string(fake.state.join("state.json")).unwrap();
     assert!(!state.contains("compute_mode"), "DEFAULT is left out: {state}");
