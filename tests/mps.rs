@@ -239,7 +239,7 @@ async fn a_daemon_that_dies_is_started_again() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn without_the_control_program_the_stage_fails_naming_it() {
     let config = format!("[device_plugin]\ndefault_profile = \"mps\"\n{PROFILES}");
-    let (_api, node, _kubelet) = setup(&config, &[]).await;
+    let (api, node, _kubelet) = setup(&config, &[]).await;
     std::fs::remove_file(node.root.join(fake_nvml::host::MPS_CONTROL_PATH)).expect("remove the program");
     let agent = node.spawn();
     let status = node.wait_status(T, |s| {
@@ -256,6 +256,18 @@ async fn without_the_control_program_the_stage_fails_naming_it() {
         "{error}"
     );
     assert_eq!(compute_modes(&node), [0, 0], "no GPU changed without a daemon");
+    // One Warning Event says it, posted once.
+    let posted = api
+        .wait_for(T, |a| !common::events_with(a, "MpsDaemonFailed").is_empty())
+        .await;
+    assert!(posted, "no MpsDaemonFailed Event: {:?}", api.events());
+    let events = common::events_with(&api, "MpsDaemonFailed");
+    assert_eq!(events.len(), 1, "{events:?}");
+    common::assert_event(
+        &events[0],
+        "Warning",
+        &["nvidia-cuda-mps-control not found", "nvidia.com/gpu"],
+    );
     assert_eq!(agent.stop(), 0);
 }
 

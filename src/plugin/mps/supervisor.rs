@@ -86,14 +86,17 @@ impl Supervisor {
     }
 
     /// Brings the daemons to `plans`: stops those no longer planned or planned differently (compute
-    /// mode back to `DEFAULT`), starts the new ones (compute mode `EXCLUSIVE_PROCESS` first).
+    /// mode back to `DEFAULT`), starts the new ones (compute mode `EXCLUSIVE_PROCESS` first), and
+    /// tries again those that could not start.
     /// `driver_root` is where the control program is looked for.
     pub fn apply(&mut self, plans: &[MpsDaemon], driver_root: &Path, gpus: &Gpus) {
         let wanted: BTreeMap<&str, &MpsDaemon> = plans.iter().map(|p| (p.resource.as_str(), p)).collect();
         let gone: Vec<String> = self
             .daemons
             .iter()
-            .filter(|(name, r)| wanted.get(name.as_str()).is_none_or(|p| **p != r.plan))
+            // A daemon that could not start at all (no program, compute mode refused) is tried
+            // again: the driver may have been installed since.
+            .filter(|(name, r)| r.thread.is_none() || wanted.get(name.as_str()).is_none_or(|p| **p != r.plan))
             .map(|(name, _)| name.clone())
             .collect();
         for name in gone {
