@@ -158,6 +158,23 @@ impl Supervisor {
                 thread: None,
             };
         };
+        // The folders containers mount exist before the replicas are advertised, even while the
+        // daemon is still starting.
+        for dir in [&plan.pipe_dir, &plan.log_dir, &plan.shm_dir] {
+            if let Err(e) = std::fs::create_dir_all(crate::host::rooted(&self.root, dir)) {
+                fail(format!(
+                    "cannot start the MPS control daemon for {}: cannot create {}: {e}",
+                    plan.resource,
+                    dir.display()
+                ));
+                return Running {
+                    plan: plan.clone(),
+                    stop,
+                    status,
+                    thread: None,
+                };
+            }
+        }
         for g in &plan.gpus {
             if let Err(e) = gpus.set_compute_mode(&g.uuid, ComputeMode::ExclusiveProcess) {
                 fail(format!(
