@@ -143,15 +143,13 @@ async fn an_mps_profile_runs_the_control_daemon_and_allocate_points_at_it() {
     );
 
     // The status says the daemon runs; the feature labels say MPS.
-    let stage = device_plugin_stage(&node);
-    assert!(
-        stage["detail"]
+    // (The status file follows the daemon's state as the agent hears of it.)
+    let status = node.wait_status(T, |s| {
+        common::stage(s, "device-plugin")["detail"]
             .as_str()
-            .unwrap_or_default()
-            .contains("MPS nvidia.com/gpu: running (pid "),
-        "{stage}"
-    );
-    let daemon = &node.status_json()["mps"][0];
+            .is_some_and(|d| d.contains("MPS nvidia.com/gpu: running (pid "))
+    });
+    let daemon = &status["mps"][0];
     assert_eq!(daemon["resource"], "nvidia.com/gpu", "{daemon}");
     assert_eq!(daemon["state"], "running", "{daemon}");
     assert_eq!(daemon["pipe_dir"], "/run/nvidia/mps/nvidia.com/gpu/pipe");
@@ -230,8 +228,8 @@ async fn a_daemon_that_dies_is_started_again() {
     assert!(killed.success());
     wait_until("a new daemon", || pid_of(&node).is_some_and(|pid| pid != first));
     wait_until("the new daemon listening", || daemon_listening(&pipe));
-    let stage = device_plugin_stage(&node);
-    assert_eq!(stage["state"], "ok", "{stage}");
+    let status = node.wait_status(T, |s| common::stage(s, "device-plugin")["state"] == "ok");
+    assert_eq!(status["mps"][0]["restarts"], 1, "{}", status["mps"]);
     assert_eq!(agent.stop(), 0);
     assert_eq!(compute_modes(&node), [0, 0]);
 }
