@@ -39,6 +39,7 @@ mod health;
 mod memlimit;
 mod metrics;
 mod mig;
+mod mps;
 pub mod plan;
 mod runtime;
 mod stage;
@@ -108,8 +109,10 @@ pub fn allocate_options(dp: &DevicePluginConfig) -> AllocateOptions {
         dev_root: dp.dev_root.clone(),
         host_mounts_driver_dir: dp.host_mounts_driver_dir.clone(),
         host_mounts_container_dir: dp.host_mounts_container_dir.clone(),
-        fail_requests_greater_than_one: dp.sharing.fail_requests_greater_than_one,
+        fail_requests_greater_than_one: dp.sharing.fails_requests_greater_than_one(),
         injections: crate::plugin::injections::Injections::from_config(dp),
+        // Set with the inventory (`Agent::update_mps`).
+        mps: Default::default(),
     }
 }
 
@@ -217,6 +220,8 @@ struct Agent {
     memory_records: Option<mpsc::Receiver<crate::plugin::memlimit::ActionRecord>>,
     /// What the MIG stage keeps between passes.
     mig: mig::MigStage,
+    /// The MPS control daemons (`strategy = "mps"`).
+    mps: mps::MpsState,
     /// systemd's notify socket (READY, STATUS, WATCHDOG), a no-op outside systemd.
     notifier: crate::notify::Notifier,
     /// The last `STATUS=` sent.
@@ -299,6 +304,7 @@ pub async fn run(config: Config, root: HostRoot, once: bool) -> Result<i32, Agen
         memory_policy: None,
         memory_records: None,
         mig: mig::MigStage::default(),
+        mps: mps::MpsState::new(),
         withdrawn: BTreeSet::new(),
         notifier: crate::notify::Notifier::from_env(),
         notified_status: String::new(),
@@ -506,6 +512,7 @@ pub async fn run(config: Config, root: HostRoot, once: bool) -> Result<i32, Agen
                 or_stop(&stop, agent.apply_desired(&desired, mig_changed)).await;
             }
             Some(record) = memlimit::next_record(&mut agent.memory_records) => agent.on_memory_record(record),
+            Some(()) = agent.mps.changed.recv() => agent.report_mps(),
             Ok(()) = plugin_rx.changed() => {
                 agent.plugin_status = plugin_rx.borrow_and_update().clone();
                 agent.update_stage();
@@ -525,6 +532,8 @@ pub async fn run(config: Config, root: HostRoot, once: bool) -> Result<i32, Agen
     if let Some(task) = manager_task {
         let _ = task.await;
     }
+    // After the plugin is gone: quit the MPS daemons, compute mode DEFAULT back.
+    agent.stop_mps();
     if let Some(stop) = agent.health_stop.take() {
         stop.store(true, Ordering::Relaxed);
     }
@@ -923,6 +932,8 @@ impl Agent {
                 Vec::new()
             }
         };
+        // The MPS daemons first: the replicas they serve are advertised next.
+        self.update_mps();
         if self.once {
             if self.plan_error.is_none() {
                 let detail = summary(&resources);
@@ -953,6 +964,11 @@ impl Agent {
             self.stages[StageId::DevicePlugin].set(StageState::Failed, Some(e.clone()), None);
             return;
         }
+        if let Some(e) = self.mps_error() {
+            let detail = self.mps_detail();
+            self.stages[StageId::DevicePlugin].set(StageState::Failed, Some(e), detail);
+            return;
+        }
         if self.once || self.gpus.is_none() || self.stages[StageId::DevicePlugin].status.state == StageState::Disabled {
             return;
         }
@@ -964,10 +980,14 @@ impl Agent {
             .filter(|name| p.resources.iter().any(|r| &r.name == *name && r.registered))
             .count();
         let devices: usize = p.resources.iter().map(|r| r.devices).sum();
-        let detail = format!(
+        let mut detail = format!(
             "{registered}/{} resource(s) registered, {devices} device(s)",
             self.desired.len()
         );
+        if let Some(mps) = self.mps_detail() {
+            detail.push_str("; ");
+            detail.push_str(&mps);
+        }
         if !p.kubelet_present {
             let dir = self.config.kubelet.device_plugin_dir.display();
             self.stages[StageId::DevicePlugin].set(
@@ -1074,6 +1094,7 @@ impl Agent {
                 profile: self.profile.clone(),
             }),
             labels: self.wanted_labels().unwrap_or_default(),
+            mps: self.mps_statuses(),
         };
         // Skip the write when nothing but the timestamp would change.
         if self.last_status.as_ref() == Some(&status) {

@@ -3,7 +3,8 @@
 //! The safe nvml-wrapper API is used wherever it exists; the MIG read calls it does not wrap
 //! (GPU/compute instance ids, profile names) and the event wait (whose safe wrapper drops the
 //! GPU/compute instance ids of an Xid) go through `Nvml::lib()`, each `unsafe` block saying why
-//! it is sound. Nothing here changes GPU state: this module only reads.
+//! it is sound. One thing here changes GPU state: the compute mode, which MPS sharing sets
+//! ([`Gpus::set_compute_mode`]); everything else only reads.
 
 use std::collections::BTreeMap;
 use std::ffi::{CStr, OsStr};
@@ -588,6 +589,84 @@ impl Gpus {
                 (p.pid, used_mib)
             })
             .collect())
+    }
+}
+
+/// A GPU's compute mode (`nvmlComputeMode_t`), as MPS sharing needs it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub enum ComputeMode {
+    /// Many contexts per GPU (`NVML_COMPUTEMODE_DEFAULT`).
+    Default,
+    /// One context per GPU, from one process (`NVML_COMPUTEMODE_EXCLUSIVE_PROCESS`): with MPS,
+    /// that process is the MPS server, which every client goes through.
+    ExclusiveProcess,
+    /// No contexts (`NVML_COMPUTEMODE_PROHIBITED`).
+    Prohibited,
+    /// The removed exclusive-thread mode, or a value this agent does not know.
+    Other,
+}
+
+impl ComputeMode {
+    /// As `nvidia-smi -c` spells it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ComputeMode::Default => "DEFAULT",
+            ComputeMode::ExclusiveProcess => "EXCLUSIVE_PROCESS",
+            ComputeMode::Prohibited => "PROHIBITED",
+            ComputeMode::Other => "OTHER",
+        }
+    }
+}
+
+impl fmt::Display for ComputeMode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl Gpus {
+    /// The compute mode of the GPU `uuid` (`nvmlDeviceGetComputeMode`).
+    pub fn compute_mode(&self, uuid: &str) -> Result<ComputeMode, GpuError> {
+        use nvml_wrapper::enum_wrappers::device::ComputeMode as Nvml;
+        let device = self
+            .nvml
+            .device_by_uuid(uuid)
+            .map_err(dev_err("nvmlDeviceGetHandleByUUID", uuid))?;
+        let mode = device
+            .compute_mode()
+            .map_err(dev_err("nvmlDeviceGetComputeMode", uuid))?;
+        Ok(match mode {
+            Nvml::Default => ComputeMode::Default,
+            Nvml::ExclusiveProcess => ComputeMode::ExclusiveProcess,
+            Nvml::Prohibited => ComputeMode::Prohibited,
+            Nvml::ExclusiveThread => ComputeMode::Other,
+        })
+    }
+
+    /// Sets the compute mode of the GPU `uuid` (`nvmlDeviceSetComputeMode`, what `nvidia-smi -c`
+    /// does; needs root, and does not survive a driver reload). [`ComputeMode::Other`] is
+    /// refused as an invalid argument.
+    pub fn set_compute_mode(&self, uuid: &str, mode: ComputeMode) -> Result<(), GpuError> {
+        use nvml_wrapper::enum_wrappers::device::ComputeMode as Nvml;
+        let mut device = self
+            .nvml
+            .device_by_uuid(uuid)
+            .map_err(dev_err("nvmlDeviceGetHandleByUUID", uuid))?;
+        let mode = match mode {
+            ComputeMode::Default => Nvml::Default,
+            ComputeMode::ExclusiveProcess => Nvml::ExclusiveProcess,
+            ComputeMode::Prohibited => Nvml::Prohibited,
+            ComputeMode::Other => {
+                return Err(GpuError::Device {
+                    call: "nvmlDeviceSetComputeMode".into(),
+                    gpu: uuid.into(),
+                    source: NvmlError::InvalidArg,
+                });
+            }
+        };
+        device
+            .set_compute_mode(mode)
+            .map_err(dev_err("nvmlDeviceSetComputeMode", uuid))
     }
 }
 

@@ -12,6 +12,7 @@ use crate::driver::plan::DriverPlan;
 use crate::mig::planner;
 use crate::mig::state::GpuPlan;
 use crate::nvml::Inventory;
+use crate::plugin::mps::MpsDaemon;
 use crate::runtime::stage::{self as rt, RuntimePlan};
 
 #[derive(Serialize)]
@@ -23,7 +24,16 @@ struct PlanJson<'a> {
     mig: Option<MigJson<'a>>,
     cdi: Option<CdiJson<'a>>,
     resources: Vec<ResourceJson<'a>>,
+    /// The MPS control daemons, with the control commands each would get.
+    mps: StageJson<Vec<MpsJson<'a>>>,
     labels: &'a BTreeMap<String, String>,
+}
+
+#[derive(Serialize)]
+struct MpsJson<'a> {
+    #[serde(flatten)]
+    daemon: &'a MpsDaemon,
+    commands: Vec<String>,
 }
 
 #[derive(Serialize)]
@@ -147,6 +157,18 @@ pub fn to_json(plan: &NodePlan) -> String {
             error: c.error.as_deref(),
         }),
         resources,
+        mps: match &plan.mps {
+            Ok(daemons) => StageJson::Plan(
+                daemons
+                    .iter()
+                    .map(|daemon| MpsJson {
+                        daemon,
+                        commands: daemon.control_commands(),
+                    })
+                    .collect(),
+            ),
+            Err(e) => StageJson::Error(e.clone()),
+        },
         labels: &plan.labels,
     };
     serde_json::to_string_pretty(&json).unwrap_or_default()
@@ -360,7 +382,32 @@ fn render_inventory(plan: &NodePlan) -> String {
             let _ = writeln!(out, "    {id}  index {}", d.index);
         }
     }
+    render_mps(&mut out, &plan.mps);
     out
+}
+
+/// The MPS control daemons, for a person.
+fn render_mps(out: &mut String, mps: &Result<Vec<MpsDaemon>, String>) {
+    let daemons = match mps {
+        Ok(d) if d.is_empty() => return,
+        Ok(d) => d,
+        Err(e) => {
+            let _ = writeln!(out, "\nMPS: {e}");
+            return;
+        }
+    };
+    let _ = writeln!(
+        out,
+        "\nMPS control daemons (nvidia-cuda-mps-control -f, compute mode EXCLUSIVE_PROCESS):"
+    );
+    for d in daemons {
+        let gpus: Vec<String> = d.gpus.iter().map(|g| format!("{} ({})", g.index, g.uuid)).collect();
+        let _ = writeln!(out, "  {}: GPU(s) {}", d.resource, gpus.join(", "));
+        let _ = writeln!(out, "    pipe {}, log {}", d.pipe_dir.display(), d.log_dir.display());
+        for command in d.control_commands() {
+            let _ = writeln!(out, "    {command}");
+        }
+    }
 }
 
 /// Sorts `"2"` before `"10"` and `"1:0"` before `"1:1"`.

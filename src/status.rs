@@ -10,6 +10,7 @@ use std::collections::BTreeMap;
 use serde::{Deserialize, Serialize};
 
 use crate::desired::{ProfileOutcome, ProfileState, Selection, Source};
+use crate::plugin::mps::DaemonStatus;
 
 use crate::config::Config;
 use crate::exit::Exit;
@@ -138,6 +139,9 @@ pub struct Status {
     /// The labels the agent reports on its Node (also shown when there is no Node).
     #[serde(default)]
     pub labels: BTreeMap<String, String>,
+    /// The MPS control daemons the agent runs (`strategy = "mps"`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub mps: Vec<DaemonStatus>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -334,6 +338,24 @@ impl Status {
                 let _ = writeln!(out, "  error: {e}");
             }
         }
+        for d in &self.mps {
+            let state = serde_json::to_value(d.state)
+                .ok()
+                .and_then(|v| v.as_str().map(str::to_string))
+                .unwrap_or_default();
+            let pid = d.pid.map(|p| format!(", pid {p}")).unwrap_or_default();
+            let _ = writeln!(
+                out,
+                "\nMPS control daemon {}: {state}{pid}, pipe {}, GPU(s) {}, {} restart(s)",
+                d.resource,
+                d.pipe_dir,
+                d.gpus.join(","),
+                d.restarts
+            );
+            if let Some(e) = &d.error {
+                let _ = writeln!(out, "  error: {e}");
+            }
+        }
         out
     }
 }
@@ -517,6 +539,7 @@ mod tests {
             }],
             desired: None,
             labels: BTreeMap::new(),
+            mps: Vec::new(),
         }
     }
 

@@ -2398,6 +2398,7 @@ mod status {
                         resources,
                         desired,
                         labels,
+                        mps: Vec::new(),
                     }
                 },
             )

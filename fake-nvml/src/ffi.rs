@@ -1631,3 +1631,25 @@ pub unsafe extern "C" fn nvmlGpmMetricsGet(metrics_get: *mut nvmlGpmMetricsGet_t
         crate::gpm::metrics(unsafe { &mut *metrics_get })
     })
 }
+
+// === compute mode ===
+
+/// `nvmlDeviceGetComputeMode`: the mode the state file keeps (DEFAULT until set).
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceGetComputeMode(device: nvmlDevice_t, mode: *mut c_uint) -> nvmlReturn_t {
+    run(|cx| {
+        let g = cx.gpu(addr(device))?;
+        nonnull(mode)?;
+        let current = cx.compute_mode(g);
+        unsafe { put(mode, current) }
+    })
+}
+
+/// `nvmlDeviceSetComputeMode`: kept in the state file, so the next process sees it.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceSetComputeMode(device: nvmlDevice_t, mode: c_uint) -> nvmlReturn_t {
+    run(|cx| {
+        let g = cx.gpu(addr(device))?;
+        cx.set_compute_mode(g, mode)
+    })
+}

@@ -1,6 +1,6 @@
 //! The host files a node with the machine's GPUs and a loaded NVIDIA driver shows: the PCI
 //! functions in sysfs, the driver's user-space libraries, the loaded modules and their version, `/proc/driver/nvidia/version`, and
-//! the MIG capability table. Tests and `scripts/simulate` install them under the agent's root
+//! the MIG capability table, and (separately, [`install_mps_control`]) the MPS control program. Tests and `scripts/simulate` install them under the agent's root
 //! (binary `fake-nvml-host MACHINE ROOT`), so the agent sees what a real node would show.
 
 use std::path::Path;
@@ -77,7 +77,7 @@ fn config_space(device_id: u16, class: u32, vgpu: bool) -> Vec<u8> {
     c.to_vec()
 }
 
-/// Writes [`host_files`] under `root`.
+/// Writes [`host_files`] under `root` (not the MPS control program: [`install_mps_control`]).
 pub fn install(machine: &Machine, root: &Path) -> std::io::Result<()> {
     for (path, content) in host_files(machine) {
         let path = root.join(path);
@@ -87,6 +87,39 @@ pub fn install(machine: &Machine, root: &Path) -> std::io::Result<()> {
         std::fs::write(path, content)?;
     }
     Ok(())
+}
+
+/// Where the driver installs its MPS control program, relative to the root.
+pub const MPS_CONTROL_PATH: &str = "usr/bin/nvidia-cuda-mps-control";
+/// The fake's binary (`src/bin/fake-mps-control.rs`).
+pub const FAKE_MPS_CONTROL: &str = "fake-mps-control";
+
+/// The fake MPS control program built beside the running executable (in its folder or the one
+/// above, as cargo lays out `target/<profile>/` and `target/<profile>/deps/`); `None` when it was
+/// not built (`cargo build --workspace` builds it).
+pub fn fake_mps_control() -> Option<std::path::PathBuf> {
+    let exe = std::env::current_exe().ok()?;
+    let dir = exe.parent()?;
+    [Some(dir), dir.parent()]
+        .into_iter()
+        .flatten()
+        .map(|d| d.join(FAKE_MPS_CONTROL))
+        .find(|p| p.is_file())
+}
+
+/// Links [`fake_mps_control`] at `<root>/usr/bin/nvidia-cuda-mps-control`; `Ok(false)` when the
+/// fake was not built (nothing is installed then).
+pub fn install_mps_control(root: &Path) -> std::io::Result<bool> {
+    let Some(program) = fake_mps_control() else {
+        return Ok(false);
+    };
+    let path = root.join(MPS_CONTROL_PATH);
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir)?;
+    }
+    let _ = std::fs::remove_file(&path);
+    std::os::unix::fs::symlink(program, &path)?;
+    Ok(true)
 }
 
 /// The driver's `/proc/driver/nvidia-caps/mig-minors` table for GPU minors `0..gpus`, numbered

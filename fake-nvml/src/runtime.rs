@@ -906,6 +906,23 @@ impl Cx<'_> {
         Ok((u32::from(s.mig_current), u32::from(s.mig_pending)))
     }
 
+    /// `nvmlDeviceGetComputeMode`.
+    pub fn compute_mode(&self, g: usize) -> u32 {
+        self.lib.state.gpus[g].compute_mode
+    }
+
+    /// `nvmlDeviceSetComputeMode`: DEFAULT (0), PROHIBITED (2) or EXCLUSIVE_PROCESS (3), kept
+    /// in the state file; the removed EXCLUSIVE_THREAD (1) and unknown values are
+    /// INVALID_ARGUMENT, as the real library answers.
+    pub fn set_compute_mode(&mut self, g: usize, mode: u32) -> NvmlResult<()> {
+        if !matches!(mode, 0 | 2 | 3) {
+            return Err(NvmlError::InvalidArgument);
+        }
+        self.lib.state.gpus[g].compute_mode = mode;
+        self.lib.save();
+        Ok(())
+    }
+
     /// `nvmlDeviceSetMigMode`; returns the activation status.
     ///
     /// - mode already current: pending := mode, SUCCESS;

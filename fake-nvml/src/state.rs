@@ -36,6 +36,14 @@ pub struct GpuState {
     pub mig_pending: bool,
     /// GPU instances, kept sorted by id.
     pub gpu_instances: Vec<GpuInstance>,
+    /// Compute mode (`nvmlComputeMode_t`: 0 DEFAULT, 2 PROHIBITED, 3 EXCLUSIVE_PROCESS); a
+    /// state file without it is DEFAULT, as a GPU after a driver load.
+    #[serde(default, skip_serializing_if = "is_default_mode")]
+    pub compute_mode: u32,
+}
+
+fn is_default_mode(mode: &u32) -> bool {
+    *mode == 0
 }
 
 /// One GPU instance.
@@ -82,6 +90,7 @@ impl State {
                 mig_current: spec.mig_mode,
                 mig_pending: spec.mig_mode,
                 gpu_instances: Vec::new(),
+                compute_mode: 0,
             };
             build_mig_devices(spec, &mut gpu, &mut state.next_serial).map_err(|e| format!("gpu[{i}]: {e}"))?;
             state.gpus.push(gpu);
@@ -124,6 +133,7 @@ impl State {
                 mig_current: true,
                 mig_pending: true,
                 gpu_instances: Vec::new(),
+                compute_mode: gpu.compute_mode,
             };
             for gi in &gpu.gpu_instances {
                 let at = replay
@@ -452,6 +462,7 @@ mod tests {
             mig_current: true,
             mig_pending: true,
             gpu_instances: Vec::new(),
+            compute_mode: 0,
         }
     }
 

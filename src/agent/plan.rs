@@ -20,6 +20,7 @@ use crate::mig::stage::{MigState, changes_mode, plan_layout, predict_inventory, 
 use crate::mig::state::GpuPlan;
 use crate::nvml::{Gpus, Inventory};
 use crate::plugin::devnodes::DeviceNodes;
+use crate::plugin::mps::MpsDaemon;
 use crate::plugin::resources::Resource;
 use crate::runtime::stage::{self as rt, RuntimePlan};
 
@@ -41,6 +42,8 @@ pub struct NodePlan {
     pub device_plugin: DevicePluginConfig,
     /// What the device plugin would advertise once the MIG plan is applied.
     pub resources: Vec<Resource>,
+    /// The MPS control daemons the agent would run (`strategy = "mps"`); `Err`: why none can.
+    pub mps: Result<Vec<MpsDaemon>, String>,
     /// The labels the agent would write on its Node (the validation state is left out: it
     /// comes from checks `plan` does not run).
     pub labels: BTreeMap<String, String>,
@@ -149,6 +152,7 @@ pub async fn node_plan(config: &Config, root: &HostRoot, mig_layout: Option<&str
         }
     });
     let resources = advertised_resources(&after, &dp)?;
+    let mps = crate::plugin::mps::plan(&after, &dp.sharing, dp.mig_strategy).map_err(|e| e.to_string());
     let mig_state = mig.as_ref().map(|m| match &m.error {
         Some(_) if !m.incomplete => MigState::Failed,
         _ => MigState::Success,
@@ -172,6 +176,7 @@ pub async fn node_plan(config: &Config, root: &HostRoot, mig_layout: Option<&str
         cdi,
         device_plugin: dp,
         resources,
+        mps,
         labels,
     })
 }

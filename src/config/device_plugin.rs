@@ -292,11 +292,13 @@ impl DevicePluginConfig {
                 imex.validate(&at.clone().key("imex"))?;
             }
             if let Some(sharing) = &profile.sharing {
-                sharing.validate(&at.key("sharing"))?;
+                let mig_strategy = profile.mig_strategy.unwrap_or(self.mig_strategy);
+                sharing.validate(&at.key("sharing"), mig_strategy)?;
             }
         }
         self.imex.validate(&KeyPath::dotted("device_plugin.imex"))?;
-        self.sharing.validate(&KeyPath::dotted("device_plugin.sharing"))?;
+        self.sharing
+            .validate(&KeyPath::dotted("device_plugin.sharing"), self.mig_strategy)?;
         positive("device_plugin.memory_limits.interval", self.memory_limits.interval)?;
         if !self.default_profile.is_empty() && !self.profiles.contains_key(&self.default_profile) {
             return Err(invalid(

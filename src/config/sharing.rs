@@ -1,21 +1,22 @@
 //! `[device_plugin.sharing]` (and a profile's `sharing` table): which resources are advertised
-//! as time-slicing replicas, how many, under which name, and with what memory budget. The
-//! replication itself is [`crate::plugin::sharing`]; this module holds the file format and its
-//! validation.
+//! as time-slicing or MPS replicas, how many, under which name, and with what memory budget. The
+//! replication itself is [`crate::plugin::sharing`], the MPS control daemons
+//! [`crate::plugin::mps`]; this module holds the file format and its validation.
 //!
-//! The format follows NVIDIA's `sharing.timeSlicing` (`renameByDefault`,
-//! `failRequestsGreaterThanOne`, `resources[].{name, rename, devices, replicas}`), with per-GPU
-//! replica counts, a memory budget per replica, and the compact `resource:newname:replicas`
-//! strings of the sharing fork of NVIDIA's plugin.
+//! The format follows NVIDIA's `sharing.timeSlicing` and `sharing.mps` (`renameByDefault`,
+//! `failRequestsGreaterThanOne`, `resources[].{name, rename, devices, replicas}`, the `mpsRoot`
+//! flag), with per-GPU replica counts, a memory budget per replica, an MPS thread share, and the
+//! compact `resource:newname:replicas` strings of the sharing fork of NVIDIA's plugin.
 
 use std::collections::BTreeMap;
 use std::fmt;
+use std::path::PathBuf;
 
 use serde::de::{self, Deserializer, SeqAccess, Visitor};
 use serde::{Deserialize, Serialize, Serializer};
 
 use super::merge::KeyPath;
-use super::values::{SharedPolicy, SharingStrategy};
+use super::values::{MigStrategy, SharedPolicy, SharingStrategy};
 use super::{Check, Invalid};
 
 /// `sharing.strategy`: nothing is shared.
@@ -27,22 +28,32 @@ pub const DEFAULT_RENAME_BY_DEFAULT: bool = false;
 pub const DEFAULT_FAIL_REQUESTS_GREATER_THAN_ONE: bool = false;
 /// `sharing.policy`: the least used physical GPU first (NVIDIA's default).
 pub const DEFAULT_SHARED_POLICY: SharedPolicy = SharedPolicy::Distributed;
+/// `sharing.mps_root`: NVIDIA's Helm chart default for `mps.root`.
+pub const DEFAULT_MPS_ROOT: &str = "/run/nvidia/mps";
 
 /// The domain every advertised resource lives under (NVIDIA's plugin requires it).
 pub const RESOURCE_PREFIX: &str = "nvidia.com/";
 /// Suffix of a shared resource's name under `rename_by_default` (`nvidia.com/gpu.shared`).
 pub const SHARED_SUFFIX: &str = ".shared";
+/// Prefix of the MIG resources of the `mixed` strategy.
+const MIG_RESOURCE_PREFIX: &str = "nvidia.com/mig-";
 
-/// `[device_plugin.sharing]`: time-slicing. A profile's `sharing` table replaces this one whole.
+/// `[device_plugin.sharing]`: time-slicing or MPS. A profile's `sharing` table replaces this one
+/// whole.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct Sharing {
-    /// `none` or `time-slicing` (MPS is not supported yet).
+    /// `none`, `time-slicing` or `mps`.
     pub strategy: SharingStrategy,
     /// Shared resources without a `rename` are advertised as `<name>.shared`.
     pub rename_by_default: bool,
-    /// `Allocate` refuses a container asking for more than one replica.
+    /// `Allocate` refuses a container asking for more than one replica. Always on under `mps`
+    /// (NVIDIA sets it there whatever the config says); see [`Sharing::fails_requests_greater_than_one`].
     pub fail_requests_greater_than_one: bool,
+    /// `mps`: host folder of the MPS control daemons: `<mps_root>/<resource>/{pipe,log}` per
+    /// shared resource and `<mps_root>/shm`, which containers get as `/dev/shm` (NVIDIA's
+    /// `mpsRoot`).
+    pub mps_root: PathBuf,
     /// How `GetPreferredAllocation` picks replicas and MIG devices over physical GPUs.
     pub policy: SharedPolicy,
     /// The shared resources.
@@ -58,6 +69,7 @@ impl Default for Sharing {
             strategy: DEFAULT_SHARING_STRATEGY,
             rename_by_default: DEFAULT_RENAME_BY_DEFAULT,
             fail_requests_greater_than_one: DEFAULT_FAIL_REQUESTS_GREATER_THAN_ONE,
+            mps_root: PathBuf::from(DEFAULT_MPS_ROOT),
             policy: DEFAULT_SHARED_POLICY,
             resources: Vec::new(),
             compact: Vec::new(),
@@ -85,9 +97,15 @@ pub struct SharedResource {
     /// `<gpu>:<mig>` index or MIG UUID), instead of `replicas`.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub replicas_per_gpu: BTreeMap<String, u32>,
-    /// Memory each replica may use, for the memory-limit enforcer.
+    /// Memory each replica may use: for the memory-limit enforcer under `time-slicing`, the MPS
+    /// pinned device memory limit under `mps` (default there: the GPU's memory divided by its
+    /// replicas, as NVIDIA).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub memory_per_replica: Option<MemoryBudget>,
+    /// `mps`: the share of a GPU's threads one replica's clients may use, 1 to 100 percent;
+    /// default 100 / replicas (NVIDIA's).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub active_thread_percentage: Option<u32>,
 }
 
 /// `devices` of a shared resource.
@@ -125,9 +143,16 @@ impl Sharing {
         Ok(out)
     }
 
+    /// Whether `Allocate` refuses a container asking for more than one replica: the key, and
+    /// always under `mps` (NVIDIA sets `sharing.mps.failRequestsGreaterThanOne = true` in
+    /// `api/config/v1/config.go`: several MPS replicas in one container have no clear meaning).
+    pub fn fails_requests_greater_than_one(&self) -> bool {
+        self.fail_requests_greater_than_one || self.strategy == SharingStrategy::Mps
+    }
+
     /// The rules serde cannot check, keyed under `at` (`device_plugin.sharing` or a profile's
-    /// `sharing`).
-    pub(super) fn validate(&self, at: &KeyPath) -> Check {
+    /// `sharing`); `mig_strategy` is the effective one beside this table.
+    pub(super) fn validate(&self, at: &KeyPath, mig_strategy: MigStrategy) -> Check {
         let invalid = |key: KeyPath, reason: String| Invalid { key, reason };
         if self.strategy == SharingStrategy::None && (!self.resources.is_empty() || !self.compact.is_empty()) {
             // Blamed on the list, which a file set (the strategy may be the default).
@@ -138,7 +163,22 @@ impl Sharing {
             };
             return Err(invalid(
                 at.clone().key(list),
-                "sharing needs strategy = \"time-slicing\" (it is \"none\")".into(),
+                "sharing needs strategy = \"time-slicing\" or \"mps\" (it is \"none\")".into(),
+            ));
+        }
+        let mps = self.strategy == SharingStrategy::Mps;
+        if mps && mig_strategy == MigStrategy::Mixed {
+            return Err(invalid(
+                at.clone().key("strategy"),
+                "MPS is not supported with device_plugin.mig_strategy = \"mixed\" (as in NVIDIA's plugin); \
+                 MPS shares full GPUs: use mig_strategy \"none\" or \"single\" without MIG"
+                    .into(),
+            ));
+        }
+        if mps && !self.mps_root.is_absolute() {
+            return Err(invalid(
+                at.clone().key("mps_root"),
+                "expected an absolute host path, e.g. \"/run/nvidia/mps\"".into(),
             ));
         }
         // (entry, where it was written) for the duplicate checks.
@@ -146,12 +186,27 @@ impl Sharing {
         for (i, entry) in self.resources.iter().enumerate() {
             let here = at.clone().key("resources").index(i);
             entry.validate(&here)?;
+            if let Some(pct) = entry.active_thread_percentage {
+                let key = here.clone().key("active_thread_percentage");
+                if !mps {
+                    return Err(invalid(key, "applies to strategy = \"mps\" only".into()));
+                }
+                if !(1..=100).contains(&pct) {
+                    return Err(invalid(key, "expected a percentage from 1 to 100".into()));
+                }
+            }
+            if mps {
+                check_mps_resource(entry).map_err(|reason| invalid(here.clone().key("name"), reason))?;
+            }
             seen.push((entry.clone(), here));
         }
         for (i, text) in self.compact.iter().enumerate() {
             let here = at.clone().key("compact").index(i);
             let entry = SharedResource::from_compact(text).map_err(|reason| invalid(here.clone(), reason))?;
             entry.validate_names().map_err(|reason| invalid(here.clone(), reason))?;
+            if mps {
+                check_mps_resource(&entry).map_err(|reason| invalid(here.clone(), reason))?;
+            }
             seen.push((entry, here));
         }
         for (i, (entry, here)) in seen.iter().enumerate() {
@@ -220,6 +275,7 @@ impl SharedResource {
             devices: SharedDevices::All,
             replicas_per_gpu: BTreeMap::new(),
             memory_per_replica: None,
+            active_thread_percentage: None,
         })
     }
 
@@ -304,6 +360,19 @@ impl SharedResource {
         }
         Ok(())
     }
+}
+
+/// Under `mps`: the entry shares full GPUs. NVIDIA refuses MIG devices ("sharing using MPS is
+/// not supported for MIG devices", `internal/plugin/mps.go`); a MIG resource of the `mixed`
+/// strategy is refused here, MIG devices under `single` when the resources are built.
+fn check_mps_resource(entry: &SharedResource) -> Result<(), String> {
+    let name = entry.resource_name();
+    if name.starts_with(MIG_RESOURCE_PREFIX) {
+        return Err(format!(
+            "{name} is a MIG resource: sharing using MPS is not supported for MIG devices (MPS shares full GPUs)"
+        ));
+    }
+    Ok(())
 }
 
 /// `name` with `nvidia.com/` added when it has no domain.
@@ -509,6 +578,65 @@ mod tests {
     }
 
     #[test]
+    fn mps_keys_and_rules() {
+        const MPS: &str = "[device_plugin.sharing]\nstrategy = \"mps\"\n";
+        const RES: &str = "[[device_plugin.sharing.resources]]\nname = \"gpu\"\nreplicas = 4\n";
+        let config = parse(&format!("{MPS}{RES}active_thread_percentage = 30\n")).expect("valid");
+        let sharing = &config.device_plugin.sharing;
+        assert_eq!(sharing.strategy, SharingStrategy::Mps);
+        assert_eq!(sharing.mps_root, std::path::Path::new(DEFAULT_MPS_ROOT));
+        assert_eq!(sharing.resources[0].active_thread_percentage, Some(30));
+        // NVIDIA forces failRequestsGreaterThanOne under MPS; time-slicing keeps the key.
+        assert!(!sharing.fail_requests_greater_than_one && sharing.fails_requests_greater_than_one());
+        let ts = parse(&format!("[device_plugin.sharing]\nstrategy = \"time-slicing\"\n{RES}")).expect("valid");
+        assert!(!ts.device_plugin.sharing.fails_requests_greater_than_one());
+        let root = parse(&format!("{MPS}mps_root = \"/var/mps\"\n{RES}")).expect("valid");
+        assert_eq!(root.device_plugin.sharing.mps_root, std::path::Path::new("/var/mps"));
+
+        assert_eq!(
+            err(&format!("{MPS}mps_root = \"mps\"\n{RES}")),
+            "s.toml:3: device_plugin.sharing.mps_root = \"mps\" is not valid: expected an absolute host path, e.g. \
+             \"/run/nvidia/mps\""
+        );
+        assert_eq!(
+            err(&format!("[device_plugin]\nmig_strategy = \"mixed\"\n{MPS}{RES}")),
+            "s.toml:4: device_plugin.sharing.strategy = \"mps\" is not valid: MPS is not supported with \
+             device_plugin.mig_strategy = \"mixed\" (as in NVIDIA's plugin); MPS shares full GPUs: use mig_strategy \
+             \"none\" or \"single\" without MIG"
+        );
+        // A profile's own mig_strategy counts, and the base's when it has none.
+        let profile = err(
+            "[device_plugin.profiles.p]\nmig_strategy = \"mixed\"\n[device_plugin.profiles.p.sharing]\n\
+             strategy = \"mps\"\ncompact = [\"gpu::2\"]\n",
+        );
+        assert!(
+            profile.starts_with(
+                "s.toml:4: device_plugin.profiles.p.sharing.strategy = \"mps\" is not valid: MPS is not supported"
+            ),
+            "{profile}"
+        );
+        assert_eq!(
+            err(&format!(
+                "{MPS}[[device_plugin.sharing.resources]]\nname = \"mig-1g.5gb\"\nreplicas = 2\n"
+            )),
+            "s.toml:4: device_plugin.sharing.resources[0].name = \"mig-1g.5gb\" is not valid: nvidia.com/mig-1g.5gb is \
+             a MIG resource: sharing using MPS is not supported for MIG devices (MPS shares full GPUs)"
+        );
+        assert_eq!(
+            err(&format!("{MPS}{RES}active_thread_percentage = 0\n")),
+            "s.toml:6: device_plugin.sharing.resources[0].active_thread_percentage = 0 is not valid: expected a \
+             percentage from 1 to 100"
+        );
+        assert_eq!(
+            err(&format!(
+                "[device_plugin.sharing]\nstrategy = \"time-slicing\"\n{RES}active_thread_percentage = 50\n"
+            )),
+            "s.toml:6: device_plugin.sharing.resources[0].active_thread_percentage = 50 is not valid: applies to \
+             strategy = \"mps\" only"
+        );
+    }
+
+    #[test]
     fn memory_limits_keys() {
         let config =
             parse("[device_plugin.memory_limits]\naction = \"dry-run\"\ninterval = \"500ms\"\ngrace_period = \"0s\"\n")
@@ -533,13 +661,13 @@ mod tests {
         const RES: &str = "[[device_plugin.sharing.resources]]\n";
         let e = |rest: &str| err(&format!("{HEAD}{rest}"));
         assert_eq!(
-            err("[device_plugin.sharing]\nstrategy = \"mps\"\n"),
-            "s.toml:2: device_plugin.sharing.strategy = \"mps\" is not valid: expected one of none, time-slicing"
+            err("[device_plugin.sharing]\nstrategy = \"vgpu\"\n"),
+            "s.toml:2: device_plugin.sharing.strategy = \"vgpu\" is not valid: expected one of none, time-slicing, mps"
         );
         assert_eq!(
             err("[device_plugin.sharing]\ncompact = [\"gpu::2\"]\n"),
             "s.toml:2: device_plugin.sharing.compact = [\"gpu::2\"] is not valid: sharing needs strategy = \
-             \"time-slicing\" (it is \"none\")"
+             \"time-slicing\" or \"mps\" (it is \"none\")"
         );
         assert_eq!(
             e(&format!("{RES}name = \"gpu\"\nreplicas = 0\n")),
@@ -600,7 +728,7 @@ mod tests {
         assert_eq!(
             e(&format!("{RES}name = \"gpu\"\nreplicas = 2\nreplica = 3\n")),
             "s.toml:6: unknown key device_plugin.sharing.resources[0].replica: expected one of name, rename, \
-             replicas, devices, replicas_per_gpu, memory_per_replica"
+             replicas, devices, replicas_per_gpu, memory_per_replica, active_thread_percentage"
         );
         // Compact strings.
         assert_eq!(

@@ -242,13 +242,15 @@ closed_enum! {
 }
 
 closed_enum! {
-    /// How advertised devices are shared (`device_plugin.sharing.strategy`). MPS is not
-    /// supported yet.
+    /// How advertised devices are shared (`device_plugin.sharing.strategy`).
     pub enum SharingStrategy {
         /// Every device is advertised once.
         None = "none",
         /// CUDA time-slicing: each device is advertised as `replicas` devices `<id>::<n>`.
         TimeSlicing = "time-slicing",
+        /// CUDA MPS: replicas as under time-slicing, served by an MPS control daemon per shared
+        /// resource that the agent runs, with memory and thread limits per replica.
+        Mps = "mps",
     }
 }
 

@@ -13,6 +13,7 @@ use crate::devices::is_replica_id;
 use crate::host::devnodes::{ci_access_key, gi_access_key};
 use crate::plugin::devnodes::DeviceNodes;
 use crate::plugin::injections::{Injected, Injections};
+use crate::plugin::mps::{MpsAllocate, add_to_response as add_mps};
 use crate::plugin::resources::{PluginDevice, Resource};
 
 /// The environment variable the NVIDIA Container Toolkit reads.
@@ -49,6 +50,8 @@ pub struct AllocateOptions {
     pub fail_requests_greater_than_one: bool,
     /// GDS, MOFED, GDRCopy and IMEX channels (see [`crate::plugin::injections`]).
     pub injections: Injections,
+    /// MPS: the control daemon of each resource shared through MPS ([`crate::plugin::mps`]).
+    pub mps: MpsAllocate,
 }
 
 impl Default for AllocateOptions {
@@ -65,6 +68,7 @@ impl Default for AllocateOptions {
             host_mounts_container_dir: PathBuf::from("/usr/local/nvidia"),
             fail_requests_greater_than_one: false,
             injections: Injections::default(),
+            mps: MpsAllocate::default(),
         }
     }
 }
@@ -110,6 +114,8 @@ pub enum AllocateError {
 ///   CDI spec carries them).
 /// - Device specs (`pass_device_specs` or `host-mounts`): see [`device_specs`].
 /// - GDS, MOFED, GDRCopy and IMEX channels are added last: see [`crate::plugin::injections`].
+/// - Replicas of a resource shared through MPS: the pipe folder, `/dev/shm` and the limits, see
+///   [`crate::plugin::mps::add_to_response`].
 pub fn allocate(
     resource: &Resource,
     req: &ContainerAllocateRequest,
@@ -198,6 +204,8 @@ pub fn allocate(
         resp.cdi_devices = qualified.into_iter().map(|name| CdiDevice { name }).collect();
     }
     injected.apply(&mut resp, strategies);
+    // Whatever the strategies: the CDI spec knows nothing of MPS.
+    add_mps(&opts.mps, resource, ids, &mut resp);
     Ok(resp)
 }
 

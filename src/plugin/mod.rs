@@ -9,6 +9,7 @@ pub mod health;
 pub mod injections;
 pub mod manager;
 pub mod memlimit;
+pub mod mps;
 pub mod preferred;
 pub mod resources;
 pub mod server;

@@ -10,7 +10,9 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use crate::config::{MemoryBudget, MigStrategy, RESOURCE_PREFIX, SharedDevices, SharedResource, Sharing};
+use crate::config::{
+    MemoryBudget, MigStrategy, RESOURCE_PREFIX, SharedDevices, SharedResource, Sharing, SharingStrategy,
+};
 use crate::devices::REPLICA_SEPARATOR;
 use crate::labels::gfd::ResourceSharing;
 use crate::nvml::Inventory;
@@ -24,6 +26,16 @@ pub enum SharingError {
     /// configs built in code).
     #[error("[device_plugin.sharing] compact: {0}")]
     Compact(String),
+    /// `strategy = "mps"` on a MIG device (NVIDIA's "sharing using MPS is not supported for MIG
+    /// devices", `internal/plugin/mps.go`), as under `mig_strategy = "single"` with MIG on.
+    #[error(
+        "[device_plugin.sharing] strategy = \"mps\": {resource} has MIG device {device} (GPU {gpu}); sharing using MPS is not supported for MIG devices: disable MIG on the GPU or use mig_strategy = \"none\""
+    )]
+    MpsOnMig {
+        resource: String,
+        device: String,
+        gpu: String,
+    },
     /// The replicas' name is already advertised for other devices.
     #[error(
         "sharing {resource}: its replicas would be advertised as {name}, which is already advertised for other devices; choose another rename"
@@ -59,6 +71,15 @@ pub fn apply_sharing(resources: Vec<Resource>, sharing: &Sharing) -> Result<Vec<
         if picked.values().all(|d| replicas_for(entry, d) <= 1) {
             continue;
         }
+        if sharing.strategy == SharingStrategy::Mps
+            && let Some(d) = picked.values().find(|d| d.mig.is_some())
+        {
+            return Err(SharingError::MpsOnMig {
+                resource: source,
+                device: d.uuid.clone(),
+                gpu: d.index.clone(),
+            });
+        }
         resource.devices = kept;
         let name = entry.advertised_name(sharing.rename_by_default);
         if name != source && out.contains_key(&name) {
@@ -89,11 +110,17 @@ pub fn apply_sharing(resources: Vec<Resource>, sharing: &Sharing) -> Result<Vec<
 /// `mig_strategy` decides what `nvidia.com/gpu` is (whole GPUs, or MIG devices under
 /// `single`), as it does for the advertised resources. An inventory the strategy cannot
 /// advertise, or a compact entry that does not parse, gives an empty map.
+///
+/// Under `strategy = "mps"` the map is empty: the MPS server enforces each client's pinned
+/// memory limit itself ([`crate::plugin::mps`]), so the enforcer has nothing to watch.
 pub fn replica_budgets(
     sharing: &Sharing,
     inventory: &Inventory,
     mig_strategy: MigStrategy,
 ) -> BTreeMap<String, Option<u64>> {
+    if sharing.strategy == SharingStrategy::Mps {
+        return BTreeMap::new();
+    }
     let (Ok(resources), Ok(entries)) = (build_resources(inventory, mig_strategy), sharing.entries()) else {
         return BTreeMap::new();
     };
@@ -159,7 +186,7 @@ fn names_parent(key: &str, device: &PluginDevice) -> bool {
 }
 
 /// Whether the entry's `devices` selects `device` (a GPU selects its MIG devices too).
-fn selects(entry: &SharedResource, device: &PluginDevice) -> bool {
+pub(crate) fn selects(entry: &SharedResource, device: &PluginDevice) -> bool {
     match &entry.devices {
         SharedDevices::All => true,
         SharedDevices::List(list) => list
@@ -170,7 +197,7 @@ fn selects(entry: &SharedResource, device: &PluginDevice) -> bool {
 
 /// The replica count of `device`: `replicas_per_gpu` for the device itself, else for its GPU,
 /// else `replicas`.
-fn replicas_for(entry: &SharedResource, device: &PluginDevice) -> u32 {
+pub(crate) fn replicas_for(entry: &SharedResource, device: &PluginDevice) -> u32 {
     let per_gpu = &entry.replicas_per_gpu;
     let own = per_gpu.iter().find(|(key, _)| names_device(key, device));
     let parent = || per_gpu.iter().find(|(key, _)| names_parent(key, device));
@@ -180,7 +207,7 @@ fn replicas_for(entry: &SharedResource, device: &PluginDevice) -> u32 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::{SharedPolicy, SharingStrategy};
+    use crate::config::SharedPolicy;
     use crate::nvml::GpuInfo;
     use crate::nvml::sample::{self, inventory};
     use crate::plugin::resources::Health;
@@ -202,6 +229,7 @@ mod tests {
             devices: SharedDevices::All,
             replicas_per_gpu: BTreeMap::new(),
             memory_per_replica: None,
+            active_thread_percentage: None,
         }
     }
 

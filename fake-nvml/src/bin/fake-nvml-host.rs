@@ -1,5 +1,6 @@
 //! `fake-nvml-host MACHINE ROOT`: installs under ROOT the host files (sysfs PCI functions,
-//! loaded-module entries, `/proc/driver/nvidia`) a node with MACHINE's GPUs shows.
+//! loaded-module entries, `/proc/driver/nvidia`) a node with MACHINE's GPUs shows, and the fake
+//! MPS control program (built beside this binary) as `/usr/bin/nvidia-cuda-mps-control`.
 
 use std::process::ExitCode;
 
@@ -23,10 +24,12 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    match fake_nvml::host::install(&parsed, std::path::Path::new(root)) {
-        Ok(()) => ExitCode::SUCCESS,
+    let root = std::path::Path::new(root);
+    let installed = fake_nvml::host::install(&parsed, root).and_then(|()| fake_nvml::host::install_mps_control(root));
+    match installed {
+        Ok(_) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("fake-nvml-host: {root}: {e}");
+            eprintln!("fake-nvml-host: {}: {e}", root.display());
             ExitCode::FAILURE
         }
     }

@@ -1,0 +1,460 @@
+//! The control daemons as the agent's children: each runs `nvidia-cuda-mps-control -f` on a
+//! thread of its own that starts it, sets its limits through the control client, watches it and
+//! starts it again (with backoff) when it dies, and sends `quit` when told to stop.
+
+use std::collections::BTreeMap;
+use std::io::{Read, Write};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Serialize};
+
+use super::{CONTROL_PROGRAM, MpsDaemon, PROGRAM_DIRS};
+use crate::host::backoff::Backoff;
+use crate::nvml::{ComputeMode, Gpus};
+
+/// How long a new daemon gets to answer its control client.
+const READY_WITHIN: Duration = Duration::from_secs(30);
+/// How long a daemon gets to exit after `quit` before it is killed.
+const QUIT_WITHIN: Duration = Duration::from_secs(10);
+/// How often a thread looks at its daemon and its stop flag.
+const POLL: Duration = Duration::from_millis(100);
+/// Restart delays after a daemon died or could not start.
+const RESTART_MIN: Duration = Duration::from_secs(1);
+const RESTART_MAX: Duration = Duration::from_secs(60);
+/// How much of a daemon's stderr an error quotes.
+const STDERR_TAIL: usize = 2048;
+
+/// Where a daemon is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum DaemonState {
+    Starting,
+    Running,
+    /// It died or could not start; the next attempt is due after a backoff.
+    Restarting,
+    /// It cannot start until the config or the node changes (no control program, compute mode
+    /// refused).
+    Failed,
+    Stopped,
+}
+
+/// A daemon's state for the status file.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DaemonStatus {
+    pub resource: String,
+    pub state: DaemonState,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pid: Option<u32>,
+    /// Host path of the pipe folder.
+    pub pipe_dir: String,
+    pub gpus: Vec<String>,
+    pub restarts: u32,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+}
+
+type Notify = Arc<dyn Fn() + Send + Sync>;
+
+struct Running {
+    plan: MpsDaemon,
+    stop: Arc<AtomicBool>,
+    status: Arc<Mutex<DaemonStatus>>,
+    thread: Option<JoinHandle<()>>,
+}
+
+/// The running control daemons, by resource.
+pub struct Supervisor {
+    root: PathBuf,
+    daemons: BTreeMap<String, Running>,
+    notify: Notify,
+}
+
+impl Supervisor {
+    /// `root` is the agent's `--root`; `notify` is called (from the daemons' threads) whenever a
+    /// daemon's state changes.
+    pub fn new(root: &Path, notify: Notify) -> Supervisor {
+        Supervisor {
+            root: root.to_path_buf(),
+            daemons: BTreeMap::new(),
+            notify,
+        }
+    }
+
+    /// Brings the daemons to `plans`: stops those no longer planned or planned differently (compute
+    /// mode back to `DEFAULT`), starts the new ones (compute mode `EXCLUSIVE_PROCESS` first), and
+    /// tries again those that could not start.
+    /// `driver_root` is where the control program is looked for.
+    pub fn apply(&mut self, plans: &[MpsDaemon], driver_root: &Path, gpus: &Gpus) {
+        let wanted: BTreeMap<&str, &MpsDaemon> = plans.iter().map(|p| (p.resource.as_str(), p)).collect();
+        let gone: Vec<String> = self
+            .daemons
+            .iter()
+            // A daemon that could not start at all (no program, compute mode refused) is tried
+            // again: the driver may have been installed since.
+            .filter(|(name, r)| r.thread.is_none() || wanted.get(name.as_str()).is_none_or(|p| **p != r.plan))
+            .map(|(name, _)| name.clone())
+            .collect();
+        for name in gone {
+            if let Some(running) = self.daemons.remove(&name) {
+                self.stop_one(running, gpus);
+            }
+        }
+        for plan in plans {
+            if !self.daemons.contains_key(&plan.resource) {
+                let running = self.start_one(plan, driver_root, gpus);
+                self.daemons.insert(plan.resource.clone(), running);
+            }
+        }
+    }
+
+    /// Stops every daemon (agent shutdown, or MPS switched off).
+    pub fn stop_all(&mut self, gpus: &Gpus) {
+        for (_, running) in std::mem::take(&mut self.daemons) {
+            self.stop_one(running, gpus);
+        }
+    }
+
+    /// The daemons' states, by resource.
+    pub fn statuses(&self) -> Vec<DaemonStatus> {
+        self.daemons.values().map(|r| lock(&r.status).clone()).collect()
+    }
+
+    fn start_one(&self, plan: &MpsDaemon, driver_root: &Path, gpus: &Gpus) -> Running {
+        let status = Arc::new(Mutex::new(DaemonStatus {
+            resource: plan.resource.clone(),
+            state: DaemonState::Starting,
+            pid: None,
+            pipe_dir: plan.pipe_dir.display().to_string(),
+            gpus: plan.gpus.iter().map(|g| g.uuid.clone()).collect(),
+            restarts: 0,
+            error: None,
+        }));
+        let stop = Arc::new(AtomicBool::new(false));
+        let fail = |error: String| {
+            tracing::error!(resource = %plan.resource, "MPS control daemon: {error}");
+            let mut s = lock(&status);
+            s.state = DaemonState::Failed;
+            s.error = Some(error);
+        };
+        let Some(program) = super::find_program(&self.root, driver_root) else {
+            let dirs: Vec<String> = PROGRAM_DIRS
+                .iter()
+                .map(|d| driver_root.join(d.trim_start_matches('/')).display().to_string())
+                .collect();
+            fail(format!(
+                "cannot start the MPS control daemon for {}: {CONTROL_PROGRAM} not found in {} (the driver's user-space; [device_plugin] driver_root)",
+                plan.resource,
+                dirs.join(", ")
+            ));
+            return Running {
+                plan: plan.clone(),
+                stop,
+                status,
+                thread: None,
+            };
+        };
+        // The folders containers mount exist before the replicas are advertised, even while the
+        // daemon is still starting.
+        for dir in [&plan.pipe_dir, &plan.log_dir, &plan.shm_dir] {
+            if let Err(e) = std::fs::create_dir_all(crate::host::rooted(&self.root, dir)) {
+                fail(format!(
+                    "cannot start the MPS control daemon for {}: cannot create {}: {e}",
+                    plan.resource,
+                    dir.display()
+                ));
+                return Running {
+                    plan: plan.clone(),
+                    stop,
+                    status,
+                    thread: None,
+                };
+            }
+        }
+        for g in &plan.gpus {
+            if let Err(e) = gpus.set_compute_mode(&g.uuid, ComputeMode::ExclusiveProcess) {
+                fail(format!(
+                    "cannot start the MPS control daemon for {}: compute mode EXCLUSIVE_PROCESS on GPU {} ({}): {e}",
+                    plan.resource, g.index, g.uuid
+                ));
+                return Running {
+                    plan: plan.clone(),
+                    stop,
+                    status,
+                    thread: None,
+                };
+            }
+        }
+        tracing::info!(
+            resource = %plan.resource,
+            "starting the MPS control daemon {} for GPU(s) {}",
+            program.display(),
+            plan.gpus.iter().map(|g| g.index.to_string()).collect::<Vec<_>>().join(", ")
+        );
+        let worker = Worker {
+            plan: plan.clone(),
+            root: self.root.clone(),
+            program,
+            stop: stop.clone(),
+            status: status.clone(),
+            notify: self.notify.clone(),
+        };
+        let thread = std::thread::Builder::new()
+            .name(format!("mps {}", plan.resource))
+            .spawn(move || worker.run())
+            .map_err(|e| fail(format!("cannot start a thread for the MPS control daemon: {e}")))
+            .ok();
+        Running {
+            plan: plan.clone(),
+            stop,
+            status,
+            thread,
+        }
+    }
+
+    fn stop_one(&self, mut running: Running, gpus: &Gpus) {
+        let plan = &running.plan;
+        tracing::info!(resource = %plan.resource, "stopping the MPS control daemon");
+        running.stop.store(true, Ordering::SeqCst);
+        if let Some(thread) = running.thread.take() {
+            let _ = thread.join();
+        }
+        for g in &plan.gpus {
+            if let Err(e) = gpus.set_compute_mode(&g.uuid, ComputeMode::Default) {
+                tracing::warn!(
+                    "MPS for {}: cannot set compute mode DEFAULT back on GPU {} ({}): {e}",
+                    plan.resource,
+                    g.index,
+                    g.uuid
+                );
+            }
+        }
+        let _ = std::fs::remove_file(crate::host::rooted(&self.root, &plan.started_file));
+        lock(&running.status).state = DaemonState::Stopped;
+        (self.notify)();
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// One daemon's thread.
+struct Worker {
+    plan: MpsDaemon,
+    root: PathBuf,
+    /// Host path (without the root).
+    program: PathBuf,
+    stop: Arc<AtomicBool>,
+    status: Arc<Mutex<DaemonStatus>>,
+    notify: Notify,
+}
+
+impl Worker {
+    fn run(self) {
+        let mut backoff = Backoff::new(RESTART_MIN, RESTART_MAX);
+        let mut attempts = 0u32;
+        while !self.stopped() {
+            if attempts > 0 {
+                lock(&self.status).restarts = attempts;
+            }
+            attempts += 1;
+            match self.start() {
+                Ok((child, stderr)) => {
+                    {
+                        let mut s = lock(&self.status);
+                        s.state = DaemonState::Running;
+                        s.pid = Some(child.id());
+                        s.error = None;
+                    }
+                    (self.notify)();
+                    tracing::info!(resource = %self.plan.resource, pid = child.id(), "MPS control daemon running");
+                    backoff.reset();
+                    if let Some(error) = self.watch(child, &stderr) {
+                        self.set_error(error);
+                    } else {
+                        break;
+                    }
+                }
+                Err(error) => self.set_error(error),
+            }
+            let wait = backoff.next();
+            let until = Instant::now() + wait;
+            while Instant::now() < until && !self.stopped() {
+                std::thread::sleep(POLL);
+            }
+        }
+        let _ = std::fs::remove_file(self.rooted(&self.plan.started_file));
+        let mut s = lock(&self.status);
+        s.state = DaemonState::Stopped;
+        s.pid = None;
+    }
+
+    fn stopped(&self) -> bool {
+        self.stop.load(Ordering::SeqCst)
+    }
+
+    fn rooted(&self, p: &Path) -> PathBuf {
+        crate::host::rooted(&self.root, p)
+    }
+
+    fn set_error(&self, error: String) {
+        tracing::error!(resource = %self.plan.resource, "MPS control daemon: {error}");
+        {
+            let mut s = lock(&self.status);
+            s.state = DaemonState::Restarting;
+            s.pid = None;
+            s.error = Some(error);
+        }
+        (self.notify)();
+    }
+
+    /// Starts the daemon and sets its limits; `Err` says what failed, naming the program, the
+    /// pipe folder and the GPUs.
+    fn start(&self) -> Result<(Child, Arc<Mutex<String>>), String> {
+        let plan = &self.plan;
+        let what = format!(
+            "{} -f for {} (pipe folder {}, GPU(s) {})",
+            self.program.display(),
+            plan.resource,
+            plan.pipe_dir.display(),
+            plan.gpus.iter().map(|g| g.uuid.as_str()).collect::<Vec<_>>().join(",")
+        );
+        for dir in [&plan.pipe_dir, &plan.log_dir, &plan.shm_dir] {
+            std::fs::create_dir_all(self.rooted(dir))
+                .map_err(|e| format!("{what}: cannot create {}: {e}", dir.display()))?;
+        }
+        // A daemon left by an agent that did not stop cleanly holds the pipe: quit it first.
+        if self.client("get_default_active_thread_percentage").is_ok() {
+            tracing::info!(resource = %plan.resource, "quitting an MPS control daemon left from before");
+            let _ = self.client("quit");
+        }
+        let mut child = Command::new(self.rooted(&self.program))
+            .arg("-f")
+            .envs(plan.env(&self.root))
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .map_err(|e| format!("cannot run {what}: {e}"))?;
+        let stderr = Arc::new(Mutex::new(String::new()));
+        if let Some(mut pipe) = child.stderr.take() {
+            let sink = stderr.clone();
+            std::thread::spawn(move || {
+                let mut buf = [0u8; 1024];
+                while let Ok(n) = pipe.read(&mut buf) {
+                    if n == 0 {
+                        break;
+                    }
+                    let mut s = lock(&sink);
+                    s.push_str(&String::from_utf8_lossy(&buf[..n]));
+                    if s.len() > STDERR_TAIL {
+                        let cut = s.len() - STDERR_TAIL;
+                        let cut = (cut..s.len()).find(|i| s.is_char_boundary(*i)).unwrap_or(s.len());
+                        s.drain(..cut);
+                    }
+                }
+            });
+        }
+        let exited = |child: &mut Child, stderr: &Mutex<String>| -> Option<String> {
+            let status = child.try_wait().ok().flatten()?;
+            Some(format!("{what} exited with {status}: {}", lock(stderr).trim()))
+        };
+        let deadline = Instant::now() + READY_WITHIN;
+        loop {
+            if let Some(e) = exited(&mut child, &stderr) {
+                return Err(e);
+            }
+            if self.stopped() {
+                let _ = child.kill();
+                let _ = child.wait();
+                return Err(format!("{what}: stopped while starting"));
+            }
+            if self.client("get_default_active_thread_percentage").is_ok() {
+                break;
+            }
+            if Instant::now() > deadline {
+                let _ = child.kill();
+                let _ = child.wait();
+                return Err(format!(
+                    "{what}: the control daemon did not answer within {}s",
+                    READY_WITHIN.as_secs()
+                ));
+            }
+            std::thread::sleep(POLL);
+        }
+        for command in plan.control_commands() {
+            if let Err(e) = self.client(&command) {
+                let _ = self.client("quit");
+                let _ = child.kill();
+                let _ = child.wait();
+                return Err(format!("{what}: `{command}` failed: {e}"));
+            }
+        }
+        let started = self.rooted(&plan.started_file);
+        std::fs::write(&started, b"").map_err(|e| format!("{what}: cannot create {}: {e}", started.display()))?;
+        Ok((child, stderr))
+    }
+
+    /// Waits for the daemon to exit or for the stop flag; `Some(error)` when it died, `None`
+    /// when it was stopped.
+    fn watch(&self, mut child: Child, stderr: &Mutex<String>) -> Option<String> {
+        loop {
+            if let Ok(Some(status)) = child.try_wait() {
+                let _ = std::fs::remove_file(self.rooted(&self.plan.started_file));
+                return Some(format!(
+                    "{} for {} exited with {status}: {}",
+                    self.program.display(),
+                    self.plan.resource,
+                    lock(stderr).trim()
+                ));
+            }
+            if self.stopped() {
+                if let Err(e) = self.client("quit") {
+                    tracing::warn!(resource = %self.plan.resource, "MPS control daemon: quit failed: {e}");
+                }
+                let deadline = Instant::now() + QUIT_WITHIN;
+                while Instant::now() < deadline {
+                    if let Ok(Some(_)) = child.try_wait() {
+                        return None;
+                    }
+                    std::thread::sleep(POLL);
+                }
+                tracing::warn!(resource = %self.plan.resource, "MPS control daemon did not quit; killing it");
+                let _ = child.kill();
+                let _ = child.wait();
+                return None;
+            }
+            std::thread::sleep(POLL);
+        }
+    }
+
+    /// One command through the control client (the program without arguments, the command on
+    /// its stdin as NVIDIA sends it); its output, or why it failed.
+    fn client(&self, command: &str) -> Result<String, String> {
+        let mut child = Command::new(self.rooted(&self.program))
+            .envs(self.plan.env(&self.root))
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .map_err(|e| format!("cannot run {}: {e}", self.program.display()))?;
+        if let Some(mut stdin) = child.stdin.take() {
+            let _ = stdin.write_all(command.as_bytes());
+        }
+        let out = child
+            .wait_with_output()
+            .map_err(|e| format!("{}: {e}", self.program.display()))?;
+        let stdout = String::from_utf8_lossy(&out.stdout).trim().to_string();
+        if out.status.success() {
+            Ok(stdout)
+        } else {
+            let stderr = String::from_utf8_lossy(&out.stderr).trim().to_string();
+            Err(format!("{} ({}): {stdout}{stderr}", out.status, command))
+        }
+    }
+}

@@ -1,0 +1,209 @@
+use std::collections::BTreeMap;
+
+use super::*;
+use crate::api::ContainerAllocateRequest;
+use crate::config::{DeviceListStrategy, SharedDevices, SharedResource};
+use crate::nvml::GpuInfo;
+use crate::nvml::sample::{self, inventory};
+use crate::plugin::allocate::{AllocateOptions, allocate, sorted_envs};
+use crate::plugin::devnodes::DeviceNodes;
+use crate::plugin::sharing::{SharingError, apply_sharing};
+
+fn entry(replicas: u32) -> SharedResource {
+    SharedResource {
+        name: "gpu".into(),
+        rename: String::new(),
+        replicas,
+        devices: SharedDevices::All,
+        replicas_per_gpu: BTreeMap::new(),
+        memory_per_replica: None,
+        active_thread_percentage: None,
+    }
+}
+
+fn mps(resources: Vec<SharedResource>) -> Sharing {
+    Sharing {
+        strategy: SharingStrategy::Mps,
+        resources,
+        ..Sharing::default()
+    }
+}
+
+fn two_a100s() -> Inventory {
+    inventory(vec![sample::a100(0), sample::a100(1)])
+}
+
+#[test]
+fn one_daemon_per_shared_resource_with_nvidias_defaults() {
+    let plans = plan(&two_a100s(), &mps(vec![entry(4)]), MigStrategy::None).expect("plan");
+    assert_eq!(plans.len(), 1);
+    let d = &plans[0];
+    assert_eq!(d.resource, "nvidia.com/gpu");
+    // NVIDIA's Root.PipeDir: the full resource name is the folder path.
+    assert_eq!(d.pipe_dir, Path::new("/run/nvidia/mps/nvidia.com/gpu/pipe"));
+    assert_eq!(d.log_dir, Path::new("/run/nvidia/mps/nvidia.com/gpu/log"));
+    assert_eq!(d.started_file, Path::new("/run/nvidia/mps/nvidia.com/gpu/.started"));
+    assert_eq!(d.shm_dir, Path::new("/run/nvidia/mps/shm"));
+    assert_eq!(d.active_thread_percentage, 25);
+    // 40960 MiB / 4 replicas, per GPU by its ordinal under CUDA_VISIBLE_DEVICES.
+    assert_eq!(
+        d.control_commands(),
+        [
+            "set_default_device_pinned_mem_limit 0 10240M",
+            "set_default_device_pinned_mem_limit 1 10240M",
+            "set_default_active_thread_percentage 25",
+        ]
+    );
+    let env = d.env(Path::new("/tmp/r"));
+    assert_eq!(
+        env,
+        [
+            (
+                PIPE_ENV.to_string(),
+                "/tmp/r/run/nvidia/mps/nvidia.com/gpu/pipe".to_string()
+            ),
+            (
+                LOG_ENV.to_string(),
+                "/tmp/r/run/nvidia/mps/nvidia.com/gpu/log".to_string()
+            ),
+            ("CUDA_VISIBLE_DEVICES".to_string(), "GPU-0,GPU-1".to_string()),
+        ]
+    );
+    assert_eq!(d.container_pipe_dir(), "/mps/nvidia.com/gpu/pipe");
+}
+
+#[test]
+fn limits_from_the_config_and_per_gpu_counts() {
+    let mut e = entry(2);
+    e.devices = SharedDevices::List(vec!["1".into()]);
+    e.memory_per_replica = Some(MemoryBudget::Mib(8000));
+    e.active_thread_percentage = Some(30);
+    e.rename = "gpu-mps".into();
+    let sharing = Sharing {
+        mps_root: "/var/mps".into(),
+        ..mps(vec![e])
+    };
+    let plans = plan(&two_a100s(), &sharing, MigStrategy::None).expect("plan");
+    let d = &plans[0];
+    assert_eq!(d.resource, "nvidia.com/gpu-mps");
+    assert_eq!(d.pipe_dir, Path::new("/var/mps/nvidia.com/gpu-mps/pipe"));
+    // Only GPU 1 is shared; it is ordinal 0 to its daemon.
+    assert_eq!(d.gpus.len(), 1);
+    assert_eq!((d.gpus[0].index, d.gpus[0].ordinal), (1, 0));
+    assert_eq!(
+        d.control_commands(),
+        [
+            "set_default_device_pinned_mem_limit 0 8000M",
+            "set_default_active_thread_percentage 30",
+        ]
+    );
+
+    // Per-GPU counts: each GPU's own limit, the daemon's default the smallest share.
+    let mut e = entry(2);
+    e.replicas_per_gpu.insert("GPU-1".into(), 5);
+    let d = plan(&two_a100s(), &mps(vec![e]), MigStrategy::None)
+        .expect("plan")
+        .remove(0);
+    assert_eq!(d.gpus[0].memory_limit_mib, Some(20480));
+    assert_eq!(d.gpus[1].memory_limit_mib, Some(8192));
+    assert_eq!(d.gpus[1].active_thread_percentage, 20);
+    assert_eq!(d.active_thread_percentage, 20);
+}
+
+#[test]
+fn nothing_without_mps_or_without_replicas() {
+    let time_slicing = Sharing {
+        strategy: SharingStrategy::TimeSlicing,
+        ..mps(vec![entry(4)])
+    };
+    assert!(
+        plan(&two_a100s(), &time_slicing, MigStrategy::None)
+            .expect("plan")
+            .is_empty()
+    );
+    assert!(
+        plan(&two_a100s(), &mps(vec![entry(1)]), MigStrategy::None)
+            .expect("plan")
+            .is_empty()
+    );
+}
+
+#[test]
+fn mig_devices_are_refused() {
+    let gpu = GpuInfo {
+        mig: Some(sample::mig(true)),
+        mig_devices: sample::mig_devices(0, &["1g.5gb", "1g.5gb"]),
+        ..sample::a100(0)
+    };
+    let inv = inventory(vec![gpu]);
+    let err = plan(&inv, &mps(vec![entry(2)]), MigStrategy::Single).expect_err("MIG");
+    assert!(
+        err.to_string()
+            .contains("sharing using MPS is not supported for MIG devices"),
+        "{err}"
+    );
+    // The advertised resources fail alike, so nothing is advertised.
+    let resources = build_resources(&inv, MigStrategy::Single).expect("resources");
+    let err = apply_sharing(resources, &mps(vec![entry(2)])).expect_err("MIG");
+    assert!(matches!(err, SharingError::MpsOnMig { .. }), "{err}");
+    assert!(err.to_string().contains("MIG-0-0"), "{err}");
+}
+
+fn allocate_ids(ids: &[&str], strategies: &[DeviceListStrategy]) -> ContainerAllocateResponse {
+    let sharing = mps(vec![entry(4)]);
+    let inv = two_a100s();
+    let daemons = plan(&inv, &sharing, MigStrategy::None).expect("plan");
+    let resources =
+        apply_sharing(build_resources(&inv, MigStrategy::None).expect("resources"), &sharing).expect("sharing");
+    let opts = AllocateOptions {
+        strategies: strategies.to_vec(),
+        mps: MpsAllocate::new(&daemons),
+        ..AllocateOptions::default()
+    };
+    let req = ContainerAllocateRequest {
+        devices_ids: ids.iter().map(|s| (*s).to_string()).collect(),
+    };
+    allocate(&resources[0], &req, &opts, &DeviceNodes::default()).expect("allocate")
+}
+
+#[test]
+fn allocate_gives_the_pipe_shm_and_limits() {
+    let resp = allocate_ids(&["GPU-1::2"], &[DeviceListStrategy::Envvar]);
+    assert_eq!(
+        sorted_envs(&resp),
+        [
+            ("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "25"),
+            ("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT", "0=10240M"),
+            ("CUDA_MPS_PIPE_DIRECTORY", "/mps/nvidia.com/gpu/pipe"),
+            ("NVIDIA_VISIBLE_DEVICES", "GPU-1"),
+        ]
+    );
+    let mounts: Vec<(&str, &str, bool)> = resp
+        .mounts
+        .iter()
+        .map(|m| (m.container_path.as_str(), m.host_path.as_str(), m.read_only))
+        .collect();
+    assert_eq!(
+        mounts,
+        [
+            ("/mps/nvidia.com/gpu/pipe", "/run/nvidia/mps/nvidia.com/gpu/pipe", false),
+            ("/dev/shm", "/run/nvidia/mps/shm", false),
+        ]
+    );
+    // With CDI the spec carries the devices, but MPS still comes with the answer.
+    let resp = allocate_ids(&["GPU-0::0"], &[DeviceListStrategy::CdiCri]);
+    assert_eq!(resp.envs["CUDA_MPS_PIPE_DIRECTORY"], "/mps/nvidia.com/gpu/pipe");
+    assert_eq!(resp.mounts.len(), 2);
+}
+
+#[test]
+fn allocate_leaves_other_resources_alone() {
+    let resource = Resource {
+        name: "nvidia.com/other".into(),
+        devices: BTreeMap::new(),
+    };
+    let daemons = plan(&two_a100s(), &mps(vec![entry(4)]), MigStrategy::None).expect("plan");
+    let mut resp = ContainerAllocateResponse::default();
+    add_to_response(&MpsAllocate::new(&daemons), &resource, &["GPU-0::0".into()], &mut resp);
+    assert_eq!(resp, ContainerAllocateResponse::default());
+}

@@ -1,0 +1,296 @@
+//! MPS sharing end to end: a device-plugin profile with `strategy = "mps"`, selected by the
+//! `nvidia.com/device-plugin.config` label, makes the real binary run the MPS control daemon
+//! (the fake `nvidia-cuda-mps-control`, built with the workspace) with NVIDIA's limits, set the
+//! GPUs' compute mode (the fake NVML's state), advertise the replicas to the test kubelet and
+//! hand containers the daemon's pipe folder; switching the profile off, or stopping the agent,
+//! quits the daemon and sets compute mode DEFAULT back.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use common::{Node, gpu_uuid, machine};
+use test_apiserver::TestApiServer;
+use test_kubelet::{KubeletOptions, TestKubelet};
+
+const T: Duration = Duration::from_secs(20);
+const NODE: &str = common::NODE_NAME;
+const PROFILE: &str = "nvidia.com/device-plugin.config";
+const GPU: &str = "nvidia.com/gpu";
+/// The daemon's folders under the node's root (NVIDIA's `<mpsRoot>/<resource>/...`).
+const PIPE: &str = "run/nvidia/mps/nvidia.com/gpu/pipe";
+const LOG: &str = "run/nvidia/mps/nvidia.com/gpu/log";
+const STARTED: &str = "run/nvidia/mps/nvidia.com/gpu/.started";
+
+/// Profiles `mps` (4 MPS replicas per GPU) and `plain` (nothing shared).
+const PROFILES: &str = "[device_plugin.profiles.mps.sharing]\nstrategy = \"mps\"\n\
+     [[device_plugin.profiles.mps.sharing.resources]]\nname = \"gpu\"\nreplicas = 4\n\
+     [device_plugin.profiles.plain.sharing]\nstrategy = \"none\"\n";
+
+/// A node with two A100-40GB, the fake MPS control program installed, its API server (the Node
+/// labelled `labels`) and kubelet.
+async fn setup(config: &str, labels: &[(&str, &str)]) -> (TestApiServer, Node, TestKubelet) {
+    let node = Node::new(&machine("A100-SXM4-40GB", 2), config);
+    let installed = fake_nvml::host::install_mps_control(&node.root).expect("install the MPS control program");
+    assert!(
+        installed,
+        "fake-mps-control not found beside the test binary: build the workspace (cargo build --workspace)"
+    );
+    node.install_toolkit_runtime();
+    let api = common::api_server_for(&node, labels).await;
+    let kubelet = TestKubelet::start(&node.plugin_dir(), KubeletOptions::default())
+        .await
+        .expect("kubelet");
+    (api, node, kubelet)
+}
+
+/// Each GPU's compute mode as the fake NVML keeps it (0 DEFAULT, 3 EXCLUSIVE_PROCESS).
+fn compute_modes(node: &Node) -> Vec<u64> {
+    let text = std::fs::read_to_string(node.state.join("state.json")).unwrap_or_default();
+    let state: serde_json::Value = serde_json::from_str(&text).unwrap_or_default();
+    state["gpus"]
+        .as_array()
+        .map(|gpus| gpus.iter().map(|g| g["compute_mode"].as_u64().unwrap_or(0)).collect())
+        .unwrap_or_default()
+}
+
+fn path(node: &Node, rel: &str) -> PathBuf {
+    node.root.join(rel)
+}
+
+/// Waits (up to [`T`]) for `done`; panics saying `what` did not happen.
+fn wait_until(what: &str, mut done: impl FnMut() -> bool) {
+    let deadline = Instant::now() + T;
+    while !done() {
+        assert!(Instant::now() < deadline, "{what} did not happen");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+fn log_text(node: &Node) -> String {
+    std::fs::read_to_string(path(node, LOG).join("control.log")).unwrap_or_default()
+}
+
+/// The daemon's control socket answers (the fake listens on `<pipe>/control`).
+fn daemon_listening(pipe: &Path) -> bool {
+    std::os::unix::net::UnixStream::connect(pipe.join("control")).is_ok()
+}
+
+fn device_plugin_stage(node: &Node) -> serde_json::Value {
+    common::stage(&node.status_json(), "device-plugin")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_mps_profile_runs_the_control_daemon_and_allocate_points_at_it() {
+    let (api, node, kubelet) = setup(PROFILES, &[(PROFILE, "mps")]).await;
+    let agent = node.spawn();
+
+    // 2 GPUs × 4 replicas under the resource's own name.
+    let devices = kubelet
+        .wait_for_devices(GPU, T, |d| d.len() == 8)
+        .await
+        .expect("8 replicas");
+    assert!(devices.iter().any(|d| d.id == format!("{}::3", gpu_uuid(1))));
+
+    // The daemon: its pipe answers, its limits are NVIDIA's (40960 MiB / 4, 100 / 4), its GPUs
+    // are in EXCLUSIVE_PROCESS, `.started` is there.
+    let pipe = path(&node, PIPE);
+    wait_until("the MPS control daemon listening", || daemon_listening(&pipe));
+    wait_until("the limits in control.log", || {
+        log_text(&node).contains("Cmd:set_default_active_thread_percentage 25")
+    });
+    let log = log_text(&node);
+    for line in [
+        "Cmd:set_default_device_pinned_mem_limit 0 10240M",
+        "Cmd:set_default_device_pinned_mem_limit 1 10240M",
+        "Cmd:set_default_active_thread_percentage 25",
+    ] {
+        assert!(log.contains(line), "{line} not in control.log:\n{log}");
+    }
+    wait_until("the .started file", || path(&node, STARTED).exists());
+    assert_eq!(compute_modes(&node), [3, 3]);
+
+    // Allocate: NVIDIA's pipe folder and /dev/shm, and the replica's limits.
+    let one = format!("{}::2", gpu_uuid(1));
+    let resp = kubelet.allocate(GPU, &[&one]).await.expect("one replica");
+    assert_eq!(resp.envs["NVIDIA_VISIBLE_DEVICES"], gpu_uuid(1));
+    assert_eq!(resp.envs["CUDA_MPS_PIPE_DIRECTORY"], "/mps/nvidia.com/gpu/pipe");
+    assert_eq!(resp.envs["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"], "0=10240M");
+    assert_eq!(resp.envs["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"], "25");
+    let mounts: Vec<(&str, &str)> = resp
+        .mounts
+        .iter()
+        .map(|m| (m.container_path.as_str(), m.host_path.as_str()))
+        .collect();
+    assert_eq!(
+        mounts,
+        [
+            ("/mps/nvidia.com/gpu/pipe", "/run/nvidia/mps/nvidia.com/gpu/pipe"),
+            ("/dev/shm", "/run/nvidia/mps/shm"),
+        ]
+    );
+    // MPS replicas are one per container, whatever the config says (NVIDIA forces it).
+    let two = [format!("{}::0", gpu_uuid(0)), format!("{}::1", gpu_uuid(0))];
+    let refused = kubelet
+        .allocate(GPU, &[&two[0], &two[1]])
+        .await
+        .expect_err("two replicas");
+    assert!(
+        refused
+            .message()
+            .contains("maximum request size for shared resources is 1")
+    );
+
+    // The status says the daemon runs; the feature labels say MPS.
+    // (The status file follows the daemon's state as the agent hears of it.)
+    let status = node.wait_status(T, |s| {
+        common::stage(s, "device-plugin")["detail"]
+            .as_str()
+            .is_some_and(|d| d.contains("MPS nvidia.com/gpu: running (pid "))
+    });
+    let daemon = &status["mps"][0];
+    assert_eq!(daemon["resource"], "nvidia.com/gpu", "{daemon}");
+    assert_eq!(daemon["state"], "running", "{daemon}");
+    assert_eq!(daemon["pipe_dir"], "/run/nvidia/mps/nvidia.com/gpu/pipe");
+    assert_eq!(daemon["gpus"], serde_json::json!([gpu_uuid(0), gpu_uuid(1)]));
+    let shown = node.run(&["status"]);
+    let shown = String::from_utf8_lossy(&shown.stdout);
+    assert!(
+        shown.contains("MPS control daemon nvidia.com/gpu: running, pid "),
+        "{shown}"
+    );
+    for (key, value) in [
+        ("nvidia.com/gpu.sharing-strategy", "mps"),
+        ("nvidia.com/mps.capable", "true"),
+        ("nvidia.com/gpu.replicas", "4"),
+        ("nvidia.com/gpu.product", "NVIDIA-A100-SXM4-40GB-SHARED"),
+    ] {
+        let ok = api
+            .wait_for(T, |a| a.labels(NODE).get(key).map(String::as_str) == Some(value))
+            .await;
+        assert!(ok, "label {key} never became {value}; labels: {:?}", api.labels(NODE));
+    }
+
+    // The profile off: the daemon quits, compute mode DEFAULT again, whole GPUs advertised.
+    api.set_label(NODE, PROFILE, Some("plain"));
+    kubelet
+        .wait_for_devices(GPU, T, |d| d.len() == 2)
+        .await
+        .expect("2 GPUs");
+    wait_until("the daemon quitting", || !daemon_listening(&pipe));
+    wait_until("compute mode DEFAULT", || compute_modes(&node) == [0, 0]);
+    assert!(!path(&node, STARTED).exists());
+    assert!(log_text(&node).contains("Cmd:quit"));
+    let resp = kubelet.allocate(GPU, &[&gpu_uuid(0)]).await.expect("a whole GPU");
+    assert!(!resp.envs.contains_key("CUDA_MPS_PIPE_DIRECTORY"), "{:?}", resp.envs);
+    assert!(resp.mounts.is_empty(), "{:?}", resp.mounts);
+
+    // On again, then the agent stops: the daemon quits with it and compute mode is DEFAULT.
+    api.set_label(NODE, PROFILE, Some("mps"));
+    kubelet
+        .wait_for_devices(GPU, T, |d| d.len() == 8)
+        .await
+        .expect("8 replicas again");
+    wait_until("the daemon listening again", || daemon_listening(&pipe));
+    wait_until("compute mode EXCLUSIVE_PROCESS", || compute_modes(&node) == [3, 3]);
+    assert_eq!(agent.stop(), 0);
+    assert!(!daemon_listening(&pipe), "the daemon outlived the agent");
+    assert_eq!(compute_modes(&node), [0, 0]);
+    assert!(!path(&node, STARTED).exists());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_daemon_that_dies_is_started_again() {
+    let config = format!("[device_plugin]\ndefault_profile = \"mps\"\n{PROFILES}");
+    let (_api, node, kubelet) = setup(&config, &[]).await;
+    let agent = node.spawn();
+    kubelet
+        .wait_for_devices(GPU, T, |d| d.len() == 8)
+        .await
+        .expect("8 replicas");
+    let pipe = path(&node, PIPE);
+    wait_until("the MPS control daemon listening", || daemon_listening(&pipe));
+    let pid_of = |node: &Node| -> Option<String> {
+        let detail = device_plugin_stage(node)["detail"]
+            .as_str()
+            .unwrap_or_default()
+            .to_string();
+        let rest = detail.split("MPS nvidia.com/gpu: running (pid ").nth(1)?;
+        Some(rest.split(')').next()?.to_string())
+    };
+    wait_until("the daemon's pid in the status", || pid_of(&node).is_some());
+    let first = pid_of(&node).expect("pid");
+    let killed = std::process::Command::new("kill")
+        .args(["-KILL", &first])
+        .status()
+        .expect("kill");
+    assert!(killed.success());
+    wait_until("a new daemon", || pid_of(&node).is_some_and(|pid| pid != first));
+    wait_until("the new daemon listening", || daemon_listening(&pipe));
+    let status = node.wait_status(T, |s| common::stage(s, "device-plugin")["state"] == "ok");
+    assert_eq!(status["mps"][0]["restarts"], 1, "{}", status["mps"]);
+    assert_eq!(agent.stop(), 0);
+    assert_eq!(compute_modes(&node), [0, 0]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_the_control_program_the_stage_fails_naming_it() {
+    let config = format!("[device_plugin]\ndefault_profile = \"mps\"\n{PROFILES}");
+    let (api, node, _kubelet) = setup(&config, &[]).await;
+    std::fs::remove_file(node.root.join(fake_nvml::host::MPS_CONTROL_PATH)).expect("remove the program");
+    let agent = node.spawn();
+    let status = node.wait_status(T, |s| {
+        common::stage(s, "device-plugin")["error"]
+            .as_str()
+            .is_some_and(|e| e.contains("nvidia-cuda-mps-control not found"))
+    });
+    let error = common::stage(&status, "device-plugin")["error"]
+        .as_str()
+        .unwrap_or_default()
+        .to_string();
+    assert!(
+        error.contains("/usr/bin") && error.contains("nvidia.com/gpu"),
+        "{error}"
+    );
+    assert_eq!(compute_modes(&node), [0, 0], "no GPU changed without a daemon");
+    // One Warning Event says it, posted once.
+    let posted = api
+        .wait_for(T, |a| !common::events_with(a, "MpsDaemonFailed").is_empty())
+        .await;
+    assert!(posted, "no MpsDaemonFailed Event: {:?}", api.events());
+    let events = common::events_with(&api, "MpsDaemonFailed");
+    assert_eq!(events.len(), 1, "{events:?}");
+    common::assert_event(
+        &events[0],
+        "Warning",
+        &["nvidia-cuda-mps-control not found", "nvidia.com/gpu"],
+    );
+    assert_eq!(agent.stop(), 0);
+}
+
+#[test]
+fn plan_shows_what_mps_would_do_and_does_nothing() {
+    let config = format!("[device_plugin]\ndefault_profile = \"mps\"\n{PROFILES}");
+    let node = Node::new(&machine("A100-SXM4-40GB", 2), &config);
+    let out = node.run(&["plan"]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    for line in [
+        "MPS control daemons (nvidia-cuda-mps-control -f, compute mode EXCLUSIVE_PROCESS):",
+        &format!("  nvidia.com/gpu: GPU(s) 0 ({}), 1 ({})", gpu_uuid(0), gpu_uuid(1)),
+        "    pipe /run/nvidia/mps/nvidia.com/gpu/pipe, log /run/nvidia/mps/nvidia.com/gpu/log",
+        "    set_default_device_pinned_mem_limit 1 10240M",
+        "    set_default_active_thread_percentage 25",
+    ] {
+        assert!(stdout.contains(line), "{line:?} not in:\n{stdout}");
+    }
+    let out = node.run(&["plan", "--json"]);
+    let plan: serde_json::Value = serde_json::from_slice(&out.stdout).expect("plan --json parses");
+    let daemon = &plan["mps"]["plan"][0];
+    assert_eq!(daemon["resource"], "nvidia.com/gpu");
+    assert_eq!(daemon["commands"][2], "set_default_active_thread_percentage 25");
+    // Nothing was started or changed.
+    assert!(!path(&node, PIPE).exists());
+    assert_eq!(compute_modes(&node), [0, 0]);
+}
