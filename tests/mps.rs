@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use common::{Node, gpu_uuid, machine};
 use test_apiserver::TestApiServer;
-use test_kubelet::{KubeletOptions, TestKubelet};
+use test_kubelet::TestKubelet;
 
 const T: Duration = Duration::from_secs(20);
 const NODE: &str = common::NODE_NAME;
@@ -38,10 +38,7 @@ async fn setup(config: &str, labels: &[(&str, &str)]) -> (TestApiServer, Node, T
         "fake-mps-control not found beside the test binary: build the workspace (cargo build --workspace)"
     );
     node.install_toolkit_runtime();
-    let api = common::api_server_for(&node, labels).await;
-    let kubelet = TestKubelet::start(&node.plugin_dir(), KubeletOptions::default())
-        .await
-        .expect("kubelet");
+    let (api, kubelet) = common::api_server_and_kubelet(&node, labels).await;
     (api, node, kubelet)
 }
 

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use common::{Node, gpu_uuid, machine};
 use test_apiserver::TestApiServer;
-use test_kubelet::{Event, KubeletOptions, TestKubelet};
+use test_kubelet::{Event, TestKubelet};
 
 const T: Duration = Duration::from_secs(15);
 const NODE: &str = common::NODE_NAME;
@@ -31,10 +31,7 @@ async fn setup(machine: &str, config: &str, labels: &[(&str, &str)]) -> (TestApi
     let node = Node::new(machine, config);
     // With NVIDIA's toolkit, replicas reach containers as NVIDIA_VISIBLE_DEVICES.
     node.install_toolkit_runtime();
-    let api = common::api_server_for(&node, labels).await;
-    let kubelet = TestKubelet::start(&node.plugin_dir(), KubeletOptions::default())
-        .await
-        .expect("kubelet");
+    let (api, kubelet) = common::api_server_and_kubelet(&node, labels).await;
     (api, node, kubelet)
 }
 

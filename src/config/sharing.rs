@@ -250,6 +250,20 @@ impl Sharing {
 }
 
 impl SharedResource {
+    /// `name` shared as `replicas` replicas of every device, under its default name, with no
+    /// per-GPU counts or limits.
+    pub fn new(name: &str, replicas: u32) -> SharedResource {
+        SharedResource {
+            name: name.to_owned(),
+            rename: String::new(),
+            replicas,
+            devices: SharedDevices::All,
+            replicas_per_gpu: BTreeMap::new(),
+            memory_per_replica: None,
+            active_thread_percentage: None,
+        }
+    }
+
     /// A resource from the compact form `resource:newname:replicas`; an empty `newname` means
     /// default naming (`rename_by_default`).
     pub fn from_compact(text: &str) -> Result<SharedResource, String> {
@@ -269,13 +283,8 @@ impl SharedResource {
             return Err("expected at least 1 replica".into());
         }
         Ok(SharedResource {
-            name: (*name).to_owned(),
             rename: (*rename).to_owned(),
-            replicas,
-            devices: SharedDevices::All,
-            replicas_per_gpu: BTreeMap::new(),
-            memory_per_replica: None,
-            active_thread_percentage: None,
+            ..SharedResource::new(name, replicas)
         })
     }
 

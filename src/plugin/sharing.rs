@@ -222,15 +222,7 @@ mod tests {
     }
 
     fn entry(name: &str, replicas: u32) -> SharedResource {
-        SharedResource {
-            name: name.into(),
-            rename: String::new(),
-            replicas,
-            devices: SharedDevices::All,
-            replicas_per_gpu: BTreeMap::new(),
-            memory_per_replica: None,
-            active_thread_percentage: None,
-        }
+        SharedResource::new(name, replicas)
     }
 
     fn time_slicing(resources: Vec<SharedResource>) -> Sharing {

@@ -442,6 +442,18 @@ pub async fn api_server_for(node: &Node, labels: &[(&str, &str)]) -> test_apiser
     api
 }
 
+/// [`api_server_for`] the node, and a test kubelet on its device plugin directory.
+pub async fn api_server_and_kubelet(
+    node: &Node,
+    labels: &[(&str, &str)],
+) -> (test_apiserver::TestApiServer, test_kubelet::TestKubelet) {
+    let api = api_server_for(node, labels).await;
+    let kubelet = test_kubelet::TestKubelet::start(&node.plugin_dir(), test_kubelet::KubeletOptions::default())
+        .await
+        .expect("start the test kubelet");
+    (api, kubelet)
+}
+
 /// systemd's notify socket, the test's own: bound in a temp dir, for `NOTIFY_SOCKET`.
 pub struct NotifySocket {
     _dir: TempDir,

@@ -10,15 +10,7 @@ use crate::plugin::devnodes::DeviceNodes;
 use crate::plugin::sharing::{SharingError, apply_sharing};
 
 fn entry(replicas: u32) -> SharedResource {
-    SharedResource {
-        name: "gpu".into(),
-        rename: String::new(),
-        replicas,
-        devices: SharedDevices::All,
-        replicas_per_gpu: BTreeMap::new(),
-        memory_per_replica: None,
-        active_thread_percentage: None,
-    }
+    SharedResource::new("gpu", replicas)
 }
 
 fn mps(resources: Vec<SharedResource>) -> Sharing {
