@@ -74,12 +74,28 @@ fn daemon_listening(pipe: &Path) -> bool {
     std::os::unix::net::UnixStream::connect(pipe.join("control")).is_ok()
 }
 
+/// The daemon runs in a mount namespace of its own (`<mps_root>/shm` as its `/dev/shm`), which
+/// needs root; CI runs as root.
+fn require_root() {
+    assert!(
+        nix::unistd::geteuid().is_root(),
+        "this test runs the MPS control daemon in a mount namespace of its own and needs root (CI runs as root)"
+    );
+}
+
+/// The shared-memory file the fake daemon keeps in its `/dev/shm` while it runs.
+fn shm_segment(pipe: &Path) -> String {
+    let pid = std::fs::read_to_string(pipe.join("nvidia-cuda-mps-control.pid")).unwrap_or_default();
+    format!("cuda.shm.fake-mps.{}", pid.trim())
+}
+
 fn device_plugin_stage(node: &Node) -> serde_json::Value {
     common::stage(&node.status_json(), "device-plugin")
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_mps_profile_runs_the_control_daemon_and_allocate_points_at_it() {
+    require_root();
     let (api, node, kubelet) = setup(PROFILES, &[(PROFILE, "mps")]).await;
     let agent = node.spawn();
 
@@ -94,6 +110,17 @@ async fn an_mps_profile_runs_the_control_daemon_and_allocate_points_at_it() {
     // are in EXCLUSIVE_PROCESS, `.started` is there.
     let pipe = path(&node, PIPE);
     wait_until("the MPS control daemon listening", || daemon_listening(&pipe));
+    // Its /dev/shm is the folder containers get as theirs, not the host's: MPS clients and
+    // their server meet in shared memory there.
+    let segment = shm_segment(&pipe);
+    assert!(
+        path(&node, "run/nvidia/mps/shm").join(&segment).exists(),
+        "the daemon's shared memory is not in <mps_root>/shm"
+    );
+    assert!(
+        !Path::new("/dev/shm").join(&segment).exists(),
+        "the daemon's shared memory is in the host's /dev/shm"
+    );
     wait_until("the limits in control.log", || {
         log_text(&node).contains("Cmd:set_default_active_thread_percentage 25")
     });
@@ -199,6 +226,7 @@ async fn an_mps_profile_runs_the_control_daemon_and_allocate_points_at_it() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_daemon_that_dies_is_started_again() {
+    require_root();
     let config = format!("[device_plugin]\ndefault_profile = \"mps\"\n{PROFILES}");
     let (_api, node, kubelet) = setup(&config, &[]).await;
     let agent = node.spawn();

@@ -11,6 +11,10 @@
 //!   may lack its newline), sends them to the daemon of `CUDA_MPS_PIPE_DIRECTORY` and prints
 //!   the answers; with no daemon it fails.
 //!
+//! - While it runs, the daemon keeps a file `/dev/shm/cuda.shm.fake-mps.<pid>` (removed at
+//!   `quit`): the real MPS server and its clients meet in shared memory under `/dev/shm`, so a
+//!   test can see which `/dev/shm` the daemon was given.
+//!
 //! Commands: `get_default_active_thread_percentage`, `set_default_active_thread_percentage
 //! <p>`, `get_default_device_pinned_mem_limit <dev>`, `set_default_device_pinned_mem_limit
 //! <dev> <limit>`, `get_server_list`, `quit`. The log records each as the real daemon does:
@@ -147,6 +151,11 @@ fn daemon() -> ExitCode {
     let _ = fs::set_permissions(&socket, fs::Permissions::from_mode(0o666));
     let pid = std::process::id();
     let _ = fs::write(dir.join(PID_FILE), format!("{pid}\n"));
+    let segment = shm_segment(pid);
+    if let Err(e) = fs::write(&segment, b"") {
+        eprintln!("Failed to create {}: {e}", segment.display());
+        return ExitCode::FAILURE;
+    }
     let mut line = |text: &str| {
         let _ = writeln!(log, "[{} Control {pid}] {text}", timestamp());
     };
@@ -184,10 +193,16 @@ fn daemon() -> ExitCode {
             line("Exit");
             let _ = fs::remove_file(&socket);
             let _ = fs::remove_file(dir.join(PID_FILE));
+            let _ = fs::remove_file(&segment);
             return ExitCode::SUCCESS;
         }
     }
     ExitCode::SUCCESS
+}
+
+/// The shared-memory file the daemon keeps while it runs.
+fn shm_segment(pid: u32) -> PathBuf {
+    PathBuf::from(format!("/dev/shm/cuda.shm.fake-mps.{pid}"))
 }
 
 /// One command; its answer.

@@ -239,6 +239,31 @@ impl Supervisor {
     }
 }
 
+/// Where the daemon, and the MPS servers it starts, keep the shared memory their clients map.
+const SHM_IN_DAEMON: &str = "/dev/shm";
+
+/// Runs `command` in a mount namespace of its own in which `shm` (the host folder containers get
+/// as their `/dev/shm`) is bind-mounted on `/dev/shm`: MPS clients and their server meet in
+/// shared memory there, so the daemon must see the same folder as the containers do, as NVIDIA's
+/// daemon container does with its `<root>/shm` mount. Mount propagation is made private first,
+/// so nothing the namespace mounts reaches the host.
+fn with_shm_as_dev_shm(command: &mut Command, shm: PathBuf) {
+    use nix::mount::{MsFlags, mount};
+    use nix::sched::{CloneFlags, unshare};
+    use std::os::unix::process::CommandExt;
+    let none: Option<&str> = None;
+    // SAFETY: the closure runs between fork and exec and only makes system calls (no allocation:
+    // nix passes short paths through a stack buffer); `shm` was built before the fork.
+    unsafe {
+        command.pre_exec(move || {
+            unshare(CloneFlags::CLONE_NEWNS)?;
+            mount(none, "/", none, MsFlags::MS_REC | MsFlags::MS_PRIVATE, none)?;
+            mount(Some(shm.as_path()), SHM_IN_DAEMON, none, MsFlags::MS_BIND, none)?;
+            Ok(())
+        });
+    }
+}
+
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(PoisonError::into_inner)
 }
@@ -333,14 +358,22 @@ impl Worker {
             tracing::info!(resource = %plan.resource, "quitting an MPS control daemon left from before");
             let _ = self.client("quit");
         }
-        let mut child = Command::new(self.rooted(&self.program))
+        let shm = self.rooted(&plan.shm_dir);
+        let mut command = Command::new(self.rooted(&self.program));
+        command
             .arg("-f")
             .envs(plan.env(&self.root))
             .stdin(Stdio::null())
             .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()
-            .map_err(|e| format!("cannot run {what}: {e}"))?;
+            .stderr(Stdio::piped());
+        with_shm_as_dev_shm(&mut command, shm.clone());
+        let mut child = command.spawn().map_err(|e| {
+            format!(
+                "cannot run {what} in a mount namespace of its own with {} as its {SHM_IN_DAEMON} \
+                 (the agent needs CAP_SYS_ADMIN): {e}",
+                shm.display()
+            )
+        })?;
         let stderr = Arc::new(Mutex::new(String::new()));
         if let Some(mut pipe) = child.stderr.take() {
             let sink = stderr.clone();
