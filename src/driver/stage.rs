@@ -12,6 +12,7 @@ use super::observe::{self, HostFacts, ObserveError};
 use super::plan::{self, Context, DriverPlan, LoadFrom, PackageManager, PlanError, Step};
 use super::validate::{self, Check, NvmlGpu, NvmlView, ValidationInput};
 use crate::config::{Config, DriverSource};
+use crate::host::arch::HostArch;
 use crate::host::command::{Cmd, CmdError, Runner};
 use crate::host::{HostRoot, WriteError, write_atomic};
 
@@ -61,14 +62,6 @@ pub struct Planned {
     pub plan: DriverPlan,
     /// Set for `runfile` and `prebuilt`.
     pub cache_key: Option<CacheKey>,
-}
-
-/// The machine architecture as NVIDIA names it in `.run` file names.
-pub fn arch() -> &'static str {
-    match std::env::consts::ARCH {
-        "aarch64" => "aarch64",
-        _ => "x86_64",
-    }
 }
 
 /// The module cache (`<state_dir>/driver/cache` under the root).
@@ -125,7 +118,7 @@ pub fn plan_with(
         gpu_processes,
         cached,
         modprobe_conf,
-        arch: arch().into(),
+        arch: HostArch::read(root),
         failed_install: failed
             .filter(|f| f.kernel_release == facts.kernel_release)
             .map(|f| f.message.clone()),
