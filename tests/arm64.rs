@@ -71,4 +71,5 @@ fn the_driver_plan_of_an_arm64_node_downloads_the_aarch64_runfile() {
         "{said}"
     );
     assert!(said.contains("linux-headers-6.8.0-1015-nvidia-64k"), "{said}");
+    assert!(said.contains("kernel        6.8.0-1015-nvidia-64k (aarch64)"), "{said}");
 }

@@ -6,7 +6,6 @@ use serde::Serialize;
 use super::observe::{Distro, HostFacts, SecureBoot};
 use super::{Flavour, MODULES};
 use crate::config::{DriverConfig, DriverSource, FlavourChoice};
-use crate::host::arch::HostArch;
 
 /// The first driver branch whose recommended modules are the open ones (NVIDIA's rule when
 /// `nvidia-installer --print-recommended-kernel-module-type` cannot be asked).
@@ -115,9 +114,6 @@ pub struct Context {
     pub cached: bool,
     /// The current text of `[driver] modprobe_conf`.
     pub modprobe_conf: Option<String>,
-    /// The node's architecture (read from the host, not the agent's build): the `{arch}` of the
-    /// URL templates, `x86_64` or `aarch64` as NVIDIA names its `.run` files.
-    pub arch: HostArch,
     /// Why an earlier install for this `[driver]` and kernel did not give the wanted version:
     /// the plan then fails with it instead of installing again.
     pub failed_install: Option<String>,
@@ -390,7 +386,7 @@ pub fn plan(config: &DriverConfig, facts: &HostFacts, ctx: &Context) -> Result<D
             };
             let url = super::fetch::url_from_template(
                 &config.runfile_url,
-                &[("version", wanted), ("arch", ctx.arch.machine())],
+                &[("version", wanted), ("arch", facts.arch.machine())],
             )
             .map_err(|e| PlanError::Template(format!("[driver] runfile_url: {e}")))?;
             // Nothing changes on the host before the .run is downloaded and verified, and the
@@ -421,7 +417,7 @@ pub fn plan(config: &DriverConfig, facts: &HostFacts, ctx: &Context) -> Result<D
                     ("version", wanted),
                     ("kernel", kernel),
                     ("flavour", flavour.as_str()),
-                    ("arch", ctx.arch.machine()),
+                    ("arch", facts.arch.machine()),
                 ],
             )
             .map_err(|e| PlanError::Template(format!("[driver] prebuilt_url: {e}")))?;
@@ -495,10 +491,12 @@ pub fn describe(plan: &DriverPlan) -> String {
 mod tests {
     use super::*;
     use crate::driver::observe::{LoadedDriver, OsRelease, PciDevice, SecureBoot, parse_os_release};
+    use crate::host::arch::HostArch;
 
     fn facts(os: &str, loaded: Option<&str>) -> HostFacts {
         HostFacts {
             kernel_release: "6.8.0-1015-aws".into(),
+            arch: HostArch::X86_64,
             os: parse_os_release(os),
             gpus: vec![PciDevice {
                 address: "0000:07:00.0".into(),
@@ -534,7 +532,6 @@ mod tests {
             gpu_processes: Some(0),
             cached: false,
             modprobe_conf: None,
-            arch: HostArch::X86_64,
             failed_install: None,
         }
     }
@@ -649,12 +646,12 @@ mod tests {
 
     #[test]
     fn an_arm64_node_downloads_the_aarch64_runfile() {
-        let arm = Context {
+        let arm = HostFacts {
             arch: HostArch::Aarch64,
-            ..ctx()
+            ..facts(UBUNTU, None)
         };
         let mut c = config(DriverSource::Runfile);
-        let p = plan(&c, &facts(UBUNTU, None), &arm).unwrap();
+        let p = plan(&c, &arm, &ctx()).unwrap();
         assert!(
             matches!(&p.steps[0], Step::Download { url, .. } if url == "https://us.download.nvidia.com/tesla/550.54.15/NVIDIA-Linux-aarch64-550.54.15.run"),
             "{:?}",
@@ -663,7 +660,7 @@ mod tests {
         // NVIDIA's XFree86 archive has one folder per architecture too.
         c.runfile_url =
             "https://download.nvidia.com/XFree86/Linux-{arch}/{version}/NVIDIA-Linux-{arch}-{version}.run".into();
-        let p = plan(&c, &facts(UBUNTU, None), &arm).unwrap();
+        let p = plan(&c, &arm, &ctx()).unwrap();
         assert!(
             matches!(&p.steps[0], Step::Download { url, .. } if url == "https://download.nvidia.com/XFree86/Linux-aarch64/550.54.15/NVIDIA-Linux-aarch64-550.54.15.run"),
             "{:?}",
@@ -673,7 +670,7 @@ mod tests {
         let mut c = config(DriverSource::Prebuilt);
         c.prebuilt_url = "https://mirror.example/{arch}/{kernel}/{version}-{flavour}.tar.gz".into();
         c.prebuilt_sha256 = [("6.8.0-1015-aws".to_string(), "cd".repeat(32))].into_iter().collect();
-        let p = plan(&c, &facts(UBUNTU, None), &arm).unwrap();
+        let p = plan(&c, &arm, &ctx()).unwrap();
         assert!(
             matches!(&p.steps[0], Step::Download { url, .. } if url == "https://mirror.example/aarch64/6.8.0-1015-aws/550.54.15-proprietary.tar.gz"),
             "{:?}",

@@ -12,7 +12,6 @@ use super::observe::{self, HostFacts, ObserveError};
 use super::plan::{self, Context, DriverPlan, LoadFrom, PackageManager, PlanError, Step};
 use super::validate::{self, Check, NvmlGpu, NvmlView, ValidationInput};
 use crate::config::{Config, DriverSource};
-use crate::host::arch::HostArch;
 use crate::host::command::{Cmd, CmdError, Runner};
 use crate::host::{HostRoot, WriteError, write_atomic};
 
@@ -118,7 +117,6 @@ pub fn plan_with(
         gpu_processes,
         cached,
         modprobe_conf,
-        arch: HostArch::read(root),
         failed_install: failed
             .filter(|f| f.kernel_release == facts.kernel_release)
             .map(|f| f.message.clone()),
