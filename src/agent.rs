@@ -18,6 +18,7 @@ use crate::config::{Config, DevicePluginConfig};
 use crate::desired::{Desired, ProfileOutcome, ProfileState, Selection, choose_profile};
 use crate::devices::Topology;
 use crate::exit::Exit;
+use crate::host::arch::HostArch;
 use crate::host::{HostRoot, hostname};
 use crate::kube::EventType;
 use crate::labels::gfd::{FeatureInputs, feature_labels};
@@ -123,9 +124,10 @@ pub fn advertised_resources(inventory: &Inventory, dp: &DevicePluginConfig) -> R
     Ok(apply_sharing(resources, &dp.sharing)?)
 }
 
-/// The NVML library to load: a soname as-is, a path under the root.
+/// The NVML library to load ([`crate::nvml::library_path`]): a path under the root; a soname
+/// as-is on the real root, else found in the node's library folders for its architecture.
 pub fn nvml_library(config: &Config, root: &HostRoot) -> PathBuf {
-    config.nvml.library_path(root.path())
+    crate::nvml::library_path(&config.nvml.library, root, &HostArch::read(root))
 }
 
 /// How often a long step before READY asks systemd for more start time (without a watchdog;

@@ -1,6 +1,7 @@
 //! The node's OS surface: the root prefix every host path goes through, atomic file writes, and
-//! running host programs ([`command`]).
+//! running host programs ([`command`]), the machine architecture ([`arch`]).
 
+pub mod arch;
 pub mod backoff;
 pub mod command;
 pub mod devnodes;

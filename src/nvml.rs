@@ -9,7 +9,7 @@
 use std::collections::BTreeMap;
 use std::ffi::{CStr, OsStr};
 use std::fmt;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
@@ -22,6 +22,8 @@ use nvml_wrapper_sys::bindings as sys;
 use serde::Serialize;
 
 use crate::devices::{Topology, TopologyLevel, link_score};
+use crate::host::HostRoot;
+use crate::host::arch::HostArch;
 
 /// NVML's "not attributable" GPU/compute instance id in event and process records.
 pub const NO_INSTANCE: u32 = 0xFFFF_FFFF;
@@ -187,6 +189,29 @@ impl fmt::Display for GpuInfo {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "GPU {} ({}, {})", self.index, self.uuid, self.pci_bus_id)
     }
+}
+
+/// What [`Gpus::open`] loads for `[nvml] library` (`library`) on the node under `root`:
+///
+/// - an absolute path: that host path under the root prefix;
+/// - a soname (`libnvidia-ml.so.1`) on the real root: the soname, for the dynamic loader, which
+///   searches the folders of its own architecture;
+/// - a soname under another root (the agent in a container with the host at `/host`, a
+///   simulated node): the first of the node's library folders for `arch`
+///   ([`HostArch::library_dirs`]: `/usr/lib/aarch64-linux-gnu` on a Debian arm64 node, then
+///   `/usr/lib64` ...) that holds it, under the root; the soname itself when none does.
+pub fn library_path(library: &Path, root: &HostRoot, arch: &HostArch) -> PathBuf {
+    if library.is_absolute() {
+        return root.join(library);
+    }
+    if root.is_real() {
+        return library.to_path_buf();
+    }
+    arch.library_dirs()
+        .iter()
+        .map(|dir| root.join(dir.join(library)))
+        .find(|path| path.exists())
+        .unwrap_or_else(|| library.to_path_buf())
 }
 
 /// An open NVML library. Cheap to clone; NVML is thread-safe.
@@ -935,6 +960,67 @@ pub(crate) mod sample {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A root laid out like a node: `files` created (empty) under it.
+    fn node(files: &[&str]) -> tempfile::TempDir {
+        let dir = tempfile::tempdir().expect("tempdir");
+        for file in files {
+            let path = dir.path().join(file.trim_start_matches('/'));
+            std::fs::create_dir_all(path.parent().expect("parent")).expect("mkdir");
+            std::fs::write(path, "").expect("write");
+        }
+        dir
+    }
+
+    #[test]
+    fn nvml_is_found_in_the_node_architectures_library_folder() {
+        let soname = Path::new("libnvidia-ml.so.1");
+        // Debian/Ubuntu arm64 (Grace Hopper): the aarch64 multiarch folder; an x86_64 copy there
+        // (a foreign-architecture package) is not taken.
+        let debian = node(&[
+            "/usr/lib/aarch64-linux-gnu/libnvidia-ml.so.1",
+            "/usr/lib/x86_64-linux-gnu/libnvidia-ml.so.1",
+        ]);
+        let root = HostRoot::new(debian.path());
+        assert_eq!(
+            library_path(soname, &root, &HostArch::Aarch64),
+            debian.path().join("usr/lib/aarch64-linux-gnu/libnvidia-ml.so.1")
+        );
+        assert_eq!(
+            library_path(soname, &root, &HostArch::X86_64),
+            debian.path().join("usr/lib/x86_64-linux-gnu/libnvidia-ml.so.1")
+        );
+        // The RHEL family, either architecture: /usr/lib64.
+        let rhel = node(&["/usr/lib64/libnvidia-ml.so.1"]);
+        let root = HostRoot::new(rhel.path());
+        for arch in [HostArch::Aarch64, HostArch::X86_64] {
+            assert_eq!(
+                library_path(soname, &root, &arch),
+                rhel.path().join("usr/lib64/libnvidia-ml.so.1")
+            );
+        }
+        // Only the other architecture's: left to the dynamic loader, which will not load it.
+        let foreign = node(&["/usr/lib/x86_64-linux-gnu/libnvidia-ml.so.1"]);
+        assert_eq!(
+            library_path(soname, &HostRoot::new(foreign.path()), &HostArch::Aarch64),
+            soname
+        );
+    }
+
+    #[test]
+    fn nvml_paths_and_sonames_on_the_real_root() {
+        let soname = Path::new("libnvidia-ml.so.1");
+        assert_eq!(library_path(soname, &HostRoot::new("/"), &HostArch::Aarch64), soname);
+        let absolute = Path::new("/opt/nvidia/lib/libnvidia-ml.so.1");
+        assert_eq!(
+            library_path(absolute, &HostRoot::new("/"), &HostArch::Aarch64),
+            absolute
+        );
+        assert_eq!(
+            library_path(absolute, &HostRoot::new("/tmp/r"), &HostArch::Aarch64),
+            Path::new("/tmp/r/opt/nvidia/lib/libnvidia-ml.so.1")
+        );
+    }
 
     #[test]
     fn bus_ids_normalise_to_sysfs_form() {

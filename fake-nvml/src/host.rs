@@ -1,5 +1,7 @@
-//! The host files a node with the machine's GPUs and a loaded NVIDIA driver shows: the PCI
-//! functions in sysfs, the driver's user-space libraries, the loaded modules and their version, `/proc/driver/nvidia/version`, and
+//! The host files a node with the machine's GPUs and a loaded NVIDIA driver shows: its
+//! architecture (`/proc/sys/kernel/arch`, the machine file's `arch`), the PCI
+//! functions in sysfs, the driver's user-space libraries (in the architecture's Debian multiarch
+//! folder, `usr/lib/x86_64-linux-gnu` or `usr/lib/aarch64-linux-gnu`), the loaded modules and their version, `/proc/driver/nvidia/version`, and
 //! the MIG capability table, and (separately, [`install_mps_control`]) the MPS control program. Tests and `scripts/simulate` install them under the agent's root
 //! (binary `fake-nvml-host MACHINE ROOT`), so the agent sees what a real node would show.
 
@@ -28,11 +30,15 @@ pub fn host_files(machine: &Machine) -> Vec<(String, Vec<u8>)> {
         files.push((format!("{dir}/numa_node"), format!("{numa}\n")));
     }
     let v = &machine.driver_version;
+    let arch = &machine.arch;
+    // The agent reads the architecture from here under a root other than `/`, so the simulated
+    // node is the machine file's architecture whatever the test machine's.
+    files.push(("proc/sys/kernel/arch".into(), format!("{arch}\n")));
     // The driver's user-space libraries as the driver's installer leaves them (empty stand-ins:
     // nothing loads them; the agent's CDI spec mounts them and refuses a tree without them).
     // The soname links are left out: the node's NVML library is the fake itself.
     for lib in ["libcuda", "libnvidia-ml", "libnvidia-ptxjitcompiler"] {
-        files.push((format!("usr/lib/x86_64-linux-gnu/{lib}.so.{v}"), String::new()));
+        files.push((format!("{}/{lib}.so.{v}", library_dir(machine)), String::new()));
     }
     files.push(("sys/module/nvidia/version".into(), format!("{v}\n")));
     files.push(("sys/module/nvidia/refcnt".into(), "2\n".into()));
@@ -41,7 +47,7 @@ pub fn host_files(machine: &Machine) -> Vec<(String, Vec<u8>)> {
     files.push((
         "proc/driver/nvidia/version".into(),
         format!(
-            "NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  {v}  Release Build  (dvs-builder@U16-I3-B03-4-3)  Thu Feb 22 01:44:30 UTC 2024\nGCC version:  gcc version 12.3.0 (Ubuntu 12.3.0-1ubuntu1~22.04)\n"
+            "NVRM version: NVIDIA UNIX Open Kernel Module for {arch}  {v}  Release Build  (dvs-builder@U16-I3-B03-4-3)  Thu Feb 22 01:44:30 UTC 2024\nGCC version:  gcc version 12.3.0 (Ubuntu 12.3.0-1ubuntu1~22.04)\n"
         ),
     ));
     files.push((
@@ -53,6 +59,13 @@ pub fn host_files(machine: &Machine) -> Vec<(String, Vec<u8>)> {
         .map(|(p, c)| (p, c.into_bytes()))
         .chain(binary)
         .collect()
+}
+
+/// The folder, relative to the root, that holds the driver's libraries: the machine's Debian
+/// multiarch folder (`usr/lib/x86_64-linux-gnu`, `usr/lib/aarch64-linux-gnu`). Tests install the
+/// fake NVML library there as `libnvidia-ml.so.1`.
+pub fn library_dir(machine: &Machine) -> String {
+    format!("usr/lib/{}-linux-gnu", machine.arch)
 }
 
 /// The first 256 bytes of the GPU's PCI configuration space, as `config` in sysfs shows them to

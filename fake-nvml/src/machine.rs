@@ -19,6 +19,7 @@ struct MachineFile {
     driver_version: String,
     cuda_driver_version: i32,
     nvml_version: Option<String>,
+    arch: Option<String>,
     #[serde(default)]
     profiles_need_mig: bool,
     #[serde(default)]
@@ -133,6 +134,9 @@ pub struct Readings {
 /// A validated machine description.
 #[derive(Debug)]
 pub struct Machine {
+    /// The node's architecture as `uname -m` names it, `x86_64` (the default) or `aarch64`
+    /// (`arch = "aarch64"`, a Grace node): what the host files say ([`crate::host`]).
+    pub arch: String,
     /// `nvmlSystemGetDriverVersion`.
     pub driver_version: String,
     /// `nvmlSystemGetCudaDriverVersion(_v2)`, e.g. 12040.
@@ -332,7 +336,12 @@ impl Machine {
             })
             .collect::<Result<Vec<_>, String>>()?;
         check_topology(&gpus, &nvswitches)?;
+        let arch = raw.arch.unwrap_or_else(|| "x86_64".into());
+        if !matches!(arch.as_str(), "x86_64" | "aarch64") {
+            return Err(format!("arch = {arch:?}: expected \"x86_64\" or \"aarch64\""));
+        }
         Ok(Machine {
+            arch,
             driver_version: raw.driver_version,
             cuda_driver_version: raw.cuda_driver_version,
             nvml_version,

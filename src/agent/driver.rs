@@ -280,7 +280,7 @@ pub fn driver_command(config: &Config, root: &HostRoot, command: DriverCommand) 
                 println!("{}", serde_json::to_string_pretty(&value).unwrap_or_default());
             } else {
                 let f = &planned.facts;
-                println!("kernel        {}", f.kernel_release);
+                println!("kernel        {} ({})", f.kernel_release, f.arch);
                 println!(
                     "distribution  {}",
                     if f.os.pretty_name.is_empty() {

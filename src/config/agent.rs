@@ -144,8 +144,9 @@ impl AgentConfig {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct NvmlConfig {
-    /// A soname without '/' (searched by the dynamic loader, not root-prefixed) or an
-    /// absolute host path (root-prefixed). Resolve with [`NvmlConfig::library_path`].
+    /// A soname without '/' (searched by the dynamic loader; under a root other than `/` first
+    /// in the node's library folders, as `nvml::library_path` resolves it) or an absolute host
+    /// path (root-prefixed).
     pub library: PathBuf,
     /// When NVML is missing or fails to initialise: exit non-zero (`true`), or run with no
     /// devices and retry every `retry_interval` (`false`).
@@ -166,7 +167,8 @@ impl Default for NvmlConfig {
 }
 
 impl NvmlConfig {
-    /// What to hand the dynamic loader: a soname unchanged, an absolute path under `root`.
+    /// A soname unchanged, an absolute path under `root`: the configured value alone, without
+    /// the search of the node's library folders the agent adds (`nvml::library_path`).
     pub fn library_path(&self, root: &Path) -> PathBuf {
         if self.library.is_absolute() {
             rooted(root, &self.library)

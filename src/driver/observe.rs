@@ -16,6 +16,7 @@ use serde::{Serialize, Serializer};
 
 use super::Flavour;
 use crate::host::HostRoot;
+use crate::host::arch::HostArch;
 
 pub use crate::devices::{NVIDIA_VENDOR, parse_sysfs_hex};
 
@@ -493,6 +494,8 @@ pub fn secure_boot(root: &HostRoot) -> SecureBoot {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct HostFacts {
     pub kernel_release: String,
+    /// The machine architecture ([`HostArch::read`]): names the `.run` to download.
+    pub arch: HostArch,
     pub os: OsRelease,
     pub gpus: Vec<PciDevice>,
     pub loaded: Option<LoadedDriver>,
@@ -508,6 +511,7 @@ pub fn observe(root: &HostRoot) -> Result<HostFacts, ObserveError> {
     let kernel_release = kernel_release(root)?;
     let headers = kernel_headers(root, &kernel_release);
     Ok(HostFacts {
+        arch: HostArch::read(root),
         os: os_release(root)?,
         gpus: nvidia_gpus(root)?,
         loaded: loaded_driver(root)?,

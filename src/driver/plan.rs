@@ -114,8 +114,6 @@ pub struct Context {
     pub cached: bool,
     /// The current text of `[driver] modprobe_conf`.
     pub modprobe_conf: Option<String>,
-    /// `x86_64` or `aarch64`.
-    pub arch: String,
     /// Why an earlier install for this `[driver]` and kernel did not give the wanted version:
     /// the plan then fails with it instead of installing again.
     pub failed_install: Option<String>,
@@ -204,12 +202,32 @@ pub fn packages(
     Ok((manager, names))
 }
 
+/// The kernel variants of the RHEL family whose release (`uname -r`) ends in `+<variant>` and
+/// whose headers come in `kernel-<variant>-devel`: the 64k-page kernel of aarch64 (`kernel-64k`,
+/// the one Grace nodes often run), the real-time and the debug kernels.
+const RHEL_KERNEL_VARIANTS: [&str; 5] = ["64k", "rt", "debug", "64k-debug", "rt-debug"];
+
 /// The headers package of the running kernel on this host, if the family is known.
+///
+/// Debian and Ubuntu name it after the release whatever the architecture
+/// (`linux-headers-6.1.0-18-arm64`, `linux-headers-6.8.0-31-generic-64k`). The RHEL family's
+/// release carries the architecture (`5.14.0-427.el9.aarch64`, so `kernel-devel-<release>` is
+/// already the right one), and a variant kernel's release ends in `+<variant>` while its headers
+/// are `kernel-<variant>-devel-<release without it>`: `5.14.0-427.el9.aarch64+64k` needs
+/// `kernel-64k-devel-5.14.0-427.el9.aarch64`.
 pub fn headers_package(facts: &HostFacts) -> Option<(PackageManager, String)> {
     let k = &facts.kernel_release;
     match facts.os.distro() {
         Distro::Ubuntu | Distro::Debian => Some((PackageManager::Apt, format!("linux-headers-{k}"))),
-        Distro::RhelFamily => Some((PackageManager::Dnf, format!("kernel-devel-{k}"))),
+        Distro::RhelFamily => {
+            let package = match k.rsplit_once('+') {
+                Some((base, variant)) if RHEL_KERNEL_VARIANTS.contains(&variant) => {
+                    format!("kernel-{variant}-devel-{base}")
+                }
+                _ => format!("kernel-devel-{k}"),
+            };
+            Some((PackageManager::Dnf, package))
+        }
         Distro::Unknown => None,
     }
 }
@@ -366,8 +384,11 @@ pub fn plan(config: &DriverConfig, facts: &HostFacts, ctx: &Context) -> Result<D
                     kernel: facts.kernel_release.clone(),
                 })?),
             };
-            let url = super::fetch::url_from_template(&config.runfile_url, &[("version", wanted), ("arch", &ctx.arch)])
-                .map_err(|e| PlanError::Template(format!("[driver] runfile_url: {e}")))?;
+            let url = super::fetch::url_from_template(
+                &config.runfile_url,
+                &[("version", wanted), ("arch", facts.arch.machine())],
+            )
+            .map_err(|e| PlanError::Template(format!("[driver] runfile_url: {e}")))?;
             // Nothing changes on the host before the .run is downloaded and verified, and the
             // old driver keeps running until its replacement is built.
             plan.steps.push(Step::Download {
@@ -396,7 +417,7 @@ pub fn plan(config: &DriverConfig, facts: &HostFacts, ctx: &Context) -> Result<D
                     ("version", wanted),
                     ("kernel", kernel),
                     ("flavour", flavour.as_str()),
-                    ("arch", &ctx.arch),
+                    ("arch", facts.arch.machine()),
                 ],
             )
             .map_err(|e| PlanError::Template(format!("[driver] prebuilt_url: {e}")))?;
@@ -470,10 +491,12 @@ pub fn describe(plan: &DriverPlan) -> String {
 mod tests {
     use super::*;
     use crate::driver::observe::{LoadedDriver, OsRelease, PciDevice, SecureBoot, parse_os_release};
+    use crate::host::arch::HostArch;
 
     fn facts(os: &str, loaded: Option<&str>) -> HostFacts {
         HostFacts {
             kernel_release: "6.8.0-1015-aws".into(),
+            arch: HostArch::X86_64,
             os: parse_os_release(os),
             gpus: vec![PciDevice {
                 address: "0000:07:00.0".into(),
@@ -509,7 +532,6 @@ mod tests {
             gpu_processes: Some(0),
             cached: false,
             modprobe_conf: None,
-            arch: "x86_64".into(),
             failed_install: None,
         }
     }
@@ -620,6 +642,83 @@ mod tests {
         let p = plan(&c, &facts(UBUNTU, None), &cached).unwrap();
         assert_eq!(names(&p), ["modprobe.d", "load", "persistence"]);
         assert!(p.summary.contains("module cache"), "{}", p.summary);
+    }
+
+    #[test]
+    fn an_arm64_node_downloads_the_aarch64_runfile() {
+        let arm = HostFacts {
+            arch: HostArch::Aarch64,
+            ..facts(UBUNTU, None)
+        };
+        let mut c = config(DriverSource::Runfile);
+        let p = plan(&c, &arm, &ctx()).unwrap();
+        assert!(
+            matches!(&p.steps[0], Step::Download { url, .. } if url == "https://us.download.nvidia.com/tesla/550.54.15/NVIDIA-Linux-aarch64-550.54.15.run"),
+            "{:?}",
+            p.steps[0]
+        );
+        // NVIDIA's XFree86 archive has one folder per architecture too.
+        c.runfile_url =
+            "https://download.nvidia.com/XFree86/Linux-{arch}/{version}/NVIDIA-Linux-{arch}-{version}.run".into();
+        let p = plan(&c, &arm, &ctx()).unwrap();
+        assert!(
+            matches!(&p.steps[0], Step::Download { url, .. } if url == "https://download.nvidia.com/XFree86/Linux-aarch64/550.54.15/NVIDIA-Linux-aarch64-550.54.15.run"),
+            "{:?}",
+            p.steps[0]
+        );
+        // The prebuilt tarball's template gets the same name.
+        let mut c = config(DriverSource::Prebuilt);
+        c.prebuilt_url = "https://mirror.example/{arch}/{kernel}/{version}-{flavour}.tar.gz".into();
+        c.prebuilt_sha256 = [("6.8.0-1015-aws".to_string(), "cd".repeat(32))].into_iter().collect();
+        let p = plan(&c, &arm, &ctx()).unwrap();
+        assert!(
+            matches!(&p.steps[0], Step::Download { url, .. } if url == "https://mirror.example/aarch64/6.8.0-1015-aws/550.54.15-proprietary.tar.gz"),
+            "{:?}",
+            p.steps[0]
+        );
+    }
+
+    #[test]
+    fn headers_packages_follow_the_kernel_on_either_architecture() {
+        let headers = |os: &str, release: &str| {
+            let mut f = facts(os, None);
+            f.kernel_release = release.into();
+            headers_package(&f).map(|(_, name)| name)
+        };
+        const DEBIAN: &str = "ID=debian\nVERSION_ID=\"12\"\n";
+        const RHEL: &str = "ID=\"rhel\"\nID_LIKE=\"fedora\"\nVERSION_ID=\"9.4\"\n";
+        // Debian and Ubuntu: the release names the flavour, 64k-page arm64 kernels included.
+        assert_eq!(
+            headers(DEBIAN, "6.1.0-18-arm64").unwrap(),
+            "linux-headers-6.1.0-18-arm64"
+        );
+        assert_eq!(
+            headers(UBUNTU, "6.8.0-31-generic-64k").unwrap(),
+            "linux-headers-6.8.0-31-generic-64k"
+        );
+        assert_eq!(
+            headers(UBUNTU, "6.8.0-1015-nvidia-64k").unwrap(),
+            "linux-headers-6.8.0-1015-nvidia-64k"
+        );
+        // RHEL: the release carries the architecture; a variant kernel has its own -devel.
+        assert_eq!(
+            headers(RHEL, "5.14.0-427.13.1.el9_4.aarch64").unwrap(),
+            "kernel-devel-5.14.0-427.13.1.el9_4.aarch64"
+        );
+        assert_eq!(
+            headers(RHEL, "5.14.0-427.13.1.el9_4.aarch64+64k").unwrap(),
+            "kernel-64k-devel-5.14.0-427.13.1.el9_4.aarch64"
+        );
+        assert_eq!(
+            headers(RHEL, "5.14.0-427.13.1.el9_4.x86_64+rt").unwrap(),
+            "kernel-rt-devel-5.14.0-427.13.1.el9_4.x86_64"
+        );
+        assert_eq!(
+            headers(RHEL, "5.14.0-427.13.1.el9_4.x86_64").unwrap(),
+            "kernel-devel-5.14.0-427.13.1.el9_4.x86_64"
+        );
+        // An unknown suffix is left in the name: dnf then says it has no such package.
+        assert_eq!(headers(RHEL, "6.9.0+custom").unwrap(), "kernel-devel-6.9.0+custom");
     }
 
     #[test]

@@ -63,14 +63,6 @@ pub struct Planned {
     pub cache_key: Option<CacheKey>,
 }
 
-/// The machine architecture as NVIDIA names it in `.run` file names.
-pub fn arch() -> &'static str {
-    match std::env::consts::ARCH {
-        "aarch64" => "aarch64",
-        _ => "x86_64",
-    }
-}
-
 /// The module cache (`<state_dir>/driver/cache` under the root).
 pub fn cache(config: &Config, root: &HostRoot) -> ModuleCache {
     ModuleCache::new(root.join(config.agent.state_dir.join("driver/cache")))
@@ -125,7 +117,6 @@ pub fn plan_with(
         gpu_processes,
         cached,
         modprobe_conf,
-        arch: arch().into(),
         failed_install: failed
             .filter(|f| f.kernel_release == facts.kernel_release)
             .map(|f| f.message.clone()),

@@ -39,8 +39,8 @@ use std::path::PathBuf;
 
 pub use driver_files::{
     BINARY_DIRS, CONFIG_DIRS, DEFAULT_HOOK_CANDIDATES, DRIVER_BINARIES, DRIVER_LIBRARIES, DriverFiles, FIRMWARE_DIR,
-    GRAPHICS_CONFIGS, HookBinary, HookSearch, IPC_SOCKETS, LIBRARY_DIRS, LibraryLink, PCI_DEVICES, REQUIRED_LIBRARIES,
-    XORG_MODULE_DIRS, discover, ld_so_conf_dirs,
+    GRAPHICS_CONFIGS, HookBinary, HookSearch, IPC_SOCKETS, LibraryLink, PCI_DEVICES, REQUIRED_LIBRARIES,
+    XORG_MODULE_DIRS, discover, ld_so_conf_dirs, library_dirs,
 };
 pub use extra::{ExtraOptions, ExtraSpec, GDS_MOUNTS, extra_specs, gds_mounts};
 pub use generate::{

@@ -25,6 +25,7 @@ use super::{DefaultRuntime, EditError, NvidiaRuntime, cdi, containerd, cri, crio
 use crate::config::{
     AnyEngineFiles, CdiHook, Config, DeviceListStrategy, Engine, RuntimeConfig, RuntimeMode, SetAsDefault,
 };
+use crate::host::arch::HostArch;
 use crate::host::command::{Cmd, Runner};
 use crate::host::{HostRoot, WriteError, write_atomic};
 use crate::nvml::Inventory;
@@ -1579,6 +1580,7 @@ pub fn cdi_spec(
         &dp.driver_root,
         &inventory.driver_version,
         &hook_search(config),
+        &HostArch::read(root),
     );
     let opts = cdi::CdiOptions {
         kind: dp.cdi_kind.clone(),

@@ -4,6 +4,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 
+use crate::host::arch::HostArch;
 use crate::host::rooted;
 
 /// Where the toolkit's CDI hook binary is looked for, first match wins: the toolkit packages'
@@ -40,15 +41,14 @@ pub const DRIVER_LIBRARIES: [&str; 15] = [
     "libnvidia-tileiras",
 ];
 
-/// Library directories searched, in order; a library found in an earlier one wins.
-pub const LIBRARY_DIRS: [&str; 6] = [
-    "/usr/lib/x86_64-linux-gnu",
-    "/usr/lib/aarch64-linux-gnu",
-    "/usr/lib64",
-    "/lib64",
-    "/usr/lib",
-    "/lib/x86_64-linux-gnu",
-];
+/// Library directories searched on a node of `arch`, in order; a library found in an earlier
+/// one wins: the architecture's Debian multiarch folder (`/usr/lib/x86_64-linux-gnu`,
+/// `/usr/lib/aarch64-linux-gnu`), the RHEL family's `/usr/lib64` and `/lib64` (both
+/// architectures), `/usr/lib`, and the multiarch folder under `/lib`. See
+/// [`HostArch::library_dirs`]; another architecture's multiarch folder is never searched.
+pub fn library_dirs(arch: &HostArch) -> Vec<PathBuf> {
+    arch.library_dirs()
+}
 
 /// The libraries without which a spec gives containers no CUDA: their absence means a wrong
 /// driver root or version, and is an error rather than a quiet, useless spec.
@@ -75,7 +75,8 @@ pub const GRAPHICS_CONFIGS: [&str; 10] = [
     "vulkan/icd.d/nvidia_icd.json",
     "vulkan/icd.d/nvidia_layers.json",
     "vulkan/implicit_layer.d/nvidia_layers.json",
-    "vulkan/icd.d/nvidia_icd.x86_64.json",
+    // Per architecture (`{arch}`: `uname -m`), as Fedora and RHEL packages name it.
+    "vulkan/icd.d/nvidia_icd.{arch}.json",
     "nvidia/nvoptix.bin",
     "X11/xorg.conf.d/10-nvidia.conf",
     "X11/xorg.conf.d/nvidia-drm-outputclass.conf",
@@ -156,7 +157,7 @@ pub struct DriverFiles {
     /// The folder `libcuda.so.<version>` was found in (the first of `library_search` that has
     /// it), if any.
     pub libcuda_dir: Option<PathBuf>,
-    /// The folders searched for libraries, in order (host paths): [`LIBRARY_DIRS`], then those
+    /// The folders searched for libraries, in order (host paths): [`library_dirs`], then those
     /// the driver root's `/etc/ld.so.conf` names (see [`ld_so_conf_dirs`]).
     pub library_search: Vec<PathBuf>,
     /// The directories of `libraries`, sorted, without duplicates.
@@ -182,7 +183,8 @@ pub struct DriverFiles {
 /// A symlink to a driver library, recreated in the container by the `create-symlinks` hook.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
 pub struct LibraryLink {
-    /// Host path of the link, e.g. `/usr/lib/x86_64-linux-gnu/libcuda.so.1`.
+    /// Host path of the link, e.g. `/usr/lib/x86_64-linux-gnu/libcuda.so.1` (on arm64
+    /// `/usr/lib/aarch64-linux-gnu/libcuda.so.1`).
     pub link: PathBuf,
     /// File name of the library it points at, e.g. `libcuda.so.550.54.15` (relative to the link's
     /// directory).
@@ -191,14 +193,16 @@ pub struct LibraryLink {
 
 /// Finds the driver's files. `root` is the agent's host prefix (`/` in production, a tempdir in
 /// tests); `driver_root` the host directory the driver is installed under; `version` the driver
-/// version NVML reports; `hooks` where the hook program is (see [`HookSearch`]).
+/// version NVML reports; `hooks` where the hook program is (see [`HookSearch`]); `arch` the node's
+/// architecture ([`HostArch::read`]), which names the library folders ([`library_dirs`]) and
+/// the per-architecture Vulkan ICD file.
 ///
 /// Libraries, binaries, firmware, graphics files and sockets are looked for under
 /// `driver_root`, as `nvidia-ctk` does; the toolkit's hook is looked for on the host itself,
 /// because the runtime runs it there. Nothing found is not an error here (the spec decides: see
 /// [`REQUIRED_LIBRARIES`]). A version that is empty or not made of `[A-Za-z0-9._-]` matches no
 /// library or firmware.
-pub fn discover(root: &Path, driver_root: &Path, version: &str, hooks: &HookSearch) -> DriverFiles {
+pub fn discover(root: &Path, driver_root: &Path, version: &str, hooks: &HookSearch, arch: &HostArch) -> DriverFiles {
     let look = |host: &Path| rooted(root, host);
     let host = |path: &str| rooted(driver_root, Path::new(path));
     let versioned = is_plain_version(version);
@@ -212,7 +216,10 @@ pub fn discover(root: &Path, driver_root: &Path, version: &str, hooks: &HookSear
 
     // A driver in a folder of its own (`/var/lib/nvidia/lib64`) is found the way the dynamic
     // linker finds it: through the folders ld.so.conf names.
-    let mut library_search: Vec<PathBuf> = LIBRARY_DIRS.iter().map(|dir| host(dir)).collect();
+    let mut library_search: Vec<PathBuf> = library_dirs(arch)
+        .iter()
+        .map(|dir| host(&dir.to_string_lossy()))
+        .collect();
     for dir in ld_so_conf_dirs(
         &|p| std::fs::read_to_string(look(&host(&p.to_string_lossy()))).ok(),
         &|dir| dir_entries(&look(&host(&dir.to_string_lossy()))),
@@ -284,10 +291,11 @@ pub fn discover(root: &Path, driver_root: &Path, version: &str, hooks: &HookSear
 
     let mut graphics: Vec<PathBuf> = GRAPHICS_CONFIGS
         .iter()
+        .map(|file| file.replace("{arch}", arch.machine()))
         .filter_map(|file| {
             CONFIG_DIRS
                 .iter()
-                .map(|dir| host(dir).join(file))
+                .map(|dir| host(dir).join(&file))
                 .find(|path| look(path).is_file())
         })
         .collect();

@@ -18,6 +18,7 @@ use std::path::{Path, PathBuf};
 use serde_json::{Value, json};
 
 use super::*;
+use crate::host::arch::HostArch;
 use crate::nvml::{GpuInfo, Inventory, sample};
 use crate::plugin::devnodes::DeviceNodes;
 
@@ -94,7 +95,7 @@ fn inventory() -> Inventory {
 /// [`discover`], control nodes by [`DeviceNodes::gather`], device nodes' `hostPath` under the driver
 /// root (nvidia-ctk's `--dev-root` defaults to the driver root).
 fn generate(host: &Path, hooks: &HookSearch) -> Result<Spec, CdiError> {
-    let files = discover(host, Path::new(DRIVER_ROOT), VERSION, hooks);
+    let files = discover(host, Path::new(DRIVER_ROOT), VERSION, hooks, &HostArch::X86_64);
     let nodes = DeviceNodes::gather(&host.join(DRIVER_ROOT.trim_start_matches('/')), &host.join("proc"));
     let opts = CdiOptions {
         kind: KIND.into(),
@@ -241,8 +242,9 @@ fn nvidia_ctks_tree_as_it_is_is_refused_for_want_of_libnvidia_ml() {
         err,
         CdiError::DriverLibrariesMissing {
             missing: vec![format!("libnvidia-ml.so.{VERSION}")],
-            searched: LIBRARY_DIRS
+            searched: library_dirs(&HostArch::X86_64)
                 .iter()
+                .map(|d| d.to_string_lossy().into_owned())
                 .map(|d| PathBuf::from(format!("{DRIVER_ROOT}{d}")))
                 .collect(),
         }

@@ -4,6 +4,7 @@
 use super::*;
 use crate::api::ContainerAllocateRequest;
 use crate::config::{DeviceIdStrategy, DeviceListStrategy, MigStrategy};
+use crate::host::arch::HostArch;
 use crate::nvml::{GpuInfo, Inventory, MigDeviceInfo, sample};
 use crate::plugin::allocate::{AllocateOptions, allocate};
 use crate::plugin::devnodes::DeviceNodes;
@@ -152,7 +153,13 @@ fn files_with_hook() -> (tempfile::TempDir, DriverFiles) {
     let root = tempfile::tempdir().unwrap();
     fake_driver(root.path());
     touch(root.path(), "/usr/bin/nvidia-cdi-hook");
-    let files = discover(root.path(), Path::new("/"), VERSION, &hook_candidates());
+    let files = discover(
+        root.path(),
+        Path::new("/"),
+        VERSION,
+        &hook_candidates(),
+        &HostArch::X86_64,
+    );
     (root, files)
 }
 
@@ -181,7 +188,7 @@ fn discovery_finds_exactly_the_driver_files() {
                 PathBuf::from("/usr/lib64/libnvidia-cfg.so.550.54.15"),
             ],
             libcuda_dir: Some(LIB.into()),
-            library_search: paths(&LIBRARY_DIRS),
+            library_search: library_dirs(&HostArch::X86_64),
             library_dirs: paths(&[
                 "/usr/lib/x86_64-linux-gnu",
                 "/usr/lib/x86_64-linux-gnu/vdpau",
@@ -235,7 +242,13 @@ fn discovery_finds_exactly_the_driver_files() {
 #[test]
 fn discovery_of_nothing_is_empty_not_an_error() {
     let root = tempfile::tempdir().unwrap();
-    let files = discover(root.path(), Path::new("/"), VERSION, &hook_candidates());
+    let files = discover(
+        root.path(),
+        Path::new("/"),
+        VERSION,
+        &hook_candidates(),
+        &HostArch::X86_64,
+    );
     assert!(files.libraries.is_empty() && files.library_dirs.is_empty() && files.library_links.is_empty());
     assert!(files.binaries.is_empty() && files.firmware.is_empty() && files.ipc_sockets.is_empty());
     assert_eq!(files.cdi_hook, None);
@@ -243,7 +256,13 @@ fn discovery_of_nothing_is_empty_not_an_error() {
     // A version that is not a plain version string matches nothing, even if a file exists.
     fake_driver(root.path());
     for bad in ["", "..", "550/../550"] {
-        let files = discover(root.path(), Path::new("/"), bad, &HookSearch::default());
+        let files = discover(
+            root.path(),
+            Path::new("/"),
+            bad,
+            &HookSearch::default(),
+            &HostArch::X86_64,
+        );
         assert!(files.libraries.is_empty() && files.firmware.is_empty(), "{bad:?}");
     }
 }
@@ -262,6 +281,7 @@ fn discovery_under_a_driver_root_reports_host_paths() {
         Path::new("/run/nvidia/driver"),
         VERSION,
         &hook_candidates(),
+        &HostArch::X86_64,
     );
     assert_eq!(
         files.libraries[2],
@@ -409,7 +429,13 @@ fn spec_structure() {
 fn hooks_only_with_a_hook_binary() {
     let root = tempfile::tempdir().unwrap();
     fake_driver(root.path());
-    let files = discover(root.path(), Path::new("/"), VERSION, &hook_candidates());
+    let files = discover(
+        root.path(),
+        Path::new("/"),
+        VERSION,
+        &hook_candidates(),
+        &HostArch::X86_64,
+    );
     assert_eq!(files.cdi_hook, None);
     let without = spec(&inventory(), &nodes(), &files, &CdiOptions::default()).unwrap();
     assert!(without.container_edits.hooks.is_empty());
@@ -418,7 +444,13 @@ fn hooks_only_with_a_hook_binary() {
 
     // The older toolkit binary takes the hooks as `nvidia-ctk hook <name>`.
     touch(root.path(), "/usr/bin/nvidia-ctk");
-    let files = discover(root.path(), Path::new("/"), VERSION, &hook_candidates());
+    let files = discover(
+        root.path(),
+        Path::new("/"),
+        VERSION,
+        &hook_candidates(),
+        &HostArch::X86_64,
+    );
     let with = spec(&inventory(), &nodes(), &files, &CdiOptions::default()).unwrap();
     let hooks = &with.container_edits.hooks;
     assert_eq!(hooks.len(), 2);
@@ -730,7 +762,7 @@ fn the_agent_as_hook_gets_all_four_hooks_in_nvidia_ctks_order() {
         agent: Some("/usr/bin/gpu-node-agent".into()),
         ..hook_candidates()
     };
-    let files = discover(root.path(), Path::new("/"), VERSION, &search);
+    let files = discover(root.path(), Path::new("/"), VERSION, &search, &HostArch::X86_64);
     assert_eq!(
         files.cdi_hook,
         Some(HookBinary::Agent("/usr/bin/gpu-node-agent".into()))
@@ -757,7 +789,7 @@ fn the_agent_as_hook_gets_all_four_hooks_in_nvidia_ctks_order() {
 
     // An installed toolkit hook is preferred (`auto`) and gets only the two hooks it always has.
     touch(root.path(), "/usr/bin/nvidia-cdi-hook");
-    let files = discover(root.path(), Path::new("/"), VERSION, &search);
+    let files = discover(root.path(), Path::new("/"), VERSION, &search, &HostArch::X86_64);
     assert_eq!(
         files.cdi_hook,
         Some(HookBinary::Toolkit("/usr/bin/nvidia-cdi-hook".into()))
@@ -829,7 +861,13 @@ fn a_driver_folder_named_by_ld_so_conf_is_searched() {
     put("/etc/ld.so.conf.d/nvidia.conf", "/var/lib/nvidia/lib64\n");
     put(&format!("/var/lib/nvidia/lib64/libcuda.so.{VERSION}"), "");
     put(&format!("/var/lib/nvidia/lib64/libnvidia-ml.so.{VERSION}"), "");
-    let files = discover(tmp.path(), Path::new("/"), VERSION, &HookSearch::default());
+    let files = discover(
+        tmp.path(),
+        Path::new("/"),
+        VERSION,
+        &HookSearch::default(),
+        &HostArch::X86_64,
+    );
     assert_eq!(files.libcuda_dir, Some(PathBuf::from("/var/lib/nvidia/lib64")));
     assert_eq!(
         files.library_search.last(),
@@ -1011,4 +1049,132 @@ mod extra {
             [PathBuf::from("/drv/etc/cufile.json"), PathBuf::from("/drv/run/udev")]
         );
     }
+}
+
+/// Host and container paths of the spec's mounts.
+fn mount_paths(spec: &Spec) -> Vec<(String, String)> {
+    spec.container_edits
+        .mounts
+        .iter()
+        .map(|m| (m.host_path.clone(), m.container_path.clone()))
+        .collect()
+}
+
+/// A Debian/Ubuntu arm64 node (Grace Hopper): the driver's libraries in the aarch64 multiarch
+/// folder, found there and mounted at the same path, with the soname links and the loader cache
+/// pointed at it; an x86_64 copy of libcuda (a foreign-architecture package) is never taken.
+#[test]
+fn an_arm64_debian_node_mounts_the_aarch64_multiarch_libraries() {
+    const ARM: &str = "/usr/lib/aarch64-linux-gnu";
+    let root = tempfile::tempdir().unwrap();
+    touch(root.path(), "/proc/sys/kernel/arch");
+    fs::write(root.path().join("proc/sys/kernel/arch"), "aarch64\n").unwrap();
+    let arch = HostArch::read(&crate::host::HostRoot::new(root.path()));
+    assert_eq!(arch, HostArch::Aarch64);
+    for lib in ["libcuda", "libnvidia-ml", "libnvidia-ptxjitcompiler"] {
+        touch(root.path(), &format!("{ARM}/{lib}.so.{VERSION}"));
+    }
+    symlink(
+        root.path(),
+        &format!("{ARM}/libcuda.so.1"),
+        &format!("libcuda.so.{VERSION}"),
+    );
+    touch(root.path(), &format!("{LIB}/libcuda.so.{VERSION}"));
+    touch(root.path(), &format!("{LIB}/libnvidia-cfg.so.{VERSION}"));
+    touch(root.path(), "/usr/share/vulkan/icd.d/nvidia_icd.aarch64.json");
+    touch(root.path(), "/usr/share/vulkan/icd.d/nvidia_icd.x86_64.json");
+    touch(root.path(), "/usr/bin/nvidia-cdi-hook");
+
+    let files = discover(root.path(), Path::new("/"), VERSION, &hook_candidates(), &arch);
+    assert_eq!(files.libcuda_dir, Some(PathBuf::from(ARM)));
+    assert_eq!(
+        files.libraries,
+        paths(&[
+            &format!("{ARM}/libcuda.so.{VERSION}"),
+            &format!("{ARM}/libnvidia-ml.so.{VERSION}"),
+            &format!("{ARM}/libnvidia-ptxjitcompiler.so.{VERSION}"),
+        ])
+    );
+    assert!(
+        !files.library_search.contains(&PathBuf::from(LIB)),
+        "{:?}",
+        files.library_search
+    );
+    assert_eq!(
+        files.graphics,
+        paths(&["/usr/share/vulkan/icd.d/nvidia_icd.aarch64.json"])
+    );
+
+    let spec = spec(&inventory(), &nodes(), &files, &CdiOptions::default()).unwrap();
+    let mounts = mount_paths(&spec);
+    let libcuda = format!("{ARM}/libcuda.so.{VERSION}");
+    assert!(mounts.contains(&(libcuda.clone(), libcuda)), "{mounts:?}");
+    assert!(!mounts.iter().any(|(host, _)| host.contains("x86_64")), "{mounts:?}");
+    let hooks = &spec.container_edits.hooks;
+    assert!(
+        hooks[0]
+            .args
+            .contains(&format!("libcuda.so.{VERSION}::{ARM}/libcuda.so.1")),
+        "{:?}",
+        hooks[0].args
+    );
+    assert_eq!(hooks[1].args, ["nvidia-cdi-hook", "update-ldcache", "--folder", ARM]);
+}
+
+/// An RHEL-family aarch64 node: the driver in `/usr/lib64`, as on x86_64.
+#[test]
+fn an_rhel_aarch64_node_mounts_lib64() {
+    let root = tempfile::tempdir().unwrap();
+    for lib in ["libcuda", "libnvidia-ml"] {
+        touch(root.path(), &format!("/usr/lib64/{lib}.so.{VERSION}"));
+    }
+    let files = discover(
+        root.path(),
+        Path::new("/"),
+        VERSION,
+        &HookSearch::default(),
+        &HostArch::Aarch64,
+    );
+    assert_eq!(files.libcuda_dir, Some(PathBuf::from("/usr/lib64")));
+    assert_eq!(
+        files.library_search[..2],
+        paths(&["/usr/lib/aarch64-linux-gnu", "/usr/lib64"])
+    );
+    let spec = spec(&inventory(), &nodes(), &files, &CdiOptions::default()).unwrap();
+    let mounts = mount_paths(&spec);
+    let libml = format!("/usr/lib64/libnvidia-ml.so.{VERSION}");
+    assert!(mounts.contains(&(libml.clone(), libml)), "{mounts:?}");
+
+    // The same tree read as x86_64 finds the same files: lib64 is both architectures'.
+    let x86 = discover(
+        root.path(),
+        Path::new("/"),
+        VERSION,
+        &HookSearch::default(),
+        &HostArch::X86_64,
+    );
+    assert_eq!(x86.libraries, files.libraries);
+}
+
+/// A node whose driver is only in the other architecture's multiarch folder has no driver for
+/// its own: the spec is refused and the error names the folders searched.
+#[test]
+fn a_foreign_architecture_driver_is_not_a_driver() {
+    let root = tempfile::tempdir().unwrap();
+    for lib in ["libcuda", "libnvidia-ml"] {
+        touch(root.path(), &format!("{LIB}/{lib}.so.{VERSION}"));
+    }
+    let files = discover(
+        root.path(),
+        Path::new("/"),
+        VERSION,
+        &HookSearch::default(),
+        &HostArch::Aarch64,
+    );
+    assert!(files.libraries.is_empty(), "{:?}", files.libraries);
+    let err = spec(&inventory(), &nodes(), &files, &CdiOptions::default()).unwrap_err();
+    assert!(
+        err.to_string().contains("not found in /usr/lib/aarch64-linux-gnu,"),
+        "{err}"
+    );
 }
