@@ -236,7 +236,7 @@ fn spawn(cmd: &Cmd, program: PathBuf, stop: Option<&CancellationToken>) -> Resul
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped());
-    let child = command.spawn().map_err(|source| CmdError::Spawn {
+    let child = spawn_when_not_busy(&mut command).map_err(|source| CmdError::Spawn {
         cmd: line.clone(),
         source,
     })?;
@@ -248,6 +248,27 @@ fn spawn(cmd: &Cmd, program: PathBuf, stop: Option<&CancellationToken>) -> Resul
         Waited::Stopped => CmdError::Stopped { cmd: line },
         Waited::Io(source) => CmdError::Spawn { cmd: line, source },
     })
+}
+
+/// How long a spawn retries a program that is open for writing somewhere (`ETXTBSY`).
+const BUSY_WAIT: Duration = Duration::from_secs(2);
+
+/// `command.spawn()`, retried while the program is busy (`ETXTBSY`): a program the agent has just
+/// written (a downloaded `.run`) can still be open for writing in a child another thread forked
+/// in between, until that child execs and its copy of the descriptor closes. Any other error,
+/// or still busy after [`BUSY_WAIT`], is returned as it is.
+fn spawn_when_not_busy(command: &mut Command) -> std::io::Result<Child> {
+    let deadline = std::time::Instant::now() + BUSY_WAIT;
+    let mut pause = Duration::from_millis(2);
+    loop {
+        match command.spawn() {
+            Err(e) if e.kind() == std::io::ErrorKind::ExecutableFileBusy && std::time::Instant::now() < deadline => {
+                std::thread::sleep(pause);
+                pause = (pause * 2).min(Duration::from_millis(100));
+            }
+            result => return result,
+        }
+    }
 }
 
 enum Waited {
@@ -314,6 +335,34 @@ mod tests {
         std::fs::create_dir_all(p.parent().unwrap()).unwrap();
         std::fs::write(&p, format!("#!/bin/sh\n{body}\n")).unwrap();
         std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o755)).unwrap();
+    }
+
+    /// A program still open for writing (here by this test, as by a child another thread forked
+    /// while the agent wrote it) is run once the writer lets go, not refused with ETXTBSY.
+    #[test]
+    fn a_program_still_open_for_writing_runs_once_it_is_closed() {
+        let dir = tempfile::tempdir().unwrap();
+        script(dir.path(), "/usr/bin/fresh", "echo ran");
+        let writer = std::fs::OpenOptions::new()
+            .write(true)
+            .open(dir.path().join("usr/bin/fresh"))
+            .unwrap();
+        let busy = Command::new(dir.path().join("usr/bin/fresh"))
+            .spawn()
+            .map(|mut c| c.wait());
+        assert_eq!(
+            busy.err().map(|e| e.kind()),
+            Some(std::io::ErrorKind::ExecutableFileBusy),
+            "the kernel refuses to run a file open for writing"
+        );
+        let release = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(50));
+            drop(writer);
+        });
+        let runner = Runner::new(&HostRoot::new(dir.path()));
+        let out = runner.run(&Cmd::new("/usr/bin/fresh")).unwrap();
+        assert_eq!(out.stdout, "ran\n");
+        release.join().unwrap();
     }
 
     #[test]
