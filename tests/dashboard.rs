@@ -17,7 +17,6 @@ use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use gpu_node_agent::metrics::{Metrics, MetricsServer, Sampler, SamplerConfig, XID_ERRORS};
-use gpu_node_agent::nvml::Gpus;
 use prometheus_parse::{Scrape, Value};
 use tokio::sync::{oneshot, watch};
 
@@ -149,11 +148,7 @@ fn scrape() -> &'static (String, String) {
 async fn scrape_node() -> (String, String) {
     let node = common::Node::new(MACHINE, "[kubernetes]\nenabled = false\n");
     // SAFETY of set_var: runs once, before this process loads NVML, under the OnceLock.
-    unsafe {
-        std::env::set_var("FAKE_NVML_MACHINE", &node.machine);
-        std::env::set_var("FAKE_NVML_STATE_DIR", &node.state);
-    }
-    let gpus = Gpus::open(&common::fake_nvml_library()).expect("fake NVML");
+    let gpus = unsafe { common::open_fake_nvml(&node) };
     let inventory = gpus.inventory(&node.root.join("sys")).expect("inventory");
     let metrics = Metrics::new();
     let (_inventory_tx, inventory_rx) = watch::channel(Some(Arc::new(inventory)));

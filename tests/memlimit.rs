@@ -66,11 +66,7 @@ fn shared() -> (MutexGuard<'static, ()>, &'static Shared) {
         let node = common::Node::new(MACHINE, "");
         // SAFETY of set_var: it runs once, under SERIAL, before any NVML call; the other test
         // threads of this binary wait on SERIAL and read no environment meanwhile.
-        unsafe {
-            std::env::set_var("FAKE_NVML_MACHINE", &node.machine);
-            std::env::set_var("FAKE_NVML_STATE_DIR", &node.state);
-        }
-        let gpus = Gpus::open(&common::fake_nvml_library()).expect("fake NVML");
+        let gpus = unsafe { common::open_fake_nvml(&node) };
         Shared { node, gpus }
     });
     (guard, shared)

@@ -15,7 +15,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use gpu_node_agent::metrics::{FIELDS, Metrics, MetricsServer, Sampler, SamplerConfig, XID_ERRORS};
-use gpu_node_agent::nvml::{Gpus, HealthEvent, Inventory};
+use gpu_node_agent::nvml::{HealthEvent, Inventory};
 use prometheus_parse::{Scrape, Value};
 use test_kubelet::{KubeletOptions, PodContainer, TestKubelet};
 use tokio::sync::{oneshot, watch};
@@ -199,11 +199,7 @@ fn dcgm_part(body: &str) -> Vec<&str> {
 async fn scrape_reports_gpus_mig_instances_pods_and_agent_metrics() {
     let node = common::Node::new(MACHINE, "[kubernetes]\nenabled = false\n");
     // SAFETY of set_var: this test binary has this one test, and nothing else runs yet.
-    unsafe {
-        std::env::set_var("FAKE_NVML_MACHINE", &node.machine);
-        std::env::set_var("FAKE_NVML_STATE_DIR", &node.state);
-    }
-    let gpus = Gpus::open(&common::fake_nvml_library()).expect("fake NVML");
+    let gpus = unsafe { common::open_fake_nvml(&node) };
     let inventory = gpus.inventory(&node.root.join("sys")).expect("inventory");
     let mig = &inventory.gpus[1].mig_devices;
     assert_eq!(mig.len(), 3, "{mig:?}");

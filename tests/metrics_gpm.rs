@@ -12,7 +12,6 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use gpu_node_agent::metrics::{Metrics, PROF_FIELDS, Sampler, SamplerConfig};
-use gpu_node_agent::nvml::Gpus;
 use prometheus_parse::{Scrape, Value};
 use test_kubelet::{KubeletOptions, PodContainer, TestKubelet};
 use tokio::sync::watch;
@@ -117,11 +116,7 @@ fn close(a: f64, b: f64) -> bool {
 async fn profiling_series_come_from_gpm_on_hopper_from_the_second_interval() {
     let node = common::Node::new(MACHINE, "[kubernetes]\nenabled = false\n");
     // SAFETY of set_var: this test binary has this one test, and nothing else runs yet.
-    unsafe {
-        std::env::set_var("FAKE_NVML_MACHINE", &node.machine);
-        std::env::set_var("FAKE_NVML_STATE_DIR", &node.state);
-    }
-    let gpus = Gpus::open(&common::fake_nvml_library()).expect("fake NVML");
+    let gpus = unsafe { common::open_fake_nvml(&node) };
     let inventory = gpus.inventory(&node.root.join("sys")).expect("inventory");
     let mig = &inventory.gpus[1].mig_devices;
     let gi = |profile: &str| mig.iter().find(|m| m.profile == profile).expect(profile);

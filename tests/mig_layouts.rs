@@ -8,7 +8,6 @@ use std::collections::BTreeMap;
 
 use gpu_node_agent::mig::planner::{DesiredGpu, PlanError, plan_gpu};
 use gpu_node_agent::mig::state::ObservedGpu;
-use gpu_node_agent::nvml::Gpus;
 
 const MACHINE: &str = r#"
 driver_version = "550.54.15"
@@ -46,11 +45,7 @@ fn all_layouts(gpu: &ObservedGpu) -> Vec<BTreeMap<String, u32>> {
 fn every_layout_that_fits_is_applied_on_the_fake_and_read_back_equal() {
     let node = common::Node::new(MACHINE, "");
     // SAFETY of set_var: this test binary has this one test, so no other thread reads the env.
-    unsafe {
-        std::env::set_var("FAKE_NVML_MACHINE", &node.machine);
-        std::env::set_var("FAKE_NVML_STATE_DIR", &node.state);
-    }
-    let gpus = Gpus::open(&common::fake_nvml_library()).expect("fake NVML");
+    let gpus = unsafe { common::open_fake_nvml(&node) };
     let start = gpus.mig_observe().expect("observe");
     for index in 0..start.len() {
         let layouts = all_layouts(&start[index]);

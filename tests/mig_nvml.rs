@@ -5,7 +5,6 @@
 mod common;
 
 use gpu_node_agent::mig::state::{GiRef, GpuPlan, MigOp, Placement};
-use gpu_node_agent::nvml::Gpus;
 
 const MACHINE: &str = r#"
 driver_version = "550.54.15"
@@ -37,11 +36,7 @@ fn plan(ops: Vec<MigOp>) -> GpuPlan {
 fn observe_and_apply_follow_nvmls_tables_and_rules() {
     let node = common::Node::new(MACHINE, "[kubernetes]\nenabled = false\n");
     // SAFETY of set_var: this test binary has this one test, so no other thread reads the env.
-    unsafe {
-        std::env::set_var("FAKE_NVML_MACHINE", &node.machine);
-        std::env::set_var("FAKE_NVML_STATE_DIR", &node.state);
-    }
-    let gpus = Gpus::open(&common::fake_nvml_library()).expect("fake NVML");
+    let gpus = unsafe { common::open_fake_nvml(&node) };
 
     let observed = gpus.mig_observe().expect("observe");
     assert_eq!(observed.len(), 2);

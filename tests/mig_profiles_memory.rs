@@ -7,7 +7,6 @@ mod common;
 
 use gpu_node_agent::mig::stage::{Step, converge};
 use gpu_node_agent::mig_layout::defaults;
-use gpu_node_agent::nvml::Gpus;
 
 #[test]
 fn hidden_profiles_are_read_once_per_session() {
@@ -22,11 +21,7 @@ fn hidden_profiles_are_read_once_per_session() {
     );
     let node = common::Node::new(&machine, "[kubernetes]\nenabled = false\n");
     // SAFETY of set_var: this test binary has this one test, so no other thread reads the env.
-    unsafe {
-        std::env::set_var("FAKE_NVML_MACHINE", &node.machine);
-        std::env::set_var("FAKE_NVML_STATE_DIR", &node.state);
-    }
-    let gpus = Gpus::open(&common::fake_nvml_library()).expect("fake NVML");
+    let gpus = unsafe { common::open_fake_nvml(&node) };
     let name = "all-1g.20gb";
     let layout = defaults::layout(name).expect("built in");
     let first = converge(&gpus, name, &layout, None, None, None);

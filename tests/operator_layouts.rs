@@ -12,7 +12,6 @@ mod common;
 use gpu_node_agent::mig::import::import_mig_parted;
 use gpu_node_agent::mig::stage::plan_layout;
 use gpu_node_agent::mig_layout::defaults;
-use gpu_node_agent::nvml::Gpus;
 
 /// One GPU of every MIG model the fake knows.
 const MODELS: [&str; 11] = [
@@ -42,11 +41,7 @@ fn every_operator_name_is_generated_with_the_operators_counts_and_applies() {
     }
     let node = common::Node::new(&machine, "");
     // SAFETY of set_var: this test binary has this one test, so no other thread reads the env.
-    unsafe {
-        std::env::set_var("FAKE_NVML_MACHINE", &node.machine);
-        std::env::set_var("FAKE_NVML_STATE_DIR", &node.state);
-    }
-    let gpus = Gpus::open(&common::fake_nvml_library()).expect("fake NVML");
+    let gpus = unsafe { common::open_fake_nvml(&node) };
     let table = import_mig_parted(OPERATOR_FILE).expect("the Operator's file imports");
     assert_eq!(table.len(), 68, "names in the Operator's file");
     let (mut checked, mut absent, mut others) = (0, Vec::new(), Vec::new());

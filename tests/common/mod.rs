@@ -75,6 +75,22 @@ pub fn gpu_uuid(i: u32) -> String {
     format!("GPU-{i:08x}-1111-2222-3333-444455556666")
 }
 
+/// Points this process's NVML at the fake with `node`'s machine file and state dir, and opens it
+/// (the in-process tests: one per test binary, or under the binary's own lock).
+///
+/// # Safety
+///
+/// It sets environment variables: no other thread of the process may read the environment
+/// meanwhile.
+pub unsafe fn open_fake_nvml(node: &Node) -> gpu_node_agent::nvml::Gpus {
+    // SAFETY: the caller guarantees no other thread reads the environment.
+    unsafe {
+        std::env::set_var("FAKE_NVML_MACHINE", &node.machine);
+        std::env::set_var("FAKE_NVML_STATE_DIR", &node.state);
+    }
+    gpu_node_agent::nvml::Gpus::open(&fake_nvml_library()).expect("fake NVML")
+}
+
 /// The fake NVML library the test binary was built with (a dev-dependency, so cargo builds its
 /// cdylib into the same `deps` directory as this test executable).
 pub fn fake_nvml_library() -> PathBuf {
