@@ -323,6 +323,50 @@ fn an_unknown_distribution_is_refused_and_nothing_changes() {
 }
 
 #[test]
+fn an_immutable_host_refuses_sources_that_write_usr_and_changes_nothing() {
+    // Fedora CoreOS (rpm-ostree: /run/ostree-booted) and Flatcar: apt/dnf and nvidia-installer
+    // would write /usr, which is read-only there.
+    let hosts = [
+        (
+            "run/ostree-booted",
+            "ID=fedora\nVARIANT_ID=coreos\nNAME=\"Fedora Linux\"\n",
+            "rpm-ostree",
+        ),
+        (
+            "",
+            "ID=flatcar\nID_LIKE=coreos\nNAME=\"Flatcar Container Linux by Kinvolk\"\n",
+            "Flatcar",
+        ),
+    ];
+    for (marker, os_release, named) in hosts {
+        for source in ["package", "runfile"] {
+            let node = bare_node(&format!(
+                "[driver]\nsource = \"{source}\"\nversion = \"{VERSION}\"\nrunfile_sha256 = \"{}\"\n",
+                "0".repeat(64)
+            ));
+            write(&node.root, "etc/os-release", os_release);
+            if !marker.is_empty() {
+                write(&node.root, marker, "");
+            }
+            let before = snapshot(&node.root);
+            let out = node.run(&["driver", "install"]);
+            let t = text(&out);
+            assert_eq!(out.status.code(), Some(1), "{named} {source}: {t}");
+            assert!(
+                t.contains(named) && t.contains(&format!("source = \"{source}\"")) && t.contains("nothing was changed"),
+                "{named} {source}: {t}"
+            );
+            assert!(commands(&node).is_empty(), "{named} {source}: {:?}", commands(&node));
+            assert_eq!(
+                changed_outside_downloads(&before, &snapshot(&node.root)),
+                Vec::<String>::new(),
+                "{named} {source}"
+            );
+        }
+    }
+}
+
+#[test]
 fn a_node_without_nvidia_pci_devices_does_nothing() {
     let node = bare_node(&format!("[driver]\nsource = \"package\"\nversion = \"{VERSION}\"\n"));
     fs::remove_dir_all(node.root.join("sys/bus/pci")).expect("no PCI");

@@ -504,15 +504,47 @@ pub struct HostFacts {
     /// Kernel headers for `kernel_release` (host path, resolved; see [`kernel_headers`]).
     pub headers: Option<PathBuf>,
     pub secure_boot: SecureBoot,
+    /// Why the host's `/usr` cannot be written (an rpm-ostree or Flatcar host, or a read-only
+    /// mount); `None` when it can ([`read_only_usr`]).
+    pub read_only_usr: Option<String>,
+}
+
+/// Why `/usr` under `root` cannot take a driver's files: an rpm-ostree host
+/// (`/run/ostree-booted`: Fedora CoreOS, RHEL for Edge), Flatcar Container Linux or
+/// Bottlerocket (`ID=` in os-release), or `/usr` mounted read-only.
+pub fn read_only_usr(root: &HostRoot, os: &OsRelease) -> Option<String> {
+    if root.join("/run/ostree-booted").exists() {
+        return Some(
+            "/run/ostree-booted: an rpm-ostree host (Fedora CoreOS, RHEL for Edge), whose /usr is read-only".into(),
+        );
+    }
+    match os.id.as_str() {
+        "flatcar" => {
+            return Some("ID=flatcar (/etc/os-release): Flatcar Container Linux, whose /usr is read-only".into());
+        }
+        "bottlerocket" => {
+            return Some("ID=bottlerocket (/etc/os-release): Bottlerocket, whose /usr is read-only".into());
+        }
+        _ => {}
+    }
+    let usr = root.join("/usr");
+    match nix::sys::statvfs::statvfs(&usr) {
+        Ok(st) if st.flags().contains(nix::sys::statvfs::FsFlags::ST_RDONLY) => {
+            Some(format!("{} is mounted read-only", usr.display()))
+        }
+        _ => None,
+    }
 }
 
 /// Observes the host under `root`.
 pub fn observe(root: &HostRoot) -> Result<HostFacts, ObserveError> {
     let kernel_release = kernel_release(root)?;
     let headers = kernel_headers(root, &kernel_release);
+    let os = os_release(root)?;
     Ok(HostFacts {
         arch: HostArch::read(root),
-        os: os_release(root)?,
+        read_only_usr: read_only_usr(root, &os),
+        os,
         gpus: nvidia_gpus(root)?,
         loaded: loaded_driver(root)?,
         loaded_flavour: module_flavour_loaded(root)?,
@@ -785,6 +817,25 @@ PRETTY_NAME="Amazon Linux 2023.4.20240528"
         write(r, "/sys/bus/pci/devices/0000:07:00.0/class", "0x03zz00\n");
         let err = nvidia_gpus(&HostRoot::new(r)).unwrap_err().to_string();
         assert!(err.contains("0000:07:00.0/class") && err.contains("0x03zz00"), "{err}");
+    }
+
+    #[test]
+    fn read_only_usr_names_the_immutable_host() {
+        let dir = tempfile::tempdir().unwrap();
+        let r = dir.path();
+        let root = HostRoot::new(r);
+        std::fs::create_dir_all(r.join("usr")).unwrap();
+        let debian = parse_os_release("ID=debian\n");
+        assert_eq!(read_only_usr(&root, &debian), None, "a writable /usr");
+        let flatcar = parse_os_release("ID=flatcar\nID_LIKE=coreos\n");
+        let why = read_only_usr(&root, &flatcar).unwrap();
+        assert!(why.contains("Flatcar"), "{why}");
+        write(r, "/run/ostree-booted", "");
+        let why = read_only_usr(&root, &parse_os_release("ID=fedora\nVARIANT_ID=coreos\n")).unwrap();
+        assert!(
+            why.contains("/run/ostree-booted") && why.contains("rpm-ostree"),
+            "{why}"
+        );
     }
 
     #[test]

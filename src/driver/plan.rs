@@ -103,6 +103,10 @@ pub enum PlanError {
         "no kernel headers for the running kernel {kernel} (/lib/modules/{kernel}/build), and this distribution's headers package is unknown: install them (e.g. linux-headers-{kernel} or kernel-devel-{kernel}), or use source = \"prebuilt\""
     )]
     NoHeaders { kernel: String },
+    #[error(
+        "{why}: [driver] source = \"{method}\" installs the driver's files into /usr, which this host cannot write; use source = \"prebuilt\" (modules built for this kernel, kept and loaded from /var/lib/gpu-node-agent) with the driver's user space from the OS (Flatcar's NVIDIA driver extension, an rpm-ostree layer), or install the whole driver with the OS's own tools and use source = \"none\"; nothing was changed"
+    )]
+    ReadOnlyUsr { why: String, method: &'static str },
 }
 
 /// The inputs besides the config and the host facts.
@@ -350,6 +354,21 @@ pub fn plan(config: &DriverConfig, facts: &HostFacts, ctx: &Context) -> Result<D
             return Err(PlanError::SecureBoot { method });
         }
     }
+    // The packages and nvidia-installer write /usr; a cached runfile build and prebuilt modules
+    // only load from /var/lib.
+    if let Some(why) = &facts.read_only_usr {
+        let method = match config.source {
+            DriverSource::Package => Some("package"),
+            DriverSource::Runfile if !ctx.cached => Some("runfile"),
+            DriverSource::Runfile | DriverSource::Prebuilt | DriverSource::None => None,
+        };
+        if let Some(method) = method {
+            return Err(PlanError::ReadOnlyUsr {
+                why: why.clone(),
+                method,
+            });
+        }
+    }
     let load = |from| Step::Load {
         from,
         modules: modules(config),
@@ -513,6 +532,7 @@ mod tests {
             nouveau: false,
             headers: Some("/lib/modules/6.8.0-1015-aws/build".into()),
             secure_boot: SecureBoot::Disabled,
+            read_only_usr: None,
         }
     }
 
@@ -834,6 +854,40 @@ mod tests {
         assert!(
             plan(&config(DriverSource::Package), &f, &ctx()).is_ok(),
             "signed packages are fine"
+        );
+    }
+
+    #[test]
+    fn a_read_only_usr_refuses_what_writes_usr_and_keeps_what_loads_from_var() {
+        let mut f = facts("ID=fedora\nVARIANT_ID=coreos\n", None);
+        f.read_only_usr = Some("/run/ostree-booted: an rpm-ostree host".into());
+        for (source, method) in [(DriverSource::Package, "package"), (DriverSource::Runfile, "runfile")] {
+            let e = plan(&config(source), &f, &ctx()).unwrap_err().to_string();
+            assert!(
+                e.contains("/run/ostree-booted")
+                    && e.contains(&format!("source = \"{method}\""))
+                    && e.contains("source = \"prebuilt\"")
+                    && e.contains("nothing was changed"),
+                "{e}"
+            );
+        }
+        // Modules already built for this kernel only load from the cache under /var/lib.
+        let cached = Context { cached: true, ..ctx() };
+        assert_eq!(
+            names(&plan(&config(DriverSource::Runfile), &f, &cached).unwrap()),
+            ["modprobe.d", "load", "persistence"]
+        );
+        assert!(plan(&config(DriverSource::None), &f, &ctx()).is_ok());
+        let prebuilt = DriverConfig {
+            prebuilt_url: "https://mirror.example/{kernel}.tar.gz".into(),
+            prebuilt_sha256: [("6.8.0-1015-aws".to_string(), "0".repeat(64))].into(),
+            ..config(DriverSource::Prebuilt)
+        };
+        let p = plan(&prebuilt, &f, &ctx()).unwrap();
+        assert!(
+            !names(&p).contains(&"user-space") && !names(&p).contains(&"packages"),
+            "{:?}",
+            names(&p)
         );
     }
 
