@@ -707,38 +707,38 @@ mod tests {
         };
         const DEBIAN: &str = "ID=debian\nVERSION_ID=\"12\"\n";
         const RHEL: &str = "ID=\"rhel\"\nID_LIKE=\"fedora\"\nVERSION_ID=\"9.4\"\n";
-        // Debian and Ubuntu: the release names the flavour, 64k-page arm64 kernels included.
-        assert_eq!(
-            headers(DEBIAN, "6.1.0-18-arm64").unwrap(),
-            "linux-headers-6.1.0-18-arm64"
-        );
-        assert_eq!(
-            headers(UBUNTU, "6.8.0-31-generic-64k").unwrap(),
-            "linux-headers-6.8.0-31-generic-64k"
-        );
-        assert_eq!(
-            headers(UBUNTU, "6.8.0-1015-nvidia-64k").unwrap(),
-            "linux-headers-6.8.0-1015-nvidia-64k"
-        );
-        // RHEL: the release carries the architecture; a variant kernel has its own -devel.
-        assert_eq!(
-            headers(RHEL, "5.14.0-427.13.1.el9_4.aarch64").unwrap(),
-            "kernel-devel-5.14.0-427.13.1.el9_4.aarch64"
-        );
-        assert_eq!(
-            headers(RHEL, "5.14.0-427.13.1.el9_4.aarch64+64k").unwrap(),
-            "kernel-64k-devel-5.14.0-427.13.1.el9_4.aarch64"
-        );
-        assert_eq!(
-            headers(RHEL, "5.14.0-427.13.1.el9_4.x86_64+rt").unwrap(),
-            "kernel-rt-devel-5.14.0-427.13.1.el9_4.x86_64"
-        );
-        assert_eq!(
-            headers(RHEL, "5.14.0-427.13.1.el9_4.x86_64").unwrap(),
-            "kernel-devel-5.14.0-427.13.1.el9_4.x86_64"
-        );
-        // An unknown suffix is left in the name: dnf then says it has no such package.
-        assert_eq!(headers(RHEL, "6.9.0+custom").unwrap(), "kernel-devel-6.9.0+custom");
+        let cases = [
+            // Debian and Ubuntu: the release names the flavour, 64k-page arm64 kernels included.
+            (DEBIAN, "6.1.0-18-arm64", "linux-headers-6.1.0-18-arm64"),
+            (UBUNTU, "6.8.0-31-generic-64k", "linux-headers-6.8.0-31-generic-64k"),
+            (UBUNTU, "6.8.0-1015-nvidia-64k", "linux-headers-6.8.0-1015-nvidia-64k"),
+            // RHEL: the release carries the architecture; a variant kernel has its own -devel.
+            (
+                RHEL,
+                "5.14.0-427.13.1.el9_4.aarch64",
+                "kernel-devel-5.14.0-427.13.1.el9_4.aarch64",
+            ),
+            (
+                RHEL,
+                "5.14.0-427.13.1.el9_4.aarch64+64k",
+                "kernel-64k-devel-5.14.0-427.13.1.el9_4.aarch64",
+            ),
+            (
+                RHEL,
+                "5.14.0-427.13.1.el9_4.x86_64+rt",
+                "kernel-rt-devel-5.14.0-427.13.1.el9_4.x86_64",
+            ),
+            (
+                RHEL,
+                "5.14.0-427.13.1.el9_4.x86_64",
+                "kernel-devel-5.14.0-427.13.1.el9_4.x86_64",
+            ),
+            // An unknown suffix is left in the name: dnf then says it has no such package.
+            (RHEL, "6.9.0+custom", "kernel-devel-6.9.0+custom"),
+        ];
+        for (os, release, package) in cases {
+            assert_eq!(headers(os, release).unwrap(), package, "{release}");
+        }
     }
 
     #[test]
