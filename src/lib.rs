@@ -8,6 +8,24 @@ pub mod api {
     tonic::include_proto!("v1beta1");
 }
 
+/// The kubelet's plugin-watcher registration API and DRA node service (v1, v1beta1), generated
+/// from the vendored protos (servers only).
+pub mod dra_api {
+    #![allow(clippy::all, missing_docs)]
+    /// `pluginregistration`: what the kubelet calls on a socket in `plugins_registry/`.
+    pub mod registration {
+        tonic::include_proto!("pluginregistration");
+    }
+    /// `k8s.io.kubelet.pkg.apis.dra.v1`: the DRA node service of kubelets 1.34 and later.
+    pub mod v1 {
+        tonic::include_proto!("k8s.io.kubelet.pkg.apis.dra.v1");
+    }
+    /// `k8s.io.kubelet.pkg.apis.dra.v1beta1`: the same service for kubelets 1.32 and 1.33.
+    pub mod v1beta1 {
+        tonic::include_proto!("k8s.io.kubelet.pkg.apis.dra.v1beta1");
+    }
+}
+
 pub mod agent;
 pub mod cli;
 pub mod cluster;

@@ -28,6 +28,7 @@ use std::path::{Path, PathBuf};
 const LAYERS: &[(&str, u32)] = &[
     // 0. Leaves: generated API, plain data and helpers that import nothing from the crate.
     ("api", 0),
+    ("dra_api", 0),
     ("cli", 0),
     ("devices", 0),
     ("exit", 0),
@@ -489,6 +490,10 @@ fn read_crate() -> (Crate, Vec<Import>) {
         reexports: BTreeMap::new(),
     };
     krate.modules.insert(vec!["api".to_string()]);
+    for module in ["registration", "v1", "v1beta1"] {
+        krate.modules.insert(vec!["dra_api".to_string(), module.to_string()]);
+    }
+    krate.modules.insert(vec!["dra_api".to_string()]);
     let texts: Vec<(String, Vec<String>, String)> = files
         .iter()
         .map(|(path, module)| {

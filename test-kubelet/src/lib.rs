@@ -46,6 +46,23 @@ pub mod podresources {
     tonic::include_proto!("v1");
 }
 
+/// The plugin-watcher registration API (`pluginregistration`), client and server.
+pub mod registration_api {
+    tonic::include_proto!("pluginregistration");
+}
+
+/// The DRA node service, `v1` and `v1beta1`, client and server.
+pub mod dra_api {
+    /// `k8s.io.kubelet.pkg.apis.dra.v1`.
+    pub mod v1 {
+        tonic::include_proto!("k8s.io.kubelet.pkg.apis.dra.v1");
+    }
+    /// `k8s.io.kubelet.pkg.apis.dra.v1beta1`.
+    pub mod v1beta1 {
+        tonic::include_proto!("k8s.io.kubelet.pkg.apis.dra.v1beta1");
+    }
+}
+
 use pod_resources::{Holding, PodResourcesServer};
 pub use pod_resources::{POD_RESOURCES_DIR, POD_RESOURCES_SOCKET, PodContainer};
 
