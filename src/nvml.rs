@@ -148,6 +148,19 @@ pub struct MigDeviceInfo {
     /// The device's MIG attributes (`nvmlDeviceGetAttributes_v2` on the MIG handle); `None`
     /// when NVML would not give them.
     pub attributes: Option<MigAttributes>,
+    /// Where its GPU instance sits on the GPU (`nvmlGpuInstanceGetInfo`): the profile id and
+    /// the memory slices it occupies. NVIDIA's DRA driver names MIG devices by these
+    /// (`gpu-<minor>-mig-<profile id>-<start>-<size>`). `None` for devices read some other way.
+    #[serde(default)]
+    pub placement: Option<GiPlacement>,
+}
+
+/// A GPU instance's profile id and placement (`nvmlGpuInstanceInfo_t`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct GiPlacement {
+    pub profile_id: u32,
+    pub start: u32,
+    pub size: u32,
 }
 
 /// What NVML says a MIG device has: its share of the GPU, as GPU Feature Discovery labels it.
@@ -388,7 +401,7 @@ impl Gpus {
                 uuid: &uuid,
             };
             let (gi_id, ci_id) = raw.instance_ids()?;
-            let profile = raw.profile_name(gi_id, ci_id)?;
+            let (profile, placement) = raw.profile_name(gi_id, ci_id)?;
             let attributes = match mig.attributes() {
                 Ok(a) => Some(MigAttributes::from(a)),
                 Err(err) => {
@@ -404,6 +417,7 @@ impl Gpus {
                 profile,
                 memory_mib,
                 attributes,
+                placement: Some(placement),
             });
         }
         Ok(found)
@@ -756,8 +770,9 @@ impl RawMig<'_> {
     }
 
     /// The profile name NVML gives the device: the GPU instance profile when the compute instance
-    /// spans it (`3g.20gb`), else the compute instance profile (`1c.3g.20gb`).
-    fn profile_name(&self, gi_id: u32, ci_id: u32) -> Result<String, GpuError> {
+    /// spans it (`3g.20gb`), else the compute instance profile (`1c.3g.20gb`); and its GPU
+    /// instance's profile id and placement.
+    fn profile_name(&self, gi_id: u32, ci_id: u32) -> Result<(String, GiPlacement), GpuError> {
         let lib = self.nvml.lib();
         let by_id = self.sym(&lib.nvmlDeviceGetGpuInstanceById, "nvmlDeviceGetGpuInstanceById")?;
         let gi_info = self.sym(&lib.nvmlGpuInstanceGetInfo, "nvmlGpuInstanceGetInfo")?;
@@ -809,7 +824,12 @@ impl RawMig<'_> {
             )?;
             // The compute instance spanning the whole GPU instance is the GPU instance's profile.
             let name = if ci_name.1 >= gi_name.1 { gi_name.0 } else { ci_name.0 };
-            Ok(name.trim_start_matches("MIG ").to_string())
+            let placement = GiPlacement {
+                profile_id: info.profileId,
+                start: info.placement.start,
+                size: info.placement.size,
+            };
+            Ok((name.trim_start_matches("MIG ").to_string(), placement))
         }
     }
 
@@ -943,6 +963,7 @@ pub(crate) mod sample {
                 profile: (*p).into(),
                 memory_mib: 4864,
                 attributes: None,
+                placement: None,
             })
             .collect()
     }

@@ -681,6 +681,7 @@ mod labels {
                         ofa: 0,
                         memory_mib: 4864,
                     }),
+                    placement: None,
                 })
                 .collect(),
             fabric: None,

@@ -9,7 +9,7 @@
 //! A section lives in its own file, beside the sections it belongs with: `agent.rs` (`[log]`,
 //! `[agent]`, `[nvml]`, `[health]`, `[validation]`, `[metrics]`), `device_plugin.rs`
 //! (`[kubelet]`, `[device_plugin]`), `driver.rs`, `runtime.rs` (`[runtime]`, `[cdi]`), `mig.rs`,
-//! `kubernetes.rs` (`[kubernetes]`, `[desired]`, `[labels]`); this file re-exports them
+//! `kubernetes.rs` (`[kubernetes]`, `[desired]`, `[labels]`), `dra.rs`; this file re-exports them
 //! (`pub use`) and holds [`Config`], loading, the validation helpers and the error messages.
 //!
 //! Adding a section: in its file, a struct with `#[serde(default, deny_unknown_fields)]`, a
@@ -20,6 +20,7 @@
 
 mod agent;
 mod device_plugin;
+mod dra;
 mod driver;
 mod error;
 mod kubernetes;
@@ -39,6 +40,7 @@ use serde::{Deserialize, Serialize};
 
 pub use agent::*;
 pub use device_plugin::*;
+pub use dra::*;
 pub use driver::*;
 pub use error::{ConfigError, EXIT_CONFIG, Location};
 pub use kubernetes::*;
@@ -112,6 +114,8 @@ pub struct Config {
     pub desired: DesiredConfig,
     /// `[labels]`
     pub labels: LabelsConfig,
+    /// `[dra]`
+    pub dra: DraConfig,
 }
 
 // === impl Config ===
@@ -173,6 +177,7 @@ impl Config {
         self.metrics.validate()?;
         self.health.validate()?;
         self.kubernetes.validate()?;
+        self.dra.validate()?;
         self.desired.validate()?;
         self.labels.validate()?;
         self.delivers_gpus()

@@ -401,6 +401,7 @@ mod tests {
             profile: "1c.3g.20gb".into(),
             memory_mib: 19968,
             attributes: None,
+            placement: None,
         };
         let devices = [dev(4, 2, "MIG-c"), dev(0, 1, "MIG-a"), dev(1, 1, "MIG-b")];
         let groups = group_instances(&devices);

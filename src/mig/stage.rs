@@ -1046,6 +1046,7 @@ pub fn predict_inventory(inventory: &Inventory, observed: &[ObservedGpu], plans:
                         profile: name.clone(),
                         memory_mib,
                         attributes: None,
+                        placement: None,
                     });
                 }
             }
