@@ -13,13 +13,15 @@
 //! plugin) and retry the request once; a second 401 is returned.
 //!
 //! This file holds the client, its state and its construction; `calls.rs` the API calls (with the
-//! patch and Event bodies), `http.rs` sending one request (the reqwest client from the TLS
+//! patch and Event bodies), `dra.rs` the DRA driver's ResourceSlice and ResourceClaim calls,
+//! `http.rs` sending one request (the reqwest client from the TLS
 //! material, the time limits, the retry after a 401, what a failed response says), `auth.rs`
 //! keeping the credentials current (file caches, the exec plugin's credential, the HTTP client
 //! rebuilt when the TLS material changes).
 
 mod auth;
 mod calls;
+mod dra;
 mod http;
 
 use std::fs;

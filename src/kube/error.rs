@@ -387,6 +387,33 @@ pub enum KubeError {
         /// Why.
         failure: ApiFailure,
     },
+
+    /// A DRA call (ResourceSlices, ResourceClaims) failed.
+    #[error("{verb} {what} ({method} {path}): {failure}{}", dra_forbidden_hint(failure))]
+    Dra {
+        /// The Kubernetes verb.
+        verb: &'static str,
+        /// The object, e.g. `ResourceClaim default/gpu-claim`.
+        what: String,
+        /// The HTTP method.
+        method: &'static str,
+        /// The URL path and query.
+        path: String,
+        /// Why.
+        failure: ApiFailure,
+    },
+}
+
+/// A 403 on a DRA call: what a node's credentials may do.
+fn dra_forbidden_hint(failure: &ApiFailure) -> String {
+    match failure.http() {
+        Some(h) if h.code == 403 => " (with the kubelet's credentials the Node authorizer allows a node only \
+             ResourceSlices with its own spec.nodeName, listed with that field selector, and only get on the \
+             ResourceClaims of its own pods; another identity needs RBAC on resourceslices and resourceclaims \
+             in resource.k8s.io)"
+            .to_string(),
+        _ => String::new(),
+    }
 }
 
 /// A 403 says what permission is missing and the two usual causes.
@@ -409,7 +436,8 @@ impl KubeError {
             | KubeError::WatchNode { failure, .. }
             | KubeError::PatchNode { failure, .. }
             | KubeError::CreateEvent { failure, .. }
-            | KubeError::CreateRuntimeClass { failure, .. } => Some(failure),
+            | KubeError::CreateRuntimeClass { failure, .. }
+            | KubeError::Dra { failure, .. } => Some(failure),
             _ => None,
         }
     }

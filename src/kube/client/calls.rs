@@ -235,7 +235,7 @@ fn truncate(text: &str, max: usize) -> &str {
 }
 
 /// Percent-encodes everything but RFC 3986 unreserved characters.
-fn encode(text: &str) -> String {
+pub(super) fn encode(text: &str) -> String {
     let mut out = String::with_capacity(text.len());
     for b in text.bytes() {
         if b.is_ascii_alphanumeric() || matches!(b, b'-' | b'.' | b'_' | b'~') {
