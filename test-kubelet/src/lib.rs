@@ -32,6 +32,7 @@ use tokio::task::{AbortHandle, JoinHandle, JoinSet};
 use tonic::transport::{Channel, Endpoint};
 use tonic::{Request, Response, Status};
 
+pub mod dra;
 pub mod pod_resources;
 pub mod rawh2;
 pub mod validate;
@@ -63,6 +64,7 @@ pub mod dra_api {
     }
 }
 
+pub use dra::{ClaimRef, DraError, DraKubelet, DraOptions, DraRegistration, PreparedDevice};
 use pod_resources::{Holding, PodResourcesServer};
 pub use pod_resources::{POD_RESOURCES_DIR, POD_RESOURCES_SOCKET, PodContainer};
 
