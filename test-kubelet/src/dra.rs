@@ -8,7 +8,7 @@
 //! plugin. Tests call [`DraKubelet::prepare`] / [`DraKubelet::unprepare`] as the kubelet does
 //! before a pod starts and after it ends, with the kubelet's checks on the responses.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 use std::io;
 use std::os::unix::fs::{DirBuilderExt, FileTypeExt, MetadataExt};
@@ -22,6 +22,7 @@ use tokio::sync::watch;
 use tokio::task::JoinHandle;
 use tonic::transport::{Channel, Endpoint};
 
+use crate::dra_api::{v1, v1beta1};
 use crate::registration_api::registration_client::RegistrationClient;
 use crate::registration_api::{InfoRequest, PluginInfo, RegistrationStatus};
 
@@ -329,6 +330,131 @@ impl DraKubelet {
         }
     }
 
+    /// The plugin the kubelet would call for `driver`: the most recently registered one.
+    fn pick(&self, driver: &str) -> Result<(String, Channel), DraError> {
+        self.shared
+            .lock()
+            .plugins
+            .iter()
+            .rev()
+            .find(|p| p.driver == driver)
+            .map(|p| (p.service.clone(), p.channel.clone()))
+            .ok_or_else(|| DraError::NotRegistered {
+                driver: driver.to_string(),
+            })
+    }
+
+    /// `NodePrepareResources` for `claims` on the most recently registered plugin of `driver`,
+    /// through the service chosen at registration, with the call timeout. Returns each
+    /// claim's devices, or the error the plugin reported for that claim.
+    ///
+    /// As the kubelet does, it fails as a whole on a gRPC error ([`DraError::Rpc`]), a result
+    /// for a claim UID it did not ask for, and fewer results than claims
+    /// ([`DraError::Invalid`], with the kubelet's message).
+    pub async fn prepare(
+        &self,
+        driver: &str,
+        claims: &[ClaimRef],
+    ) -> Result<BTreeMap<String, Result<Vec<PreparedDevice>, String>>, DraError> {
+        let (service, channel) = self.pick(driver)?;
+        let req = v1::NodePrepareResourcesRequest {
+            claims: claims.iter().map(to_claim).collect(),
+        };
+        let timeout = self.opts.call_timeout;
+        let what = || format!("NodePrepareResources of DRA driver {driver} took longer than {timeout:?}");
+        let resp: v1::NodePrepareResourcesResponse = if service == V1BETA1_SERVICE {
+            let mut client = v1beta1::dra_plugin_client::DraPluginClient::new(channel);
+            let req: v1beta1::NodePrepareResourcesRequest = transcode(&req)?;
+            let resp = call(timeout, what, client.node_prepare_resources(timed(req, timeout))).await?;
+            transcode(&resp)?
+        } else {
+            let mut client = v1::dra_plugin_client::DraPluginClient::new(channel);
+            call(timeout, what, client.node_prepare_resources(timed(req, timeout))).await?
+        };
+        self.check_unknown("NodePrepareResources", driver, claims, resp.claims.keys())?;
+        let mut out = BTreeMap::new();
+        for (uid, result) in resp.claims {
+            let value = if result.error.is_empty() {
+                Ok(result
+                    .devices
+                    .into_iter()
+                    .map(|d| PreparedDevice {
+                        request_names: d.request_names,
+                        pool_name: d.pool_name,
+                        device_name: d.device_name,
+                        cdi_device_ids: d.cdi_device_ids,
+                        share_id: d.share_id,
+                    })
+                    .collect())
+            } else {
+                Err(result.error)
+            };
+            out.insert(uid, value);
+        }
+        check_skipped("NodePrepareResources", claims, &out)?;
+        Ok(out)
+    }
+
+    /// `NodeUnprepareResources` for `claims` on the most recently registered plugin of
+    /// `driver`; each claim's result. The same whole-call failures as [`DraKubelet::prepare`].
+    pub async fn unprepare(
+        &self,
+        driver: &str,
+        claims: &[ClaimRef],
+    ) -> Result<BTreeMap<String, Result<(), String>>, DraError> {
+        let (service, channel) = self.pick(driver)?;
+        let req = v1::NodeUnprepareResourcesRequest {
+            claims: claims.iter().map(to_claim).collect(),
+        };
+        let timeout = self.opts.call_timeout;
+        let what = || format!("NodeUnprepareResources of DRA driver {driver} took longer than {timeout:?}");
+        let resp: v1::NodeUnprepareResourcesResponse = if service == V1BETA1_SERVICE {
+            let mut client = v1beta1::dra_plugin_client::DraPluginClient::new(channel);
+            let req: v1beta1::NodeUnprepareResourcesRequest = transcode(&req)?;
+            let resp = call(timeout, what, client.node_unprepare_resources(timed(req, timeout))).await?;
+            transcode(&resp)?
+        } else {
+            let mut client = v1::dra_plugin_client::DraPluginClient::new(channel);
+            call(timeout, what, client.node_unprepare_resources(timed(req, timeout))).await?
+        };
+        self.check_unknown("NodeUnprepareResources", driver, claims, resp.claims.keys())?;
+        let out: BTreeMap<String, Result<(), String>> = resp
+            .claims
+            .into_iter()
+            .map(|(uid, r)| (uid, if r.error.is_empty() { Ok(()) } else { Err(r.error) }))
+            .collect();
+        check_skipped("NodeUnprepareResources", claims, &out)?;
+        Ok(out)
+    }
+
+    /// See the free function [`cdi_devices_for`].
+    pub fn cdi_devices_for(prepared: &[PreparedDevice], request: &str) -> Vec<String> {
+        cdi_devices_for(prepared, request)
+    }
+
+    /// A result for a UID that was not asked for: a violation, and the kubelet's error.
+    fn check_unknown<'a>(
+        &self,
+        method: &str,
+        driver: &str,
+        claims: &[ClaimRef],
+        uids: impl Iterator<Item = &'a String>,
+    ) -> Result<(), DraError> {
+        let asked: BTreeSet<&str> = claims.iter().map(|c| c.uid.as_str()).collect();
+        let unknown: BTreeSet<&String> = uids.filter(|u| !asked.contains(u.as_str())).collect();
+        for uid in &unknown {
+            self.shared.violation(format!(
+                "DRA driver {driver}: {method} returned a result for claim UID {uid}, which was not in the request"
+            ));
+        }
+        match unknown.first() {
+            Some(uid) => Err(DraError::Invalid(format!(
+                "{method} returned result for unknown claim UID {uid}"
+            ))),
+            None => Ok(()),
+        }
+    }
+
     /// Stops watching and drops every plugin connection.
     pub async fn stop(self) {
         self.watcher.abort();
@@ -600,6 +726,61 @@ async fn notify(client: &mut RegistrationClient<Channel>, registered: bool, erro
         Ok(Err(s)) => Err(format!("rpc error: code = {:?} desc = {}", s.code(), s.message())),
         Err(_) => Err(format!("timed out after {NOTIFY_TIMEOUT:?}")),
     }
+}
+
+fn to_claim(c: &ClaimRef) -> v1::Claim {
+    v1::Claim {
+        namespace: c.namespace.clone(),
+        uid: c.uid.clone(),
+        name: c.name.clone(),
+    }
+}
+
+/// The v1 and v1beta1 messages are the same on the wire.
+fn transcode<A: prost::Message, B: prost::Message + Default>(a: &A) -> Result<B, DraError> {
+    B::decode(a.encode_to_vec().as_slice())
+        .map_err(|e| DraError::Invalid(format!("v1/v1beta1 message conversion failed: {e}")))
+}
+
+/// A request carrying the kubelet's deadline (`grpc-timeout`).
+fn timed<T>(msg: T, timeout: Duration) -> tonic::Request<T> {
+    let mut req = tonic::Request::new(msg);
+    req.set_timeout(timeout);
+    req
+}
+
+/// Runs a unary call with the client-side deadline.
+async fn call<T>(
+    timeout: Duration,
+    what: impl FnOnce() -> String,
+    fut: impl std::future::Future<Output = Result<tonic::Response<T>, tonic::Status>>,
+) -> Result<T, DraError> {
+    match tokio::time::timeout(timeout, fut).await {
+        Ok(Ok(r)) => Ok(r.into_inner()),
+        Ok(Err(status)) => Err(DraError::Rpc(status)),
+        Err(_) => Err(DraError::Timeout { what: what() }),
+    }
+}
+
+/// Every claim of the request needs a result: the kubelet's "skipped" error otherwise.
+fn check_skipped<V>(method: &str, claims: &[ClaimRef], out: &BTreeMap<String, V>) -> Result<(), DraError> {
+    let asked: BTreeSet<&str> = claims.iter().map(|c| c.uid.as_str()).collect();
+    let missing = asked.iter().filter(|u| !out.contains_key(**u)).count();
+    if missing > 0 {
+        return Err(DraError::Invalid(format!("{method} skipped {missing} ResourceClaims")));
+    }
+    Ok(())
+}
+
+/// The CDI device IDs the kubelet hands to the runtime for a container that uses `request`
+/// of a claim: those of the devices whose `request_names` is empty or contains `request`.
+/// A device whose `request_names` names other requests gives the container nothing.
+pub fn cdi_devices_for(prepared: &[PreparedDevice], request: &str) -> Vec<String> {
+    prepared
+        .iter()
+        .filter(|d| d.request_names.is_empty() || d.request_names.iter().any(|r| r == request))
+        .flat_map(|d| d.cdi_device_ids.iter().cloned())
+        .collect()
 }
 
 /// The DRA manager's `validateSupportedServices`: the first of the plugin's services that the

@@ -64,7 +64,7 @@ pub mod dra_api {
     }
 }
 
-pub use dra::{ClaimRef, DraError, DraKubelet, DraOptions, DraRegistration, PreparedDevice};
+pub use dra::{ClaimRef, DraError, DraKubelet, DraOptions, DraRegistration, PreparedDevice, cdi_devices_for};
 use pod_resources::{Holding, PodResourcesServer};
 pub use pod_resources::{POD_RESOURCES_DIR, POD_RESOURCES_SOCKET, PodContainer};
 

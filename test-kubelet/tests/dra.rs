@@ -11,7 +11,7 @@ use test_kubelet::dra::{V1_SERVICE, V1BETA1_SERVICE};
 use test_kubelet::dra_api::{v1, v1beta1};
 use test_kubelet::registration_api::registration_server::{Registration, RegistrationServer};
 use test_kubelet::registration_api::{InfoRequest, PluginInfo, RegistrationStatus, RegistrationStatusResponse};
-use test_kubelet::{DraKubelet, DraOptions, DraRegistration};
+use test_kubelet::{ClaimRef, DraError, DraKubelet, DraOptions, DraRegistration, PreparedDevice};
 use tokio::net::UnixListener;
 use tokio::task::JoinHandle;
 use tokio_stream::wrappers::UnixListenerStream;
@@ -35,6 +35,8 @@ struct Behaviour {
     prepare: Mutex<Arc<PrepareFn>>,
     unprepare: Mutex<Arc<UnprepareFn>>,
     calls: Mutex<Vec<Call>>,
+    /// How long each DRA call takes before it answers.
+    delay: Mutex<Duration>,
 }
 
 /// The default prepare: one device per claim, request `gpu`, a CDI ID with the claim UID.
@@ -80,6 +82,11 @@ struct V1Svc(Arc<Behaviour>);
 struct V1beta1Svc(Arc<Behaviour>);
 
 impl Behaviour {
+    async fn pause(&self) {
+        let d = *self.delay.lock().unwrap();
+        tokio::time::sleep(d).await;
+    }
+
     fn prepare(
         &self,
         service: &'static str,
@@ -115,6 +122,7 @@ impl v1::dra_plugin_server::DraPlugin for V1Svc {
         &self,
         req: Request<v1::NodePrepareResourcesRequest>,
     ) -> Result<Response<v1::NodePrepareResourcesResponse>, Status> {
+        self.0.pause().await;
         self.0.prepare("v1", req.into_inner().claims).map(Response::new)
     }
 
@@ -122,6 +130,7 @@ impl v1::dra_plugin_server::DraPlugin for V1Svc {
         &self,
         req: Request<v1::NodeUnprepareResourcesRequest>,
     ) -> Result<Response<v1::NodeUnprepareResourcesResponse>, Status> {
+        self.0.pause().await;
         self.0.unprepare("v1", req.into_inner().claims).map(Response::new)
     }
 }
@@ -132,6 +141,7 @@ impl v1beta1::dra_plugin_server::DraPlugin for V1beta1Svc {
         &self,
         req: Request<v1beta1::NodePrepareResourcesRequest>,
     ) -> Result<Response<v1beta1::NodePrepareResourcesResponse>, Status> {
+        self.0.pause().await;
         let r: v1::NodePrepareResourcesRequest = transcode(&req.into_inner());
         self.0
             .prepare("v1beta1", r.claims)
@@ -142,6 +152,7 @@ impl v1beta1::dra_plugin_server::DraPlugin for V1beta1Svc {
         &self,
         req: Request<v1beta1::NodeUnprepareResourcesRequest>,
     ) -> Result<Response<v1beta1::NodeUnprepareResourcesResponse>, Status> {
+        self.0.pause().await;
         let r: v1::NodeUnprepareResourcesRequest = transcode(&req.into_inner());
         self.0
             .unprepare("v1beta1", r.claims)
@@ -212,6 +223,7 @@ impl FakeDra {
             prepare: Mutex::new(Arc::new(good_prepare)),
             unprepare: Mutex::new(Arc::new(good_unprepare)),
             calls: Mutex::new(Vec::new()),
+            delay: Mutex::new(Duration::ZERO),
         });
         let mut servers = Vec::new();
         if let Some(dra) = dra {
@@ -527,6 +539,10 @@ async fn removing_the_registration_socket_deregisters_and_a_new_one_registers_ag
     std::fs::remove_file(&plugin.reg_socket).unwrap();
     kubelet.wait_for_deregistration(DRIVER, T).await.unwrap();
     assert_eq!(kubelet.plugins(), vec![]);
+    assert!(matches!(
+        kubelet.prepare(DRIVER, &[claim("a")]).await,
+        Err(DraError::NotRegistered { .. })
+    ));
     drop(plugin);
 
     // The plugin comes back under the same file name: a new socket, a new registration.
@@ -535,4 +551,121 @@ async fn removing_the_registration_socket_deregisters_and_a_new_one_registers_ag
     let again = kubelet.wait_for_plugin_since(DRIVER, Some(back), T).await.unwrap();
     assert!(again.at > first.at);
     assert_eq!(kubelet.plugins().len(), 1);
+}
+
+fn claim(uid: &str) -> ClaimRef {
+    ClaimRef::new("default", &format!("claim-{uid}"), uid)
+}
+
+fn pb_claim(uid: &str) -> v1::Claim {
+    v1::Claim {
+        namespace: "default".into(),
+        uid: uid.into(),
+        name: format!("claim-{uid}"),
+    }
+}
+
+async fn round_trip(services: &[&str], want_package: &'static str) {
+    let d = dirs();
+    let opts = DraOptions {
+        services: services.iter().map(|s| s.to_string()).collect(),
+        ..DraOptions::default()
+    };
+    let kubelet = DraKubelet::start(&d.registry, opts).await.unwrap();
+    let plugin = FakeDra::start(&d.registry, &d.plugins, DRIVER).await;
+    kubelet.wait_for_plugin(DRIVER, T).await.unwrap();
+    // One claim fails on the plugin's side; the other is prepared.
+    plugin.set_prepare(|claims| {
+        let mut resp = good_prepare(claims)?;
+        if let Some(r) = resp.claims.get_mut("u2") {
+            r.error = "GPU gone".into();
+        }
+        Ok(resp)
+    });
+
+    let prepared = kubelet.prepare(DRIVER, &[claim("u1"), claim("u2")]).await.unwrap();
+    assert_eq!(prepared.len(), 2);
+    assert_eq!(
+        prepared["u1"],
+        Ok(vec![PreparedDevice {
+            request_names: vec!["gpu".into()],
+            pool_name: "node-a".into(),
+            device_name: "gpu-0".into(),
+            cdi_device_ids: vec!["k8s.gpu.example.com/claim=u1-gpu-0".into()],
+            share_id: None,
+        }])
+    );
+    assert_eq!(prepared["u2"], Err("GPU gone".to_string()));
+
+    let unprepared = kubelet.unprepare(DRIVER, &[claim("u1")]).await.unwrap();
+    assert_eq!(
+        unprepared.into_iter().collect::<Vec<_>>(),
+        vec![("u1".to_string(), Ok(()))]
+    );
+
+    assert_eq!(
+        plugin.calls(),
+        vec![
+            Call {
+                service: want_package,
+                method: "NodePrepareResources",
+                claims: vec![pb_claim("u1"), pb_claim("u2")],
+            },
+            Call {
+                service: want_package,
+                method: "NodeUnprepareResources",
+                claims: vec![pb_claim("u1")],
+            },
+        ]
+    );
+    assert_eq!(kubelet.violations(), Vec::<String>::new());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prepare_and_unprepare_through_v1() {
+    round_trip(&[V1_SERVICE, V1BETA1_SERVICE], "v1").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prepare_and_unprepare_through_v1beta1() {
+    round_trip(&[V1BETA1_SERVICE], "v1beta1").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_grpc_error_fails_the_call() {
+    let d = dirs();
+    let kubelet = DraKubelet::start(&d.registry, DraOptions::default()).await.unwrap();
+    let plugin = FakeDra::start(&d.registry, &d.plugins, DRIVER).await;
+    kubelet.wait_for_plugin(DRIVER, T).await.unwrap();
+    plugin.set_prepare(|_| Err(Status::unavailable("not ready")));
+    plugin.set_unprepare(|_| Err(Status::internal("boom")));
+    match kubelet.prepare(DRIVER, &[claim("u1")]).await {
+        Err(DraError::Rpc(s)) => {
+            assert_eq!(s.code(), tonic::Code::Unavailable);
+            assert_eq!(s.message(), "not ready");
+        }
+        other => panic!("{other:?}"),
+    }
+    let err = kubelet.unprepare(DRIVER, &[claim("u1")]).await.unwrap_err();
+    assert_eq!(err.to_string(), "rpc error: code = Internal desc = boom");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_call_that_outlasts_the_timeout_fails() {
+    let d = dirs();
+    let opts = DraOptions {
+        call_timeout: Duration::from_millis(200),
+        ..DraOptions::default()
+    };
+    let kubelet = DraKubelet::start(&d.registry, opts).await.unwrap();
+    let plugin = FakeDra::start(&d.registry, &d.plugins, DRIVER).await;
+    kubelet.wait_for_plugin(DRIVER, T).await.unwrap();
+    *plugin.behaviour.delay.lock().unwrap() = Duration::from_secs(30);
+    let err = kubelet.prepare(DRIVER, &[claim("u1")]).await.unwrap_err();
+    // Either our deadline or the plugin's (tonic enforces grpc-timeout) ends it.
+    assert!(
+        matches!(&err, DraError::Timeout { .. })
+            || matches!(&err, DraError::Rpc(s) if s.code() == tonic::Code::Cancelled || s.code() == tonic::Code::DeadlineExceeded),
+        "{err:?}"
+    );
 }
