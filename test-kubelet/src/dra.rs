@@ -374,6 +374,21 @@ impl DraKubelet {
         self.check_unknown("NodePrepareResources", driver, claims, resp.claims.keys())?;
         let mut out = BTreeMap::new();
         for (uid, result) in resp.claims {
+            if result.error.is_empty() {
+                let claim = claims.iter().find(|c| c.uid == uid);
+                let who = match claim {
+                    Some(c) => format!("{}/{} ({uid})", c.namespace, c.name),
+                    None => uid.clone(),
+                };
+                for (i, d) in result.devices.iter().enumerate() {
+                    for problem in device_problems(d) {
+                        self.shared.violation(format!(
+                            "DRA driver {driver}: NodePrepareResources, claim {who}, device #{i} ({}/{}): {problem}",
+                            d.pool_name, d.device_name
+                        ));
+                    }
+                }
+            }
             let value = if result.error.is_empty() {
                 Ok(result
                     .devices
@@ -783,6 +798,72 @@ pub fn cdi_devices_for(prepared: &[PreparedDevice], request: &str) -> Vec<String
         .collect()
 }
 
+/// What is wrong with a device of a successfully prepared claim: the proto requires the
+/// pool and device names, and the runtime only resolves fully qualified CDI names.
+fn device_problems(d: &v1::Device) -> Vec<String> {
+    let mut out = Vec::new();
+    if d.pool_name.is_empty() {
+        out.push("pool_name is empty (required)".to_string());
+    }
+    if d.device_name.is_empty() {
+        out.push("device_name is empty (required)".to_string());
+    }
+    for id in &d.cdi_device_ids {
+        if let Err(e) = check_cdi_device_id(id) {
+            out.push(format!("CDI device ID {id:?} is not a fully qualified CDI name: {e}"));
+        }
+    }
+    out
+}
+
+/// A fully qualified CDI device name, `vendor/class=name`, by the CDI parser's rules:
+/// vendor and class start with a letter, end with a letter or digit, and hold letters,
+/// digits, `_`, `-` and `.`; the name starts and ends with a letter or digit and may also
+/// hold `:`.
+pub fn check_cdi_device_id(id: &str) -> Result<(), String> {
+    if id.is_empty() || id.starts_with('/') {
+        return Err("missing vendor".to_string());
+    }
+    let Some((kind, name)) = id.split_once('=') else {
+        return Err("missing '=' before the device name".to_string());
+    };
+    let Some((vendor, class)) = kind.split_once('/') else {
+        return Err("missing vendor (want vendor/class=name)".to_string());
+    };
+    if vendor.is_empty() {
+        return Err("missing vendor".to_string());
+    }
+    if class.is_empty() {
+        return Err("missing class".to_string());
+    }
+    if name.is_empty() {
+        return Err("missing device name".to_string());
+    }
+    check_cdi_part("vendor", vendor, |c| c.is_ascii_alphabetic(), &['_', '-', '.'])?;
+    check_cdi_part("class", class, |c| c.is_ascii_alphabetic(), &['_', '-', '.'])?;
+    check_cdi_part(
+        "device name",
+        name,
+        |c| c.is_ascii_alphanumeric(),
+        &['_', '-', '.', ':'],
+    )
+}
+
+fn check_cdi_part(what: &str, s: &str, first_ok: impl Fn(char) -> bool, extra: &[char]) -> Result<(), String> {
+    let mut chars = s.chars();
+    let first = chars.next().ok_or_else(|| format!("empty {what}"))?;
+    if !first_ok(first) {
+        return Err(format!("{what} {s:?} starts with {first:?}"));
+    }
+    if let Some(bad) = s.chars().find(|c| !c.is_ascii_alphanumeric() && !extra.contains(c)) {
+        return Err(format!("invalid character {bad:?} in {what} {s:?}"));
+    }
+    if s.len() > 1 && !s.ends_with(|c: char| c.is_ascii_alphanumeric()) {
+        return Err(format!("{what} {s:?} should end with a letter or digit"));
+    }
+    Ok(())
+}
+
 /// The DRA manager's `validateSupportedServices`: the first of the plugin's services that the
 /// kubelet supports.
 pub fn choose_service(plugin: &[String], kubelet: &[String]) -> Result<String, String> {
@@ -866,6 +947,38 @@ mod tests {
             "none of services supported by the plugin ([\"v1.DRAPlugin\"]) are supported by the kubelet \
              ([\"v1beta1.DRAPlugin\"])"
         );
+    }
+
+    #[test]
+    fn cdi_device_ids() {
+        for ok in [
+            "k8s.gpu.nvidia.com/device=gpu-0",
+            "k8s.gpu.nvidia.com/claim=0b2c-uid-gpu-0",
+            "nvidia.com/gpu=GPU-1234:0",
+            "a/b=c",
+            "vendor_x/class.y=0",
+        ] {
+            assert_eq!(check_cdi_device_id(ok), Ok(()), "{ok}");
+        }
+        for bad in [
+            "",
+            "gpu-0",
+            "nvidia.com/gpu",
+            "/dev/nvidia0",
+            "nvidia.com=gpu-0",
+            "/gpu=x",
+            "nvidia.com/=x",
+            "nvidia.com/gpu=",
+            "1vendor/gpu=x",
+            "vendor-/gpu=x",
+            "vendor/gpu/x=y",
+            "vendor/gpu=x/y",
+            "vendor/gpu=-x",
+            "vendor/gpu=x:",
+            "vendor/gpu=a b",
+        ] {
+            assert!(check_cdi_device_id(bad).is_err(), "{bad}");
+        }
     }
 
     #[test]

@@ -669,3 +669,134 @@ async fn a_call_that_outlasts_the_timeout_fails() {
         "{err:?}"
     );
 }
+
+/// A registered fake plugin and a 1.34 kubelet.
+async fn registered() -> (Dirs, DraKubelet, FakeDra) {
+    let d = dirs();
+    let kubelet = DraKubelet::start(&d.registry, DraOptions::default()).await.unwrap();
+    let plugin = FakeDra::start(&d.registry, &d.plugins, DRIVER).await;
+    kubelet.wait_for_plugin(DRIVER, T).await.unwrap();
+    (d, kubelet, plugin)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_skipped_claim_fails_prepare_and_unprepare() {
+    let (_d, kubelet, plugin) = registered().await;
+    plugin.set_prepare(|claims| {
+        let mut resp = good_prepare(claims)?;
+        resp.claims.remove("u2");
+        Ok(resp)
+    });
+    plugin.set_unprepare(|claims| good_unprepare(&claims[..1]));
+    let err = kubelet.prepare(DRIVER, &[claim("u1"), claim("u2")]).await.unwrap_err();
+    assert!(matches!(&err, DraError::Invalid(_)), "{err:?}");
+    assert_eq!(err.to_string(), "NodePrepareResources skipped 1 ResourceClaims");
+    let err = kubelet
+        .unprepare(DRIVER, &[claim("u1"), claim("u2"), claim("u3")])
+        .await
+        .unwrap_err();
+    assert_eq!(err.to_string(), "NodeUnprepareResources skipped 2 ResourceClaims");
+    // Skipping is an error the kubelet retries, not a protocol violation.
+    assert_eq!(kubelet.violations(), Vec::<String>::new());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_result_for_an_unknown_uid_fails_and_is_a_violation() {
+    let (_d, kubelet, plugin) = registered().await;
+    plugin.set_prepare(|claims| {
+        let mut resp = good_prepare(claims)?;
+        let r = resp.claims.remove("u1").unwrap_or_default();
+        resp.claims.insert("other".into(), r);
+        Ok(resp)
+    });
+    plugin.set_unprepare(|_| good_unprepare(&[pb_claim("stranger")]));
+    let err = kubelet.prepare(DRIVER, &[claim("u1")]).await.unwrap_err();
+    assert!(matches!(&err, DraError::Invalid(_)), "{err:?}");
+    assert_eq!(
+        err.to_string(),
+        "NodePrepareResources returned result for unknown claim UID other"
+    );
+    let err = kubelet.unprepare(DRIVER, &[claim("u1")]).await.unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "NodeUnprepareResources returned result for unknown claim UID stranger"
+    );
+    let v = kubelet.violations();
+    assert_eq!(v.len(), 2, "{v:?}");
+    assert!(v[0].contains("NodePrepareResources") && v[0].contains("other"), "{v:?}");
+    assert!(
+        v[1].contains("NodeUnprepareResources") && v[1].contains("stranger"),
+        "{v:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn malformed_devices_are_violations() {
+    let (_d, kubelet, plugin) = registered().await;
+    plugin.set_prepare(|claims| {
+        let mut resp = good_prepare(claims)?;
+        let r = resp.claims.get_mut("u1").unwrap();
+        r.devices[0].cdi_device_ids = vec!["gpu-0".into(), "k8s.gpu.example.com/claim=ok".into()];
+        r.devices.push(v1::Device {
+            pool_name: String::new(),
+            device_name: "gpu-1".into(),
+            ..Default::default()
+        });
+        // A failed claim's devices are ignored, so they are not checked.
+        if let Some(r) = resp.claims.get_mut("u2") {
+            r.error = "failed".into();
+            r.devices[0].cdi_device_ids = vec!["nonsense".into()];
+        }
+        Ok(resp)
+    });
+    let prepared = kubelet.prepare(DRIVER, &[claim("u1"), claim("u2")]).await.unwrap();
+    assert_eq!(
+        prepared["u1"].as_ref().map(Vec::len),
+        Ok(2),
+        "the devices still come back"
+    );
+    let v = kubelet.violations();
+    assert_eq!(v.len(), 2, "{v:?}");
+    assert!(
+        v[0].contains("default/claim-u1 (u1)") && v[0].contains("\"gpu-0\" is not a fully qualified CDI name"),
+        "{v:?}"
+    );
+    assert!(v[1].contains("pool_name is empty"), "{v:?}");
+}
+
+fn dev(request_names: &[&str], cdi: &str) -> PreparedDevice {
+    PreparedDevice {
+        request_names: request_names.iter().map(|s| s.to_string()).collect(),
+        pool_name: "node-a".into(),
+        device_name: cdi.into(),
+        cdi_device_ids: vec![format!("example.com/gpu={cdi}")],
+        share_id: None,
+    }
+}
+
+#[test]
+fn cdi_devices_follow_request_names() {
+    let prepared = vec![
+        dev(&["gpu"], "a"),
+        dev(&[], "all"),
+        dev(&["other", "gpu"], "b"),
+        dev(&["other"], "c"),
+    ];
+    assert_eq!(
+        DraKubelet::cdi_devices_for(&prepared, "gpu"),
+        vec!["example.com/gpu=a", "example.com/gpu=all", "example.com/gpu=b"]
+    );
+    assert_eq!(
+        DraKubelet::cdi_devices_for(&prepared, "other"),
+        vec!["example.com/gpu=all", "example.com/gpu=b", "example.com/gpu=c"]
+    );
+    // A request the driver did not name gets only the devices without request_names.
+    assert_eq!(
+        DraKubelet::cdi_devices_for(&prepared, "gpu-main"),
+        vec!["example.com/gpu=all"]
+    );
+    assert_eq!(
+        DraKubelet::cdi_devices_for(&prepared[..1], "gpu-main"),
+        Vec::<String>::new()
+    );
+}
