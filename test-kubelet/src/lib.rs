@@ -14,6 +14,10 @@
 //! [`TestKubelet::serve_pod_resources`] also serves the pod-resources API (`v1`) on
 //! `<root>/pod-resources/kubelet.sock`, reporting the allocations it made for the pods and
 //! containers the test names (see [`pod_resources`]).
+//!
+//! [`DraKubelet`] (module [`dra`]) is the kubelet's DRA side: it registers DRA plugins through
+//! a `plugins_registry` directory as the plugin watcher does, and calls `NodePrepareResources`
+//! / `NodeUnprepareResources` (v1 or v1beta1) with the kubelet's checks on the responses.
 
 use std::collections::HashMap;
 use std::fmt;

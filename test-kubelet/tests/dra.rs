@@ -800,3 +800,19 @@ fn cdi_devices_follow_request_names() {
         Vec::<String>::new()
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replaced_registration_socket_registers_again() {
+    let d = dirs();
+    let kubelet = DraKubelet::start(&d.registry, DraOptions::default()).await.unwrap();
+    let old = FakeDra::start(&d.registry, &d.plugins, DRIVER).await;
+    kubelet.wait_for_plugin(DRIVER, T).await.unwrap();
+    // The new instance unlinks the old socket and listens anew under the same name, at once.
+    let back = Instant::now();
+    let new = FakeDra::start(&d.registry, &d.plugins, DRIVER).await;
+    drop(old);
+    let again = kubelet.wait_for_plugin_since(DRIVER, Some(back), T).await.unwrap();
+    assert!(again.is_accepted(), "{again:?}");
+    assert_eq!(kubelet.plugins().len(), 1);
+    assert!(new.wait_for_status().await.plugin_registered);
+}
