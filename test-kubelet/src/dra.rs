@@ -279,7 +279,7 @@ impl DraKubelet {
                     .iter()
                     .rev()
                     .filter(|p| p.driver == driver)
-                    .map(|p| &st.registrations[p.record])
+                    .filter_map(|p| st.registrations.get(p.record))
                     .find(|r| since.is_none_or(|s| r.at >= s))
                     .cloned()
             })
