@@ -14,6 +14,10 @@
 //! [`TestKubelet::serve_pod_resources`] also serves the pod-resources API (`v1`) on
 //! `<root>/pod-resources/kubelet.sock`, reporting the allocations it made for the pods and
 //! containers the test names (see [`pod_resources`]).
+//!
+//! [`DraKubelet`] (module [`dra`]) is the kubelet's DRA side: it registers DRA plugins through
+//! a `plugins_registry` directory as the plugin watcher does, and calls `NodePrepareResources`
+//! / `NodeUnprepareResources` (v1 or v1beta1) with the kubelet's checks on the responses.
 
 use std::collections::HashMap;
 use std::fmt;
@@ -32,6 +36,7 @@ use tokio::task::{AbortHandle, JoinHandle, JoinSet};
 use tonic::transport::{Channel, Endpoint};
 use tonic::{Request, Response, Status};
 
+pub mod dra;
 pub mod pod_resources;
 pub mod rawh2;
 pub mod validate;
@@ -63,6 +68,7 @@ pub mod dra_api {
     }
 }
 
+pub use dra::{ClaimRef, DraError, DraKubelet, DraOptions, DraRegistration, PreparedDevice, cdi_devices_for};
 use pod_resources::{Holding, PodResourcesServer};
 pub use pod_resources::{POD_RESOURCES_DIR, POD_RESOURCES_SOCKET, PodContainer};
 
