@@ -224,6 +224,9 @@ struct Agent {
     mig: mig::MigStage,
     /// The MPS control daemons (`strategy = "mps"`).
     mps: mps::MpsState,
+    /// The inventory the DRA driver publishes from (`[dra] enabled`), GPUs whose MIG layout is
+    /// changing left out.
+    dra_inventory: Option<watch::Sender<Option<Arc<Inventory>>>>,
     /// systemd's notify socket (READY, STATUS, WATCHDOG), a no-op outside systemd.
     notifier: crate::notify::Notifier,
     /// The last `STATUS=` sent.
@@ -308,6 +311,7 @@ pub async fn run(config: Config, root: HostRoot, once: bool) -> Result<i32, Agen
         mig: mig::MigStage::default(),
         mps: mps::MpsState::new(),
         withdrawn: BTreeSet::new(),
+        dra_inventory: None,
         notifier: crate::notify::Notifier::from_env(),
         notified_status: String::new(),
         driver: driver::DriverStage::default(),
@@ -370,6 +374,7 @@ pub async fn run(config: Config, root: HostRoot, once: bool) -> Result<i32, Agen
     };
     let (manager_task, manager_tx) = manager.unzip();
 
+    let mut dra: Option<crate::dra::DraHandle> = None;
     // The health relay: health events reach the manager from there, never waiting for a stage.
     let (relay_task, mut health_changed) = if once {
         (None, None)
@@ -381,7 +386,28 @@ pub async fn run(config: Config, root: HostRoot, once: bool) -> Result<i32, Agen
         );
         let (tx, rx) = mpsc::channel(16);
         agent.commands = Some(tx);
-        (Some(tokio::spawn(relay.run(rx, health_rx))), Some(changed))
+        // The DRA driver, beside the device plugin: what its claims hold is withdrawn there.
+        let (_none, mut withdrawn) = watch::channel(crate::plugin::resources::Withdrawn::default());
+        if agent.config.dra.enabled {
+            match agent.start_dra(changed.clone()) {
+                Ok(handle) => {
+                    withdrawn = handle.withdrawn.clone();
+                    dra = Some(handle);
+                }
+                Err(e) => tracing::error!("{e}; the device plugin goes on without it"),
+            }
+        } else if agent
+            .root
+            .join(&agent.config.agent.state_dir)
+            .join("dra")
+            .join(crate::dra::driver::CHECKPOINT_FILE)
+            .exists()
+        {
+            // It was on: its slices would announce devices nobody prepares.
+            let (config, root) = (agent.config.clone(), agent.root.clone());
+            tokio::spawn(async move { crate::dra::remove_slices(&config, &root).await });
+        }
+        (Some(tokio::spawn(relay.run(rx, health_rx, withdrawn))), Some(changed))
     };
     // Until READY, a long step (a driver install or build) extends systemd's start timeout while
     // it runs.
@@ -533,6 +559,9 @@ pub async fn run(config: Config, root: HostRoot, once: bool) -> Result<i32, Agen
     }
     if let Some(task) = manager_task {
         let _ = task.await;
+    }
+    if let Some(dra) = dra {
+        dra.join().await;
     }
     // After the plugin is gone: quit the MPS daemons, compute mode DEFAULT back.
     agent.stop_mps();
@@ -921,7 +950,40 @@ impl Agent {
         Ok(resources)
     }
 
+    /// Starts the DRA driver on the agent's inventory and health.
+    fn start_dra(&mut self, health_changed: watch::Receiver<u64>) -> Result<crate::dra::DraHandle, String> {
+        let (tx, inventory) = watch::channel(None);
+        self.dra_inventory = Some(tx);
+        let tracker = self.tracker.clone();
+        let health: crate::dra::HealthFn =
+            Arc::new(move |device| tracker.lock().health(device) == crate::plugin::resources::Health::Healthy);
+        let inputs = crate::dra::Inputs {
+            inventory,
+            health,
+            health_changed,
+        };
+        crate::dra::start(self.config.clone(), self.root.clone(), inputs, self.stop.clone())
+    }
+
+    /// Hands the DRA driver the inventory (without the GPUs whose MIG layout is changing).
+    fn push_dra_inventory(&self) {
+        let Some(tx) = &self.dra_inventory else { return };
+        let inventory = self.inventory.as_ref().map(|inv| {
+            let mut inv = inv.clone();
+            inv.gpus.retain(|g| !self.withdrawn.contains(&g.uuid));
+            Arc::new(inv)
+        });
+        tx.send_if_modified(|current| {
+            let changed = *current != inventory;
+            if changed {
+                current.clone_from(&inventory);
+            }
+            changed
+        });
+    }
+
     async fn push_resources(&mut self) {
+        self.push_dra_inventory();
         let resources = match self.resources() {
             Ok(r) => {
                 self.plan_error = None;

@@ -33,6 +33,7 @@ pub mod config;
 pub mod cuda;
 pub mod desired;
 pub mod devices;
+pub mod dra;
 pub mod driver;
 pub mod exit;
 pub mod host;

@@ -60,6 +60,8 @@ const LAYERS: &[(&str, u32)] = &[
     ("runtime", 6),
     // 7. The cluster side: the agent's Node, its labels and Events.
     ("cluster", 7),
+    // 7. The DRA driver: the inventory, health and CDI spec served to the kubelet's DRA manager.
+    ("dra", 7),
     // 8. The status file the agent writes and `status` reads.
     ("status", 8),
     // 9. The agent: the stage pipeline, in reconcile order.

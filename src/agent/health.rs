@@ -14,7 +14,7 @@ use crate::metrics::Metrics;
 use crate::nvml::HealthEvent;
 use crate::plugin::health::HealthTracker;
 use crate::plugin::manager::Command;
-use crate::plugin::resources::Resource;
+use crate::plugin::resources::{Resource, Withdrawn};
 use crate::plugin::server::PluginContext;
 
 /// The tracker, shared: the relay changes it, the agent reads reasons for its reports.
@@ -42,6 +42,8 @@ pub(super) struct HealthRelay {
     metrics: Option<Metrics>,
     /// Bumped on every health change the agent should report.
     changed: watch::Sender<u64>,
+    /// The devices the DRA driver's claims hold: never advertised.
+    withdrawn: Withdrawn,
 }
 
 impl HealthRelay {
@@ -57,16 +59,19 @@ impl HealthRelay {
             manager,
             metrics,
             changed,
+            withdrawn: Withdrawn::default(),
         };
         (relay, rx)
     }
 
     /// Runs until the agent closes `commands`; the manager's channel closes with it (which
-    /// stops the manager).
+    /// stops the manager). `withdrawn`: what the DRA driver's claims hold (a closed channel
+    /// when DRA is off).
     pub(super) async fn run(
         mut self,
         mut commands: mpsc::Receiver<Command>,
         mut events: mpsc::UnboundedReceiver<HealthEvent>,
+        mut withdrawn: watch::Receiver<Withdrawn>,
     ) {
         loop {
             let expiry = self.tracker.lock().next_expiry();
@@ -88,6 +93,10 @@ impl HealthRelay {
                         self.forward().await;
                         self.changed.send_modify(|n| *n += 1);
                     }
+                }
+                Ok(()) = withdrawn.changed() => {
+                    self.withdrawn = withdrawn.borrow_and_update().clone();
+                    self.forward().await;
                 }
                 () = super::sleep_until(expiry) => {
                     let recovered = self.tracker.lock().expire(Instant::now());
@@ -113,6 +122,7 @@ impl HealthRelay {
             return;
         };
         let mut resources = resources.clone();
+        self.withdrawn.apply(&mut resources);
         {
             let tracker = self.tracker.lock();
             for device in resources.iter_mut().flat_map(|r| r.devices.values_mut()) {

@@ -227,7 +227,7 @@ fn unknown_keys_name_file_line_and_key() {
     assert_eq!(
         err(&[("main.toml", "# top\n\nbogus = 1\n")]),
         "main.toml:3: unknown key bogus: expected one of log, agent, nvml, kubelet, \
-         device_plugin, driver, runtime, cdi, mig, validation, metrics, health, kubernetes, desired, labels"
+         device_plugin, driver, runtime, cdi, mig, validation, metrics, health, kubernetes, desired, labels, dra"
     );
     assert_eq!(
         err(&[("main.toml", "[log]\nlevel = \"info\"\nformt = \"text\"\n")]),

@@ -1,7 +1,7 @@
 //! The device model the plugin advertises: one [`Resource`] per kubelet resource name, each a
 //! list of [`PluginDevice`]s built from the NVML inventory and the MIG strategy.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 /// Health as the kubelet device plugin API spells it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -72,5 +72,35 @@ impl Resource {
     pub fn socket_name(&self) -> String {
         let short = self.name.strip_prefix("nvidia.com/").unwrap_or(&self.name);
         format!("nvidia-{short}.sock")
+    }
+}
+
+/// Devices held elsewhere (claims of the agent's DRA driver), which the device plugin must not
+/// hand out: those with these UUIDs, the MIG devices of these GPUs, and the whole GPUs that
+/// have a held MIG device (`parents`).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Withdrawn {
+    /// UUIDs of held GPUs and MIG devices.
+    pub devices: BTreeSet<String>,
+    /// GPUs with a held MIG device.
+    pub parents: BTreeSet<String>,
+}
+
+impl Withdrawn {
+    /// Whether handing out `device` would hand out something held.
+    pub fn covers(&self, device: &PluginDevice) -> bool {
+        self.devices.contains(&device.uuid)
+            || self.devices.contains(device.physical_uuid())
+            || (device.mig.is_none() && self.parents.contains(&device.uuid))
+    }
+
+    /// `resources` without the devices this covers (replicas follow their device).
+    pub fn apply(&self, resources: &mut [Resource]) {
+        if self.devices.is_empty() {
+            return;
+        }
+        for r in resources {
+            r.devices.retain(|_, d| !self.covers(d));
+        }
     }
 }

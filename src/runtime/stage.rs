@@ -1567,13 +1567,24 @@ pub fn cdi_path(config: &Config) -> PathBuf {
     config.cdi.dir.join(cdi::spec_file_name(&config.device_plugin.cdi_kind))
 }
 
-/// The CDI spec for `inventory` (driver files discovered under the driver root).
+/// The CDI spec for `inventory` (driver files discovered under the driver root), as text.
 pub fn cdi_spec(
     config: &Config,
     root: &HostRoot,
     inventory: &Inventory,
     nodes: &DeviceNodes,
 ) -> Result<String, RuntimeError> {
+    Ok(cdi::to_json(&cdi_spec_model(config, root, inventory, nodes)?)?)
+}
+
+/// The CDI spec for `inventory`: what [`cdi_spec`] renders, and what the DRA driver takes each
+/// claim's device edits and common edits from.
+pub fn cdi_spec_model(
+    config: &Config,
+    root: &HostRoot,
+    inventory: &Inventory,
+    nodes: &DeviceNodes,
+) -> Result<cdi::Spec, RuntimeError> {
     let dp = &config.device_plugin;
     let files = cdi::discover(
         root.path(),
@@ -1586,8 +1597,7 @@ pub fn cdi_spec(
         kind: dp.cdi_kind.clone(),
         dev_root: dp.dev_root.clone(),
     };
-    let spec = cdi::spec(inventory, nodes, &files, &opts)?;
-    Ok(cdi::to_json(&spec)?)
+    Ok(cdi::spec(inventory, nodes, &files, &opts)?)
 }
 
 /// Where the spec's hook program is looked for, by `[cdi] hook`.

@@ -31,7 +31,9 @@ impl KubeClient {
             super::calls::encode(&format!("spec.nodeName={node},spec.driver={driver}"))
         );
         let what = format!("ResourceSlices of node {node:?}, driver {driver:?}");
-        let list = self.dra_call("list", Method::GET, path.clone(), what.clone(), None).await?;
+        let list = self
+            .dra_call("list", Method::GET, path.clone(), what.clone(), None)
+            .await?;
         match list.get("items") {
             Some(Value::Array(items)) => Ok(items.clone()),
             Some(Value::Null) | None => Ok(Vec::new()),

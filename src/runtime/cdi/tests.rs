@@ -44,6 +44,7 @@ fn gpu(index: u32, uuid: &str, minor: u32, mig: &[(u32, &str, u32)]) -> GpuInfo 
                 profile: "3g.20gb".into(),
                 memory_mib: 19968,
                 attributes: None,
+                placement: None,
             })
             .collect(),
         ..sample::a100(index)

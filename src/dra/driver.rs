@@ -1,0 +1,608 @@
+//! The driver's state and its effects: prepare and unprepare (the claim read from the API
+//! server, a CDI spec per claim, the checkpoint), and the publisher that keeps this node's
+//! ResourceSlices in step with the inventory, health and the device plugin's allocations.
+//!
+//! Prepare and unprepare are serialised (one lock around the checkpoint), idempotent (a claim
+//! in the checkpoint is answered from it) and crash-safe: a claim's CDI spec is written before
+//! the checkpoint names it, and the checkpoint before the kubelet hears of it; at start, spec
+//! files of claims the checkpoint does not name are removed.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+use tokio::sync::{Mutex, Notify, watch};
+use tokio_util::sync::CancellationToken;
+
+use super::claims::{self, Checkpoint, ClaimRef, PreparedClaim, PreparedDevice};
+use super::devices::{self, DraDevice};
+use crate::config::Config;
+use crate::host::{HostRoot, write_atomic};
+use crate::kube::KubeClient;
+use crate::metrics::pods::{Attribution, attribution};
+use crate::nvml::Inventory;
+use crate::plugin::devnodes::DeviceNodes;
+use crate::plugin::resources::{PluginDevice, Withdrawn};
+
+/// File name of the checkpoint under `<state_dir>/dra/`.
+pub const CHECKPOINT_FILE: &str = "checkpoint.json";
+/// How often the publisher asks the kubelet which devices the device plugin has handed out.
+pub const POD_RESOURCES_EVERY: Duration = Duration::from_secs(10);
+/// How often the publisher lists its slices even when nothing happened (the kubelet deletes a
+/// node's slices when it starts and when no plugin of a driver answered for 30 s).
+pub const RELIST_EVERY: Duration = Duration::from_secs(60);
+/// First retry delay after a failed publish.
+const RETRY_MIN: Duration = Duration::from_secs(1);
+const RETRY_MAX: Duration = Duration::from_secs(60);
+
+/// Whether a device is healthy now (the agent's health tracker).
+pub type HealthFn = Arc<dyn Fn(&PluginDevice) -> bool + Send + Sync>;
+
+/// What the driver reads of the agent.
+#[derive(Clone)]
+pub struct Inputs {
+    /// The current inventory (GPUs whose MIG layout is changing left out); `None` while unknown.
+    pub inventory: watch::Receiver<Option<Arc<Inventory>>>,
+    pub health: HealthFn,
+    /// Bumped on every health change.
+    pub health_changed: watch::Receiver<u64>,
+}
+
+/// Counters for status and the benchmark.
+#[derive(Debug, Default)]
+pub struct DraStats {
+    pub prepared: AtomicU64,
+    pub prepare_errors: AtomicU64,
+    pub unprepared: AtomicU64,
+    pub slice_writes: AtomicU64,
+}
+
+/// The driver: shared by the gRPC services and the publisher.
+pub struct Driver {
+    pub(super) config: Config,
+    pub(super) root: HostRoot,
+    /// The Node's name: the pool and `spec.nodeName` of the slices.
+    pub(super) node: String,
+    pub(super) client: Option<KubeClient>,
+    inputs: Inputs,
+    checkpoint_path: PathBuf,
+    state: Mutex<Checkpoint>,
+    withdrawn: watch::Sender<Withdrawn>,
+    /// Woken when the kubelet (re)registers the plugin: it may just have wiped the slices.
+    pub(super) registered: Notify,
+    pub stats: DraStats,
+}
+
+impl Driver {
+    /// The driver for this config, with the checkpoint read back (a corrupt one is kept aside
+    /// as `checkpoint.json.corrupt` and the driver starts empty, with an error in the log) and
+    /// stale claim specs removed. Returns it and the devices it holds, for the device plugin.
+    pub fn new(
+        config: Config,
+        root: HostRoot,
+        node: String,
+        client: Option<KubeClient>,
+        inputs: Inputs,
+    ) -> (Arc<Driver>, watch::Receiver<Withdrawn>) {
+        let driver_name = config.dra.driver.clone();
+        let checkpoint_path = root.join(&config.agent.state_dir).join("dra").join(CHECKPOINT_FILE);
+        let checkpoint = match std::fs::read_to_string(&checkpoint_path) {
+            Ok(text) => match Checkpoint::parse(&text, &checkpoint_path.display().to_string()) {
+                Ok(c) if c.driver == driver_name => c,
+                Ok(c) => {
+                    tracing::warn!(
+                        "{}: prepared for driver {:?}, not {driver_name:?} ([dra] driver changed): starting empty",
+                        checkpoint_path.display(),
+                        c.driver
+                    );
+                    Checkpoint::new(&driver_name)
+                }
+                Err(e) => {
+                    let aside = checkpoint_path.with_extension("json.corrupt");
+                    let _ = std::fs::rename(&checkpoint_path, &aside);
+                    tracing::error!(
+                        "{e}: kept as {}; starting with no prepared claims (the kubelet prepares its claims again)",
+                        aside.display()
+                    );
+                    Checkpoint::new(&driver_name)
+                }
+            },
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Checkpoint::new(&driver_name),
+            Err(e) => {
+                tracing::error!(
+                    "cannot read {}: {e}; starting with no prepared claims",
+                    checkpoint_path.display()
+                );
+                Checkpoint::new(&driver_name)
+            }
+        };
+        let (withdrawn, withdrawn_rx) = watch::channel(Withdrawn::default());
+        let driver = Arc::new(Driver {
+            config,
+            root,
+            node,
+            client,
+            inputs,
+            checkpoint_path,
+            state: Mutex::new(checkpoint),
+            withdrawn,
+            registered: Notify::new(),
+            stats: DraStats::default(),
+        });
+        driver.remove_stale_specs();
+        driver.publish_withdrawn_blocking();
+        (driver, withdrawn_rx)
+    }
+
+    fn driver_name(&self) -> &str {
+        &self.config.dra.driver
+    }
+
+    fn cdi_dir(&self) -> PathBuf {
+        self.root.join(&self.config.cdi.dir)
+    }
+
+    /// Removes claim specs of this driver that the checkpoint does not name (a prepare that
+    /// crashed between the spec and the checkpoint, or an unprepare between the checkpoint and
+    /// the spec).
+    fn remove_stale_specs(&self) {
+        let Ok(state) = self.state.try_lock() else { return };
+        let Ok(entries) = std::fs::read_dir(self.cdi_dir()) else {
+            return;
+        };
+        for entry in entries.flatten() {
+            let file = entry.file_name();
+            let Some(file) = file.to_str() else { continue };
+            if let Some(uid) = claims::claim_of_spec_file(self.driver_name(), file)
+                && !state.claims.contains_key(uid)
+            {
+                match std::fs::remove_file(entry.path()) {
+                    Ok(()) => tracing::info!("removed {}: no prepared claim {uid}", entry.path().display()),
+                    Err(e) => tracing::warn!("cannot remove stale {}: {e}", entry.path().display()),
+                }
+            }
+        }
+    }
+
+    fn publish_withdrawn_blocking(&self) {
+        if let Ok(state) = self.state.try_lock() {
+            self.publish_withdrawn(&state);
+        }
+    }
+
+    /// Tells the device plugin which devices claims hold.
+    fn publish_withdrawn(&self, state: &Checkpoint) {
+        let inventory = self.inputs.inventory.borrow().clone();
+        let mut w = Withdrawn::default();
+        for uuid in state.uuids() {
+            w.devices.insert(uuid.to_string());
+            let parent = inventory
+                .as_ref()
+                .and_then(|i| i.gpus.iter().find(|g| g.mig_devices.iter().any(|m| m.uuid == uuid)));
+            if let Some(gpu) = parent {
+                w.parents.insert(gpu.uuid.clone());
+            }
+        }
+        self.withdrawn.send_if_modified(|cur| {
+            let changed = *cur != w;
+            *cur = w;
+            changed
+        });
+    }
+
+    /// The devices this driver can hand out now (what it publishes before health and the
+    /// device plugin's allocations are taken out).
+    pub fn devices(&self) -> Vec<DraDevice> {
+        match self.inputs.inventory.borrow().as_ref() {
+            Some(inv) => devices::devices(inv, &self.config.dra.publish),
+            None => Vec::new(),
+        }
+    }
+
+    /// Prepares the claims; one answer per claim, in order: its devices, or why not.
+    pub async fn prepare(&self, claims: &[ClaimRef]) -> Vec<Result<Vec<PreparedDevice>, String>> {
+        let mut state = self.state.lock().await;
+        let mut answers = Vec::new();
+        let mut new = Vec::new();
+        for claim in claims {
+            if let Some(done) = state.claims.get(&claim.uid) {
+                answers.push(Ok(done.devices.clone()));
+                continue;
+            }
+            match self.prepare_one(&state, claim).await {
+                Ok(prepared) => {
+                    answers.push(Ok(prepared.devices.clone()));
+                    state.claims.insert(claim.uid.clone(), prepared);
+                    new.push(claim.uid.clone());
+                }
+                Err(e) => {
+                    tracing::warn!("prepare {claim}: {e}");
+                    self.stats.prepare_errors.fetch_add(1, Ordering::Relaxed);
+                    answers.push(Err(e));
+                }
+            }
+        }
+        if !new.is_empty() {
+            if let Err(e) = self.save(&state) {
+                // The kubelet must not hear of a prepare the checkpoint does not hold.
+                let e = format!("cannot record the prepared claim: {e}");
+                tracing::error!("{e}");
+                for (answer, claim) in answers.iter_mut().zip(claims) {
+                    if new.contains(&claim.uid) {
+                        state.claims.remove(&claim.uid);
+                        self.remove_spec(&claim.uid);
+                        *answer = Err(e.clone());
+                    }
+                }
+            } else {
+                self.stats.prepared.fetch_add(new.len() as u64, Ordering::Relaxed);
+                for uid in &new {
+                    if let Some(c) = state.claims.get(uid) {
+                        let names: Vec<&str> = c.devices.iter().map(|d| d.device.as_str()).collect();
+                        tracing::info!(
+                            "prepared ResourceClaim {}/{} ({uid}): {}",
+                            c.namespace,
+                            c.name,
+                            names.join(", ")
+                        );
+                    }
+                }
+            }
+            self.publish_withdrawn(&state);
+        }
+        answers
+    }
+
+    async fn prepare_one(&self, state: &Checkpoint, want: &ClaimRef) -> Result<PreparedClaim, String> {
+        let Some(client) = &self.client else {
+            return Err(format!(
+                "cannot read {want}: no Kubernetes credentials ([kubernetes] enabled, a kubeconfig or the in-cluster account)"
+            ));
+        };
+        let claim = client
+            .get_resource_claim(&want.namespace, &want.name)
+            .await
+            .map_err(|e| e.to_string())?;
+        let allocated = claims::allocated(&claim, want, self.driver_name())?;
+        let inventory = self.inputs.inventory.borrow().clone().ok_or_else(|| {
+            "the GPU inventory is not known yet (NVML not open, or a MIG change in progress)".to_string()
+        })?;
+        let available = devices::devices(&inventory, &self.config.dra.publish);
+        let mut chosen: Vec<(&claims::Allocated, &DraDevice)> = Vec::new();
+        for a in &allocated {
+            if a.pool != self.node {
+                return Err(format!(
+                    "{want}: device {} is in pool {:?}, and this node's pool is {:?}",
+                    a.device, a.pool, self.node
+                ));
+            }
+            let device = available.iter().find(|d| d.name == a.device).ok_or_else(|| {
+                let names: Vec<&str> = available.iter().map(|d| d.name.as_str()).collect();
+                format!(
+                    "{want}: device {} is not on this node (it has: {})",
+                    a.device,
+                    if names.is_empty() {
+                        "none".to_string()
+                    } else {
+                        names.join(", ")
+                    }
+                )
+            })?;
+            if !(self.inputs.health)(&device.device) {
+                return Err(format!(
+                    "{want}: device {} ({}) is unhealthy",
+                    device.name,
+                    device.uuid()
+                ));
+            }
+            chosen.push((a, device));
+        }
+        // Never the same GPU through both APIs, nor to two claims.
+        let held = self.device_plugin_holders().await;
+        for (a, device) in &chosen {
+            if a.admin_access {
+                continue;
+            }
+            let related = related_uuids(&inventory, device);
+            if let Some((uid, other)) = state.holder(&related, &want.uid) {
+                return Err(format!(
+                    "{want}: device {} ({}) is prepared for ResourceClaim {}/{} ({uid}) already",
+                    device.name,
+                    device.uuid(),
+                    other.namespace,
+                    other.name
+                ));
+            }
+            if let Some(holder) = related.iter().find_map(|u| held.get(u)) {
+                return Err(format!(
+                    "{want}: device {} ({}) is in use through the device plugin by pod {}/{} container {}",
+                    device.name,
+                    device.uuid(),
+                    holder.namespace,
+                    holder.pod,
+                    holder.container
+                ));
+            }
+        }
+        // The claim's CDI spec: exactly its devices, with the node spec's edits.
+        let nodes = DeviceNodes::gather(
+            &self.root.join(&self.config.device_plugin.dev_root),
+            &self.root.join("/proc"),
+        );
+        let base = crate::runtime::stage::cdi_spec_model(&self.config, &self.root, &inventory, &nodes)
+            .map_err(|e| format!("{want}: no CDI spec for the node's GPUs: {e}"))?;
+        let pairs: Vec<(&str, &str)> = chosen.iter().map(|(_, d)| (d.name.as_str(), d.uuid())).collect();
+        let (spec, ids) =
+            claims::claim_spec(&base, self.driver_name(), &want.uid, &pairs).map_err(|e| format!("{want}: {e}"))?;
+        let text = crate::runtime::cdi::to_json(&spec).map_err(|e| format!("{want}: {e}"))?;
+        let path = self
+            .cdi_dir()
+            .join(claims::claim_spec_file(self.driver_name(), &want.uid));
+        write_atomic(&path, text.as_bytes(), 0o644).map_err(|e| format!("{want}: {e}"))?;
+        let devices = chosen
+            .iter()
+            .zip(ids)
+            .map(|((a, d), id)| PreparedDevice {
+                request: a.base_request().to_string(),
+                pool: a.pool.clone(),
+                device: a.device.clone(),
+                uuid: d.uuid().to_string(),
+                cdi_ids: vec![id],
+                share_id: a.share_id.clone(),
+                admin_access: a.admin_access,
+            })
+            .collect();
+        Ok(PreparedClaim {
+            namespace: want.namespace.clone(),
+            name: want.name.clone(),
+            devices,
+        })
+    }
+
+    /// Which devices the device plugin has handed out (the kubelet's pod-resources API);
+    /// nothing when it cannot tell (logged).
+    async fn device_plugin_holders(&self) -> Attribution {
+        let socket = self.root.join(&self.config.metrics.pod_resources_socket);
+        match attribution(&socket).await {
+            Ok(a) => a,
+            Err(e) => {
+                tracing::warn!("cannot tell which GPUs the device plugin handed out: {e}");
+                Attribution::default()
+            }
+        }
+    }
+
+    /// Unprepares the claims (unknown ones are no error); one answer per claim.
+    pub async fn unprepare(&self, claims: &[ClaimRef]) -> Vec<Result<(), String>> {
+        let mut state = self.state.lock().await;
+        let mut removed = Vec::new();
+        for claim in claims {
+            if let Some(c) = state.claims.remove(&claim.uid) {
+                removed.push((claim.uid.clone(), c));
+            }
+        }
+        if removed.is_empty() {
+            return claims.iter().map(|_| Ok(())).collect();
+        }
+        if let Err(e) = self.save(&state) {
+            let e = format!("cannot record the unprepared claim: {e}");
+            tracing::error!("{e}");
+            for (uid, c) in removed {
+                state.claims.insert(uid, c);
+            }
+            return claims.iter().map(|_| Err(e.clone())).collect();
+        }
+        let answers = claims
+            .iter()
+            .map(|claim| {
+                if removed.iter().any(|(uid, _)| *uid == claim.uid) {
+                    self.remove_spec(&claim.uid);
+                    tracing::info!("unprepared {claim}");
+                }
+                Ok(())
+            })
+            .collect();
+        self.stats.unprepared.fetch_add(removed.len() as u64, Ordering::Relaxed);
+        self.publish_withdrawn(&state);
+        answers
+    }
+
+    fn remove_spec(&self, uid: &str) {
+        let path = self.cdi_dir().join(claims::claim_spec_file(self.driver_name(), uid));
+        match std::fs::remove_file(&path) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => tracing::warn!("cannot remove {}: {e} (removed at the next start)", path.display()),
+        }
+    }
+
+    fn save(&self, state: &Checkpoint) -> Result<(), String> {
+        write_atomic(&self.checkpoint_path, state.render().as_bytes(), 0o600).map_err(|e| e.to_string())
+    }
+
+    /// The prepared claims now.
+    pub async fn checkpoint(&self) -> Checkpoint {
+        self.state.lock().await.clone()
+    }
+
+    /// What should be published now: devices healthy and not handed out by the device plugin.
+    fn wanted(&self, held: &Attribution) -> Vec<DraDevice> {
+        let inventory = self.inputs.inventory.borrow().clone();
+        let Some(inventory) = inventory else { return Vec::new() };
+        devices::devices(&inventory, &self.config.dra.publish)
+            .into_iter()
+            .filter(|d| (self.inputs.health)(&d.device))
+            .filter(|d| related_uuids(&inventory, d).iter().all(|u| held.get(u).is_none()))
+            .collect()
+    }
+
+    /// Keeps the slices in step until `stop`; then leaves them (a restarted agent takes them
+    /// over; the kubelet removes them 30 s after the plugin is gone).
+    pub async fn publish(self: Arc<Self>, stop: CancellationToken) {
+        let Some(client) = self.client.clone() else {
+            tracing::warn!("DRA: no Kubernetes credentials: ResourceSlices are not published");
+            return;
+        };
+        let mut inventory = self.inputs.inventory.clone();
+        let mut health = self.inputs.health_changed.clone();
+        let mut held = Attribution::default();
+        let mut held_at: Option<Instant> = None;
+        let mut listed_at: Option<Instant> = None;
+        let mut last: Option<Vec<Value>> = None;
+        let mut generation: i64 = 0;
+        let mut retry = RETRY_MIN;
+        let mut failed = false;
+        loop {
+            if held_at.is_none_or(|t| t.elapsed() >= POD_RESOURCES_EVERY) {
+                held = self.device_plugin_holders().await;
+                held_at = Some(Instant::now());
+            }
+            let ready = inventory.borrow().is_some();
+            if ready {
+                let relist = failed || listed_at.is_none_or(|t| t.elapsed() >= RELIST_EVERY);
+                match self.sync(&client, &held, relist, &mut last, &mut generation).await {
+                    Ok(listed) => {
+                        if listed {
+                            listed_at = Some(Instant::now());
+                        }
+                        failed = false;
+                        retry = RETRY_MIN;
+                    }
+                    Err(e) => {
+                        tracing::warn!(
+                            "DRA: publishing the ResourceSlices of node {:?}: {e}; again in {retry:?}",
+                            self.node
+                        );
+                        failed = true;
+                    }
+                }
+            }
+            let wait = if failed { retry } else { POD_RESOURCES_EVERY };
+            tokio::select! {
+                () = stop.cancelled() => return,
+                Ok(()) = inventory.changed() => {}
+                Ok(()) = health.changed() => {}
+                () = self.registered.notified() => { listed_at = None; }
+                () = tokio::time::sleep(wait) => {
+                    if failed {
+                        retry = (retry * 2).min(RETRY_MAX);
+                    }
+                }
+            }
+        }
+    }
+
+    /// One round: the slices wanted now against those last written (or listed, with
+    /// `relist`); writes only what differs. Returns whether it listed.
+    async fn sync(
+        &self,
+        client: &KubeClient,
+        held: &Attribution,
+        relist: bool,
+        last: &mut Option<Vec<Value>>,
+        generation: &mut i64,
+    ) -> Result<bool, String> {
+        let wanted_devices = self.wanted(held);
+        let refs: Vec<&DraDevice> = wanted_devices.iter().collect();
+        let driver = self.driver_name();
+        let mut existing = match (relist, last.as_ref()) {
+            (false, Some(l)) => {
+                let wanted = devices::slices(&self.node, driver, &refs, *generation);
+                if devices::same_content(l, &wanted) {
+                    return Ok(false);
+                }
+                l.clone()
+            }
+            _ => client
+                .list_resource_slices(&self.node, driver)
+                .await
+                .map_err(|e| e.to_string())?,
+        };
+        let on_server_generation = existing
+            .iter()
+            .filter_map(|s| s.pointer("/spec/pool/generation").and_then(Value::as_i64))
+            .max()
+            .unwrap_or(0);
+        *generation = (*generation).max(on_server_generation);
+        let wanted = devices::slices(&self.node, driver, &refs, *generation);
+        if devices::same_content(&existing, &wanted) {
+            *last = Some(existing);
+            return Ok(true);
+        }
+        *generation += 1;
+        let wanted = devices::slices(&self.node, driver, &refs, *generation);
+        let mut written = Vec::new();
+        for mut slice in wanted {
+            let name = slice
+                .pointer("/metadata/name")
+                .and_then(Value::as_str)
+                .unwrap_or("")
+                .to_string();
+            let old = existing
+                .iter()
+                .position(|s| s.pointer("/metadata/name").and_then(Value::as_str) == Some(name.as_str()))
+                .map(|i| existing.remove(i));
+            let stored = match old {
+                Some(old) => {
+                    if let Some(rv) = old.pointer("/metadata/resourceVersion") {
+                        slice["metadata"]["resourceVersion"] = rv.clone();
+                    }
+                    client.update_resource_slice(&slice).await
+                }
+                None => client.create_resource_slice(&slice).await,
+            };
+            let stored = stored.map_err(|e| {
+                // A stale resourceVersion or a slice made meanwhile: list again next time.
+                *last = None;
+                e.to_string()
+            })?;
+            self.stats.slice_writes.fetch_add(1, Ordering::Relaxed);
+            written.push(stored);
+        }
+        for gone in existing {
+            if let Some(name) = gone.pointer("/metadata/name").and_then(Value::as_str) {
+                client.delete_resource_slice(name).await.map_err(|e| {
+                    *last = None;
+                    e.to_string()
+                })?;
+            }
+        }
+        tracing::info!(
+            "DRA: ResourceSlices of node {:?} at generation {}: {} device(s)",
+            self.node,
+            generation,
+            wanted_devices.len()
+        );
+        *last = Some(written);
+        Ok(true)
+    }
+
+    /// Deletes this node's slices of the driver (DRA turned off, or the agent unconfigured).
+    /// Returns how many there were.
+    pub async fn delete_slices(client: &KubeClient, node: &str, driver: &str) -> Result<usize, String> {
+        let slices = client
+            .list_resource_slices(node, driver)
+            .await
+            .map_err(|e| e.to_string())?;
+        for s in &slices {
+            if let Some(name) = s.pointer("/metadata/name").and_then(Value::as_str) {
+                client.delete_resource_slice(name).await.map_err(|e| e.to_string())?;
+            }
+        }
+        Ok(slices.len())
+    }
+}
+
+/// The UUIDs a claim on `device` conflicts with: its own, its GPU's (for a MIG device), and its
+/// MIG devices' (for a GPU).
+fn related_uuids(inventory: &Inventory, device: &DraDevice) -> Vec<String> {
+    let mut out = vec![device.uuid().to_string()];
+    if let Some(mig) = &device.device.mig {
+        out.push(mig.parent_uuid.clone());
+    } else if let Some(gpu) = inventory.gpus.iter().find(|g| g.uuid == device.uuid()) {
+        out.extend(gpu.mig_devices.iter().map(|m| m.uuid.clone()));
+    }
+    out
+}
