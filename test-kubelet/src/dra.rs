@@ -56,6 +56,10 @@ pub struct DraOptions {
     pub get_info_timeout: Duration,
     /// Timeout of each prepare/unprepare call (45 s).
     pub call_timeout: Duration,
+    /// Where the host's `/` is for this stand-in: an absolute `PluginInfo.endpoint` (a host
+    /// path) is dialled under it. `None`: the real root. A simulated node (an agent run with
+    /// `--root`) sets its root here, as a kubelet on that host would see the same paths.
+    pub host_root: Option<PathBuf>,
 }
 
 impl Default for DraOptions {
@@ -64,6 +68,7 @@ impl Default for DraOptions {
             services: vec![V1_SERVICE.to_string(), V1BETA1_SERVICE.to_string()],
             get_info_timeout: GET_INFO_TIMEOUT,
             call_timeout: CALL_TIMEOUT,
+            host_root: None,
         }
     }
 }
@@ -674,7 +679,11 @@ async fn register(socket: &Path, opts: &DraOptions, shared: &Shared) -> Option<(
         reject(&mut client, shared, rec, msg).await;
         return None;
     }
-    let channel = match lazy_unix_channel(&endpoint) {
+    let dialled = match (&opts.host_root, endpoint.strip_prefix("/")) {
+        (Some(root), Ok(rel)) => root.join(rel),
+        _ => endpoint.clone(),
+    };
+    let channel = match lazy_unix_channel(&dialled) {
         Ok(c) => c,
         Err(e) => {
             let msg = format!(
