@@ -1,4 +1,5 @@
-//! A Kubernetes API server stand-in for tests: Nodes and core/v1 Events over HTTPS on loopback.
+//! A Kubernetes API server stand-in for tests: Nodes, core/v1 Events, RuntimeClasses and the DRA
+//! objects (resource.k8s.io/v1 ResourceSlices and ResourceClaims) over HTTPS on loopback.
 //!
 //! [`TestApiServer::start`] serves `https://127.0.0.1:PORT` with a fresh CA (or plain `http://`
 //! with [`Options::plain_http`]). It answers like
