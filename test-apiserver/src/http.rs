@@ -20,8 +20,11 @@ use tokio::net::TcpListener;
 use tokio::sync::mpsc;
 use tokio_rustls::TlsAcceptor;
 
+use crate::dra;
 use crate::patch::{self, PatchType};
-use crate::selector::{EVENT_FIELDS, FieldSelector, Filter, LabelSelector, NODE_FIELDS};
+use crate::selector::{
+    CLAIM_FIELDS, EVENT_FIELDS, FieldSelector, Filter, LabelSelector, NODE_FIELDS, SLICE_FIELDS, requires_equal,
+};
 use crate::status::{ApiError, go_quote};
 use crate::store::{WatchFrom, new_uid};
 use crate::tls::CertIdentity;
@@ -112,6 +115,11 @@ enum Target {
     Event(String, String),
     RuntimeClasses,
     RuntimeClass(String),
+    ResourceSlices,
+    ResourceSlice(String),
+    /// All namespaces (`None`) or one.
+    ResourceClaims(Option<String>),
+    ResourceClaim(String, String),
     Unknown,
 }
 
@@ -187,6 +195,21 @@ fn route(method: &Method, path: &str, query: &HashMap<String, String>) -> Route 
         ["api", "v1", "namespaces", ns, "events", name] => (Target::Event((*ns).to_owned(), (*name).to_owned()), false),
         ["apis", "node.k8s.io", "v1", "runtimeclasses"] => (Target::RuntimeClasses, false),
         ["apis", "node.k8s.io", "v1", "runtimeclasses", name] => (Target::RuntimeClass((*name).to_owned()), false),
+        ["apis", "resource.k8s.io", "v1", "resourceslices"] => (Target::ResourceSlices, false),
+        ["apis", "resource.k8s.io", "v1", "resourceslices", name] => (Target::ResourceSlice((*name).to_owned()), false),
+        ["apis", "resource.k8s.io", "v1", "resourceclaims"] => (Target::ResourceClaims(None), false),
+        ["apis", "resource.k8s.io", "v1", "namespaces", ns, "resourceclaims"] => {
+            (Target::ResourceClaims(Some((*ns).to_owned())), false)
+        }
+        [
+            "apis",
+            "resource.k8s.io",
+            "v1",
+            "namespaces",
+            ns,
+            "resourceclaims",
+            name,
+        ] => (Target::ResourceClaim((*ns).to_owned(), (*name).to_owned()), false),
         _ => (Target::Unknown, false),
     };
     let watch = watch_path
@@ -194,7 +217,10 @@ fn route(method: &Method, path: &str, query: &HashMap<String, String>) -> Route 
             query.get("watch").map(String::as_str),
             Some("1" | "t" | "T" | "true" | "TRUE" | "True")
         );
-    let collection = matches!(target, Target::Nodes | Target::Events(_) | Target::RuntimeClasses);
+    let collection = matches!(
+        target,
+        Target::Nodes | Target::Events(_) | Target::RuntimeClasses | Target::ResourceSlices | Target::ResourceClaims(_)
+    );
     let verb = match *method {
         Method::GET if watch_path || (collection && watch) => "watch",
         Method::GET if collection => "list",
@@ -215,6 +241,8 @@ fn route(method: &Method, path: &str, query: &HashMap<String, String>) -> Route 
         Target::Nodes | Target::Node(_) => "nodes",
         Target::Events(_) | Target::Event(..) => "events",
         Target::RuntimeClasses | Target::RuntimeClass(_) => "runtimeclasses",
+        Target::ResourceSlices | Target::ResourceSlice(_) => "resourceslices",
+        Target::ResourceClaims(_) | Target::ResourceClaim(..) => "resourceclaims",
         Target::Version | Target::Unknown => "",
     };
     Route {
@@ -322,16 +350,22 @@ fn oversized(
     builder.body(StreamBody::new(stream).boxed_unsync()).expect("response")
 }
 
-fn forbidden(route: &Route, user: &str, path: &str) -> ApiError {
+/// 403 from authorization: the RBAC message, plus `: reason` when the authorizer that said no
+/// gave one (the Node authorizer does).
+fn forbidden(route: &Route, user: &str, path: &str, reason: Option<&str>) -> ApiError {
     let (name, namespace) = match &route.target {
         Target::Node(n) => (Some(n.as_str()), None),
         Target::Event(ns, n) => (Some(n.as_str()), Some(ns.as_str())),
         Target::Events(ns) => (None, ns.as_deref()),
         Target::RuntimeClass(n) => (Some(n.as_str()), None),
+        Target::ResourceSlice(n) => (Some(n.as_str()), None),
+        Target::ResourceClaim(ns, n) => (Some(n.as_str()), Some(ns.as_str())),
+        Target::ResourceClaims(ns) => (None, ns.as_deref()),
         _ => (None, None),
     };
     let group = match route.resource {
         "runtimeclasses" => "node.k8s.io",
+        "resourceslices" | "resourceclaims" => dra::GROUP,
         _ => "",
     };
     if route.resource.is_empty() {
@@ -345,9 +379,14 @@ fn forbidden(route: &Route, user: &str, path: &str) -> ApiError {
             json!({}),
         );
     }
+    let qualified = if group.is_empty() {
+        route.resource.to_owned()
+    } else {
+        format!("{}.{group}", route.resource)
+    };
     let subject = match name {
-        Some(n) => format!("{} {}", route.resource, go_quote(n)),
-        None => route.resource.to_owned(),
+        Some(n) => format!("{qualified} {}", go_quote(n)),
+        None => qualified,
     };
     let scope = match namespace {
         Some(ns) => format!("in the namespace {}", go_quote(ns)),
@@ -357,9 +396,13 @@ fn forbidden(route: &Route, user: &str, path: &str) -> ApiError {
     if let Some(n) = name {
         details["name"] = Value::String(n.to_owned());
     }
+    if !group.is_empty() {
+        details["group"] = Value::String(group.to_owned());
+    }
+    let because = reason.map(|r| format!(": {r}")).unwrap_or_default();
     ApiError::forbidden(
         format!(
-            "{subject} is forbidden: User {} cannot {} resource {} in API group {} {scope}",
+            "{subject} is forbidden: User {} cannot {} resource {} in API group {} {scope}{because}",
             go_quote(user),
             route.verb,
             go_quote(route.resource),
@@ -367,6 +410,50 @@ fn forbidden(route: &Route, user: &str, path: &str) -> ApiError {
         ),
         details,
     )
+}
+
+/// The node a node credential (`system:node:<name>`) stands for. Upstream also wants the group
+/// `system:nodes`; bearer tokens here carry no groups, so the user name alone decides.
+fn node_of(user: &str) -> Option<&str> {
+    user.strip_prefix("system:node:").filter(|n| !n.is_empty())
+}
+
+/// The Node authorizer's decision on DRA objects for a node credential: `Some(reason)` denies.
+/// Other users and other resources are not restricted here.
+fn node_authorizer(state: &State, route: &Route, user: &str, query: &HashMap<String, String>) -> Option<String> {
+    let node = node_of(user)?;
+    match (&route.target, route.verb.as_str()) {
+        (Target::ResourceSlices, "list" | "watch" | "deletecollection") => {
+            let selector = query.get("fieldSelector").map(String::as_str).unwrap_or_default();
+            (!requires_equal(selector, "spec.nodeName", node))
+                .then(|| "can only list/watch/deletecollection resourceslices with nodeName field selector".to_owned())
+        }
+        // Allowed only through the graph edge slice -> node, which a missing slice does not have.
+        (Target::ResourceSlice(name), _) => {
+            let own = state
+                .store()
+                .resource_slice(name)
+                .is_some_and(|s| s.pointer("/spec/nodeName").and_then(Value::as_str) == Some(node));
+            (!own).then(|| format!("no relationship found between node '{node}' and this object"))
+        }
+        // The graph edge claim -> pod -> node is not modelled: any claim may be read.
+        (Target::ResourceClaim(..), "get") => None,
+        (Target::ResourceClaims(_) | Target::ResourceClaim(..), _) => {
+            Some("can only get individual resources of this type".to_owned())
+        }
+        _ => None,
+    }
+}
+
+/// 403 from an admission plugin (NodeRestriction): `<resource> "<name>" is forbidden: <why>`.
+fn admission_forbidden(resource: &str, name: &str, why: &str) -> ApiError {
+    let (plural, group) = resource.split_once('.').unwrap_or((resource, ""));
+    let message = if name.is_empty() {
+        format!("{resource} is forbidden: {why}")
+    } else {
+        format!("{resource} {} is forbidden: {why}", go_quote(name))
+    };
+    ApiError::forbidden(message, json!({"name": name, "group": group, "kind": plural}))
 }
 
 /// Who sent the request: the client certificate wins (x509 comes first in kube-apiserver's
@@ -459,7 +546,7 @@ async fn process(
         Some(Failure::Disconnect) => return Outcome::Disconnect,
         Some(Failure::TooManyRequests { retry_after_secs }) => Some(ApiError::too_many_requests(retry_after_secs)),
         Some(Failure::Unauthorized) => Some(ApiError::unauthorized()),
-        Some(Failure::Forbidden) => Some(forbidden(route, user, path)),
+        Some(Failure::Forbidden) => Some(forbidden(route, user, path, None)),
         Some(Failure::Internal) => Some(ApiError::internal("injected failure")),
         Some(Failure::Unavailable) => Some(ApiError::unavailable()),
         Some(Failure::Timeout) => Some(ApiError::timeout()),
@@ -473,10 +560,13 @@ async fn process(
     if let Some(e) = injected {
         return Outcome::Respond(error_response(&e));
     }
-    if state.is_forbidden(user, &route.verb, route.resource) {
-        return Outcome::Respond(error_response(&forbidden(route, user, path)));
+    if let Some(reason) = node_authorizer(state, route, user, query) {
+        return Outcome::Respond(error_response(&forbidden(route, user, path, Some(&reason))));
     }
-    let resp = match dispatch(state, route, query, content_type, body) {
+    if state.is_forbidden(user, &route.verb, route.resource) {
+        return Outcome::Respond(error_response(&forbidden(route, user, path, None)));
+    }
+    let resp = match dispatch(state, route, user, query, content_type, body) {
         Ok(resp) => resp,
         Err(e) => error_response(&e),
     };
@@ -506,6 +596,7 @@ fn parse_body(body: &[u8]) -> Result<Value, ApiError> {
 fn dispatch(
     state: &State,
     route: &Route,
+    user: &str,
     query: &HashMap<String, String>,
     content_type: Option<&str>,
     body: &[u8],
@@ -600,10 +691,161 @@ fn dispatch(
             Some(rc) => json_response(200, rc),
             None => return Err(ApiError::not_found("runtimeclasses.node.k8s.io", name)),
         },
+        (Target::ResourceSlices | Target::ResourceClaims(_), "watch") => return Err(ApiError::method_not_allowed()),
+        (Target::ResourceSlices, "list") => json_response(
+            200,
+            &state.store().resource_slice_list(&filter(query, SLICE_FIELDS, None)?),
+        ),
+        (Target::ResourceSlices, "create") => {
+            let obj = parse_body(body)?;
+            dra::decode_slice(&obj)?;
+            // NodeRestriction admission: runs before validation.
+            if let Some(node) = node_of(user)
+                && obj.pointer("/spec/nodeName").and_then(Value::as_str) != Some(node)
+            {
+                let name = obj
+                    .pointer("/metadata/name")
+                    .and_then(Value::as_str)
+                    .unwrap_or_default();
+                return Err(admission_forbidden(
+                    dra::SLICES,
+                    name,
+                    "can only create ResourceSlice with the same NodeName as the requesting node",
+                ));
+            }
+            let created = state.store().create_resource_slice(obj)?;
+            state.touch();
+            json_response(201, &created)
+        }
+        (Target::ResourceSlices, "deletecollection") => {
+            let filter = filter(query, SLICE_FIELDS, None)?;
+            let list = {
+                let mut store = state.store();
+                let deleted = store.delete_resource_slices_where(|s| filter.matches(s));
+                store.dra_list("ResourceSliceList", deleted)
+            };
+            state.touch();
+            json_response(200, &list)
+        }
+        (Target::ResourceSlice(name), "get") => match state.store().resource_slice(name) {
+            Some(slice) => json_response(200, slice),
+            None => return Err(ApiError::not_found(dra::SLICES, name)),
+        },
+        (Target::ResourceSlice(name), "update") => {
+            let new = parse_body(body)?;
+            dra::decode_slice(&new)?;
+            let updated = state.store().update_resource_slice(name, new)?;
+            state.touch();
+            json_response(200, &updated)
+        }
+        (Target::ResourceSlice(name), "patch") => {
+            let kind = patch_type()?;
+            let updated = {
+                let mut store = state.store();
+                let current = store
+                    .resource_slice(name)
+                    .ok_or_else(|| ApiError::not_found(dra::SLICES, name))?;
+                let patched = patch::apply(current, kind, body)?;
+                dra::decode_slice(&patched)?;
+                store.update_resource_slice(name, patched)?
+            };
+            state.touch();
+            json_response(200, &updated)
+        }
+        (Target::ResourceSlice(name), "delete") => {
+            let preconditions = delete_preconditions(body)?;
+            let deleted = {
+                let mut store = state.store();
+                let current = store
+                    .resource_slice(name)
+                    .ok_or_else(|| ApiError::not_found(dra::SLICES, name))?;
+                check_preconditions(dra::SLICES, name, current, &preconditions)?;
+                store.delete_resource_slice(name)
+            };
+            state.touch();
+            let uid = deleted
+                .as_ref()
+                .and_then(|d| d.pointer("/metadata/uid"))
+                .cloned()
+                .unwrap_or_default();
+            json_response(
+                200,
+                &json!({
+                    "kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Success",
+                    "details": {"name": name, "group": dra::GROUP, "kind": "resourceslices", "uid": uid},
+                }),
+            )
+        }
+        (Target::ResourceClaims(ns), "list") => json_response(
+            200,
+            &state
+                .store()
+                .resource_claim_list(ns.as_deref(), &filter(query, CLAIM_FIELDS, None)?),
+        ),
+        (Target::ResourceClaim(ns, name), "get") => match state.store().resource_claim(ns, name) {
+            Some(claim) => json_response(200, claim),
+            None => return Err(ApiError::not_found(dra::CLAIMS, name)),
+        },
         (Target::Unknown, _) => return Err(ApiError::no_route()),
         _ => return Err(ApiError::method_not_allowed()),
     };
     Ok(resp)
+}
+
+/// `DeleteOptions.preconditions` from a DELETE body: (uid, resourceVersion).
+fn delete_preconditions(body: &[u8]) -> Result<(Option<String>, Option<String>), ApiError> {
+    if body.iter().all(u8::is_ascii_whitespace) {
+        return Ok((None, None));
+    }
+    let options = parse_body(body)?;
+    let field = |f: &str| {
+        options
+            .pointer(&format!("/preconditions/{f}"))
+            .and_then(Value::as_str)
+            .filter(|s| !s.is_empty())
+            .map(str::to_owned)
+    };
+    Ok((field("uid"), field("resourceVersion")))
+}
+
+fn check_preconditions(
+    resource: &str,
+    name: &str,
+    current: &Value,
+    (uid, rv): &(Option<String>, Option<String>),
+) -> Result<(), ApiError> {
+    let meta = |f: &str| {
+        current
+            .pointer(&format!("/metadata/{f}"))
+            .and_then(Value::as_str)
+            .unwrap_or_default()
+            .to_owned()
+    };
+    if let Some(uid) = uid
+        && *uid != meta("uid")
+    {
+        return Err(ApiError::conflict(
+            resource,
+            name,
+            &format!(
+                "Precondition failed: UID in precondition: {uid}, UID in object meta: {}",
+                meta("uid")
+            ),
+        ));
+    }
+    if let Some(rv) = rv
+        && *rv != meta("resourceVersion")
+    {
+        return Err(ApiError::conflict(
+            resource,
+            name,
+            &format!(
+                "Precondition failed: ResourceVersion in precondition: {rv}, ResourceVersion in object meta: {}",
+                meta("resourceVersion")
+            ),
+        ));
+    }
+    Ok(())
 }
 
 fn watch(state: &State, query: &HashMap<String, String>, filter: Filter) -> Result<Response<Body>, ApiError> {
@@ -675,5 +917,34 @@ mod tests {
         );
         assert!(matches!(r.target, Target::RuntimeClass(ref n) if n == "nvidia"));
         assert_eq!(route(&Method::GET, "/apis/x", &HashMap::new()).target, Target::Unknown);
+        let none = HashMap::new();
+        let r = route(&Method::DELETE, "/apis/resource.k8s.io/v1/resourceslices", &none);
+        assert_eq!((r.verb.as_str(), r.resource), ("deletecollection", "resourceslices"));
+        let r = route(&Method::DELETE, "/apis/resource.k8s.io/v1/resourceslices/s1", &none);
+        assert_eq!(
+            (r.verb.as_str(), &r.target),
+            ("delete", &Target::ResourceSlice("s1".into()))
+        );
+        let r = route(&Method::GET, "/apis/resource.k8s.io/v1/resourceslices", &q);
+        assert_eq!(r.verb, "watch");
+        let r = route(
+            &Method::GET,
+            "/apis/resource.k8s.io/v1/namespaces/default/resourceclaims/c",
+            &none,
+        );
+        assert_eq!(
+            (r.verb.as_str(), r.resource, &r.target),
+            (
+                "get",
+                "resourceclaims",
+                &Target::ResourceClaim("default".into(), "c".into())
+            )
+        );
+        let r = route(
+            &Method::GET,
+            "/apis/resource.k8s.io/v1/namespaces/default/resourceclaims",
+            &none,
+        );
+        assert_eq!(r.verb, "list");
     }
 }

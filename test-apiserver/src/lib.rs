@@ -1,4 +1,5 @@
-//! A Kubernetes API server stand-in for tests: Nodes and core/v1 Events over HTTPS on loopback.
+//! A Kubernetes API server stand-in for tests: Nodes, core/v1 Events, RuntimeClasses and the DRA
+//! objects (resource.k8s.io/v1 ResourceSlices and ResourceClaims) over HTTPS on loopback.
 //!
 //! [`TestApiServer::start`] serves `https://127.0.0.1:PORT` with a fresh CA (or plain `http://`
 //! with [`Options::plain_http`]). It answers like
@@ -9,6 +10,7 @@
 //! 500, 503, 504, dropped connections, an unreachable server). Tests drive it through this handle
 //! and assert on the objects and on the request log. See README.md for what it leaves out.
 
+mod dra;
 mod http;
 mod kubeconfig;
 mod patch;
@@ -474,6 +476,56 @@ impl TestApiServer {
         self.state().store().runtime_classes().clone()
     }
 
+    // ----- DRA: resource.k8s.io/v1 ResourceSlices and ResourceClaims -----
+
+    /// The ResourceSlices stored now, by name, as a GET returns them.
+    pub fn resource_slices(&self) -> BTreeMap<String, Value> {
+        self.state().store().resource_slices().clone()
+    }
+
+    /// What the kubelet does when it starts and when a DRA plugin has been gone for 30 s:
+    /// deletes every ResourceSlice with `spec.nodeName == node` (and `spec.driver == driver`
+    /// when given). Returns how many it deleted. Each deletion bumps the resourceVersion.
+    pub fn delete_resource_slices(&self, node: &str, driver: Option<&str>) -> usize {
+        let deleted = self.state().store().delete_resource_slices_where(|s| {
+            let field = |f: &str| s.pointer(f).and_then(Value::as_str);
+            field("/spec/nodeName") == Some(node) && driver.is_none_or(|d| field("/spec/driver") == Some(d))
+        });
+        self.state().touch();
+        deleted.len()
+    }
+
+    /// Stores a ResourceClaim as the scheduler and the claim controller would leave it, with its
+    /// `status` (e.g. `status.allocation.devices.results[]` of `{request, driver, pool, device}`)
+    /// kept as given. `metadata.namespace` and `metadata.name` are required; a `uid` is added
+    /// if absent; `resourceVersion` and `creationTimestamp` are set. A claim of the same name is
+    /// replaced (give it a new uid to stand for a re-created claim). Returns the stored object.
+    /// Nothing is validated.
+    pub fn create_resource_claim(&self, claim: Value) -> Value {
+        for field in ["namespace", "name"] {
+            let ok = claim
+                .pointer(&format!("/metadata/{field}"))
+                .and_then(Value::as_str)
+                .is_some_and(|s| !s.is_empty());
+            assert!(ok, "create_resource_claim: metadata.{field} is required, got {claim}");
+        }
+        let stored = self.state().store().put_resource_claim(claim);
+        self.state().touch();
+        stored
+    }
+
+    /// The ResourceClaim as a GET returns it.
+    pub fn resource_claim(&self, namespace: &str, name: &str) -> Option<Value> {
+        self.state().store().resource_claim(namespace, name).cloned()
+    }
+
+    /// Deletes a ResourceClaim. Returns whether it existed.
+    pub fn delete_resource_claim(&self, namespace: &str, name: &str) -> bool {
+        let existed = self.state().store().delete_resource_claim(namespace, name).is_some();
+        self.state().touch();
+        existed
+    }
+
     // ----- events -----
 
     /// Every stored Event (all namespaces), in creation order.
@@ -515,7 +567,8 @@ impl TestApiServer {
     }
 
     /// As [`fail_next`](Self::fail_next), for requests with this Kubernetes verb (`get`, `list`,
-    /// `watch`, `patch`, `create`, ... or `*`) on this resource (`nodes`, `events` or `*`) only.
+    /// `watch`, `patch`, `create`, `delete`, `deletecollection`, ... or `*`) on this resource
+    /// (`nodes`, `events`, `runtimeclasses`, `resourceslices`, `resourceclaims` or `*`) only.
     pub fn fail_next_matching(&self, n: usize, verb: &str, resource: &str, failure: Failure) {
         self.push_fault(n, Some(verb.to_owned()), Some(resource.to_owned()), failure);
     }

@@ -120,7 +120,24 @@ impl FieldSelector {
     }
 }
 
+/// Whether a field selector has the term `field=value` (or `==`), which ANDed with the rest
+/// limits it to objects with that value: what the Node authorizer looks for, whatever fields
+/// the resource supports.
+pub(crate) fn requires_equal(selector: &str, field: &str, value: &str) -> bool {
+    selector.split(',').any(|term| {
+        if term.contains("!=") {
+            return false;
+        }
+        term.split_once("==")
+            .or_else(|| term.split_once('='))
+            .is_some_and(|(f, v)| f.trim() == field && v.trim() == value)
+    })
+}
+
 pub(crate) const NODE_FIELDS: &[&str] = &["metadata.name", "spec.unschedulable"];
+/// `resource.k8s.io/v1` ResourceSlices (`spec.pool.name` is newer, and left out).
+pub(crate) const SLICE_FIELDS: &[&str] = &["metadata.name", "spec.nodeName", "spec.driver"];
+pub(crate) const CLAIM_FIELDS: &[&str] = &["metadata.name", "metadata.namespace"];
 pub(crate) const EVENT_FIELDS: &[&str] = &[
     "metadata.name",
     "metadata.namespace",
@@ -186,5 +203,15 @@ mod tests {
                 .matches(&obj)
         );
         assert!(FieldSelector::parse("spec.other=1", NODE_FIELDS).is_err());
+    }
+
+    #[test]
+    fn required_terms() {
+        assert!(requires_equal("spec.nodeName=n1", "spec.nodeName", "n1"));
+        assert!(requires_equal("spec.driver=d,spec.nodeName==n1", "spec.nodeName", "n1"));
+        assert!(!requires_equal("spec.nodeName!=n1", "spec.nodeName", "n1"));
+        assert!(!requires_equal("spec.nodeName=n2", "spec.nodeName", "n1"));
+        assert!(!requires_equal("", "spec.nodeName", "n1"));
+        assert!(!requires_equal("spec.driver=n1", "spec.nodeName", "n1"));
     }
 }

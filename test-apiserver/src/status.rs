@@ -5,7 +5,8 @@ use serde_json::{Value, json};
 /// One field error inside an `Invalid` (422) status.
 #[derive(Clone, Debug)]
 pub(crate) struct Cause {
-    /// `FieldValueInvalid`, `FieldValueRequired`, `FieldValueTooLong`.
+    /// `FieldValueInvalid`, `FieldValueRequired`, `FieldValueTooLong`, `FieldValueTooMany`,
+    /// `FieldValueDuplicate`, `FieldValueForbidden`.
     pub reason: &'static str,
     pub field: String,
     /// The part after `field: `, e.g. `Invalid value: "a b": name part must ...`.
@@ -42,6 +43,51 @@ impl Cause {
         }
     }
 
+    /// `Invalid value: V: detail` with V printed as Go's field errors print it: strings quoted,
+    /// numbers and booleans bare, `null` as `"null"`, anything else as JSON.
+    pub fn invalid_value(field: &str, bad_value: &Value, detail: &str) -> Cause {
+        let shown = match bad_value {
+            Value::Null => go_quote("null"),
+            Value::String(s) => go_quote(s),
+            other => other.to_string(),
+        };
+        Cause {
+            reason: "FieldValueInvalid",
+            field: field.to_owned(),
+            message: format!("Invalid value: {shown}: {detail}"),
+        }
+    }
+
+    /// apimachinery `field.TooLong` for a string longer than `max` bytes.
+    pub fn too_long_bytes(field: &str, max: usize) -> Cause {
+        Cause::too_long(field, &format!("may not be more than {max} bytes"))
+    }
+
+    /// apimachinery `field.TooMany`: a list or map with `actual` entries, `max` allowed.
+    pub fn too_many(field: &str, actual: usize, max: usize) -> Cause {
+        Cause {
+            reason: "FieldValueTooMany",
+            field: field.to_owned(),
+            message: format!("Too many: {actual}: must have at most {max} items"),
+        }
+    }
+
+    pub fn duplicate(field: &str, value: &str) -> Cause {
+        Cause {
+            reason: "FieldValueDuplicate",
+            field: field.to_owned(),
+            message: format!("Duplicate value: {}", go_quote(value)),
+        }
+    }
+
+    pub fn forbidden(field: &str, detail: &str) -> Cause {
+        Cause {
+            reason: "FieldValueForbidden",
+            field: field.to_owned(),
+            message: format!("Forbidden: {detail}"),
+        }
+    }
+
     fn line(&self) -> String {
         format!("{}: {}", self.field, self.message)
     }
@@ -74,7 +120,7 @@ impl ApiError {
             404,
             "NotFound",
             format!("{resource} {} not found", go_quote(name)),
-            Some(json!({"name": name, "kind": resource})),
+            Some(details(resource, name)),
         )
     }
 
@@ -101,7 +147,7 @@ impl ApiError {
             409,
             "Conflict",
             format!("Operation cannot be fulfilled on {resource} {}: {why}", go_quote(name)),
-            Some(json!({"name": name, "kind": resource})),
+            Some(details(resource, name)),
         )
     }
 
@@ -118,7 +164,7 @@ impl ApiError {
             409,
             "AlreadyExists",
             format!("{resource} {} already exists", go_quote(name)),
-            Some(json!({"name": name, "kind": resource})),
+            Some(details(resource, name)),
         )
     }
 
@@ -140,6 +186,12 @@ impl ApiError {
 
     /// 422 with one or more field causes. `kind` is the object kind (`Node`, `Event`).
     pub fn invalid(kind: &str, name: &str, causes: Vec<Cause>) -> ApiError {
+        ApiError::invalid_in("", kind, name, causes)
+    }
+
+    /// As [`invalid`](Self::invalid) for a kind in an API group: the message names
+    /// `Kind.group` (`ResourceSlice.resource.k8s.io "x" is invalid: ...`).
+    pub fn invalid_in(group: &str, kind: &str, name: &str, causes: Vec<Cause>) -> ApiError {
         let lines: Vec<String> = causes.iter().map(Cause::line).collect();
         let summary = if lines.len() == 1 {
             lines[0].clone()
@@ -150,11 +202,16 @@ impl ApiError {
             .iter()
             .map(|c| json!({"reason": c.reason, "message": c.message, "field": c.field}))
             .collect();
+        let qualified = if group.is_empty() {
+            kind.to_owned()
+        } else {
+            format!("{kind}.{group}")
+        };
         ApiError::new(
             422,
             "Invalid",
-            format!("{kind} {} is invalid: {summary}", go_quote(name)),
-            Some(json!({"name": name, "group": "", "kind": kind, "causes": causes})),
+            format!("{qualified} {} is invalid: {summary}", go_quote(name)),
+            Some(json!({"name": name, "group": group, "kind": kind, "causes": causes})),
         )
     }
 
@@ -233,6 +290,15 @@ impl ApiError {
             status["details"] = details.clone();
         }
         status
+    }
+}
+
+/// `details` of a Status about one object. `resource` may be group-qualified
+/// (`resourceslices.resource.k8s.io`): upstream puts the plural in `kind` and the group apart.
+fn details(resource: &str, name: &str) -> Value {
+    match resource.split_once('.') {
+        Some((plural, group)) => json!({"name": name, "group": group, "kind": plural}),
+        None => json!({"name": name, "kind": resource}),
     }
 }
 

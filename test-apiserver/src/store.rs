@@ -6,6 +6,7 @@ use bytes::Bytes;
 use serde_json::{Map, Value, json};
 use tokio::sync::mpsc;
 
+use crate::dra;
 use crate::selector::Filter;
 use crate::status::{ApiError, Cause};
 use crate::time::now_rfc3339;
@@ -43,6 +44,10 @@ pub(crate) struct Store {
     events: Vec<Value>,
     /// `node.k8s.io/v1` RuntimeClasses by name (cluster-scoped).
     runtime_classes: BTreeMap<String, Value>,
+    /// `resource.k8s.io/v1` ResourceSlices by name (cluster-scoped). Not in the watch history.
+    resource_slices: BTreeMap<String, Value>,
+    /// `resource.k8s.io/v1` ResourceClaims by (namespace, name).
+    resource_claims: BTreeMap<(String, String), Value>,
     history: VecDeque<Change>,
     history_limit: usize,
     watchers: Vec<Watcher>,
@@ -125,7 +130,14 @@ fn event_for<'a>(filter: &Filter, change: &'a Change) -> Option<(&'static str, &
 
 /// Checks the shape of an incoming object and puts the server-owned fields back from `current`.
 /// Preconditions (`resourceVersion`, `uid`) are checked first, as the API server does.
-fn prepare_update(resource: &str, kind: &str, name: &str, current: &Value, mut new: Value) -> Result<Value, ApiError> {
+fn prepare_update(
+    resource: &str,
+    kind: &str,
+    api_version: &str,
+    name: &str,
+    current: &Value,
+    mut new: Value,
+) -> Result<Value, ApiError> {
     let Some(obj) = new.as_object_mut() else {
         return Err(ApiError::bad_request(format!("the {kind} must be a JSON object")));
     };
@@ -193,7 +205,7 @@ fn prepare_update(resource: &str, kind: &str, name: &str, current: &Value, mut n
         }
     }
     obj.insert("kind".into(), Value::String(kind.into()));
-    obj.insert("apiVersion".into(), Value::String("v1".into()));
+    obj.insert("apiVersion".into(), Value::String(api_version.into()));
     Ok(new)
 }
 
@@ -212,7 +224,7 @@ fn json_type(v: &Value) -> &'static str {
     }
 }
 
-fn validate_meta(kind: &str, name: &str, obj: &Value) -> Result<(), ApiError> {
+fn meta_causes(obj: &Value) -> Vec<Cause> {
     let mut causes: Vec<Cause> = Vec::new();
     if let Some(Value::Object(labels)) = meta_field(obj, "labels") {
         causes.extend(validate::labels(labels));
@@ -220,6 +232,11 @@ fn validate_meta(kind: &str, name: &str, obj: &Value) -> Result<(), ApiError> {
     if let Some(Value::Object(annotations)) = meta_field(obj, "annotations") {
         causes.extend(validate::annotations(annotations));
     }
+    causes
+}
+
+fn validate_meta(kind: &str, name: &str, obj: &Value) -> Result<(), ApiError> {
+    let causes = meta_causes(obj);
     if causes.is_empty() {
         Ok(())
     } else {
@@ -235,6 +252,8 @@ impl Store {
             nodes: BTreeMap::new(),
             events: Vec::new(),
             runtime_classes: BTreeMap::new(),
+            resource_slices: BTreeMap::new(),
+            resource_claims: BTreeMap::new(),
             history: VecDeque::new(),
             history_limit: history_limit.max(1),
             watchers: Vec::new(),
@@ -297,7 +316,7 @@ impl Store {
             m.remove("uid");
             m.remove("creationTimestamp");
         }
-        let mut obj = prepare_update("nodes", "Node", &name, &template, obj)?;
+        let mut obj = prepare_update("nodes", "Node", "v1", &name, &template, obj)?;
         validate_meta("Node", &name, &obj)?;
         let rv = self.next_rv();
         obj["metadata"]["resourceVersion"] = Value::String(rv.to_string());
@@ -321,7 +340,7 @@ impl Store {
     /// new RV plus a MODIFIED event only when something changed.
     pub fn update_node(&mut self, name: &str, new: Value) -> Result<Value, ApiError> {
         let current = self.nodes.get(name).ok_or_else(|| ApiError::not_found("nodes", name))?;
-        let new = prepare_update("nodes", "Node", name, current, new)?;
+        let new = prepare_update("nodes", "Node", "v1", name, current, new)?;
         validate_meta("Node", name, &new)?;
         if new == *current {
             return Ok(new);
@@ -559,7 +578,7 @@ impl Store {
         let i = self
             .event_index(ns, name)
             .ok_or_else(|| ApiError::not_found("events", name))?;
-        let new = prepare_update("events", "Event", name, &self.events[i], new)?;
+        let new = prepare_update("events", "Event", "v1", name, &self.events[i], new)?;
         validate_meta("Event", name, &new)?;
         if new == self.events[i] {
             return Ok(new);
@@ -584,5 +603,171 @@ impl Store {
             "metadata": {"resourceVersion": self.rv.to_string()},
             "items": items,
         })
+    }
+
+    // ----- ResourceSlices (resource.k8s.io/v1) -----
+
+    pub fn resource_slices(&self) -> &BTreeMap<String, Value> {
+        &self.resource_slices
+    }
+
+    pub fn resource_slice(&self, name: &str) -> Option<&Value> {
+        self.resource_slices.get(name)
+    }
+
+    /// Creates a ResourceSlice (after [`dra::decode_slice`]): name or `generateName`, server
+    /// fields, `metadata.generation` 1, validation (422), then 409 if the name is taken.
+    pub fn create_resource_slice(&mut self, mut obj: Value) -> Result<Value, ApiError> {
+        let name = meta_str(&obj, "name").to_owned();
+        let generate = meta_str(&obj, "generateName").to_owned();
+        let name = if name.is_empty() && !generate.is_empty() {
+            loop {
+                let candidate = format!("{generate}{}", generated_suffix());
+                if !self.resource_slices.contains_key(&candidate) {
+                    break candidate;
+                }
+            }
+        } else {
+            name
+        };
+        let template = json!({"metadata": {
+            "name": name,
+            "uid": new_uid(),
+            "resourceVersion": "0",
+            "creationTimestamp": now_rfc3339(),
+        }});
+        if let Some(m) = obj.get_mut("metadata").and_then(Value::as_object_mut) {
+            m.remove("resourceVersion");
+            m.remove("uid");
+            m.remove("creationTimestamp");
+            m.insert("name".into(), Value::String(name.clone()));
+        }
+        let mut obj = prepare_update(dra::SLICES, "ResourceSlice", dra::API_VERSION, &name, &template, obj)?;
+        obj["metadata"]["generation"] = json!(1);
+        let mut causes = dra::validate_slice(&obj, None);
+        causes.extend(meta_causes(&obj));
+        if !causes.is_empty() {
+            return Err(ApiError::invalid_in(dra::GROUP, "ResourceSlice", &name, causes));
+        }
+        if self.resource_slices.contains_key(&name) {
+            return Err(ApiError::already_exists(dra::SLICES, &name));
+        }
+        let rv = self.next_rv();
+        obj["metadata"]["resourceVersion"] = Value::String(rv.to_string());
+        self.resource_slices.insert(name, obj.clone());
+        Ok(obj)
+    }
+
+    /// Replaces a ResourceSlice (PUT, or the result of a patch): resourceVersion/uid
+    /// preconditions (409), validation with the immutable fields (422); `metadata.generation`
+    /// goes up when the spec changes; a write that changes nothing keeps the resourceVersion.
+    pub fn update_resource_slice(&mut self, name: &str, new: Value) -> Result<Value, ApiError> {
+        let current = self
+            .resource_slices
+            .get(name)
+            .ok_or_else(|| ApiError::not_found(dra::SLICES, name))?;
+        let mut new = prepare_update(dra::SLICES, "ResourceSlice", dra::API_VERSION, name, current, new)?;
+        let generation = current
+            .pointer("/metadata/generation")
+            .and_then(Value::as_i64)
+            .unwrap_or(1);
+        let spec_changed = new.get("spec") != current.get("spec");
+        new["metadata"]["generation"] = json!(if spec_changed { generation + 1 } else { generation });
+        let mut causes = dra::validate_slice(&new, Some(current));
+        causes.extend(meta_causes(&new));
+        if !causes.is_empty() {
+            return Err(ApiError::invalid_in(dra::GROUP, "ResourceSlice", name, causes));
+        }
+        if new == *current {
+            return Ok(new);
+        }
+        let rv = self.next_rv();
+        new["metadata"]["resourceVersion"] = Value::String(rv.to_string());
+        self.resource_slices.insert(name.to_owned(), new.clone());
+        Ok(new)
+    }
+
+    /// Deletes one ResourceSlice; returns it as it was.
+    pub fn delete_resource_slice(&mut self, name: &str) -> Option<Value> {
+        let old = self.resource_slices.remove(name)?;
+        self.next_rv();
+        Some(old)
+    }
+
+    /// Deletes every ResourceSlice `matches` accepts and returns them, in name order. Each
+    /// deletion is a write of its own (one resourceVersion each), as upstream.
+    pub fn delete_resource_slices_where(&mut self, matches: impl Fn(&Value) -> bool) -> Vec<Value> {
+        let names: Vec<String> = self
+            .resource_slices
+            .iter()
+            .filter(|(_, s)| matches(s))
+            .map(|(n, _)| n.clone())
+            .collect();
+        names.iter().filter_map(|n| self.delete_resource_slice(n)).collect()
+    }
+
+    pub fn resource_slice_list(&self, filter: &Filter) -> Value {
+        let items: Vec<Value> = self
+            .resource_slices
+            .values()
+            .filter(|s| filter.matches(s))
+            .cloned()
+            .collect();
+        self.dra_list("ResourceSliceList", items)
+    }
+
+    /// A `resource.k8s.io/v1` list of `items` (without their kind and apiVersion, as upstream).
+    pub fn dra_list(&self, kind: &str, items: Vec<Value>) -> Value {
+        let items: Vec<Value> = items.iter().map(list_item).collect();
+        json!({
+            "kind": kind,
+            "apiVersion": dra::API_VERSION,
+            "metadata": {"resourceVersion": self.rv.to_string()},
+            "items": items,
+        })
+    }
+
+    // ----- ResourceClaims (resource.k8s.io/v1) -----
+
+    pub fn resource_claim(&self, ns: &str, name: &str) -> Option<&Value> {
+        self.resource_claims.get(&(ns.to_owned(), name.to_owned()))
+    }
+
+    /// Stores a claim as given (the scheduler's and the controller's writes, done by a test):
+    /// `metadata.namespace` and `name` must be set (checked by the caller); a uid is added if
+    /// absent; resourceVersion and creationTimestamp are the server's. Replaces a claim of the
+    /// same name.
+    pub fn put_resource_claim(&mut self, mut claim: Value) -> Value {
+        let ns = meta_str(&claim, "namespace").to_owned();
+        let name = meta_str(&claim, "name").to_owned();
+        let rv = self.next_rv();
+        if let Some(obj) = claim.as_object_mut() {
+            obj.insert("kind".into(), Value::String("ResourceClaim".into()));
+            obj.insert("apiVersion".into(), Value::String(dra::API_VERSION.into()));
+        }
+        let meta = &mut claim["metadata"];
+        if meta.get("uid").and_then(Value::as_str).is_none_or(str::is_empty) {
+            meta["uid"] = Value::String(new_uid());
+        }
+        meta["resourceVersion"] = Value::String(rv.to_string());
+        meta["creationTimestamp"] = Value::String(now_rfc3339());
+        self.resource_claims.insert((ns, name), claim.clone());
+        claim
+    }
+
+    pub fn delete_resource_claim(&mut self, ns: &str, name: &str) -> Option<Value> {
+        let old = self.resource_claims.remove(&(ns.to_owned(), name.to_owned()))?;
+        self.next_rv();
+        Some(old)
+    }
+
+    pub fn resource_claim_list(&self, ns: Option<&str>, filter: &Filter) -> Value {
+        let items: Vec<Value> = self
+            .resource_claims
+            .iter()
+            .filter(|((n, _), c)| ns.is_none_or(|ns| ns == n) && filter.matches(c))
+            .map(|(_, c)| c.clone())
+            .collect();
+        self.dra_list("ResourceClaimList", items)
     }
 }

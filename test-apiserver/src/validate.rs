@@ -20,6 +20,46 @@ const DNS1123_SUBDOMAIN_FMT: &str = "a lowercase RFC 1123 subdomain must consist
      characters, '-' or '.', and must start and end with an alphanumeric character (e.g. 'example.com', regex \
      used for validation is '[a-z0-9]([-a-z0-9]*[a-z0-9])?(\\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*')";
 
+const DNS1123_LABEL_MAX: usize = 63;
+const DNS1123_LABEL_FMT: &str = "a lowercase RFC 1123 label must consist of lower case alphanumeric characters or \
+     '-', and must start and end with an alphanumeric character (e.g. 'my-name',  or '123-abc', regex used for \
+     validation is '[a-z0-9]([-a-z0-9]*[a-z0-9])?')";
+const C_IDENTIFIER_FMT: &str = "a valid C identifier must start with alphabetic character or '_', followed by a \
+     string of alphanumeric characters or '_' (e.g. 'my_name',  or 'MY_NAME',  or 'MyName', regex used for \
+     validation is '[A-Za-z_][A-Za-z0-9_]*')";
+
+/// `[a-z0-9]([-a-z0-9]*[a-z0-9])?`
+fn is_dns1123_label_syntax(label: &str) -> bool {
+    let b = label.as_bytes();
+    let alnum = |c: &u8| c.is_ascii_lowercase() || c.is_ascii_digit();
+    !b.is_empty() && alnum(&b[0]) && alnum(&b[b.len() - 1]) && b.iter().all(|c| alnum(c) || *c == b'-')
+}
+
+/// apimachinery `IsDNS1123Label`.
+pub(crate) fn dns1123_label_errors(s: &str) -> Vec<String> {
+    let mut errs = Vec::new();
+    if s.len() > DNS1123_LABEL_MAX {
+        errs.push(format!("must be no more than {DNS1123_LABEL_MAX} characters"));
+    }
+    if !is_dns1123_label_syntax(s) {
+        errs.push(DNS1123_LABEL_FMT.to_owned());
+    }
+    errs
+}
+
+/// apimachinery `IsCIdentifier` (no length limit of its own).
+pub(crate) fn c_identifier_errors(s: &str) -> Vec<String> {
+    let b = s.as_bytes();
+    let ok = !b.is_empty()
+        && (b[0].is_ascii_alphabetic() || b[0] == b'_')
+        && b.iter().all(|c| c.is_ascii_alphanumeric() || *c == b'_');
+    if ok {
+        Vec::new()
+    } else {
+        vec![C_IDENTIFIER_FMT.to_owned()]
+    }
+}
+
 /// `([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]`
 fn is_name_part(s: &str) -> bool {
     let b = s.as_bytes();
@@ -32,11 +72,7 @@ fn is_name_part(s: &str) -> bool {
 
 /// `[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*`
 fn is_dns1123_subdomain_syntax(s: &str) -> bool {
-    s.split('.').all(|label| {
-        let b = label.as_bytes();
-        let alnum = |c: &u8| c.is_ascii_lowercase() || c.is_ascii_digit();
-        !b.is_empty() && alnum(&b[0]) && alnum(&b[b.len() - 1]) && b.iter().all(|c| alnum(c) || *c == b'-')
-    })
+    s.split('.').all(is_dns1123_label_syntax)
 }
 
 pub(crate) fn dns1123_subdomain_errors(s: &str) -> Vec<String> {
@@ -235,6 +271,22 @@ mod tests {
         }
         let long_prefix = format!("{}/x", "a".repeat(254));
         assert!(!qualified_name_errors(&long_prefix).is_empty());
+    }
+
+    #[test]
+    fn dns_labels_and_c_identifiers() {
+        for ok in ["gpu-0", "gpu-0-mig-9-4-4", "0", &"a".repeat(63)] {
+            assert!(dns1123_label_errors(ok).is_empty(), "{ok}");
+        }
+        for bad in ["", "-a", "a-", "A", "a.b", "a_b", &"a".repeat(64)] {
+            assert!(!dns1123_label_errors(bad).is_empty(), "{bad:?}");
+        }
+        for ok in ["a", "_", "memory", "cudaComputeCapability", "A_1"] {
+            assert!(c_identifier_errors(ok).is_empty(), "{ok}");
+        }
+        for bad in ["", "1a", "a-b", "a.b", "a b"] {
+            assert!(!c_identifier_errors(bad).is_empty(), "{bad:?}");
+        }
     }
 
     #[test]
