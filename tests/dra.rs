@@ -64,7 +64,10 @@ fn published(api: &test_apiserver::TestApiServer) -> Vec<Value> {
 }
 
 fn names(devices: &[Value]) -> Vec<String> {
-    devices.iter().filter_map(|d| d["name"].as_str().map(str::to_string)).collect()
+    devices
+        .iter()
+        .filter_map(|d| d["name"].as_str().map(str::to_string))
+        .collect()
 }
 
 /// A claim as the scheduler leaves it: allocated to `device` of this node's pool.
@@ -84,7 +87,8 @@ fn allocated_claim(name: &str, uid: &str, device: &str) -> Value {
 }
 
 fn claim_spec_path(node: &Node, uid: &str) -> PathBuf {
-    node.root.join(format!("var/run/cdi/k8s.gpu.nvidia.com-claim_{uid}.json"))
+    node.root
+        .join(format!("var/run/cdi/k8s.gpu.nvidia.com-claim_{uid}.json"))
 }
 
 fn claim_specs(node: &Node) -> Vec<String> {
@@ -120,9 +124,15 @@ async fn a_mig_claim_is_prepared_unprepared_and_prepared_again_after_a_restart()
 
     // Registration: type DRAPlugin under the driver's name, the v1 service chosen, the
     // endpoint in the kubelet's plugin directory.
-    let reg = dra.wait_for_plugin(DRIVER, T).await.expect("the agent registers as a DRA plugin");
+    let reg = dra
+        .wait_for_plugin(DRIVER, T)
+        .await
+        .expect("the agent registers as a DRA plugin");
     assert_eq!(reg.service.as_deref(), Some("v1.DRAPlugin"));
-    assert_eq!(reg.endpoint, PathBuf::from("/var/lib/kubelet/plugins/gpu.nvidia.com/dra.sock"));
+    assert_eq!(
+        reg.endpoint,
+        PathBuf::from("/var/lib/kubelet/plugins/gpu.nvidia.com/dra.sock")
+    );
 
     // Slices: the 7 whole GPUs and the 3 MIG devices of GPU 7, in NVIDIA's names.
     assert!(
@@ -144,13 +154,22 @@ async fn a_mig_claim_is_prepared_unprepared_and_prepared_again_after_a_restart()
     assert_eq!(gpu0["attributes"]["driverVersion"]["version"], "550.54.15");
     assert_eq!(gpu0["attributes"]["cudaDriverVersion"]["version"], "12.4.0");
     assert_eq!(gpu0["capacity"]["memory"]["value"], "40960Mi");
-    let mig = devices.iter().find(|d| d["name"] == "gpu-7-mig-19-1-1").expect("1g.5gb at slice 1");
+    let mig = devices
+        .iter()
+        .find(|d| d["name"] == "gpu-7-mig-19-1-1")
+        .expect("1g.5gb at slice 1");
     assert_eq!(mig["attributes"]["type"]["string"], "mig");
     assert_eq!(mig["attributes"]["profile"]["string"], "1g.5gb");
     assert_eq!(mig["attributes"]["parentUUID"]["string"], gpu_uuid(7));
     assert_eq!(mig["capacity"]["memorySlice1"]["value"], "1");
-    assert!(mig["capacity"].get("memorySlice0").is_none(), "slice 0 is the other 1g.5gb's");
-    let mig_uuid = mig["attributes"]["uuid"]["string"].as_str().expect("MIG uuid").to_string();
+    assert!(
+        mig["capacity"].get("memorySlice0").is_none(),
+        "slice 0 is the other 1g.5gb's"
+    );
+    let mig_uuid = mig["attributes"]["uuid"]["string"]
+        .as_str()
+        .expect("MIG uuid")
+        .to_string();
     for slice in api.resource_slices().values() {
         assert_eq!(slice["spec"]["pool"]["name"], NODE_NAME);
     }
@@ -165,7 +184,10 @@ async fn a_mig_claim_is_prepared_unprepared_and_prepared_again_after_a_restart()
     let uid = "6f1e0a52-1111-4c4c-9d9d-000000000001";
     api.create_resource_claim(allocated_claim("trainer-mig", uid, "gpu-7-mig-19-1-1"));
     let claim = ClaimRef::new("ml", "trainer-mig", uid);
-    let answer = dra.prepare(DRIVER, std::slice::from_ref(&claim)).await.expect("prepare");
+    let answer = dra
+        .prepare(DRIVER, std::slice::from_ref(&claim))
+        .await
+        .expect("prepare");
     let prepared = answer[uid].clone().expect("the claim is prepared");
     assert_eq!(prepared.len(), 1);
     assert_eq!(prepared[0].device_name, "gpu-7-mig-19-1-1");
@@ -190,10 +212,15 @@ async fn a_mig_claim_is_prepared_unprepared_and_prepared_again_after_a_restart()
         .collect();
     assert_eq!(nodes.len(), 3, "{nodes:?}");
     assert_eq!(nodes[0], "/dev/nvidia7");
-    assert!(nodes[1..].iter().all(|n| n.starts_with("/dev/nvidia-caps/nvidia-cap")), "{nodes:?}");
+    assert!(
+        nodes[1..].iter().all(|n| n.starts_with("/dev/nvidia-caps/nvidia-cap")),
+        "{nodes:?}"
+    );
     assert_ne!(nodes[1], nodes[2]);
     assert!(
-        spec["containerEdits"]["mounts"].as_array().is_some_and(|m| !m.is_empty()),
+        spec["containerEdits"]["mounts"]
+            .as_array()
+            .is_some_and(|m| !m.is_empty()),
         "the driver's files come with the claim's spec"
     );
 
@@ -204,25 +231,40 @@ async fn a_mig_claim_is_prepared_unprepared_and_prepared_again_after_a_restart()
         .expect("the prepared MIG device leaves the device plugin's list");
     assert_ne!(left[0].id, mig_uuid);
     // Preparing again answers the same (the kubelet repeats prepares after its restarts).
-    let again = dra.prepare(DRIVER, std::slice::from_ref(&claim)).await.expect("prepare again");
+    let again = dra
+        .prepare(DRIVER, std::slice::from_ref(&claim))
+        .await
+        .expect("prepare again");
     assert_eq!(again[uid].clone().expect("prepared"), prepared);
     assert_eq!(claim_specs(&node).len(), 1);
 
     // Unprepare: the spec goes, the device returns to the device plugin.
-    let un = dra.unprepare(DRIVER, std::slice::from_ref(&claim)).await.expect("unprepare");
+    let un = dra
+        .unprepare(DRIVER, std::slice::from_ref(&claim))
+        .await
+        .expect("unprepare");
     assert_eq!(un[uid], Ok(()));
-    assert!(!claim_spec_path(&node, uid).exists(), "unprepare removes the claim's spec");
+    assert!(
+        !claim_spec_path(&node, uid).exists(),
+        "unprepare removes the claim's spec"
+    );
     kubelet
         .wait_for_devices(MIG_1G, T, |d| d.len() == 2)
         .await
         .expect("the MIG device is back in the device plugin's list");
     // Unpreparing a claim the driver does not know is no error.
-    let un = dra.unprepare(DRIVER, std::slice::from_ref(&claim)).await.expect("unprepare again");
+    let un = dra
+        .unprepare(DRIVER, std::slice::from_ref(&claim))
+        .await
+        .expect("unprepare again");
     assert_eq!(un[uid], Ok(()));
 
     // Prepared again, then the agent restarts: the kubelet's repeated prepare gets the same
     // answer from the checkpoint, with one spec file, and the device stays withdrawn.
-    let first = dra.prepare(DRIVER, std::slice::from_ref(&claim)).await.expect("prepare")[uid]
+    let first = dra
+        .prepare(DRIVER, std::slice::from_ref(&claim))
+        .await
+        .expect("prepare")[uid]
         .clone()
         .expect("prepared");
     assert_eq!(agent.stop(), 0);
@@ -234,7 +276,10 @@ async fn a_mig_claim_is_prepared_unprepared_and_prepared_again_after_a_restart()
     dra.wait_for_plugin_since(DRIVER, Some(restarted), T)
         .await
         .expect("the restarted agent registers again");
-    let after = dra.prepare(DRIVER, std::slice::from_ref(&claim)).await.expect("prepare after restart")[uid]
+    let after = dra
+        .prepare(DRIVER, std::slice::from_ref(&claim))
+        .await
+        .expect("prepare after restart")[uid]
         .clone()
         .expect("prepared after the restart");
     assert_eq!(after, first);
@@ -255,7 +300,10 @@ async fn a_mig_claim_is_prepared_unprepared_and_prepared_again_after_a_restart()
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_two_apis_never_hand_out_one_gpu_and_a_sick_gpu_leaves_the_slice() {
-    let node = Node::new(&machine("A100-SXM4-40GB", 4), "[dra]\nenabled = true\n\n[health]\nlost_check_interval = \"100ms\"\n");
+    let node = Node::new(
+        &machine("A100-SXM4-40GB", 4),
+        "[dra]\nenabled = true\n\n[health]\nlost_check_interval = \"100ms\"\n",
+    );
     let (api, kubelet) = api_server_and_kubelet(&node, &[]).await;
     kubelet
         .serve_pod_resources(&node.root.join("var/lib/kubelet"))
@@ -263,7 +311,11 @@ async fn the_two_apis_never_hand_out_one_gpu_and_a_sick_gpu_leaves_the_slice() {
     let dra = dra_kubelet(&node).await;
     let agent = node.spawn();
     dra.wait_for_plugin(DRIVER, T).await.expect("registered");
-    assert!(api.wait_for(T, |a| published(a).len() == 4).await, "{:?}", names(&published(&api)));
+    assert!(
+        api.wait_for(T, |a| published(a).len() == 4).await,
+        "{:?}",
+        names(&published(&api))
+    );
 
     // The device plugin hands GPU 1 to a pod: it leaves the slice, and a claim allocated to it
     // (a scheduler that raced) is refused, naming the pod.
@@ -271,23 +323,37 @@ async fn the_two_apis_never_hand_out_one_gpu_and_a_sick_gpu_leaves_the_slice() {
         .wait_for_devices(GPU, T, |d| d.len() == 4)
         .await
         .expect("advertised");
-    kubelet.assign(GPU, &[&gpu_uuid(1)], &test_kubelet::PodContainer::new("default", "cuda-job", "main"));
+    kubelet.assign(
+        GPU,
+        &[&gpu_uuid(1)],
+        &test_kubelet::PodContainer::new("default", "cuda-job", "main"),
+    );
     assert!(
-        api.wait_for(T, |a| !names(&published(a)).contains(&"gpu-1".to_string())).await,
+        api.wait_for(T, |a| !names(&published(a)).contains(&"gpu-1".to_string()))
+            .await,
         "a GPU the device plugin handed out is withdrawn from the slice: {:?}",
         names(&published(&api))
     );
     let uid = "6f1e0a52-2222-4c4c-9d9d-000000000002";
     api.create_resource_claim(allocated_claim("racer", uid, "gpu-1"));
-    let answer = dra.prepare(DRIVER, &[ClaimRef::new("ml", "racer", uid)]).await.expect("prepare");
+    let answer = dra
+        .prepare(DRIVER, &[ClaimRef::new("ml", "racer", uid)])
+        .await
+        .expect("prepare");
     let err = answer[uid].clone().expect_err("GPU 1 is the device plugin's");
-    assert!(err.contains("device plugin") && err.contains("default/cuda-job"), "{err}");
+    assert!(
+        err.contains("device plugin") && err.contains("default/cuda-job"),
+        "{err}"
+    );
     assert!(claim_specs(&node).is_empty());
 
     // A claim on GPU 2 is prepared; the device plugin withdraws GPU 2.
     let uid2 = "6f1e0a52-3333-4c4c-9d9d-000000000003";
     api.create_resource_claim(allocated_claim("trainer", uid2, "gpu-2"));
-    let answer = dra.prepare(DRIVER, &[ClaimRef::new("ml", "trainer", uid2)]).await.expect("prepare");
+    let answer = dra
+        .prepare(DRIVER, &[ClaimRef::new("ml", "trainer", uid2)])
+        .await
+        .expect("prepare");
     assert!(answer[uid2].is_ok(), "{answer:?}");
     let listed = kubelet
         .wait_for_devices(GPU, T, |d| d.len() == 3)
@@ -297,7 +363,10 @@ async fn the_two_apis_never_hand_out_one_gpu_and_a_sick_gpu_leaves_the_slice() {
     // A second claim on the same GPU is refused, naming the first.
     let uid3 = "6f1e0a52-4444-4c4c-9d9d-000000000004";
     api.create_resource_claim(allocated_claim("second", uid3, "gpu-2"));
-    let answer = dra.prepare(DRIVER, &[ClaimRef::new("ml", "second", uid3)]).await.expect("prepare");
+    let answer = dra
+        .prepare(DRIVER, &[ClaimRef::new("ml", "second", uid3)])
+        .await
+        .expect("prepare");
     let err = answer[uid3].clone().expect_err("GPU 2 is prepared for another claim");
     assert!(err.contains("ml/trainer"), "{err}");
 
@@ -305,7 +374,8 @@ async fn the_two_apis_never_hand_out_one_gpu_and_a_sick_gpu_leaves_the_slice() {
     let before = Instant::now();
     node.inject("xid", &format!("{} 79", gpu_uuid(3)));
     assert!(
-        api.wait_for(T, |a| !names(&published(a)).contains(&"gpu-3".to_string())).await,
+        api.wait_for(T, |a| !names(&published(a)).contains(&"gpu-3".to_string()))
+            .await,
         "an unhealthy GPU leaves the slice: {:?}",
         names(&published(&api))
     );
@@ -333,9 +403,15 @@ async fn an_older_kubelet_gets_the_v1beta1_service() {
     let uid = "6f1e0a52-5555-4c4c-9d9d-000000000005";
     api.create_resource_claim(allocated_claim("old", uid, "gpu-0"));
     let claim = ClaimRef::new("ml", "old", uid);
-    let answer = dra.prepare(DRIVER, std::slice::from_ref(&claim)).await.expect("prepare");
+    let answer = dra
+        .prepare(DRIVER, std::slice::from_ref(&claim))
+        .await
+        .expect("prepare");
     let devices = answer[uid].clone().expect("prepared through v1beta1");
-    assert_eq!(devices[0].cdi_device_ids, [format!("k8s.gpu.nvidia.com/claim={uid}-gpu-0")]);
+    assert_eq!(
+        devices[0].cdi_device_ids,
+        [format!("k8s.gpu.nvidia.com/claim={uid}-gpu-0")]
+    );
     assert_eq!(dra.unprepare(DRIVER, &[claim]).await.expect("unprepare")[uid], Ok(()));
     assert_eq!(agent.stop(), 0);
 }
@@ -364,10 +440,22 @@ async fn a_claim_the_node_cannot_serve_is_refused_with_its_reason() {
     ];
     let answer = dra.prepare(DRIVER, &claims).await.expect("prepare");
     let err = |uid: &str| answer[uid].clone().expect_err(uid);
-    assert!(err("u-elsewhere").contains("pool \"gpu-node-2\""), "{}", err("u-elsewhere"));
-    assert!(err("u-ghost").contains("gpu-9 is not on this node"), "{}", err("u-ghost"));
+    assert!(
+        err("u-elsewhere").contains("pool \"gpu-node-2\""),
+        "{}",
+        err("u-elsewhere")
+    );
+    assert!(
+        err("u-ghost").contains("gpu-9 is not on this node"),
+        "{}",
+        err("u-ghost")
+    );
     assert!(err("u-old").contains("replaced"), "{}", err("u-old"));
-    assert!(err("u-missing").contains("404") || err("u-missing").contains("not found"), "{}", err("u-missing"));
+    assert!(
+        err("u-missing").contains("404") || err("u-missing").contains("not found"),
+        "{}",
+        err("u-missing")
+    );
     assert!(claim_specs(&node).is_empty(), "nothing is written for a refused claim");
     assert_eq!(agent.stop(), 0);
 }
