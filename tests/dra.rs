@@ -194,8 +194,8 @@ async fn a_mig_claim_is_prepared_unprepared_and_prepared_again_after_a_restart()
     assert_eq!(prepared[0].pool_name, NODE_NAME);
     assert_eq!(prepared[0].request_names, ["mig"]);
     let cdi_id = format!("k8s.gpu.nvidia.com/claim={uid}-gpu-7-mig-19-1-1");
-    assert_eq!(prepared[0].cdi_device_ids, [cdi_id.clone()]);
-    assert_eq!(test_kubelet::dra::cdi_devices_for(&prepared, "mig"), [cdi_id.clone()]);
+    assert_eq!(prepared[0].cdi_device_ids, std::slice::from_ref(&cdi_id));
+    assert_eq!(test_kubelet::dra::cdi_devices_for(&prepared, "mig"), [cdi_id]);
 
     // Its CDI spec names exactly that device: GPU 7's node and its two capability nodes.
     let spec: Value = serde_json::from_str(&std::fs::read_to_string(claim_spec_path(&node, uid)).expect("claim spec"))
