@@ -459,3 +459,45 @@ async fn a_claim_the_node_cannot_serve_is_refused_with_its_reason() {
     assert!(claim_specs(&node).is_empty(), "nothing is written for a refused claim");
     assert_eq!(agent.stop(), 0);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slices_go_when_dra_is_turned_off_or_the_runtime_unconfigured() {
+    let node = Node::new(&machine("A100-SXM4-40GB", 2), "[dra]\nenabled = true\n");
+    let api = api_server_for(&node, &[]).await;
+    let dra = dra_kubelet(&node).await;
+    let agent = node.spawn();
+    dra.wait_for_plugin(DRIVER, T).await.expect("registered");
+    assert!(api.wait_for(T, |a| published(a).len() == 2).await);
+    // A stopped agent leaves its slices (a restart takes them over; the kubelet removes them
+    // 30 s after the plugin is gone).
+    assert_eq!(agent.stop(), 0);
+    assert_eq!(published(&api).len(), 2);
+
+    // `runtime unconfigure` (before the package is removed) deletes them.
+    let out = node.run(&["runtime", "unconfigure", "--no-restart"]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        stdout.contains("removed 1 ResourceSlice(s) of DRA driver gpu.nvidia.com"),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(api.resource_slices().is_empty());
+
+    // Published again, then DRA turned off: the next start deletes them.
+    let agent = node.spawn();
+    assert!(api.wait_for(T, |a| published(a).len() == 2).await);
+    assert_eq!(agent.stop(), 0);
+    node.write_config("[dra]\nenabled = false\n");
+    let agent = node.spawn();
+    assert!(
+        api.wait_for(T, |a| a.resource_slices().is_empty()).await,
+        "the slices of a driver turned off are deleted"
+    );
+    assert!(
+        !node
+            .root
+            .join("var/lib/kubelet/plugins_registry/gpu.nvidia.com-reg.sock")
+            .exists()
+    );
+    assert_eq!(agent.stop(), 0);
+}

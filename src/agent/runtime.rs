@@ -234,6 +234,9 @@ pub fn runtime_command(config: &Config, root: &HostRoot, command: RuntimeCommand
             }
         }
     }
+    if unconfigure {
+        unconfigure_dra(config, root);
+    }
     let planned = rt::observe(config, root, &runner).and_then(|o| {
         if unconfigure {
             rt::plan_unconfigure(&o, &config.runtime)
@@ -294,6 +297,42 @@ pub fn runtime_command(config: &Config, root: &HostRoot, command: RuntimeCommand
         ExitCode::SUCCESS
     } else {
         ExitCode::FAILURE
+    }
+}
+
+/// `runtime unconfigure` on a node whose DRA driver is (or was) on: its ResourceSlices go, so
+/// the scheduler stops placing claims on a node whose agent is being removed. Claims prepared
+/// already keep their CDI specs (their pods may still run); the checkpoint stays with them.
+fn unconfigure_dra(config: &Config, root: &HostRoot) {
+    let had_it = root
+        .join(&config.agent.state_dir)
+        .join("dra")
+        .join(crate::dra::driver::CHECKPOINT_FILE)
+        .exists();
+    if !config.dra.enabled && !had_it {
+        return;
+    }
+    let Some(client) = crate::dra::client(config, root) else {
+        eprintln!(
+            "gpu-node-agent: no Kubernetes credentials: the DRA driver's ResourceSlices were not removed \
+             (the kubelet removes them 30 s after the plugin is gone)"
+        );
+        return;
+    };
+    let node = crate::kube::node_name(&config.kubernetes, root);
+    let runtime = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("gpu-node-agent: cannot start the async runtime to remove the ResourceSlices: {e}");
+            return;
+        }
+    };
+    match runtime.block_on(crate::dra::Driver::delete_slices(&client, &node, &config.dra.driver)) {
+        Ok(n) => println!(
+            "removed {n} ResourceSlice(s) of DRA driver {} on node {node}",
+            config.dra.driver
+        ),
+        Err(e) => eprintln!("gpu-node-agent: removing the DRA driver's ResourceSlices: {e}"),
     }
 }
 

@@ -133,6 +133,14 @@ impl Driver {
         });
         driver.remove_stale_specs();
         driver.publish_withdrawn_blocking();
+        // The checkpoint exists from the first start on: it also tells a later agent with DRA
+        // turned off that this node has slices to remove.
+        if !driver.checkpoint_path.exists()
+            && let Ok(state) = driver.state.try_lock()
+            && let Err(e) = driver.save(&state)
+        {
+            tracing::error!("DRA: cannot write the checkpoint: {e}");
+        }
         (driver, withdrawn_rx)
     }
 
