@@ -233,7 +233,7 @@ impl Driver {
             }
         }
         if !new.is_empty() {
-            if let Err(e) = self.save(&state) {
+            if let Err(e) = self.save_async(&state).await {
                 // The kubelet must not hear of a prepare the checkpoint does not hold.
                 let e = format!("cannot record the prepared claim: {e}");
                 tracing::error!("{e}");
@@ -348,7 +348,9 @@ impl Driver {
         let path = self
             .cdi_dir()
             .join(claims::claim_spec_file(self.driver_name(), &want.uid));
-        write_atomic(&path, text.as_bytes(), 0o644).map_err(|e| format!("{want}: {e}"))?;
+        write_off_loop(path, text, 0o644)
+            .await
+            .map_err(|e| format!("{want}: {e}"))?;
         let devices = chosen
             .iter()
             .zip(ids)
@@ -394,7 +396,7 @@ impl Driver {
         if removed.is_empty() {
             return claims.iter().map(|_| Ok(())).collect();
         }
-        if let Err(e) = self.save(&state) {
+        if let Err(e) = self.save_async(&state).await {
             let e = format!("cannot record the unprepared claim: {e}");
             tracing::error!("{e}");
             for (uid, c) in removed {
@@ -428,6 +430,11 @@ impl Driver {
 
     fn save(&self, state: &Checkpoint) -> Result<(), String> {
         write_atomic(&self.checkpoint_path, state.render().as_bytes(), 0o600).map_err(|e| e.to_string())
+    }
+
+    /// [`Driver::save`] off the async workers (the write fsyncs).
+    async fn save_async(&self, state: &Checkpoint) -> Result<(), String> {
+        write_off_loop(self.checkpoint_path.clone(), state.render(), 0o600).await
     }
 
     /// The prepared claims now.
@@ -601,6 +608,13 @@ impl Driver {
         }
         Ok(slices.len())
     }
+}
+
+/// [`write_atomic`] on a blocking thread: it fsyncs, which must not hold an async worker.
+async fn write_off_loop(path: PathBuf, text: String, mode: u32) -> Result<(), String> {
+    tokio::task::spawn_blocking(move || write_atomic(&path, text.as_bytes(), mode).map_err(|e| e.to_string()))
+        .await
+        .map_err(|e| format!("the write was cancelled: {e}"))?
 }
 
 /// The UUIDs a claim on `device` conflicts with: its own, its GPU's (for a MIG device), and its
