@@ -501,3 +501,81 @@ async fn slices_go_when_dra_is_turned_off_or_the_runtime_unconfigured() {
     );
     assert_eq!(agent.stop(), 0);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_new_mig_layout_replaces_the_published_devices() {
+    let node = Node::new(&machine("A100-SXM4-40GB", 2), "[dra]\nenabled = true\n");
+    let api = api_server_for(&node, &[]).await;
+    let dra = dra_kubelet(&node).await;
+    let agent = node.spawn();
+    dra.wait_for_plugin(DRIVER, T).await.expect("registered");
+    assert!(api.wait_for(T, |a| names(&published(a)) == ["gpu-0", "gpu-1"]).await);
+
+    // The layout label: 7 × 1g.5gb per GPU, one memory slice each, named by placement.
+    api.set_label(NODE_NAME, "nvidia.com/mig.config", Some("all-1g.5gb"));
+    assert!(
+        api.wait_for(T, |a| published(a).len() == 14).await,
+        "{:?}",
+        names(&published(&api))
+    );
+    let mut want: Vec<String> = (0..2)
+        .flat_map(|g| (0..7).map(move |s| format!("gpu-{g}-mig-19-{s}-1")))
+        .collect();
+    want.sort();
+    assert_eq!(names(&published(&api)), want);
+    let generations: Vec<i64> = api
+        .resource_slices()
+        .values()
+        .filter_map(|s| s["spec"]["pool"]["generation"].as_i64())
+        .collect();
+    assert!(
+        generations.iter().all(|g| *g >= 2),
+        "the pool's generation goes up: {generations:?}"
+    );
+
+    // Back to whole GPUs.
+    api.set_label(NODE_NAME, "nvidia.com/mig.config", Some("all-disabled"));
+    assert!(
+        api.wait_for(T, |a| names(&published(a)) == ["gpu-0", "gpu-1"]).await,
+        "{:?}",
+        names(&published(&api))
+    );
+    assert_eq!(agent.stop(), 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slices_the_kubelet_wiped_at_its_restart_come_back() {
+    let node = Node::new(&machine("A100-SXM4-40GB", 2), "[dra]\nenabled = true\n");
+    let api = api_server_for(&node, &[]).await;
+    let dra = dra_kubelet(&node).await;
+    let agent = node.spawn();
+    dra.wait_for_plugin(DRIVER, T).await.expect("registered");
+    // (The request log has the create a moment after the store.)
+    let slice_writes = |a: &test_apiserver::TestApiServer| {
+        a.count("POST", "/apis/resource.k8s.io/v1/resourceslices")
+            + a.count("PUT", "/apis/resource.k8s.io/v1/resourceslices")
+    };
+    assert!(
+        api.wait_for(T, |a| published(a).len() == 2 && slice_writes(a) == 1)
+            .await
+    );
+    let writes = slice_writes(&api);
+
+    // Nothing changes: nothing is written.
+    another_pass(&agent).await;
+    assert_eq!(slice_writes(&api), writes, "steady state writes no slices");
+
+    // A kubelet restart: it deletes the node's slices, then registers the plugin again.
+    dra.stop().await;
+    assert_eq!(api.delete_resource_slices(NODE_NAME, None), 1);
+    let restarted = Instant::now();
+    let dra = dra_kubelet(&node).await;
+    dra.wait_for_plugin_since(DRIVER, Some(restarted), T)
+        .await
+        .expect("registered with the new kubelet");
+    assert!(
+        api.wait_for(T, |a| published(a).len() == 2).await,
+        "the agent publishes again after the kubelet wiped its slices"
+    );
+    assert_eq!(agent.stop(), 0);
+}
