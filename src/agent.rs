@@ -227,6 +227,8 @@ struct Agent {
     /// The inventory the DRA driver publishes from (`[dra] enabled`), GPUs whose MIG layout is
     /// changing left out.
     dra_inventory: Option<watch::Sender<Option<Arc<Inventory>>>>,
+    /// The DRA driver's state, for status.json.
+    dra_status: Option<watch::Receiver<crate::dra::DraStatus>>,
     /// systemd's notify socket (READY, STATUS, WATCHDOG), a no-op outside systemd.
     notifier: crate::notify::Notifier,
     /// The last `STATUS=` sent.
@@ -312,6 +314,7 @@ pub async fn run(config: Config, root: HostRoot, once: bool) -> Result<i32, Agen
         mps: mps::MpsState::new(),
         withdrawn: BTreeSet::new(),
         dra_inventory: None,
+        dra_status: None,
         notifier: crate::notify::Notifier::from_env(),
         notified_status: String::new(),
         driver: driver::DriverStage::default(),
@@ -392,6 +395,7 @@ pub async fn run(config: Config, root: HostRoot, once: bool) -> Result<i32, Agen
             match agent.start_dra(changed.clone()) {
                 Ok(handle) => {
                     withdrawn = handle.withdrawn.clone();
+                    agent.dra_status = Some(handle.status.clone());
                     dra = Some(handle);
                 }
                 Err(e) => tracing::error!("{e}; the device plugin goes on without it"),
@@ -541,6 +545,7 @@ pub async fn run(config: Config, root: HostRoot, once: bool) -> Result<i32, Agen
             }
             Some(record) = memlimit::next_record(&mut agent.memory_records) => agent.on_memory_record(record),
             Some(()) = agent.mps.changed.recv() => agent.report_mps(),
+            Ok(()) = changed(&mut agent.dra_status) => agent.write_status("running"),
             Ok(()) = plugin_rx.changed() => {
                 agent.plugin_status = plugin_rx.borrow_and_update().clone();
                 agent.update_stage();
@@ -1159,6 +1164,7 @@ impl Agent {
             }),
             labels: self.wanted_labels().unwrap_or_default(),
             mps: self.mps_statuses(),
+            dra: self.dra_status.as_ref().map(|rx| rx.borrow().clone()),
         };
         // Skip the write when nothing but the timestamp would change.
         if self.last_status.as_ref() == Some(&status) {

@@ -142,6 +142,9 @@ pub struct Status {
     /// The MPS control daemons the agent runs (`strategy = "mps"`).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub mps: Vec<DaemonStatus>,
+    /// The DRA driver (`[dra] enabled`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dra: Option<crate::dra::DraStatus>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -356,6 +359,27 @@ impl Status {
                 let _ = writeln!(out, "  error: {e}");
             }
         }
+        if let Some(d) = &self.dra {
+            let registered = match (d.registered, d.registered_at) {
+                (true, Some(t)) => format!("registered {}", age(t)),
+                (true, None) => "registered".into(),
+                (false, _) => "not registered".into(),
+            };
+            let _ = writeln!(
+                out,
+                "\nDRA driver {}: {registered}, {} device(s) published (pool generation {}), {} claim(s) prepared",
+                d.driver,
+                d.published,
+                d.generation,
+                d.prepared.len()
+            );
+            if !d.prepared.is_empty() {
+                let _ = writeln!(out, "  claims: {}", d.prepared.join(", "));
+            }
+            if let Some(e) = &d.error {
+                let _ = writeln!(out, "  error: {e}");
+            }
+        }
         out
     }
 }
@@ -540,6 +564,7 @@ mod tests {
             desired: None,
             labels: BTreeMap::new(),
             mps: Vec::new(),
+            dra: None,
         }
     }
 

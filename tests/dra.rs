@@ -224,6 +224,19 @@ async fn a_mig_claim_is_prepared_unprepared_and_prepared_again_after_a_restart()
         "the driver's files come with the claim's spec"
     );
 
+    // Status says so, in status.json and to a person.
+    let status = node.wait_status(T, |s| s["dra"]["prepared"] == json!(["ml/trainer-mig"]));
+    assert_eq!(status["dra"]["registered"], true);
+    assert_eq!(status["dra"]["published"], 10);
+    assert_eq!(status["dra"]["error"], Value::Null);
+    let text = String::from_utf8_lossy(&node.run(&["status"]).stdout).into_owned();
+    assert!(
+        text.contains("DRA driver gpu.nvidia.com: registered")
+            && text.contains("10 device(s) published")
+            && text.contains("claims: ml/trainer-mig"),
+        "{text}"
+    );
+
     // The device plugin no longer hands that MIG device out; the other 1g.5gb stays.
     let left = kubelet
         .wait_for_devices(MIG_1G, T, |d| d.len() == 1)

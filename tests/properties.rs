@@ -2400,6 +2400,7 @@ mod status {
                         desired,
                         labels,
                         mps: Vec::new(),
+                        dra: None,
                     }
                 },
             )

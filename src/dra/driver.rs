@@ -72,6 +72,8 @@ pub struct Driver {
     withdrawn: watch::Sender<Withdrawn>,
     /// Woken when the kubelet (re)registers the plugin: it may just have wiped the slices.
     pub(super) registered: Notify,
+    /// What status shows.
+    pub status: watch::Sender<super::DraStatus>,
     pub stats: DraStats,
 }
 
@@ -129,6 +131,10 @@ impl Driver {
             state: Mutex::new(checkpoint),
             withdrawn,
             registered: Notify::new(),
+            status: watch::Sender::new(super::DraStatus {
+                driver: driver_name.clone(),
+                ..super::DraStatus::default()
+            }),
             stats: DraStats::default(),
         });
         driver.remove_stale_specs();
@@ -197,6 +203,21 @@ impl Driver {
             let changed = *cur != w;
             *cur = w;
             changed
+        });
+        let prepared: Vec<String> = state
+            .claims
+            .values()
+            .map(|c| format!("{}/{}", c.namespace, c.name))
+            .collect();
+        self.update_status(|s| s.prepared = prepared);
+    }
+
+    /// Changes what status shows (watchers hear of it only when something changed).
+    pub(super) fn update_status(&self, f: impl FnOnce(&mut super::DraStatus)) {
+        self.status.send_if_modified(|s| {
+            let before = s.clone();
+            f(s);
+            *s != before
         });
     }
 
@@ -544,6 +565,11 @@ impl Driver {
         let wanted = devices::slices(&self.node, driver, &refs, *generation);
         if devices::same_content(&existing, &wanted) {
             *last = Some(existing);
+            let (n, g) = (wanted_devices.len(), *generation);
+            self.update_status(|s| {
+                s.published = n;
+                s.generation = g;
+            });
             return Ok(true);
         }
         *generation += 1;
@@ -591,6 +617,11 @@ impl Driver {
             wanted_devices.len()
         );
         *last = Some(written);
+        let (n, g) = (wanted_devices.len(), *generation);
+        self.update_status(|s| {
+            s.published = n;
+            s.generation = g;
+        });
         Ok(true)
     }
 

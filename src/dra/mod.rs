@@ -32,6 +32,24 @@ use crate::kube::KubeClient;
 use crate::plugin::resources::Withdrawn;
 pub use driver::{Driver, HealthFn, Inputs};
 
+/// The driver's state for status.json and `gpu-node-agent status`.
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct DraStatus {
+    pub driver: String,
+    /// The kubelet accepted the registration (and has not refused a later one).
+    pub registered: bool,
+    /// Unix seconds of the last accepted registration.
+    pub registered_at: Option<u64>,
+    /// Devices in the slices last written or found up to date.
+    pub published: usize,
+    /// The pool's generation then.
+    pub generation: i64,
+    /// Prepared claims, `namespace/name`.
+    pub prepared: Vec<String>,
+    /// The last registration refusal or publishing failure; `None` once it works again.
+    pub error: Option<String>,
+}
+
 /// How often the socket files are checked (someone may delete them).
 const SOCKET_CHECK_EVERY: Duration = Duration::from_secs(5);
 
@@ -72,6 +90,8 @@ pub struct DraHandle {
     pub driver: Arc<Driver>,
     /// The devices claims hold, for the device plugin.
     pub withdrawn: watch::Receiver<Withdrawn>,
+    /// The driver's state, for status.
+    pub status: watch::Receiver<DraStatus>,
     task: JoinHandle<()>,
 }
 
@@ -133,9 +153,11 @@ pub fn start(config: Config, root: HostRoot, inputs: Inputs, stop: CancellationT
         sockets.stop().await;
         let _ = publisher.await;
     });
+    let status = driver.status.subscribe();
     Ok(DraHandle {
         driver,
         withdrawn,
+        status,
         task,
     })
 }

@@ -51,6 +51,14 @@ impl Registration for RegistrationService {
         let status = request.into_inner();
         if status.plugin_registered {
             tracing::info!("DRA: the kubelet registered driver {}", self.driver.config.dra.driver);
+            self.driver.update_status(|s| {
+                s.registered = true;
+                s.registered_at = std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .ok()
+                    .map(|d| d.as_secs());
+                s.error = None;
+            });
             // A kubelet that just started has deleted the node's slices.
             self.driver.registered.notify_one();
         } else {
@@ -59,6 +67,10 @@ impl Registration for RegistrationService {
                 self.driver.config.dra.driver,
                 status.error
             );
+            self.driver.update_status(|s| {
+                s.registered = false;
+                s.error = Some(format!("the kubelet refused the registration: {}", status.error));
+            });
         }
         Ok(Response::new(RegistrationStatusResponse {}))
     }
