@@ -229,6 +229,8 @@ struct Agent {
     dra_inventory: Option<watch::Sender<Option<Arc<Inventory>>>>,
     /// The DRA driver's state, for status.json.
     dra_status: Option<watch::Receiver<crate::dra::DraStatus>>,
+    /// What the DRA driver's claims hold (the MIG stage leaves those GPUs alone).
+    dra_withdrawn: Option<watch::Receiver<crate::plugin::resources::Withdrawn>>,
     /// systemd's notify socket (READY, STATUS, WATCHDOG), a no-op outside systemd.
     notifier: crate::notify::Notifier,
     /// The last `STATUS=` sent.
@@ -315,6 +317,7 @@ pub async fn run(config: Config, root: HostRoot, once: bool) -> Result<i32, Agen
         withdrawn: BTreeSet::new(),
         dra_inventory: None,
         dra_status: None,
+        dra_withdrawn: None,
         notifier: crate::notify::Notifier::from_env(),
         notified_status: String::new(),
         driver: driver::DriverStage::default(),
@@ -396,6 +399,7 @@ pub async fn run(config: Config, root: HostRoot, once: bool) -> Result<i32, Agen
                 Ok(handle) => {
                     withdrawn = handle.withdrawn.clone();
                     agent.dra_status = Some(handle.status.clone());
+                    agent.dra_withdrawn = Some(handle.withdrawn.clone());
                     dra = Some(handle);
                 }
                 Err(e) => tracing::error!("{e}; the device plugin goes on without it"),

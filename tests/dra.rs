@@ -592,3 +592,60 @@ async fn slices_the_kubelet_wiped_at_its_restart_come_back() {
     );
     assert_eq!(agent.stop(), 0);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_mig_layout_waits_for_the_claims_on_its_gpus() {
+    let node = Node::new(
+        &machine("A100-SXM4-40GB", 2),
+        "[dra]\nenabled = true\n\n[agent]\nretry_min = \"200ms\"\nretry_max = \"1s\"\n",
+    );
+    let api = api_server_for(&node, &[]).await;
+    let dra = dra_kubelet(&node).await;
+    let agent = node.spawn();
+    dra.wait_for_plugin(DRIVER, T).await.expect("registered");
+    assert!(api.wait_for(T, |a| published(a).len() == 2).await);
+    let uid = "6f1e0a52-6666-4c4c-9d9d-000000000006";
+    api.create_resource_claim(allocated_claim("holder", uid, "gpu-0"));
+    let claim = ClaimRef::new("ml", "holder", uid);
+    let answer = dra
+        .prepare(DRIVER, std::slice::from_ref(&claim))
+        .await
+        .expect("prepare");
+    assert!(answer[uid].is_ok(), "{answer:?}");
+
+    // The layout would destroy GPU 0 as the claim knows it: it fails, naming the claim.
+    api.set_label(NODE_NAME, "nvidia.com/mig.config", Some("all-1g.5gb"));
+    assert!(
+        api.wait_for(T, |a| a
+            .labels(NODE_NAME)
+            .get("nvidia.com/mig.config.state")
+            .map(String::as_str)
+            == Some("failed"))
+            .await,
+        "{:?}",
+        api.labels(NODE_NAME)
+    );
+    let status = node.status_json();
+    let error = stage(&status, "mig")["error"].as_str().unwrap_or_default().to_string();
+    assert!(error.contains(&gpu_uuid(0)) && error.contains("ml/holder"), "{error}");
+    assert!(names(&published(&api)).contains(&"gpu-0".to_string()));
+
+    // Unprepared: the layout goes through.
+    assert_eq!(dra.unprepare(DRIVER, &[claim]).await.expect("unprepare")[uid], Ok(()));
+    assert!(
+        api.wait_for(T, |a| a
+            .labels(NODE_NAME)
+            .get("nvidia.com/mig.config.state")
+            .map(String::as_str)
+            == Some("success"))
+            .await,
+        "{:?}",
+        api.labels(NODE_NAME)
+    );
+    assert!(
+        api.wait_for(T, |a| published(a).len() == 14).await,
+        "{:?}",
+        names(&published(&api))
+    );
+    assert_eq!(agent.stop(), 0);
+}

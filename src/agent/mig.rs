@@ -131,6 +131,12 @@ impl Agent {
             // The same observation converge would start from: nothing to do, nothing to read twice.
             return self.mig_done(&name, format!("layout {name} in place"));
         }
+        // A GPU with devices prepared for DRA claims keeps its layout: changing it would pull
+        // MIG devices from under claims the kubelet holds. The stage fails (and retries) until
+        // the claims are unprepared.
+        if let Some(held) = self.dra_held(&changing) {
+            return self.mig_failed(format!("layout {name}: {held}; nothing changed"));
+        }
         if self.mig.gave_up.as_deref() == Some(name.as_str()) {
             // Given up on while GPU work ran: stay failed, GPUs advertised, until the work ends.
             let (g, u) = (gpus.clone(), changing.clone());
@@ -338,6 +344,28 @@ impl Agent {
         let _ = std::fs::remove_file(marker);
         tracing::info!("MIG layout {name}: success");
         self.restore_withdrawn();
+    }
+
+    /// Which of `changing` hold devices prepared for DRA claims, as a sentence; `None` if none.
+    fn dra_held(&self, changing: &[String]) -> Option<String> {
+        let withdrawn = self.dra_withdrawn.as_ref()?.borrow().clone();
+        let held: Vec<&str> = changing
+            .iter()
+            .filter(|u| withdrawn.devices.contains(*u) || withdrawn.parents.contains(*u))
+            .map(String::as_str)
+            .collect();
+        if held.is_empty() {
+            return None;
+        }
+        let claims = self
+            .dra_status
+            .as_ref()
+            .map(|s| s.borrow().prepared.join(", "))
+            .unwrap_or_default();
+        Some(format!(
+            "GPU(s) {} hold devices prepared for DRA claims ({claims}); the layout waits until they are unprepared",
+            held.join(", ")
+        ))
     }
 
     fn mig_failed(&mut self, reason: String) {

@@ -518,7 +518,11 @@ impl Driver {
             let wait = if failed { retry } else { POD_RESOURCES_EVERY };
             tokio::select! {
                 () = stop.cancelled() => return,
-                Ok(()) = inventory.changed() => {}
+                Ok(()) = inventory.changed() => {
+                    // Which GPU holds a prepared MIG device may only be known now.
+                    let state = self.state.lock().await;
+                    self.publish_withdrawn(&state);
+                }
                 Ok(()) = health.changed() => {}
                 () = self.registered.notified() => { listed_at = None; }
                 () = tokio::time::sleep(wait) => {
