@@ -13,36 +13,18 @@
 
 #[path = "../tests/common/mod.rs"]
 mod common;
+mod table;
 
 use std::time::{Duration, Instant};
 
 use common::{Node, api_server_and_kubelet, gpu_uuid, machine};
 use serde_json::json;
+use table::{Row, percentile, sorted};
 use test_kubelet::dra::{ClaimRef, DraKubelet, DraOptions};
 
 const GPU: &str = "nvidia.com/gpu";
 const DRIVER: &str = "gpu.nvidia.com";
 const T: Duration = Duration::from_secs(10);
-
-struct Row {
-    what: &'static str,
-    value: String,
-    budget: &'static str,
-    ok: bool,
-}
-
-fn percentile(sorted: &[f64], p: f64) -> f64 {
-    if sorted.is_empty() {
-        return f64::NAN;
-    }
-    let idx = ((sorted.len() - 1) as f64 * p).round() as usize;
-    sorted[idx]
-}
-
-fn sorted(mut v: Vec<f64>) -> Vec<f64> {
-    v.sort_by(|a, b| a.total_cmp(b));
-    v
-}
 
 fn ms(d: Duration) -> f64 {
     d.as_secs_f64() * 1000.0
@@ -246,14 +228,5 @@ async fn main() {
     });
     agent.stop();
 
-    println!("\n{:<58} {:>16}  {:<12}", "measurement", "value", "budget");
-    for r in &rows {
-        println!(
-            "{:<58} {:>16}  {:<12} {}",
-            r.what,
-            r.value,
-            r.budget,
-            if r.ok { "ok" } else { "OVER" }
-        );
-    }
+    table::print(&rows, 58);
 }

@@ -9,34 +9,16 @@
 
 #[path = "../tests/common/mod.rs"]
 mod common;
+mod table;
 
 use std::time::{Duration, Instant};
 
 use common::{Node, gpu_uuid, healthy, machine};
+use table::{Row, percentile, sorted};
 use test_kubelet::{KubeletOptions, TestKubelet};
 
 const GPU: &str = "nvidia.com/gpu";
 const T: Duration = Duration::from_secs(10);
-
-struct Row {
-    what: &'static str,
-    value: String,
-    budget: &'static str,
-    ok: bool,
-}
-
-fn percentile(sorted: &[f64], p: f64) -> f64 {
-    if sorted.is_empty() {
-        return f64::NAN;
-    }
-    let idx = ((sorted.len() - 1) as f64 * p).round() as usize;
-    sorted[idx]
-}
-
-fn sorted(mut v: Vec<f64>) -> Vec<f64> {
-    v.sort_by(|a, b| a.total_cmp(b));
-    v
-}
 
 fn rss_kib(pid: i32) -> Option<u64> {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
@@ -160,14 +142,5 @@ async fn main() {
     });
     agent.stop();
 
-    println!("\n{:<56} {:>16}  {:<10}", "measurement", "value", "budget");
-    for r in &rows {
-        println!(
-            "{:<56} {:>16}  {:<10} {}",
-            r.what,
-            r.value,
-            r.budget,
-            if r.ok { "ok" } else { "OVER" }
-        );
-    }
+    table::print(&rows, 56);
 }

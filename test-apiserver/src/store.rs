@@ -53,6 +53,23 @@ pub(crate) struct Store {
     watchers: Vec<Watcher>,
 }
 
+/// The server-set metadata of an object being created (`name`, a new `uid`, the creation time;
+/// the RV is set when stored), as the template an update is prepared against; the client's
+/// `resourceVersion`, `uid` and `creationTimestamp` are dropped from `obj`.
+fn fresh_metadata(obj: &mut Value, name: &str) -> Value {
+    if let Some(m) = obj.get_mut("metadata").and_then(Value::as_object_mut) {
+        m.remove("resourceVersion");
+        m.remove("uid");
+        m.remove("creationTimestamp");
+    }
+    json!({"metadata": {
+        "name": name,
+        "uid": new_uid(),
+        "resourceVersion": "0",
+        "creationTimestamp": now_rfc3339(),
+    }})
+}
+
 pub(crate) fn new_uid() -> String {
     let mut rng = fastrand::Rng::new();
     let hex = |n: usize, rng: &mut fastrand::Rng| -> String {
@@ -305,17 +322,7 @@ impl Store {
         if self.nodes.contains_key(&name) {
             return Err(ApiError::already_exists("nodes", &name));
         }
-        let template = json!({"metadata": {
-            "name": name,
-            "uid": new_uid(),
-            "resourceVersion": "0",
-            "creationTimestamp": now_rfc3339(),
-        }});
-        if let Some(m) = obj.get_mut("metadata").and_then(Value::as_object_mut) {
-            m.remove("resourceVersion");
-            m.remove("uid");
-            m.remove("creationTimestamp");
-        }
+        let template = fresh_metadata(&mut obj, &name);
         let mut obj = prepare_update("nodes", "Node", "v1", &name, &template, obj)?;
         validate_meta("Node", &name, &obj)?;
         let rv = self.next_rv();
@@ -630,16 +637,8 @@ impl Store {
         } else {
             name
         };
-        let template = json!({"metadata": {
-            "name": name,
-            "uid": new_uid(),
-            "resourceVersion": "0",
-            "creationTimestamp": now_rfc3339(),
-        }});
+        let template = fresh_metadata(&mut obj, &name);
         if let Some(m) = obj.get_mut("metadata").and_then(Value::as_object_mut) {
-            m.remove("resourceVersion");
-            m.remove("uid");
-            m.remove("creationTimestamp");
             m.insert("name".into(), Value::String(name.clone()));
         }
         let mut obj = prepare_update(dra::SLICES, "ResourceSlice", dra::API_VERSION, &name, &template, obj)?;

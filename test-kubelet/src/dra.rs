@@ -905,20 +905,12 @@ pub fn check_driver_name(name: &str) -> Result<(), String> {
             name.len()
         ));
     }
-    for label in name.split('.') {
-        let b = label.as_bytes();
-        let ok = !b.is_empty()
-            && b.iter()
-                .all(|&c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == b'-')
-            && b[0] != b'-'
-            && b[b.len() - 1] != b'-';
-        if !ok {
-            return Err(
-                "not a DNS-1123 subdomain (lowercase alphanumerics, '-' and '.', each label starting and \
-                 ending alphanumeric)"
-                    .to_string(),
-            );
-        }
+    if !crate::validate::dns1123_labels(name) {
+        return Err(
+            "not a DNS-1123 subdomain (lowercase alphanumerics, '-' and '.', each label starting and \
+             ending alphanumeric)"
+                .to_string(),
+        );
     }
     Ok(())
 }

@@ -69,21 +69,26 @@ fn check_dns1123_subdomain(s: &str) -> Result<(), String> {
     if s.len() > 253 {
         return Err(format!("the prefix {s:?} is longer than 253 characters"));
     }
-    for label in s.split('.') {
+    if !dns1123_labels(s) {
+        return Err(format!(
+            "the prefix {s:?} is not a DNS-1123 subdomain (lowercase alphanumerics, '-' \
+             and '.', each label starting and ending alphanumeric)"
+        ));
+    }
+    Ok(())
+}
+
+/// Whether every `.`-separated label of `s` is a DNS-1123 label: lowercase alphanumerics and
+/// '-', starting and ending alphanumeric (lengths are the caller's to check).
+pub(crate) fn dns1123_labels(s: &str) -> bool {
+    s.split('.').all(|label| {
         let b = label.as_bytes();
-        let ok = !b.is_empty()
+        !b.is_empty()
             && b.iter()
                 .all(|&c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == b'-')
             && b[0] != b'-'
-            && b[b.len() - 1] != b'-';
-        if !ok {
-            return Err(format!(
-                "the prefix {s:?} is not a DNS-1123 subdomain (lowercase alphanumerics, '-' \
-                 and '.', each label starting and ending alphanumeric)"
-            ));
-        }
-    }
-    Ok(())
+            && b[b.len() - 1] != b'-'
+    })
 }
 
 /// The endpoint must be a plain socket file name inside the device plugin directory.
