@@ -203,16 +203,28 @@ impl Served {
     }
 }
 
+/// Binds `socket` so that it appears already listening: bound (and listening) under a dot-name
+/// the plugin watcher ignores, then renamed into place. A watcher that dials the moment the
+/// name appears would otherwise find it between `bind` and `listen` and be refused.
 fn bind(socket: &Path) -> std::io::Result<(UnixListener, Option<(u64, u64)>)> {
-    if let Some(dir) = socket.parent() {
-        std::fs::create_dir_all(dir)?;
-    }
-    match std::fs::remove_file(socket) {
-        Ok(()) => tracing::debug!("removed stale socket {}", socket.display()),
+    let (Some(dir), Some(name)) = (socket.parent(), socket.file_name()) else {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidInput,
+            format!("{} is not a socket path", socket.display()),
+        ));
+    };
+    std::fs::create_dir_all(dir)?;
+    let staging = dir.join(format!(".{}.binding", name.to_string_lossy()));
+    match std::fs::remove_file(&staging) {
+        Ok(()) => {}
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
         Err(e) => return Err(e),
     }
-    let listener = UnixListener::bind(socket)?;
+    let listener = UnixListener::bind(&staging)?;
+    if let Err(e) = std::fs::rename(&staging, socket) {
+        let _ = std::fs::remove_file(&staging);
+        return Err(e);
+    }
     Ok((listener, file_id(socket)))
 }
 

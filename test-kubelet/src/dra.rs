@@ -495,6 +495,18 @@ struct Known {
     id: (u64, u64, i64, i64),
     /// The plugin it registered, `(driver, endpoint)`.
     plugin: Option<(String, PathBuf)>,
+    /// A failed registration is tried again (the kubelet's reconciler retries the operation
+    /// while the socket exists): when, and the wait after that.
+    retry: Option<(Instant, Duration)>,
+}
+
+/// The kubelet's operation backoff: 500 ms, doubling, at most 2 min 2 s.
+pub const RETRY_FIRST: Duration = Duration::from_millis(500);
+/// See [`RETRY_FIRST`].
+pub const RETRY_MAX: Duration = Duration::from_secs(122);
+
+fn next_retry(failed: bool, wait: Duration) -> Option<(Instant, Duration)> {
+    failed.then(|| (Instant::now() + wait, (wait * 2).min(RETRY_MAX)))
 }
 
 async fn watch_dir(dir: PathBuf, opts: DraOptions, shared: Arc<Shared>) {
@@ -518,11 +530,17 @@ async fn watch_dir(dir: PathBuf, opts: DraOptions, shared: Arc<Shared>) {
             }
         }
         for (path, id) in found {
-            if known.contains_key(&path) {
-                continue;
-            }
+            let wait = match known.get(&path) {
+                None => RETRY_FIRST,
+                Some(Known {
+                    retry: Some((at, wait)),
+                    ..
+                }) if *at <= Instant::now() => *wait,
+                Some(_) => continue,
+            };
             let plugin = register(&path, &opts, &shared).await;
-            known.insert(path, Known { id, plugin });
+            let retry = next_retry(plugin.is_none(), wait);
+            known.insert(path, Known { id, plugin, retry });
         }
         tokio::time::sleep(POLL_INTERVAL).await;
     }

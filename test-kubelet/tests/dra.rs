@@ -165,12 +165,19 @@ struct RegSvc {
     info: PluginInfo,
     get_info_calls: Arc<Mutex<u32>>,
     statuses: Arc<Mutex<Vec<RegistrationStatus>>>,
+    /// GetInfo calls still to fail (a plugin not ready yet).
+    fail_first: Arc<Mutex<u32>>,
 }
 
 #[tonic::async_trait]
 impl Registration for RegSvc {
     async fn get_info(&self, _: Request<InfoRequest>) -> Result<Response<PluginInfo>, Status> {
         *self.get_info_calls.lock().unwrap() += 1;
+        let mut fail = self.fail_first.lock().unwrap();
+        if *fail > 0 {
+            *fail -= 1;
+            return Err(Status::unavailable("not ready yet"));
+        }
         Ok(Response::new(self.info.clone()))
     }
 
@@ -219,6 +226,11 @@ impl FakeDra {
 
     /// Serves `info` on `reg_socket`, and the DRA service on `dra` if given.
     async fn start_with(reg_socket: &Path, dra: Option<&Path>, info: PluginInfo) -> FakeDra {
+        FakeDra::start_failing(reg_socket, dra, info, 0).await
+    }
+
+    /// [`FakeDra::start_with`], its first `fail_first` GetInfo calls answered `Unavailable`.
+    async fn start_failing(reg_socket: &Path, dra: Option<&Path>, info: PluginInfo, fail_first: u32) -> FakeDra {
         let behaviour = Arc::new(Behaviour {
             prepare: Mutex::new(Arc::new(good_prepare)),
             unprepare: Mutex::new(Arc::new(good_unprepare)),
@@ -247,6 +259,7 @@ impl FakeDra {
             info,
             get_info_calls: Arc::clone(&get_info_calls),
             statuses: Arc::clone(&statuses),
+            fail_first: Arc::new(Mutex::new(fail_first)),
         };
         let _ = std::fs::remove_file(reg_socket);
         let listener = UnixListener::bind(reg_socket).unwrap();
@@ -815,4 +828,23 @@ async fn a_replaced_registration_socket_registers_again() {
     assert!(again.is_accepted(), "{again:?}");
     assert_eq!(kubelet.plugins().len(), 1);
     assert!(new.wait_for_status().await.plugin_registered);
+}
+
+#[tokio::test]
+async fn a_failed_registration_is_tried_again_with_backoff() {
+    let d = dirs();
+    let kubelet = DraKubelet::start(&d.registry, DraOptions::default()).await.unwrap();
+    let ep = dra_socket(&d.plugins, DRIVER);
+    let reg = d.registry.join(format!("{DRIVER}-reg.sock"));
+    let plugin = FakeDra::start_failing(&reg, Some(&ep), info(DRIVER, &ep, &[V1_SERVICE]), 1).await;
+    let accepted = kubelet
+        .wait_for_plugin(DRIVER, T)
+        .await
+        .expect("registered on the second try");
+    let attempts = kubelet.registrations();
+    assert_eq!(attempts.len(), 2, "{attempts:?}");
+    assert!(!attempts[0].is_accepted());
+    assert!(accepted.at.duration_since(attempts[0].at) >= test_kubelet::dra::RETRY_FIRST);
+    assert_eq!(*plugin.get_info_calls.lock().unwrap(), 2);
+    assert!(plugin.wait_for_status().await.plugin_registered);
 }
