@@ -224,13 +224,9 @@ struct Agent {
     mig: mig::MigStage,
     /// The MPS control daemons (`strategy = "mps"`).
     mps: mps::MpsState,
-    /// The inventory the DRA driver publishes from (`[dra] enabled`), GPUs whose MIG layout is
-    /// changing left out.
-    dra_inventory: Option<watch::Sender<Option<Arc<Inventory>>>>,
-    /// The DRA driver's state, for status.json.
-    dra_status: Option<watch::Receiver<crate::dra::DraStatus>>,
-    /// What the DRA driver's claims hold (the MIG stage leaves those GPUs alone).
-    dra_withdrawn: Option<watch::Receiver<crate::plugin::resources::Withdrawn>>,
+    /// The DRA driver (`[dra] enabled`): the inventory goes to it; its status and what its
+    /// claims hold (the MIG stage leaves those GPUs alone) come back.
+    dra: Option<crate::dra::DraHandle>,
     /// systemd's notify socket (READY, STATUS, WATCHDOG), a no-op outside systemd.
     notifier: crate::notify::Notifier,
     /// The last `STATUS=` sent.
@@ -315,9 +311,7 @@ pub async fn run(config: Config, root: HostRoot, once: bool) -> Result<i32, Agen
         mig: mig::MigStage::default(),
         mps: mps::MpsState::new(),
         withdrawn: BTreeSet::new(),
-        dra_inventory: None,
-        dra_status: None,
-        dra_withdrawn: None,
+        dra: None,
         notifier: crate::notify::Notifier::from_env(),
         notified_status: String::new(),
         driver: driver::DriverStage::default(),
@@ -380,7 +374,6 @@ pub async fn run(config: Config, root: HostRoot, once: bool) -> Result<i32, Agen
     };
     let (manager_task, manager_tx) = manager.unzip();
 
-    let mut dra: Option<crate::dra::DraHandle> = None;
     // The health relay: health events reach the manager from there, never waiting for a stage.
     let (relay_task, mut health_changed) = if once {
         (None, None)
@@ -395,25 +388,27 @@ pub async fn run(config: Config, root: HostRoot, once: bool) -> Result<i32, Agen
         // The DRA driver, beside the device plugin: what its claims hold is withdrawn there.
         let (_none, mut withdrawn) = watch::channel(crate::plugin::resources::Withdrawn::default());
         if agent.config.dra.enabled {
-            match agent.start_dra(changed.clone()) {
+            let inputs = agent.dra_inputs(changed.clone());
+            match crate::dra::start(agent.config.clone(), agent.root.clone(), inputs, stop.clone()) {
                 Ok(handle) => {
                     withdrawn = handle.withdrawn.clone();
-                    agent.dra_status = Some(handle.status.clone());
-                    agent.dra_withdrawn = Some(handle.withdrawn.clone());
-                    dra = Some(handle);
+                    agent.dra = Some(handle);
                 }
                 Err(e) => tracing::error!("{e}; the device plugin goes on without it"),
             }
-        } else if agent
-            .root
-            .join(&agent.config.agent.state_dir)
-            .join("dra")
-            .join(crate::dra::driver::CHECKPOINT_FILE)
-            .exists()
-        {
+        } else if crate::dra::was_on(&agent.config, &agent.root) {
             // It was on: its slices would announce devices nobody prepares.
             let (config, root) = (agent.config.clone(), agent.root.clone());
-            tokio::spawn(async move { crate::dra::remove_slices(&config, &root).await });
+            tokio::spawn(async move {
+                match crate::dra::remove_slices(&config, &root).await {
+                    Ok(0) => {}
+                    Ok(n) => tracing::info!(
+                        "DRA is off: deleted {n} ResourceSlice(s) of driver {}",
+                        config.dra.driver
+                    ),
+                    Err(e) => tracing::debug!("DRA is off; its ResourceSlices were not checked: {e}"),
+                }
+            });
         }
         (Some(tokio::spawn(relay.run(rx, health_rx, withdrawn))), Some(changed))
     };
@@ -549,7 +544,7 @@ pub async fn run(config: Config, root: HostRoot, once: bool) -> Result<i32, Agen
             }
             Some(record) = memlimit::next_record(&mut agent.memory_records) => agent.on_memory_record(record),
             Some(()) = agent.mps.changed.recv() => agent.report_mps(),
-            Ok(()) = changed(&mut agent.dra_status) => agent.write_status("running"),
+            Ok(()) = dra_status_changed(&mut agent.dra) => agent.write_status("running"),
             Ok(()) = plugin_rx.changed() => {
                 agent.plugin_status = plugin_rx.borrow_and_update().clone();
                 agent.update_stage();
@@ -569,7 +564,7 @@ pub async fn run(config: Config, root: HostRoot, once: bool) -> Result<i32, Agen
     if let Some(task) = manager_task {
         let _ = task.await;
     }
-    if let Some(dra) = dra {
+    if let Some(dra) = agent.dra.take() {
         dra.join().await;
     }
     // After the plugin is gone: quit the MPS daemons, compute mode DEFAULT back.
@@ -666,6 +661,14 @@ async fn changed<T>(rx: &mut Option<watch::Receiver<T>>) -> Result<(), watch::er
 }
 
 /// The next labels view, or never when there is no link.
+/// The DRA driver's status changed; pending forever without a driver.
+async fn dra_status_changed(dra: &mut Option<crate::dra::DraHandle>) -> Result<(), watch::error::RecvError> {
+    match dra {
+        Some(d) => d.status.changed().await,
+        None => std::future::pending().await,
+    }
+}
+
 async fn next_view(rx: &mut Option<watch::Receiver<LabelsView>>) -> Result<LabelsView, watch::error::RecvError> {
     match rx {
         Some(rx) => {
@@ -959,24 +962,19 @@ impl Agent {
         Ok(resources)
     }
 
-    /// Starts the DRA driver on the agent's inventory and health.
-    fn start_dra(&mut self, health_changed: watch::Receiver<u64>) -> Result<crate::dra::DraHandle, String> {
-        let (tx, inventory) = watch::channel(None);
-        self.dra_inventory = Some(tx);
+    /// What the DRA driver reads of the agent: device health from its tracker.
+    fn dra_inputs(&self, health_changed: watch::Receiver<u64>) -> crate::dra::Inputs {
         let tracker = self.tracker.clone();
         let health: crate::dra::HealthFn =
             Arc::new(move |device| tracker.lock().health(device) == crate::plugin::resources::Health::Healthy);
-        let inputs = crate::dra::Inputs {
-            inventory,
-            health,
-            health_changed,
-        };
-        crate::dra::start(self.config.clone(), self.root.clone(), inputs, self.stop.clone())
+        crate::dra::Inputs { health, health_changed }
     }
 
     /// Hands the DRA driver the inventory (without the GPUs whose MIG layout is changing).
     fn push_dra_inventory(&self) {
-        let Some(tx) = &self.dra_inventory else { return };
+        let Some(tx) = self.dra.as_ref().map(|d| &d.inventory) else {
+            return;
+        };
         let inventory = self.inventory.as_ref().map(|inv| {
             let mut inv = inv.clone();
             inv.gpus.retain(|g| !self.withdrawn.contains(&g.uuid));
@@ -1168,7 +1166,7 @@ impl Agent {
             }),
             labels: self.wanted_labels().unwrap_or_default(),
             mps: self.mps_statuses(),
-            dra: self.dra_status.as_ref().map(|rx| rx.borrow().clone()),
+            dra: self.dra.as_ref().map(|d| d.status.borrow().clone()),
         };
         // Skip the write when nothing but the timestamp would change.
         if self.last_status.as_ref() == Some(&status) {

@@ -348,20 +348,17 @@ impl Agent {
 
     /// Which of `changing` hold devices prepared for DRA claims, as a sentence; `None` if none.
     fn dra_held(&self, changing: &[String]) -> Option<String> {
-        let withdrawn = self.dra_withdrawn.as_ref()?.borrow().clone();
+        let dra = self.dra.as_ref()?;
+        let withdrawn = dra.withdrawn.borrow().clone();
         let held: Vec<&str> = changing
             .iter()
-            .filter(|u| withdrawn.devices.contains(*u) || withdrawn.parents.contains(*u))
+            .filter(|u| withdrawn.touches_gpu(u))
             .map(String::as_str)
             .collect();
         if held.is_empty() {
             return None;
         }
-        let claims = self
-            .dra_status
-            .as_ref()
-            .map(|s| s.borrow().prepared.join(", "))
-            .unwrap_or_default();
+        let claims = dra.status.borrow().prepared.join(", ");
         Some(format!(
             "GPU(s) {} hold devices prepared for DRA claims ({claims}); the layout waits until they are unprepared",
             held.join(", ")

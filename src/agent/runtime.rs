@@ -304,22 +304,9 @@ pub fn runtime_command(config: &Config, root: &HostRoot, command: RuntimeCommand
 /// the scheduler stops placing claims on a node whose agent is being removed. Claims prepared
 /// already keep their CDI specs (their pods may still run); the checkpoint stays with them.
 fn unconfigure_dra(config: &Config, root: &HostRoot) {
-    let had_it = root
-        .join(&config.agent.state_dir)
-        .join("dra")
-        .join(crate::dra::driver::CHECKPOINT_FILE)
-        .exists();
-    if !config.dra.enabled && !had_it {
+    if !config.dra.enabled && !crate::dra::was_on(config, root) {
         return;
     }
-    let Some(client) = crate::dra::client(config, root) else {
-        eprintln!(
-            "gpu-node-agent: no Kubernetes credentials: the DRA driver's ResourceSlices were not removed \
-             (the kubelet removes them 30 s after the plugin is gone)"
-        );
-        return;
-    };
-    let node = crate::kube::node_name(&config.kubernetes, root);
     let runtime = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
         Ok(r) => r,
         Err(e) => {
@@ -327,12 +314,16 @@ fn unconfigure_dra(config: &Config, root: &HostRoot) {
             return;
         }
     };
-    match runtime.block_on(crate::dra::Driver::delete_slices(&client, &node, &config.dra.driver)) {
+    match runtime.block_on(crate::dra::remove_slices(config, root)) {
         Ok(n) => println!(
-            "removed {n} ResourceSlice(s) of DRA driver {} on node {node}",
-            config.dra.driver
+            "removed {n} ResourceSlice(s) of DRA driver {} on node {}",
+            config.dra.driver,
+            crate::kube::node_name(&config.kubernetes, root)
         ),
-        Err(e) => eprintln!("gpu-node-agent: removing the DRA driver's ResourceSlices: {e}"),
+        Err(e) => eprintln!(
+            "gpu-node-agent: the DRA driver's ResourceSlices were not removed: {e} (the kubelet removes them 30 s \
+             after the plugin is gone)"
+        ),
     }
 }
 

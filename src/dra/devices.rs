@@ -48,7 +48,6 @@ impl Attribute {
 pub struct DraDevice {
     /// The device name in the slice (a DNS label).
     pub name: String,
-    pub kind: DraDeviceKind,
     /// The same device as the device plugin sees it (UUIDs, MIG ids, minor): for health, the
     /// CDI edits and the exclusion between the two APIs.
     pub device: PluginDevice,
@@ -167,7 +166,6 @@ pub fn devices(inventory: &Inventory, publish: &[DraDeviceKind]) -> Vec<DraDevic
             capacity.insert("memory".into(), format!("{}Mi", gpu.memory_mib));
             out.push(DraDevice {
                 name: gpu_name(gpu),
-                kind: DraDeviceKind::Gpu,
                 device: whole_gpu(gpu),
                 attributes: common_attributes(inventory, gpu, &gpu.uuid, DraDeviceKind::Gpu),
                 capacity,
@@ -201,7 +199,6 @@ pub fn devices(inventory: &Inventory, publish: &[DraDeviceKind]) -> Vec<DraDevic
                 }
                 out.push(DraDevice {
                     name,
-                    kind: DraDeviceKind::Mig,
                     device,
                     attributes,
                     capacity,

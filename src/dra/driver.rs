@@ -7,9 +7,8 @@
 //! the checkpoint names it, and the checkpoint before the kubelet hears of it; at start, spec
 //! files of claims the checkpoint does not name are removed.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
@@ -26,8 +25,6 @@ use crate::nvml::Inventory;
 use crate::plugin::devnodes::DeviceNodes;
 use crate::plugin::resources::{PluginDevice, Withdrawn};
 
-/// File name of the checkpoint under `<state_dir>/dra/`.
-pub const CHECKPOINT_FILE: &str = "checkpoint.json";
 /// How often the publisher asks the kubelet which devices the device plugin has handed out.
 pub const POD_RESOURCES_EVERY: Duration = Duration::from_secs(10);
 /// How often the publisher lists its slices even when nothing happened (the kubelet deletes a
@@ -43,20 +40,9 @@ pub type HealthFn = Arc<dyn Fn(&PluginDevice) -> bool + Send + Sync>;
 /// What the driver reads of the agent.
 #[derive(Clone)]
 pub struct Inputs {
-    /// The current inventory (GPUs whose MIG layout is changing left out); `None` while unknown.
-    pub inventory: watch::Receiver<Option<Arc<Inventory>>>,
     pub health: HealthFn,
     /// Bumped on every health change.
     pub health_changed: watch::Receiver<u64>,
-}
-
-/// Counters for status and the benchmark.
-#[derive(Debug, Default)]
-pub struct DraStats {
-    pub prepared: AtomicU64,
-    pub prepare_errors: AtomicU64,
-    pub unprepared: AtomicU64,
-    pub slice_writes: AtomicU64,
 }
 
 /// The driver: shared by the gRPC services and the publisher.
@@ -67,6 +53,8 @@ pub struct Driver {
     pub(super) node: String,
     pub(super) client: Option<KubeClient>,
     inputs: Inputs,
+    /// The current inventory (GPUs whose MIG layout is changing left out); `None` while unknown.
+    inventory: watch::Receiver<Option<Arc<Inventory>>>,
     checkpoint_path: PathBuf,
     state: Mutex<Checkpoint>,
     withdrawn: watch::Sender<Withdrawn>,
@@ -74,7 +62,6 @@ pub struct Driver {
     pub(super) registered: Notify,
     /// What status shows.
     pub status: watch::Sender<super::DraStatus>,
-    pub stats: DraStats,
 }
 
 impl Driver {
@@ -87,66 +74,38 @@ impl Driver {
         node: String,
         client: Option<KubeClient>,
         inputs: Inputs,
+        inventory: watch::Receiver<Option<Arc<Inventory>>>,
     ) -> (Arc<Driver>, watch::Receiver<Withdrawn>) {
         let driver_name = config.dra.driver.clone();
-        let checkpoint_path = root.join(&config.agent.state_dir).join("dra").join(CHECKPOINT_FILE);
-        let checkpoint = match std::fs::read_to_string(&checkpoint_path) {
-            Ok(text) => match Checkpoint::parse(&text, &checkpoint_path.display().to_string()) {
-                Ok(c) if c.driver == driver_name => c,
-                Ok(c) => {
-                    tracing::warn!(
-                        "{}: prepared for driver {:?}, not {driver_name:?} ([dra] driver changed): starting empty",
-                        checkpoint_path.display(),
-                        c.driver
-                    );
-                    Checkpoint::new(&driver_name)
-                }
-                Err(e) => {
-                    let aside = checkpoint_path.with_extension("json.corrupt");
-                    let _ = std::fs::rename(&checkpoint_path, &aside);
-                    tracing::error!(
-                        "{e}: kept as {}; starting with no prepared claims (the kubelet prepares its claims again)",
-                        aside.display()
-                    );
-                    Checkpoint::new(&driver_name)
-                }
-            },
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Checkpoint::new(&driver_name),
-            Err(e) => {
-                tracing::error!(
-                    "cannot read {}: {e}; starting with no prepared claims",
-                    checkpoint_path.display()
-                );
-                Checkpoint::new(&driver_name)
-            }
-        };
-        let (withdrawn, withdrawn_rx) = watch::channel(Withdrawn::default());
+        let checkpoint_path = super::checkpoint_path(&config, &root);
+        let checkpoint = load_checkpoint(&checkpoint_path, &driver_name);
+        remove_stale_specs(&root.join(&config.cdi.dir), &driver_name, &checkpoint);
+        // The checkpoint exists from the first start on: it also tells a later agent with DRA
+        // turned off that this node has slices to remove.
+        if !checkpoint_path.exists()
+            && let Err(e) = write_atomic(&checkpoint_path, checkpoint.render().as_bytes(), 0o600)
+        {
+            tracing::error!("DRA: cannot write the checkpoint: {e}");
+        }
+        let (withdrawn, withdrawn_rx) = watch::channel(withdrawn_by(&checkpoint, None));
+        let status = watch::Sender::new(super::DraStatus {
+            driver: driver_name,
+            prepared: prepared_names(&checkpoint),
+            ..super::DraStatus::default()
+        });
         let driver = Arc::new(Driver {
             config,
             root,
             node,
             client,
             inputs,
+            inventory,
             checkpoint_path,
             state: Mutex::new(checkpoint),
             withdrawn,
             registered: Notify::new(),
-            status: watch::Sender::new(super::DraStatus {
-                driver: driver_name.clone(),
-                ..super::DraStatus::default()
-            }),
-            stats: DraStats::default(),
+            status,
         });
-        driver.remove_stale_specs();
-        driver.publish_withdrawn_blocking();
-        // The checkpoint exists from the first start on: it also tells a later agent with DRA
-        // turned off that this node has slices to remove.
-        if !driver.checkpoint_path.exists()
-            && let Ok(state) = driver.state.try_lock()
-            && let Err(e) = driver.save(&state)
-        {
-            tracing::error!("DRA: cannot write the checkpoint: {e}");
-        }
         (driver, withdrawn_rx)
     }
 
@@ -158,57 +117,15 @@ impl Driver {
         self.root.join(&self.config.cdi.dir)
     }
 
-    /// Removes claim specs of this driver that the checkpoint does not name (a prepare that
-    /// crashed between the spec and the checkpoint, or an unprepare between the checkpoint and
-    /// the spec).
-    fn remove_stale_specs(&self) {
-        let Ok(state) = self.state.try_lock() else { return };
-        let Ok(entries) = std::fs::read_dir(self.cdi_dir()) else {
-            return;
-        };
-        for entry in entries.flatten() {
-            let file = entry.file_name();
-            let Some(file) = file.to_str() else { continue };
-            if let Some(uid) = claims::claim_of_spec_file(self.driver_name(), file)
-                && !state.claims.contains_key(uid)
-            {
-                match std::fs::remove_file(entry.path()) {
-                    Ok(()) => tracing::info!("removed {}: no prepared claim {uid}", entry.path().display()),
-                    Err(e) => tracing::warn!("cannot remove stale {}: {e}", entry.path().display()),
-                }
-            }
-        }
-    }
-
-    fn publish_withdrawn_blocking(&self) {
-        if let Ok(state) = self.state.try_lock() {
-            self.publish_withdrawn(&state);
-        }
-    }
-
-    /// Tells the device plugin which devices claims hold.
+    /// Tells the device plugin which devices claims hold, and status which claims.
     fn publish_withdrawn(&self, state: &Checkpoint) {
-        let inventory = self.inputs.inventory.borrow().clone();
-        let mut w = Withdrawn::default();
-        for uuid in state.uuids() {
-            w.devices.insert(uuid.to_string());
-            let parent = inventory
-                .as_ref()
-                .and_then(|i| i.gpus.iter().find(|g| g.mig_devices.iter().any(|m| m.uuid == uuid)));
-            if let Some(gpu) = parent {
-                w.parents.insert(gpu.uuid.clone());
-            }
-        }
+        let w = withdrawn_by(state, self.inventory.borrow().as_deref());
         self.withdrawn.send_if_modified(|cur| {
             let changed = *cur != w;
             *cur = w;
             changed
         });
-        let prepared: Vec<String> = state
-            .claims
-            .values()
-            .map(|c| format!("{}/{}", c.namespace, c.name))
-            .collect();
+        let prepared = prepared_names(state);
         self.update_status(|s| s.prepared = prepared);
     }
 
@@ -219,15 +136,6 @@ impl Driver {
             f(s);
             *s != before
         });
-    }
-
-    /// The devices this driver can hand out now (what it publishes before health and the
-    /// device plugin's allocations are taken out).
-    pub fn devices(&self) -> Vec<DraDevice> {
-        match self.inputs.inventory.borrow().as_ref() {
-            Some(inv) => devices::devices(inv, &self.config.dra.publish),
-            None => Vec::new(),
-        }
     }
 
     /// Prepares the claims; one answer per claim, in order: its devices, or why not.
@@ -248,13 +156,12 @@ impl Driver {
                 }
                 Err(e) => {
                     tracing::warn!("prepare {claim}: {e}");
-                    self.stats.prepare_errors.fetch_add(1, Ordering::Relaxed);
                     answers.push(Err(e));
                 }
             }
         }
         if !new.is_empty() {
-            if let Err(e) = self.save_async(&state).await {
+            if let Err(e) = self.save(&state).await {
                 // The kubelet must not hear of a prepare the checkpoint does not hold.
                 let e = format!("cannot record the prepared claim: {e}");
                 tracing::error!("{e}");
@@ -266,7 +173,6 @@ impl Driver {
                     }
                 }
             } else {
-                self.stats.prepared.fetch_add(new.len() as u64, Ordering::Relaxed);
                 for uid in &new {
                     if let Some(c) = state.claims.get(uid) {
                         let names: Vec<&str> = c.devices.iter().map(|d| d.device.as_str()).collect();
@@ -295,7 +201,7 @@ impl Driver {
             .await
             .map_err(|e| e.to_string())?;
         let allocated = claims::allocated(&claim, want, self.driver_name())?;
-        let inventory = self.inputs.inventory.borrow().clone().ok_or_else(|| {
+        let inventory = self.inventory.borrow().clone().ok_or_else(|| {
             "the GPU inventory is not known yet (NVML not open, or a MIG change in progress)".to_string()
         })?;
         let available = devices::devices(&inventory, &self.config.dra.publish);
@@ -395,6 +301,9 @@ impl Driver {
     /// Which devices the device plugin has handed out (the kubelet's pod-resources API);
     /// nothing when it cannot tell (logged).
     async fn device_plugin_holders(&self) -> Attribution {
+        if !self.config.device_plugin.enabled {
+            return Attribution::default();
+        }
         let socket = self.root.join(&self.config.metrics.pod_resources_socket);
         match attribution(&socket).await {
             Ok(a) => a,
@@ -417,7 +326,7 @@ impl Driver {
         if removed.is_empty() {
             return claims.iter().map(|_| Ok(())).collect();
         }
-        if let Err(e) = self.save_async(&state).await {
+        if let Err(e) = self.save(&state).await {
             let e = format!("cannot record the unprepared claim: {e}");
             tracing::error!("{e}");
             for (uid, c) in removed {
@@ -435,7 +344,6 @@ impl Driver {
                 Ok(())
             })
             .collect();
-        self.stats.unprepared.fetch_add(removed.len() as u64, Ordering::Relaxed);
         self.publish_withdrawn(&state);
         answers
     }
@@ -449,23 +357,14 @@ impl Driver {
         }
     }
 
-    fn save(&self, state: &Checkpoint) -> Result<(), String> {
-        write_atomic(&self.checkpoint_path, state.render().as_bytes(), 0o600).map_err(|e| e.to_string())
-    }
-
-    /// [`Driver::save`] off the async workers (the write fsyncs).
-    async fn save_async(&self, state: &Checkpoint) -> Result<(), String> {
+    /// Writes the checkpoint, off the async workers (the write fsyncs).
+    async fn save(&self, state: &Checkpoint) -> Result<(), String> {
         write_off_loop(self.checkpoint_path.clone(), state.render(), 0o600).await
-    }
-
-    /// The prepared claims now.
-    pub async fn checkpoint(&self) -> Checkpoint {
-        self.state.lock().await.clone()
     }
 
     /// What should be published now: devices healthy and not handed out by the device plugin.
     fn wanted(&self, held: &Attribution) -> Vec<DraDevice> {
-        let inventory = self.inputs.inventory.borrow().clone();
+        let inventory = self.inventory.borrow().clone();
         let Some(inventory) = inventory else { return Vec::new() };
         devices::devices(&inventory, &self.config.dra.publish)
             .into_iter()
@@ -481,7 +380,7 @@ impl Driver {
             tracing::warn!("DRA: no Kubernetes credentials: ResourceSlices are not published");
             return;
         };
-        let mut inventory = self.inputs.inventory.clone();
+        let mut inventory = self.inventory.clone();
         let mut health = self.inputs.health_changed.clone();
         let mut held = Attribution::default();
         let mut held_at: Option<Instant> = None;
@@ -535,7 +434,7 @@ impl Driver {
     }
 
     /// One round: the slices wanted now against those last written (or listed, with
-    /// `relist`); writes only what differs. Returns whether it listed.
+    /// `relist`); writes only what differs, at the next generation. Returns whether it listed.
     async fn sync(
         &self,
         client: &KubeClient,
@@ -547,71 +446,54 @@ impl Driver {
         let wanted_devices = self.wanted(held);
         let refs: Vec<&DraDevice> = wanted_devices.iter().collect();
         let driver = self.driver_name();
-        let mut existing = match (relist, last.as_ref()) {
-            (false, Some(l)) => {
-                let wanted = devices::slices(&self.node, driver, &refs, *generation);
-                if devices::same_content(l, &wanted) {
-                    return Ok(false);
-                }
-                l.clone()
+        let mut wanted = devices::slices(&self.node, driver, &refs, *generation);
+        let (mut existing, listed) = match last.take() {
+            Some(l) if !relist => (l, false),
+            _ => {
+                let listed = client
+                    .list_resource_slices(&self.node, driver)
+                    .await
+                    .map_err(|e| e.to_string())?;
+                (listed, true)
             }
-            _ => client
-                .list_resource_slices(&self.node, driver)
-                .await
-                .map_err(|e| e.to_string())?,
         };
-        let on_server_generation = existing
+        if devices::same_content(&existing, &wanted) {
+            *last = Some(existing);
+            if listed {
+                self.show_published(wanted_devices.len(), *generation);
+            }
+            return Ok(listed);
+        }
+        // On an error below `last` stays empty: the next round lists again (a stale
+        // resourceVersion, a slice made or deleted meanwhile).
+        let on_server = existing
             .iter()
             .filter_map(|s| s.pointer("/spec/pool/generation").and_then(Value::as_i64))
             .max()
             .unwrap_or(0);
-        *generation = (*generation).max(on_server_generation);
-        let wanted = devices::slices(&self.node, driver, &refs, *generation);
-        if devices::same_content(&existing, &wanted) {
-            *last = Some(existing);
-            let (n, g) = (wanted_devices.len(), *generation);
-            self.update_status(|s| {
-                s.published = n;
-                s.generation = g;
-            });
-            return Ok(true);
-        }
-        *generation += 1;
-        let wanted = devices::slices(&self.node, driver, &refs, *generation);
+        *generation = (*generation).max(on_server) + 1;
         let mut written = Vec::new();
-        for mut slice in wanted {
-            let name = slice
-                .pointer("/metadata/name")
-                .and_then(Value::as_str)
-                .unwrap_or("")
-                .to_string();
+        for slice in &mut wanted {
+            slice["spec"]["pool"]["generation"] = Value::from(*generation);
+            let name = slice.pointer("/metadata/name").and_then(Value::as_str);
             let old = existing
                 .iter()
-                .position(|s| s.pointer("/metadata/name").and_then(Value::as_str) == Some(name.as_str()))
+                .position(|s| s.pointer("/metadata/name").and_then(Value::as_str) == name)
                 .map(|i| existing.remove(i));
             let stored = match old {
                 Some(old) => {
                     if let Some(rv) = old.pointer("/metadata/resourceVersion") {
                         slice["metadata"]["resourceVersion"] = rv.clone();
                     }
-                    client.update_resource_slice(&slice).await
+                    client.update_resource_slice(slice).await
                 }
-                None => client.create_resource_slice(&slice).await,
+                None => client.create_resource_slice(slice).await,
             };
-            let stored = stored.map_err(|e| {
-                // A stale resourceVersion or a slice made meanwhile: list again next time.
-                *last = None;
-                e.to_string()
-            })?;
-            self.stats.slice_writes.fetch_add(1, Ordering::Relaxed);
-            written.push(stored);
+            written.push(stored.map_err(|e| e.to_string())?);
         }
         for gone in existing {
             if let Some(name) = gone.pointer("/metadata/name").and_then(Value::as_str) {
-                client.delete_resource_slice(name).await.map_err(|e| {
-                    *last = None;
-                    e.to_string()
-                })?;
+                client.delete_resource_slice(name).await.map_err(|e| e.to_string())?;
             }
         }
         tracing::info!(
@@ -621,28 +503,93 @@ impl Driver {
             wanted_devices.len()
         );
         *last = Some(written);
-        let (n, g) = (wanted_devices.len(), *generation);
-        self.update_status(|s| {
-            s.published = n;
-            s.generation = g;
-        });
-        Ok(true)
+        self.show_published(wanted_devices.len(), *generation);
+        Ok(listed)
     }
 
-    /// Deletes this node's slices of the driver (DRA turned off, or the agent unconfigured).
-    /// Returns how many there were.
-    pub async fn delete_slices(client: &KubeClient, node: &str, driver: &str) -> Result<usize, String> {
-        let slices = client
-            .list_resource_slices(node, driver)
-            .await
-            .map_err(|e| e.to_string())?;
-        for s in &slices {
-            if let Some(name) = s.pointer("/metadata/name").and_then(Value::as_str) {
-                client.delete_resource_slice(name).await.map_err(|e| e.to_string())?;
+    fn show_published(&self, devices: usize, generation: i64) {
+        self.update_status(|s| {
+            s.published = devices;
+            s.generation = generation;
+        });
+    }
+}
+
+/// The checkpoint at `path`, for `driver`: empty when missing, unreadable (logged), of another
+/// driver (logged), or corrupt (kept aside as `.json.corrupt`, logged).
+fn load_checkpoint(path: &Path, driver: &str) -> Checkpoint {
+    let text = match std::fs::read_to_string(path) {
+        Ok(text) => text,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Checkpoint::new(driver),
+        Err(e) => {
+            tracing::error!("cannot read {}: {e}; starting with no prepared claims", path.display());
+            return Checkpoint::new(driver);
+        }
+    };
+    match Checkpoint::parse(&text, &path.display().to_string()) {
+        Ok(c) if c.driver == driver => c,
+        Ok(c) => {
+            tracing::warn!(
+                "{}: prepared for driver {:?}, not {driver:?} ([dra] driver changed): starting empty",
+                path.display(),
+                c.driver
+            );
+            Checkpoint::new(driver)
+        }
+        Err(e) => {
+            let aside = path.with_extension("json.corrupt");
+            let _ = std::fs::rename(path, &aside);
+            tracing::error!(
+                "{e}: kept as {}; starting with no prepared claims (the kubelet prepares its claims again)",
+                aside.display()
+            );
+            Checkpoint::new(driver)
+        }
+    }
+}
+
+/// Removes the claim specs of `driver` in `cdi_dir` that `checkpoint` does not name (a prepare
+/// that crashed between the spec and the checkpoint, or an unprepare between the checkpoint and
+/// the spec).
+fn remove_stale_specs(cdi_dir: &Path, driver: &str, checkpoint: &Checkpoint) {
+    let Ok(entries) = std::fs::read_dir(cdi_dir) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let file = entry.file_name();
+        let Some(file) = file.to_str() else { continue };
+        if let Some(uid) = claims::claim_of_spec_file(driver, file)
+            && !checkpoint.claims.contains_key(uid)
+        {
+            match std::fs::remove_file(entry.path()) {
+                Ok(()) => tracing::info!("removed {}: no prepared claim {uid}", entry.path().display()),
+                Err(e) => tracing::warn!("cannot remove stale {}: {e}", entry.path().display()),
             }
         }
-        Ok(slices.len())
     }
+}
+
+/// What the claims of `state` hold, for the device plugin: their devices, and the GPUs of
+/// their MIG devices (known once the inventory is).
+fn withdrawn_by(state: &Checkpoint, inventory: Option<&Inventory>) -> Withdrawn {
+    let mut w = Withdrawn::default();
+    for uuid in state.uuids() {
+        w.devices.insert(uuid.to_string());
+        let parent = inventory.and_then(|i| i.gpus.iter().find(|g| g.mig_devices.iter().any(|m| m.uuid == uuid)));
+        if let Some(gpu) = parent {
+            w.parents.insert(gpu.uuid.clone());
+        }
+    }
+    w
+}
+
+/// The prepared claims as `namespace/name`, for status.
+fn prepared_names(state: &Checkpoint) -> Vec<String> {
+    state
+        .claims
+        .values()
+        .map(|c| format!("{}/{}", c.namespace, c.name))
+        .collect()
 }
 
 /// [`write_atomic`] on a blocking thread: it fsyncs, which must not hold an async worker.

@@ -29,6 +29,7 @@ use tokio_util::sync::CancellationToken;
 use crate::config::Config;
 use crate::host::HostRoot;
 use crate::kube::KubeClient;
+use crate::nvml::Inventory;
 use crate::plugin::resources::Withdrawn;
 pub use driver::{Driver, HealthFn, Inputs};
 
@@ -52,6 +53,17 @@ pub struct DraStatus {
 
 /// How often the socket files are checked (someone may delete them).
 const SOCKET_CHECK_EVERY: Duration = Duration::from_secs(5);
+
+/// The checkpoint of prepared claims: `<state_dir>/dra/checkpoint.json` under the root.
+pub fn checkpoint_path(config: &Config, root: &HostRoot) -> PathBuf {
+    root.join(&config.agent.state_dir).join("dra").join("checkpoint.json")
+}
+
+/// Whether the DRA driver ran on this node (its checkpoint exists from its first start), so
+/// that its slices may still be out there.
+pub fn was_on(config: &Config, root: &HostRoot) -> bool {
+    checkpoint_path(config, root).exists()
+}
 
 /// The registration socket's host path: `<registry_dir>/<driver>-reg.sock`.
 pub fn registration_socket(config: &Config) -> PathBuf {
@@ -88,6 +100,8 @@ pub fn client(config: &Config, root: &HostRoot) -> Option<KubeClient> {
 /// The running driver.
 pub struct DraHandle {
     pub driver: Arc<Driver>,
+    /// The agent's inventory for the driver (GPUs whose MIG layout is changing left out).
+    pub inventory: watch::Sender<Option<Arc<Inventory>>>,
     /// The devices claims hold, for the device plugin.
     pub withdrawn: watch::Receiver<Withdrawn>,
     /// The driver's state, for status.
@@ -111,7 +125,8 @@ pub fn start(config: Config, root: HostRoot, inputs: Inputs, stop: CancellationT
     let reg_host = registration_socket(&config);
     let (dra_path, reg_path) = (root.join(&dra_host), root.join(&reg_host));
     let endpoint = dra_host.display().to_string();
-    let (driver, withdrawn) = Driver::new(config, root, node, client, inputs);
+    let (inventory, inventory_rx) = watch::channel(None);
+    let (driver, withdrawn) = Driver::new(config, root, node, client, inputs, inventory_rx);
     tracing::info!(
         "DRA driver {} serving {} (registration {})",
         driver.config.dra.driver,
@@ -156,23 +171,27 @@ pub fn start(config: Config, root: HostRoot, inputs: Inputs, stop: CancellationT
     let status = driver.status.subscribe();
     Ok(DraHandle {
         driver,
+        inventory,
         withdrawn,
         status,
         task,
     })
 }
 
-/// With DRA off: deletes the slices this node's driver left behind, if any (a node that had it
-/// on). Logs what it did; does nothing without credentials.
-pub async fn remove_slices(config: &Config, root: &HostRoot) {
-    let Some(client) = client(config, root) else { return };
+/// Deletes this node's slices of the driver (DRA turned off, or the agent unconfigured);
+/// returns how many there were. `Err` without credentials, or when the API server refuses.
+pub async fn remove_slices(config: &Config, root: &HostRoot) -> Result<usize, String> {
+    let client = client(config, root).ok_or_else(|| "no Kubernetes credentials".to_string())?;
     let node = crate::kube::node_name(&config.kubernetes, root);
-    match Driver::delete_slices(&client, &node, &config.dra.driver).await {
-        Ok(0) => {}
-        Ok(n) => tracing::info!(
-            "DRA is off: deleted {n} ResourceSlice(s) of driver {} on node {node:?}",
-            config.dra.driver
-        ),
-        Err(e) => tracing::debug!("DRA is off; its ResourceSlices were not checked: {e}"),
+    let driver = &config.dra.driver;
+    let slices = client
+        .list_resource_slices(&node, driver)
+        .await
+        .map_err(|e| e.to_string())?;
+    for s in &slices {
+        if let Some(name) = s.pointer("/metadata/name").and_then(serde_json::Value::as_str) {
+            client.delete_resource_slice(name).await.map_err(|e| e.to_string())?;
+        }
     }
+    Ok(slices.len())
 }

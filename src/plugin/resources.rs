@@ -94,6 +94,11 @@ impl Withdrawn {
             || (device.mig.is_none() && self.parents.contains(&device.uuid))
     }
 
+    /// Whether the GPU with this UUID, or a MIG device on it, is held.
+    pub fn touches_gpu(&self, gpu_uuid: &str) -> bool {
+        self.devices.contains(gpu_uuid) || self.parents.contains(gpu_uuid)
+    }
+
     /// `resources` without the devices this covers (replicas follow their device).
     pub fn apply(&self, resources: &mut [Resource]) {
         if self.devices.is_empty() {
