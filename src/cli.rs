@@ -156,10 +156,11 @@ pub enum CdiCommand {
         #[arg(long, value_name = "FILE")]
         output: Option<PathBuf>,
     },
-    /// Run a CDI hook: the spec names these as OCI createContainer hooks, and container
-    /// runtimes run them with the container's OCI state on standard input. Needs no config and
-    /// no NVIDIA Container Toolkit. Exit 0: done; 1: failed (the runtime then refuses to start
-    /// the container).
+    /// Run a CDI hook, as gpu-node-agent-cdi-hook does: for specs written by earlier versions
+    /// (the agent's spec now names gpu-node-agent-cdi-hook, a statically linked program).
+    /// Container runtimes run hooks with the container's OCI state on standard input. Needs no
+    /// config and no NVIDIA Container Toolkit. Exit 0: done; 1: failed (the runtime then refuses
+    /// to start the container).
     Hook {
         #[command(subcommand)]
         hook: HookCommand,
@@ -174,13 +175,14 @@ pub enum HookCommand {
         #[arg(long = "link", value_name = "TARGET::PATH")]
         links: Vec<String>,
     },
-    /// Run the container's own ldconfig (chrooted into the container) over these folders.
+    /// Add these folders to the container's linker cache: the host's statically linked ldconfig
+    /// runs in a sandbox pivoted into the container's root (nothing of the image is executed).
     UpdateLdcache {
         /// A folder with driver libraries, in the container.
         #[arg(long = "folder", value_name = "DIR")]
         folders: Vec<PathBuf>,
-        /// The ldconfig to run, in the container (default: the first of /sbin/ldconfig.real,
-        /// /sbin/ldconfig, /usr/sbin/ldconfig.real, /usr/sbin/ldconfig).
+        /// The host's ldconfig to run, a root-owned static program (default: the first usable of
+        /// /sbin/ldconfig.real, /sbin/ldconfig, /usr/sbin/ldconfig.real, /usr/sbin/ldconfig).
         #[arg(long, value_name = "PATH")]
         ldconfig_path: Option<PathBuf>,
     },

@@ -162,6 +162,7 @@ fn setup() -> Setup {
     require(PODMAN);
     require("/bin/busybox");
     let node = Node::new(&machine(), CONFIG);
+    node.use_static_cdi_hook();
     let out = node.run(&["mig", "apply", "one"]);
     assert_eq!(
         out.status.code(),
@@ -286,7 +287,9 @@ fn a_container_gets_working_driver_libraries_and_only_its_gpu_through_podman_and
     let spec = setup.spec(CONFIG);
     let hooks = spec["containerEdits"]["hooks"].as_array().expect("hooks");
     assert!(
-        hooks.iter().all(|h| h["args"][1] == "cdi" && h["args"][2] == "hook"),
+        hooks.iter().all(|h| h["args"][0] == "gpu-node-agent-cdi-hook"
+            && h["path"] == common::path_str(&common::cdi_hook_program())
+            && h["env"] == serde_json::json!(["NVIDIA_CTK_DEBUG=false"])),
         "{hooks:?}"
     );
 
@@ -377,13 +380,13 @@ fn the_container_sees_modify_device_files_0() {
         bundle.display()
     );
     let script = r#"set -e
-echo "$3" | "$1" cdi hook disable-device-node-modification
+echo "$3" | "$1" disable-device-node-modification
 cat "$2"
 if echo x >> "$2" 2>/dev/null; then echo writable; fi
 "#;
     let out = run(Command::new("unshare")
         .args(["--mount", "--propagation", "private", "sh", "-c", script, "sh"])
-        .arg(env!("CARGO_BIN_EXE_gpu-node-agent"))
+        .arg(common::cdi_hook_program())
         .arg(&params)
         .arg(&state));
     let seen = text(&out);

@@ -18,7 +18,8 @@
 //!   `enable-cuda-compat` and `disable-device-node-modification` need a recent
 //!   `nvidia-cdi-hook`, and a hook subcommand the installed binary does not know fails every
 //!   container start. The agent as hook ([`hook`]) runs all four.
-//! - `create-symlinks` also recreates the host's soname links; hooks carry no environment.
+//! - `create-symlinks` also recreates the host's soname links; every hook carries the same
+//!   explicit `env` as NVIDIA's (`NVIDIA_CTK_DEBUG=false`), so no hook inherits the container's.
 //! - No deprecated `chmod` hook for `/dev/nvidia-caps`.
 //!
 //! The opt-in injections (GDS, MOFED, GDRCopy, IMEX channels) get a spec per class, as NVIDIA's
@@ -32,7 +33,8 @@ pub mod conflicts;
 mod driver_files;
 mod extra;
 mod generate;
-pub mod hook;
+/// The hooks themselves: the `gpu-node-agent-cdi-hook` crate (statically linked program).
+pub use cdi_hook as hook;
 mod model;
 
 use std::path::PathBuf;

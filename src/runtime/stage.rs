@@ -1602,13 +1602,7 @@ pub fn cdi_spec_model(
 
 /// Where the spec's hook program is looked for, by `[cdi] hook`.
 pub fn hook_search(config: &Config) -> cdi::HookSearch {
-    let agent = || {
-        if config.cdi.agent_path.as_os_str().is_empty() {
-            agent_binary()
-        } else {
-            Some(config.cdi.agent_path.clone())
-        }
-    };
+    let agent = || agent_hook(config);
     match config.cdi.hook {
         CdiHook::Auto => cdi::HookSearch {
             toolkit: config.cdi.hook_paths.clone(),
@@ -1623,6 +1617,32 @@ pub fn hook_search(config: &Config) -> cdi::HookSearch {
             agent: None,
         },
     }
+}
+
+/// The agent's hook program (a host path): `cdi.agent_path`, else `gpu-node-agent-cdi-hook` beside
+/// the running agent (the packages install both in `/usr/bin`). It runs as host root against
+/// untrusted images, and only a statically linked build is safe from an image's `LD_PRELOAD`
+/// under a runtime that ignores the spec's `env`: any other is named in a warning (the spec still
+/// gives every hook its `env`, which runc, crun and containerd honour).
+pub fn agent_hook(config: &Config) -> Option<PathBuf> {
+    let path = if config.cdi.agent_path.as_os_str().is_empty() {
+        agent_binary()?.with_file_name(cdi::hook::PROGRAM)
+    } else {
+        config.cdi.agent_path.clone()
+    };
+    if let Err(reason) = check_agent_hook(&path) {
+        tracing::warn!(
+            "cdi: the agent's hook program {} {reason}; a container runtime that ignores a hook's env would let an image's LD_PRELOAD run in it as root (install the package's static build, set cdi.agent_path, or cdi.hook = \"toolkit\")",
+            path.display()
+        );
+    }
+    Some(path)
+}
+
+/// Why the hook program at `path` is not a statically linked program, if it is not.
+pub fn check_agent_hook(path: &Path) -> Result<(), String> {
+    let mut file = std::fs::File::open(path).map_err(|e| format!("cannot be opened: {e}"))?;
+    cdi::hook::ldcache::static_elf(&mut file).map_err(|why| format!("is {why}"))
 }
 
 /// The running agent's path: what a package installed (`/usr/bin/gpu-node-agent`). After an

@@ -108,6 +108,33 @@ pub fn fake_nvml_library() -> PathBuf {
     );
 }
 
+/// The agent's CDI hook program as the packages ship it: `gpu-node-agent-cdi-hook` linked
+/// statically (`crt-static`), built once into `target/static-hook/` (scripts/test builds it before
+/// the tests; here it is only checked to be up to date).
+pub fn cdi_hook_program() -> PathBuf {
+    static BUILT: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+    BUILT
+        .get_or_init(|| {
+            let workspace = Path::new(env!("CARGO_MANIFEST_DIR"));
+            let dir = workspace.join("target/static-hook");
+            let out = Command::new(env!("CARGO"))
+                .current_dir(workspace)
+                .args(["rustc", "--quiet", "--locked", "-p", "gpu-node-agent-cdi-hook"])
+                .args(["--bin", "gpu-node-agent-cdi-hook", "--target-dir"])
+                .arg(&dir)
+                .args(["--", "-C", "target-feature=+crt-static"])
+                .output()
+                .expect("cargo rustc for the static hook program");
+            assert!(
+                out.status.success(),
+                "building the static gpu-node-agent-cdi-hook: {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+            dir.join("debug/gpu-node-agent-cdi-hook")
+        })
+        .clone()
+}
+
 pub struct Node {
     pub tmp: TempDir,
     pub root: PathBuf,
@@ -179,6 +206,20 @@ impl Node {
         } else {
             fs::write(dropin, extra).expect("write drop-in");
         }
+    }
+
+    /// Writes the drop-in `config.d/<name>` (read in name order, before `50-test.toml`).
+    pub fn write_dropin(&self, name: &str, text: &str) {
+        let path = self.config_path().with_file_name("config.d").join(name);
+        fs::write(path, text).expect("write drop-in");
+    }
+
+    /// Makes the static [`cdi_hook_program`] the spec's hook program (`cdi.agent_path`).
+    pub fn use_static_cdi_hook(&self) {
+        self.write_dropin(
+            "10-cdi-hook.toml",
+            &format!("[cdi]\nagent_path = \"{}\"\n", cdi_hook_program().display()),
+        );
     }
 
     pub fn plugin_dir(&self) -> PathBuf {

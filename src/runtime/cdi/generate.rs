@@ -4,6 +4,8 @@
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 
+use cdi_hook::HOOK_ENV;
+
 use super::CdiError;
 use super::driver_files::{DriverFiles, HookBinary, REQUIRED_LIBRARIES};
 use super::model::{ContainerEdits, Device, DeviceNode, Hook, Mount, Spec, minimum_version};
@@ -246,11 +248,9 @@ fn hooks(files: &DriverFiles) -> Result<Vec<Hook>, CdiError> {
     let base = binary.path().file_name().and_then(|n| n.to_str()).unwrap_or(path);
     let hook = |name: &str, args: Vec<String>| {
         let mut argv = vec![base.to_string()];
-        // `nvidia-ctk` takes the hooks as `nvidia-ctk hook <name>`; `nvidia-cdi-hook` as `<name>`;
-        // the agent as `gpu-node-agent cdi hook <name>`.
-        if agent {
-            argv.extend(["cdi".to_string(), "hook".to_string()]);
-        } else if base == "nvidia-ctk" {
+        // `nvidia-ctk` takes the hooks as `nvidia-ctk hook <name>`; `nvidia-cdi-hook` and the
+        // agent's `gpu-node-agent-cdi-hook` as `<name>`.
+        if base == "nvidia-ctk" {
             argv.push("hook".to_string());
         }
         argv.push(name.to_string());
@@ -259,6 +259,7 @@ fn hooks(files: &DriverFiles) -> Result<Vec<Hook>, CdiError> {
             hook_name: "createContainer".to_string(),
             path: path.to_string(),
             args: argv,
+            env: HOOK_ENV.iter().map(|e| e.to_string()).collect(),
         }
     };
 

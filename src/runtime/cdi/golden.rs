@@ -33,7 +33,7 @@ const KIND: &str = "example.com/device";
 /// The GPU's UUID (not in the golden data: nvidia-ctk names it by index only).
 const UUID: &str = "GPU-36e8d3e1-5a3f-4c9d-8e8b-3c2b1a0f9e7d";
 /// The agent's own hook program, when no toolkit hook is installed.
-const AGENT: &str = "/usr/bin/gpu-node-agent";
+const AGENT: &str = "/usr/bin/gpu-node-agent-cdi-hook";
 
 /// NVIDIA's expected spec, with the driver root filled in.
 fn golden() -> Value {
@@ -164,14 +164,6 @@ fn with_uuid_names(spec: &mut Value) {
     devices.insert(1, by_uuid);
 }
 
-/// Hooks carry no `env` (`NVIDIA_CTK_DEBUG=false` is the hook's default anyway).
-fn without_hook_env(spec: &mut Value) {
-    for hook in hooks(spec) {
-        let env = hook.as_object_mut().unwrap().remove("env");
-        assert_eq!(env, Some(json!(["NVIDIA_CTK_DEBUG=false"])), "{hook}");
-    }
-}
-
 /// The toolkit's hook gets only `create-symlinks` and `update-ldcache`: an older
 /// `nvidia-cdi-hook` fails every container on a subcommand it does not know.
 fn toolkit_hooks_only(spec: &mut Value) {
@@ -197,15 +189,16 @@ fn with_soname_links(spec: &mut Value) {
     args.push(json!(format!("libcuda.so.{VERSION}::{LIB}/libcuda.so.1")));
 }
 
-/// Without the toolkit installed the agent is the hook: its path, and `gpu-node-agent cdi hook
-/// <name>` in place of `nvidia-cdi-hook <name>`; the rest of each hook's arguments are the same.
+/// Without the toolkit installed the agent's hook program is the hook: its path, and
+/// `gpu-node-agent-cdi-hook <name>` in place of `nvidia-cdi-hook <name>`; the rest of each hook's
+/// arguments, and its `env`, are the same.
 fn as_agent_hook(spec: &mut Value) {
     for hook in hooks(spec) {
         assert_eq!(hook["path"], "/usr/bin/nvidia-cdi-hook");
         hook["path"] = json!(AGENT);
         let args = hook["args"].as_array_mut().unwrap();
         assert_eq!(args[0], "nvidia-cdi-hook");
-        args.splice(0..1, [json!("gpu-node-agent"), json!("cdi"), json!("hook")]);
+        args[0] = json!("gpu-node-agent-cdi-hook");
     }
 }
 
@@ -263,7 +256,6 @@ fn equals_nvidia_ctks_golden_spec_with_the_toolkit_hook() {
     let mut expected = golden();
     with_libnvidia_ml(&mut expected);
     with_uuid_names(&mut expected);
-    without_hook_env(&mut expected);
     toolkit_hooks_only(&mut expected);
     with_soname_links(&mut expected);
     assert_entries_equal(&ours, &expected);
@@ -280,7 +272,6 @@ fn equals_nvidia_ctks_golden_spec_with_the_agent_as_hook() {
     let mut expected = golden();
     with_libnvidia_ml(&mut expected);
     with_uuid_names(&mut expected);
-    without_hook_env(&mut expected);
     with_soname_links(&mut expected);
     as_agent_hook(&mut expected);
     assert_entries_equal(&ours, &expected);

@@ -94,6 +94,10 @@ pub struct Hook {
     pub path: String,
     /// Full argv, starting with the binary's base name.
     pub args: Vec<String>,
+    /// The hook's whole environment. Never empty: a runtime starts a hook without `env` with the
+    /// container's environment, and an image's `LD_PRELOAD` then runs in the hook as host root
+    /// (CVE-2025-23266).
+    pub env: Vec<String>,
 }
 
 /// The lowest CDI spec version that has every feature `spec` uses, by the rules of the CDI

@@ -760,33 +760,35 @@ fn the_agent_as_hook_gets_all_four_hooks_in_nvidia_ctks_order() {
     fake_driver(root.path());
     // No toolkit hook installed: the agent's own is used.
     let search = HookSearch {
-        agent: Some("/usr/bin/gpu-node-agent".into()),
+        agent: Some("/usr/bin/gpu-node-agent-cdi-hook".into()),
         ..hook_candidates()
     };
     let files = discover(root.path(), Path::new("/"), VERSION, &search, &HostArch::X86_64);
     assert_eq!(
         files.cdi_hook,
-        Some(HookBinary::Agent("/usr/bin/gpu-node-agent".into()))
+        Some(HookBinary::Agent("/usr/bin/gpu-node-agent-cdi-hook".into()))
     );
     let agent_spec = spec(&inventory(), &nodes(), &files, &CdiOptions::default()).unwrap();
     let hooks = &agent_spec.container_edits.hooks;
     assert!(
         hooks
             .iter()
-            .all(|h| h.path == "/usr/bin/gpu-node-agent" && h.hook_name == "createContainer")
+            .all(|h| h.path == "/usr/bin/gpu-node-agent-cdi-hook" && h.hook_name == "createContainer")
     );
-    let heads: Vec<_> = hooks.iter().map(|h| h.args[..4].join(" ")).collect();
+    let heads: Vec<_> = hooks.iter().map(|h| h.args[..2].join(" ")).collect();
     assert_eq!(
         heads,
         [
-            "gpu-node-agent cdi hook create-symlinks",
-            "gpu-node-agent cdi hook enable-cuda-compat",
-            "gpu-node-agent cdi hook update-ldcache",
-            "gpu-node-agent cdi hook disable-device-node-modification",
+            "gpu-node-agent-cdi-hook create-symlinks",
+            "gpu-node-agent-cdi-hook enable-cuda-compat",
+            "gpu-node-agent-cdi-hook update-ldcache",
+            "gpu-node-agent-cdi-hook disable-device-node-modification",
         ]
     );
-    assert_eq!(hooks[1].args[4], format!("--host-driver-version={VERSION}"));
-    assert_eq!(hooks[3].args.len(), 4);
+    assert_eq!(hooks[1].args[2], format!("--host-driver-version={VERSION}"));
+    assert_eq!(hooks[3].args.len(), 2);
+    // No hook inherits the container's environment (CVE-2025-23266).
+    assert!(hooks.iter().all(|h| h.env == ["NVIDIA_CTK_DEBUG=false"]), "{hooks:?}");
 
     // An installed toolkit hook is preferred (`auto`) and gets only the two hooks it always has.
     touch(root.path(), "/usr/bin/nvidia-cdi-hook");
