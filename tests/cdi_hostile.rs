@@ -68,9 +68,9 @@ const VERSION: &str = "550.54.15";
 /// The node's driver and device roots (the GPU Operator's driver-container layout).
 const CONFIG: &str = "[device_plugin]\ndriver_root = \"/run/nvidia/driver\"\ndev_root = \"/run/nvidia/driver\"\n";
 
-/// Which program the spec's hooks run. Today the agent itself (`gpu-node-agent cdi hook <name>`);
-/// the hooks are taken from the spec as they are, so pointing the spec at another hook program
-/// here is all these tests need.
+/// Which program the spec's hooks run: the agent's own, `gpu-node-agent-cdi-hook`, as the
+/// packages ship it (statically linked, [`common::cdi_hook_program`], named by `cdi.agent_path`
+/// in a drop-in). The hooks are taken from the spec as they are.
 const HOOK_CONFIG: &str = "[cdi]\nhook = \"agent\"\n";
 
 /// How long one runtime run may take before the test kills it and reports it as hung.
@@ -341,6 +341,7 @@ impl Harness {
             "/usr/bin/unshare",
         ]);
         let node = Node::new(&common::machine("A100-SXM4-40GB", 1), CONFIG);
+        node.use_static_cdi_hook();
         let dir = node.tmp.path().join("hostile");
         let scratch = dir.join("src");
         fs::create_dir_all(&scratch).expect("scratch");
@@ -456,16 +457,6 @@ int main(int argc, char **argv) {
             }
         }
         paths
-    }
-
-    /// Whether the spec's hooks are the new, separate hook program (not the agent itself).
-    fn separate_hook_program(&self) -> bool {
-        self.hooks().iter().all(|h| {
-            h["path"]
-                .as_str()
-                .and_then(|p| Path::new(p).file_name())
-                .is_some_and(|n| n != "gpu-node-agent")
-        })
     }
 
     /// A fresh bundle folder with a Debian-layout root file system in `rootfs/`.
@@ -1408,11 +1399,9 @@ fn benign(build: impl Fn(&Path, &Path), ldconfig_in_image: bool) {
                 run.describe()
             ));
         }
-        // TODO(#32): an image without ldconfig gets no ld cache from today's hook (it says so
-        // and succeeds). With the host's ldconfig run in the sandbox, the new hook program must
-        // give it a cache with libcuda.so.1 too: asserted once the spec names that program.
-        let want_dlopen = ldconfig_in_image || h.separate_hook_program();
-        if want_dlopen && !(run.output.contains("dlopen libcuda.so.1: ok") && run.output.contains("rc=0")) {
+        // An image without ldconfig gets a cache too: the host's ldconfig builds it (the hook of
+        // earlier versions ran the image's own, and left such an image without one).
+        if !(run.output.contains("dlopen libcuda.so.1: ok") && run.output.contains("rc=0")) {
             failures.push(format!("dlopen(\"libcuda.so.1\") fails: {}", run.describe()));
         }
         failures
