@@ -319,3 +319,154 @@ fn plan_shows_what_mps_would_do_and_does_nothing() {
     assert!(!path(&node, PIPE).exists());
     assert_eq!(compute_modes(&node), [0, 0]);
 }
+
+/// Every file under `dir` with its content (links as `-> target`), to see that nothing changed.
+fn snapshot(dir: &Path) -> Vec<(PathBuf, String)> {
+    let mut out = Vec::new();
+    let mut todo = vec![dir.to_path_buf()];
+    while let Some(d) = todo.pop() {
+        let Ok(entries) = std::fs::read_dir(&d) else { continue };
+        for e in entries.flatten() {
+            let p = e.path();
+            let meta = std::fs::symlink_metadata(&p).expect("stat");
+            if meta.file_type().is_symlink() {
+                let target = std::fs::read_link(&p).expect("readlink");
+                out.push((p, format!("-> {}", target.display())));
+            } else if meta.is_dir() {
+                out.push((p.clone(), "dir".to_string()));
+                todo.push(p);
+            } else {
+                out.push((p.clone(), std::fs::read_to_string(&p).unwrap_or_else(|_| "?".into())));
+            }
+        }
+    }
+    out.sort();
+    out
+}
+
+/// Tenants get the pipe folder and `<mps_root>/shm` read-write: an entry planted where the agent
+/// expects its folders or its `.started` file must not lead the agent (or its root daemon) to a
+/// host folder outside the MPS root.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn links_planted_in_the_mps_folders_are_not_followed() {
+    require_root();
+    let config = format!("[device_plugin]\ndefault_profile = \"mps\"\n{PROFILES}");
+    let (_api, node, kubelet) = setup(&config, &[]).await;
+    // The canary: a host folder outside the node's root.
+    let canary = node.tmp.path().join("canary");
+    std::fs::create_dir_all(&canary).expect("canary");
+    std::fs::write(canary.join("keep"), "canary\n").expect("canary file");
+    let before = snapshot(&canary);
+    let resource_dir = path(&node, "run/nvidia/mps/nvidia.com/gpu");
+    std::fs::create_dir_all(&resource_dir).expect("resource folder");
+    std::os::unix::fs::symlink(&canary, path(&node, PIPE)).expect("plant the pipe folder");
+    std::os::unix::fs::symlink(&canary, path(&node, "run/nvidia/mps/shm")).expect("plant the shm folder");
+    std::os::unix::fs::symlink(canary.join("started"), path(&node, STARTED)).expect("plant .started");
+
+    // The pipe folder a link: the daemon does not start, and the error names the folder.
+    let agent = node.spawn();
+    let status = node.wait_status(T, |s| {
+        s["mps"][0]["error"]
+            .as_str()
+            .is_some_and(|e| e.contains("/run/nvidia/mps/"))
+    });
+    let error = status["mps"][0]["error"].as_str().unwrap_or_default().to_string();
+    assert!(error.contains("symbolic link"), "{error}");
+    std::thread::sleep(Duration::from_secs(2));
+    assert_eq!(snapshot(&canary), before, "the canary folder changed");
+    assert_ne!(status["mps"][0]["state"], "running", "{}", status["mps"]);
+    assert_eq!(agent.stop(), 0);
+    assert_eq!(snapshot(&canary), before, "the canary folder changed");
+
+    // The folders real again but `.started` still a link: the agent replaces the link with its
+    // own file, and removes that at the end; the link's target is never created.
+    std::fs::remove_file(path(&node, PIPE)).expect("unplant the pipe folder");
+    std::fs::remove_file(path(&node, "run/nvidia/mps/shm")).expect("unplant the shm folder");
+    let agent = node.spawn();
+    kubelet
+        .wait_for_devices(GPU, T, |d| d.len() == 8)
+        .await
+        .expect("8 replicas");
+    wait_until("the .started file", || {
+        std::fs::symlink_metadata(path(&node, STARTED)).is_ok_and(|m| m.is_file())
+    });
+    wait_until("the MPS control daemon listening", || {
+        daemon_listening(&path(&node, PIPE))
+    });
+    assert_eq!(agent.stop(), 0);
+    assert!(
+        std::fs::symlink_metadata(path(&node, STARTED)).is_err(),
+        ".started left"
+    );
+    assert_eq!(snapshot(&canary), before, "the canary folder changed");
+}
+
+/// The daemon runs as root on what tenants write into its folders: it sees the driver's user
+/// space, its pipe, log and shm folders, and nothing else of the host. The fake daemon tries
+/// the paths the test lists in `<pipe>/fake-probe` and writes what happened to
+/// `<log>/probe.log`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_daemon_cannot_read_the_hosts_files() {
+    require_root();
+    let config = format!("[device_plugin]\ndefault_profile = \"mps\"\n{PROFILES}");
+    let (_api, node, kubelet) = setup(&config, &[]).await;
+    let secret = node.tmp.path().join("secret");
+    std::fs::write(&secret, "s3cret\n").expect("secret");
+    // A driver library, as the daemon sees it: under the driver root (the node's root here).
+    let libcuda = std::fs::read_dir(path(&node, "usr/lib"))
+        .expect("usr/lib")
+        .flatten()
+        .flat_map(|d| std::fs::read_dir(d.path()).into_iter().flatten().flatten())
+        .map(|e| e.path())
+        .find(|p| {
+            p.file_name()
+                .is_some_and(|n| n.to_string_lossy().starts_with("libcuda.so."))
+        })
+        .expect("libcuda in the node's usr/lib");
+    let libcuda_inside = Path::new("/").join(libcuda.strip_prefix(&node.root).expect("under the root"));
+    let program = path(&node, fake_nvml::host::MPS_CONTROL_PATH);
+    let probes = [
+        secret.display().to_string(),
+        format!("/proc/1/root{}", secret.display()),
+        program.display().to_string(),
+        format!("/{}", fake_nvml::host::MPS_CONTROL_PATH),
+        libcuda_inside.display().to_string(),
+    ];
+    std::fs::create_dir_all(path(&node, PIPE)).expect("pipe folder");
+    std::fs::write(path(&node, PIPE).join("fake-probe"), probes.join("\n")).expect("probe list");
+
+    let agent = node.spawn();
+    kubelet
+        .wait_for_devices(GPU, T, |d| d.len() == 8)
+        .await
+        .expect("8 replicas");
+    let pipe = path(&node, PIPE);
+    wait_until("the MPS control daemon listening", || daemon_listening(&pipe));
+    let probe_log = path(&node, LOG).join("probe.log");
+    wait_until("probe.log", || probe_log.exists());
+    let log = std::fs::read_to_string(&probe_log).expect("probe.log");
+    let result = |p: &str| -> String {
+        log.lines()
+            .find_map(|l| l.strip_prefix(p).and_then(|r| r.strip_prefix('\t')))
+            .unwrap_or_else(|| panic!("{p} not in probe.log:\n{log}"))
+            .to_string()
+    };
+    // Nothing of the host outside its folders, not even through /proc.
+    for p in &probes[..3] {
+        assert!(result(p).starts_with("error: "), "the daemon read {p}:\n{log}");
+    }
+    // The driver's user space, read-only.
+    for p in &probes[3..] {
+        assert!(result(p).starts_with("read "), "the daemon cannot read {p}:\n{log}");
+    }
+    // Its pipe (it listens), log (control.log) and shm folders still work.
+    wait_until("the limits in control.log", || {
+        log_text(&node).contains("Cmd:set_default_active_thread_percentage 25")
+    });
+    assert!(
+        path(&node, "run/nvidia/mps/shm").join(shm_segment(&pipe)).exists(),
+        "the daemon's shared memory is not in <mps_root>/shm"
+    );
+    assert_eq!(agent.stop(), 0);
+    assert_eq!(std::fs::read_to_string(&secret).expect("secret"), "s3cret\n");
+}

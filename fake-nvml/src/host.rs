@@ -120,19 +120,56 @@ pub fn fake_mps_control() -> Option<std::path::PathBuf> {
         .find(|p| p.is_file())
 }
 
-/// Links [`fake_mps_control`] at `<root>/usr/bin/nvidia-cuda-mps-control`; `Ok(false)` when the
-/// fake was not built (nothing is installed then).
+/// Installs [`fake_mps_control`] at `<root>/usr/bin/nvidia-cuda-mps-control` as the driver's
+/// installer would: a copy (not a link to the build folder, which the agent's contained daemon
+/// does not see) with the dynamic loader and the libraries it links (as `ldd` lists them) at
+/// their own paths under `root`, so it runs in a mount namespace that has only the driver
+/// root's `usr`, `lib` and `lib64`. `Ok(false)` when the fake was not built (nothing is
+/// installed then).
 pub fn install_mps_control(root: &Path) -> std::io::Result<bool> {
     let Some(program) = fake_mps_control() else {
         return Ok(false);
     };
     let path = root.join(MPS_CONTROL_PATH);
-    if let Some(dir) = path.parent() {
+    copy_file(&program, &path)?;
+    for lib in linked_libraries(&program)? {
+        let under = root.join(lib.strip_prefix("/").unwrap_or(&lib));
+        if !under.exists() {
+            copy_file(&lib, &under)?;
+        }
+    }
+    Ok(true)
+}
+
+/// Copies `from` (following links) to `to`, replacing what is there, with its mode.
+fn copy_file(from: &Path, to: &Path) -> std::io::Result<()> {
+    if let Some(dir) = to.parent() {
         std::fs::create_dir_all(dir)?;
     }
-    let _ = std::fs::remove_file(&path);
-    std::os::unix::fs::symlink(program, &path)?;
-    Ok(true)
+    let _ = std::fs::remove_file(to);
+    std::fs::copy(from, to)?;
+    Ok(())
+}
+
+/// The absolute paths `ldd` lists for `program`: the libraries it links and the loader.
+fn linked_libraries(program: &Path) -> std::io::Result<Vec<std::path::PathBuf>> {
+    let out = std::process::Command::new("ldd").arg(program).output()?;
+    if !out.status.success() {
+        return Err(std::io::Error::other(format!(
+            "ldd {}: {}",
+            program.display(),
+            String::from_utf8_lossy(&out.stderr).trim()
+        )));
+    }
+    // Lines are `name => /path (0x...)`, `/loader (0x...)` or `linux-vdso.so.1 (0x...)`.
+    Ok(String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|line| {
+            let rest = line.split("=>").last()?.trim();
+            let path = rest.split_whitespace().next()?;
+            path.starts_with('/').then(|| std::path::PathBuf::from(path))
+        })
+        .collect())
 }
 
 /// The driver's `/proc/driver/nvidia-caps/mig-minors` table for GPU minors `0..gpus`, numbered

@@ -26,6 +26,8 @@
 //!
 //! [`plan`] is pure (what `gpu-node-agent plan` prints); [`Supervisor`] applies it.
 
+mod contain;
+mod folders;
 mod supervisor;
 
 use std::collections::BTreeMap;
@@ -138,6 +140,12 @@ impl MpsDaemon {
             self.active_thread_percentage
         ));
         out
+    }
+
+    /// `<mps_root>`, the folder that holds the daemons' folders (the shm folder's parent, by
+    /// [`plan`]'s layout).
+    pub fn mps_root(&self) -> &Path {
+        self.shm_dir.parent().unwrap_or(Path::new("/"))
     }
 
     /// The pipe folder as containers see it: `/mps/<resource>/pipe`.

@@ -11,6 +11,10 @@
 //!   may lack its newline), sends them to the daemon of `CUDA_MPS_PIPE_DIRECTORY` and prints
 //!   the answers; with no daemon it fails.
 //!
+//! - At start, the daemon reads `<pipe dir>/fake-probe` if there is one: a host path per line
+//!   that it tries to read, writing `<path>\tread <n> bytes` or `<path>\terror: <reason>` per
+//!   line to `<log dir>/probe.log`. A test asks it this way (no env: the agent chooses the
+//!   daemon's env) what the daemon can reach of the host's files.
 //! - While it runs, the daemon keeps a file `/dev/shm/cuda.shm.fake-mps.<pid>` (removed at
 //!   `quit`): the real MPS server and its clients meet in shared memory under `/dev/shm`, so a
 //!   test can see which `/dev/shm` the daemon was given.
@@ -32,6 +36,10 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 const SOCKET: &str = "control";
 const PID_FILE: &str = "nvidia-cuda-mps-control.pid";
 const LOG_FILE: &str = "control.log";
+/// The test's list of paths to try, in the pipe folder.
+const PROBE_FILE: &str = "fake-probe";
+/// What came of each, in the log folder.
+const PROBE_LOG: &str = "probe.log";
 
 fn pipe_dir() -> PathBuf {
     std::env::var_os("CUDA_MPS_PIPE_DIRECTORY").map_or_else(|| PathBuf::from("/tmp/nvidia-mps"), PathBuf::from)
@@ -135,6 +143,7 @@ fn daemon() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
+    probe(&dir, &logs);
     let socket = dir.join(SOCKET);
     if UnixStream::connect(&socket).is_ok() {
         eprintln!("An instance of this daemon is already running");
@@ -198,6 +207,22 @@ fn daemon() -> ExitCode {
         }
     }
     ExitCode::SUCCESS
+}
+
+/// Tries to read each path `<dir>/fake-probe` names and writes what happened to
+/// `<logs>/probe.log` (replaced each start).
+fn probe(dir: &Path, logs: &Path) {
+    let Ok(list) = fs::read_to_string(dir.join(PROBE_FILE)) else {
+        return;
+    };
+    let mut out = String::new();
+    for path in list.lines().map(str::trim).filter(|l| !l.is_empty()) {
+        match fs::read(path) {
+            Ok(bytes) => out.push_str(&format!("{path}\tread {} bytes\n", bytes.len())),
+            Err(e) => out.push_str(&format!("{path}\terror: {e}\n")),
+        }
+    }
+    let _ = fs::write(logs.join(PROBE_LOG), out);
 }
 
 /// The shared-memory file the daemon keeps while it runs.

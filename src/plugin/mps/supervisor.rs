@@ -1,11 +1,13 @@
 //! The control daemons as the agent's children: each runs `nvidia-cuda-mps-control -f` on a
 //! thread of its own that starts it, sets its limits through the control client, watches it and
-//! starts it again (with backoff) when it dies, and sends `quit` when told to stop.
+//! starts it again (with backoff) when it dies, and sends `quit` when told to stop. The daemon
+//! and every control client call run in a container of their own ([`super::contain`]); the
+//! folders they share with pods are made and cleaned through handles ([`super::folders`]).
 
 use std::collections::BTreeMap;
 use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::thread::JoinHandle;
@@ -13,6 +15,8 @@ use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
+use super::contain::Sandbox;
+use super::folders::{self, Folders};
 use super::{CONTROL_PROGRAM, MpsDaemon, PROGRAM_DIRS};
 use crate::host::backoff::Backoff;
 use crate::nvml::{ComputeMode, Gpus};
@@ -160,20 +164,17 @@ impl Supervisor {
         };
         // The folders containers mount exist before the replicas are advertised, even while the
         // daemon is still starting.
-        for dir in [&plan.pipe_dir, &plan.log_dir, &plan.shm_dir] {
-            if let Err(e) = std::fs::create_dir_all(crate::host::rooted(&self.root, dir)) {
-                fail(format!(
-                    "cannot start the MPS control daemon for {}: cannot create {}: {e}",
-                    plan.resource,
-                    dir.display()
-                ));
-                return Running {
-                    plan: plan.clone(),
-                    stop,
-                    status,
-                    thread: None,
-                };
-            }
+        if let Err(e) = Folders::open(&self.root, plan) {
+            fail(format!(
+                "cannot start the MPS control daemon for {}: {e}",
+                plan.resource
+            ));
+            return Running {
+                plan: plan.clone(),
+                stop,
+                status,
+                thread: None,
+            };
         }
         for g in &plan.gpus {
             if let Err(e) = gpus.set_compute_mode(&g.uuid, ComputeMode::ExclusiveProcess) {
@@ -198,6 +199,7 @@ impl Supervisor {
         let worker = Worker {
             plan: plan.clone(),
             root: self.root.clone(),
+            driver_root: driver_root.to_path_buf(),
             program,
             stop: stop.clone(),
             status: status.clone(),
@@ -233,34 +235,16 @@ impl Supervisor {
                 );
             }
         }
-        let _ = std::fs::remove_file(crate::host::rooted(&self.root, &plan.started_file));
+        remove_started(&self.root, plan);
         lock(&running.status).state = DaemonState::Stopped;
         (self.notify)();
     }
 }
 
-/// Where the daemon, and the MPS servers it starts, keep the shared memory their clients map.
-const SHM_IN_DAEMON: &str = "/dev/shm";
-
-/// Runs `command` in a mount namespace of its own in which `shm` (the host folder containers get
-/// as their `/dev/shm`) is bind-mounted on `/dev/shm`: MPS clients and their server meet in
-/// shared memory there, so the daemon must see the same folder as the containers do, as NVIDIA's
-/// daemon container does with its `<root>/shm` mount. Mount propagation is made private first,
-/// so nothing the namespace mounts reaches the host.
-fn with_shm_as_dev_shm(command: &mut Command, shm: PathBuf) {
-    use nix::mount::{MsFlags, mount};
-    use nix::sched::{CloneFlags, unshare};
-    use std::os::unix::process::CommandExt;
-    let none: Option<&str> = None;
-    // SAFETY: the closure runs between fork and exec and only makes system calls (no allocation:
-    // nix passes short paths through a stack buffer); `shm` was built before the fork.
-    unsafe {
-        command.pre_exec(move || {
-            unshare(CloneFlags::CLONE_NEWNS)?;
-            mount(none, "/", none, MsFlags::MS_REC | MsFlags::MS_PRIVATE, none)?;
-            mount(Some(shm.as_path()), SHM_IN_DAEMON, none, MsFlags::MS_BIND, none)?;
-            Ok(())
-        });
+/// Removes `.started` through handles ([`folders::remove_started`]); a failure is logged.
+fn remove_started(root: &Path, plan: &MpsDaemon) {
+    if let Err(e) = folders::remove_started(root, plan) {
+        tracing::warn!(resource = %plan.resource, "MPS control daemon: {e}");
     }
 }
 
@@ -272,6 +256,9 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 struct Worker {
     plan: MpsDaemon,
     root: PathBuf,
+    /// Where the control program was found (host path, without the root): the container gets
+    /// its user space.
+    driver_root: PathBuf,
     /// Host path (without the root).
     program: PathBuf,
     stop: Arc<AtomicBool>,
@@ -289,7 +276,7 @@ impl Worker {
             }
             attempts += 1;
             match self.start() {
-                Ok((child, stderr)) => {
+                Ok((child, stderr, sandbox)) => {
                     {
                         let mut s = lock(&self.status);
                         s.state = DaemonState::Running;
@@ -299,7 +286,7 @@ impl Worker {
                     (self.notify)();
                     tracing::info!(resource = %self.plan.resource, pid = child.id(), "MPS control daemon running");
                     backoff.reset();
-                    if let Some(error) = self.watch(child, &stderr) {
+                    if let Some(error) = self.watch(child, &stderr, &sandbox) {
                         self.set_error(error);
                     } else {
                         break;
@@ -313,7 +300,7 @@ impl Worker {
                 std::thread::sleep(POLL);
             }
         }
-        let _ = std::fs::remove_file(self.rooted(&self.plan.started_file));
+        remove_started(&self.root, &self.plan);
         let mut s = lock(&self.status);
         s.state = DaemonState::Stopped;
         s.pid = None;
@@ -321,10 +308,6 @@ impl Worker {
 
     fn stopped(&self) -> bool {
         self.stop.load(Ordering::SeqCst)
-    }
-
-    fn rooted(&self, p: &Path) -> PathBuf {
-        crate::host::rooted(&self.root, p)
     }
 
     fn set_error(&self, error: String) {
@@ -338,9 +321,9 @@ impl Worker {
         (self.notify)();
     }
 
-    /// Starts the daemon and sets its limits; `Err` says what failed, naming the program, the
-    /// pipe folder and the GPUs.
-    fn start(&self) -> Result<(Child, Arc<Mutex<String>>), String> {
+    /// Starts the daemon in its container and sets its limits; `Err` says what failed, naming
+    /// the program, the pipe folder and the GPUs.
+    fn start(&self) -> Result<(Child, Arc<Mutex<String>>, Sandbox), String> {
         let plan = &self.plan;
         let what = format!(
             "{} -f for {} (pipe folder {}, GPU(s) {})",
@@ -349,31 +332,27 @@ impl Worker {
             plan.pipe_dir.display(),
             plan.gpus.iter().map(|g| g.uuid.as_str()).collect::<Vec<_>>().join(",")
         );
-        for dir in [&plan.pipe_dir, &plan.log_dir, &plan.shm_dir] {
-            std::fs::create_dir_all(self.rooted(dir))
-                .map_err(|e| format!("{what}: cannot create {}: {e}", dir.display()))?;
-        }
+        // Opened (and made) again at each start: what a pod planted since is refused.
+        let folders = Folders::open(&self.root, plan).map_err(|e| format!("{what}: {e}"))?;
+        let sandbox = Sandbox::new(&self.root, &self.driver_root, &self.program, plan, &folders)
+            .map_err(|e| format!("{what}: cannot prepare its container: {e}"))?;
         // A daemon left by an agent that did not stop cleanly holds the pipe: quit it first.
-        if self.client("get_default_active_thread_percentage").is_ok() {
+        if self.client(&sandbox, "get_default_active_thread_percentage").is_ok() {
             tracing::info!(resource = %plan.resource, "quitting an MPS control daemon left from before");
-            let _ = self.client("quit");
+            let _ = self.client(&sandbox, "quit");
         }
-        let shm = self.rooted(&plan.shm_dir);
-        let mut command = Command::new(self.rooted(&self.program));
+        let (mut command, mut report) = sandbox.command().map_err(|e| format!("{what}: {e}"))?;
         command
             .arg("-f")
-            .envs(plan.env(&self.root))
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::piped());
-        with_shm_as_dev_shm(&mut command, shm.clone());
-        let mut child = command.spawn().map_err(|e| {
-            format!(
-                "cannot run {what} in a mount namespace of its own with {} as its {SHM_IN_DAEMON} \
-                 (the agent needs CAP_SYS_ADMIN): {e}",
-                shm.display()
-            )
-        })?;
+        let mut child = match command.spawn() {
+            Ok(child) => child,
+            // The agent needs CAP_SYS_ADMIN (namespaces, mounts) and CAP_SETPCAP.
+            Err(e) => return Err(format!("{what}: {}", sandbox.explain(&mut report, &e))),
+        };
+        report.spawned();
         let stderr = Arc::new(Mutex::new(String::new()));
         if let Some(mut pipe) = child.stderr.take() {
             let sink = stderr.clone();
@@ -407,7 +386,7 @@ impl Worker {
                 let _ = child.wait();
                 return Err(format!("{what}: stopped while starting"));
             }
-            if self.client("get_default_active_thread_percentage").is_ok() {
+            if self.client(&sandbox, "get_default_active_thread_percentage").is_ok() {
                 break;
             }
             if Instant::now() > deadline {
@@ -421,24 +400,28 @@ impl Worker {
             std::thread::sleep(POLL);
         }
         for command in plan.control_commands() {
-            if let Err(e) = self.client(&command) {
-                let _ = self.client("quit");
+            if let Err(e) = self.client(&sandbox, &command) {
+                let _ = self.client(&sandbox, "quit");
                 let _ = child.kill();
                 let _ = child.wait();
                 return Err(format!("{what}: `{command}` failed: {e}"));
             }
         }
-        let started = self.rooted(&plan.started_file);
-        std::fs::write(&started, b"").map_err(|e| format!("{what}: cannot create {}: {e}", started.display()))?;
-        Ok((child, stderr))
+        if let Err(e) = folders.mark_started(plan) {
+            let _ = self.client(&sandbox, "quit");
+            let _ = child.kill();
+            let _ = child.wait();
+            return Err(format!("{what}: {e}"));
+        }
+        Ok((child, stderr, sandbox))
     }
 
     /// Waits for the daemon to exit or for the stop flag; `Some(error)` when it died, `None`
     /// when it was stopped.
-    fn watch(&self, mut child: Child, stderr: &Mutex<String>) -> Option<String> {
+    fn watch(&self, mut child: Child, stderr: &Mutex<String>, sandbox: &Sandbox) -> Option<String> {
         loop {
             if let Ok(Some(status)) = child.try_wait() {
-                let _ = std::fs::remove_file(self.rooted(&self.plan.started_file));
+                remove_started(&self.root, &self.plan);
                 return Some(format!(
                     "{} for {} exited with {status}: {}",
                     self.program.display(),
@@ -447,7 +430,7 @@ impl Worker {
                 ));
             }
             if self.stopped() {
-                if let Err(e) = self.client("quit") {
+                if let Err(e) = self.client(sandbox, "quit") {
                     tracing::warn!(resource = %self.plan.resource, "MPS control daemon: quit failed: {e}");
                 }
                 let deadline = Instant::now() + QUIT_WITHIN;
@@ -467,15 +450,16 @@ impl Worker {
     }
 
     /// One command through the control client (the program without arguments, the command on
-    /// its stdin as NVIDIA sends it); its output, or why it failed.
-    fn client(&self, command: &str) -> Result<String, String> {
-        let mut child = Command::new(self.rooted(&self.program))
-            .envs(self.plan.env(&self.root))
+    /// its stdin as NVIDIA sends it), in the daemon's container; its output, or why it failed.
+    fn client(&self, sandbox: &Sandbox, command: &str) -> Result<String, String> {
+        let (mut client, mut report) = sandbox.command()?;
+        let spawned = client
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
-            .spawn()
-            .map_err(|e| format!("cannot run {}: {e}", self.program.display()))?;
+            .spawn();
+        let mut child = spawned.map_err(|e| sandbox.explain(&mut report, &e))?;
+        report.spawned();
         if let Some(mut stdin) = child.stdin.take() {
             let _ = stdin.write_all(command.as_bytes());
         }
