@@ -303,7 +303,7 @@ pub enum CdiHook {
     /// The NVIDIA Container Toolkit's hook (the first of `hook_paths` that exists), else the
     /// agent's own.
     Auto,
-    /// Always the agent's own (`gpu-node-agent cdi hook …`).
+    /// Always the agent's own (`gpu-node-agent-cdi-hook …`).
     Agent,
     /// Only the toolkit's; without one the spec has no hooks (containers then get no
     /// `libcuda.so.1` unless their runtime makes it).
@@ -323,7 +323,8 @@ pub struct CdiConfig {
     pub hook_paths: Vec<PathBuf>,
     /// `auto`, `agent` or `toolkit`: which program the spec's hooks run.
     pub hook: CdiHook,
-    /// The agent's own path for its hooks (host path); empty: the running binary.
+    /// The agent's hook program (host path); empty: `gpu-node-agent-cdi-hook` beside the running
+    /// agent.
     pub agent_path: PathBuf,
 }
 

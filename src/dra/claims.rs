@@ -16,6 +16,31 @@ pub struct ClaimRef {
     pub uid: String,
 }
 
+impl ClaimRef {
+    /// Checks the names the kubelet passes before any goes into a request path or a file name: the
+    /// namespace and name are DNS subdomains (namespaces are labels, a subset), and the uid one
+    /// token of letters, digits and `-` (the API server assigns UUIDs). A claim that fails is
+    /// refused with the reason; nothing is read or written for it.
+    pub fn check(&self) -> Result<(), String> {
+        let uid_ok = !self.uid.is_empty()
+            && self.uid.len() <= 128
+            && self.uid.bytes().all(|c| c.is_ascii_alphanumeric() || c == b'-');
+        if !crate::names::is_dns_subdomain(&self.namespace) {
+            return Err(format!(
+                "{self}: namespace {:?} is not a Kubernetes name",
+                self.namespace
+            ));
+        }
+        if !crate::names::is_dns_subdomain(&self.name) {
+            return Err(format!("{self}: name {:?} is not a Kubernetes name", self.name));
+        }
+        if !uid_ok {
+            return Err(format!("{self}: uid {:?} is not a UID", self.uid));
+        }
+        Ok(())
+    }
+}
+
 impl std::fmt::Display for ClaimRef {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "ResourceClaim {}/{} (uid {})", self.namespace, self.name, self.uid)
@@ -234,6 +259,31 @@ mod tests {
             "metadata": {"namespace": "ml", "name": "c", "uid": uid},
             "status": {"allocation": {"devices": {"results": results}}}
         })
+    }
+
+    /// A claim's names go into the API path and the spec's file name: a uid with `/` or `..`, or
+    /// a name that is not a Kubernetes name, is refused before either is built.
+    #[test]
+    fn claim_names_that_could_leave_the_cdi_folder_or_the_api_path_are_refused() {
+        let ok = want("0f8e-11aa-22bb");
+        assert!(ok.check().is_ok());
+        for (field, bad) in [
+            ("uid", "../../etc/cron.d/x"),
+            ("uid", "a/b"),
+            ("uid", ""),
+            ("name", "c/../../nodes/n1"),
+            ("name", "C"),
+            ("namespace", "ml?x=1"),
+        ] {
+            let mut claim = ok.clone();
+            match field {
+                "uid" => claim.uid = bad.into(),
+                "name" => claim.name = bad.into(),
+                _ => claim.namespace = bad.into(),
+            }
+            let err = claim.check().unwrap_err();
+            assert!(err.contains(field) && err.contains(&format!("{bad:?}")), "{err}");
+        }
     }
 
     fn want(uid: &str) -> ClaimRef {

@@ -144,6 +144,11 @@ impl Driver {
         let mut answers = Vec::new();
         let mut new = Vec::new();
         for claim in claims {
+            if let Err(e) = claim.check() {
+                tracing::warn!("prepare: {e}");
+                answers.push(Err(e));
+                continue;
+            }
             if let Some(done) = state.claims.get(&claim.uid) {
                 answers.push(Ok(done.devices.clone()));
                 continue;

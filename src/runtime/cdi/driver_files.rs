@@ -120,7 +120,7 @@ pub enum HookBinary {
     /// The NVIDIA Container Toolkit's `nvidia-cdi-hook` or `nvidia-ctk` (host path): the spec gets
     /// `create-symlinks` and `update-ldcache`, which every version of it has.
     Toolkit(PathBuf),
-    /// This agent (`gpu-node-agent cdi hook …`, host path): all four hooks.
+    /// This agent's hook program (`gpu-node-agent-cdi-hook …`, host path): all four hooks.
     Agent(PathBuf),
 }
 
