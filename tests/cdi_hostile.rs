@@ -1100,6 +1100,103 @@ fn the_images_ldconfig_is_never_run_and_cannot_leave_a_chroot() {
 }
 
 // ---------------------------------------------------------------------------------------------
+// Scenario 2b: what the host's ldconfig could do in its sandbox if the image's files took it
+// over (a parser bug): a static probe stands in for ldconfig (`--ldconfig-path`) and tries the
+// ways out a review found or feared. runc mounts /proc read-write and unmasked before the hooks
+// run, and a process without capabilities may still write a sysctl there.
+
+/// The probe: each attempt prints `BLOCKED <what>` or `ESCAPED <what>`, then `probe done`, and
+/// it exits 1 so the hook fails and the runtime shows its output.
+const SANDBOX_PROBE: &str = r#"#define _GNU_SOURCE
+#include <errno.h>
+#include <fcntl.h>
+#include <sched.h>
+#include <signal.h>
+#include <stdio.h>
+#include <sys/mman.h>
+#include <sys/syscall.h>
+#include <sys/vfs.h>
+#include <sys/wait.h>
+#include <unistd.h>
+static void says(int escaped, const char *what) {
+  printf("%s %s\n", escaped ? "ESCAPED" : "BLOCKED", what);
+  fflush(stdout);
+}
+int main(void) {
+  int fd = open("/proc/sys/kernel/core_pattern", O_WRONLY);
+  says(fd >= 0, "write /proc/sys/kernel/core_pattern");
+  fd = open("/proc/sysrq-trigger", O_WRONLY);
+  says(fd >= 0, "write /proc/sysrq-trigger");
+  struct statfs st;
+  says(statfs("/proc", &st) == 0 && st.f_type == 0x9fa0, "procfs at /proc");
+  says(statfs("/sys", &st) == 0 && st.f_type == 0x62656572, "sysfs at /sys");
+  says(syscall(SYS_mount, "none", "/", "tmpfs", 0, 0) == 0, "mount");
+  pid_t p = syscall(SYS_clone, CLONE_NEWUSER | SIGCHLD, 0, 0, 0, 0);
+  if (p == 0) _exit(0);
+  if (p > 0) waitpid(p, 0, 0);
+  says(p >= 0, "clone(CLONE_NEWUSER)");
+  says(syscall(SYS_memfd_create, "x", 0) >= 0, "memfd_create");
+  char *argv[] = {"sh", "-c", "exit 0", 0}, *envp[] = {0};
+  for (int d = 0; d < 8; d++) {
+    pid_t c = fork();
+    if (c == 0) { syscall(SYS_execveat, d, "/bin/sh", argv, envp, AT_EMPTY_PATH); _exit(99); }
+    int status = 0;
+    waitpid(c, &status, 0);
+    if (WIFEXITED(status) && WEXITSTATUS(status) == 0) { says(1, "execveat of the image's /bin/sh"); break; }
+    if (d == 7) says(0, "execveat of the image's /bin/sh");
+  }
+  pid_t c = fork();
+  if (c == 0) { execve("/bin/sh", argv, envp); _exit(99); }
+  int status = 0;
+  waitpid(c, &status, 0);
+  says(WIFEXITED(status) && WEXITSTATUS(status) == 0, "execve of the image's /bin/sh");
+  struct { unsigned version; int pid; } hdr = {0x20080522, 0};
+  struct { unsigned eff, perm, inh; } caps[2] = {{0}};
+  syscall(SYS_capget, &hdr, caps);
+  says(caps[0].eff || caps[1].eff || caps[0].perm || caps[1].perm, "a capability");
+  puts("probe done");
+  return 1;
+}
+"#;
+
+#[test]
+fn a_taken_over_ldconfig_reaches_no_sysctl_executes_nothing_and_has_no_privilege() {
+    let h = Harness::new();
+    let probe = h.scratch().join("ldconfig-probe");
+    compile(
+        &h.scratch(),
+        "ldconfig-probe",
+        SANDBOX_PROBE,
+        &["-static", "-O1"],
+        &probe,
+    );
+    let probe_arg = format!("--ldconfig-path={}", probe.display());
+    each_runtime(&h, |runtime| {
+        let bundle = h.bundle("probe");
+        h.configure(&bundle, "true", &[], false);
+        // The update-ldcache hook runs the probe as its ldconfig.
+        let config_path = bundle.join("config.json");
+        let mut config: Value =
+            serde_json::from_slice(&fs::read(&config_path).expect("config.json")).expect("config json");
+        for hook in config["hooks"]["createContainer"].as_array_mut().expect("hooks") {
+            let args = hook["args"].as_array_mut().expect("args");
+            if args.iter().any(|a| a == "update-ldcache") {
+                args.push(json!(probe_arg));
+            }
+        }
+        fs::write(&config_path, serde_json::to_vec_pretty(&config).expect("json")).expect("config.json");
+        let (run, mut failures) = run_hostile(&h, runtime, &bundle, "a taken-over ldconfig");
+        if !run.output.contains("probe done") {
+            failures.push(format!("the probe did not run to its end: {}", run.describe()));
+        }
+        for line in run.output.lines().filter(|l| l.contains("ESCAPED")) {
+            failures.push(format!("{}: {}", line.trim(), run.describe()));
+        }
+        failures
+    });
+}
+
+// ---------------------------------------------------------------------------------------------
 // Scenario 3: folders that are links to host folders.
 
 #[test]

@@ -136,8 +136,8 @@ impl InRoot {
         read_handle(&handle, path, cap).map(Some)
     }
 
-    /// The names in the folder at `path` (at most [`MAX_ENTRIES`]), or `None` when there is no
-    /// folder there.
+    /// The names in the folder at `path`, or `None` when there is no folder there; a folder of
+    /// more than [`MAX_ENTRIES`] is an error.
     pub fn list(&self, path: &Path) -> Result<Option<Vec<OsString>>, HookError> {
         let Some(handle) = self.existing_dir(path)? else {
             return Ok(None);
@@ -153,10 +153,11 @@ impl InRoot {
             if name == b"." || name == b".." {
                 continue;
             }
-            names.push(OsStr::from_bytes(name).to_os_string());
-            if names.len() >= MAX_ENTRIES {
-                break;
+            if names.len() == MAX_ENTRIES {
+                // Refused rather than cut: a name past the cut would go unchecked.
+                return Err(HookError::at(path, format!("more than {MAX_ENTRIES} entries")));
             }
+            names.push(OsStr::from_bytes(name).to_os_string());
         }
         names.sort();
         Ok(Some(names))

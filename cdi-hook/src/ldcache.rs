@@ -192,6 +192,8 @@ pub fn update(root: &InRoot, rootfs: &Path, folders: &[PathBuf], ldconfig: &Host
         root.create_if_missing(Path::new("/etc/ld.so.conf"), b"include /etc/ld.so.conf.d/*.conf\n")?;
     }
     check_conf_files(root)?;
+    // ldconfig also makes the soname links in the folders it scans (a driver root may lack
+    // them): all of them inside the container, read-only mounts staying read-only.
     let mut args: Vec<std::ffi::OsString> = vec!["ldconfig".into()];
     args.extend(dirs.iter().map(|d| d.as_os_str().to_os_string()));
     crate::sandbox::run(&ldconfig.file, &args, rootfs, LDCONFIG_TIMEOUT).map_err(|message| HookError::Ldconfig {

@@ -9,22 +9,27 @@
 //!    namespace (so it and anything it starts die together); both die with the hook
 //!    (`PR_SET_PDEATHSIG`);
 //! 2. mounts become private (nothing propagates back), the container's root is bound onto
-//!    itself and made the root (`pivot_root`), the old root is detached: no host path exists
-//!    any more;
+//!    itself (with its volumes and the driver's bind mounts, which `ldconfig` must read) and
+//!    made the root (`pivot_root`), the old root is detached: no host path exists any more;
+//!    the container's kernel file systems are detached too (`proc`, `sysfs`, `cgroup`, the
+//!    runtime's `/dev`, ...: at this point runc has mounted `/proc` read-write and not yet masked
+//!    it, and a process without capabilities may still write a sysctl), and every mount left is
+//!    made `noexec`, `nosuid`, `nodev` (`mount_setattr`, kernels 5.12 and later);
 //! 3. resource limits (files, file size, memory, CPU time), standard input from the host's
 //!    `/dev/null`, output to a pipe the hook reads (bounded), every other descriptor closed on
 //!    exec;
 //! 4. every capability dropped (bounding, ambient, effective, permitted and inheritable sets),
 //!    `no_new_privs`, and a seccomp filter that refuses the calls a process with no business
-//!    outside its root could use to get out or at the kernel (mounts, namespaces, `ptrace`,
-//!    module loading, `bpf`, `keyctl`, file handles, `io_uring`, ...);
+//!    outside its root could use to get out or at the kernel (mounts, namespaces also through
+//!    `clone` flags, `ptrace`, module loading, `bpf`, `keyctl`, file handles, `io_uring`,
+//!    `memfd_create`, x32 system calls, any `exec` but the one that starts the program, ...);
 //! 5. `execveat` of the descriptor the hook opened on the host, with an empty environment.
 //!
 //! The hook waits at most the given time, then kills it. Between `fork` and `exec` only system
 //! calls are made on data prepared before the fork (no allocation, no lock).
 
 use std::collections::BTreeMap;
-use std::ffi::{CString, OsString};
+use std::ffi::{CStr, CString, OsString};
 use std::fs::File;
 use std::io::Read;
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
@@ -37,6 +42,9 @@ use seccompiler::{BpfProgram, SeccompAction, SeccompFilter, TargetArch};
 /// The most output of the program kept for an error message.
 const MAX_OUTPUT: usize = 16 * 1024;
 
+/// The most bytes of `/proc/self/mountinfo` read.
+const MAX_MOUNTINFO: u64 = 8 * 1024 * 1024;
+
 /// Limits of the sandboxed program: open files, bytes of one file it writes, address space,
 /// seconds of CPU.
 const RLIMIT_NOFILE: u64 = 1024;
@@ -44,8 +52,34 @@ const RLIMIT_FSIZE: u64 = 512 * 1024 * 1024;
 const RLIMIT_AS: u64 = 4 * 1024 * 1024 * 1024;
 const RLIMIT_CPU: u64 = 60;
 
+/// File systems of the container's root that are detached in the sandbox: the kernel's
+/// interfaces, none of which `ldconfig` needs and some of which (a read-write, unmasked `/proc`)
+/// reach the host.
+const DETACHED_TYPES: [&str; 16] = [
+    "proc",
+    "sysfs",
+    "cgroup",
+    "cgroup2",
+    "devpts",
+    "devtmpfs",
+    "mqueue",
+    "securityfs",
+    "debugfs",
+    "tracefs",
+    "bpf",
+    "fusectl",
+    "configfs",
+    "pstore",
+    "efivarfs",
+    "binfmt_misc",
+];
+
+/// The magic numbers of `proc` and `sysfs` (`statfs`), to check they are gone.
+const PROC_SUPER_MAGIC: i64 = 0x9fa0;
+const SYSFS_MAGIC: i64 = 0x6265_6572;
+
 /// The steps of the child, as reported through the error pipe.
-const STEPS: [&str; 12] = [
+const STEPS: [&str; 14] = [
     "set the parent-death signal",
     "unshare the namespaces",
     "fork into the new PID namespace",
@@ -58,6 +92,8 @@ const STEPS: [&str; 12] = [
     "set up standard input and output",
     "drop capabilities and install the seccomp filter",
     "execute the program",
+    "detach the container's kernel file systems",
+    "make the container's mounts noexec, nosuid and nodev",
 ];
 
 /// The system calls refused (`EPERM`) inside the sandbox: none of them is needed to build a
@@ -105,21 +141,37 @@ fn denied_syscalls() -> Vec<i64> {
         libc::SYS_setdomainname,
         libc::SYS_sethostname,
         libc::SYS_pidfd_getfd,
+        libc::SYS_memfd_create,
         libc::SYS_clone3,
         libc::SYS_execve,
-        libc::SYS_execveat,
     ];
     #[cfg(target_arch = "x86_64")]
     calls.extend([libc::SYS_kexec_file_load, libc::SYS_iopl, libc::SYS_ioperm]);
     calls
 }
 
-/// The seccomp program: the calls of [`denied_syscalls`] fail with `EPERM`, a call of another
-/// architecture kills the process (seccompiler's architecture check), the rest are allowed. The
-/// filter is installed right before the `execveat` that starts the program, so that one shape of
-/// `execveat` — the program's descriptor with `AT_EMPTY_PATH` — is let through; any other
-/// `execve`/`execveat` is refused, so the program cannot start another.
-fn filter(program_fd: RawFd) -> Result<BpfProgram, String> {
+/// The namespace flags `clone` may not be given.
+const CLONE_NAMESPACES: [libc::c_int; 8] = [
+    libc::CLONE_NEWNS,
+    libc::CLONE_NEWUTS,
+    libc::CLONE_NEWIPC,
+    libc::CLONE_NEWUSER,
+    libc::CLONE_NEWPID,
+    libc::CLONE_NEWNET,
+    libc::CLONE_NEWCGROUP,
+    0x80, // CLONE_NEWTIME
+];
+
+/// The seccomp program: the calls of [`denied_syscalls`] fail with `EPERM`, so does `clone` with
+/// a namespace flag; a call of another architecture kills the process (seccompiler's
+/// architecture check), and so does an x32 call on x86_64 (same architecture number, bit 30 set
+/// in the call number, which seccompiler does not look at); the rest are allowed. The filter is
+/// installed right before the `execveat` that starts the program, so exactly that call is let
+/// through: the program's descriptor, `AT_EMPTY_PATH`, and the address of the empty path string
+/// the hook passes (with a path of its own, `execveat` would ignore the descriptor). Any other
+/// `execve`/`execveat` is refused, so the program cannot start another (the mounts are `noexec`
+/// as well, where the kernel has `mount_setattr`).
+fn filter(program_fd: RawFd, empty_path: *const libc::c_char) -> Result<BpfProgram, String> {
     use seccompiler::{SeccompCmpArgLen, SeccompCmpOp, SeccompCondition, SeccompRule};
     let arch = if cfg!(target_arch = "x86_64") {
         TargetArch::x86_64
@@ -128,24 +180,31 @@ fn filter(program_fd: RawFd) -> Result<BpfProgram, String> {
     } else {
         return Err("no seccomp filter for this architecture".to_string());
     };
+    let err = |e: seccompiler::BackendError| e.to_string();
     let mut rules: BTreeMap<i64, Vec<SeccompRule>> = BTreeMap::new();
     for call in denied_syscalls() {
         rules.insert(call, Vec::new());
     }
-    // execveat(fd, "", argv, envp, AT_EMPTY_PATH) on the program's descriptor is not refused:
-    // a rule list that matches every *other* shape of the call. seccompiler's rules match when
-    // all conditions of one rule hold, so "fd != program" and "flags != AT_EMPTY_PATH" are two
-    // rules.
-    let ne = |arg: u8, value: u64| {
-        SeccompCondition::new(arg, SeccompCmpArgLen::Qword, SeccompCmpOp::Ne, value).map_err(|e| e.to_string())
-    };
+    let cond = |arg: u8, op: SeccompCmpOp, value: u64| SeccompCondition::new(arg, SeccompCmpArgLen::Qword, op, value);
+    // A rule matches when all its conditions hold, and the call is refused when any rule matches:
+    // execveat is refused unless the descriptor, the path and the flags are all the hook's.
     rules.insert(
         libc::SYS_execveat,
         vec![
-            SeccompRule::new(vec![ne(0, program_fd as u64)?]).map_err(|e| e.to_string())?,
-            SeccompRule::new(vec![ne(4, libc::AT_EMPTY_PATH as u64)?]).map_err(|e| e.to_string())?,
+            SeccompRule::new(vec![cond(0, SeccompCmpOp::Ne, program_fd as u64).map_err(err)?]).map_err(err)?,
+            SeccompRule::new(vec![cond(1, SeccompCmpOp::Ne, empty_path as u64).map_err(err)?]).map_err(err)?,
+            SeccompRule::new(vec![
+                cond(4, SeccompCmpOp::Ne, libc::AT_EMPTY_PATH as u64).map_err(err)?,
+            ])
+            .map_err(err)?,
         ],
     );
+    let mut clone = Vec::new();
+    for flag in CLONE_NAMESPACES {
+        let flag = flag as u64;
+        clone.push(SeccompRule::new(vec![cond(0, SeccompCmpOp::MaskedEq(flag), flag).map_err(err)?]).map_err(err)?);
+    }
+    rules.insert(libc::SYS_clone, clone);
     let filter = SeccompFilter::new(
         rules,
         SeccompAction::Allow,
@@ -153,13 +212,99 @@ fn filter(program_fd: RawFd) -> Result<BpfProgram, String> {
         arch,
     )
     .map_err(|e| e.to_string())?;
-    BpfProgram::try_from(filter).map_err(|e| e.to_string())
+    let compiled = BpfProgram::try_from(filter).map_err(|e| e.to_string())?;
+    Ok(if cfg!(target_arch = "x86_64") {
+        // Load the call number; at or above the x32 bit, kill; else go on with seccompiler's
+        // program (which loads what it needs itself).
+        let mut program = vec![
+            bpf_stmt((libc::BPF_LD | libc::BPF_W | libc::BPF_ABS) as u16, 0),
+            bpf_jump((libc::BPF_JMP | libc::BPF_JGE | libc::BPF_K) as u16, 0x4000_0000, 0, 1),
+            bpf_stmt((libc::BPF_RET | libc::BPF_K) as u16, libc::SECCOMP_RET_KILL_PROCESS),
+        ];
+        program.extend(compiled);
+        program
+    } else {
+        compiled
+    })
+}
+
+fn bpf_stmt(code: u16, k: u32) -> seccompiler::sock_filter {
+    seccompiler::sock_filter { code, jt: 0, jf: 0, k }
+}
+
+fn bpf_jump(code: u16, k: u32, jt: u8, jf: u8) -> seccompiler::sock_filter {
+    seccompiler::sock_filter { code, jt, jf, k }
 }
 
 fn pipe() -> Result<(OwnedFd, OwnedFd), String> {
     let (r, w) = rustix::pipe::pipe_with(rustix::pipe::PipeFlags::CLOEXEC).map_err(|e| format!("pipe: {e}"))?;
     Ok((r, w))
 }
+
+/// `mountinfo`'s escapes (`\040` for a space, ...) undone.
+fn unescape(field: &str) -> Vec<u8> {
+    let b = field.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        if b[i] == b'\\' && i + 3 < b.len() && b[i + 1..i + 4].iter().all(|c| (b'0'..=b'7').contains(c)) {
+            out.push((b[i + 1] - b'0') * 64 + (b[i + 2] - b'0') * 8 + (b[i + 3] - b'0'));
+            i += 4;
+        } else {
+            out.push(b[i]);
+            i += 1;
+        }
+    }
+    out
+}
+
+/// The mounts under `root` (a canonical host path) to detach in the sandbox, as paths in the
+/// container, deepest first: those of [`DETACHED_TYPES`], and `/dev` with all below it (the
+/// runtime's, holding the container's device nodes).
+pub fn mounts_to_detach(mountinfo: &str, root: &[u8]) -> Vec<Vec<u8>> {
+    let mut found: Vec<Vec<u8>> = Vec::new();
+    for line in mountinfo.lines() {
+        let Some((left, right)) = line.split_once(" - ") else {
+            continue;
+        };
+        let Some(point) = left.split(' ').nth(4) else {
+            continue;
+        };
+        let fstype = right.split(' ').next().unwrap_or("");
+        let point = unescape(point);
+        let Some(rest) = point.strip_prefix(root) else {
+            continue;
+        };
+        if !rest.starts_with(b"/") {
+            continue;
+        }
+        let dev = rest == b"/dev" || rest.starts_with(b"/dev/");
+        if (dev || DETACHED_TYPES.contains(&fstype)) && !found.iter().any(|f| f.as_slice() == rest) {
+            found.push(rest.to_vec());
+        }
+    }
+    found.sort_by_key(|p| std::cmp::Reverse(p.iter().filter(|c| **c == b'/').count()));
+    found
+}
+
+/// Everything the sandbox's processes use, prepared before the fork (nothing is allocated after
+/// it).
+struct Prepared<'a> {
+    parent: i32,
+    root: &'a CStr,
+    detach: &'a [*const libc::c_char],
+    program_fd: RawFd,
+    empty_path: *const libc::c_char,
+    argv: &'a [*const libc::c_char],
+    envp: &'a [*const libc::c_char; 1],
+    prog: &'a libc::sock_fprog,
+    null_fd: RawFd,
+    out_fd: RawFd,
+    err_fd: RawFd,
+}
+
+/// The empty path `execveat` gets; its address is what the seccomp filter lets through.
+static EMPTY_PATH: &CStr = c"";
 
 /// Runs `program` (an open host executable) with `args` (`args[0]` is its name) in the sandbox
 /// over `rootfs` (the container's root, a host path), waiting at most `timeout`. An error says
@@ -173,18 +318,42 @@ pub fn run(program: &File, args: &[OsString], rootfs: &Path, timeout: Duration) 
     let mut argv: Vec<*const libc::c_char> = argv_c.iter().map(|a| a.as_ptr()).collect();
     argv.push(std::ptr::null());
     let envp: [*const libc::c_char; 1] = [std::ptr::null()];
-    let root_c = CString::new(rootfs.as_os_str().as_bytes())
+    let canonical = std::fs::canonicalize(rootfs).map_err(|e| format!("container root {}: {e}", rootfs.display()))?;
+    let root_c = CString::new(canonical.as_os_str().as_bytes())
         .map_err(|_| format!("container root {} has a NUL byte", rootfs.display()))?;
+    let mut mountinfo = String::new();
+    File::open("/proc/self/mountinfo")
+        .and_then(|f| f.take(MAX_MOUNTINFO).read_to_string(&mut mountinfo))
+        .map_err(|e| format!("/proc/self/mountinfo: {e}"))?;
+    let detach_c: Vec<CString> = mounts_to_detach(&mountinfo, canonical.as_os_str().as_bytes())
+        .into_iter()
+        .filter_map(|p| CString::new(p).ok())
+        .collect();
+    let mut detach: Vec<*const libc::c_char> = detach_c.iter().map(|p| p.as_ptr()).collect();
+    detach.push(std::ptr::null());
     let program_fd = program.as_raw_fd();
-    let bpf = filter(program_fd)?;
+    let empty_path = EMPTY_PATH.as_ptr();
+    let bpf = filter(program_fd, empty_path)?;
     let prog = libc::sock_fprog {
-        len: bpf.len() as u16,
+        len: u16::try_from(bpf.len()).map_err(|_| "seccomp filter too long".to_string())?,
         filter: bpf.as_ptr() as *mut libc::sock_filter,
     };
     let null = File::open("/dev/null").map_err(|e| format!("/dev/null: {e}"))?;
     let (err_r, err_w) = pipe()?;
     let (out_r, out_w) = pipe()?;
-    let parent = rustix::process::getpid().as_raw_nonzero().get();
+    let prepared = Prepared {
+        parent: rustix::process::getpid().as_raw_nonzero().get(),
+        root: &root_c,
+        detach: &detach,
+        program_fd,
+        empty_path,
+        argv: &argv,
+        envp: &envp,
+        prog: &prog,
+        null_fd: null.as_raw_fd(),
+        out_fd: out_w.as_raw_fd(),
+        err_fd: err_w.as_raw_fd(),
+    };
 
     // SAFETY: fork in a process of one thread (the hook program), or one whose other threads
     // take no lock the child needs: the child makes only system calls on the data above and
@@ -195,19 +364,7 @@ pub fn run(program: &File, args: &[OsString], rootfs: &Path, timeout: Duration) 
     }
     if pid == 0 {
         // SAFETY: see above; `child` never returns.
-        unsafe {
-            child(
-                parent,
-                &root_c,
-                program_fd,
-                &argv,
-                &envp,
-                &prog,
-                null.as_raw_fd(),
-                out_w.as_raw_fd(),
-                err_w.as_raw_fd(),
-            )
-        }
+        unsafe { child(&prepared) }
     }
     drop(err_w);
     drop(out_w);
@@ -295,33 +452,22 @@ unsafe fn fail(err_fd: RawFd, step: u32) -> ! {
 }
 
 /// The forked child: namespaces, then the program's process as PID 1 of the new PID namespace.
-#[allow(clippy::too_many_arguments)]
-unsafe fn child(
-    parent: i32,
-    root: &CString,
-    program_fd: RawFd,
-    argv: &[*const libc::c_char],
-    envp: &[*const libc::c_char; 1],
-    prog: &libc::sock_fprog,
-    null_fd: RawFd,
-    out_fd: RawFd,
-    err_fd: RawFd,
-) -> ! {
+unsafe fn child(p: &Prepared) -> ! {
     unsafe {
         if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
-            fail(err_fd, 0);
+            fail(p.err_fd, 0);
         }
-        if libc::getppid() != parent {
+        if libc::getppid() != p.parent {
             libc::_exit(126);
         }
         let flags =
             libc::CLONE_NEWNS | libc::CLONE_NEWPID | libc::CLONE_NEWNET | libc::CLONE_NEWIPC | libc::CLONE_NEWUTS;
         if libc::unshare(flags) != 0 {
-            fail(err_fd, 1);
+            fail(p.err_fd, 1);
         }
         let inner = libc::fork();
         if inner < 0 {
-            fail(err_fd, 2);
+            fail(p.err_fd, 2);
         }
         if inner > 0 {
             // The namespace holder: waits for the program and exits as it did.
@@ -340,23 +486,23 @@ unsafe fn child(
             }
             libc::_exit(128 + libc::WTERMSIG(status));
         }
-        program(root, program_fd, argv, envp, prog, null_fd, out_fd, err_fd)
+        program(p)
     }
 }
 
-/// PID 1 of the new namespaces: into the container's root, every privilege dropped, exec.
-#[allow(clippy::too_many_arguments)]
-unsafe fn program(
-    root: &CString,
-    program_fd: RawFd,
-    argv: &[*const libc::c_char],
-    envp: &[*const libc::c_char; 1],
-    prog: &libc::sock_fprog,
-    null_fd: RawFd,
-    out_fd: RawFd,
-    err_fd: RawFd,
-) -> ! {
+/// Whether the file system at `path` has the magic number `magic`.
+unsafe fn is_fs(path: &CStr, magic: i64) -> bool {
     unsafe {
+        let mut st: libc::statfs = std::mem::zeroed();
+        libc::statfs(path.as_ptr(), &mut st) == 0 && st.f_type as i64 == magic
+    }
+}
+
+/// PID 1 of the new namespaces: into the container's root, its kernel file systems detached,
+/// every privilege dropped, exec.
+unsafe fn program(p: &Prepared) -> ! {
+    unsafe {
+        let err_fd = p.err_fd;
         if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
             fail(err_fd, 0);
         }
@@ -372,8 +518,8 @@ unsafe fn program(
             fail(err_fd, 3);
         }
         if libc::mount(
-            root.as_ptr(),
-            root.as_ptr(),
+            p.root.as_ptr(),
+            p.root.as_ptr(),
             none,
             libc::MS_BIND | libc::MS_REC,
             std::ptr::null(),
@@ -381,17 +527,61 @@ unsafe fn program(
         {
             fail(err_fd, 4);
         }
-        if libc::chdir(root.as_ptr()) != 0 {
+        if libc::chdir(p.root.as_ptr()) != 0 {
             fail(err_fd, 5);
         }
         if libc::syscall(libc::SYS_pivot_root, c".".as_ptr(), c".".as_ptr()) != 0 {
             fail(err_fd, 6);
         }
-        if libc::umount2(c".".as_ptr(), libc::MNT_DETACH) != 0 {
+        if libc::umount2(c".".as_ptr(), libc::MNT_DETACH) != 0 || libc::chdir(c"/".as_ptr()) != 0 {
             fail(err_fd, 7);
         }
-        if libc::chdir(c"/".as_ptr()) != 0 {
-            fail(err_fd, 7);
+        // The container's kernel file systems, deepest first. A mount already gone with its
+        // parent is not there any more (EINVAL, ENOENT).
+        let mut at = p.detach.as_ptr();
+        while !(*at).is_null() {
+            if libc::umount2(*at, libc::MNT_DETACH) != 0 {
+                let errno = *libc::__errno_location();
+                if errno != libc::EINVAL && errno != libc::ENOENT {
+                    fail(err_fd, 12);
+                }
+            }
+            at = at.add(1);
+        }
+        if is_fs(c"/proc", PROC_SUPER_MAGIC) || is_fs(c"/sys", SYSFS_MAGIC) {
+            *libc::__errno_location() = libc::EBUSY;
+            fail(err_fd, 12);
+        }
+        // Everything left noexec, nosuid, nodev. Kernels before 5.12 have no mount_setattr: the
+        // seccomp filter still refuses every exec but the program's.
+        #[repr(C)]
+        struct MountAttr {
+            attr_set: u64,
+            attr_clr: u64,
+            propagation: u64,
+            userns_fd: u64,
+        }
+        const MOUNT_ATTR_NOSUID: u64 = 0x2;
+        const MOUNT_ATTR_NODEV: u64 = 0x4;
+        const MOUNT_ATTR_NOEXEC: u64 = 0x8;
+        const AT_RECURSIVE: libc::c_int = 0x8000;
+        let attr = MountAttr {
+            attr_set: MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV | MOUNT_ATTR_NOEXEC,
+            attr_clr: 0,
+            propagation: 0,
+            userns_fd: 0,
+        };
+        if libc::syscall(
+            libc::SYS_mount_setattr,
+            libc::AT_FDCWD,
+            c"/".as_ptr(),
+            AT_RECURSIVE,
+            &attr as *const MountAttr,
+            std::mem::size_of::<MountAttr>(),
+        ) != 0
+            && *libc::__errno_location() != libc::ENOSYS
+        {
+            fail(err_fd, 13);
         }
         for (resource, limit) in [
             (libc::RLIMIT_NOFILE, RLIMIT_NOFILE),
@@ -408,7 +598,7 @@ unsafe fn program(
                 fail(err_fd, 8);
             }
         }
-        if libc::dup2(null_fd, 0) < 0 || libc::dup2(out_fd, 1) < 0 || libc::dup2(out_fd, 2) < 0 {
+        if libc::dup2(p.null_fd, 0) < 0 || libc::dup2(p.out_fd, 1) < 0 || libc::dup2(p.out_fd, 2) < 0 {
             fail(err_fd, 9);
         }
         // Every descriptor above 2 is closed on exec (the error pipe too: exec closes it, which
@@ -459,17 +649,17 @@ unsafe fn program(
             libc::SYS_seccomp,
             libc::SECCOMP_SET_MODE_FILTER,
             0,
-            prog as *const libc::sock_fprog,
+            p.prog as *const libc::sock_fprog,
         ) != 0
         {
             fail(err_fd, 10);
         }
         libc::syscall(
             libc::SYS_execveat,
-            program_fd,
-            c"".as_ptr(),
-            argv.as_ptr(),
-            envp.as_ptr(),
+            p.program_fd,
+            p.empty_path,
+            p.argv.as_ptr(),
+            p.envp.as_ptr(),
             libc::AT_EMPTY_PATH,
         );
         fail(err_fd, 11)
