@@ -470,3 +470,138 @@ async fn the_daemon_cannot_read_the_hosts_files() {
     assert_eq!(agent.stop(), 0);
     assert_eq!(std::fs::read_to_string(&secret).expect("secret"), "s3cret\n");
 }
+
+/// Landlock's ABI version, or `None` where the kernel has it off or lacks it.
+fn landlock_abi() -> Option<i64> {
+    // SAFETY: landlock_create_ruleset(NULL, 0, LANDLOCK_CREATE_RULESET_VERSION) only answers.
+    let abi = unsafe {
+        nix::libc::syscall(
+            nix::libc::SYS_landlock_create_ruleset,
+            std::ptr::null::<u8>(),
+            0usize,
+            1u32,
+        )
+    };
+    (abi > 0).then_some(abi)
+}
+
+/// Kills the host process it holds when the test ends, however it ends.
+struct Killed(std::process::Child);
+
+impl Drop for Killed {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// Unmounts what is mounted at its path when the test ends, however it ends (before the node's
+/// temporary folder, which holds it, is removed).
+struct Unmount(PathBuf);
+
+impl Drop for Unmount {
+    fn drop(&mut self) {
+        let _ = nix::mount::umount2(&self.0, nix::mount::MntFlags::MNT_DETACH);
+    }
+}
+
+/// Issue #32: root in the container, without `CAP_SYS_PTRACE`, can still switch its file system
+/// uid to that of a dumpable host process without capabilities (here `nobody`), open that
+/// process's `/proc/<pid>/root` (the ptrace check passes for the same uid), switch back to root
+/// and read or create any host file below it. Landlock (its file system rules beneath the new
+/// root, and its ptrace scoping) closes that path; the fake daemon plays the attack.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_daemon_cannot_reach_the_host_through_another_processes_root() {
+    use std::os::unix::process::CommandExt;
+    require_root();
+    let Some(abi) = landlock_abi() else {
+        eprintln!(
+            "SKIPPED: this kernel has Landlock off or lacks it (landlock_create_ruleset failed), and \
+             without it the daemon's container does not close /proc/<pid>/root (issue #32)"
+        );
+        return;
+    };
+    eprintln!("Landlock ABI {abi}");
+    let config = format!("[device_plugin]\ndefault_profile = \"mps\"\n{PROFILES}");
+    let (_api, node, kubelet) = setup(&config, &[]).await;
+    // A host file outside the node's root, and a host process of `nobody` (any dumpable one
+    // without capabilities would do: daemons, other tenants' non-root pods).
+    let secret = node.tmp.path().join("host-secret");
+    std::fs::write(&secret, "s3cret\n").expect("secret");
+    let written = node.tmp.path().join("host-secret.written");
+    let mut nobody = std::process::Command::new("sleep")
+        .arg("120")
+        .uid(65534)
+        .gid(65534)
+        .spawn()
+        .map(Killed)
+        .expect("a host process of nobody (sleep as 65534:65534)");
+    let rel = secret.strip_prefix("/").expect("an absolute temp path");
+    let probe = format!("as-fsuid 65534 /proc/{}/root {}", nobody.0.id(), rel.display());
+    // The process as MPS clients are seen, to show that the daemon's `/proc` is the host's.
+    let status = format!("/proc/{}/status", nobody.0.id());
+    std::fs::create_dir_all(path(&node, PIPE)).expect("pipe folder");
+    std::fs::write(path(&node, PIPE).join("fake-probe"), format!("{probe}\n{status}\n")).expect("probe list");
+
+    // The daemon's container binds the node's `/proc`, a folder of fake files in these tests:
+    // here the host's own, as on a node, in a mount namespace of this thread's (the agent, which
+    // this thread starts, inherits it; the host's mounts do not change).
+    nix::sched::unshare(nix::sched::CloneFlags::CLONE_NEWNS).expect("a mount namespace for the test");
+    let none: Option<&str> = None;
+    nix::mount::mount(
+        none,
+        "/",
+        none,
+        nix::mount::MsFlags::MS_REC | nix::mount::MsFlags::MS_PRIVATE,
+        none,
+    )
+    .expect("mounts private");
+    nix::mount::mount(
+        Some("/proc"),
+        &path(&node, "proc"),
+        none,
+        nix::mount::MsFlags::MS_BIND,
+        none,
+    )
+    .expect("the host's /proc as the node's");
+    let _unmount = Unmount(path(&node, "proc"));
+
+    let agent = node.spawn();
+    kubelet
+        .wait_for_devices(GPU, T, |d| d.len() == 8)
+        .await
+        .expect("8 replicas");
+    let pipe = path(&node, PIPE);
+    wait_until("the MPS control daemon listening", || daemon_listening(&pipe));
+    let probe_log = path(&node, LOG).join("probe.log");
+    wait_until("probe.log", || probe_log.exists());
+    let log = std::fs::read_to_string(&probe_log).expect("probe.log");
+    let result = |p: &str| -> String {
+        log.lines()
+            .find_map(|l| l.strip_prefix(p).and_then(|r| r.strip_prefix('\t')))
+            .unwrap_or_else(|| panic!("{p} not in probe.log:\n{log}"))
+            .to_string()
+    };
+    let (seen, result) = (result(&status), result(&probe));
+    eprintln!("{status}: {seen}\n{probe}: {result}");
+    let alive = matches!(nobody.0.try_wait(), Ok(None));
+    // The agent stops (and the daemon quits) before anything is asserted.
+    assert_eq!(agent.stop(), 0);
+    assert!(
+        seen.starts_with("read "),
+        "the daemon does not see the host's processes: the probe proves nothing: {seen}"
+    );
+    assert!(
+        alive,
+        "the nobody process ended before the probe: the probe proves nothing"
+    );
+    assert!(
+        !result.contains(" bytes"),
+        "the daemon read a host file through /proc/<pid>/root: {result}"
+    );
+    assert!(
+        !result.contains("create: ok") && !written.exists(),
+        "the daemon created a host file through /proc/<pid>/root: {result}"
+    );
+    assert_eq!(std::fs::read_to_string(&secret).expect("secret"), "s3cret\n");
+}

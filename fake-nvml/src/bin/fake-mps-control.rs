@@ -14,7 +14,12 @@
 //! - At start, the daemon reads `<pipe dir>/fake-probe` if there is one: a host path per line
 //!   that it tries to read, writing `<path>\tread <n> bytes` or `<path>\terror: <reason>` per
 //!   line to `<log dir>/probe.log`. A test asks it this way (no env: the agent chooses the
-//!   daemon's env) what the daemon can reach of the host's files.
+//!   daemon's env) what the daemon can reach of the host's files. A line
+//!   `as-fsuid <uid> <dir> <file>` plays a compromised daemon instead: it opens `<dir>` (say
+//!   `/proc/<pid>/root` of a host process of user `<uid>`) with its file system uid and gid
+//!   switched to `<uid>` (`setfsuid`, `setfsgid`), switches them back (root's capabilities come
+//!   back), then reads `<file>` and creates `<file>.written` (both relative) below what it
+//!   opened; the result is `open: ...; read: ...; create: ...`.
 //! - While it runs, the daemon keeps a file `/dev/shm/cuda.shm.fake-mps.<pid>` (removed at
 //!   `quit`): the real MPS server and its clients meet in shared memory under `/dev/shm`, so a
 //!   test can see which `/dev/shm` the daemon was given.
@@ -217,12 +222,55 @@ fn probe(dir: &Path, logs: &Path) {
     };
     let mut out = String::new();
     for path in list.lines().map(str::trim).filter(|l| !l.is_empty()) {
+        if let Some(rest) = path.strip_prefix("as-fsuid ") {
+            out.push_str(&format!("{path}\t{}\n", as_fsuid(rest)));
+            continue;
+        }
         match fs::read(path) {
             Ok(bytes) => out.push_str(&format!("{path}\tread {} bytes\n", bytes.len())),
             Err(e) => out.push_str(&format!("{path}\terror: {e}\n")),
         }
     }
     let _ = fs::write(logs.join(PROBE_LOG), out);
+}
+
+unsafe extern "C" {
+    fn setfsuid(fsuid: u32) -> i32;
+    fn setfsgid(fsgid: u32) -> i32;
+}
+
+/// `<uid> <dir> <file>` of an `as-fsuid` probe: `<dir>` opened as file system user `<uid>`,
+/// then, as root again, `<file>` read and `<file>.written` created below it.
+fn as_fsuid(probe: &str) -> String {
+    let [uid, dir, file] = probe.split_whitespace().collect::<Vec<_>>()[..] else {
+        return format!("error: want <uid> <dir> <file>, got {probe:?}");
+    };
+    let Ok(uid) = uid.parse::<u32>() else {
+        return format!("error: bad uid {uid}");
+    };
+    // SAFETY: setfsuid/setfsgid take integers; they change this thread's file system ids.
+    let opened = unsafe {
+        setfsgid(uid);
+        setfsuid(uid);
+        let opened = fs::File::open(dir);
+        setfsuid(0);
+        setfsgid(0);
+        opened
+    };
+    let dir = match opened {
+        Ok(d) => d,
+        Err(e) => return format!("open: error: {e}"),
+    };
+    let below = PathBuf::from(format!("/proc/self/fd/{}", std::os::fd::AsRawFd::as_raw_fd(&dir)));
+    let read = match fs::read(below.join(file)) {
+        Ok(b) => format!("{} bytes", b.len()),
+        Err(e) => format!("error: {e}"),
+    };
+    let create = match fs::write(below.join(format!("{file}.written")), b"written by the MPS daemon\n") {
+        Ok(()) => "ok".to_string(),
+        Err(e) => format!("error: {e}"),
+    };
+    format!("open: ok; read: {read}; create: {create}")
 }
 
 /// The shared-memory file the daemon keeps while it runs.

@@ -32,7 +32,45 @@
 //!    `CAP_SYS_PTRACE` (`/proc/<pid>/root` of the host's processes), `CAP_DAC_READ_SEARCH`
 //!    (`open_by_handle_at` on the bound file systems), `CAP_MKNOD`, `CAP_SYS_MODULE`,
 //!    `CAP_SYS_RAWIO`;
-//! 5. `no_new_privs`.
+//! 5. `no_new_privs`;
+//! 6. Landlock, where the kernel has it: file system access only beneath the new root (below).
+//!
+//! Why Landlock (issue #32). Steps 1 to 5 leave root in the container a way out: it keeps
+//! `CAP_SETUID` (the daemon starts each MPS server as the client's user), so it can switch its
+//! file system uid and gid to those of any dumpable host process without capabilities (a
+//! daemon running as `nobody`, another tenant's non-root pod), open that process's
+//! `/proc/<pid>/root` (the kernel's ptrace check passes for the same uid, `CAP_SYS_PTRACE` or
+//! not), switch back to uid 0 (`CAP_DAC_OVERRIDE` is effective again) and read or create any
+//! host file below it: `/proc` must be the host's, for the clients' `/proc/<pid>`. Landlock
+//! closes it twice: a Landlock domain may not ptrace, nor pass ptrace's checks on, a process
+//! outside it (so `/proc/<pid>/root` of a host process is refused), and its ruleset, one rule
+//! granting every file system right of the kernel's ABI beneath the new root `/`, refuses any
+//! path that does not lead up to that root (a host path reached through a magic link is in the
+//! host's tree). Landlock is made here with its three system calls on stack structs, not with
+//! the `landlock` crate: the rule needs a descriptor of the new root, which exists only after
+//! `pivot_root` in the child, where nothing may allocate, and the crate's types (its errors,
+//! its compatibility state) allocate; the calls are few and their ABI is stable. Best effort
+//! as the crate's `CompatLevel::BestEffort` does it: the rights handled are those of the
+//! kernel's ABI (asked once, in the agent); a kernel without Landlock (before 5.13, or with it
+//! off in `lsm=`) gets a warning in the log, once, and the container without that layer.
+//!
+//! What Landlock changes for the daemon and the MPS servers it starts (they inherit it), and
+//! for the control client calls: no file outside the container, and no ptrace-checked access
+//! to host processes: `/proc/<pid>/{environ,maps,mem,fd,cwd,root,exe,ns}` of clients
+//! (`status`, `stat`, `cmdline`, `cgroup` stay readable), `ptrace`, `process_vm_readv` and
+//! `pidfd_getfd` on them. Before, a server running as a client's non-root user could do those
+//! to that client. On ABI 1 kernels (5.13 to 5.18), which lack the right to link or rename
+//! into another folder, such a link or rename is refused (`EXDEV`) even inside the container.
+//!
+//! Why not also seccomp, or fewer capabilities: what the attack needs, the daemon needs or
+//! the attack gets another way. `CAP_SETUID` and `CAP_SETGID` start servers as the clients'
+//! users; `CAP_DAC_OVERRIDE` and the other file capabilities hand them pipes and files;
+//! `/proc` is the clients'. Refusing `setfsuid` and `setfsgid`, or every uid change that keeps
+//! a way back to root (seccomp can compare `setresuid`'s arguments), would stop the reviewer's
+//! program but not a forked child that becomes the target's user for good, opens
+//! `/proc/<pid>/root` and hands the descriptor to its root parent over a Unix socket; and it
+//! could break NVIDIA's daemon, which may take a user's ids for a while to make that user's
+//! files. So without Landlock the hole stays open, and the warning says so.
 //!
 //! Why between fork and exec (`Command::pre_exec`) and not by re-executing the agent: the
 //! agent's binary need not be reachable or the right one (the library's tests run the
@@ -134,6 +172,10 @@ enum Step {
     RootReadOnly,
     DropCaps,
     NoNewPrivs,
+    /// Landlock: file system access (the `handled` rights) only beneath the new root.
+    Landlock {
+        handled: u64,
+    },
 }
 
 /// What the child does before it runs the control program, prepared in the agent.
@@ -256,6 +298,12 @@ impl Sandbox {
         b.push(Step::RootReadOnly, "the new root read-only".into());
         b.push(Step::DropCaps, "capability bounding set cut".into());
         b.push(Step::NoNewPrivs, "no_new_privs".into());
+        if let Some(handled) = landlock_access() {
+            b.push(
+                Step::Landlock { handled },
+                "Landlock: file system access only beneath the new root".into(),
+            );
+        }
         Ok(Sandbox {
             steps: Arc::new(b.steps),
             described: b.described,
@@ -514,7 +562,128 @@ fn apply(step: &Step, source: RawFd) -> Result<(), Errno> {
         ),
         Step::DropCaps => drop_caps(),
         Step::NoNewPrivs => nix::sys::prctl::set_no_new_privs(),
+        Step::Landlock { handled } => landlock(*handled),
     }
+}
+
+/// `landlock_create_ruleset`'s flag that asks for the ABI version.
+const LANDLOCK_CREATE_RULESET_VERSION: u32 = 1;
+/// `landlock_add_rule`'s rule type for a `struct landlock_path_beneath_attr`.
+const LANDLOCK_RULE_PATH_BENEATH: u32 = 1;
+/// The file system access rights of Landlock ABI 1 (Linux 5.13): execute, write, read, read a
+/// folder, remove a folder or file, make a character device, folder, regular file, socket,
+/// FIFO, block device or symbolic link.
+const LANDLOCK_ACCESS_FS_V1: u64 = (1 << 13) - 1;
+/// ABI 2 (Linux 5.19): link or rename a file into another folder.
+const LANDLOCK_ACCESS_FS_REFER: u64 = 1 << 13;
+/// ABI 3 (Linux 6.2): truncate a file.
+const LANDLOCK_ACCESS_FS_TRUNCATE: u64 = 1 << 14;
+/// ABI 5 (Linux 6.10): `ioctl` on a device.
+const LANDLOCK_ACCESS_FS_IOCTL_DEV: u64 = 1 << 15;
+
+/// Every file system access right Landlock ABI `abi` has (of those this agent knows; ABIs 4,
+/// 6 and 7 brought network rights, scopes and log flags, none of which is used here).
+pub(super) fn landlock_access_for(abi: i64) -> u64 {
+    let mut access = LANDLOCK_ACCESS_FS_V1;
+    if abi >= 2 {
+        access |= LANDLOCK_ACCESS_FS_REFER;
+    }
+    if abi >= 3 {
+        access |= LANDLOCK_ACCESS_FS_TRUNCATE;
+    }
+    if abi >= 5 {
+        access |= LANDLOCK_ACCESS_FS_IOCTL_DEV;
+    }
+    access
+}
+
+/// The file system access rights the container's Landlock ruleset handles on this kernel, or
+/// `None` where the kernel lacks Landlock or has it off: asked once, and said once (a warning)
+/// in the log then.
+fn landlock_access() -> Option<u64> {
+    static ACCESS: std::sync::OnceLock<Option<u64>> = std::sync::OnceLock::new();
+    *ACCESS.get_or_init(|| {
+        // SAFETY: landlock_create_ruleset(NULL, 0, VERSION) reads nothing and only answers.
+        let abi = unsafe {
+            libc::syscall(
+                libc::SYS_landlock_create_ruleset,
+                std::ptr::null::<u8>(),
+                0usize,
+                LANDLOCK_CREATE_RULESET_VERSION,
+            )
+        };
+        if abi >= 1 {
+            return Some(landlock_access_for(abi));
+        }
+        let why = match Errno::last() {
+            Errno::ENOSYS => "this kernel lacks it (Linux 5.13 and later have it)".to_string(),
+            Errno::EOPNOTSUPP => "this kernel has it off (add landlock to its lsm= list)".to_string(),
+            e => format!("landlock_create_ruleset: {}", e.desc()),
+        };
+        tracing::warn!(
+            "Landlock is unavailable ({why}): the MPS control daemon's container goes without \
+             it, and a compromised daemon could reach the host's files through /proc/<pid>/root \
+             of a host process"
+        );
+        None
+    })
+}
+
+/// Restricts this process, and what it execs and forks, to file system access beneath the
+/// current root (the container's, after `pivot_root`): a ruleset handling `handled`, one rule
+/// granting all of it beneath `/`. System calls on the stack only, no allocation.
+fn landlock(handled: u64) -> Result<(), Errno> {
+    // `struct landlock_ruleset_attr` up to its first field, `handled_access_fs`: the kernel
+    // takes the size given, so this is the same on every ABI.
+    let attr: u64 = handled;
+    // SAFETY: the attribute is a u64 on the stack, of the size given.
+    let ruleset = unsafe {
+        libc::syscall(
+            libc::SYS_landlock_create_ruleset,
+            &attr as *const u64,
+            std::mem::size_of::<u64>(),
+            0u32,
+        )
+    };
+    let ruleset = RawFd::try_from(ruleset).map_err(|_| Errno::EBADF)?;
+    if ruleset < 0 {
+        return Err(Errno::last());
+    }
+    // SAFETY: the kernel just returned this descriptor; nothing else owns it.
+    let ruleset = unsafe { <OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(ruleset) };
+    let root = open(
+        c"/",
+        OFlag::O_PATH | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC,
+        Mode::empty(),
+    )?;
+    /// `struct landlock_path_beneath_attr`.
+    #[repr(C, packed)]
+    struct PathBeneath {
+        allowed_access: u64,
+        parent_fd: i32,
+    }
+    let beneath = PathBeneath {
+        allowed_access: handled,
+        parent_fd: root.as_raw_fd(),
+    };
+    // SAFETY: the rule is a packed struct on the stack, as the kernel reads it.
+    let added = unsafe {
+        libc::syscall(
+            libc::SYS_landlock_add_rule,
+            ruleset.as_raw_fd(),
+            LANDLOCK_RULE_PATH_BENEATH,
+            &beneath as *const PathBeneath,
+            0u32,
+        )
+    };
+    if added != 0 {
+        return Err(Errno::last());
+    }
+    // SAFETY: integers only.
+    if unsafe { libc::syscall(libc::SYS_landlock_restrict_self, ruleset.as_raw_fd(), 0u32) } != 0 {
+        return Err(Errno::last());
+    }
+    Ok(())
 }
 
 /// `/proc/self/fd/<fd>` as a C string in `buf`, without allocating.

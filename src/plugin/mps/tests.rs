@@ -199,3 +199,19 @@ fn allocate_leaves_other_resources_alone() {
     add_to_response(&MpsAllocate::new(&daemons), &resource, &["GPU-0::0".into()], &mut resp);
     assert_eq!(resp, ContainerAllocateResponse::default());
 }
+
+/// The Landlock rights handled are every file system right of the kernel's ABI.
+#[test]
+fn landlock_handles_every_file_system_right_of_the_abi() {
+    use super::contain::landlock_access_for;
+    assert_eq!(landlock_access_for(1), 0x1fff);
+    assert_eq!(landlock_access_for(2), 0x3fff, "and REFER");
+    assert_eq!(landlock_access_for(3), 0x7fff, "and TRUNCATE");
+    assert_eq!(landlock_access_for(4), 0x7fff, "ABI 4 brought network rights only");
+    assert_eq!(landlock_access_for(5), 0xffff, "and IOCTL_DEV");
+    assert_eq!(
+        landlock_access_for(7),
+        0xffff,
+        "ABIs 6 and 7 brought no file system right"
+    );
+}
