@@ -64,7 +64,7 @@ fn not_found(e: &pathrs::error::Error) -> bool {
 impl InRoot {
     /// Opens the root (a host path the runtime gave, trusted).
     pub fn open(root: &Path) -> Result<InRoot, HookError> {
-        let root = Root::open(root).map_err(|e| HookError::at(root, e.to_string()))?;
+        let root = Root::open(root).map_err(|e| HookError::at(root, why(&e)))?;
         Ok(InRoot { root })
     }
 
@@ -76,9 +76,12 @@ impl InRoot {
             // pathrs does not create through a link that points nowhere (it could be swapped).
             let dangling = self.root.readlink(path).is_ok();
             let why = if dangling {
-                format!("a symbolic link to a folder that does not exist in the container ({e})")
+                format!(
+                    "a symbolic link to a folder that does not exist in the container ({})",
+                    why(&e)
+                )
             } else {
-                e.to_string()
+                why(&e)
             };
             HookError::at(path, why)
         })?;
@@ -112,7 +115,7 @@ impl InRoot {
                 Ok(Some((handle, kind)))
             }
             Err(e) if not_found(&e) => Ok(None),
-            Err(e) => Err(HookError::at(path, e.to_string())),
+            Err(e) => Err(HookError::at(path, why(&e))),
         }
     }
 
@@ -144,7 +147,7 @@ impl InRoot {
         };
         let dir = handle
             .reopen(OpenFlags::O_RDONLY | OpenFlags::O_DIRECTORY | OpenFlags::O_CLOEXEC)
-            .map_err(|e| HookError::at(path, e.to_string()))?;
+            .map_err(|e| HookError::at(path, why(&e)))?;
         let mut names = Vec::new();
         let entries = rustix::fs::Dir::read_from(dir.as_fd()).map_err(|e| HookError::at(path, e.to_string()))?;
         for entry in entries {
@@ -207,6 +210,25 @@ impl InRoot {
         }
     }
 
+    /// Removes the entry at `path` (not followed) unless it is a regular file or missing: a FIFO,
+    /// device, socket or link where a program will create a file with `O_TRUNC` (ldconfig's
+    /// temporary cache) would block it or redirect it. A folder there is an error.
+    pub fn remove_unless_file(&self, path: &Path) -> Result<(), HookError> {
+        let (parent, name) = split(path)?;
+        let Some(dir) = self.existing_dir(parent)? else {
+            return Ok(());
+        };
+        match rustix::fs::statat(&dir, name, AtFlags::SYMLINK_NOFOLLOW) {
+            Ok(st) => match FileType::from_raw_mode(st.st_mode) {
+                FileType::RegularFile => Ok(()),
+                FileType::Directory => Err(HookError::at(path, "is a folder".to_string())),
+                _ => rustix::fs::unlinkat(&dir, name, AtFlags::empty())
+                    .map_err(|e| HookError::at(path, io::Error::from(e).to_string())),
+            },
+            Err(_) => Ok(()),
+        }
+    }
+
     /// A symlink at `path` to `target`: left alone when it is already that link; otherwise made
     /// under a temporary name and renamed over the entry (a folder there is an error).
     pub fn symlink(&self, target: &str, path: &Path) -> Result<(), HookError> {
@@ -235,7 +257,7 @@ impl InRoot {
 pub fn read_handle(handle: &Handle, path: &Path, cap: u64) -> Result<Vec<u8>, HookError> {
     let file = handle
         .reopen(OpenFlags::O_RDONLY | OpenFlags::O_NONBLOCK | OpenFlags::O_NOCTTY | OpenFlags::O_CLOEXEC)
-        .map_err(|e| HookError::at(path, e.to_string()))?;
+        .map_err(|e| HookError::at(path, why(&e)))?;
     let kind = kind_of(FileType::from_raw_mode(
         rustix::fs::fstat(&file)
             .map_err(|e| HookError::at(path, e.to_string()))?
@@ -255,6 +277,22 @@ pub fn read_handle(handle: &Handle, path: &Path, cap: u64) -> Result<Vec<u8>, Ho
         return Err(HookError::at(path, format!("larger than {cap} bytes")));
     }
     Ok(bytes)
+}
+
+/// An error with its causes, innermost last (pathrs's own message alone often leaves out the
+/// system call's error).
+fn why(e: &dyn std::error::Error) -> String {
+    let mut text = e.to_string();
+    let mut source = e.source();
+    while let Some(cause) = source {
+        let more = cause.to_string();
+        if !text.contains(&more) {
+            text.push_str(": ");
+            text.push_str(&more);
+        }
+        source = cause.source();
+    }
+    text
 }
 
 fn stat(handle: &Handle, path: &Path) -> Result<FileType, HookError> {

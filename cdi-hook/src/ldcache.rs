@@ -192,9 +192,14 @@ pub fn update(root: &InRoot, rootfs: &Path, folders: &[PathBuf], ldconfig: &Host
         root.create_if_missing(Path::new("/etc/ld.so.conf"), b"include /etc/ld.so.conf.d/*.conf\n")?;
     }
     check_conf_files(root)?;
+    // ldconfig writes the cache to `<cache>~` (O_CREAT|O_TRUNC) and renames it: a FIFO or a link
+    // there would hang it or send it elsewhere in the root.
+    root.remove_unless_file(Path::new("/etc/ld.so.cache~"))?;
+    root.remove_unless_file(Path::new("/var/cache/ldconfig/aux-cache~"))?;
     // ldconfig also makes the soname links in the folders it scans (a driver root may lack
-    // them): all of them inside the container, read-only mounts staying read-only.
-    let mut args: Vec<std::ffi::OsString> = vec!["ldconfig".into()];
+    // them): all of them inside the container, read-only mounts staying read-only. -i: no
+    // auxiliary cache (/var/cache/ldconfig/aux-cache is the image's, read without checks).
+    let mut args: Vec<std::ffi::OsString> = vec!["ldconfig".into(), "-i".into()];
     args.extend(dirs.iter().map(|d| d.as_os_str().to_os_string()));
     crate::sandbox::run(&ldconfig.file, &args, rootfs, LDCONFIG_TIMEOUT).map_err(|message| HookError::Ldconfig {
         ldconfig: ldconfig.path.clone(),

@@ -395,6 +395,11 @@ fn update_ldcache_refuses_special_files_it_or_ldconfig_would_read() {
         tree.libcuda("/usr/lib64");
         make(&tree, LDCACHE_CONF);
         make(&tree, "/etc/ld.so.cache");
+        // ldconfig's temporary files (O_CREAT|O_TRUNC would block on a FIFO) and its auxiliary
+        // cache (not read: -i).
+        make(&tree, "/etc/ld.so.cache~");
+        make(&tree, "/var/cache/ldconfig/aux-cache");
+        make(&tree, "/var/cache/ldconfig/aux-cache~");
         run_in(&ldcache(&["/usr/lib64"]), &tree.root()).unwrap();
         assert!(std::fs::symlink_metadata(tree.at(LDCACHE_CONF)).unwrap().is_file());
         assert!(

@@ -899,8 +899,8 @@ fn mounts(task: &str) -> Vec<String> {
 /// Whether the host's `ldconfig` would run in this root until the sandbox's limit (30 s) or for
 /// seconds, for the shapes known to make it (bounded by the sandbox, so the hook then fails
 /// after 30 s and the runtime refuses the container; not a hang, but slow):
-/// - a FIFO at `/etc/ld.so.cache~`: ldconfig opens its temporary cache for writing, which
-///   blocks on a FIFO with no reader;
+/// (A FIFO at ldconfig's temporary `/etc/ld.so.cache~` or at its auxiliary cache was one; the
+/// hook now removes such an entry first and runs ldconfig with `-i`: no longer skipped.)
 /// - a link to a FIFO in a folder ldconfig scans: it opens link targets to read their ELF
 ///   header;
 /// - an `include` line in a file that an `include` of `ld.so.conf.d` reaches: a file that
@@ -914,9 +914,6 @@ fn known_slow_for_ldconfig(root: &Path, canary: &Path) -> bool {
     let Ok(inroot) = InRoot::open(root) else {
         return false;
     };
-    if matches!(inroot.kind(Path::new("/etc/ld.so.cache~")), Ok(Kind::Special("a FIFO"))) {
-        return true;
-    }
     let includes: usize = [Path::new("/etc/ld.so.conf.d"), canary]
         .iter()
         .filter_map(|dir| Some((dir, inroot.list(dir).ok()??)))
