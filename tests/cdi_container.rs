@@ -133,21 +133,7 @@ fn rootfs(dir: &Path, scratch: &Path) -> PathBuf {
     )
     .expect("libc");
     let c = scratch.join("dlcheck.c");
-    fs::write(
-        &c,
-        r#"#include <dlfcn.h>
-#include <stdio.h>
-int main(int argc, char **argv) {
-  int rc = 0;
-  for (int i = 1; i < argc; i++) {
-    if (dlopen(argv[i], RTLD_NOW)) { printf("dlopen %s: ok\n", argv[i]); }
-    else { printf("dlopen %s: %s\n", argv[i], dlerror()); rc = 1; }
-  }
-  return rc;
-}
-"#,
-    )
-    .expect("write dlcheck.c");
+    fs::write(&c, common::DLCHECK_C).expect("write dlcheck.c");
     ok(Command::new("cc").arg("-o").arg(rootfs.join("bin/dlcheck")).arg(&c));
     rootfs
 }

@@ -365,23 +365,7 @@ impl Harness {
         char_node(&dev.join("nvidia0"), 195, 0);
 
         let dlcheck = scratch.join("dlcheck");
-        compile(
-            &scratch,
-            "dlcheck",
-            r#"#include <dlfcn.h>
-#include <stdio.h>
-int main(int argc, char **argv) {
-  int rc = 0;
-  for (int i = 1; i < argc; i++) {
-    if (dlopen(argv[i], RTLD_NOW)) { printf("dlopen %s: ok\n", argv[i]); }
-    else { printf("dlopen %s: %s\n", argv[i], dlerror()); rc = 1; }
-  }
-  return rc;
-}
-"#,
-            &[],
-            &dlcheck,
-        );
+        compile(&scratch, "dlcheck", common::DLCHECK_C, &[], &dlcheck);
 
         // The canary: files, and the folders the hostile images' links point at (with what a
         // hook would act on if it followed them).

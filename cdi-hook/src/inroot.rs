@@ -258,11 +258,14 @@ pub fn read_handle(handle: &Handle, path: &Path, cap: u64) -> Result<Vec<u8>, Ho
     let file = handle
         .reopen(OpenFlags::O_RDONLY | OpenFlags::O_NONBLOCK | OpenFlags::O_NOCTTY | OpenFlags::O_CLOEXEC)
         .map_err(|e| HookError::at(path, why(&e)))?;
-    let kind = kind_of(FileType::from_raw_mode(
-        rustix::fs::fstat(&file)
-            .map_err(|e| HookError::at(path, e.to_string()))?
-            .st_mode,
-    ));
+    read_capped(file, path, cap)
+}
+
+/// The bytes of `file` (opened without blocking), at most `cap` of them, when it is a regular
+/// file: a FIFO, socket or device is refused before it is read; more than `cap` is an error.
+pub fn read_capped(file: File, path: &Path, cap: u64) -> Result<Vec<u8>, HookError> {
+    let st = rustix::fs::fstat(&file).map_err(|e| HookError::at(path, io::Error::from(e).to_string()))?;
+    let kind = kind_of(FileType::from_raw_mode(st.st_mode));
     if kind != Kind::File {
         return Err(HookError::at(
             path,

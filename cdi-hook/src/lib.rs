@@ -313,18 +313,7 @@ fn read_host_file(path: &Path, cap: u64) -> Result<Vec<u8>, HookError> {
         .custom_flags(libc::O_NONBLOCK | libc::O_NOCTTY | libc::O_CLOEXEC)
         .open(path)
         .map_err(|e| HookError::at(path, e.to_string()))?;
-    let meta = file.metadata().map_err(|e| HookError::at(path, e.to_string()))?;
-    if !meta.is_file() {
-        return Err(HookError::at(path, "not a regular file".to_string()));
-    }
-    let mut bytes = Vec::new();
-    file.take(cap + 1)
-        .read_to_end(&mut bytes)
-        .map_err(|e| HookError::at(path, e.to_string()))?;
-    if bytes.len() as u64 > cap {
-        return Err(HookError::at(path, format!("larger than {cap} bytes")));
-    }
-    Ok(bytes)
+    inroot::read_capped(file, path, cap)
 }
 
 /// The major version of a driver version (`550` of `550.54.15`).

@@ -186,7 +186,10 @@ fn a_bundle_config_that_is_a_fifo_is_refused_without_blocking() {
     )
     .unwrap();
     let err = container_root(state_for(bundle).as_bytes()).unwrap_err().to_string();
-    assert!(err.contains("config.json: not a regular file"), "{err}");
+    assert!(
+        err.contains("config.json: expected a regular file, found a FIFO"),
+        "{err}"
+    );
 }
 
 #[test]

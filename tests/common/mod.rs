@@ -108,6 +108,20 @@ pub fn fake_nvml_library() -> PathBuf {
     );
 }
 
+/// `dlcheck`, for the container tests' images: `dlopen`s each name it is given and says how
+/// each went (exit 1 when one failed).
+pub const DLCHECK_C: &str = r#"#include <dlfcn.h>
+#include <stdio.h>
+int main(int argc, char **argv) {
+  int rc = 0;
+  for (int i = 1; i < argc; i++) {
+    if (dlopen(argv[i], RTLD_NOW)) { printf("dlopen %s: ok\n", argv[i]); }
+    else { printf("dlopen %s: %s\n", argv[i], dlerror()); rc = 1; }
+  }
+  return rc;
+}
+"#;
+
 /// The agent's CDI hook program as the packages ship it: `gpu-node-agent-cdi-hook` linked
 /// statically (`crt-static`), built once into `target/static-hook/` (scripts/test builds it before
 /// the tests; here it is only checked to be up to date).
