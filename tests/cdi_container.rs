@@ -85,18 +85,6 @@ fn stub_library(dir: &Path, lib: &str, source: &str, scratch: &Path) {
         .arg(&c));
 }
 
-/// `mknod path c major minor`.
-fn char_node(path: &Path, major: u64, minor: u64) {
-    fs::create_dir_all(path.parent().expect("dev dir")).expect("mkdir dev");
-    nix::sys::stat::mknod(
-        path,
-        nix::sys::stat::SFlag::S_IFCHR,
-        nix::sys::stat::Mode::from_bits_truncate(0o666),
-        nix::sys::stat::makedev(major, minor),
-    )
-    .unwrap_or_else(|e| panic!("mknod {}: {e}", path.display()));
-}
-
 /// The minors of `/dev/nvidia-caps/nvidia-cap<N>` the fake host's `mig-minors` table gives.
 fn cap_minors(root: &Path) -> Vec<u64> {
     let text = fs::read_to_string(root.join("proc/driver/nvidia-caps/mig-minors")).expect("mig-minors");
@@ -176,11 +164,11 @@ fn setup() -> Setup {
         &scratch,
     );
     let dev = driver.join("dev");
-    char_node(&dev.join("nvidiactl"), 195, 255);
-    char_node(&dev.join("nvidia0"), 195, 0);
-    char_node(&dev.join("nvidia1"), 195, 1);
+    common::char_node(&dev.join("nvidiactl"), 195, 255);
+    common::char_node(&dev.join("nvidia0"), 195, 0);
+    common::char_node(&dev.join("nvidia1"), 195, 1);
     for minor in cap_minors(&node.root).into_iter().filter(|m| *m < 200) {
-        char_node(&dev.join(format!("nvidia-caps/nvidia-cap{minor}")), 235, minor);
+        common::char_node(&dev.join(format!("nvidia-caps/nvidia-cap{minor}")), 235, minor);
     }
     Setup { node, dir }
 }
@@ -460,7 +448,7 @@ fn the_agents_names_resolve_beside_the_toolkits_nvidia_yaml() {
 fn a_container_given_the_gdrcopy_device_sees_dev_gdrdrv() {
     let setup = setup();
     let dev = setup.node.root.join(DRIVER_ROOT.trim_start_matches('/')).join("dev");
-    char_node(&dev.join("gdrdrv"), 1, 3);
+    common::char_node(&dev.join("gdrdrv"), 1, 3);
     let config = CONFIG.replace("[device_plugin]\n", "[device_plugin]\ngdrcopy_enabled = true\n");
     let spec = setup.spec(&config);
     let out = setup.node.run(&["cdi", "generate"]);

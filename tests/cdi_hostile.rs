@@ -149,18 +149,6 @@ fn c_string(text: &Path) -> String {
     format!("\"{text}\"")
 }
 
-/// `mknod path c major minor`.
-fn char_node(path: &Path, major: u64, minor: u64) {
-    fs::create_dir_all(path.parent().expect("parent")).expect("mkdir");
-    nix::sys::stat::mknod(
-        path,
-        nix::sys::stat::SFlag::S_IFCHR,
-        nix::sys::stat::Mode::from_bits_truncate(0o666),
-        nix::sys::stat::makedev(major, minor),
-    )
-    .unwrap_or_else(|e| panic!("mknod {}: {e}", path.display()));
-}
-
 fn fifo(path: &Path) {
     fs::create_dir_all(path.parent().expect("parent")).expect("mkdir");
     nix::unistd::mkfifo(path, nix::sys::stat::Mode::from_bits_truncate(0o644))
@@ -361,8 +349,8 @@ impl Harness {
             );
         }
         let dev = driver.join("dev");
-        char_node(&dev.join("nvidiactl"), 195, 255);
-        char_node(&dev.join("nvidia0"), 195, 0);
+        common::char_node(&dev.join("nvidiactl"), 195, 255);
+        common::char_node(&dev.join("nvidia0"), 195, 0);
 
         let dlcheck = scratch.join("dlcheck");
         compile(&scratch, "dlcheck", common::DLCHECK_C, &[], &dlcheck);
@@ -963,7 +951,7 @@ fn special_at(rootfs: &Path, path: &str, special: Special) {
     remove(&file);
     match special {
         Special::Fifo => fifo(&file),
-        Special::Zero => char_node(&file, 1, 5),
+        Special::Zero => common::char_node(&file, 1, 5),
     }
 }
 

@@ -401,6 +401,28 @@ async fn links_planted_in_the_mps_folders_are_not_followed() {
     assert_eq!(snapshot(&canary), before, "the canary folder changed");
 }
 
+/// Waits for the contained fake daemon to listen and write `<log>/probe.log` (what it could
+/// open of the paths `<pipe>/fake-probe` lists), and returns that log.
+async fn probe_log(node: &Node, kubelet: &TestKubelet) -> String {
+    kubelet
+        .wait_for_devices(GPU, T, |d| d.len() == 8)
+        .await
+        .expect("8 replicas");
+    let pipe = path(node, PIPE);
+    wait_until("the MPS control daemon listening", || daemon_listening(&pipe));
+    let probe_log = path(node, LOG).join("probe.log");
+    wait_until("probe.log", || probe_log.exists());
+    std::fs::read_to_string(&probe_log).expect("probe.log")
+}
+
+/// What the probe log says of path `p`.
+fn probe_result(log: &str, p: &str) -> String {
+    log.lines()
+        .find_map(|l| l.strip_prefix(p).and_then(|r| r.strip_prefix('\t')))
+        .unwrap_or_else(|| panic!("{p} not in probe.log:\n{log}"))
+        .to_string()
+}
+
 /// The daemon runs as root on what tenants write into its folders: it sees the driver's user
 /// space, its pipe, log and shm folders, and nothing else of the host. The fake daemon tries
 /// the paths the test lists in `<pipe>/fake-probe` and writes what happened to
@@ -436,21 +458,8 @@ async fn the_daemon_cannot_read_the_hosts_files() {
     std::fs::write(path(&node, PIPE).join("fake-probe"), probes.join("\n")).expect("probe list");
 
     let agent = node.spawn();
-    kubelet
-        .wait_for_devices(GPU, T, |d| d.len() == 8)
-        .await
-        .expect("8 replicas");
-    let pipe = path(&node, PIPE);
-    wait_until("the MPS control daemon listening", || daemon_listening(&pipe));
-    let probe_log = path(&node, LOG).join("probe.log");
-    wait_until("probe.log", || probe_log.exists());
-    let log = std::fs::read_to_string(&probe_log).expect("probe.log");
-    let result = |p: &str| -> String {
-        log.lines()
-            .find_map(|l| l.strip_prefix(p).and_then(|r| r.strip_prefix('\t')))
-            .unwrap_or_else(|| panic!("{p} not in probe.log:\n{log}"))
-            .to_string()
-    };
+    let log = probe_log(&node, &kubelet).await;
+    let result = |p: &str| probe_result(&log, p);
     // Nothing of the host outside its folders, not even through /proc.
     for p in &probes[..3] {
         assert!(result(p).starts_with("error: "), "the daemon read {p}:\n{log}");
@@ -464,7 +473,9 @@ async fn the_daemon_cannot_read_the_hosts_files() {
         log_text(&node).contains("Cmd:set_default_active_thread_percentage 25")
     });
     assert!(
-        path(&node, "run/nvidia/mps/shm").join(shm_segment(&pipe)).exists(),
+        path(&node, "run/nvidia/mps/shm")
+            .join(shm_segment(&path(&node, PIPE)))
+            .exists(),
         "the daemon's shared memory is not in <mps_root>/shm"
     );
     assert_eq!(agent.stop(), 0);
@@ -567,21 +578,8 @@ async fn the_daemon_cannot_reach_the_host_through_another_processes_root() {
     let _unmount = Unmount(path(&node, "proc"));
 
     let agent = node.spawn();
-    kubelet
-        .wait_for_devices(GPU, T, |d| d.len() == 8)
-        .await
-        .expect("8 replicas");
-    let pipe = path(&node, PIPE);
-    wait_until("the MPS control daemon listening", || daemon_listening(&pipe));
-    let probe_log = path(&node, LOG).join("probe.log");
-    wait_until("probe.log", || probe_log.exists());
-    let log = std::fs::read_to_string(&probe_log).expect("probe.log");
-    let result = |p: &str| -> String {
-        log.lines()
-            .find_map(|l| l.strip_prefix(p).and_then(|r| r.strip_prefix('\t')))
-            .unwrap_or_else(|| panic!("{p} not in probe.log:\n{log}"))
-            .to_string()
-    };
+    let log = probe_log(&node, &kubelet).await;
+    let result = |p: &str| probe_result(&log, p);
     let (seen, result) = (result(&status), result(&probe));
     eprintln!("{status}: {seen}\n{probe}: {result}");
     let alive = matches!(nobody.0.try_wait(), Ok(None));

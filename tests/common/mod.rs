@@ -108,6 +108,18 @@ pub fn fake_nvml_library() -> PathBuf {
     );
 }
 
+/// `mknod path c major minor` (parents created), for device nodes in the tests' trees.
+pub fn char_node(path: &Path, major: u64, minor: u64) {
+    fs::create_dir_all(path.parent().expect("parent")).expect("mkdir");
+    nix::sys::stat::mknod(
+        path,
+        nix::sys::stat::SFlag::S_IFCHR,
+        nix::sys::stat::Mode::from_bits_truncate(0o666),
+        nix::sys::stat::makedev(major, minor),
+    )
+    .unwrap_or_else(|e| panic!("mknod {}: {e}", path.display()));
+}
+
 /// `dlcheck`, for the container tests' images: `dlopen`s each name it is given and says how
 /// each went (exit 1 when one failed).
 pub const DLCHECK_C: &str = r#"#include <dlfcn.h>
