@@ -63,26 +63,17 @@ fn run(cmd: &mut Command) -> Output {
     cmd.output().unwrap_or_else(|e| panic!("{cmd:?}: {e}"))
 }
 
-fn ok(cmd: &mut Command) -> String {
-    let out = run(cmd);
-    assert!(
-        out.status.success(),
-        "{cmd:?}: {}\n{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).into_owned()
-}
-
 /// A shared library `dir/<lib>.so.<VERSION>` with soname `<lib>.so.1`, built from `source`.
 fn stub_library(dir: &Path, lib: &str, source: &str, scratch: &Path) {
     fs::create_dir_all(dir).expect("lib dir");
     let c = scratch.join(format!("{lib}.c"));
     fs::write(&c, source).expect("write source");
-    ok(Command::new("cc")
-        .args(["-shared", "-fPIC", &format!("-Wl,-soname,{lib}.so.1"), "-o"])
-        .arg(dir.join(format!("{lib}.so.{VERSION}")))
-        .arg(&c));
+    common::ok(
+        Command::new("cc")
+            .args(["-shared", "-fPIC", &format!("-Wl,-soname,{lib}.so.1"), "-o"])
+            .arg(dir.join(format!("{lib}.so.{VERSION}")))
+            .arg(&c),
+    );
 }
 
 /// The minors of `/dev/nvidia-caps/nvidia-cap<N>` the fake host's `mig-minors` table gives.
@@ -122,7 +113,7 @@ fn rootfs(dir: &Path, scratch: &Path) -> PathBuf {
     .expect("libc");
     let c = scratch.join("dlcheck.c");
     fs::write(&c, common::DLCHECK_C).expect("write dlcheck.c");
-    ok(Command::new("cc").arg("-o").arg(rootfs.join("bin/dlcheck")).arg(&c));
+    common::ok(Command::new("cc").arg("-o").arg(rootfs.join("bin/dlcheck")).arg(&c));
     rootfs
 }
 

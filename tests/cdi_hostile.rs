@@ -120,18 +120,6 @@ fn require_root_and(programs: &[&str]) {
     }
 }
 
-/// Runs `cmd` to the end and asserts it succeeded; its standard output.
-fn ok(cmd: &mut Command) -> String {
-    let out = cmd.output().unwrap_or_else(|e| panic!("{cmd:?}: {e}"));
-    assert!(
-        out.status.success(),
-        "{cmd:?}: {}\n{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).into_owned()
-}
-
 /// Compiles the C `source` with `cc <flags> -o out`.
 fn compile(scratch: &Path, name: &str, source: &str, flags: &[&str], out: &Path) {
     let c = scratch.join(format!("{name}.c"));
@@ -139,7 +127,7 @@ fn compile(scratch: &Path, name: &str, source: &str, flags: &[&str], out: &Path)
     if let Some(dir) = out.parent() {
         fs::create_dir_all(dir).unwrap_or_else(|e| panic!("mkdir {}: {e}", dir.display()));
     }
-    ok(Command::new("cc").args(flags).arg("-o").arg(out).arg(&c));
+    common::ok(Command::new("cc").args(flags).arg("-o").arg(out).arg(&c));
 }
 
 /// A C string literal for `text` (paths of the test's temp dir: ASCII, no quotes).

@@ -1571,6 +1571,28 @@ fn run_once_writes_the_cdi_spec_for_every_gpu() {
     assert_eq!(mtime(&node), before);
 }
 
+/// A spec written with a hook program that is not statically linked says so (an image's
+/// LD_PRELOAD would reach it under a runtime that ignores the spec's env); the static build, as
+/// the packages ship it, passes without a word. Checked when the spec is written.
+#[test]
+fn a_spec_naming_a_dynamically_linked_hook_program_is_written_with_a_warning() {
+    let config = format!("{NO_KUBERNETES}\n[cdi]\nhook = \"agent\"\nagent_path = \"/bin/sh\"\n");
+    let node = Node::new(&common::machine("A100-SXM4-80GB", 1), &config);
+    let out = node.run(&["cdi", "generate"]);
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{said}");
+    assert!(
+        said.contains("the agent's hook program /bin/sh is dynamically linked"),
+        "{said}"
+    );
+    node.write_config(NO_KUBERNETES);
+    node.use_static_cdi_hook();
+    let out = node.run(&["cdi", "generate"]);
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{said}");
+    assert!(!said.contains("hook program"), "{said}");
+}
+
 /// Two A100-40GB with MIG enabled and no MIG devices yet (as in tests/mig.rs).
 fn two_mig_a100s() -> String {
     let mut m = common::DGX_A100.to_string();

@@ -1620,23 +1620,34 @@ pub fn hook_search(config: &Config) -> cdi::HookSearch {
 }
 
 /// The agent's hook program (a host path): `cdi.agent_path`, else `gpu-node-agent-cdi-hook` beside
-/// the running agent (the packages install both in `/usr/bin`). It runs as host root against
-/// untrusted images, and only a statically linked build is safe from an image's `LD_PRELOAD`
-/// under a runtime that ignores the spec's `env`: any other is named in a warning (the spec still
-/// gives every hook its `env`, which runc, crun and containerd honour).
+/// the running agent (the packages install both in `/usr/bin`).
 pub fn agent_hook(config: &Config) -> Option<PathBuf> {
-    let path = if config.cdi.agent_path.as_os_str().is_empty() {
-        agent_binary()?.with_file_name(cdi::hook::PROGRAM)
+    if config.cdi.agent_path.as_os_str().is_empty() {
+        Some(agent_binary()?.with_file_name(cdi::hook::PROGRAM))
     } else {
-        config.cdi.agent_path.clone()
+        Some(config.cdi.agent_path.clone())
+    }
+}
+
+/// When the spec `text` just written names the agent's hook program, warns if that program is
+/// not statically linked: it runs as host root against untrusted images, and only a static
+/// build is safe from an image's `LD_PRELOAD` under a runtime that ignores the spec's `env` (the
+/// spec still gives every hook its `env`, which runc, crun and containerd honour). Checked when
+/// the spec is written, not each time it is built (plan, DRA prepares).
+fn warn_unless_static_hook(config: &Config, text: &str) {
+    let Some(path) = agent_hook(config) else {
+        return;
     };
+    let named = serde_json::to_string(&path.to_string_lossy()).is_ok_and(|quoted| text.contains(&quoted));
+    if !named {
+        return;
+    }
     if let Err(reason) = check_agent_hook(&path) {
         tracing::warn!(
             "cdi: the agent's hook program {} {reason}; a container runtime that ignores a hook's env would let an image's LD_PRELOAD run in it as root (install the package's static build, set cdi.agent_path, or cdi.hook = \"toolkit\")",
             path.display()
         );
     }
-    Some(path)
 }
 
 /// Why the hook program at `path` is not a statically linked program, if it is not.
@@ -1682,6 +1693,7 @@ pub fn write_cdi(
     let mut written = read_optional(&path)?.as_deref() != Some(text.as_str());
     if written {
         write_atomic(&path, text.as_bytes(), 0o644)?;
+        warn_unless_static_hook(config, &text);
     }
     written |= write_extra_cdi(root, &extra)?;
     Ok((written, cdi_conflicts(config, root, &text)))

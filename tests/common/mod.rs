@@ -108,6 +108,18 @@ pub fn fake_nvml_library() -> PathBuf {
     );
 }
 
+/// Runs `cmd` to the end and asserts it succeeded; its standard output.
+pub fn ok(cmd: &mut Command) -> String {
+    let out = cmd.output().unwrap_or_else(|e| panic!("{cmd:?}: {e}"));
+    assert!(
+        out.status.success(),
+        "{cmd:?}: {}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
 /// `mknod path c major minor` (parents created), for device nodes in the tests' trees.
 pub fn char_node(path: &Path, major: u64, minor: u64) {
     fs::create_dir_all(path.parent().expect("parent")).expect("mkdir");
