@@ -649,3 +649,84 @@ async fn a_mig_layout_waits_for_the_claims_on_its_gpus() {
     );
     assert_eq!(agent.stop(), 0);
 }
+
+/// A current kubelet (grpc-go 1.57 and later) dials the registration socket by its bare path
+/// (the plugin watcher's `grpc.DialContext(ctx, socketPath, ...)` with a unix dialer), so
+/// `:authority` is the percent-encoded path (`%2Fvar%2Flib%2Fkubelet%2Fplugins_registry%2F...`),
+/// which is not a URI authority. The agent's servers (tonic on h2) must answer it as grpc-go
+/// servers do: without the `vendor/h2` patch's treatment of such an authority as absent, GetInfo
+/// is reset with PROTOCOL_ERROR and the driver never registers with such a kubelet. The same
+/// holds for the DRA service socket and the device plugin socket, and for the raw path
+/// (grpc-go before 1.57) and `localhost` (`unix://` targets).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_agents_sockets_answer_the_authority_grpc_go_derives_from_a_bare_path() {
+    use test_kubelet::api::{DevicePluginOptions, Empty};
+    use test_kubelet::dra_api::v1::{NodeUnprepareResourcesRequest, NodeUnprepareResourcesResponse};
+    use test_kubelet::grpcgo::{GrpcGoConn, GrpcGoVersion, bare_path_authority};
+    use test_kubelet::registration_api::{InfoRequest, PluginInfo};
+
+    let node = Node::new(&machine("A100-SXM4-40GB", 1), "[dra]\nenabled = true\n");
+    let (_api, kubelet) = api_server_and_kubelet(&node, &[]).await;
+    let dra = dra_kubelet(&node).await;
+    let agent = node.spawn();
+    let reg = dra.wait_for_plugin(DRIVER, T).await.expect("registered");
+    let rec = kubelet
+        .wait_for_registration(GPU, T)
+        .await
+        .expect("the device plugin registers");
+    let dra_socket = node
+        .root
+        .join(reg.endpoint.strip_prefix("/").expect("an absolute endpoint"));
+    let plugin_socket = kubelet.dir().join(&rec.endpoint);
+    let user_agent = "grpc-go/1.72.0";
+    let authorities = |socket: &std::path::Path| {
+        [
+            bare_path_authority(socket, GrpcGoVersion::Since1_57),
+            bare_path_authority(socket, GrpcGoVersion::Before1_57),
+            "localhost".to_string(),
+        ]
+    };
+    assert!(
+        authorities(&reg.socket)[0].starts_with("%2F"),
+        "{:?}",
+        authorities(&reg.socket)
+    );
+
+    for authority in authorities(&reg.socket) {
+        let mut conn = GrpcGoConn::connect(&reg.socket, &authority, user_agent)
+            .await
+            .expect("dial the registration socket");
+        let info: PluginInfo = conn
+            .unary("/pluginregistration.Registration/GetInfo", &InfoRequest {})
+            .await
+            .unwrap_or_else(|s| panic!("GetInfo with :authority {authority:?}: {s:?}"));
+        assert_eq!(info.r#type, "DRAPlugin");
+        assert_eq!(info.name, DRIVER);
+        assert!(info.supported_versions.iter().any(|v| v == "v1.DRAPlugin"), "{info:?}");
+    }
+    for authority in authorities(&dra_socket) {
+        let mut conn = GrpcGoConn::connect(&dra_socket, &authority, user_agent)
+            .await
+            .expect("dial the DRA socket");
+        let answer: NodeUnprepareResourcesResponse = conn
+            .unary(
+                "/k8s.io.kubelet.pkg.apis.dra.v1.DRAPlugin/NodeUnprepareResources",
+                &NodeUnprepareResourcesRequest { claims: vec![] },
+            )
+            .await
+            .unwrap_or_else(|s| panic!("NodeUnprepareResources with :authority {authority:?}: {s:?}"));
+        assert!(answer.claims.is_empty(), "{answer:?}");
+    }
+    for authority in authorities(&plugin_socket) {
+        let mut conn = GrpcGoConn::connect(&plugin_socket, &authority, user_agent)
+            .await
+            .expect("dial the device plugin socket");
+        let options: DevicePluginOptions = conn
+            .unary("/v1beta1.DevicePlugin/GetDevicePluginOptions", &Empty {})
+            .await
+            .unwrap_or_else(|s| panic!("GetDevicePluginOptions with :authority {authority:?}: {s:?}"));
+        assert_eq!(Some(options), rec.options);
+    }
+    assert!(dra.violations().is_empty(), "{:?}", dra.violations());
+    assert_eq!(agent.stop(), 0);
+}

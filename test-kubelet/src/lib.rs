@@ -11,6 +11,12 @@
 //! `:authority` that kubelets before 1.26 sent (the plugin socket's full path), using the
 //! raw HTTP/2 client in [`rawh2`].
 //!
+//! Its servers take any `:authority` from clients, as the kubelet's grpc-go servers do:
+//! grpc-go plugins that dial `kubelet.sock` by path send the path, percent-encoded since
+//! grpc-go 1.57, which stock h2 refuses. The workspace's h2 (`vendor/h2`) treats an
+//! `:authority` that is not a URI authority as absent, so the stand-in's tonic/hyper servers
+//! take them as the agent's do; [`grpcgo`] is a client that sends them as grpc-go does.
+//!
 //! [`TestKubelet::serve_pod_resources`] also serves the pod-resources API (`v1`) on
 //! `<root>/pod-resources/kubelet.sock`, reporting the allocations it made for the pods and
 //! containers the test names (see [`pod_resources`]).
@@ -37,6 +43,7 @@ use tonic::transport::{Channel, Endpoint};
 use tonic::{Request, Response, Status};
 
 pub mod dra;
+pub mod grpcgo;
 pub mod pod_resources;
 pub mod rawh2;
 pub mod validate;

@@ -25,8 +25,9 @@ fn legacy() -> KubeletOptions {
 
 /// A plugin that checks `:authority` the way stock h2 does (`http::uri::Authority`, which
 /// a socket path fails) and answers a bad one with RST_STREAM PROTOCOL_ERROR, as h2's
-/// `malformed!` does. This workspace patches h2 to accept socket paths (vendor/h2), so a
-/// tonic plugin here cannot show the stock behaviour; this one reproduces it at the frame level.
+/// `malformed!` does. This workspace patches h2 (vendor/h2) to treat such an authority as
+/// absent, so a tonic plugin here cannot show the stock behaviour; this one reproduces it at
+/// the frame level.
 async fn strict_h2_plugin(listener: UnixListener, seen: Arc<Mutex<Vec<String>>>) {
     loop {
         let Ok((conn, _)) = listener.accept().await else { return };

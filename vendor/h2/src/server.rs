@@ -1704,13 +1704,18 @@ impl proto::Peer for Peer {
             let maybe_authority = uri::Authority::from_maybe_shared(authority.clone().into_inner());
             match maybe_authority {
                 Ok(authority) => parts.authority = Some(authority),
-                // gpu-node-agent patch: gRPC clients dialing a Unix socket (grpc-go in kubelets
-                // before 1.26, kubernetes/kubernetes#112597) send the socket path as :authority.
-                // It is not a valid authority, but it carries no routing meaning on a Unix
-                // socket: treat the request as having none instead of resetting the stream.
-                Err(why) if authority.as_str().starts_with('/') => {
+                // gpu-node-agent patch: gRPC clients dialing a Unix socket by its bare path
+                // (grpc-go: kubelets before 1.26 towards device plugins, the kubelet's plugin
+                // watcher towards DRA registration sockets, NVIDIA's device plugin towards
+                // kubelet.sock) send the path as :authority, percent-encoded since grpc-go 1.57
+                // ("%2Fvar%2Flib%2Fkubelet%2F..."). It is not a valid authority, but it carries
+                // no routing meaning on a Unix socket, and grpc-go's server does not validate
+                // :authority: treat any request (other than CONNECT, whose :authority is its
+                // target) with one that does not parse as having none instead of resetting the
+                // stream. See vendor/README.md.
+                Err(why) if !is_connect => {
                     tracing::debug!(
-                        "ignoring socket-path :authority ({:?}): {}",
+                        "ignoring :authority that is not a URI authority ({:?}): {}",
                         authority,
                         why
                     );
