@@ -90,7 +90,7 @@ fn main() {
             assert!(!applied.built, "a cache hit builds nothing");
         }
         let facts = gpu_node_agent::driver::observe::observe(&root).expect("observe");
-        let checks = validate_now(&config, &facts, nvml_view(&gpus, facts.gpus.len()));
+        let checks = validate_now(&config, &root, &facts, nvml_view(&gpus, facts.gpus.len()));
         summary(&checks).expect("valid");
     };
     // Warm up (and write the modprobe conf once).

@@ -1268,3 +1268,154 @@ fn sigterm_during_a_slow_driver_build_stops_within_a_second_and_the_build_is_pla
     let status = node.run(&["driver", "status"]);
     assert!(text(&status).contains("build"), "{}", text(&status));
 }
+
+/// The H200 host of issue 33: driver 580.159.04 installed by other means (its libraries found
+/// through ld.so.conf.d), `nvidia` and `nvidia_uvm` loaded, no `nvidia_modeset`: display and DRM
+/// need it, compute does not, and many GPU hosts never load it.
+const H200_HOST: &str = r#"
+driver_version = "580.159.04"
+cuda_driver_version = 13000
+
+[[gpu]]
+model = "H200-141GB"
+uuid = "GPU-00000000-1111-2222-3333-444455556666"
+numa_node = 0
+"#;
+
+/// The simulated node shaped like [`H200_HOST`]: `nvidia_modeset` is not in `/sys/module`.
+fn compute_only_node(config: &str) -> Node {
+    let node = Node::new(H200_HOST, config);
+    fs::remove_dir_all(node.root.join("sys/module/nvidia_modeset")).expect("no nvidia_modeset");
+    assert!(node.root.join("sys/module/nvidia_uvm").is_dir());
+    node
+}
+
+#[test]
+fn driver_status_passes_a_compute_node_whose_driver_came_by_other_means_without_nvidia_modeset() {
+    let node = compute_only_node("[driver]\nsource = \"none\"\n");
+    let out = node.run(&["driver", "status"]);
+    let t = text(&out);
+    assert_eq!(out.status.code(), Some(0), "{t}");
+    assert!(t.contains("loaded        580.159.04 (nvidia, nvidia_uvm)"), "{t}");
+    assert!(
+        t.contains(
+            "ok   modules    loaded: nvidia, nvidia_uvm (nvidia refcnt 2); nvidia_modeset is not loaded, which \
+             compute does not need ([driver] require_modeset = false)"
+        ),
+        "{t}"
+    );
+    assert!(!t.contains("FAIL") && !t.contains("modprobe"), "{t}");
+
+    let out = node.run(&["driver", "status", "--json"]);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out));
+    let json: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
+    let checks: Vec<(String, bool)> = json["checks"]
+        .as_array()
+        .expect("checks")
+        .iter()
+        .map(|c| (c["name"].as_str().unwrap_or("").to_string(), c["ok"] == true))
+        .collect();
+    assert_eq!(
+        checks,
+        [
+            ("nvml", true),
+            ("gpu-count", true),
+            ("version", true),
+            ("modules", true)
+        ]
+        .map(|(n, ok)| (n.to_string(), ok))
+    );
+}
+
+#[test]
+fn require_modeset_fails_the_same_node_naming_the_module_and_the_key() {
+    let node = compute_only_node("[driver]\nsource = \"none\"\nrequire_modeset = true\n");
+    let out = node.run(&["driver", "status"]);
+    let t = text(&out);
+    assert_eq!(out.status.code(), Some(1), "{t}");
+    assert!(
+        t.contains(
+            "FAIL modules    nvidia_modeset not loaded (nvidia_modeset: [driver] require_modeset = true): load with \
+             `modprobe -a nvidia-modeset` ([driver] source = \"none\": the agent loads no module)"
+        ),
+        "{t}"
+    );
+    assert!(t.contains("failed check(s): modules"), "{t}");
+}
+
+/// Where the agent loads the driver itself, `nvidia_modeset` is required: a wanted driver loaded
+/// without it fails validation, naming it, and the stage loads it rather than failing every pass.
+#[test]
+fn where_the_stage_loads_the_driver_a_missing_nvidia_modeset_fails_and_the_stage_loads_it() {
+    let node = bare_node(&format!("[driver]\nsource = \"package\"\nversion = \"{VERSION}\"\n"));
+    write(&node.root, "sys/module/nvidia/version", &format!("{VERSION}\n"));
+    fs::create_dir_all(node.root.join("sys/module/nvidia_uvm")).expect("nvidia_uvm");
+    let out = node.run(&["driver", "status"]);
+    let t = text(&out);
+    assert_eq!(out.status.code(), Some(1), "{t}");
+    assert!(
+        t.contains(
+            "FAIL modules    nvidia_modeset not loaded (nvidia_modeset: the driver stage loads it with the others): \
+             load with `modprobe -a nvidia-modeset` or run the driver stage again"
+        ),
+        "{t}"
+    );
+    assert!(
+        t.contains("plan: driver 550.54.15 loaded; nvidia-modeset not loaded"),
+        "{t}"
+    );
+
+    let out = node.run(&["driver", "install"]);
+    let t = text(&out);
+    assert_eq!(out.status.code(), Some(0), "{t}");
+    assert!(t.contains("driver 550.54.15 on 2 GPU(s)"), "{t}");
+    assert_eq!(commands(&node), ["modprobe nvidia-modeset"], "{t}");
+    let out = node.run(&["driver", "status"]);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out));
+}
+
+/// The daemon on the H200-shaped node: the driver stage and validation pass, the
+/// `validation.state` label says `success`, and no Warning Event calls the node broken.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_daemon_reports_a_compute_node_without_nvidia_modeset_healthy() {
+    let node = compute_only_node("[driver]\nsource = \"none\"\n");
+    let api = common::api_server_for(&node, &[]).await;
+    let kubelet = test_kubelet::TestKubelet::start(&node.plugin_dir(), test_kubelet::KubeletOptions::default())
+        .await
+        .expect("kubelet");
+    let agent = node.spawn();
+    let t = std::time::Duration::from_secs(20);
+    let status = node.wait_status(t, |s| common::stage(s, "validation")["state"] == "ok");
+    let driver = common::stage(&status, "driver");
+    assert_eq!(driver["state"], "ok", "{driver}");
+    assert!(
+        driver["detail"]
+            .as_str()
+            .is_some_and(|d| d.contains("driver 580.159.04 on 1 GPU(s)")),
+        "{driver}"
+    );
+    assert_eq!(
+        status["labels"]["nvidia.com/gpu-node-agent.validation.state"],
+        "success",
+        "{}",
+        agent.log_text()
+    );
+    common::another_pass(&agent).await;
+    let status = node.status_json();
+    assert_eq!(common::stage(&status, "driver")["state"], "ok");
+    assert_eq!(common::stage(&status, "validation")["state"], "ok");
+    for reason in ["DriverFailed", "ValidationFailed"] {
+        assert!(common::events_with(&api, reason).is_empty(), "{:?}", api.events());
+    }
+    assert!(
+        !api.events().iter().any(|e| e.to_string().contains("modeset")),
+        "{:?}",
+        api.events()
+    );
+    assert!(
+        !agent.log_text().contains("nvidia_modeset not loaded"),
+        "{}",
+        agent.log_text()
+    );
+    drop(kubelet);
+}

@@ -245,7 +245,7 @@ impl Agent {
             Some(g) => drv::nvml_view(g, facts.gpus.len()),
             None => Err("NVML is not loaded".to_string()),
         };
-        let checks = drv::validate_now(&self.config, &facts, view);
+        let checks = drv::validate_now(&self.config, &self.root, &facts, view);
         match validate::summary(&checks) {
             Ok(line) => self.stages[StageId::Driver].set(StageState::Ok, None, Some(format!("{line}; {summary}"))),
             Err(e) => self.stages[StageId::Driver].set(StageState::Failed, Some(e), Some(summary.to_string())),
@@ -270,7 +270,7 @@ pub fn driver_command(config: &Config, root: &HostRoot, command: DriverCommand) 
     };
     match command {
         DriverCommand::Status { json } => {
-            let checks = drv::validate_now(config, &planned.facts, nvml_view(planned.facts.gpus.len()));
+            let checks = drv::validate_now(config, root, &planned.facts, nvml_view(planned.facts.gpus.len()));
             if json {
                 let value = serde_json::json!({
                     "host": planned.facts,
@@ -345,7 +345,7 @@ pub fn driver_command(config: &Config, root: &HostRoot, command: DriverCommand) 
             if facts.gpus.is_empty() {
                 return ExitCode::SUCCESS;
             }
-            let checks = drv::validate_now(config, &facts, nvml_view(facts.gpus.len()));
+            let checks = drv::validate_now(config, root, &facts, nvml_view(facts.gpus.len()));
             match crate::driver::validate::summary(&checks) {
                 Ok(line) => {
                     println!("{line}");

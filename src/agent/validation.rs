@@ -418,6 +418,7 @@ mod tests {
                 devices_sent: stream.and_then(|s| s.devices_sent),
             }],
             streams: stream.map(|s| (GPU.to_string(), s)).into_iter().collect(),
+            conflicts: Vec::new(),
         }
     }
 

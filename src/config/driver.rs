@@ -14,6 +14,11 @@ pub const DEFAULT_RUNFILE_URL: &str =
     "https://us.download.nvidia.com/tesla/{version}/NVIDIA-Linux-{arch}-{version}.run";
 /// `driver.create_device_nodes`: create the driver's missing device nodes, as nvidia-modprobe does.
 pub const DEFAULT_CREATE_DEVICE_NODES: bool = true;
+/// `driver.create_dev_char_links`: keep `/dev/char/<major>:<minor>` links to the NVIDIA device
+/// nodes, as `nvidia-ctk system create-dev-char-symlinks` does.
+pub const DEFAULT_CREATE_DEV_CHAR_LINKS: bool = true;
+/// `driver.require_modeset`: validation requires `nvidia_modeset` also with `source = "none"`.
+pub const DEFAULT_REQUIRE_MODESET: bool = false;
 /// `driver.modprobe_conf`: the module options and nouveau blacklist the agent owns.
 pub const DEFAULT_MODPROBE_CONF: &str = "/etc/modprobe.d/gpu-node-agent.conf";
 /// `driver.package_names.ubuntu`: Canonical's signed precompiled modules for the running kernel
@@ -99,6 +104,20 @@ pub struct DriverConfig {
     /// NVML is opened and whenever the GPU inventory changes (after every MIG change). Nothing
     /// is ever removed; a node with other numbers is reported and left as it is.
     pub create_device_nodes: bool,
+    /// Keep a `/dev/char/<major>:<minor>` link (relative, as udev writes it: `../nvidia0`) to
+    /// every NVIDIA device node under `[device_plugin] dev_root` (`nvidiactl`, `nvidia<N>`,
+    /// `nvidia-uvm`, `nvidia-uvm-tools`, `nvidia-modeset`, `nvidia-caps/nvidia-cap<N>`): systemd
+    /// rebuilds a container's device rules from those links at every `daemon-reload`, and without
+    /// them containers under the systemd cgroup driver lose their GPUs. Done after the device
+    /// nodes, when NVML is opened and after every MIG change; a link someone else made is left as
+    /// it is; `runtime unconfigure` removes the links the agent made.
+    pub create_dev_char_links: bool,
+    /// Validation requires the `nvidia_modeset` module loaded (display and DRM need it, CUDA
+    /// does not) also with `source = "none"`. Where the agent loads the driver itself
+    /// (`package`, `runfile`, `prebuilt`) it loads `nvidia-modeset` with the others and requires
+    /// it whatever this says; with `source = "none"` validation otherwise requires what compute
+    /// needs: `nvidia` and `nvidia_uvm` loaded (or their device nodes present).
+    pub require_modeset: bool,
 }
 
 impl Default for DriverConfig {
@@ -123,6 +142,8 @@ impl Default for DriverConfig {
             ]),
             modprobe_conf: DEFAULT_MODPROBE_CONF.into(),
             create_device_nodes: DEFAULT_CREATE_DEVICE_NODES,
+            create_dev_char_links: DEFAULT_CREATE_DEV_CHAR_LINKS,
+            require_modeset: DEFAULT_REQUIRE_MODESET,
         }
     }
 }

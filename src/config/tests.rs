@@ -32,6 +32,9 @@ fn defaults() {
     assert!(config.driver.create_device_nodes);
     let off = parse(&[("c.toml", "[driver]\ncreate_device_nodes = false\n")]).unwrap();
     assert!(!off.driver.create_device_nodes);
+    assert!(!config.driver.require_modeset);
+    let on = parse(&[("c.toml", "[driver]\nrequire_modeset = true\n")]).unwrap();
+    assert!(on.driver.require_modeset);
 }
 
 /// `auto` follows the NVIDIA Container Toolkit: its runtime means today's envvar over the

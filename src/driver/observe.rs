@@ -313,6 +313,23 @@ pub fn module_loaded(root: &HostRoot, name: &str) -> bool {
     root.join(Path::new("/sys/module").join(name)).is_dir()
 }
 
+/// Which of the device nodes that show the compute modules loaded
+/// ([`super::validate::COMPUTE_MODULES`]: `/dev/nvidiactl`, `/dev/nvidia-uvm`) are character
+/// devices under `dev_base` (the root joined with `[device_plugin] dev_root`), as host paths.
+/// A link or anything but a character device does not count; nothing is opened.
+pub fn driver_nodes(dev_base: &Path) -> Vec<String> {
+    use std::os::unix::fs::FileTypeExt;
+    super::validate::COMPUTE_MODULES
+        .iter()
+        .map(|(_, _, node)| *node)
+        .filter(|node| {
+            fs::symlink_metadata(crate::host::rooted(dev_base, Path::new(node)))
+                .is_ok_and(|m| m.file_type().is_char_device())
+        })
+        .map(str::to_string)
+        .collect()
+}
+
 /// Whether nouveau is loaded; it holds the GPUs, so the NVIDIA driver cannot bind them.
 pub fn nouveau_loaded(root: &HostRoot) -> bool {
     module_loaded(root, "nouveau")
@@ -879,6 +896,29 @@ PRETTY_NAME="Amazon Linux 2023.4.20240528"
         let loaded = loaded_driver(&HostRoot::new(dir.path())).unwrap().unwrap();
         assert_eq!((loaded.version, loaded.refcnt), (None, None));
         assert_eq!(loaded.modules, ["nvidia"]);
+    }
+
+    #[test]
+    fn driver_nodes_are_character_devices_under_the_dev_base() {
+        let dir = tempfile::tempdir().unwrap();
+        let r = dir.path();
+        assert!(driver_nodes(r).is_empty());
+        // A regular file and a link to a character device outside the tree do not count.
+        write(r, "/dev/nvidiactl", "");
+        std::os::unix::fs::symlink("/dev/null", r.join("dev/nvidia-uvm")).unwrap();
+        assert!(driver_nodes(r).is_empty());
+        // mknod needs CAP_MKNOD: the positive case runs where the tests run as root.
+        if nix::unistd::Uid::effective().is_root() {
+            fs::remove_file(r.join("dev/nvidia-uvm")).unwrap();
+            nix::sys::stat::mknod(
+                &r.join("dev/nvidia-uvm"),
+                nix::sys::stat::SFlag::S_IFCHR,
+                nix::sys::stat::Mode::from_bits_truncate(0o666),
+                nix::sys::stat::makedev(511, 0),
+            )
+            .unwrap();
+            assert_eq!(driver_nodes(r), ["/dev/nvidia-uvm"]);
+        }
     }
 
     #[test]

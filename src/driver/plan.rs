@@ -147,6 +147,19 @@ pub fn modules(config: &DriverConfig) -> Vec<String> {
         .collect()
 }
 
+/// Which of the driver's core [`MODULES`] (as modprobe names them) are not loaded, in load
+/// order; none when `nvidia` itself is not (the whole driver is then planned).
+pub fn missing_modules(facts: &HostFacts) -> Vec<String> {
+    let Some(loaded) = &facts.loaded else {
+        return Vec::new();
+    };
+    MODULES
+        .iter()
+        .filter(|m| !loaded.modules.iter().any(|l| *l == m.replace('-', "_")))
+        .map(|m| m.to_string())
+        .collect()
+}
+
 /// `[driver] modprobe_conf`'s text: `options <module> <params>` lines and the nouveau blacklist.
 pub fn modprobe_conf(config: &DriverConfig) -> String {
     let mut text = String::from(
@@ -308,6 +321,18 @@ pub fn plan(config: &DriverConfig, facts: &HostFacts, ctx: &Context) -> Result<D
             )
         };
         plan.steps.extend(write_conf);
+        // The stage loads nvidia-uvm and nvidia-modeset with nvidia, and validation requires
+        // them: one unloaded since (or a wanted driver loaded by other means without it) is
+        // loaded again, rather than failing validation on every pass.
+        let missing = missing_modules(facts);
+        if !missing.is_empty() {
+            let from = match config.source {
+                DriverSource::Runfile | DriverSource::Prebuilt if ctx.cached => LoadFrom::Cache,
+                _ => LoadFrom::Modprobe,
+            };
+            plan.summary = format!("{}; {} not loaded", plan.summary, missing.join(", "));
+            plan.steps.push(Step::Load { from, modules: missing });
+        }
         return Ok(plan);
     }
     if let Some(why) = &ctx.failed_install {
@@ -599,6 +624,40 @@ mod tests {
                 .steps
                 .is_empty()
         );
+    }
+
+    #[test]
+    fn the_wanted_driver_without_nvidia_modeset_gets_it_loaded_where_the_stage_loads_the_driver() {
+        let mut f = facts(UBUNTU, Some("550.54.15"));
+        if let Some(l) = f.loaded.as_mut() {
+            l.modules.retain(|m| m != "nvidia_modeset");
+        }
+        let c = config(DriverSource::Package);
+        let conf = Context {
+            modprobe_conf: Some(modprobe_conf(&c)),
+            ..ctx()
+        };
+        let p = plan(&c, &f, &conf).unwrap();
+        assert_eq!(
+            p.steps,
+            [Step::Load {
+                from: LoadFrom::Modprobe,
+                modules: vec!["nvidia-modeset".into()]
+            }]
+        );
+        assert_eq!(p.summary, "driver 550.54.15 loaded; nvidia-modeset not loaded");
+        // Built here and cached: from the cache.
+        let cached = Context {
+            cached: true,
+            ..conf.clone()
+        };
+        let p = plan(&config(DriverSource::Runfile), &f, &cached).unwrap();
+        assert!(
+            matches!(&p.steps[..], [Step::Load { from: LoadFrom::Cache, modules }] if modules == &["nvidia-modeset"]),
+            "{p:?}"
+        );
+        // Installed by other means: the stage loads nothing.
+        assert!(plan(&config(DriverSource::None), &f, &conf).unwrap().steps.is_empty());
     }
 
     #[test]

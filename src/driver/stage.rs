@@ -10,7 +10,7 @@ use super::cache::{CacheError, CacheKey, CachedModules, ModuleCache};
 use super::fetch::{FetchError, FetchOptions, fetch};
 use super::observe::{self, HostFacts, ObserveError};
 use super::plan::{self, Context, DriverPlan, LoadFrom, PackageManager, PlanError, Step};
-use super::validate::{self, Check, NvmlGpu, NvmlView, ValidationInput};
+use super::validate::{self, Check, Loader, NvmlGpu, NvmlView, ValidationInput};
 use crate::config::{Config, DriverSource};
 use crate::host::command::{Cmd, CmdError, Runner};
 use crate::host::{HostRoot, WriteError, write_atomic};
@@ -741,9 +741,28 @@ fn persistence(host: &Host<'_>, started: &[&str]) -> Result<(), DriverError> {
     Ok(())
 }
 
+/// Who loads the driver's modules under this config, which decides the modules validation
+/// requires: the driver stage for `package`, `runfile` and `prebuilt` (it loads
+/// `nvidia-modeset` with the others), other means for `none` (`nvidia_modeset` only with
+/// `[driver] require_modeset`).
+pub fn loader(config: &Config) -> Loader {
+    match config.driver.source {
+        DriverSource::None => Loader::Other {
+            require_modeset: config.driver.require_modeset,
+        },
+        DriverSource::Package | DriverSource::Runfile | DriverSource::Prebuilt => Loader::Agent,
+    }
+}
+
 /// The validation checks against what NVML reports now (`nvml`: driver version, GPU count and
-/// the GPUs NVML lists, or why NVML does not answer).
-pub fn validate_now(config: &Config, facts: &HostFacts, nvml: Result<(NvmlView, Vec<NvmlGpu>), String>) -> Vec<Check> {
+/// the GPUs NVML lists, or why NVML does not answer), the host `facts` and the compute modules'
+/// device nodes under `[device_plugin] dev_root`.
+pub fn validate_now(
+    config: &Config,
+    root: &HostRoot,
+    facts: &HostFacts,
+    nvml: Result<(NvmlView, Vec<NvmlGpu>), String>,
+) -> Vec<Check> {
     // With package names that do not pin the point release, any of the branch will do.
     let desired = (!config.driver.version.is_empty()).then(|| plan::accepted_version(&config.driver, facts));
     let (nvml, listed) = match nvml {
@@ -760,6 +779,8 @@ pub fn validate_now(config: &Config, facts: &HostFacts, nvml: Result<(NvmlView, 
             nvml,
             desired_version: desired,
             loaded: facts.loaded.clone(),
+            device_nodes: observe::driver_nodes(&root.join(&config.device_plugin.dev_root)),
+            loader: loader(config),
         },
         Some(&addresses),
     )

@@ -1,6 +1,11 @@
 //! Is the driver usable: NVML initialises, sees every NVIDIA GPU on the PCI bus, runs the version
 //! the config asks for, and the kernel modules CUDA needs are loaded. Pure: the caller observes
-//! (PCI scan, NVML, `/sys/module`) and hands the results in.
+//! (PCI scan, NVML, `/sys/module`, the device nodes) and hands the results in.
+//!
+//! Which modules are required depends on who loads them ([`Loader`]): compute needs `nvidia` and
+//! `nvidia_uvm` (loaded, or their device nodes present); `nvidia_modeset` serves display and DRM,
+//! so it is required only where the agent loads the driver itself (it loads it with the others)
+//! or where `[driver] require_modeset` asks for it. Many GPU hosts never load it.
 //!
 //! Each failed [`Check`] says what failed and what to do about it.
 
@@ -9,12 +14,42 @@ use serde::Serialize;
 use super::observe::LoadedDriver;
 use crate::nvml::normalise_bus_id;
 
-/// The modules a working driver has loaded (`/sys/module` names), with what each is for.
-const REQUIRED_MODULES: [(&str, &str); 3] = [
-    ("nvidia", "the driver itself"),
-    ("nvidia_uvm", "CUDA programs cannot start without /dev/nvidia-uvm"),
-    ("nvidia_modeset", "the driver stage loads it with the others"),
+/// The modules compute needs (`/sys/module` names), with what each is for and the device node
+/// that shows it loaded where `/sys/module` does not.
+pub const COMPUTE_MODULES: [(&str, &str, &str); 2] = [
+    ("nvidia", "the driver itself", "/dev/nvidiactl"),
+    (
+        "nvidia_uvm",
+        "CUDA programs cannot start without /dev/nvidia-uvm",
+        "/dev/nvidia-uvm",
+    ),
 ];
+
+/// The display and DRM module, required only as [`Loader`] says.
+pub const MODESET_MODULE: &str = "nvidia_modeset";
+
+/// Who loads the driver's modules, which decides the modules validation requires.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Loader {
+    /// The driver stage (`[driver] source` is `package`, `runfile` or `prebuilt`): it loads
+    /// `nvidia`, `nvidia-uvm` and `nvidia-modeset`, so all three are required, and a missing one
+    /// is loaded by the stage's next pass.
+    Agent,
+    /// Installed and loaded by other means (`source = "none"`): what compute needs, and
+    /// `nvidia_modeset` only with `[driver] require_modeset = true`.
+    Other { require_modeset: bool },
+}
+
+impl Loader {
+    /// Why `nvidia_modeset` is required, or `None` when it is not.
+    fn modeset_required(self) -> Option<&'static str> {
+        match self {
+            Loader::Agent => Some("the driver stage loads it with the others"),
+            Loader::Other { require_modeset: true } => Some("[driver] require_modeset = true"),
+            Loader::Other { require_modeset: false } => None,
+        }
+    }
+}
 
 /// What NVML reports once it initialises.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
@@ -36,6 +71,11 @@ pub struct ValidationInput {
     pub desired_version: Option<String>,
     /// The loaded modules ([`super::observe::loaded_driver`]).
     pub loaded: Option<LoadedDriver>,
+    /// Which of the [`COMPUTE_MODULES`]' device nodes exist under `[device_plugin] dev_root`,
+    /// as host paths (`/dev/nvidiactl`, `/dev/nvidia-uvm`): [`super::observe::driver_nodes`].
+    pub device_nodes: Vec<String>,
+    /// Who loads the modules: which ones are required.
+    pub loader: Loader,
 }
 
 /// The GPUs behind the two counts of the `gpu-count` check, so that a mismatch names them.
@@ -139,7 +179,7 @@ pub fn validate_named(input: &ValidationInput, addresses: Option<&GpuAddresses>)
         checks.push(check_gpu_count(input.pci_gpus, nvml.gpu_count, addresses));
     }
     checks.push(check_version(input));
-    checks.push(check_modules(input.loaded.as_ref()));
+    checks.push(check_modules(input));
     checks
 }
 
@@ -295,38 +335,79 @@ fn version_matches(desired: &str, actual: &str) -> bool {
     desired.len() <= actual.len() && desired.iter().zip(&actual).all(|(d, a)| d == a)
 }
 
-fn check_modules(loaded: Option<&LoadedDriver>) -> Check {
-    let Some(loaded) = loaded else {
-        return Check::fail(
-            "modules",
+fn check_modules(input: &ValidationInput) -> Check {
+    let loaded: &[String] = input.loaded.as_ref().map_or(&[], |l| l.modules.as_slice());
+    let is_loaded = |name: &str| loaded.iter().any(|m| m == name);
+    let has_node = |node: &str| input.device_nodes.iter().any(|n| n == node);
+    let mut missing: Vec<(&str, &str)> = Vec::new();
+    // Modules `/sys/module` does not show but whose device node is there.
+    let mut by_node: Vec<String> = Vec::new();
+    for (name, why, node) in COMPUTE_MODULES {
+        if is_loaded(name) {
+            continue;
+        }
+        if has_node(node) {
+            by_node.push(format!("{name} is not in /sys/module but {node} is present"));
+        } else {
+            missing.push((name, why));
+        }
+    }
+    let modeset = input.loader.modeset_required();
+    if let Some(why) = modeset
+        && !is_loaded(MODESET_MODULE)
+    {
+        missing.push((MODESET_MODULE, why));
+    }
+    let mut observed: Vec<String> = loaded.to_vec();
+    observed.extend(
+        COMPUTE_MODULES
+            .iter()
+            .filter(|(name, _, node)| !is_loaded(name) && has_node(node))
+            .map(|(_, _, node)| node.to_string()),
+    );
+    let observed = (!observed.is_empty()).then(|| observed.join(","));
+    let other_means = matches!(input.loader, Loader::Other { .. });
+    if missing.iter().any(|(name, _)| *name == "nvidia") {
+        let message = if other_means {
+            "the nvidia kernel module is not loaded (no /sys/module/nvidia, no /dev/nvidiactl), and [driver] source = \
+             \"none\" loads none: load the driver installed on this node (`modprobe -a nvidia nvidia-uvm`); if \
+             loading fails `dmesg` says why (an unsigned module under Secure Boot, nouveau holding the GPUs, a build \
+             for another kernel)"
+        } else {
             "the nvidia kernel module is not loaded: the driver stage loads it, and if loading failed `dmesg` \
              says why (an unsigned module under Secure Boot, nouveau holding the GPUs, a build for another kernel)"
-                .to_string(),
-            None,
-        );
-    };
-    let observed = Some(loaded.modules.join(","));
-    let missing: Vec<(&str, &str)> = REQUIRED_MODULES
-        .into_iter()
-        .filter(|(name, _)| !loaded.modules.iter().any(|m| m == name))
-        .collect();
+        };
+        return Check::fail("modules", message.to_string(), observed);
+    }
     if missing.is_empty() {
-        let refcnt = loaded
-            .refcnt
+        let refcnt = input
+            .loaded
+            .as_ref()
+            .and_then(|l| l.refcnt)
             .map(|r| format!(" (nvidia refcnt {r})"))
             .unwrap_or_default();
-        return Check::pass(
-            "modules",
-            format!("loaded: {}{refcnt}", loaded.modules.join(", ")),
-            observed,
-        );
+        let mut message = format!("loaded: {}{refcnt}", loaded.join(", "));
+        for line in &by_node {
+            message.push_str(&format!("; {line}"));
+        }
+        if modeset.is_none() && !is_loaded(MODESET_MODULE) {
+            message.push_str(&format!(
+                "; {MODESET_MODULE} is not loaded, which compute does not need ([driver] require_modeset = false)"
+            ));
+        }
+        return Check::pass("modules", message, observed);
     }
     let why: Vec<String> = missing.iter().map(|(name, why)| format!("{name}: {why}")).collect();
     let modprobe: Vec<String> = missing.iter().map(|(name, _)| name.replace('_', "-")).collect();
+    let then = if other_means {
+        "([driver] source = \"none\": the agent loads no module)"
+    } else {
+        "or run the driver stage again"
+    };
     Check::fail(
         "modules",
         format!(
-            "{} not loaded ({}): load with `modprobe -a {}` or run the driver stage again",
+            "{} not loaded ({}): load with `modprobe -a {}` {then}",
             missing.iter().map(|(n, _)| *n).collect::<Vec<_>>().join(", "),
             why.join(", "),
             modprobe.join(" ")
@@ -356,6 +437,8 @@ mod tests {
             }),
             desired_version: Some("550.54.15".into()),
             loaded: loaded("550.54.15", &["nvidia", "nvidia_uvm", "nvidia_modeset"]),
+            device_nodes: Vec::new(),
+            loader: Loader::Agent,
         }
     }
 
@@ -599,6 +682,124 @@ mod tests {
             "nvidia_uvm, nvidia_modeset not loaded (nvidia_uvm: CUDA programs cannot start without /dev/nvidia-uvm, \
              nvidia_modeset: the driver stage loads it with the others): load with `modprobe -a nvidia-uvm \
              nvidia-modeset` or run the driver stage again"
+        );
+    }
+
+    /// The H200 host of issue 33: driver 580 installed by other means, `nvidia` and `nvidia_uvm`
+    /// loaded, no `nvidia_modeset`.
+    fn other_means(modules: &[&str]) -> ValidationInput {
+        ValidationInput {
+            pci_gpus: 1,
+            nvml: Ok(NvmlView {
+                driver_version: "580.159.04".into(),
+                gpu_count: 1,
+            }),
+            desired_version: None,
+            loaded: loaded("580.159.04", modules),
+            device_nodes: Vec::new(),
+            loader: Loader::Other { require_modeset: false },
+        }
+    }
+
+    #[test]
+    fn a_driver_installed_by_other_means_passes_without_nvidia_modeset() {
+        let input = other_means(&["nvidia", "nvidia_uvm"]);
+        let checks = validate(&input);
+        assert!(failed(&input).is_empty(), "{checks:?}");
+        assert_eq!(summary(&checks), Ok("driver 580.159.04 on 1 GPU(s)".to_string()));
+        let modules = check(&checks, "modules");
+        assert_eq!(
+            modules.message,
+            "loaded: nvidia, nvidia_uvm (nvidia refcnt 3); nvidia_modeset is not loaded, which compute does not \
+             need ([driver] require_modeset = false)"
+        );
+        assert_eq!(modules.observed.as_deref(), Some("nvidia,nvidia_uvm"));
+        // Loaded anyway: nothing to say about it.
+        let input = other_means(&["nvidia", "nvidia_uvm", "nvidia_modeset"]);
+        assert_eq!(
+            check(&validate(&input), "modules").message,
+            "loaded: nvidia, nvidia_uvm, nvidia_modeset (nvidia refcnt 3)"
+        );
+    }
+
+    #[test]
+    fn compute_still_needs_nvidia_uvm_from_a_driver_installed_by_other_means() {
+        let input = other_means(&["nvidia"]);
+        assert_eq!(failed(&input), ["modules"]);
+        assert_eq!(
+            check(&validate(&input), "modules").message,
+            "nvidia_uvm not loaded (nvidia_uvm: CUDA programs cannot start without /dev/nvidia-uvm): load with \
+             `modprobe -a nvidia-uvm` ([driver] source = \"none\": the agent loads no module)"
+        );
+        // Nothing loaded: the message does not promise a driver stage that loads nothing.
+        let input = ValidationInput {
+            nvml: Err("Driver Not Loaded".into()),
+            loaded: None,
+            ..other_means(&[])
+        };
+        let modules = check(&validate(&input), "modules").message.clone();
+        assert!(
+            modules.starts_with("the nvidia kernel module is not loaded (no /sys/module/nvidia, no /dev/nvidiactl)")
+                && modules.contains("source = \"none\" loads none")
+                && !modules.contains("the driver stage loads it"),
+            "{modules}"
+        );
+    }
+
+    #[test]
+    fn device_nodes_stand_in_for_modules_sys_module_does_not_show() {
+        let input = ValidationInput {
+            device_nodes: vec!["/dev/nvidia-uvm".into()],
+            ..other_means(&["nvidia"])
+        };
+        let c = check(&validate(&input), "modules").clone();
+        assert!(c.ok, "{c:?}");
+        assert!(
+            c.message
+                .contains("nvidia_uvm is not in /sys/module but /dev/nvidia-uvm is present"),
+            "{}",
+            c.message
+        );
+        assert_eq!(c.observed.as_deref(), Some("nvidia,/dev/nvidia-uvm"));
+        // No /sys/module at all (a root without the host's /sys), both nodes there.
+        let input = ValidationInput {
+            loaded: None,
+            device_nodes: vec!["/dev/nvidiactl".into(), "/dev/nvidia-uvm".into()],
+            ..other_means(&[])
+        };
+        let c = check(&validate(&input), "modules").clone();
+        assert!(c.ok, "{c:?}");
+        assert_eq!(c.observed.as_deref(), Some("/dev/nvidiactl,/dev/nvidia-uvm"));
+        // A node does not stand in for nvidia_modeset where it is required.
+        let input = ValidationInput {
+            device_nodes: vec!["/dev/nvidiactl".into(), "/dev/nvidia-uvm".into()],
+            loader: Loader::Other { require_modeset: true },
+            ..other_means(&["nvidia", "nvidia_uvm"])
+        };
+        assert_eq!(failed(&input), ["modules"]);
+    }
+
+    #[test]
+    fn nvidia_modeset_is_required_where_the_agent_loads_the_driver_or_the_config_asks() {
+        let input = ValidationInput {
+            loader: Loader::Agent,
+            ..other_means(&["nvidia", "nvidia_uvm"])
+        };
+        assert_eq!(failed(&input), ["modules"]);
+        assert_eq!(
+            check(&validate(&input), "modules").message,
+            "nvidia_modeset not loaded (nvidia_modeset: the driver stage loads it with the others): load with \
+             `modprobe -a nvidia-modeset` or run the driver stage again"
+        );
+        let input = ValidationInput {
+            loader: Loader::Other { require_modeset: true },
+            ..other_means(&["nvidia", "nvidia_uvm"])
+        };
+        assert_eq!(failed(&input), ["modules"]);
+        assert_eq!(
+            check(&validate(&input), "modules").message,
+            "nvidia_modeset not loaded (nvidia_modeset: [driver] require_modeset = true): load with `modprobe -a \
+             nvidia-modeset` ([driver] source = \"none\": the agent loads no module)"
         );
     }
 }
