@@ -93,6 +93,74 @@ fn device_plugin_stage(node: &Node) -> serde_json::Value {
     common::stage(&node.status_json(), "device-plugin")
 }
 
+const HEALTHY: &str = "Healthy";
+const UNHEALTHY: &str = "Unhealthy";
+
+/// All 8 replicas (2 GPUs × 4) listed, every one with `health`.
+fn all(devices: &[test_kubelet::api::Device], health: &str) -> bool {
+    devices.len() == 8 && devices.iter().all(|d| d.health == health)
+}
+
+/// The fake daemon's knob (see `fake-mps-control`): while this file is in its pipe folder, a
+/// daemon that starts does not answer.
+fn hold_file(node: &Node) -> PathBuf {
+    path(node, PIPE).join("fake-hold")
+}
+
+/// The daemon's pid from the device-plugin stage's detail, while it runs.
+fn daemon_pid(node: &Node) -> Option<String> {
+    let detail = device_plugin_stage(node)["detail"]
+        .as_str()
+        .unwrap_or_default()
+        .to_string();
+    let rest = detail.split("MPS nvidia.com/gpu: running (pid ").nth(1)?;
+    Some(rest.split(')').next()?.to_string())
+}
+
+/// Asserts that Allocate refuses replica 2 of GPU 1 naming the resource, the GPU and the
+/// daemon's state (one of `states`), and returns the message.
+async fn assert_refused_not_ready(kubelet: &TestKubelet, states: &[&str]) -> String {
+    let one = format!("{}::2", gpu_uuid(1));
+    let refused = kubelet
+        .allocate(GPU, &[&one])
+        .await
+        .expect_err("a replica whose daemon does not answer");
+    let message = refused.message().to_string();
+    for part in [
+        format!("nvidia.com/gpu replica {one} (GPU 1, {})", gpu_uuid(1)),
+        "the MPS control daemon for nvidia.com/gpu does not answer on its pipe /run/nvidia/mps/nvidia.com/gpu/pipe"
+            .to_string(),
+    ] {
+        assert!(message.contains(&part), "{part:?} not in {message}");
+    }
+    assert!(
+        states.iter().any(|s| message.contains(&format!("(state: {s}"))),
+        "none of the states {states:?} in {message}"
+    );
+    message
+}
+
+/// Waits (up to [`T`]) for a device list after the first `from` for which `pred` holds.
+async fn wait_for_update(kubelet: &TestKubelet, from: usize, pred: impl Fn(&[test_kubelet::api::Device]) -> bool) {
+    let deadline = Instant::now() + T;
+    loop {
+        let updates = kubelet.updates(GPU);
+        if updates.iter().skip(from).any(|(_, d)| pred(d)) {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no such device list after the first {from}; lists since: {:?}",
+            updates
+                .iter()
+                .skip(from)
+                .map(|(_, d)| common::summary(d))
+                .collect::<Vec<_>>()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_mps_profile_runs_the_control_daemon_and_allocate_points_at_it() {
     require_root();
@@ -135,7 +203,12 @@ async fn an_mps_profile_runs_the_control_daemon_and_allocate_points_at_it() {
     wait_until("the .started file", || path(&node, STARTED).exists());
     assert_eq!(compute_modes(&node), [3, 3]);
 
-    // Allocate: NVIDIA's pipe folder and /dev/shm, and the replica's limits.
+    // Allocate: NVIDIA's pipe folder and /dev/shm, and the replica's limits (once the daemon
+    // answers, which the replicas' health says).
+    kubelet
+        .wait_for_devices(GPU, T, |d| all(d, HEALTHY))
+        .await
+        .expect("8 healthy replicas");
     let one = format!("{}::2", gpu_uuid(1));
     let resp = kubelet.allocate(GPU, &[&one]).await.expect("one replica");
     assert_eq!(resp.envs["NVIDIA_VISIBLE_DEVICES"], gpu_uuid(1));
@@ -291,6 +364,136 @@ async fn without_the_control_program_the_stage_fails_naming_it() {
         "Warning",
         &["nvidia-cuda-mps-control not found", "nvidia.com/gpu"],
     );
+    assert_eq!(agent.stop(), 0);
+}
+
+/// Issue #33 (2): on a real H200 the kubelet got four healthy replicas, and made an Allocate,
+/// before the daemon answered. Here the fake daemon is held before it listens: the replicas are
+/// advertised, but unhealthy, and Allocate refuses them naming the daemon's state, until it
+/// answers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replicas_are_unhealthy_and_refused_until_the_daemon_answers() {
+    require_root();
+    let config = format!("[device_plugin]\ndefault_profile = \"mps\"\n{PROFILES}");
+    let (_api, node, kubelet) = setup(&config, &[]).await;
+    let pipe = path(&node, PIPE);
+    std::fs::create_dir_all(&pipe).expect("pipe folder");
+    std::fs::write(hold_file(&node), "").expect("hold the daemon");
+    let agent = node.spawn();
+
+    let devices = kubelet
+        .wait_for_devices(GPU, T, |d| d.len() == 8)
+        .await
+        .expect("8 replicas");
+    assert!(all(&devices, UNHEALTHY), "{:?}", common::summary(&devices));
+    wait_until("the daemon started and held", || log_text(&node).contains("Held by"));
+    assert!(!daemon_listening(&pipe));
+    // Held past the supervisor's 30 s for a first answer, it would be restarting.
+    assert_refused_not_ready(&kubelet, &["starting)", "restarting: "]).await;
+    let status = node.status_json();
+    assert_ne!(status["mps"][0]["state"], "running", "{}", status["mps"]);
+    let updates = kubelet.updates(GPU);
+    assert!(
+        updates.iter().all(|(_, d)| d.iter().all(|d| d.health == UNHEALTHY)),
+        "a replica was advertised healthy before the daemon answered: {:?}",
+        updates.iter().map(|(_, d)| common::summary(d)).collect::<Vec<_>>()
+    );
+
+    // The daemon answers: the replicas are healthy and allocated.
+    std::fs::remove_file(hold_file(&node)).expect("release the daemon");
+    kubelet
+        .wait_for_devices(GPU, T, |d| all(d, HEALTHY))
+        .await
+        .expect("8 healthy replicas");
+    assert!(daemon_listening(&pipe));
+    let one = format!("{}::2", gpu_uuid(1));
+    let resp = kubelet.allocate(GPU, &[&one]).await.expect("one replica");
+    assert_eq!(resp.envs["CUDA_MPS_PIPE_DIRECTORY"], "/mps/nvidia.com/gpu/pipe");
+    assert!(kubelet.violations().is_empty(), "{:?}", kubelet.violations());
+    assert_eq!(agent.stop(), 0);
+}
+
+/// Issue #33 (2): where the daemon cannot start at all, its replicas stayed advertised and
+/// healthy while the stage failed. They are advertised unhealthy (the kubelet keeps them in the
+/// node's capacity and schedules nothing there) and Allocate refuses them, until the program is
+/// there and the daemon answers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_the_control_program_the_replicas_are_unhealthy_until_it_can_start() {
+    require_root();
+    let config = format!(
+        "[agent]\nretry_min = \"1s\"\nretry_max = \"2s\"\n[device_plugin]\ndefault_profile = \"mps\"\n{PROFILES}"
+    );
+    let (_api, node, kubelet) = setup(&config, &[]).await;
+    std::fs::remove_file(node.root.join(fake_nvml::host::MPS_CONTROL_PATH)).expect("remove the program");
+    let agent = node.spawn();
+    node.wait_status(T, |s| {
+        common::stage(s, "device-plugin")["error"]
+            .as_str()
+            .is_some_and(|e| e.contains("nvidia-cuda-mps-control not found"))
+    });
+    let devices = kubelet
+        .wait_for_devices(GPU, T, |d| d.len() == 8)
+        .await
+        .expect("8 replicas");
+    assert!(all(&devices, UNHEALTHY), "{:?}", common::summary(&devices));
+    let message = assert_refused_not_ready(&kubelet, &["failed: "]).await;
+    assert!(message.contains("nvidia-cuda-mps-control not found"), "{message}");
+
+    // The driver's user space gets the program: the next attempt starts the daemon.
+    let installed = fake_nvml::host::install_mps_control(&node.root).expect("install the MPS control program");
+    assert!(installed);
+    kubelet
+        .wait_for_devices(GPU, T, |d| all(d, HEALTHY))
+        .await
+        .expect("8 healthy replicas");
+    node.wait_status(T, |s| common::stage(s, "device-plugin")["state"] == "ok");
+    let one = format!("{}::2", gpu_uuid(1));
+    kubelet.allocate(GPU, &[&one]).await.expect("one replica");
+    assert_eq!(agent.stop(), 0);
+    assert_eq!(compute_modes(&node), [0, 0]);
+}
+
+/// Issue #33 (2): a daemon that dies leaves its replicas unhealthy (and refused) until the
+/// supervisor's restart answers. The restarted daemon is held so the test sees that state.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_daemon_leaves_its_replicas_unhealthy_until_its_restart_answers() {
+    require_root();
+    let config = format!("[device_plugin]\ndefault_profile = \"mps\"\n{PROFILES}");
+    let (_api, node, kubelet) = setup(&config, &[]).await;
+    let agent = node.spawn();
+    kubelet
+        .wait_for_devices(GPU, T, |d| all(d, HEALTHY))
+        .await
+        .expect("8 healthy replicas");
+    wait_until("the daemon's pid in the status", || daemon_pid(&node).is_some());
+    let first = daemon_pid(&node).expect("pid");
+
+    // Its restart will not answer until released.
+    std::fs::write(hold_file(&node), "").expect("hold the next daemon");
+    let seen = kubelet.updates(GPU).len();
+    let killed = std::process::Command::new("kill")
+        .args(["-KILL", &first])
+        .status()
+        .expect("kill");
+    assert!(killed.success());
+    wait_for_update(&kubelet, seen, |d| all(d, UNHEALTHY)).await;
+    wait_until("the restarted daemon held", || {
+        log_text(&node).matches("Held by").count() == 1
+    });
+    let message = assert_refused_not_ready(&kubelet, &["restarting: "]).await;
+    assert!(message.contains("exited with signal: 9"), "{message}");
+
+    let seen = kubelet.updates(GPU).len();
+    std::fs::remove_file(hold_file(&node)).expect("release the daemon");
+    wait_for_update(&kubelet, seen, |d| all(d, HEALTHY)).await;
+    wait_until("the new daemon's pid in the status", || {
+        daemon_pid(&node).is_some_and(|pid| pid != first)
+    });
+    assert!(daemon_listening(&path(&node, PIPE)));
+    let one = format!("{}::2", gpu_uuid(1));
+    kubelet.allocate(GPU, &[&one]).await.expect("one replica");
+    let status = node.status_json();
+    assert_eq!(status["mps"][0]["restarts"], 1, "{}", status["mps"]);
     assert_eq!(agent.stop(), 0);
 }
 

@@ -10,7 +10,7 @@ use tokio::sync::mpsc;
 
 use super::Agent;
 use crate::kube::EventType;
-use crate::plugin::mps::{self, DaemonState, DaemonStatus, MpsAllocate, MpsDaemon, Supervisor};
+use crate::plugin::mps::{self, DaemonBoard, DaemonState, DaemonStatus, MpsAllocate, MpsDaemon, Supervisor};
 
 /// What the agent keeps of its MPS daemons.
 pub(super) struct MpsState {
@@ -20,6 +20,9 @@ pub(super) struct MpsState {
     pub changed: mpsc::UnboundedReceiver<()>,
     /// The error last reported per resource (each posted once until it changes).
     reported: BTreeMap<String, String>,
+    /// The daemons' states, which the device plugin reads straight from the supervisor's
+    /// threads: replicas are healthy and allocatable only while their daemon answers.
+    board: DaemonBoard,
 }
 
 impl MpsState {
@@ -30,6 +33,7 @@ impl MpsState {
             changed_tx,
             changed,
             reported: BTreeMap::new(),
+            board: DaemonBoard::new(),
         }
     }
 }
@@ -59,7 +63,7 @@ impl Agent {
         } else {
             Vec::new()
         };
-        self.base_ctx.allocate.mps = MpsAllocate::new(&plans);
+        self.base_ctx.allocate.mps = MpsAllocate::new(&plans, self.mps.board.watch());
         if self.once {
             return;
         }
@@ -69,9 +73,11 @@ impl Agent {
         }
         let tx = self.mps.changed_tx.clone();
         let root = self.root.path().to_path_buf();
+        let board = self.mps.board.clone();
         let supervisor = self.mps.supervisor.get_or_insert_with(|| {
             Supervisor::new(
                 &root,
+                board,
                 Arc::new(move || {
                     let _ = tx.send(());
                 }),

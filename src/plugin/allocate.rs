@@ -13,7 +13,7 @@ use crate::devices::is_replica_id;
 use crate::host::devnodes::{ci_access_key, gi_access_key};
 use crate::plugin::devnodes::DeviceNodes;
 use crate::plugin::injections::{Injected, Injections};
-use crate::plugin::mps::{MpsAllocate, add_to_response as add_mps};
+use crate::plugin::mps::{MpsAllocate, MpsNotReady, add_to_response as add_mps};
 use crate::plugin::resources::{PluginDevice, Resource};
 
 /// The environment variable the NVIDIA Container Toolkit reads.
@@ -91,6 +91,9 @@ pub enum AllocateError {
     /// `[device_plugin.imex] required` and a listed channel's node does not exist.
     #[error("IMEX channel {path} does not exist and [device_plugin.imex] required = true")]
     ImexChannelMissing { path: String },
+    /// A replica of a resource shared through MPS while its control daemon does not answer.
+    #[error(transparent)]
+    MpsNotReady(#[from] Box<MpsNotReady>),
 }
 
 /// Builds the response for one container request.
@@ -100,6 +103,9 @@ pub enum AllocateError {
 ///   `fail_requests_greater_than_one`, a request of more than one ID containing any replica
 ///   ID is [`AllocateError::SharedRequestTooLarge`]. Unhealthy devices are not refused: the
 ///   kubelet only hands out healthy ones, and a re-admission of a running pod must not fail.
+///   The one exception: a replica of a resource shared through MPS while its control daemon
+///   does not answer ([`AllocateError::MpsNotReady`]), since the container would get a pipe
+///   nobody serves.
 /// - IDs are mapped per `id_strategy` (replicas to their device's UUID or index), deduplicated
 ///   in request order; every strategy below uses the mapped list.
 /// - `envvar`: `NVIDIA_VISIBLE_DEVICES=<id>,<id>`.
@@ -139,6 +145,7 @@ pub fn allocate(
     if opts.fail_requests_greater_than_one && ids.len() > 1 && ids.iter().any(|id| is_replica_id(id)) {
         return Err(AllocateError::SharedRequestTooLarge { found: ids.len() });
     }
+    opts.mps.check_ready(resource, ids)?;
 
     // Distinct devices in request order; replicas of one GPU collapse to it.
     let mut seen = BTreeSet::new();

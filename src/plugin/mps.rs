@@ -20,6 +20,14 @@
 //! Stopping sends `quit`, sets compute mode `DEFAULT` back and removes `.started`. The plugin
 //! checks a daemon with `get_default_active_thread_percentage` (`internal/plugin/mps.go`).
 //!
+//! Readiness: NVIDIA's plugin waits for its daemon before it serves. The agent serves at once
+//! (its other resources must not wait) but advertises a daemon's replicas healthy only while the
+//! daemon is [`DaemonState::Running`]: its control client answered
+//! `get_default_active_thread_percentage` and took the limits. While it starts, restarts or
+//! cannot start, its replicas are `Unhealthy` in `ListAndWatch` (the kubelet keeps them in the
+//! node's capacity but schedules nothing on them) and `Allocate` refuses them, naming the
+//! resource, the GPU and the daemon's state ([`MpsAllocate::check_ready`]).
+//!
 //! Where the agent differs: the daemon gets `CUDA_VISIBLE_DEVICES` = the resource's GPUs (NVIDIA
 //! leaves a TODO for it), so the ordinals of step 4 are positions in that list; the log folder
 //! is kept after a stop (NVIDIA removes it), for what went wrong.
@@ -39,11 +47,11 @@ use crate::api::{ContainerAllocateResponse, Mount};
 use crate::config::{MemoryBudget, MigStrategy, Sharing, SharingStrategy};
 use crate::devices::is_replica_id;
 use crate::nvml::Inventory;
-use crate::plugin::resources::Resource;
+use crate::plugin::resources::{Health, Resource};
 use crate::plugin::sharing::{replicas_for, selects};
 use crate::plugin::strategy::build_resources;
 
-pub use supervisor::{DaemonState, DaemonStatus, Supervisor};
+pub use supervisor::{DaemonBoard, DaemonState, DaemonStatus, DaemonWatch, Supervisor};
 
 /// The control program, in the driver's user-space.
 pub const CONTROL_PROGRAM: &str = "nvidia-cuda-mps-control";
@@ -225,16 +233,107 @@ pub fn plan(inventory: &Inventory, sharing: &Sharing, mig_strategy: MigStrategy)
     Ok(out)
 }
 
-/// What `Allocate` adds for MPS, per advertised resource name.
+/// What `Allocate` adds for MPS, per advertised resource name, and whether each daemon answers.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct MpsAllocate {
     pub daemons: BTreeMap<String, MpsDaemon>,
+    /// The daemons' states, as the [`Supervisor`] sets them.
+    pub states: DaemonWatch,
+}
+
+/// A replica asked for while its daemon does not answer.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "{resource} replica {id} (GPU {gpu_index}, {gpu_uuid}): the MPS control daemon for {resource} does not answer on its pipe {pipe_dir} (state: {state}); its replicas are advertised unhealthy until it does"
+)]
+pub struct MpsNotReady {
+    pub resource: String,
+    pub id: String,
+    pub gpu_index: u32,
+    pub gpu_uuid: String,
+    /// The daemon's state, with its error when it has one.
+    pub state: String,
+    /// Host path of the pipe folder.
+    pub pipe_dir: String,
 }
 
 impl MpsAllocate {
-    pub fn new(daemons: &[MpsDaemon]) -> MpsAllocate {
+    pub fn new(daemons: &[MpsDaemon], states: DaemonWatch) -> MpsAllocate {
         MpsAllocate {
             daemons: daemons.iter().map(|d| (d.resource.clone(), d.clone())).collect(),
+            states,
+        }
+    }
+
+    /// The state of the daemon of `resource` when it does not answer now (`starting`,
+    /// `restarting: <why>`, ...); `None` when it runs or the resource has no daemon.
+    fn not_answering(&self, resource: &str) -> Option<String> {
+        self.daemons.get(resource)?;
+        let Some(status) = self.states.status(resource) else {
+            return Some("not started".to_string());
+        };
+        if status.state == DaemonState::Running {
+            return None;
+        }
+        let word = serde_json::to_value(status.state)
+            .ok()
+            .and_then(|v| v.as_str().map(str::to_string))
+            .unwrap_or_else(|| format!("{:?}", status.state));
+        Some(match status.error {
+            Some(error) => format!("{word}: {error}"),
+            None => word,
+        })
+    }
+
+    /// The daemon's GPU a replica of `resource` runs on; `None` for IDs that are not replicas
+    /// or devices the daemon does not serve.
+    fn served_gpu<'a>(&'a self, resource: &Resource, id: &str) -> Option<(&'a MpsDaemon, &'a MpsGpu)> {
+        let daemon = self.daemons.get(&resource.name)?;
+        if !is_replica_id(id) {
+            return None;
+        }
+        let device = resource.devices.get(id)?;
+        daemon.gpus.iter().find(|g| g.uuid == device.uuid).map(|g| (daemon, g))
+    }
+
+    /// Marks `Unhealthy` the replicas of `resource` whose daemon does not answer now; other
+    /// devices (and resources without a daemon) keep their health.
+    pub fn apply_health(&self, resource: &mut Resource) {
+        if self.not_answering(&resource.name).is_none() {
+            return;
+        }
+        let served: Vec<String> = resource
+            .devices
+            .keys()
+            .filter(|id| self.served_gpu(resource, id).is_some())
+            .cloned()
+            .collect();
+        for id in served {
+            if let Some(device) = resource.devices.get_mut(&id) {
+                device.health = Health::Unhealthy;
+            }
+        }
+    }
+
+    /// `Err` when `ids` hold a replica of `resource` whose daemon does not answer now: the
+    /// container would get a pipe nobody serves.
+    pub fn check_ready(&self, resource: &Resource, ids: &[String]) -> Result<(), Box<MpsNotReady>> {
+        let Some(state) = self.not_answering(&resource.name) else {
+            return Ok(());
+        };
+        match ids
+            .iter()
+            .find_map(|id| self.served_gpu(resource, id).map(|found| (id, found)))
+        {
+            Some((id, (daemon, gpu))) => Err(Box::new(MpsNotReady {
+                resource: resource.name.clone(),
+                id: id.clone(),
+                gpu_index: gpu.index,
+                gpu_uuid: gpu.uuid.clone(),
+                state,
+                pipe_dir: daemon.pipe_dir.display().to_string(),
+            })),
+            None => Ok(()),
         }
     }
 }

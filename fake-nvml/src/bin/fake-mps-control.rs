@@ -20,6 +20,10 @@
 //!   switched to `<uid>` (`setfsuid`, `setfsgid`), switches them back (root's capabilities come
 //!   back), then reads `<file>` and creates `<file>.written` (both relative) below what it
 //!   opened; the result is `open: ...; read: ...; create: ...`.
+//! - A daemon slow to come up: while `<pipe dir>/fake-hold` exists, the daemon has started but
+//!   does not listen yet (the control client fails as with no daemon); it logs
+//!   `Held by <path>` once, and listens once the file is gone. The real daemon takes a moment
+//!   before its pipe answers; a test holds it there as long as it needs to.
 //! - While it runs, the daemon keeps a file `/dev/shm/cuda.shm.fake-mps.<pid>` (removed at
 //!   `quit`): the real MPS server and its clients meet in shared memory under `/dev/shm`, so a
 //!   test can see which `/dev/shm` the daemon was given.
@@ -45,6 +49,8 @@ const LOG_FILE: &str = "control.log";
 const PROBE_FILE: &str = "fake-probe";
 /// What came of each, in the log folder.
 const PROBE_LOG: &str = "probe.log";
+/// While this file is in the pipe folder, a starting daemon does not listen.
+const HOLD_FILE: &str = "fake-hold";
 
 fn pipe_dir() -> PathBuf {
     std::env::var_os("CUDA_MPS_PIPE_DIRECTORY").map_or_else(|| PathBuf::from("/tmp/nvidia-mps"), PathBuf::from)
@@ -149,6 +155,7 @@ fn daemon() -> ExitCode {
         }
     };
     probe(&dir, &logs);
+    hold(&dir, &mut log);
     let socket = dir.join(SOCKET);
     if UnixStream::connect(&socket).is_ok() {
         eprintln!("An instance of this daemon is already running");
@@ -212,6 +219,24 @@ fn daemon() -> ExitCode {
         }
     }
     ExitCode::SUCCESS
+}
+
+/// Waits while `<dir>/fake-hold` exists.
+fn hold(dir: &Path, log: &mut fs::File) {
+    let file = dir.join(HOLD_FILE);
+    if fs::symlink_metadata(&file).is_err() {
+        return;
+    }
+    let _ = writeln!(
+        log,
+        "[{} Control {}] Held by {}",
+        timestamp(),
+        std::process::id(),
+        file.display()
+    );
+    while fs::symlink_metadata(&file).is_ok() {
+        std::thread::sleep(Duration::from_millis(20));
+    }
 }
 
 /// Tries to read each path `<dir>/fake-probe` names and writes what happened to

@@ -3,6 +3,10 @@
 //! starts it again (with backoff) when it dies, and sends `quit` when told to stop. The daemon
 //! and every control client call run in a container of their own ([`super::contain`]); the
 //! folders they share with pods are made and cleaned through handles ([`super::folders`]).
+//!
+//! Every daemon's state is on a [`DaemonBoard`] that the device plugin watches: a daemon is
+//! [`DaemonState::Running`] only once its control client has answered and its limits are set, so
+//! its replicas are advertised healthy (and `Allocate` answers for them) only then.
 
 use std::collections::BTreeMap;
 use std::io::{Read, Write};
@@ -14,6 +18,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
+use tokio::sync::watch;
 
 use super::contain::Sandbox;
 use super::folders::{self, Folders};
@@ -64,10 +69,114 @@ pub struct DaemonStatus {
 
 type Notify = Arc<dyn Fn() + Send + Sync>;
 
+type Statuses = BTreeMap<String, DaemonStatus>;
+
+/// The daemons' states by resource, as the supervisor and its threads set them; the device
+/// plugin reads them through a [`DaemonWatch`] (health of the replicas, `Allocate`) and is woken
+/// when one changes, without waiting for the agent's loop.
+#[derive(Clone)]
+pub struct DaemonBoard(Arc<watch::Sender<Statuses>>);
+
+impl Default for DaemonBoard {
+    fn default() -> Self {
+        DaemonBoard::new()
+    }
+}
+
+impl DaemonBoard {
+    pub fn new() -> DaemonBoard {
+        DaemonBoard(Arc::new(watch::channel(Statuses::new()).0))
+    }
+
+    /// A reader of the board.
+    pub fn watch(&self) -> DaemonWatch {
+        DaemonWatch(self.0.subscribe())
+    }
+
+    /// Puts `status` on the board (replacing what its resource had).
+    pub fn insert(&self, status: DaemonStatus) {
+        self.0.send_modify(|m| {
+            m.insert(status.resource.clone(), status);
+        });
+    }
+
+    /// Changes the status of `resource`, if it is on the board; readers are woken only when it
+    /// changed.
+    fn update(&self, resource: &str, f: impl FnOnce(&mut DaemonStatus)) {
+        self.0.send_if_modified(|m| match m.get_mut(resource) {
+            Some(status) => {
+                let before = status.clone();
+                f(status);
+                *status != before
+            }
+            None => false,
+        });
+    }
+
+    fn remove(&self, resource: &str) {
+        self.0.send_if_modified(|m| m.remove(resource).is_some());
+    }
+
+    fn get(&self, resource: &str) -> Option<DaemonStatus> {
+        self.0.borrow().get(resource).cloned()
+    }
+}
+
+/// What the device plugin reads of a [`DaemonBoard`]. Two are equal when they read the same
+/// board. The default reads a board nobody writes (no daemon ever runs).
+#[derive(Clone, Debug)]
+pub struct DaemonWatch(watch::Receiver<Statuses>);
+
+impl Default for DaemonWatch {
+    fn default() -> Self {
+        DaemonBoard::new().watch()
+    }
+}
+
+impl PartialEq for DaemonWatch {
+    fn eq(&self, other: &Self) -> bool {
+        self.0.same_channel(&other.0)
+    }
+}
+
+impl Eq for DaemonWatch {}
+
+impl DaemonWatch {
+    /// The daemon of `resource` as it is now; `None` when the supervisor has none (yet).
+    pub fn status(&self, resource: &str) -> Option<DaemonStatus> {
+        self.0.borrow().get(resource).cloned()
+    }
+
+    /// Waits until a daemon's state changed since the last wait (forever when nobody writes
+    /// the board any more).
+    pub async fn changed(&mut self) {
+        if self.0.changed().await.is_err() {
+            std::future::pending::<()>().await;
+        }
+    }
+}
+
+/// One daemon's place on the board.
+#[derive(Clone)]
+struct Slot {
+    resource: String,
+    board: DaemonBoard,
+}
+
+impl Slot {
+    fn update(&self, f: impl FnOnce(&mut DaemonStatus)) {
+        self.board.update(&self.resource, f);
+    }
+
+    fn get(&self) -> Option<DaemonStatus> {
+        self.board.get(&self.resource)
+    }
+}
+
 struct Running {
     plan: MpsDaemon,
     stop: Arc<AtomicBool>,
-    status: Arc<Mutex<DaemonStatus>>,
+    status: Slot,
     thread: Option<JoinHandle<()>>,
 }
 
@@ -75,16 +184,18 @@ struct Running {
 pub struct Supervisor {
     root: PathBuf,
     daemons: BTreeMap<String, Running>,
+    board: DaemonBoard,
     notify: Notify,
 }
 
 impl Supervisor {
-    /// `root` is the agent's `--root`; `notify` is called (from the daemons' threads) whenever a
-    /// daemon's state changes.
-    pub fn new(root: &Path, notify: Notify) -> Supervisor {
+    /// `root` is the agent's `--root`; the daemons' states go on `board`; `notify` is called
+    /// (from the daemons' threads) whenever a daemon's state changes.
+    pub fn new(root: &Path, board: DaemonBoard, notify: Notify) -> Supervisor {
         Supervisor {
             root: root.to_path_buf(),
             daemons: BTreeMap::new(),
+            board,
             notify,
         }
     }
@@ -125,11 +236,11 @@ impl Supervisor {
 
     /// The daemons' states, by resource.
     pub fn statuses(&self) -> Vec<DaemonStatus> {
-        self.daemons.values().map(|r| lock(&r.status).clone()).collect()
+        self.daemons.values().filter_map(|r| r.status.get()).collect()
     }
 
     fn start_one(&self, plan: &MpsDaemon, driver_root: &Path, gpus: &Gpus) -> Running {
-        let status = Arc::new(Mutex::new(DaemonStatus {
+        self.board.insert(DaemonStatus {
             resource: plan.resource.clone(),
             state: DaemonState::Starting,
             pid: None,
@@ -137,13 +248,18 @@ impl Supervisor {
             gpus: plan.gpus.iter().map(|g| g.uuid.clone()).collect(),
             restarts: 0,
             error: None,
-        }));
+        });
+        let status = Slot {
+            resource: plan.resource.clone(),
+            board: self.board.clone(),
+        };
         let stop = Arc::new(AtomicBool::new(false));
         let fail = |error: String| {
             tracing::error!(resource = %plan.resource, "MPS control daemon: {error}");
-            let mut s = lock(&status);
-            s.state = DaemonState::Failed;
-            s.error = Some(error);
+            status.update(|s| {
+                s.state = DaemonState::Failed;
+                s.error = Some(error);
+            });
         };
         let Some(program) = super::find_program(&self.root, driver_root) else {
             let dirs: Vec<String> = PROGRAM_DIRS
@@ -236,7 +352,9 @@ impl Supervisor {
             }
         }
         remove_started(&self.root, plan);
-        lock(&running.status).state = DaemonState::Stopped;
+        // Off the board: the replicas of a resource without a daemon are not ready.
+        running.status.update(|s| s.state = DaemonState::Stopped);
+        self.board.remove(&plan.resource);
         (self.notify)();
     }
 }
@@ -262,7 +380,7 @@ struct Worker {
     /// Host path (without the root).
     program: PathBuf,
     stop: Arc<AtomicBool>,
-    status: Arc<Mutex<DaemonStatus>>,
+    status: Slot,
     notify: Notify,
 }
 
@@ -272,17 +390,17 @@ impl Worker {
         let mut attempts = 0u32;
         while !self.stopped() {
             if attempts > 0 {
-                lock(&self.status).restarts = attempts;
+                self.status.update(|s| s.restarts = attempts);
             }
             attempts += 1;
             match self.start() {
                 Ok((child, stderr, sandbox)) => {
-                    {
-                        let mut s = lock(&self.status);
+                    // It answered its control client and has its limits: its replicas are ready.
+                    self.status.update(|s| {
                         s.state = DaemonState::Running;
                         s.pid = Some(child.id());
                         s.error = None;
-                    }
+                    });
                     (self.notify)();
                     tracing::info!(resource = %self.plan.resource, pid = child.id(), "MPS control daemon running");
                     backoff.reset();
@@ -301,9 +419,10 @@ impl Worker {
             }
         }
         remove_started(&self.root, &self.plan);
-        let mut s = lock(&self.status);
-        s.state = DaemonState::Stopped;
-        s.pid = None;
+        self.status.update(|s| {
+            s.state = DaemonState::Stopped;
+            s.pid = None;
+        });
     }
 
     fn stopped(&self) -> bool {
@@ -312,12 +431,11 @@ impl Worker {
 
     fn set_error(&self, error: String) {
         tracing::error!(resource = %self.plan.resource, "MPS control daemon: {error}");
-        {
-            let mut s = lock(&self.status);
+        self.status.update(|s| {
             s.state = DaemonState::Restarting;
             s.pid = None;
             s.error = Some(error);
-        }
+        });
         (self.notify)();
     }
 

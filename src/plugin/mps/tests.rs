@@ -141,6 +141,27 @@ fn mig_devices_are_refused() {
     assert!(err.to_string().contains("MIG-0-0"), "{err}");
 }
 
+/// A board with `daemons` in `state` (and `error`).
+fn board(daemons: &[MpsDaemon], state: DaemonState, error: Option<&str>) -> DaemonBoard {
+    let board = DaemonBoard::new();
+    for d in daemons {
+        board.insert(DaemonStatus {
+            resource: d.resource.clone(),
+            state,
+            pid: None,
+            pipe_dir: d.pipe_dir.display().to_string(),
+            gpus: d.gpus.iter().map(|g| g.uuid.clone()).collect(),
+            restarts: 0,
+            error: error.map(str::to_string),
+        });
+    }
+    board
+}
+
+fn running(daemons: &[MpsDaemon]) -> MpsAllocate {
+    MpsAllocate::new(daemons, board(daemons, DaemonState::Running, None).watch())
+}
+
 fn allocate_ids(ids: &[&str], strategies: &[DeviceListStrategy]) -> ContainerAllocateResponse {
     let sharing = mps(vec![entry(4)]);
     let inv = two_a100s();
@@ -149,7 +170,7 @@ fn allocate_ids(ids: &[&str], strategies: &[DeviceListStrategy]) -> ContainerAll
         apply_sharing(build_resources(&inv, MigStrategy::None).expect("resources"), &sharing).expect("sharing");
     let opts = AllocateOptions {
         strategies: strategies.to_vec(),
-        mps: MpsAllocate::new(&daemons),
+        mps: running(&daemons),
         ..AllocateOptions::default()
     };
     let req = ContainerAllocateRequest {
@@ -196,8 +217,94 @@ fn allocate_leaves_other_resources_alone() {
     };
     let daemons = plan(&two_a100s(), &mps(vec![entry(4)]), MigStrategy::None).expect("plan");
     let mut resp = ContainerAllocateResponse::default();
-    add_to_response(&MpsAllocate::new(&daemons), &resource, &["GPU-0::0".into()], &mut resp);
+    add_to_response(&running(&daemons), &resource, &["GPU-0::0".into()], &mut resp);
     assert_eq!(resp, ContainerAllocateResponse::default());
+}
+
+/// Replicas whose daemon does not answer (no status yet, starting, restarting, failed) are
+/// unhealthy and refused by `Allocate` with the resource, the GPU and the state; once it runs
+/// they are healthy and allocated. Resources without a daemon are left alone.
+#[test]
+fn replicas_are_ready_only_while_their_daemon_runs() {
+    let sharing = mps(vec![entry(4)]);
+    let inv = two_a100s();
+    let daemons = plan(&inv, &sharing, MigStrategy::None).expect("plan");
+    let resources =
+        apply_sharing(build_resources(&inv, MigStrategy::None).expect("resources"), &sharing).expect("sharing");
+    let resource = &resources[0];
+    let request = ContainerAllocateRequest {
+        devices_ids: vec!["GPU-1::2".to_string()],
+    };
+    let cases = [
+        (MpsAllocate::new(&daemons, DaemonWatch::default()), "state: not started"),
+        (
+            MpsAllocate::new(&daemons, board(&daemons, DaemonState::Starting, None).watch()),
+            "state: starting)",
+        ),
+        (
+            MpsAllocate::new(
+                &daemons,
+                board(&daemons, DaemonState::Restarting, Some("exited with signal: 9")).watch(),
+            ),
+            "state: restarting: exited with signal: 9)",
+        ),
+        (
+            MpsAllocate::new(
+                &daemons,
+                board(&daemons, DaemonState::Failed, Some("nvidia-cuda-mps-control not found")).watch(),
+            ),
+            "state: failed: nvidia-cuda-mps-control not found)",
+        ),
+    ];
+    for (mps, state) in cases {
+        let mut advertised = resource.clone();
+        mps.apply_health(&mut advertised);
+        assert_eq!(advertised.devices.len(), 8);
+        assert!(
+            advertised.devices.values().all(|d| d.health == Health::Unhealthy),
+            "{state}"
+        );
+        let opts = AllocateOptions {
+            mps,
+            ..AllocateOptions::default()
+        };
+        let err = allocate(resource, &request, &opts, &DeviceNodes::default()).expect_err(state);
+        let text = err.to_string();
+        for part in [
+            "nvidia.com/gpu replica GPU-1::2 (GPU 1, GPU-1)",
+            "MPS control daemon for nvidia.com/gpu does not answer on its pipe /run/nvidia/mps/nvidia.com/gpu/pipe",
+            state,
+        ] {
+            assert!(text.contains(part), "{part:?} not in {text}");
+        }
+    }
+    let ready = running(&daemons);
+    let mut advertised = resource.clone();
+    ready.apply_health(&mut advertised);
+    assert_eq!(&advertised, resource, "a running daemon leaves health as it was");
+    let opts = AllocateOptions {
+        mps: ready,
+        ..AllocateOptions::default()
+    };
+    let resp = allocate(resource, &request, &opts, &DeviceNodes::default()).expect("allocate");
+    assert_eq!(resp.envs["CUDA_MPS_PIPE_DIRECTORY"], "/mps/nvidia.com/gpu/pipe");
+
+    // A resource no daemon serves: untouched even while the daemon starts.
+    let starting = MpsAllocate::new(&daemons, board(&daemons, DaemonState::Starting, None).watch());
+    let whole = build_resources(&inv, MigStrategy::None).expect("resources");
+    let mut other = whole[0].clone();
+    other.name = "nvidia.com/other".into();
+    let before = other.clone();
+    starting.apply_health(&mut other);
+    assert_eq!(other, before);
+    let opts = AllocateOptions {
+        mps: starting,
+        ..AllocateOptions::default()
+    };
+    let request = ContainerAllocateRequest {
+        devices_ids: vec!["GPU-0".to_string()],
+    };
+    allocate(&other, &request, &opts, &DeviceNodes::default()).expect("a device of another resource");
 }
 
 /// The Landlock rights handled are every file system right of the kernel's ABI.
