@@ -6,7 +6,7 @@ use std::fmt::Write as _;
 
 use serde::Serialize;
 
-use crate::agent::plan::{MigPlan, NodePlan};
+use crate::agent::plan::{DevCharPlan, MigPlan, NodePlan};
 use crate::agent::summary;
 use crate::driver::plan::DriverPlan;
 use crate::mig::planner;
@@ -23,6 +23,8 @@ struct PlanJson<'a> {
     inventory: &'a Inventory,
     mig: Option<MigJson<'a>>,
     cdi: Option<CdiJson<'a>>,
+    /// The `/dev/char` links (`null` with `[driver] create_dev_char_links = false`).
+    dev_char: Option<DevCharJson>,
     resources: Vec<ResourceJson<'a>>,
     /// The MPS control daemons, with the control commands each would get.
     mps: StageJson<Vec<MpsJson<'a>>>,
@@ -80,6 +82,30 @@ struct CdiJson<'a> {
     path: &'a std::path::Path,
     write: bool,
     error: Option<&'a str>,
+}
+
+#[derive(Serialize)]
+struct DevCharJson {
+    /// Links that `run` would make: `/dev/char/195:0 -> ../nvidia0`.
+    create: Vec<String>,
+    /// Dangling links to an NVIDIA path it would replace, with their old target.
+    replace: Vec<String>,
+    /// Links in place already.
+    present: Vec<String>,
+    /// What it would leave alone, and why.
+    problems: Vec<String>,
+}
+
+impl DevCharJson {
+    fn new(p: &DevCharPlan) -> DevCharJson {
+        let shown = |links: &[crate::host::devchar::Link]| links.iter().map(ToString::to_string).collect();
+        DevCharJson {
+            create: shown(&p.create),
+            replace: p.replace.iter().map(|(l, old)| format!("{l} (was {old})")).collect(),
+            present: shown(&p.present),
+            problems: p.problems.clone(),
+        }
+    }
 }
 
 #[derive(Serialize)]
@@ -156,6 +182,7 @@ pub fn to_json(plan: &NodePlan) -> String {
             write: c.write,
             error: c.error.as_deref(),
         }),
+        dev_char: plan.dev_char.as_ref().map(DevCharJson::new),
         resources,
         mps: match &plan.mps {
             Ok(daemons) => StageJson::Plan(
@@ -297,11 +324,37 @@ pub fn render(plan: &NodePlan) -> String {
         };
         let _ = writeln!(out, "\nCDI spec {}: {what}", cdi.path.display());
     }
+    render_dev_char(&mut out, plan.dev_char.as_ref());
     let _ = writeln!(out, "\nNode labels ({}):", summary_of_labels(&plan.labels));
     for (k, v) in &plan.labels {
         let _ = writeln!(out, "  {k}={v}");
     }
     out
+}
+
+/// The `/dev/char` links, for a person.
+fn render_dev_char(out: &mut String, plan: Option<&DevCharPlan>) {
+    let Some(p) = plan else {
+        let _ = writeln!(out, "\n/dev/char links: [driver] create_dev_char_links = false");
+        return;
+    };
+    let changes = p.create.len() + p.replace.len();
+    let head = match (changes, p.present.len()) {
+        (0, 0) if p.problems.is_empty() => "no NVIDIA device nodes".to_string(),
+        (0, 0) => "none in place".to_string(),
+        (0, n) => format!("all {n} in place"),
+        (c, n) => format!("{c} would be made, {n} in place"),
+    };
+    let _ = writeln!(out, "\n/dev/char links (systemd's device rules): {head}");
+    for link in &p.create {
+        let _ = writeln!(out, "  create {link}");
+    }
+    for (link, old) in &p.replace {
+        let _ = writeln!(out, "  replace {link} (dangling, was {old})");
+    }
+    for problem in &p.problems {
+        let _ = writeln!(out, "  warning: {problem}");
+    }
 }
 
 fn summary_of_labels(labels: &BTreeMap<String, String>) -> String {

@@ -15,6 +15,7 @@ use crate::driver::plan::DriverPlan;
 use crate::driver::stage as drv;
 use crate::host::HostRoot;
 use crate::host::command::Runner;
+pub use crate::host::devchar::Plan as DevCharPlan;
 use crate::mig::clients;
 use crate::mig::stage::{MigState, changes_mode, plan_layout, predict_inventory, reads_first};
 use crate::mig::state::GpuPlan;
@@ -38,6 +39,10 @@ pub struct NodePlan {
     pub mig: Option<MigPlan>,
     /// `None` with `[cdi] enabled = false`.
     pub cdi: Option<CdiPlan>,
+    /// The `/dev/char` links of the NVIDIA device nodes there now and of those the agent would
+    /// create for the current GPUs and MIG devices (a MIG change's new devices get theirs once
+    /// they exist); `None` with `[driver] create_dev_char_links = false`.
+    pub dev_char: Option<DevCharPlan>,
     /// The effective `[device_plugin]` settings (the selected profile applied).
     pub device_plugin: DevicePluginConfig,
     /// What the device plugin would advertise once the MIG plan is applied.
@@ -151,6 +156,10 @@ pub async fn node_plan(config: &Config, root: &HostRoot, mig_layout: Option<&str
             },
         }
     });
+    let dev_char = config
+        .driver
+        .create_dev_char_links
+        .then(|| super::devnodes::dev_char_plan(config, root, Some(&inventory)));
     let resources = advertised_resources(&after, &dp)?;
     let mps = crate::plugin::mps::plan(&after, &dp.sharing, dp.mig_strategy).map_err(|e| e.to_string());
     let mig_state = mig.as_ref().map(|m| match &m.error {
@@ -174,6 +183,7 @@ pub async fn node_plan(config: &Config, root: &HostRoot, mig_layout: Option<&str
         inventory,
         mig,
         cdi,
+        dev_char,
         device_plugin: dp,
         resources,
         mps,
