@@ -7,6 +7,12 @@
 //! its CRI plugin loaded, with `runc`, `nvidia` and the default runtime. The same input is
 //! started unchanged first: the agent's edit must keep every CRI setting the node had.
 //!
+//! containerd 2.x (Debian unstable's: config version 3, its CRI split in two plugins, CDI on by
+//! default) gets every one of these inputs, with and without NVIDIA's toolkit; containerd 1.7
+//! (the next Debian release's) kubeadm's, both ways. scripts/deps unpacks both under
+//! `.test-deps/`. Where containerd's own configuration already has what the agent would add,
+//! the agent must write nothing and ask for no restart.
+//!
 //! Every engine runs as root in a private mount and network namespace (`unshare -mn`) with
 //! copy-on-write overlays on /etc, /opt, /var and /run, its root, state and sockets in the
 //! test's temp dir: nothing it does reaches the machine the tests run on.
@@ -19,8 +25,12 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use common::Node;
-use gpu_node_agent::runtime::containerd::rebase_imports;
+use gpu_node_agent::config::Config;
+use gpu_node_agent::host::HostRoot;
+use gpu_node_agent::host::command::Runner;
+use gpu_node_agent::runtime::containerd::{self, rebase_imports};
 use gpu_node_agent::runtime::cri::{self, CriStatus};
+use gpu_node_agent::runtime::stage::{self, ApplyOptions};
 
 const CONTAINERD: &str = "/usr/bin/containerd";
 const CTR: &str = "/usr/bin/ctr";
@@ -92,6 +102,8 @@ struct Containerd {
     child: Child,
     socket: PathBuf,
     log: PathBuf,
+    /// The `ctr` next to its binary (Debian's when there is none).
+    ctr: PathBuf,
 }
 
 impl Containerd {
@@ -116,7 +128,12 @@ impl Containerd {
             &socket,
         ]);
         let (child, log) = spawn_isolated(dir, binary, &args);
-        Containerd { child, socket, log }
+        Containerd {
+            child,
+            socket,
+            log,
+            ctr: ctr_of(binary),
+        }
     }
 
     /// Waits until the socket answers, then asks the CRI.
@@ -130,7 +147,7 @@ impl Containerd {
             std::thread::sleep(Duration::from_millis(50));
         }
         cri::status_blocking(&self.socket, Duration::from_secs(20)).map_err(|e| {
-            let plugins = Command::new(CTR)
+            let plugins = Command::new(&self.ctr)
                 .arg("--address")
                 .arg(&self.socket)
                 .args(["plugins", "ls", "--detailed"])
@@ -252,13 +269,22 @@ fn runtime_stub(root: &Path) {
     fs::set_permissions(&stub, fs::Permissions::from_mode(0o755)).expect("chmod");
 }
 
-/// A node with containerd (Debian's, under the root), the NVIDIA runtime (a stub) and `main`
-/// as its config (`None`: no file).
-fn containerd_node(main: Option<&str>) -> Node {
+/// The `ctr` next to the containerd binary `binary` (Debian's when there is none).
+fn ctr_of(binary: &str) -> PathBuf {
+    let next = Path::new(binary).with_file_name("ctr");
+    if next.is_file() { next } else { PathBuf::from(CTR) }
+}
+
+/// A node with the containerd binary `binary` (and its `ctr`) under the root, `main` as its
+/// config (`None`: no file), and the NVIDIA runtime (a stub) when `toolkit`: without it the
+/// agent's `auto` mode is cdi-only.
+fn containerd_node_with(binary: &str, main: Option<&str>, toolkit: bool) -> Node {
     let node = Node::new(&common::machine("A100-SXM4-40GB", 1), "");
-    link(&node.root, CONTAINERD, CONTAINERD);
-    link(&node.root, CTR, CTR);
-    runtime_stub(&node.root);
+    link(&node.root, CONTAINERD, binary);
+    link(&node.root, CTR, &ctr_of(binary).to_string_lossy());
+    if toolkit {
+        runtime_stub(&node.root);
+    }
     if let Some(text) = main {
         put(&node.root, MAIN, text);
     }
@@ -278,14 +304,20 @@ fn run_agent(node: &Node, args: &[&str]) -> String {
 
 /// The whole check for one input; `name` names it in failures.
 fn containerd_loads_cri_with_the_agents_files(name: &str, main: Option<&str>) {
-    let node = containerd_node(main);
+    containerd_loads_cri_with_the_agents_files_on(CONTAINERD, name, main);
+}
+
+/// [`containerd_loads_cri_with_the_agents_files`] with the containerd binary `binary`, the
+/// NVIDIA runtime installed; returns the CRI's status with the input as it is.
+fn containerd_loads_cri_with_the_agents_files_on(binary: &str, name: &str, main: Option<&str>) -> CriStatus {
+    let node = containerd_node_with(binary, main, true);
     let root = node.root.clone();
 
     // The input as it is: containerd loads its CRI (else the input is no working node).
     let before = {
         let dir = node.tmp.path().join("before");
         let config = rebased_main(&root);
-        let mut engine = Containerd::start(&config, &dir);
+        let mut engine = Containerd::start_binary(binary, &config, &dir);
         engine
             .cri()
             .unwrap_or_else(|e| panic!("{name}: the input itself does not load containerd's CRI: {e}"))
@@ -296,7 +328,7 @@ fn containerd_loads_cri_with_the_agents_files(name: &str, main: Option<&str>) {
     let after = {
         let dir = node.tmp.path().join("after");
         let config = rebased_main(&root);
-        let mut engine = Containerd::start(&config, &dir);
+        let mut engine = Containerd::start_binary(binary, &config, &dir);
         engine.cri().unwrap_or_else(|e| {
             panic!(
                 "{name}: containerd's CRI does not load with the agent's files: {e}\nagent: {out}\ndrop-in:\n{drop_in}"
@@ -337,6 +369,7 @@ fn containerd_loads_cri_with_the_agents_files(name: &str, main: Option<&str>) {
         !root.join(DROP_IN.trim_start_matches('/')).exists(),
         "{name}: drop-in gone"
     );
+    before
 }
 
 fn node_fixture(name: &str) -> String {
@@ -413,24 +446,28 @@ fn eks_al2023_runc_and_nvidia_variants() {
 }
 
 /// Docker's containerd.io package: a version 1 file with the CRI plugin disabled. No kubelet
-/// uses such a containerd, so the agent leaves it alone and says so, without failing.
+/// uses such a containerd, so the agent leaves it alone and says so, without failing; on
+/// containerd 2.x too (which migrates the file, `cri` becoming `io.containerd.grpc.v1.cri`).
 #[test]
 fn docker_ce_containerd_with_cri_disabled_is_left_alone() {
     let main = node_fixture("containerd-docker-ce.toml");
-    let node = containerd_node(Some(&main));
-    let out = run_agent(&node, &["runtime", "configure", "--no-restart"]);
-    assert!(
-        out.contains(
-            "containerd left alone: its CRI plugin is disabled (disabled_plugins in /etc/containerd/config.toml)"
-        ),
-        "{out}"
-    );
-    let root = &node.root;
-    assert_eq!(
-        fs::read_to_string(root.join(MAIN.trim_start_matches('/'))).ok(),
-        Some(main)
-    );
-    assert!(!root.join(DROP_IN.trim_start_matches('/')).exists());
+    for binary in [CONTAINERD.to_owned(), containerd_2()] {
+        let node = containerd_node_with(&binary, Some(&main), true);
+        let out = run_agent(&node, &["runtime", "configure", "--no-restart"]);
+        assert!(
+            out.contains(
+                "containerd left alone: its CRI plugin is disabled (disabled_plugins in /etc/containerd/config.toml)"
+            ),
+            "{binary}: {out}"
+        );
+        let root = &node.root;
+        assert_eq!(
+            fs::read_to_string(root.join(MAIN.trim_start_matches('/'))).ok(),
+            Some(main.clone()),
+            "{binary}"
+        );
+        assert!(!root.join(DROP_IN.trim_start_matches('/')).exists(), "{binary}");
+    }
 }
 
 // === docker ===
@@ -750,6 +787,391 @@ fn containerd_1_6_without_the_toolkit_is_an_error_naming_the_fix() {
         Some(main)
     );
     assert!(!root.join(DROP_IN.trim_start_matches('/')).exists());
+}
+
+// === containerd 2.x ===
+
+/// containerd 2.x (config version 3, its CRI split into `io.containerd.cri.v1.runtime` and
+/// `io.containerd.cri.v1.images`, CDI on by default): Debian unstable's, which scripts/deps
+/// unpacks under `.test-deps/containerd-2`, or the system's when it is 2.x.
+fn containerd_2() -> String {
+    engine_at_least(CONTAINERD, "containerd-2/usr/bin/containerd", (2, 0))
+}
+
+/// `containerd config default` of the containerd binary `binary`.
+fn config_default(binary: &str) -> String {
+    require_root_and(binary);
+    let out = Command::new(binary)
+        .args(["config", "default"])
+        .output()
+        .expect("containerd config default");
+    assert!(out.status.success(), "{binary} config default: {out:?}");
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// Whether the CRI status shows CDI on with the agent's spec directory (`/var/run/cdi`) read.
+fn reads_the_agents_cdi_specs(status: &CriStatus) -> bool {
+    let (enabled, dirs) = cdi_settings(status);
+    enabled && dirs.iter().any(|d| d == "/var/run/cdi")
+}
+
+/// The CRI settings without what the agent sets, `enableCDI` and `cdiSpecDirs` included.
+fn settings_without_ours_or_cdi(status: &CriStatus) -> serde_json::Value {
+    let mut settings = settings_without_ours(status);
+    if let Some(top) = settings.as_object_mut() {
+        top.remove("enableCDI");
+        top.remove("cdiSpecDirs");
+    }
+    settings
+}
+
+/// Without NVIDIA's toolkit (`auto`: cdi-only) on the containerd binary `binary` with `main`,
+/// whose CRI status as it is was `before`. Where that already has CDI on, reads the agent's
+/// spec directory (containerd 2.x's default) and has a default runtime that is not the
+/// toolkit's, the agent writes nothing and says so; elsewhere its files turn CDI on or give the
+/// default back to runc. Either way the CRI then has CDI, the handlers it had (the agent adds
+/// none), its default (runc instead of the toolkit's) and every other setting as before, and
+/// unconfigure gives the original bytes back.
+fn cdi_only_on(binary: &str, name: &str, main: Option<&str>, before: &CriStatus) {
+    let node = containerd_node_with(binary, main, false);
+    let root = node.root.clone();
+    let out = run_agent(&node, &["runtime", "configure", "--no-restart"]);
+    let now = fs::read_to_string(root.join(MAIN.trim_start_matches('/'))).ok();
+    let drop_in = fs::read_to_string(root.join(DROP_IN.trim_start_matches('/'))).ok();
+    let toolkits_default = before
+        .default_handler
+        .as_deref()
+        .is_some_and(|d| d.starts_with("nvidia"));
+    let after = if reads_the_agents_cdi_specs(before) && !toolkits_default {
+        assert_eq!(now.as_deref(), main, "{name}: nothing to add, nothing written\n{out}");
+        assert_eq!(drop_in, None, "{name}: no drop-in\n{out}");
+        assert!(
+            out.contains("containerd: its own configuration already has all the agent would add"),
+            "{name}: {out}"
+        );
+        before.clone()
+    } else {
+        let config = rebased_main(&root);
+        Containerd::start_binary(binary, &config, &node.tmp.path().join("cdi-only"))
+            .cri()
+            .unwrap_or_else(|e| panic!("{name}: cdi-only: containerd's CRI does not load: {e}\n{out}\n{drop_in:?}"))
+    };
+    assert!(
+        reads_the_agents_cdi_specs(&after),
+        "{name}: cdi-only: {:?}\n{drop_in:?}",
+        cdi_settings(&after)
+    );
+    assert_eq!(after.handlers, before.handlers, "{name}: cdi-only");
+    if toolkits_default {
+        assert_eq!(after.default_handler.as_deref(), Some("runc"), "{name}: cdi-only");
+    } else {
+        assert_eq!(after.default_handler, before.default_handler, "{name}: cdi-only");
+    }
+    assert_eq!(
+        settings_without_ours_or_cdi(&after),
+        settings_without_ours_or_cdi(before),
+        "{name}: cdi-only: every other CRI setting is as before\n{drop_in:?}"
+    );
+    run_agent(&node, &["runtime", "unconfigure", "--no-restart"]);
+    let now = fs::read_to_string(root.join(MAIN.trim_start_matches('/'))).ok();
+    assert_eq!(
+        now.as_deref(),
+        main,
+        "{name}: cdi-only: unconfigure restores the original bytes"
+    );
+    assert!(!root.join(DROP_IN.trim_start_matches('/')).exists(), "{name}: cdi-only");
+}
+
+/// One input on containerd 2.x: with the toolkit as [`containerd_loads_cri_with_the_agents_files`]
+/// checks it on 1.6, then without it ([`cdi_only_on`]).
+fn containerd_2_loads_cri_with_the_agents_files(name: &str, main: Option<&str>) {
+    let binary = containerd_2();
+    let before = containerd_loads_cri_with_the_agents_files_on(&binary, name, main);
+    assert!(before.runtime.contains("2."), "{name}: {}", before.runtime);
+    cdi_only_on(&binary, name, main, &before);
+}
+
+/// Every input the 1.6 tests above start that containerd 2.x accepts, on 2.x, with and without
+/// the toolkit. containerd 2.x refuses none of them: it migrates version 2 files (the removed
+/// `systemd_cgroup` and `registry.mirrors` keys included) on load.
+macro_rules! containerd_2_inputs {
+    ($($test:ident => $main:expr,)*) => {$(
+        #[test]
+        fn $test() {
+            let main: Option<String> = $main;
+            containerd_2_loads_cri_with_the_agents_files(stringify!($test), main.as_deref());
+        }
+    )*};
+}
+
+containerd_2_inputs! {
+    containerd_2_no_config_file => None,
+    containerd_2_a_comment_only_file => Some("# managed by hand\n# nothing yet\n".to_owned()),
+    containerd_2_a_comment_only_file_without_a_final_newline => Some("# managed by hand".to_owned()),
+    containerd_2_its_own_config_default => Some(config_default(&containerd_2())),
+    containerd_2_containerd_1_6_config_default => Some(node_fixture("containerd-default-1.6.toml")),
+    containerd_2_debian_packaged_config => Some(node_fixture("containerd-debian.toml")),
+    containerd_2_gke_cos_configure_sh => Some(node_fixture("containerd-gke-cos.toml")),
+    containerd_2_kubeadm => Some(node_fixture("containerd-kubeadm.toml")),
+    containerd_2_k3s => Some(node_fixture("containerd-k3s.toml")),
+    containerd_2_rke2 => Some(node_fixture("containerd-rke2.toml")),
+    containerd_2_eks_al2 => Some(node_fixture("containerd-eks-al2.toml")),
+}
+
+/// containerd 2.x with the toolkit and `enable_cdi` (kubeadm's file): the `nvidia` handler, its
+/// default, and CDI reading the agent's spec directory; every other setting as before.
+#[test]
+fn containerd_2_with_the_toolkit_and_enable_cdi() {
+    let binary = containerd_2();
+    let node = Node::new(&common::machine("A100-SXM4-40GB", 1), "[runtime]\nenable_cdi = true\n");
+    let root = node.root.clone();
+    link(&root, CONTAINERD, &binary);
+    link(&root, CTR, &ctr_of(&binary).to_string_lossy());
+    runtime_stub(&root);
+    put(&root, MAIN, &node_fixture("containerd-kubeadm.toml"));
+    let before = Containerd::start_binary(&binary, &rebased_main(&root), &node.tmp.path().join("before"))
+        .cri()
+        .unwrap_or_else(|e| panic!("the input itself does not load containerd 2's CRI: {e}"));
+    let out = run_agent(&node, &["runtime", "configure", "--no-restart"]);
+    let drop_in = fs::read_to_string(root.join(DROP_IN.trim_start_matches('/'))).unwrap_or_default();
+    let after = Containerd::start_binary(&binary, &rebased_main(&root), &node.tmp.path().join("after"))
+        .cri()
+        .unwrap_or_else(|e| panic!("containerd 2's CRI does not load: {e}\n{out}\n{drop_in}"));
+    assert!(
+        reads_the_agents_cdi_specs(&after),
+        "{:?}\n{drop_in}",
+        cdi_settings(&after)
+    );
+    assert!(after.handlers.contains("nvidia"), "{:?}\n{drop_in}", after.handlers);
+    assert_eq!(after.default_handler.as_deref(), Some("nvidia"), "{drop_in}");
+    assert_eq!(
+        settings_without_ours_or_cdi(&after),
+        settings_without_ours_or_cdi(&before),
+        "every other CRI setting is as before\n{drop_in}"
+    );
+}
+
+/// EKS AL2023's three files (see [`eks_al2023_runc_and_nvidia_variants`]) on containerd 2.x.
+#[test]
+fn containerd_2_eks_al2023_runc_and_nvidia_variants() {
+    let spec = node_fixture("eks-al2023-base-runtime-spec.json");
+    for file in [
+        "containerd-eks-al2023.toml",
+        "containerd-eks-al2023-nvidia.toml",
+        "containerd-eks-al2023-nvidia-nodeadm-e2e.toml",
+    ] {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let spec_path = dir.path().join("base-runtime-spec.json");
+        fs::write(&spec_path, &spec).expect("spec");
+        let main = node_fixture(file).replace("/etc/containerd/base-runtime-spec.json", &spec_path.to_string_lossy());
+        containerd_2_loads_cri_with_the_agents_files(file, Some(&main));
+    }
+}
+
+/// A stand-in `systemctl` under the node's root that logs its arguments to `systemctl.log` in
+/// the node's temp dir and succeeds (a restarted unit is `active`), and containerd's unit; returns
+/// the log's path.
+fn systemctl_stand_in(node: &Node) -> PathBuf {
+    use std::os::unix::fs::PermissionsExt;
+    let log = node.tmp.path().join("systemctl.log");
+    put(
+        &node.root,
+        "/usr/bin/systemctl",
+        &format!(
+            "#!/bin/sh\necho \"$*\" >> '{}'\n[ \"$1\" = is-active ] && echo active\nexit 0\n",
+            log.display()
+        ),
+    );
+    let path = node.root.join("usr/bin/systemctl");
+    fs::set_permissions(&path, fs::Permissions::from_mode(0o755)).expect("chmod");
+    put(&node.root, "/lib/systemd/system/containerd.service", "[Service]\n");
+    log
+}
+
+/// The agent's runtime stage in-process on `node` (its config, `auto` resolved as the daemon
+/// does): observe and plan.
+fn runtime_plan(node: &Node) -> (Config, stage::RuntimePlan) {
+    let (mut config, _) = Config::load(&node.root, None).expect("config");
+    config.resolve_auto_on(&node.root);
+    let root = HostRoot::new(&node.root);
+    let observed = stage::observe(&config, &root, &Runner::new(&root)).expect("observe");
+    let plan = stage::plan(&observed, &config.runtime).expect("plan");
+    (config, plan)
+}
+
+/// Applies `plan` on `node` with restarts allowed, as the daemon does on a real root.
+fn apply_with_restarts(node: &Node, config: &Config, plan: &stage::RuntimePlan) -> stage::Applied {
+    let root = HostRoot::new(&node.root);
+    stage::apply(
+        plan,
+        config,
+        &root,
+        &Runner::new(&root),
+        &ApplyOptions { restart: true },
+    )
+    .expect("apply")
+}
+
+/// Issue 33: without NVIDIA's toolkit, a containerd whose own configuration already has CDI on
+/// and reads the agent's spec directory needs nothing from the agent: `plan` says so, and
+/// configure writes nothing (the top-level file's bytes, no drop-in, no backup) and asks systemd
+/// for no restart, with restarts allowed. On containerd 2.1's own `config default` (where the
+/// agent added an `imports` line and a drop-in holding `enable_cdi = true` and an empty runtimes
+/// table, and restarted containerd to load them) and on 1.7's with `enable_cdi = true`. The
+/// CRI started with the file as it is has what cdi-only needs.
+///
+/// An earlier drop-in of the agent's then goes: the one the agent wrote before this rule (it
+/// changed nothing) without a restart, the toolkit's (the `nvidia` runtime, its default) with
+/// one; and the next plan is empty.
+#[test]
+fn containerd_with_cdi_already_on_gets_no_write_and_no_restart() {
+    let (c2, c17) = (containerd_2(), containerd_1_7());
+    let on_1_7 = config_default(&c17).replace("enable_cdi = false", "enable_cdi = true");
+    assert!(on_1_7.contains("enable_cdi = true"), "{on_1_7}");
+    for (name, binary, main, version) in [
+        ("2.1 config default", &c2, config_default(&c2), 3),
+        ("1.7 with enable_cdi", &c17, on_1_7, 2),
+    ] {
+        let node = containerd_node_with(binary, Some(&main), false);
+        let log = systemctl_stand_in(&node);
+        let main_path = node.root.join(MAIN.trim_start_matches('/'));
+        let drop_in_path = node.root.join(DROP_IN.trim_start_matches('/'));
+        let backups = node.root.join("var/lib/gpu-node-agent/runtime");
+        let no_backup = || {
+            fs::read_dir(&backups)
+                .map(|d| {
+                    d.filter_map(Result::ok)
+                        .all(|e| !e.file_name().to_string_lossy().starts_with("%2Fetc%2Fcontainerd"))
+                })
+                .unwrap_or(true)
+        };
+
+        let said = run_agent(&node, &["plan"]);
+        for line in [
+            "Container runtimes: containerd (CDI only) already configured: no changes",
+            "  containerd: its own configuration already has all the agent would add (containerd config dump): no drop-in and no restart",
+        ] {
+            assert!(said.lines().any(|l| l == line), "{name}: {line:?} in\n{said}");
+        }
+        let (config, plan) = runtime_plan(&node);
+        assert!(plan.is_empty(), "{name}: {plan:?}");
+        let applied = apply_with_restarts(&node, &config, &plan);
+        assert!(
+            applied.files.is_empty() && applied.restarted.is_empty(),
+            "{name}: {applied:?}"
+        );
+        let out = run_agent(&node, &["runtime", "configure"]);
+        assert!(out.contains("already configured, nothing to do"), "{name}: {out}");
+        assert_eq!(
+            fs::read_to_string(&main_path).ok(),
+            Some(main.clone()),
+            "{name}: top-level file"
+        );
+        assert!(!drop_in_path.exists(), "{name}: no drop-in");
+        assert!(no_backup(), "{name}: nothing backed up");
+        assert!(
+            !log.exists(),
+            "{name}: systemctl was run: {:?}",
+            fs::read_to_string(&log)
+        );
+        let status = Containerd::start_binary(binary, &rebased_main(&node.root), &node.tmp.path().join("c"))
+            .cri()
+            .unwrap_or_else(|e| panic!("{name}: {e}"));
+        assert!(
+            reads_the_agents_cdi_specs(&status),
+            "{name}: {:?}",
+            cdi_settings(&status)
+        );
+
+        // What the agent wrote here before: the `imports` line and the drop-in its renderer
+        // gives for containerd's dump (on 2.1 `enable_cdi = true` and an empty runtimes table,
+        // on 1.7 the whole CRI table with it), applied without a restart as the stage applies
+        // its files.
+        let dump = Command::new(binary)
+            .arg("--config")
+            .arg(rebased_main(&node.root))
+            .args(["config", "dump"])
+            .output()
+            .expect("config dump");
+        let dump = String::from_utf8_lossy(&dump.stdout).into_owned();
+        let input = containerd::Input {
+            main: Some(&main),
+            main_file: MAIN,
+            drop_in_path: DROP_IN,
+            binary_major: Some(version - 1),
+            imported: &[],
+            effective: Some(&dump),
+            cdi_dir: Some("/var/run/cdi"),
+        };
+        let earlier = containerd::configure_input(&input, &plan.engines[0].runtime).expect("render");
+        let (with_import, earlier) = (earlier.main, earlier.drop_in);
+        assert!(earlier.contains("enable_cdi = true"), "{name}: {earlier}");
+        let mut old = plan.clone();
+        old.engines
+            .retain(|e| e.engine == gpu_node_agent::config::Engine::Containerd);
+        let engine = &mut old.engines[0];
+        engine.warnings.clear();
+        engine.changes = vec![
+            stage::FileChange {
+                path: MAIN.into(),
+                target: MAIN.into(),
+                before: Some(main.clone()),
+                after: Some(with_import.clone()),
+            },
+            stage::FileChange {
+                path: DROP_IN.into(),
+                target: DROP_IN.into(),
+                before: None,
+                after: Some(earlier.clone()),
+            },
+        ];
+        let root = HostRoot::new(&node.root);
+        stage::apply(
+            &old,
+            &config,
+            &root,
+            &Runner::new(&root),
+            &ApplyOptions { restart: false },
+        )
+        .unwrap_or_else(|e| panic!("{name}: {e}\n{with_import}"));
+        let (_, plan) = runtime_plan(&node);
+        let engine = &plan.engines[0];
+        assert!(!engine.restart, "{name}: the earlier drop-in changed nothing: {plan:?}");
+        assert_eq!(engine.changes.len(), 1, "{name}: {plan:?}");
+        assert_eq!(engine.changes[0].after, None, "{name}: the earlier drop-in goes");
+        let applied = apply_with_restarts(&node, &config, &plan);
+        assert!(applied.restarted.is_empty(), "{name}: {applied:?}");
+        assert!(
+            !log.exists(),
+            "{name}: systemctl was run: {:?}",
+            fs::read_to_string(&log)
+        );
+        assert!(!drop_in_path.exists(), "{name}: the earlier drop-in is gone");
+        assert!(runtime_plan(&node).1.is_empty(), "{name}: nothing more to do");
+        // unconfigure gives the original bytes back.
+        run_agent(&node, &["runtime", "unconfigure", "--no-restart"]);
+        assert_eq!(
+            fs::read_to_string(&main_path).ok(),
+            Some(main.clone()),
+            "{name}: unconfigure"
+        );
+
+        // The toolkit's drop-in (the nvidia runtime, its default) from a run with the toolkit:
+        // without it now, the drop-in goes with a restart.
+        runtime_stub(&node.root);
+        run_agent(&node, &["runtime", "configure", "--no-restart"]);
+        fs::remove_file(node.root.join(RUNTIME_BINARY.trim_start_matches('/'))).expect("toolkit gone");
+        let _cri = common::cri::TestCri::start(
+            &node.root.join("run/containerd/containerd.sock"),
+            common::cri::serving(&["runc"]),
+        );
+        let (config, plan) = runtime_plan(&node);
+        assert!(plan.engines[0].restart, "{name}: {plan:?}");
+        let applied = apply_with_restarts(&node, &config, &plan);
+        assert_eq!(applied.restarted, ["containerd.service"], "{name}");
+        assert!(!drop_in_path.exists(), "{name}: the toolkit's drop-in is gone");
+        assert!(runtime_plan(&node).1.is_empty(), "{name}: nothing more to do");
+    }
 }
 
 /// docker 25, the first with CDI.

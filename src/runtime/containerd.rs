@@ -36,7 +36,7 @@ use super::{EditError, NvidiaRuntime};
 use drop_in::{Source, render_drop_in};
 use top_level::version_of;
 
-pub use effective::{DEFAULT_ADDRESS, cri_disabled, dump_address, dump_has_runtime};
+pub use effective::{DEFAULT_ADDRESS, cri_disabled, drop_in_changes_nothing, dump_address, dump_has_runtime};
 pub(super) use toml_helpers::{
     binary_text, child_table, dotted, hide_grouping_headers, parse_toml, plain_table, render_like, table_at,
 };
@@ -114,7 +114,14 @@ pub struct Input<'a> {
     /// [`effective_main`]): the configuration containerd would run with, its built-in defaults
     /// included. `None` where containerd cannot be asked (not installed, or the dump failed).
     pub effective: Option<&'a str>,
+    /// The directory the agent writes its CDI spec to (`[cdi] dir`, host path): with CDI on, the
+    /// drop-in adds it to `cdi_spec_dirs` when containerd would not read it (containerd's own
+    /// default is `/etc/cdi` and `/var/run/cdi`). `None`: left as it is.
+    pub cdi_dir: Option<&'a str>,
 }
+
+/// containerd's `cdi_spec_dirs` when unset (1.7 and 2.x).
+pub const DEFAULT_CDI_SPEC_DIRS: [&str; 2] = ["/etc/cdi", "/var/run/cdi"];
 
 /// Adds the runtime `rt` to containerd.
 ///
@@ -165,6 +172,7 @@ pub fn configure_with_imports(
         binary_major,
         imported,
         effective: None,
+        cdi_dir: None,
     };
     configure_input(&input, rt)
 }
@@ -208,7 +216,7 @@ pub fn configure_input(input: &Input, rt: &NvidiaRuntime) -> Result<ContainerdFi
             imported: &imported,
         },
     };
-    let (version, drop_in) = render_drop_in(&source, version, input.main_file, rt)?;
+    let (version, drop_in) = render_drop_in(&source, version, input.main_file, rt, input.cdi_dir)?;
     Ok(ContainerdFiles { version, main, drop_in })
 }
 

@@ -1,10 +1,10 @@
 //! The drop-in (`/etc/containerd/conf.d/99-nvidia.toml`), generated from scratch: the CRI plugin
 //! table containerd would use without it, plus the `nvidia` runtimes.
 
-use toml_edit::{DocumentMut, Item, Table, value};
+use toml_edit::{Array, DocumentMut, Item, Table, value};
 
 use super::toml_helpers::{binary_text, child_table, hide_grouping_headers, optional_str, plain_table, table_at};
-use super::{CRI_PLUGIN_V2, CRI_PLUGIN_V3, RUNC, RUNC_SHIM, cri_plugin};
+use super::{CRI_PLUGIN_V2, CRI_PLUGIN_V3, DEFAULT_CDI_SPEC_DIRS, RUNC, RUNC_SHIM, cri_plugin};
 use crate::runtime::{DefaultRuntime, EditError, NvidiaRuntime};
 
 /// Runtimes whose options the `nvidia` runtime copies when the default runtime is not usable.
@@ -36,12 +36,16 @@ pub(super) enum Source<'a> {
 /// comes from containerd 2.x, which merges imported plugin tables key by key: there the drop-in
 /// holds only what the agent sets, its runtimes' options taken from the dump.
 ///
+/// With CDI on, `cdi_dir` (the agent's spec directory) is added to `cdi_spec_dirs` when the
+/// source's list (containerd's default when unset) lacks it.
+///
 /// [`configure_input`]: super::configure_input
 pub(super) fn render_drop_in(
     source: &Source,
     version: u32,
     main_file: &str,
     rt: &NvidiaRuntime,
+    cdi_dir: Option<&str>,
 ) -> Result<(u32, String), EditError> {
     let cri = cri_plugin(version);
     let path = |rest: &str| format!("plugins.\"{cri}\"{rest}");
@@ -51,7 +55,7 @@ pub(super) fn render_drop_in(
             let dumped = if merging { CRI_PLUGIN_V3 } else { CRI_PLUGIN_V2 };
             let table = table_at(dump.as_table(), &["plugins", dumped], "containerd config dump")?;
             let note = if merging {
-                "# containerd 2.x merges it key by key into the CRI table of the other files: it holds only the runtimes.\n"
+                "# containerd 2.x merges it key by key into the CRI table of the other files: it holds only what the agent sets.\n"
             } else {
                 "# Its CRI table is the one `containerd config dump` shows without this file (containerd's defaults included).\n"
             };
@@ -170,6 +174,25 @@ pub(super) fn render_drop_in(
     }
     if rt.enable_cdi {
         cri_table.insert("enable_cdi", value(true));
+        if let Some(dir) = cdi_dir {
+            let key = path(".cdi_spec_dirs");
+            let dirs: Vec<String> = match source_table.get("cdi_spec_dirs") {
+                None => DEFAULT_CDI_SPEC_DIRS.iter().map(|d| (*d).to_owned()).collect(),
+                Some(item) => item
+                    .as_array()
+                    .and_then(|a| a.iter().map(|v| v.as_str().map(str::to_owned)).collect())
+                    .ok_or_else(|| EditError::Shape {
+                        file: file.to_owned(),
+                        key,
+                        message: "must be an array of strings".to_owned(),
+                    })?,
+            };
+            let trimmed = |d: &str| d.trim_end_matches('/').to_owned();
+            if !dirs.iter().any(|d| trimmed(d) == trimmed(dir)) {
+                let all = dirs.iter().map(String::as_str).chain([dir]);
+                cri_table.insert("cdi_spec_dirs", value(Array::from_iter(all)));
+            }
+        }
     }
 
     let mut out = DocumentMut::new();

@@ -102,3 +102,65 @@ pub fn dump_address(dump: &str) -> String {
 
 /// containerd's gRPC (and CRI) socket when `[grpc] address` is not set.
 pub const DEFAULT_ADDRESS: &str = "/run/containerd/containerd.sock";
+
+/// Whether the drop-in `drop_in` (its text) changes nothing containerd runs with, `dump` being
+/// `containerd config dump` without it: its CRI table merged the way containerd loads an import
+/// (containerd 2.x, a version 3 dump: key by key, a value replacing the one before; 1.x: the
+/// whole plugin table replaced) gives the dump's CRI table as it is.
+///
+/// A drop-in with anything else than `version` and one CRI plugin table, or either text not
+/// parsing, counts as a change.
+pub fn drop_in_changes_nothing(dump: &str, drop_in: &str) -> bool {
+    let (Ok(dump), Ok(drop_in)) = (dump.parse::<toml::Table>(), drop_in.parse::<toml::Table>()) else {
+        return false;
+    };
+    let merging = dump
+        .get("version")
+        .and_then(toml::Value::as_integer)
+        .is_some_and(|v| v >= 3);
+    let dumped = if merging { CRI_PLUGIN_V3 } else { CRI_PLUGIN_V2 };
+    let Some(current) = dump
+        .get("plugins")
+        .and_then(|p| p.get(dumped))
+        .and_then(toml::Value::as_table)
+    else {
+        return false;
+    };
+    let mut ours = None;
+    for (key, value) in &drop_in {
+        match (key.as_str(), value) {
+            ("version", toml::Value::Integer(_)) => {}
+            ("plugins", toml::Value::Table(plugins)) => {
+                for (id, table) in plugins {
+                    match table.as_table() {
+                        Some(table) if ours.is_none() && CRI_PLUGIN_IDS.contains(&id.as_str()) => ours = Some(table),
+                        _ => return false,
+                    }
+                }
+            }
+            _ => return false,
+        }
+    }
+    match ours {
+        // No CRI table: nothing replaced or merged.
+        None => true,
+        Some(ours) if merging => {
+            let mut merged = current.clone();
+            merge(&mut merged, ours);
+            merged == *current
+        }
+        Some(ours) => ours == current,
+    }
+}
+
+/// `over` merged into `table` key by key: a table into a table, anything else replacing.
+fn merge(table: &mut toml::Table, over: &toml::Table) {
+    for (key, value) in over {
+        match (table.get_mut(key), value) {
+            (Some(toml::Value::Table(mine)), toml::Value::Table(theirs)) => merge(mine, theirs),
+            _ => {
+                table.insert(key.clone(), value.clone());
+            }
+        }
+    }
+}

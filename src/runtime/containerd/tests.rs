@@ -692,6 +692,7 @@ fn from_dump(main: Option<&str>, dump: &str, rt: &NvidiaRuntime) -> ContainerdFi
         binary_major: Some(1),
         imported: &[],
         effective: Some(dump),
+        cdi_dir: Some("/var/run/cdi"),
     };
     configure_input(&input, rt).unwrap()
 }
@@ -1037,4 +1038,141 @@ fn cdi_only_on_containerd_2_turns_cdi_on_and_adds_no_runtime() {
     assert_eq!(cri["containerd"]["default_runtime_name"].as_str(), Some(RUNC));
     let runtimes = cri["containerd"].get("runtimes").and_then(|r| r.as_table());
     assert!(runtimes.is_none_or(|r| r.is_empty()), "{}", out.drop_in);
+}
+
+// === nothing to add (issue 33, 7) ===
+
+/// containerd 2.1.9's `containerd config default`, which is also its `config dump`: version 3,
+/// CDI on, `/etc/cdi` and `/var/run/cdi` read.
+const DUMP_2_1_DEFAULT: &str = include_str!("../../../tests/fixtures/runtime/containerd/dump-2.1.9-default.toml");
+/// containerd 1.7.24's dump of its `config default` with `enable_cdi = true`.
+const DUMP_1_7_CDI: &str = include_str!("../../../tests/fixtures/runtime/containerd/dump-1.7.24-cdi.toml");
+
+/// [`from_dump`] with the agent's CDI directory `cdi_dir`.
+fn from_dump_in(main: Option<&str>, dump: &str, rt: &NvidiaRuntime, cdi_dir: &str) -> ContainerdFiles {
+    let input = Input {
+        main,
+        main_file: MAIN_FILE,
+        drop_in_path: DROP_IN,
+        binary_major: Some(2),
+        imported: &[],
+        effective: Some(dump),
+        cdi_dir: Some(cdi_dir),
+    };
+    configure_input(&input, rt).unwrap()
+}
+
+/// `dump` as containerd runs it once it loads `drop_in` too: the CRI table replaced (a version
+/// 2 dump, containerd 1.x) or merged key by key (version 3, 2.x).
+fn loaded_with(dump: &str, drop_in: &str) -> String {
+    fn merge(table: &mut toml::Table, over: &toml::Table) {
+        for (key, value) in over {
+            match (table.get_mut(key), value) {
+                (Some(toml::Value::Table(mine)), toml::Value::Table(theirs)) => merge(mine, theirs),
+                _ => {
+                    table.insert(key.clone(), value.clone());
+                }
+            }
+        }
+    }
+    let mut dump: toml::Table = dump.parse().unwrap();
+    let drop_in: toml::Table = drop_in.parse().unwrap();
+    let v3 = dump["version"].as_integer() == Some(3);
+    let id = if v3 { CRI_PLUGIN_V3 } else { CRI_PLUGIN_V2 };
+    let ours = drop_in["plugins"]
+        .as_table()
+        .unwrap()
+        .values()
+        .next()
+        .unwrap()
+        .as_table()
+        .unwrap();
+    let cri = dump["plugins"].as_table_mut().unwrap().get_mut(id).unwrap();
+    let cri = cri.as_table_mut().unwrap();
+    if v3 {
+        merge(cri, ours);
+    } else {
+        *cri = ours.clone();
+    }
+    toml::to_string(&dump).unwrap()
+}
+
+/// What issue 33 saw: on containerd 2.1's own default configuration, which has CDI on and reads
+/// `/var/run/cdi`, the cdi-only drop-in (`enable_cdi = true`, an empty runtimes table) changes
+/// nothing; the same on containerd 1.7 with `enable_cdi = true`, and with the agent's spec in
+/// `/etc/cdi`. The toolkit's drop-in (runtime, default), CDI off, or a spec directory containerd
+/// does not read do change something, and a directory it does not read is added.
+#[test]
+fn a_configuration_with_cdi_on_needs_no_cdi_only_drop_in() {
+    let cdi_off_2_1 = DUMP_2_1_DEFAULT.replace("enable_cdi = true", "enable_cdi = false");
+    let cdi_off_1_7 = DUMP_1_7_CDI.replace("enable_cdi = true", "enable_cdi = false");
+    for (name, dump, off) in [
+        ("2.1.9 default", DUMP_2_1_DEFAULT, &cdi_off_2_1),
+        ("1.7.24 with CDI", DUMP_1_7_CDI, &cdi_off_1_7),
+    ] {
+        for dir in ["/var/run/cdi", "/etc/cdi", "/etc/cdi/"] {
+            let files = from_dump_in(Some(dump), dump, &rt(false, false).cdi_only(), dir);
+            assert!(
+                drop_in_changes_nothing(dump, &files.drop_in),
+                "{name}, {dir}:\n{}",
+                files.drop_in
+            );
+        }
+        let toolkit = from_dump_in(Some(dump), dump, &rt(true, true), "/var/run/cdi");
+        assert!(!drop_in_changes_nothing(dump, &toolkit.drop_in), "{name}: toolkit");
+        let files = from_dump_in(Some(off), off, &rt(false, false).cdi_only(), "/var/run/cdi");
+        assert!(!drop_in_changes_nothing(off, &files.drop_in), "{name}: CDI off");
+
+        let files = from_dump_in(Some(dump), dump, &rt(false, false).cdi_only(), "/srv/cdi");
+        assert!(!drop_in_changes_nothing(dump, &files.drop_in), "{name}: /srv/cdi");
+        let doc: toml::Table = files.drop_in.parse().unwrap();
+        let cri = doc["plugins"].as_table().unwrap().values().next().unwrap();
+        assert_eq!(
+            cri["cdi_spec_dirs"],
+            toml::Value::try_from(["/etc/cdi", "/var/run/cdi", "/srv/cdi"]).unwrap(),
+            "{name}:\n{}",
+            files.drop_in
+        );
+    }
+}
+
+/// Once containerd runs with the agent's drop-in, rendering it again from that configuration
+/// changes nothing, in both modes, with either merge rule: the rule drops only what is there.
+#[test]
+fn a_drop_in_containerd_already_runs_with_changes_nothing() {
+    let cdi_off_1_7 = DUMP_1_7_CDI.replace("enable_cdi = true", "enable_cdi = false");
+    for (name, dump) in [("2.1.9 default", DUMP_2_1_DEFAULT), ("1.7.24", &cdi_off_1_7)] {
+        for (mode, rt) in [
+            ("toolkit", rt(true, true)),
+            ("toolkit, no CDI", rt(false, false)),
+            ("cdi-only", rt(true, true).cdi_only()),
+        ] {
+            let first = from_dump_in(Some(dump), dump, &rt, "/srv/cdi");
+            let loaded = loaded_with(dump, &first.drop_in);
+            let again = from_dump_in(Some(dump), &loaded, &rt, "/srv/cdi");
+            assert!(
+                drop_in_changes_nothing(&loaded, &again.drop_in),
+                "{name}, {mode}:\n{}\n{loaded}",
+                again.drop_in
+            );
+        }
+    }
+}
+
+/// Anything in a drop-in besides `version` and one CRI plugin table counts as a change, and so
+/// does text that does not parse.
+#[test]
+fn a_drop_in_with_more_than_the_cri_table_changes_something() {
+    let dump = DUMP_2_1_DEFAULT;
+    let cri = format!("version = 3\n[plugins.\"{CRI_PLUGIN_V3}\"]\nenable_cdi = true\n");
+    assert!(drop_in_changes_nothing(dump, &cri));
+    assert!(drop_in_changes_nothing(dump, "version = 3\n"));
+    for other in [
+        format!("{cri}[plugins.\"io.containerd.gc.v1.scheduler\"]\npause_threshold = 0.02\n"),
+        format!("oom_score = 0\n{cri}"),
+        "version = [".to_owned(),
+    ] {
+        assert!(!drop_in_changes_nothing(dump, &other), "{other}");
+    }
+    assert!(!drop_in_changes_nothing("not = [toml", &cri));
 }
