@@ -88,6 +88,16 @@ pub enum Command {
         #[command(subcommand)]
         command: ValidateCommand,
     },
+    /// Migrating from NVIDIA's GPU Operator: set `nvidia.com/gpu.deploy.<operand>=false` on this
+    /// Node for each operand the agent replaces with its config (the Operator then removes them
+    /// from the node; a running agent takes over each once it has gone), keeping each label's
+    /// previous value under [agent] state_dir. Prints what it set and which operands still run.
+    Migrate {
+        /// Put the recorded deploy labels back as they were (unset ones removed), for handing
+        /// the node back to the Operator: stop the agent first.
+        #[arg(long)]
+        undo: bool,
+    },
     /// Print the version.
     Version,
 }
@@ -138,7 +148,8 @@ pub enum RuntimeCommand {
     },
     /// Take the nvidia runtime out again: files the agent wrote and nobody edited since get
     /// back exactly what was there before; files edited since lose only the agent's entries; the
-    /// agent's drop-ins go. Engines whose files changed are restarted.
+    /// agent's drop-ins and CDI specs go, and the `/dev/char` links it made. Engines whose files
+    /// changed are restarted. Removing the package runs it.
     Unconfigure {
         /// Write the files but restart nothing.
         #[arg(long)]

@@ -4,8 +4,11 @@
 pub mod arch;
 pub mod backoff;
 pub mod command;
+pub mod devchar;
 pub mod devnodes;
 pub mod lock;
+pub mod operator;
+pub mod socket;
 
 use std::fs::{self, File};
 use std::io::{self, Read, Write};

@@ -87,6 +87,7 @@ fn main() -> ExitCode {
         }
         Command::Status { json } => gpu_node_agent::status::status_command(&config, &root, json),
         Command::Mig { command } => agent::mig_command(&config, &root, command),
+        Command::Migrate { undo } => agent::migrate_command(&config, &root, undo),
         Command::Validate {
             command: ValidateCommand::Cuda { json, driver_root },
         } => {

@@ -145,6 +145,46 @@ pub struct Status {
     /// The DRA driver (`[dra] enabled`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub dra: Option<crate::dra::DraStatus>,
+    /// The `/dev/char` links to the NVIDIA device nodes (`[driver] create_dev_char_links`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dev_char: Option<DevCharStatus>,
+    /// NVIDIA's GPU Operator operands on this node, what the agent holds back for them, and
+    /// the migration (`[kubernetes] withdraw_operator_operands`, `gpu-node-agent migrate`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub operator: Option<OperatorStatus>,
+}
+
+/// The GPU Operator beside the agent ([`crate::host::operator`]).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct OperatorStatus {
+    /// One line per conflict: the operand, its program and pid, what the agent holds back, and
+    /// what to do (or, while withdrawing, `waiting for ... to leave`).
+    pub conflicts: Vec<String>,
+    /// The same, as data.
+    #[serde(default)]
+    pub details: Vec<crate::host::operator::Conflict>,
+    /// The agent withdraws the operands it replaces (`[kubernetes] withdraw_operator_operands`).
+    #[serde(default)]
+    pub withdrawing: bool,
+    /// The deploy labels the agent set (`nvidia.com/gpu.deploy.<operand>=false`), with the
+    /// value each had before (`migrate --undo` puts it back).
+    #[serde(default)]
+    pub withdrawn: BTreeMap<String, Option<String>>,
+    /// The last failure to write the deploy labels.
+    #[serde(default)]
+    pub error: Option<String>,
+}
+
+/// The `/dev/char/<major>:<minor>` links to the NVIDIA device nodes, as last looked at.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct DevCharStatus {
+    /// Every link in place: `/dev/char/195:0 -> ../nvidia0`.
+    pub links: Vec<String>,
+    /// How many of them the agent made (removed by `runtime unconfigure`).
+    pub made_by_agent: usize,
+    /// What is left alone and why (a link pointing elsewhere, `/dev/char` not a directory, ...).
+    #[serde(default)]
+    pub problems: Vec<String>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -306,6 +346,21 @@ impl Status {
                 mig.as_deref().unwrap_or("see the mig stage")
             );
         }
+        if let Some(op) = &self.operator
+            && (!op.conflicts.is_empty() || !op.withdrawn.is_empty() || op.error.is_some())
+        {
+            let _ = writeln!(out, "\nGPU OPERATOR on this node");
+            for c in &op.conflicts {
+                let _ = writeln!(out, "  {c}");
+            }
+            if !op.withdrawn.is_empty() {
+                let keys: Vec<&str> = op.withdrawn.keys().map(String::as_str).collect();
+                let _ = writeln!(out, "  withdrawn (=false): {}", keys.join(", "));
+            }
+            if let Some(e) = &op.error {
+                let _ = writeln!(out, "  error: {e}");
+            }
+        }
         if !self.labels.is_empty() {
             let _ = writeln!(out, "\nREPORTED LABELS ({})", self.labels.len());
             for (k, v) in &self.labels {
@@ -357,6 +412,17 @@ impl Status {
             );
             if let Some(e) = &d.error {
                 let _ = writeln!(out, "  error: {e}");
+            }
+        }
+        if let Some(d) = &self.dev_char {
+            let _ = writeln!(
+                out,
+                "\n/dev/char links (systemd's device rules): {} to the NVIDIA device nodes, {} made by the agent",
+                d.links.len(),
+                d.made_by_agent
+            );
+            for p in &d.problems {
+                let _ = writeln!(out, "  warning: {p}");
             }
         }
         if let Some(d) = &self.dra {
@@ -565,6 +631,8 @@ mod tests {
             labels: BTreeMap::new(),
             mps: Vec::new(),
             dra: None,
+            dev_char: None,
+            operator: None,
         }
     }
 
@@ -580,6 +648,36 @@ mod tests {
         assert!(view.contains("Unhealthy (critical Xid 79)"), "{view}");
         assert!(view.contains("nvidia.com/gpu"), "{view}");
         assert!(view.contains("10s ago"), "{view}");
+    }
+
+    /// The `/dev/char` links (issue 33): how many are in place and how many the agent made, with
+    /// what it left alone; older status files without the field still parse.
+    #[test]
+    fn the_dev_char_links_have_a_line() {
+        let status = Status {
+            dev_char: Some(DevCharStatus {
+                links: vec![
+                    "/dev/char/195:255 -> ../nvidiactl".into(),
+                    "/dev/char/195:0 -> ../nvidia0".into(),
+                ],
+                made_by_agent: 1,
+                problems: vec!["/dev/char/195:1 points to ../sdb, not to /dev/nvidia1: left as it is".into()],
+            }),
+            ..sample()
+        };
+        let view = status.render(1005);
+        assert!(
+            view.contains(
+                "\n/dev/char links (systemd's device rules): 2 to the NVIDIA device nodes, 1 made by the agent\n  \
+                 warning: /dev/char/195:1 points to ../sdb, not to /dev/nvidia1: left as it is\n"
+            ),
+            "{view}"
+        );
+        let json = serde_json::to_string(&status).expect("json");
+        assert_eq!(Status::parse(&json).expect("parse"), status);
+        let without = serde_json::to_string(&sample()).expect("json");
+        assert!(!without.contains("dev_char"), "{without}");
+        assert!(!sample().render(1005).contains("/dev/char"));
     }
 
     /// Found by the property tests (issue 15): a status file saying `running` for a process that

@@ -1577,6 +1577,7 @@ mod runtime {
                 binary_major: None,
                 imported: &files,
                 effective: None,
+                cdi_dir: Some("/var/run/cdi"),
             };
             if let Err(e) = containerd::configure_input(&input, &rt) {
                 edit_error_names_the_file(&e, &[MAIN_FILE, "/etc/containerd/conf.d/50-x.toml"])?;
@@ -2401,6 +2402,8 @@ mod status {
                         labels,
                         mps: Vec::new(),
                         dra: None,
+                        dev_char: None,
+                        operator: None,
                     }
                 },
             )

@@ -23,6 +23,8 @@ use crate::nvml::Gpus;
 const MIG_BUSY_RECHECK: Duration = Duration::from_secs(2);
 /// How often a layout given up on looks whether the GPU work it waited for has ended.
 const MIG_GAVE_UP_RECHECK: Duration = Duration::from_secs(10);
+/// How often the MIG stage looks again while NVIDIA's mig-manager runs on the node.
+const MIG_OPERATOR_RECHECK: Duration = Duration::from_secs(10);
 /// How long to wait for `rebooting` to show on the Node before rebooting.
 const REBOOT_LABEL_WAIT: Duration = Duration::from_secs(10);
 /// How long to wait for `pending` to show on the Node before a MIG change.
@@ -130,6 +132,19 @@ impl Agent {
         if changing.is_empty() {
             // The same observation converge would start from: nothing to do, nothing to read twice.
             return self.mig_done(&name, format!("layout {name} in place"));
+        }
+        // NVIDIA's mig-manager on the node applies layouts too: two appliers on one GPU undo
+        // each other's work. No change while it runs; its state label is left as it is.
+        if let Some(why) = self.mig_held_by_operator() {
+            self.mig.state = self.mig_state_as_on_node();
+            self.mig.pending_since = None;
+            self.mig.retry = Some(Instant::now() + MIG_OPERATOR_RECHECK);
+            self.stages[StageId::Mig].set(
+                StageState::Pending,
+                Some(format!("layout {name}: not applied: {why}")),
+                None,
+            );
+            return;
         }
         // A GPU with devices prepared for DRA claims keeps its layout: changing it would pull
         // MIG devices from under claims the kubelet holds. The stage fails (and retries) until

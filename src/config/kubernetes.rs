@@ -37,6 +37,9 @@ pub const DEFAULT_IN_CLUSTER_DIR: &str = "/var/run/secrets/kubernetes.io/service
 pub const DEFAULT_EVENTS: bool = true;
 /// Send a bearer token (or an exec plugin's token) to a plain `http://` API server.
 pub const DEFAULT_ALLOW_INSECURE_HTTP: bool = false;
+/// Set the GPU Operator's `nvidia.com/gpu.deploy.<operand>=false` on the agent's own Node for
+/// every operand the agent replaces.
+pub const DEFAULT_WITHDRAW_OPERATOR_OPERANDS: bool = false;
 
 /// Label naming the desired MIG layout.
 pub const DEFAULT_LABEL_MIG_CONFIG: &str = "nvidia.com/mig.config";
@@ -94,6 +97,11 @@ pub struct KubernetesConfig {
     /// default) refuses such a kubeconfig; an `http://` server without credentials works either
     /// way.
     pub allow_insecure_http: bool,
+    /// Migrating from NVIDIA's GPU Operator: set `nvidia.com/gpu.deploy.<operand>=false` on this
+    /// Node for each operand the agent replaces with its config (the Operator then removes them
+    /// from the node), keeping each label's previous value for `gpu-node-agent migrate --undo`.
+    /// The agent serves, applies and configures what an operand held only once it has left.
+    pub withdraw_operator_operands: bool,
 }
 
 impl Default for KubernetesConfig {
@@ -112,6 +120,7 @@ impl Default for KubernetesConfig {
             backoff_max: DEFAULT_BACKOFF_MAX,
             events: DEFAULT_EVENTS,
             allow_insecure_http: DEFAULT_ALLOW_INSECURE_HTTP,
+            withdraw_operator_operands: DEFAULT_WITHDRAW_OPERATOR_OPERANDS,
         }
     }
 }

@@ -204,28 +204,20 @@ impl Served {
 }
 
 /// Binds `socket` so that it appears already listening: bound (and listening) under a dot-name
-/// the plugin watcher ignores, then renamed into place. A watcher that dials the moment the
-/// name appears would otherwise find it between `bind` and `listen` and be refused.
+/// the plugin watcher ignores, then moved into place. A watcher that dials the moment the name
+/// appears would otherwise find it between `bind` and `listen` and be refused. A live socket of
+/// another process there (NVIDIA's DRA driver) is never replaced: the error names its pid
+/// ([`crate::host::socket::bind_in_place`]).
 fn bind(socket: &Path) -> std::io::Result<(UnixListener, Option<(u64, u64)>)> {
-    let (Some(dir), Some(name)) = (socket.parent(), socket.file_name()) else {
-        return Err(std::io::Error::new(
-            std::io::ErrorKind::InvalidInput,
-            format!("{} is not a socket path", socket.display()),
-        ));
-    };
-    std::fs::create_dir_all(dir)?;
-    let staging = dir.join(format!(".{}.binding", name.to_string_lossy()));
-    match std::fs::remove_file(&staging) {
-        Ok(()) => {}
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-        Err(e) => return Err(e),
+    if let Some(dir) = socket.parent() {
+        std::fs::create_dir_all(dir)?;
     }
-    let listener = UnixListener::bind(&staging)?;
-    if let Err(e) = std::fs::rename(&staging, socket) {
-        let _ = std::fs::remove_file(&staging);
-        return Err(e);
-    }
-    Ok((listener, file_id(socket)))
+    let (listener, id) = crate::host::socket::bind_in_place(socket).map_err(|e| match e {
+        crate::host::socket::BindError::Io { source, .. } => source,
+        in_use => std::io::Error::new(std::io::ErrorKind::AddrInUse, in_use.to_string()),
+    })?;
+    listener.set_nonblocking(true)?;
+    Ok((UnixListener::from_std(listener)?, Some(id)))
 }
 
 /// Both sockets, served.

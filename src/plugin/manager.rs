@@ -1,6 +1,10 @@
 //! Keeps the advertised resources in step with the kubelet: serves one socket per resource,
 //! registers each, re-registers when the kubelet restarts (its `kubelet.sock` is recreated or our
 //! sockets are deleted), and swaps resources in and out without restarting the process.
+//!
+//! The replicas of a resource shared through MPS are advertised healthy only while its control
+//! daemon answers: the manager applies the daemons' states ([`crate::plugin::mps`]) to what it
+//! serves and is woken when one changes.
 
 use std::collections::BTreeMap;
 use std::os::fd::{AsFd, AsRawFd, RawFd};
@@ -23,6 +27,9 @@ pub const KUBELET_SOCKET: &str = "kubelet.sock";
 
 const RETRY_MIN: Duration = Duration::from_millis(500);
 const RETRY_MAX: Duration = Duration::from_secs(30);
+/// How often a socket another process serves is looked at again (one `lstat` and one
+/// connection, closed at once), so the agent takes over soon after that process has left.
+const CONFLICT_RECHECK: Duration = Duration::from_secs(2);
 
 /// What the agent asks of the manager.
 #[derive(Debug)]
@@ -43,6 +50,18 @@ pub struct PluginStatus {
     /// Per served resource (same names as `resources`): the kubelet's `ListAndWatch` streams,
     /// whether one is open and how many devices the last message listed.
     pub streams: BTreeMap<String, StreamStatus>,
+    /// Resources not served because another process serves their socket (NVIDIA's device
+    /// plugin): its socket is left alone and looked at again at each retry.
+    pub conflicts: Vec<SocketConflict>,
+}
+
+/// A resource whose socket a live server of another process holds.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SocketConflict {
+    pub resource: String,
+    pub socket: String,
+    /// The holder's pid (`SO_PEERCRED`), when the kernel said.
+    pub pid: Option<i32>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -88,6 +107,11 @@ pub struct PluginManager {
     status: watch::Sender<PluginStatus>,
     /// Woken by the servers when a `ListAndWatch` stream opens, sends or ends.
     streams_changed: Arc<Notify>,
+    /// Desired resources whose socket another process serves, by name.
+    conflicts: BTreeMap<String, SocketConflict>,
+    /// When to look at those sockets again (their own timer: the registration backoff must not
+    /// hold back the resources that are served).
+    conflict_at: Option<Instant>,
 }
 
 impl PluginManager {
@@ -111,6 +135,8 @@ impl PluginManager {
             stats,
             status,
             streams_changed: Arc::new(Notify::new()),
+            conflicts: BTreeMap::new(),
+            conflict_at: None,
         };
         (manager, status_rx)
     }
@@ -118,17 +144,26 @@ impl PluginManager {
     pub async fn run(mut self, mut commands: mpsc::Receiver<Command>) {
         let mut watch = DirWatch::new(&self.dir);
         let streams_changed = self.streams_changed.clone();
+        // The MPS daemons' states: a change serves the replicas' new health.
+        let mut mps_states = self.ctx.borrow().allocate.mps.states.clone();
         loop {
             self.sync().await;
-            let retry = self.retry_at;
+            let retry = match (self.retry_at, self.conflict_at) {
+                (Some(a), Some(b)) => Some(a.min(b)),
+                (a, b) => a.or(b),
+            };
             tokio::select! {
                 cmd = commands.recv() => match cmd {
                     Some(Command::Set { resources, ctx }) => {
+                        if ctx.allocate.mps.states != mps_states {
+                            mps_states = ctx.allocate.mps.states.clone();
+                        }
                         self.desired = resources;
                         self.ctx.send_replace(ctx);
                     }
                     None => break,
                 },
+                () = mps_states.changed() => {}
                 events = watch.changed() => {
                     if events {
                         watch.settle().await;
@@ -155,6 +190,7 @@ impl PluginManager {
         // Resources no longer wanted: stop them and remove their sockets.
         let wanted: Vec<String> = self.desired.iter().map(|r| r.name.clone()).collect();
         let gone: Vec<String> = self.served.keys().filter(|n| !wanted.contains(n)).cloned().collect();
+        self.conflicts.retain(|name, _| wanted.contains(name));
         for name in gone {
             if let Some(entry) = self.served.remove(&name) {
                 tracing::info!(resource = %name, "resource no longer advertised: stopping its server");
@@ -198,7 +234,10 @@ impl PluginManager {
         }
 
         // Serve every desired resource; a socket the kubelet deleted means serve anew.
-        for resource in self.desired.clone() {
+        let ctx = self.ctx.borrow().clone();
+        for mut resource in self.desired.clone() {
+            // MPS replicas are healthy only while their daemon answers.
+            ctx.allocate.mps.apply_health(&mut resource);
             let name = resource.name.clone();
             let intact = self.served.get(&name).map(|e| e.plugin.socket_intact());
             match intact {
@@ -221,6 +260,9 @@ impl PluginManager {
                     );
                     match started {
                         Ok(plugin) => {
+                            if self.conflicts.remove(&name).is_some() {
+                                tracing::info!(resource = %name, "{} is free again: serving it", plugin.socket.display());
+                            }
                             self.served.insert(
                                 name,
                                 Entry {
@@ -232,14 +274,34 @@ impl PluginManager {
                             );
                         }
                         Err(e) => {
-                            let msg = format!("cannot serve {name} in {}: {e}", self.dir.display());
-                            tracing::error!("{msg}");
-                            self.schedule_retry();
+                            if let Some(holder) = e.holder() {
+                                // Another plugin's live socket: left alone, looked at again at
+                                // [`CONFLICT_RECHECK`], on its own timer.
+                                let conflict = SocketConflict {
+                                    resource: name.clone(),
+                                    socket: self
+                                        .dir
+                                        .join(resource_socket(&name, &self.desired))
+                                        .display()
+                                        .to_string(),
+                                    pid: holder.pid,
+                                };
+                                if self.conflicts.get(&name) != Some(&conflict) {
+                                    tracing::warn!(resource = %name, "not serving {name}: {e}");
+                                }
+                                self.conflicts.insert(name, conflict);
+                            } else {
+                                let msg = format!("cannot serve {name} in {}: {e}", self.dir.display());
+                                tracing::error!("{msg}");
+                                self.schedule_retry();
+                            }
                         }
                     }
                 }
             }
         }
+
+        self.conflict_at = (!self.conflicts.is_empty()).then(|| Instant::now() + CONFLICT_RECHECK);
 
         // Register what is not registered yet with this kubelet: after a failure, when the
         // backoff says (a new kubelet resets it), not at every event in the directory.
@@ -327,6 +389,7 @@ impl PluginManager {
             kubelet_present: self.kubelet_id.is_some(),
             resources,
             streams,
+            conflicts: self.conflicts.values().cloned().collect(),
         };
         self.status.send_if_modified(|s| {
             let changed = *s != status;
@@ -334,6 +397,15 @@ impl PluginManager {
             changed
         });
     }
+}
+
+/// The socket file name of the desired resource `name`.
+fn resource_socket(name: &str, desired: &[Resource]) -> String {
+    desired
+        .iter()
+        .find(|r| r.name == name)
+        .map(|r| r.socket_name())
+        .unwrap_or_default()
 }
 
 async fn sleep_until(at: Option<Instant>) {

@@ -25,6 +25,8 @@ use crate::api;
 use crate::api::device_plugin_server::{DevicePlugin, DevicePluginServer};
 use crate::api::registration_client::RegistrationClient;
 use crate::devices::Topology;
+pub use crate::host::socket::BindError;
+use crate::host::socket::bind_in_place;
 
 /// The device plugin API version the kubelet speaks.
 pub const API_VERSION: &str = "v1beta1";
@@ -242,24 +244,29 @@ pub struct ServedPlugin {
 }
 
 impl ServedPlugin {
-    /// Binds `dir/<socket>` (replacing a stale file) and starts serving `resource` on it. The
-    /// socket accepts connections as soon as this returns, so `Register` may follow at once.
-    /// `streams_changed` is woken whenever a `ListAndWatch` stream opens, sends or ends.
+    /// Binds `dir/<socket>` and starts serving `resource` on it. A dead socket file (left by a
+    /// process that is gone) is replaced; a live one (another device plugin, NVIDIA's, serving
+    /// the same resource) is never touched: [`BindError::InUse`] names its pid
+    /// ([`crate::host::socket::bind_in_place`]). The socket accepts connections as soon as this
+    /// returns, so `Register` may follow at once. `streams_changed` is woken whenever a
+    /// `ListAndWatch` stream opens, sends or ends.
     pub fn start(
         dir: &Path,
         resource: Resource,
         ctx: watch::Receiver<Arc<PluginContext>>,
         stats: Arc<PluginStats>,
         streams_changed: Arc<Notify>,
-    ) -> std::io::Result<ServedPlugin> {
+    ) -> Result<ServedPlugin, BindError> {
         let socket = dir.join(resource.socket_name());
-        match std::fs::remove_file(&socket) {
-            Ok(()) => tracing::debug!("removed stale socket {}", socket.display()),
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-            Err(e) => return Err(e),
-        }
-        let listener = UnixListener::bind(&socket)?;
-        let socket_id = file_id(&socket);
+        let (listener, id) = bind_in_place(&socket)?;
+        let listener = listener
+            .set_nonblocking(true)
+            .and_then(|()| UnixListener::from_std(listener))
+            .map_err(|source| BindError::Io {
+                socket: socket.clone(),
+                source,
+            })?;
+        let socket_id = Some(id);
         let name = resource.name.clone();
         let (devices, devices_rx) = watch::channel(Arc::new(resource));
         let (shutdown, shutdown_rx) = oneshot::channel::<()>();

@@ -1,0 +1,495 @@
+//! NVIDIA's GPU Operator beside the agent, inside the reconcile loop: each pass looks at the
+//! node ([`crate::host::operator::observe`]); the conflicts go to status, the log and Warning
+//! Events; the MIG and runtime stages hold back while mig-manager or the Operator's toolkit is
+//! there (the device plugin's sockets are the plugin manager's to leave alone); with
+//! `[kubernetes] withdraw_operator_operands` the replaced operands' deploy labels are set to
+//! `false`. And `gpu-node-agent migrate [--undo]` outside the daemon.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use super::Agent;
+use crate::config::{Config, DriverSource};
+use crate::host::HostRoot;
+use crate::host::operator::{
+    self as op, Conflict, Facts, Operand, PREVIOUS_FILE, Previous, Process, ServedPath, parse_previous,
+    render_previous, restore_patch, withdraw_patch,
+};
+use crate::kube::{EventType, KubeClient};
+use crate::mig::stage::MigState as MigLabelState;
+use crate::status::OperatorStatus;
+
+/// What the agent keeps about the Operator between passes.
+#[derive(Default)]
+pub(super) struct OperatorState {
+    /// The last look at the node.
+    facts: Facts,
+    /// The conflicts already reported (by their line), for Events on change only.
+    reported: BTreeSet<String>,
+    /// A deploy-label patch is on its way.
+    patching: Arc<AtomicBool>,
+    /// Its last failure.
+    error: Arc<std::sync::Mutex<Option<String>>>,
+    client: Option<KubeClient>,
+}
+
+impl Agent {
+    /// Looks at the node for the Operator's operands (at the start of every pass) and, when the
+    /// config says so, withdraws the ones the agent replaces.
+    pub(super) fn operator_check(&mut self) {
+        let mut served = Vec::new();
+        if self.config.dra.enabled {
+            let driver = &self.config.dra.driver;
+            served.push(ServedPath {
+                host: crate::dra::dra_socket(&self.config),
+                what: format!("DRA driver {driver}"),
+            });
+            served.push(ServedPath {
+                host: crate::dra::registration_socket(&self.config),
+                what: format!("DRA driver {driver} (registration)"),
+            });
+        }
+        let mut facts = op::observe(&self.root, &engine_files(&self.config), &served);
+        name_pods(&self.root, &mut facts);
+        // The agent's own DRA sockets answer too.
+        let me = std::process::id() as i32;
+        facts
+            .live_sockets
+            .retain(|(_, p)| p.as_ref().is_none_or(|p| p.pid != me));
+        self.operator.facts = facts;
+        if self.config.kubernetes.withdraw_operator_operands {
+            self.withdraw_operands();
+        }
+    }
+
+    /// Every conflict now: the device plugin's sockets the manager found held, and what the
+    /// last look saw.
+    fn operator_conflicts(&self) -> Vec<Conflict> {
+        let mut facts = self.operator.facts.clone();
+        for c in &self.plugin_status.conflicts {
+            let process = c.pid.map(|pid| Process {
+                pid,
+                program: op::program_of(&self.root, pid),
+                pod: pod_of(&self.root, pid),
+            });
+            let host = std::path::Path::new(&c.socket)
+                .strip_prefix(self.root.path())
+                .map(|p| std::path::Path::new("/").join(p))
+                .unwrap_or_else(|_| c.socket.clone().into());
+            facts.live_sockets.push((
+                ServedPath {
+                    host,
+                    what: c.resource.clone(),
+                },
+                process,
+            ));
+        }
+        op::conflicts(&facts, &roles(&self.config))
+    }
+
+    /// The Operator's part of status; posts a Warning Event for each new conflict and a Normal
+    /// one when one is gone. `None` when there is nothing to say.
+    pub(super) fn operator_status(&mut self) -> Option<OperatorStatus> {
+        let withdrawing = self.config.kubernetes.withdraw_operator_operands;
+        let details = self.operator_conflicts();
+        let lines: Vec<String> = details.iter().map(|c| c.line(withdrawing)).collect();
+        let now: BTreeSet<String> = lines.iter().cloned().collect();
+        for line in now.difference(&self.operator.reported) {
+            tracing::warn!("GPU Operator: {line}");
+            self.event(EventType::Warning, "GpuOperatorConflict", line.clone());
+        }
+        for line in self.operator.reported.difference(&now) {
+            tracing::info!("GPU Operator: no longer so: {line}");
+            self.event(
+                EventType::Normal,
+                "GpuOperatorConflictResolved",
+                format!("no longer so, the agent takes over: {line}"),
+            );
+        }
+        self.operator.reported = now;
+        let withdrawn = read_previous(&self.config, &self.root);
+        let error = self.operator.error.lock().map(|e| e.clone()).unwrap_or_default();
+        if lines.is_empty() && withdrawn.is_empty() && error.is_none() {
+            return None;
+        }
+        Some(OperatorStatus {
+            conflicts: lines,
+            details,
+            withdrawing,
+            withdrawn,
+            error,
+        })
+    }
+
+    /// Why the MIG stage makes no change now: NVIDIA's mig-manager runs on the node. `None`
+    /// when it does not (or MIG is off).
+    pub(super) fn mig_held_by_operator(&self) -> Option<String> {
+        let withdrawing = self.config.kubernetes.withdraw_operator_operands;
+        op::conflicts(&self.operator.facts, &roles(&self.config))
+            .into_iter()
+            .find(|c| c.operand == Operand::MigManager)
+            .map(|c| c.line(withdrawing))
+    }
+
+    /// While mig-manager runs it owns `nvidia.com/mig.config.state` too: the agent reports what
+    /// the Node carries (so it neither rewrites nor removes mig-manager's value).
+    pub(super) fn mig_state_as_on_node(&self) -> Option<MigLabelState> {
+        match self.view.labels.get(&self.config.labels.mig_config_state)?.as_str() {
+            "pending" => Some(MigLabelState::Pending),
+            "rebooting" => Some(MigLabelState::Rebooting),
+            "success" => Some(MigLabelState::Success),
+            "failed" => Some(MigLabelState::Failed),
+            _ => None,
+        }
+    }
+
+    /// Why the runtime stage writes no engine config now: the Operator's toolkit configured the
+    /// engines (its runtime serves GPU containers meanwhile). `None` when it did not.
+    pub(super) fn runtime_held_by_operator(&self) -> Option<String> {
+        let withdrawing = self.config.kubernetes.withdraw_operator_operands;
+        op::conflicts(&self.operator.facts, &roles(&self.config))
+            .into_iter()
+            .find(|c| c.operand == Operand::ContainerToolkit)
+            .map(|c| c.line(withdrawing))
+    }
+
+    /// Sets the replaced operands' deploy labels to `false` on the Node (once the Node's labels
+    /// are known), recording each one's previous value first.
+    fn withdraw_operands(&mut self) {
+        if self.view.source != crate::desired::Source::Node || !self.view.connected {
+            return;
+        }
+        if self.operator.patching.load(Ordering::Acquire) {
+            return;
+        }
+        let recorded = read_previous(&self.config, &self.root);
+        let (patch, previous) = withdraw_patch(&self.view.labels, &op::replaced(&roles(&self.config)), &recorded);
+        if patch.is_empty() {
+            return;
+        }
+        if previous != recorded
+            && let Err(e) = write_previous(&self.config, &self.root, &previous)
+        {
+            tracing::error!("GPU Operator: not withdrawing its operands: {e}");
+            self.set_operator_error(Some(e));
+            return;
+        }
+        if self.operator.client.is_none() {
+            self.operator.client = client(&self.config, &self.root);
+        }
+        let Some(client) = self.operator.client.clone() else {
+            self.set_operator_error(Some(
+                "no Kubernetes credentials to set the Operator's deploy labels with".into(),
+            ));
+            return;
+        };
+        let node = crate::kube::node_name(&self.config.kubernetes, &self.root);
+        let keys: Vec<String> = patch.keys().map(|k| format!("{k}=false")).collect();
+        let message = format!(
+            "withdrawing NVIDIA's GPU Operator operands the agent replaces: {}",
+            keys.join(", ")
+        );
+        tracing::info!("{message}");
+        self.event(EventType::Normal, "GpuOperatorWithdrawn", message);
+        let patching = self.operator.patching.clone();
+        let error = self.operator.error.clone();
+        patching.store(true, Ordering::Release);
+        tokio::spawn(async move {
+            let result = client.patch_node_metadata(&node, &patch, &BTreeMap::new()).await;
+            if let Ok(mut slot) = error.lock() {
+                *slot = result
+                    .as_ref()
+                    .err()
+                    .map(|e| format!("cannot set the deploy labels: {e}"));
+            }
+            if let Err(e) = result {
+                tracing::warn!("GPU Operator: cannot set the deploy labels on node {node}: {e}; trying again");
+            }
+            patching.store(false, Ordering::Release);
+        });
+    }
+
+    fn set_operator_error(&self, e: Option<String>) {
+        if let Ok(mut slot) = self.operator.error.lock() {
+            *slot = e;
+        }
+    }
+}
+
+/// The most bytes of a `/proc/<pid>/cgroup` read (a few lines).
+const MAX_CGROUP: u64 = 64 * 1024;
+
+/// The pod `pid` runs in, for the messages: `pod <namespace>/<name>` (the kubelet's log folders
+/// name it), else `pod uid <uid>`; `None` outside a pod or when `/proc` does not say. Any pod can
+/// run a program named like an operand (its `comm` and argv[0] are its own), but not choose its
+/// cgroup: this tells an operand's pod from a tenant's.
+fn pod_of(root: &HostRoot, pid: i32) -> Option<String> {
+    use crate::plugin::memlimit::{KubeletLogNames, PodNames, pod_of_cgroup};
+    let text = crate::host::read_text_limited(&root.join(format!("/proc/{pid}/cgroup")), MAX_CGROUP).ok()?;
+    let pod = pod_of_cgroup(&text)?;
+    Some(
+        match KubeletLogNames::new(root).lookup(&pod.pod_uid, pod.container_id.as_deref()) {
+            Some(name) => format!("pod {}/{}", name.namespace, name.pod),
+            None => format!("pod uid {}", pod.pod_uid),
+        },
+    )
+}
+
+/// Fills in the pod of each process in `facts` ([`pod_of`]).
+fn name_pods(root: &HostRoot, facts: &mut Facts) {
+    let sockets = facts.live_sockets.iter_mut().filter_map(|(_, p)| p.as_mut());
+    for process in sockets.chain(facts.processes.iter_mut().map(|(_, p)| p)) {
+        process.pod = pod_of(root, process.pid);
+    }
+}
+
+/// What the agent does on this node, for the Operator's side ([`op::Roles`]).
+fn roles(config: &Config) -> op::Roles {
+    op::Roles {
+        driver: config.driver.enabled && config.driver.source != DriverSource::None,
+        runtime: config.runtime.enabled,
+        device_plugin: config.device_plugin.enabled,
+        features: config.labels.report_features,
+        mig: config.mig.enabled,
+        metrics: config.metrics.enabled,
+        validation: config.validation.enabled,
+        dra: config.dra.enabled,
+    }
+}
+
+/// The engine configs the Operator's toolkit would have edited: containerd's and CRI-O's main
+/// files and every file in their drop-in folders (the toolkit's drop-in has the agent's name,
+/// `99-nvidia.toml`), docker's `daemon.json`.
+fn engine_files(config: &Config) -> op::EngineFiles {
+    let rt = &config.runtime;
+    op::EngineFiles {
+        files: vec![
+            rt.containerd.config.clone(),
+            rt.containerd.drop_in.clone(),
+            rt.crio.config.clone(),
+            rt.crio.drop_in.clone(),
+            rt.docker.config.clone(),
+        ],
+        folders: [&rt.containerd.drop_in, &rt.crio.drop_in]
+            .into_iter()
+            .filter_map(|d| d.parent().filter(|p| !p.as_os_str().is_empty()).map(Into::into))
+            .collect(),
+    }
+}
+
+fn previous_path(config: &Config, root: &HostRoot) -> std::path::PathBuf {
+    root.join(&config.agent.state_dir).join(PREVIOUS_FILE)
+}
+
+/// The deploy labels a migration set, with their previous values (empty when none).
+fn read_previous(config: &Config, root: &HostRoot) -> Previous {
+    crate::host::read_text(&previous_path(config, root))
+        .map(|t| parse_previous(&t))
+        .unwrap_or_default()
+}
+
+fn write_previous(config: &Config, root: &HostRoot, previous: &Previous) -> Result<(), String> {
+    let path = previous_path(config, root);
+    crate::host::write_atomic(&path, render_previous(previous).as_bytes(), 0o644).map_err(|e| e.to_string())
+}
+
+/// The API client (the cluster link's credentials); `None` without any.
+fn client(config: &Config, root: &HostRoot) -> Option<KubeClient> {
+    if !config.kubernetes.enabled {
+        return None;
+    }
+    match crate::kube::discover(&config.kubernetes, root) {
+        Ok(Some(credentials)) => KubeClient::new(credentials, &config.kubernetes)
+            .map_err(|e| tracing::error!("cannot build the Kubernetes API client: {e}"))
+            .ok(),
+        Ok(None) => None,
+        Err(e) => {
+            tracing::error!("{e}");
+            None
+        }
+    }
+}
+
+/// `gpu-node-agent migrate [--undo]`: sets (or puts back) the GPU Operator's deploy labels of
+/// the operands the agent replaces on this Node, and says what runs of the Operator still.
+pub fn migrate_command(config: &Config, root: &HostRoot, undo: bool) -> ExitCode {
+    let runtime = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("gpu-node-agent migrate: cannot start the async runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match runtime.block_on(migrate(config, root, undo)) {
+        Ok(text) => {
+            print!("{text}");
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("gpu-node-agent migrate: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// `runtime unconfigure` (which the package's removal runs): the deploy labels a migration set
+/// are put back, so the GPU Operator serves the node again once the agent has gone. An API server
+/// that cannot be reached does not stop the removal: the labels to put back are named, with the
+/// commands that do it.
+pub fn undo_on_unconfigure(config: &Config, root: &HostRoot) {
+    let recorded = read_previous(config, root);
+    if recorded.is_empty() {
+        return;
+    }
+    let result = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
+        Ok(runtime) => runtime.block_on(migrate(config, root, true)),
+        Err(e) => Err(format!("cannot start the async runtime: {e}")),
+    };
+    match result {
+        Ok(text) => print!("{text}"),
+        Err(e) => {
+            let node = crate::kube::node_name(&config.kubernetes, root);
+            let labels: Vec<String> = recorded
+                .iter()
+                .map(|(k, v)| match v {
+                    Some(v) => format!("{k}={v}"),
+                    None => format!("{k}-"),
+                })
+                .collect();
+            eprintln!(
+                "gpu-node-agent: the GPU Operator's deploy labels the agent set on node {node} were not put back \
+                 ({e}); run `gpu-node-agent migrate --undo` once the API server answers, or \
+                 `kubectl label node {node} --overwrite {}`",
+                labels.join(" ")
+            );
+        }
+    }
+}
+
+async fn migrate(config: &Config, root: &HostRoot, undo: bool) -> Result<String, String> {
+    let Some(client) = client(config, root) else {
+        return Err("no Kubernetes credentials ([kubernetes]): the deploy labels live on the Node".into());
+    };
+    let node_name = crate::kube::node_name(&config.kubernetes, root);
+    let node = client.get_node(&node_name, false).await.map_err(|e| e.to_string())?;
+    let recorded = read_previous(config, root);
+    let mut out = String::new();
+    if undo {
+        let patch = restore_patch(&node.labels, &recorded);
+        if !patch.is_empty() {
+            client
+                .patch_node_metadata(&node_name, &patch, &BTreeMap::new())
+                .await
+                .map_err(|e| e.to_string())?;
+        }
+        for (k, v) in &patch {
+            match v {
+                Some(v) => out.push_str(&format!("node {node_name}: {k}={v} (as before)\n")),
+                None => out.push_str(&format!("node {node_name}: {k} removed (it was not set before)\n")),
+            }
+        }
+        if patch.is_empty() {
+            out.push_str(&format!(
+                "node {node_name}: no deploy label of the agent's to put back\n"
+            ));
+        }
+        match std::fs::remove_file(previous_path(config, root)) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => {
+                return Err(format!("{}: {e}", previous_path(config, root).display()));
+            }
+        }
+        if config.kubernetes.withdraw_operator_operands {
+            out.push_str(
+                "note: [kubernetes] withdraw_operator_operands = true: a running agent sets them again; turn it off \
+                 first\n",
+            );
+        }
+        return Ok(out);
+    }
+    let (patch, previous) = withdraw_patch(&node.labels, &op::replaced(&roles(config)), &recorded);
+    if previous != recorded {
+        write_previous(config, root, &previous)?;
+    }
+    if !patch.is_empty() {
+        client
+            .patch_node_metadata(&node_name, &patch, &BTreeMap::new())
+            .await
+            .map_err(|e| e.to_string())?;
+    }
+    for k in previous.keys() {
+        out.push_str(&format!("node {node_name}: {k}=false\n"));
+    }
+    let mut facts = op::observe(root, &engine_files(config), &[]);
+    name_pods(root, &mut facts);
+    let still: Vec<String> = facts
+        .processes
+        .iter()
+        .map(|(o, p)| {
+            let pod = p.pod.as_deref().map(|pod| format!(", {pod}")).unwrap_or_default();
+            format!("{} (pid {}{pod})", o.words(), p.pid)
+        })
+        .collect();
+    if still.is_empty() {
+        out.push_str("no operand of the GPU Operator runs on this node\n");
+    } else {
+        out.push_str(&format!(
+            "still running (the Operator removes them shortly; the agent takes over each once it has gone): {}\n",
+            still.join(", ")
+        ));
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A tenant's process named like NVIDIA's mig-manager holds the MIG stage back like the real
+    /// one would; the report names the pod it runs in, which the tenant cannot choose.
+    #[test]
+    fn a_process_under_an_operands_name_is_reported_with_its_pod() {
+        let dir = tempfile::tempdir().expect("tmp");
+        let root = HostRoot::new(dir.path());
+        let uid = "0f3c8a52-1b2d-4e5f-8a9b-112233445566";
+        let cid = "4a5b6c7d8e9f00112233445566778899aabbccddeeff00112233445566778899";
+        let proc_dir = dir.path().join("proc/77");
+        std::fs::create_dir_all(&proc_dir).expect("mkdir");
+        std::fs::write(proc_dir.join("comm"), "nvidia-mig-mana\n").expect("comm");
+        std::fs::write(proc_dir.join("cmdline"), "/usr/bin/nvidia-mig-manager\0").expect("cmdline");
+        std::fs::write(
+            proc_dir.join("cgroup"),
+            format!(
+                "0::/kubepods.slice/kubepods-besteffort.slice/kubepods-besteffort-pod{}.slice/cri-containerd-{cid}.scope\n",
+                uid.replace('-', "_")
+            ),
+        )
+        .expect("cgroup");
+        let mut facts = op::observe(&root, &op::EngineFiles::default(), &[]);
+        name_pods(&root, &mut facts);
+        assert_eq!(facts.processes.len(), 1, "{facts:?}");
+        assert_eq!(
+            facts.processes[0].1.pod.as_deref(),
+            Some(format!("pod uid {uid}").as_str())
+        );
+        // With the kubelet's log folder, by name.
+        std::fs::create_dir_all(dir.path().join(format!("var/log/pods/tenant-a_evil_{uid}"))).expect("logs");
+        name_pods(&root, &mut facts);
+        let roles = op::Roles {
+            mig: true,
+            ..op::Roles::default()
+        };
+        let line = op::conflicts(&facts, &roles)[0].line(false);
+        assert!(
+            line.contains("(nvidia-mig-manager, pid 77, pod tenant-a/evil)"),
+            "{line}"
+        );
+        // Outside a pod, or no cgroup to read: no pod named.
+        std::fs::write(proc_dir.join("cgroup"), "0::/system.slice/foo.service\n").expect("cgroup");
+        assert_eq!(pod_of(&root, 77), None);
+        assert_eq!(pod_of(&root, 78), None);
+    }
+}
