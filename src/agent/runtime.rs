@@ -11,7 +11,8 @@ use crate::host::command::Runner;
 use crate::kube::EventType;
 use crate::logging;
 use crate::nvml::Gpus;
-use crate::runtime::cdi::CdiError;
+use crate::plugin::injections::{FLAG_CLASSES, IMEX_CLASS};
+use crate::runtime::cdi::{CdiError, spec_file_name};
 use crate::runtime::stage::{self as rt, ApplyOptions, RuntimeError};
 use std::process::ExitCode;
 
@@ -37,6 +38,16 @@ impl Agent {
     pub(super) async fn runtime_step(&mut self) -> bool {
         if !self.config.runtime.enabled {
             self.stages[StageId::Runtime].set(StageState::Disabled, None, Some("[runtime] enabled = false".into()));
+            return true;
+        }
+        // The GPU Operator's toolkit configured the engines: two writers of one config fight;
+        // its runtime serves GPU containers meanwhile, so the stages after this one go on.
+        if let Some(why) = self.runtime_held_by_operator() {
+            self.stages[StageId::Runtime].set(
+                StageState::Pending,
+                Some(format!("engines not configured: {why}")),
+                None,
+            );
             return true;
         }
         let (config, root, stop) = (self.config.clone(), self.root.clone(), self.stop.clone());
@@ -236,6 +247,12 @@ pub fn runtime_command(config: &Config, root: &HostRoot, command: RuntimeCommand
     }
     if unconfigure {
         unconfigure_dra(config, root);
+        super::devnodes::remove_dev_char_links(config, root);
+        super::operator::undo_on_unconfigure(config, root);
+        if let Err(e) = remove_cdi_specs(config, root) {
+            eprintln!("gpu-node-agent: {e}");
+            return ExitCode::FAILURE;
+        }
     }
     let planned = rt::observe(config, root, &runner).and_then(|o| {
         if unconfigure {
@@ -298,6 +315,29 @@ pub fn runtime_command(config: &Config, root: &HostRoot, command: RuntimeCommand
     } else {
         ExitCode::FAILURE
     }
+}
+
+/// `runtime unconfigure`: the CDI specs the agent writes into `[cdi] dir` go (the spec of
+/// `[device_plugin] cdi_kind` and the GDS, MOFED, GDRCopy and IMEX-channel specs of its vendor):
+/// their hooks name the agent's programs, which leave with the package, so a container started
+/// from them afterwards would fail. The directory is followed under the root ([`rt::resolve`]);
+/// a spec that is a link loses the link only. DRA claims' specs stay (see [`unconfigure_dra`]).
+fn remove_cdi_specs(config: &Config, root: &HostRoot) -> Result<(), String> {
+    let kind = &config.device_plugin.cdi_kind;
+    let vendor = kind.split_once('/').map_or(kind.as_str(), |(vendor, _)| vendor);
+    let extra = FLAG_CLASSES.iter().chain(std::iter::once(&IMEX_CLASS));
+    let names =
+        std::iter::once(spec_file_name(kind)).chain(extra.map(|class| spec_file_name(&format!("{vendor}/{class}"))));
+    let dir = rt::resolve(root, &config.cdi.dir).map_err(|e| format!("the CDI specs were not removed: {e}"))?;
+    for name in names {
+        let path = root.join(dir.join(&name));
+        match std::fs::remove_file(&path) {
+            Ok(()) => println!("removed {}", config.cdi.dir.join(&name).display()),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(format!("cannot remove the CDI spec {}: {e}", path.display())),
+        }
+    }
+    Ok(())
 }
 
 /// `runtime unconfigure` on a node whose DRA driver is (or was) on: its ResourceSlices go, so
@@ -378,5 +418,42 @@ pub fn cdi_generate(config: &Config, root: &HostRoot, output: Option<&std::path:
             eprintln!("gpu-node-agent: {e}");
             ExitCode::FAILURE
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `runtime unconfigure` removes the agent's CDI specs (its kind's and the injections'),
+    /// following `[cdi] dir` under the root (an image's `/var/run` → `/run`), and nothing else
+    /// there.
+    #[test]
+    fn unconfigure_removes_the_agents_cdi_specs_only() {
+        let tmp = tempfile::tempdir().unwrap();
+        let root = HostRoot::new(tmp.path());
+        let dir = root.join("/run/cdi");
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::create_dir_all(root.join("/var")).unwrap();
+        std::os::unix::fs::symlink("/run", root.join("/var/run")).unwrap();
+        let ours = [
+            "k8s.device-plugin.nvidia.com-gpu.json",
+            "k8s.device-plugin.nvidia.com-gdrcopy.json",
+            "k8s.device-plugin.nvidia.com-imex-channel.json",
+        ];
+        for name in ours.iter().chain(&["nvidia.yaml", "other.com-gpu.json"]) {
+            std::fs::write(dir.join(name), "{}").unwrap();
+        }
+        let config = Config::default();
+        assert_eq!(config.cdi.dir, std::path::Path::new("/var/run/cdi"));
+        remove_cdi_specs(&config, &root).unwrap();
+        let mut left: Vec<String> = std::fs::read_dir(&dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        left.sort();
+        assert_eq!(left, ["nvidia.yaml", "other.com-gpu.json"]);
+        // Nothing left to remove is not an error.
+        remove_cdi_specs(&config, &root).unwrap();
     }
 }
