@@ -551,14 +551,12 @@ static H100_NVL_PROFILES: [GiProfile; 7] = [
 // estimates.
 
 /// H200 (SXM, 141 GB), the guide's Table 8 "GPU Instance Profiles on H200".
-/// SMs are the H100's hardware values (16/16/26/32/60/64/132); a public `nvidia-smi mig -lgip`
-/// excerpt of an H200 (test data of a public repository, code-index file id 57000499299) shows
-/// 1g.18gb 16, 2g.35gb 32 and 7g.141gb 132 SMs, and H200 3g.71gb MIG devices are reported
-/// with 60 SMs in public benchmark notes. Memory: 1g.18gb 16.00 GiB (16384 MiB), 2g.35gb
-/// 32.50 GiB (33280 MiB) and 7g.141gb 140.00 GiB (143360 MiB) as that excerpt prints them;
-/// 1g.35gb is 2g's memory (as on every H100 table). 3g/4g.71gb 71424 MiB (69.75 GiB) is an
-/// estimate: public notes report "VRAM 69.8GB" (GiB) for an H200 3g.71gb device, and it is
-/// 7g/2 - 256 as on the H100 NVL (47488 vs 95360/2 - 192).
+/// Measured, not estimated: every row (profile ids 19/20/15/14/9/5/0 at NVML indices
+/// 0/7/9/1/2/3/4, 16384/16384/33280/33280/71424/71424/143360 MiB, 16/16/26/32/60/64/132 SMs,
+/// instance counts and placements) equals a real H200 (driver 580.159.04 open modules, CUDA 13.0)
+/// as `nvidia-smi mig -lgip`/`-lgipp` and NVML's profile queries with MIG off (which R580
+/// answers) printed them (issue #33). Before that card was read, the 3g/4g.71gb memory and some
+/// SM counts were estimates from public `-lgip` excerpts and benchmark notes.
 static H200_141GB_PROFILES: [GiProfile; 7] = [
     gi(
         0,
