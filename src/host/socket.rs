@@ -174,8 +174,26 @@ pub fn bind_in_place(path: &Path) -> Result<(UnixListener, (u64, u64)), BindErro
         Err(e) => return Err(io_err(e.into())),
     }
     let listener = UnixListener::bind(&staging).map_err(io_err)?;
-    let result = place(&dir, path, name, &staging_name);
-    if result.is_err() {
+    let ours = match stat_at(&dir, std::ffi::OsStr::new(&staging_name)) {
+        Ok(Some((_, id))) => id,
+        Ok(None) => {
+            return Err(io_err(io::Error::new(
+                io::ErrorKind::NotFound,
+                "the staging socket vanished",
+            )));
+        }
+        Err(e) => return Err(io_err(e)),
+    };
+    let result = place(&dir, path, name, &staging_name, ours);
+    // Only our own socket is removed: after a swap whose undo failed, the staging name may hold
+    // what was at the path (a live socket of someone else's).
+    if result.is_err()
+        && stat_at(&dir, std::ffi::OsStr::new(&staging_name))
+            .ok()
+            .flatten()
+            .map(|(_, id)| id)
+            == Some(ours)
+    {
         let _ = unlinkat(&dir, staging_name.as_str(), UnlinkatFlags::NoRemoveDir);
     }
     result.map(|id| (listener, id)).map_err(|e| match e {
@@ -205,10 +223,13 @@ impl From<io::Error> for Placed {
 }
 
 /// Moves the bound socket at `staging` to `name` unless a live server holds `name`.
-fn place(dir: &OwnedFd, path: &Path, name: &std::ffi::OsStr, staging: &str) -> Result<(u64, u64), Placed> {
-    let ours = stat_at(dir, std::ffi::OsStr::new(staging))?
-        .map(|(_, id)| id)
-        .ok_or_else(|| io::Error::new(io::ErrorKind::NotFound, "the staging socket vanished"))?;
+fn place(
+    dir: &OwnedFd,
+    path: &Path,
+    name: &std::ffi::OsStr,
+    staging: &str,
+    ours: (u64, u64),
+) -> Result<(u64, u64), Placed> {
     for _ in 0..ATTEMPTS {
         match probe_at(dir, path, name)? {
             Probe::Live(holder) => return Err(Placed::InUse(holder)),
