@@ -5,12 +5,18 @@
 //! | start → device plugin registered | ≤ 200 ms |
 //! | Allocate latency / empty gRPC call on the same socket | ≤ 1.5× |
 //! | Xid → ListAndWatch update | ≤ 50 ms |
+//! | start → registered, containerd on the node, nothing to change | ≤ 200 ms |
 //! | idle RSS | ≤ 12 MiB |
+//! | idle CPU (8 GPUs registered, 10 s) | reference |
+//!
+//! `GNA_SPINE_BASELINE=<gpu-node-agent binary of an older build>` adds the start rows for that
+//! binary, measured in the same rounds (alternated), for a before/after comparison.
 
 #[path = "../tests/common/mod.rs"]
 mod common;
 mod table;
 
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use common::{Node, gpu_uuid, healthy, machine};
@@ -26,31 +32,158 @@ fn rss_kib(pid: i32) -> Option<u64> {
     line.split_whitespace().nth(1)?.parse().ok()
 }
 
+/// User + system CPU time of `pid`, in seconds.
+fn cpu_seconds(pid: i32) -> Option<f64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // After the command name's closing parenthesis: state is field 3, utime 14, stime 15.
+    let rest = &stat[stat.rfind(')')? + 2..];
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    let ticks: u64 = fields.get(11)?.parse::<u64>().ok()? + fields.get(12)?.parse::<u64>().ok()?;
+    let hz = nix::unistd::sysconf(nix::unistd::SysconfVar::CLK_TCK)
+        .ok()
+        .flatten()
+        .unwrap_or(100);
+    Some(ticks as f64 / hz.max(1) as f64)
+}
+
+/// A node whose containerd is installed (the host's binary, linked into the root, so the
+/// runtime stage asks it for its version and effective configuration as on a real node) and
+/// configured for the agent already: a first start writes what the mode needs.
+fn containerd_node(containerd: &Path) -> Node {
+    let node = Node::new(&machine("A100-SXM4-40GB", 8), "[log]\nlevel = \"warn\"\n");
+    let root = node.root.clone();
+    for dir in ["etc/containerd", "lib/systemd/system", "usr/bin"] {
+        std::fs::create_dir_all(root.join(dir)).expect("mkdir");
+    }
+    std::fs::write(
+        root.join("lib/systemd/system/containerd.service"),
+        "[Unit]\nDescription=containerd\n",
+    )
+    .expect("unit");
+    std::fs::write(
+        root.join("etc/containerd/config.toml"),
+        "version = 2\n\n[plugins.\"io.containerd.grpc.v1.cri\".containerd.runtimes.runc]\n  runtime_type = \"io.containerd.runc.v2\"\n",
+    )
+    .expect("config");
+    std::os::unix::fs::symlink(containerd, root.join("usr/bin/containerd")).expect("link containerd");
+    // The toolkit's runtime (a stand-in: only its presence counts), so the runtime stage works
+    // with any containerd the host has (1.6 has no CDI).
+    let runtime = root.join("usr/bin/nvidia-container-runtime");
+    std::fs::write(&runtime, "#!/bin/sh\n").expect("runtime");
+    std::fs::set_permissions(&runtime, std::os::unix::fs::PermissionsExt::from_mode(0o755)).expect("chmod");
+    node
+}
+
+/// Starts `program` (this build's agent when `None`) on `node` with a kubelet present, and
+/// answers how long it took to register, in ms.
+async fn time_to_registered(node: &Node, program: Option<&Path>) -> f64 {
+    let kubelet = TestKubelet::start(&node.plugin_dir(), KubeletOptions::default())
+        .await
+        .expect("kubelet");
+    let spawned = Instant::now();
+    let agent = match program {
+        Some(program) => node.spawn_program(program),
+        None => node.spawn(),
+    };
+    let reg = kubelet.wait_for_registration(GPU, T).await.expect("registered");
+    let ms = reg.at.duration_since(spawned).as_secs_f64() * 1000.0;
+    agent.stop();
+    ms
+}
+
+/// Idle RSS (MiB) 3 s after registration, and CPU seconds over the next 10 s, of `program`
+/// (this build's agent when `None`) on a fresh 8×A100 node with a kubelet.
+async fn idle(program: Option<&Path>) -> (f64, f64) {
+    let node = Node::new(&machine("A100-SXM4-40GB", 8), "[log]\nlevel = \"warn\"\n");
+    let kubelet = TestKubelet::start(&node.plugin_dir(), KubeletOptions::default())
+        .await
+        .expect("kubelet");
+    let agent = match program {
+        Some(program) => node.spawn_program(program),
+        None => node.spawn(),
+    };
+    kubelet
+        .wait_for_devices(GPU, T, |d| d.len() == 8)
+        .await
+        .expect("devices");
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let pid = agent.pid();
+    let rss = rss_kib(pid).unwrap_or(0) as f64 / 1024.0;
+    let before = cpu_seconds(pid).unwrap_or(0.0);
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    let cpu = cpu_seconds(pid).unwrap_or(0.0) - before;
+    agent.stop();
+    (rss, cpu)
+}
+
+fn p50_max_row(what: &'static str, values: Vec<f64>, budget: Option<f64>) -> Row {
+    let values = sorted(values);
+    let max = values[values.len() - 1];
+    Row {
+        what,
+        value: format!("{:.1} / {max:.1}", percentile(&values, 0.5)),
+        budget: if budget.is_some() { "≤ 200 ms" } else { "reference" },
+        ok: budget.is_none_or(|b| max <= b),
+    }
+}
+
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() {
     let mut rows = Vec::new();
 
-    // 1. Start to registered, 8×A100 (fresh process each time, kubelet already up).
-    let mut starts = Vec::new();
+    let baseline = std::env::var_os("GNA_SPINE_BASELINE").map(PathBuf::from);
+
+    // 1. Start to registered, 8×A100 (fresh process each time, kubelet already up); the
+    // baseline's starts alternate with this build's.
+    let (mut starts, mut before) = (Vec::new(), Vec::new());
     for _ in 0..10 {
         let node = Node::new(&machine("A100-SXM4-40GB", 8), "[log]\nlevel = \"warn\"\n");
-        let kubelet = TestKubelet::start(&node.plugin_dir(), KubeletOptions::default())
-            .await
-            .expect("kubelet");
-        let spawned = Instant::now();
-        let agent = node.spawn();
-        let reg = kubelet.wait_for_registration(GPU, T).await.expect("registered");
-        starts.push(reg.at.duration_since(spawned).as_secs_f64() * 1000.0);
-        agent.stop();
+        starts.push(time_to_registered(&node, None).await);
+        if let Some(baseline) = &baseline {
+            let node = Node::new(&machine("A100-SXM4-40GB", 8), "[log]\nlevel = \"warn\"\n");
+            before.push(time_to_registered(&node, Some(baseline)).await);
+        }
     }
-    let starts = sorted(starts);
-    let p50 = percentile(&starts, 0.5);
-    rows.push(Row {
-        what: "start → registered (8×A100), ms p50 / max",
-        value: format!("{p50:.1} / {:.1}", starts[starts.len() - 1]),
-        budget: "≤ 200 ms",
-        ok: starts[starts.len() - 1] <= 200.0,
-    });
+    rows.push(p50_max_row(
+        "start → registered (8×A100), ms p50 / max",
+        starts,
+        Some(200.0),
+    ));
+    if !before.is_empty() {
+        rows.push(p50_max_row("  baseline build, same rounds", before, None));
+    }
+
+    // 1b. The same on a node with containerd installed and already configured (a restart of the
+    // agent, nothing to change): the runtime stage asks containerd for its version and
+    // effective configuration (two runs of the containerd binary) unless it knows the answer.
+    let containerd = Path::new("/usr/bin/containerd");
+    if containerd.is_file() {
+        let (mut starts, mut before) = (Vec::new(), Vec::new());
+        for _ in 0..10 {
+            // The first start configures containerd, the second finds it configured (and asks
+            // containerd about the files as they are now), the third is the measured restart.
+            let node = containerd_node(containerd);
+            time_to_registered(&node, None).await;
+            time_to_registered(&node, None).await;
+            starts.push(time_to_registered(&node, None).await);
+            if let Some(baseline) = &baseline {
+                let node = containerd_node(containerd);
+                time_to_registered(&node, Some(baseline)).await;
+                time_to_registered(&node, Some(baseline)).await;
+                before.push(time_to_registered(&node, Some(baseline)).await);
+            }
+        }
+        rows.push(p50_max_row(
+            "restart → registered, containerd configured, ms p50 / max",
+            starts,
+            Some(200.0),
+        ));
+        if !before.is_empty() {
+            rows.push(p50_max_row("  baseline build, same rounds", before, None));
+        }
+    } else {
+        println!("(no /usr/bin/containerd: the containerd row is left out)");
+    }
 
     // 2..4 on one long-lived agent.
     let node = Node::new(
@@ -130,17 +263,37 @@ async fn main() {
         ok: xids[xids.len() - 1] <= 50.0,
     });
 
-    // 4. Idle RSS after things settle.
-    tokio::time::sleep(Duration::from_secs(3)).await;
-    let rss = rss_kib(agent.pid()).unwrap_or(0);
-    let mib = rss as f64 / 1024.0;
-    rows.push(Row {
-        what: "idle RSS (8 GPUs registered), MiB",
-        value: format!("{mib:.1}"),
-        budget: "≤ 12 MiB",
-        ok: mib <= 12.0,
-    });
     agent.stop();
 
-    table::print(&rows, 56);
+    // 4, 5. Idle RSS and CPU once settled (health polling, resync, metrics sampling), on a fresh
+    // agent of this build and of the baseline.
+    let mut programs: Vec<(&'static str, Option<PathBuf>)> = vec![("", None)];
+    if let Some(baseline) = &baseline {
+        programs.push(("  baseline build, ", Some(baseline.clone())));
+    }
+    for (prefix, program) in programs {
+        let (rss, cpu) = idle(program.as_deref()).await;
+        rows.push(Row {
+            what: if prefix.is_empty() {
+                "idle RSS (8 GPUs registered), MiB"
+            } else {
+                "  baseline build, idle RSS, MiB"
+            },
+            value: format!("{rss:.1}"),
+            budget: if prefix.is_empty() { "≤ 12 MiB" } else { "reference" },
+            ok: !prefix.is_empty() || rss <= 12.0,
+        });
+        rows.push(Row {
+            what: if prefix.is_empty() {
+                "idle CPU over 10 s (8 GPUs registered), s"
+            } else {
+                "  baseline build, idle CPU over 10 s, s"
+            },
+            value: format!("{cpu:.2}"),
+            budget: "reference",
+            ok: true,
+        });
+    }
+
+    table::print(&rows, 60);
 }

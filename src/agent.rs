@@ -41,6 +41,7 @@ mod memlimit;
 mod metrics;
 mod mig;
 mod mps;
+mod operator;
 pub mod plan;
 mod runtime;
 mod stage;
@@ -48,6 +49,7 @@ mod validation;
 
 pub use driver::driver_command;
 pub use mig::mig_command;
+pub use operator::migrate_command;
 pub use runtime::{cdi_generate, runtime_command};
 use stage::Stages;
 
@@ -162,6 +164,24 @@ const PIPELINE: [(StageId, &[StageId], Step); 5] = [
     ),
 ];
 
+/// How long the validation stage waits for the device plugin's registration to settle before it
+/// starts its CUDA check anyway.
+const REGISTRATION_WAIT: Duration = Duration::from_secs(5);
+
+/// Whether the manager's `status` has settled the registration of the `desired` resources: no
+/// kubelet to register with, or each of them registered, failed, or not served because another
+/// program holds its socket.
+fn registration_settled(status: &PluginStatus, desired: &[String]) -> bool {
+    !status.kubelet_present
+        || desired.iter().all(|name| {
+            status.conflicts.iter().any(|c| &c.resource == name)
+                || status
+                    .resources
+                    .iter()
+                    .any(|r| &r.name == name && (r.registered || r.error.is_some()))
+        })
+}
+
 /// The running agent's state.
 struct Agent {
     config: Config,
@@ -177,6 +197,8 @@ struct Agent {
     /// Every stage's status and retry state, by id.
     stages: Stages,
     plugin_status: PluginStatus,
+    /// The plugin manager's status as it changes, for [`Agent::await_registration`].
+    plugin_watch: Option<watch::Receiver<PluginStatus>>,
     /// To the health relay, which applies health and passes the resources to the manager.
     commands: Option<mpsc::Sender<Command>>,
     health_tx: mpsc::UnboundedSender<HealthEvent>,
@@ -235,8 +257,12 @@ struct Agent {
     withdrawn: BTreeSet<String>,
     /// What the driver stage keeps between passes.
     driver: driver::DriverStage,
+    /// NVIDIA's GPU Operator on this node, as the last pass saw it.
+    operator: operator::OperatorState,
     /// The device node problems last reported (each logged once until it changes).
     devnode_problems: BTreeSet<String>,
+    /// The `/dev/char` links as last looked at, for status.
+    dev_char: Option<crate::status::DevCharStatus>,
     /// Set on a node with no NVIDIA GPU (none on the PCI bus, and NVML cannot load): why. The
     /// agent idles, every stage skipped, and looks again every `nvml.retry_interval`.
     no_gpu: Option<String>,
@@ -278,6 +304,7 @@ pub async fn run(config: Config, root: HostRoot, once: bool) -> Result<i32, Agen
         gpus: None,
         inventory: None,
         plugin_status: PluginStatus::default(),
+        plugin_watch: None,
         commands: None,
         health_tx,
         health_stop: None,
@@ -315,7 +342,9 @@ pub async fn run(config: Config, root: HostRoot, once: bool) -> Result<i32, Agen
         notifier: crate::notify::Notifier::from_env(),
         notified_status: String::new(),
         driver: driver::DriverStage::default(),
+        operator: operator::OperatorState::default(),
         devnode_problems: BTreeSet::new(),
+        dev_char: None,
         no_gpu: None,
     };
     agent.machine = machine_name(&agent.root);
@@ -373,6 +402,7 @@ pub async fn run(config: Config, root: HostRoot, once: bool) -> Result<i32, Agen
         (status_rx, Some((tokio::spawn(manager.run(rx)), tx)))
     };
     let (manager_task, manager_tx) = manager.unzip();
+    agent.plugin_watch = manager_task.is_some().then(|| plugin_rx.clone());
 
     // The health relay: health events reach the manager from there, never waiting for a stage.
     let (relay_task, mut health_changed) = if once {
@@ -780,12 +810,18 @@ impl Agent {
             self.write_status("running");
             return;
         }
+        self.operator_check();
         let now = Instant::now();
         let mut passed = Vec::new();
         let mut durations = Vec::new();
         for (id, needs, step) in PIPELINE {
             if !stage::may_run(needs, &passed) {
                 continue;
+            }
+            if id == StageId::Validation && self.stages[id].due(now) {
+                // The CUDA check (a child that loads the driver and makes a context) waits until
+                // the kubelet has the devices: it must not compete with the registration.
+                self.await_registration().await;
             }
             let started = Instant::now();
             let ok = if self.stages[id].due(now) {
@@ -833,6 +869,9 @@ impl Agent {
         let Some(gpus) = self.gpus.clone() else {
             return false;
         };
+        // The metrics hear of a new inventory after the kubelet does (their GPM probes and
+        // first samples are not on the way to registration).
+        let mut inventory_changed = false;
         match gpus.inventory(&self.root.join("/sys")) {
             Ok(inventory) => {
                 if self.inventory.as_ref() != Some(&inventory) {
@@ -848,7 +887,7 @@ impl Agent {
                     self.ensure_device_nodes();
                     self.watch_health(&gpus);
                     self.cdi_step();
-                    self.metrics_inventory();
+                    inventory_changed = true;
                 } else if self.runtime.cdi_error.is_some() || self.cdi_spec_missing() {
                     // A failed write is tried again, a removed spec written again.
                     self.cdi_step();
@@ -868,10 +907,26 @@ impl Agent {
                 None,
                 Some("[device_plugin] enabled = false".into()),
             );
+            if inventory_changed {
+                self.metrics_inventory();
+            }
             return false;
         }
         self.push_resources().await;
+        if inventory_changed {
+            self.metrics_inventory();
+        }
         true
+    }
+
+    /// Waits until the plugin manager has settled the registration of what was last advertised
+    /// (every resource registered or failed, or no kubelet), at most [`REGISTRATION_WAIT`] and
+    /// never past SIGTERM. Without a manager (`run --once`, device plugin off) it returns at once.
+    async fn await_registration(&mut self) {
+        let (stop, desired) = (self.stop.clone(), self.desired.clone());
+        let Some(rx) = self.plugin_watch.as_mut() else { return };
+        let settled = rx.wait_for(|status| registration_settled(status, &desired));
+        let _ = tokio::time::timeout(REGISTRATION_WAIT, or_stop(&stop, settled)).await;
     }
 
     /// Applies what the labels ask for: the device plugin profile (a changed profile swaps the
@@ -1044,7 +1099,12 @@ impl Agent {
             return;
         }
         let p = &self.plugin_status;
-        let errors: Vec<String> = p.resources.iter().filter_map(|r| r.error.clone()).collect();
+        let mut errors: Vec<String> = p.resources.iter().filter_map(|r| r.error.clone()).collect();
+        // Sockets another plugin (NVIDIA's) serves: left alone, those resources not served.
+        errors.extend(p.conflicts.iter().map(|c| {
+            let pid = c.pid.map_or_else(|| "pid unknown".to_string(), |p| format!("pid {p}"));
+            format!("{} not served: {} is another process's ({pid})", c.resource, c.socket)
+        }));
         let registered = self
             .desired
             .iter()
@@ -1142,6 +1202,7 @@ impl Agent {
             })
             .collect();
         drop(tracker);
+        let operator = self.operator_status();
         let mut status = Status {
             version: STATUS_VERSION,
             agent_version: env!("CARGO_PKG_VERSION").into(),
@@ -1167,6 +1228,8 @@ impl Agent {
             labels: self.wanted_labels().unwrap_or_default(),
             mps: self.mps_statuses(),
             dra: self.dra.as_ref().map(|d| d.status.borrow().clone()),
+            dev_char: self.dev_char.clone(),
+            operator,
         };
         // Skip the write when nothing but the timestamp would change.
         if self.last_status.as_ref() == Some(&status) {

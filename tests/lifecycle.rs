@@ -223,6 +223,39 @@ async fn one_registration_per_kubelet_start() {
     assert_eq!(agent.stop(), 0);
 }
 
+/// The device plugin registers before the validation stage starts its CUDA check (a child that
+/// loads the driver and makes a context: 0.6 s on an H200), so the check never competes with the
+/// registration: in the agent's log, the registration comes first.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_cuda_check_starts_after_the_registration() {
+    use test_kubelet::{KubeletOptions, TestKubelet};
+    let node = Node::new(&machine("A100-SXM4-40GB", 2), "[kubernetes]\nenabled = false\n");
+    let kubelet = TestKubelet::start(&node.plugin_dir(), KubeletOptions::default())
+        .await
+        .expect("start test kubelet");
+    let agent = node.spawn();
+    kubelet
+        .wait_for_registration("nvidia.com/gpu", Duration::from_secs(10))
+        .await
+        .expect("registration");
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let log = loop {
+        let log = agent.log_text();
+        if log.contains("validate cuda") {
+            break log;
+        }
+        assert!(Instant::now() < deadline, "the CUDA check never started: {log}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    let registered = log.find("registered with the kubelet").expect("registration logged");
+    let cuda = log.find("validate cuda").expect("CUDA check logged");
+    assert!(
+        registered < cuda,
+        "the CUDA check started before the registration: {log}"
+    );
+    assert_eq!(agent.stop(), 0);
+}
+
 /// 2,000 clients connect to the metrics endpoint of an agent with the common 1,024-descriptor
 /// soft limit and stay idle: the agent keeps descriptors for its own sockets, and a kubelet
 /// restart still gets the device plugin re-registered within a second.

@@ -909,6 +909,50 @@ fn a_config_containerd_rejects_is_rolled_back() {
     assert_eq!(read(&node.root, CONTAINERD_DROP_IN), None, "drop-in removed");
 }
 
+/// containerd's version and effective configuration are asked once per binary and set of files,
+/// not at every start of the agent: a restart where nothing changed runs no containerd (those
+/// runs gate the device plugin's registration); a new binary or a changed imported file asks
+/// again.
+#[test]
+fn containerd_is_asked_again_only_when_its_binary_or_files_change() {
+    let main = fixture("containerd/v2-systemd-cgroup.main.toml");
+    let node = engine_node(Engine::Containerd, Some(&main), "");
+    let log = node.tmp.path().join("containerd-runs.log");
+    // The real containerd, each run logged.
+    let logged = format!(
+        "echo \"$*\" >> {}\nexec {} \"$@\"",
+        log.display(),
+        real_containerd().display()
+    );
+    script(&node.root, REAL_CONTAINERD, &logged);
+    let runs = || fs::read_to_string(&log).unwrap_or_default().lines().count();
+    expect_exit(&node, CONFIGURE, 0);
+    expect_exit(&node, &["plan"], 0);
+    let asked = runs();
+    assert!(
+        asked >= 2,
+        "containerd was asked for its version and dump: {asked} run(s)"
+    );
+    // Two more starts of the agent with nothing changed: no run of containerd.
+    expect_exit(&node, &["plan"], 0);
+    expect_exit(&node, &["plan"], 0);
+    assert_eq!(runs(), asked, "{}", fs::read_to_string(&log).unwrap_or_default());
+    // A file containerd imports changes: asked again, once.
+    write_file(&node.root, "/etc/containerd/conf.d/50-other.toml", "# another\n");
+    expect_exit(&node, &["plan"], 0);
+    let after_file = runs();
+    assert!(after_file > asked, "a changed import asks containerd again");
+    expect_exit(&node, &["plan"], 0);
+    assert_eq!(runs(), after_file);
+    // A new containerd binary (a package upgrade renames a new file into place): asked again.
+    let binary = under(&node.root, REAL_CONTAINERD);
+    let new = binary.with_extension("new");
+    fs::copy(&binary, &new).expect("copy");
+    fs::rename(&new, &binary).expect("rename");
+    expect_exit(&node, &["plan"], 0);
+    assert!(runs() > after_file, "a new binary asks containerd again");
+}
+
 // === 7. restart and rollback, in-process ===
 
 /// A temp root with containerd installed (its unit), the runtime binary, and a stand-in

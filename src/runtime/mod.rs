@@ -10,6 +10,7 @@ pub mod containerd;
 pub mod cri;
 pub mod crio;
 pub mod docker;
+pub mod facts_cache;
 pub mod kubelet;
 pub mod stage;
 pub mod toolkit;

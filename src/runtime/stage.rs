@@ -21,7 +21,7 @@ use std::time::{Duration, Instant};
 use sha2::{Digest, Sha256};
 
 use super::kubelet::{self, KubeletEndpoint};
-use super::{DefaultRuntime, EditError, NvidiaRuntime, cdi, containerd, cri, crio, docker, toolkit};
+use super::{DefaultRuntime, EditError, NvidiaRuntime, cdi, containerd, cri, crio, docker, facts_cache, toolkit};
 use crate::config::{
     AnyEngineFiles, CdiHook, Config, DeviceListStrategy, Engine, RuntimeConfig, RuntimeMode, SetAsDefault,
 };
@@ -133,6 +133,11 @@ pub struct ObservedEngine {
     /// agent's drop-in (see [`containerd_effective`]); `None` without the binary, or when the
     /// dump failed (logged; the files are read instead).
     pub effective: Option<String>,
+    /// containerd: `effective` is also what containerd loads now without the agent's drop-in,
+    /// because the top-level config already has the agent's `imports` entry or that entry would
+    /// load no other file. Only then can the plan tell from `effective` that the agent's files
+    /// would change nothing (see [`plan`]).
+    pub effective_is_current: bool,
     /// The engine's CRI socket (host path): containerd's `[grpc] address`, CRI-O's default;
     /// `None` for docker, which serves no CRI itself.
     pub cri_socket: Option<PathBuf>,
@@ -164,6 +169,9 @@ pub struct Observed {
     pub toolkit: (PathBuf, PathBuf, Option<String>),
     /// Backups by host path.
     pub backups: BTreeMap<PathBuf, Backup>,
+    /// The directory the agent writes its CDI spec to (`[cdi] dir`, host path), which an engine
+    /// with CDI on must read.
+    pub cdi_dir: PathBuf,
 }
 
 /// One file's change: `after == None` removes it.
@@ -185,6 +193,10 @@ pub struct EnginePlan {
     pub installed: bool,
     /// Only files whose bytes change.
     pub changes: Vec<FileChange>,
+    /// The engine must restart to load `changes`: false when they change nothing it runs with
+    /// (containerd: the agent's earlier drop-in goes because containerd's own configuration
+    /// already has all it set).
+    pub restart: bool,
     /// The engine the kubelet uses (its failure holds the device plugin back).
     pub kubelet: bool,
     /// The runtimes as this engine gets them (its default-runtime choice, CDI where supported).
@@ -388,6 +400,7 @@ pub fn observe(config: &Config, root: &HostRoot, runner: &Runner) -> Result<Obse
             }
             _ => (None, None),
         };
+        let effective_is_current = containerd && containerd_imports_now(root, &files, main.as_deref(), &imported);
         let cri_socket = match engine {
             Engine::Containerd => Some(PathBuf::from(
                 effective
@@ -410,6 +423,7 @@ pub fn observe(config: &Config, root: &HostRoot, runner: &Runner) -> Result<Obse
             binary,
             version,
             imported,
+            effective_is_current,
             effective,
             cri_socket,
         });
@@ -455,6 +469,7 @@ pub fn observe(config: &Config, root: &HostRoot, runner: &Runner) -> Result<Obse
         also,
         kubelet: kubelet::detect(root, &rc.kubelet_runtime_endpoint),
         backups,
+        cdi_dir: config.cdi.dir.clone(),
     })
 }
 
@@ -503,13 +518,11 @@ fn containerd_facts(
 ) -> (Option<(u32, u32)>, Option<String>) {
     type Facts = (String, Option<(u32, u32)>, Option<String>);
     static LAST: std::sync::Mutex<Option<Facts>> = std::sync::Mutex::new(None);
-    let meta = std::fs::metadata(root.join(binary)).ok();
     let mut key = format!(
-        "{}\0{}\0{:?}\0{:?}\0{}",
+        "{}\0{}\0{}\0{}",
         root.path().display(),
         binary.display(),
-        meta.as_ref().map(|m| m.len()),
-        meta.and_then(|m| m.modified().ok()),
+        facts_cache::identity(&root.join(binary)),
         main.map(digest).unwrap_or_default()
     );
     for f in imported {
@@ -521,9 +534,19 @@ fn containerd_facts(
     {
         return (*version, dump.clone());
     }
+    // What an earlier run of the agent was told (a restart where nothing changed asks nothing).
+    let dir = backup_dir(config, root);
+    let stored_key = facts_cache::key(&key);
+    if let Some((version, dump)) = facts_cache::load(&dir, &stored_key) {
+        *last = Some((key, version, Some(dump.clone())));
+        return (version, Some(dump));
+    }
     let version = engine_version(runner, binary);
     let dump = match containerd_effective(config, root, runner, files, binary, main, version) {
-        Ok(dump) => Some(dump),
+        Ok(dump) => {
+            facts_cache::store(&dir, &stored_key, version, &dump);
+            Some(dump)
+        }
         Err(e) => {
             tracing::warn!("containerd's effective configuration: {e}; reading its files instead");
             None
@@ -670,7 +693,34 @@ fn containerd_imports(root: &HostRoot, files: &AnyEngineFiles, main: Option<&str
     let Ok(entries) = containerd::imports_after_configure(main, &main_file, &files.drop_in.to_string_lossy()) else {
         return Vec::new();
     };
-    let mut queue: VecDeque<PathBuf> = import_paths(root, &files.config, &entries).into();
+    imported_files(root, files, &entries)
+}
+
+/// Whether containerd loads the files `imported` ([`containerd_imports`] of `main`) now, without
+/// the `imports` entry the agent adds: the top-level config has it already, or it loads no
+/// other file than the agent's drop-in.
+fn containerd_imports_now(
+    root: &HostRoot,
+    files: &AnyEngineFiles,
+    main: Option<&str>,
+    imported: &[containerd::ImportedFile],
+) -> bool {
+    let main_file = files.config.to_string_lossy();
+    let entries = match main {
+        Some(text) => match containerd::imports(text, &main_file) {
+            Ok(entries) => entries,
+            Err(_) => return false,
+        },
+        None => Vec::new(),
+    };
+    let now = imported_files(root, files, &entries);
+    now.len() == imported.len() && now.iter().zip(imported).all(|(a, b)| a.file == b.file)
+}
+
+/// The files the top-level config's `imports` `entries` load, in containerd's order (see
+/// [`containerd_imports`]).
+fn imported_files(root: &HostRoot, files: &AnyEngineFiles, entries: &[String]) -> Vec<containerd::ImportedFile> {
+    let mut queue: VecDeque<PathBuf> = import_paths(root, &files.config, entries).into();
     let mut seen = BTreeSet::from([files.config.clone(), files.drop_in.clone()]);
     let mut out = Vec::new();
     while let Some(path) = queue.pop_front() {
@@ -870,6 +920,7 @@ pub fn plan(observed: &Observed, config: &RuntimeConfig) -> Result<RuntimePlan, 
             unit: e.files.unit.clone(),
             installed: e.installed,
             changes: Vec::new(),
+            restart: true,
             kubelet,
             runtime: rt,
             cri_socket: e.cri_socket.clone(),
@@ -879,9 +930,18 @@ pub fn plan(observed: &Observed, config: &RuntimeConfig) -> Result<RuntimePlan, 
             warnings,
         };
         if plan.error.is_none() {
-            match engine_changes(e, &plan.runtime) {
+            match engine_changes(e, observed, &plan.runtime) {
                 Ok(Changes::Files(changes)) => plan.changes = changes,
                 Ok(Changes::Skip(why)) => plan.skipped = Some(why),
+                Ok(Changes::Needless {
+                    changes,
+                    restart,
+                    remark,
+                }) => {
+                    plan.changes = changes;
+                    plan.restart = restart;
+                    plan.warnings.push(remark);
+                }
                 Err(err) => plan.error = Some(err.to_string()),
             }
         }
@@ -895,9 +955,17 @@ enum Changes {
     Files(Vec<FileChange>),
     /// Left alone, with why.
     Skip(String),
+    /// The engine's own configuration already has everything the agent's files would add
+    /// (containerd): none is written, an earlier drop-in of the agent's goes (`changes`), and
+    /// `restart` says whether that drop-in changed anything the engine runs with.
+    Needless {
+        changes: Vec<FileChange>,
+        restart: bool,
+        remark: String,
+    },
 }
 
-fn engine_changes(e: &ObservedEngine, rt: &NvidiaRuntime) -> Result<Changes, RuntimeError> {
+fn engine_changes(e: &ObservedEngine, observed: &Observed, rt: &NvidiaRuntime) -> Result<Changes, RuntimeError> {
     let main_file = e.files.config.to_string_lossy().into_owned();
     let mut changes = Vec::new();
     match e.engine {
@@ -919,8 +987,12 @@ fn engine_changes(e: &ObservedEngine, rt: &NvidiaRuntime) -> Result<Changes, Run
                 binary_major: e.version.map(|v| v.0),
                 imported: &e.imported,
                 effective: e.effective.as_deref(),
+                cdi_dir: observed.cdi_dir.to_str(),
             };
             let files = containerd::configure_input(&input, rt)?;
+            if let Some(needless) = containerd_needless(e, observed, &files.drop_in) {
+                return Ok(needless);
+            }
             changes.extend(change(&e.files.config, &e.main_target, &e.main, Some(files.main)));
             changes.extend(change(
                 &e.files.drop_in,
@@ -945,6 +1017,46 @@ fn engine_changes(e: &ObservedEngine, rt: &NvidiaRuntime) -> Result<Changes, Run
         }
     }
     Ok(Changes::Files(changes))
+}
+
+/// containerd's own configuration already has what the agent's drop-in `drop_in` would add:
+/// `containerd config dump` without the agent's files is the same with it (see
+/// [`containerd::drop_in_changes_nothing`]), and CDI, when on, reads the agent's spec directory
+/// (the drop-in would add it otherwise). Then the top-level config keeps its bytes (no `imports`
+/// entry is added) and no drop-in is written; an earlier drop-in of the agent's (its backup says
+/// so) goes, with a restart only when it changed something containerd runs with.
+///
+/// `None` (files as usual) when containerd could not be asked, when the dump is not what it
+/// loads now (the agent's `imports` entry would load other files too), or when a file the agent
+/// did not write is at the drop-in's path.
+fn containerd_needless(e: &ObservedEngine, observed: &Observed, drop_in: &str) -> Option<Changes> {
+    let dump = e.effective.as_deref()?;
+    let ours = e.drop_in.is_none() || observed.backups.contains_key(&e.files.drop_in);
+    if !e.effective_is_current || !ours || !containerd::drop_in_changes_nothing(dump, drop_in) {
+        return None;
+    }
+    let mut remark = "its own configuration already has all the agent would add (containerd config dump)".to_owned();
+    let restart = match &e.drop_in {
+        None => {
+            remark.push_str(": no drop-in and no restart");
+            false
+        }
+        Some(old) if containerd::drop_in_changes_nothing(dump, old) => {
+            remark.push_str(": the agent's earlier drop-in, which changed nothing, goes, without a restart");
+            false
+        }
+        Some(_) => {
+            remark.push_str(": the agent's earlier drop-in goes, and a restart drops what it set");
+            true
+        }
+    };
+    Some(Changes::Needless {
+        changes: change(&e.files.drop_in, &e.drop_in_target, &e.drop_in, None)
+            .into_iter()
+            .collect(),
+        restart,
+        remark,
+    })
 }
 
 /// The edits that take the agent's runtime out of every engine: a file still as the agent
@@ -999,6 +1111,7 @@ pub fn plan_unconfigure(observed: &Observed, config: &RuntimeConfig) -> Result<R
                 unit: e.files.unit.clone(),
                 installed: e.installed,
                 changes,
+                restart: true,
                 kubelet: observed.kubelet.engine() == Some(e.engine),
                 runtime: nvidia_runtime(config, false, &[]),
                 cri_socket: e.cri_socket.clone(),
@@ -1244,7 +1357,7 @@ fn apply_engine(
         return Err(RuntimeError::Check { reason });
     }
     kill_point("check");
-    if opts.restart && e.installed {
+    if opts.restart && e.installed && e.restart {
         let wanted: Vec<&str> = match purpose {
             Purpose::Configure => e.runtime.all().map(|(name, _)| name).collect(),
             Purpose::Unconfigure => Vec::new(),
@@ -1937,6 +2050,29 @@ mod tests {
                 "/etc/containerd/nested.toml",
             ]
         );
+    }
+
+    /// The dump the plan judges "nothing to add" by is what containerd loads now only when the
+    /// agent's `imports` entry is there already or would load no file but its drop-in: a file in
+    /// `conf.d/` the top-level config does not import yet makes it something else.
+    #[test]
+    fn the_effective_dump_is_current_only_when_the_agents_import_loads_nothing_else() {
+        let files = Config::default().runtime.files(Engine::Containerd);
+        let main = "version = 3\n";
+        let imported_main = "version = 3\nimports = [\"/etc/containerd/conf.d/*.toml\"]\n";
+        let current = |entries: &[(&str, &str)], main: Option<&str>| {
+            let (_tmp, root) = host(entries, &[]);
+            let imported = containerd_imports(&root, &files, main);
+            containerd_imports_now(&root, &files, main, &imported)
+        };
+        let ours = ("/etc/containerd/conf.d/99-nvidia.toml", "version = 3\n");
+        let other = ("/etc/containerd/conf.d/50-registry.toml", "version = 3\n");
+        assert!(current(&[], None));
+        assert!(current(&[], Some(main)));
+        assert!(current(&[ours], Some(main)));
+        assert!(!current(&[other], Some(main)));
+        assert!(!current(&[other], None));
+        assert!(current(&[other, ours], Some(imported_main)));
     }
 
     #[test]

@@ -333,6 +333,22 @@ impl Node {
         }
     }
 
+    /// [`Node::spawn`] running `program` instead of this build's agent (a bench's "before" build),
+    /// with the same arguments and environment.
+    pub fn spawn_program(&self, program: &Path) -> Agent {
+        self.spawn_with(|cmd| {
+            let mut other = Command::new(program);
+            other.args(cmd.get_args());
+            for (key, value) in cmd.get_envs() {
+                match value {
+                    Some(value) => other.env(key, value),
+                    None => other.env_remove(key),
+                };
+            }
+            *cmd = other;
+        })
+    }
+
     /// Where a kubeadm node keeps the kubelet's kubeconfig (`/etc/kubernetes`, under the root):
     /// a kubeconfig written there as `kubelet.conf` is found by the agent's default search.
     pub fn kubeconfig_dir(&self) -> PathBuf {
