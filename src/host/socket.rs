@@ -78,7 +78,9 @@ fn holder_words(holder: &Listener) -> String {
 /// How often [`bind_in_place`] looks again when the path changes under it.
 const ATTEMPTS: usize = 3;
 
-/// Splits a socket path into its directory (opened, `O_PATH`) and file name.
+/// Splits a socket path into its directory (opened, `O_PATH`, its last component not followed:
+/// a pod that can write the kubelet's plugin folder must not send the agent's socket, and the
+/// replacing of a dead one, into another folder through a link) and file name.
 fn open_dir(path: &Path) -> io::Result<(OwnedFd, &std::ffi::OsStr)> {
     let (Some(dir), Some(name)) = (path.parent(), path.file_name()) else {
         return Err(io::Error::new(io::ErrorKind::InvalidInput, "not a socket path"));
@@ -88,13 +90,29 @@ fn open_dir(path: &Path) -> io::Result<(OwnedFd, &std::ffi::OsStr)> {
     } else {
         dir
     };
-    let fd = open(
+    let fd = match open(
         dir,
-        OFlag::O_PATH | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC,
+        OFlag::O_PATH | OFlag::O_DIRECTORY | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC,
         Mode::empty(),
-    )
-    .map_err(io::Error::from)?;
+    ) {
+        Ok(fd) => fd,
+        Err(Errno::ENOTDIR | Errno::ELOOP) => {
+            return Err(io::Error::other(format!(
+                "{} is a symbolic link or not a folder: refused (the agent's sockets are made only in \
+                 a real folder)",
+                dir.display()
+            )));
+        }
+        Err(e) => return Err(e.into()),
+    };
     Ok((fd, name))
+}
+
+/// `name` in the folder `dir` is open on, as a path that reaches it through the descriptor
+/// (`/proc/self/fd/<fd>/<name>`): bind and connect take paths, and this one cannot be redirected
+/// by a link put where the folder was.
+fn in_dir(dir: &OwnedFd, name: &std::ffi::OsStr) -> PathBuf {
+    Path::new(&format!("/proc/self/fd/{}", dir.as_raw_fd())).join(name)
 }
 
 fn stat_at(dir: &OwnedFd, name: &std::ffi::OsStr) -> io::Result<Option<(SFlag, (u64, u64))>> {
@@ -135,14 +153,14 @@ fn listener_at(path: &Path) -> io::Result<Option<Listener>> {
     }
 }
 
-fn probe_at(dir: &OwnedFd, path: &Path, name: &std::ffi::OsStr) -> io::Result<Probe> {
+fn probe_at(dir: &OwnedFd, name: &std::ffi::OsStr) -> io::Result<Probe> {
     let Some((kind, id)) = stat_at(dir, name)? else {
         return Ok(Probe::Absent);
     };
     if kind != SFlag::S_IFSOCK {
         return Ok(Probe::NotSocket(id));
     }
-    Ok(match listener_at(path)? {
+    Ok(match listener_at(&in_dir(dir, name))? {
         Some(listener) => Probe::Live(listener),
         None => Probe::Dead(id),
     })
@@ -152,7 +170,7 @@ fn probe_at(dir: &OwnedFd, path: &Path, name: &std::ffi::OsStr) -> io::Result<Pr
 /// Reads only: one `lstat` and, for a socket, one connection that is closed at once.
 pub fn probe(path: &Path) -> io::Result<Probe> {
     let (dir, name) = open_dir(path)?;
-    probe_at(&dir, path, name)
+    probe_at(&dir, name)
 }
 
 /// Binds a listening socket at `path` without ever removing a live one: nothing there or a dead
@@ -167,7 +185,7 @@ pub fn bind_in_place(path: &Path) -> Result<(UnixListener, (u64, u64)), BindErro
     };
     let (dir, name) = open_dir(path).map_err(io_err)?;
     let staging_name = format!(".{}.binding", name.to_string_lossy());
-    let staging = path.with_file_name(&staging_name);
+    let staging = in_dir(&dir, std::ffi::OsStr::new(&staging_name));
     // Our own staging name: whatever a crash left there is ours to remove.
     match unlinkat(&dir, staging_name.as_str(), UnlinkatFlags::NoRemoveDir) {
         Ok(()) | Err(Errno::ENOENT) => {}
@@ -231,7 +249,7 @@ fn place(
     ours: (u64, u64),
 ) -> Result<(u64, u64), Placed> {
     for _ in 0..ATTEMPTS {
-        match probe_at(dir, path, name)? {
+        match probe_at(dir, name)? {
             Probe::Live(holder) => return Err(Placed::InUse(holder)),
             Probe::Absent => match renameat2(dir.as_fd(), staging, dir.as_fd(), name, RenameFlags::RENAME_NOREPLACE) {
                 Ok(()) => return Ok(ours),
@@ -280,7 +298,7 @@ fn place(
                     None => return Ok(ours),
                     Some((kind, _)) => {
                         // Replaced between the probe and the swap: a live newcomer gets its name back.
-                        let staging_path = path.with_file_name(staging);
+                        let staging_path = in_dir(dir, std::ffi::OsStr::new(staging));
                         let live = if kind == SFlag::S_IFSOCK {
                             listener_at(&staging_path)?
                         } else {
@@ -370,6 +388,33 @@ mod tests {
             1,
             "no staging file left"
         );
+    }
+
+    /// The socket's folder is not followed when it is a link: nothing is bound or replaced in the
+    /// folder it points to.
+    #[test]
+    fn a_socket_folder_that_is_a_link_is_refused_and_its_target_untouched() {
+        // A pod that can write the kubelet's plugin folder replaces the agent's socket folder with
+        // a link to another folder holding a file named like the socket.
+        let tmp = tempfile::tempdir().expect("tmp");
+        let elsewhere = tmp.path().join("elsewhere");
+        std::fs::create_dir(&elsewhere).expect("mkdir");
+        std::fs::write(elsewhere.join("plugin.sock"), "precious").expect("file");
+        let folder = tmp.path().join("gpu.nvidia.com");
+        std::os::unix::fs::symlink(&elsewhere, &folder).expect("link");
+        let path = folder.join("plugin.sock");
+        let err = bind_in_place(&path).expect_err("refused");
+        assert!(err.to_string().contains("symbolic link"), "{err}");
+        assert_eq!(
+            std::fs::read_to_string(elsewhere.join("plugin.sock")).expect("kept"),
+            "precious"
+        );
+        assert_eq!(
+            std::fs::read_dir(&elsewhere).expect("ls").count(),
+            1,
+            "no staging file there"
+        );
+        assert!(probe(&path).is_err(), "probing through the link is refused too");
     }
 
     /// A directory at the socket's name (made by anyone who can write the kubelet's folder) is
