@@ -87,6 +87,33 @@ impl StandIn {
         StandIn { child, proc_link }
     }
 
+    /// [`StandIn::start`] as a container of pod `<namespace>/<pod>` as the agent sees it: its
+    /// `/proc/<pid>` under the root is a folder with its `comm` and `cmdline` and a `cgroup` in
+    /// the pod's (cgroup v2, systemd driver, containerd), and the kubelet's log folder
+    /// `/var/log/pods/<namespace>_<pod>_<uid>` names the pod.
+    fn start_in_pod(node: &Node, program: &str, namespace: &str, pod: &str) -> StandIn {
+        let mut stand_in = StandIn::start(node, program, None);
+        let pid = stand_in.pid();
+        std::fs::remove_file(&stand_in.proc_link).expect("unlink the proc link");
+        let dir = &mut stand_in.proc_link;
+        std::fs::create_dir_all(&*dir).expect("mkdir proc/<pid>");
+        let comm = &program[..program.len().min(15)];
+        std::fs::write(dir.join("comm"), format!("{comm}\n")).expect("comm");
+        std::fs::write(dir.join("cmdline"), format!("/usr/bin/{program}\0")).expect("cmdline");
+        let uid = format!("0a1b2c3d-0000-4000-8000-{pid:012}");
+        let container = format!("{:064}", pid);
+        std::fs::write(
+            dir.join("cgroup"),
+            format!(
+                "0::/kubepods.slice/kubepods-besteffort.slice/kubepods-besteffort-pod{}.slice/cri-containerd-{container}.scope\n",
+                uid.replace('-', "_")
+            ),
+        )
+        .expect("cgroup");
+        std::fs::create_dir_all(node.root.join(format!("var/log/pods/{namespace}_{pod}_{uid}"))).expect("pod logs");
+        stand_in
+    }
+
     fn pid(&self) -> u32 {
         self.child.id()
     }
@@ -99,7 +126,11 @@ impl StandIn {
     fn kill(mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
-        let _ = std::fs::remove_file(&self.proc_link);
+        if std::fs::symlink_metadata(&self.proc_link).is_ok_and(|m| m.is_dir()) {
+            let _ = std::fs::remove_dir_all(&self.proc_link);
+        } else {
+            let _ = std::fs::remove_file(&self.proc_link);
+        }
     }
 }
 
@@ -376,6 +407,78 @@ async fn no_mig_change_while_nvidias_mig_manager_runs() {
     assert_eq!(agent.stop(), 0);
 }
 
+/// Any pod can run a program named `nvidia-mig-manager`: one in a tenant's namespace is not the
+/// Operator's ([kubernetes] operator_namespace): the layout is applied, and the log says once why
+/// it was ignored.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tenants_process_named_like_mig_manager_does_not_hold_mig_back() {
+    let node = Node::new(&two_a100s(), "[device_plugin]\nmig_strategy = \"mixed\"\n");
+    let api = common::api_server_for(&node, &[("nvidia.com/mig.config", "all-1g.5gb")]).await;
+    let kubelet = TestKubelet::start(&node.plugin_dir(), KubeletOptions::default())
+        .await
+        .expect("kubelet");
+    let mut tenant = StandIn::start_in_pod(&node, "nvidia-mig-manager", "tenant-a", "evil");
+    let agent = node.spawn();
+    let applied = api
+        .wait_for(Duration::from_secs(40), |a| {
+            a.labels(NODE).get("nvidia.com/mig.config.state").map(String::as_str) == Some("success")
+        })
+        .await;
+    assert!(applied, "{:?}\n{}", api.labels(NODE), agent.log_text());
+    kubelet
+        .wait_for_devices("nvidia.com/mig-1g.5gb", T, |d| d.len() == 14)
+        .await
+        .expect("7 per GPU");
+    assert!(tenant.running());
+    let status = node.status_json();
+    assert_eq!(common::stage(&status, "mig")["state"], "ok", "{status}");
+    assert!(
+        operator_lines(&status).iter().all(|l| !l.contains("mig-manager")),
+        "{status}"
+    );
+    // Said once, naming the pid, the program and the pod.
+    common::another_pass(&agent).await;
+    let log = agent.log_text();
+    let said: Vec<&str> = log
+        .lines()
+        .filter(|l| l.contains("not the GPU Operator's: ignored"))
+        .collect();
+    assert_eq!(said.len(), 1, "{log}");
+    let pid = tenant.pid();
+    assert!(
+        said[0].contains(&format!("pid {pid} (nvidia-mig-manager, pod tenant-a/evil)")),
+        "{}",
+        said[0]
+    );
+    assert_eq!(agent.stop(), 0);
+}
+
+/// The same process in the Operator's namespace is its mig-manager: no MIG change while it runs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mig_manager_in_the_operators_namespace_holds_mig_back() {
+    let node = Node::new(&two_a100s(), "[device_plugin]\nmig_strategy = \"mixed\"\n");
+    let api = common::api_server_for(&node, &[("nvidia.com/mig.config", "all-1g.5gb")]).await;
+    let manager = StandIn::start_in_pod(&node, "nvidia-mig-manager", "gpu-operator", "nvidia-mig-manager-x7k2p");
+    let agent = node.spawn();
+    let pid = manager.pid();
+    node.wait_status(T, |s| {
+        let mig = common::stage(s, "mig");
+        mig["state"] == "pending"
+            && mig["error"].as_str().is_some_and(|e| {
+                e.contains(&format!("pid {pid}, pod gpu-operator/nvidia-mig-manager-x7k2p"))
+                    && e.contains("no MIG change")
+            })
+    });
+    common::another_pass(&agent).await;
+    assert!(
+        !api.labels(NODE).contains_key("nvidia.com/mig.config.state"),
+        "{:?}",
+        api.labels(NODE)
+    );
+    assert!(!agent.log_text().contains("not the GPU Operator's"));
+    assert_eq!(agent.stop(), 0);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn migrate_sets_the_deploy_labels_once_and_undo_restores_them() {
     let node = Node::new(&mixed_machine(), "[dra]\nenabled = false\n");
@@ -461,6 +564,45 @@ async fn unconfigure_puts_the_deploy_labels_back() {
             && stderr.contains("nvidia.com/gpu.deploy.device-plugin=true"),
         "{stderr}"
     );
+}
+
+/// The package's removal may run `runtime unconfigure` from an admin shell whose `NODE_NAME`
+/// names another node: the labels go back on the Node they were set on, which the record names.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unconfigure_puts_the_deploy_labels_back_on_the_node_they_were_set_on() {
+    let node = Node::new(&mixed_machine(), "[dra]\nenabled = false\n");
+    let api = common::api_server_for(&node, &[("nvidia.com/gpu.deploy.device-plugin", "true")]).await;
+    api.create_node("gpu-node-2", &[("nvidia.com/gpu.deploy.device-plugin", "false")]);
+    assert!(node.run(&["migrate"]).status.success());
+    let record = node.root.join("var/lib/gpu-node-agent/operator-deploy-labels");
+    let text = std::fs::read_to_string(&record).expect("the record");
+    assert!(text.lines().any(|l| l == format!("node={NODE}")), "{text}");
+    let out = node
+        .command(&["runtime", "unconfigure", "--no-restart"])
+        .env("NODE_NAME", "gpu-node-2")
+        .output()
+        .expect("run");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        stdout.contains(&format!("node {NODE}: nvidia.com/gpu.deploy.device-plugin=true")),
+        "{stdout}"
+    );
+    let labels = api.labels(NODE);
+    assert_eq!(
+        labels.get("nvidia.com/gpu.deploy.device-plugin").map(String::as_str),
+        Some("true"),
+        "{labels:?}"
+    );
+    assert!(!labels.contains_key("nvidia.com/gpu.deploy.mig-manager"), "{labels:?}");
+    assert_eq!(
+        api.labels("gpu-node-2")
+            .get("nvidia.com/gpu.deploy.device-plugin")
+            .map(String::as_str),
+        Some("false"),
+        "the other node is untouched"
+    );
+    assert!(!record.exists());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -14,8 +14,8 @@ use super::Agent;
 use crate::config::{Config, DriverSource};
 use crate::host::HostRoot;
 use crate::host::operator::{
-    self as op, Conflict, Facts, Operand, PREVIOUS_FILE, Previous, Process, ServedPath, parse_previous,
-    render_previous, restore_patch, withdraw_patch,
+    self as op, Conflict, Facts, Operand, PREVIOUS_FILE, Placement, Process, Record, ServedPath, parse_record,
+    render_record, restore_patch, withdraw_record,
 };
 use crate::kube::{EventType, KubeClient};
 use crate::mig::stage::MigState as MigLabelState;
@@ -28,6 +28,9 @@ pub(super) struct OperatorState {
     facts: Facts,
     /// The conflicts already reported (by their line), for Events on change only.
     reported: BTreeSet<String>,
+    /// The processes under an operand's name in a pod not the Operator's, already logged (pid,
+    /// program), so each is logged once.
+    ignored: BTreeSet<(i32, Option<String>)>,
     /// A deploy-label patch is on its way.
     patching: Arc<AtomicBool>,
     /// Its last failure.
@@ -58,10 +61,33 @@ impl Agent {
         facts
             .live_sockets
             .retain(|(_, p)| p.as_ref().is_none_or(|p| p.pid != me));
+        self.log_ignored(&facts);
         self.operator.facts = facts;
         if self.config.kubernetes.withdraw_operator_operands {
             self.withdraw_operands();
         }
+    }
+
+    /// Logs once each process under an operand's name that is not the Operator's (in a pod of
+    /// another namespace, or of one not known): it holds nothing back.
+    fn log_ignored(&mut self, facts: &Facts) {
+        let namespace = &self.config.kubernetes.operator_namespace;
+        let mut now = BTreeSet::new();
+        for (operand, p) in op::ignored_processes(facts, namespace) {
+            let key = (p.pid, p.program.clone());
+            if !self.operator.ignored.contains(&key) {
+                tracing::info!(
+                    "GPU Operator: pid {} ({}, {}) runs under the name of {} but not in namespace {namespace} \
+                     ([kubernetes] operator_namespace): not the GPU Operator's: ignored",
+                    p.pid,
+                    p.program.as_deref().unwrap_or("program unknown"),
+                    p.pod.as_deref().unwrap_or("pod not known"),
+                    operand.words(),
+                );
+            }
+            now.insert(key);
+        }
+        self.operator.ignored = now;
     }
 
     /// Every conflict now: the device plugin's sockets the manager found held, and what the
@@ -69,10 +95,14 @@ impl Agent {
     fn operator_conflicts(&self) -> Vec<Conflict> {
         let mut facts = self.operator.facts.clone();
         for c in &self.plugin_status.conflicts {
-            let process = c.pid.map(|pid| Process {
-                pid,
-                program: op::program_of(&self.root, pid),
-                pod: pod_of(&self.root, pid),
+            let process = c.pid.map(|pid| {
+                let (pod, placement) = pod_of(&self.root, pid);
+                Process {
+                    pid,
+                    program: op::program_of(&self.root, pid),
+                    pod,
+                    placement,
+                }
             });
             let host = std::path::Path::new(&c.socket)
                 .strip_prefix(self.root.path())
@@ -86,7 +116,7 @@ impl Agent {
                 process,
             ));
         }
-        op::conflicts(&facts, &roles(&self.config))
+        op::conflicts(&facts, &roles(&self.config), &self.config.kubernetes.operator_namespace)
     }
 
     /// The Operator's part of status; posts a Warning Event for each new conflict and a Normal
@@ -109,7 +139,7 @@ impl Agent {
             );
         }
         self.operator.reported = now;
-        let withdrawn = read_previous(&self.config, &self.root);
+        let withdrawn = read_record(&self.config, &self.root).labels;
         let error = self.operator.error.lock().map(|e| e.clone()).unwrap_or_default();
         if lines.is_empty() && withdrawn.is_empty() && error.is_none() {
             return None;
@@ -127,10 +157,14 @@ impl Agent {
     /// when it does not (or MIG is off).
     pub(super) fn mig_held_by_operator(&self) -> Option<String> {
         let withdrawing = self.config.kubernetes.withdraw_operator_operands;
-        op::conflicts(&self.operator.facts, &roles(&self.config))
-            .into_iter()
-            .find(|c| c.operand == Operand::MigManager)
-            .map(|c| c.line(withdrawing))
+        op::conflicts(
+            &self.operator.facts,
+            &roles(&self.config),
+            &self.config.kubernetes.operator_namespace,
+        )
+        .into_iter()
+        .find(|c| c.operand == Operand::MigManager)
+        .map(|c| c.line(withdrawing))
     }
 
     /// While mig-manager runs it owns `nvidia.com/mig.config.state` too: the agent reports what
@@ -149,10 +183,14 @@ impl Agent {
     /// engines (its runtime serves GPU containers meanwhile). `None` when it did not.
     pub(super) fn runtime_held_by_operator(&self) -> Option<String> {
         let withdrawing = self.config.kubernetes.withdraw_operator_operands;
-        op::conflicts(&self.operator.facts, &roles(&self.config))
-            .into_iter()
-            .find(|c| c.operand == Operand::ContainerToolkit)
-            .map(|c| c.line(withdrawing))
+        op::conflicts(
+            &self.operator.facts,
+            &roles(&self.config),
+            &self.config.kubernetes.operator_namespace,
+        )
+        .into_iter()
+        .find(|c| c.operand == Operand::ContainerToolkit)
+        .map(|c| c.line(withdrawing))
     }
 
     /// Sets the replaced operands' deploy labels to `false` on the Node (once the Node's labels
@@ -164,13 +202,21 @@ impl Agent {
         if self.operator.patching.load(Ordering::Acquire) {
             return;
         }
-        let recorded = read_previous(&self.config, &self.root);
-        let (patch, previous) = withdraw_patch(&self.view.labels, &op::replaced(&roles(&self.config)), &recorded);
+        let recorded = read_record(&self.config, &self.root);
+        let node = crate::kube::node_name(&self.config.kubernetes, &self.root);
+        let replaced = op::replaced(&roles(&self.config));
+        let (patch, record) = match withdraw_record(&self.view.labels, &replaced, &recorded, &node) {
+            Ok(done) => done,
+            Err(e) => {
+                self.set_operator_error(Some(e));
+                return;
+            }
+        };
         if patch.is_empty() {
             return;
         }
-        if previous != recorded
-            && let Err(e) = write_previous(&self.config, &self.root, &previous)
+        if record != recorded
+            && let Err(e) = write_record(&self.config, &self.root, &record)
         {
             tracing::error!("GPU Operator: not withdrawing its operands: {e}");
             self.set_operator_error(Some(e));
@@ -185,7 +231,6 @@ impl Agent {
             ));
             return;
         };
-        let node = crate::kube::node_name(&self.config.kubernetes, &self.root);
         let keys: Vec<String> = patch.keys().map(|k| format!("{k}=false")).collect();
         let message = format!(
             "withdrawing NVIDIA's GPU Operator operands the agent replaces: {}",
@@ -221,27 +266,49 @@ impl Agent {
 /// The most bytes of a `/proc/<pid>/cgroup` read (a few lines).
 const MAX_CGROUP: u64 = 64 * 1024;
 
-/// The pod `pid` runs in, for the messages: `pod <namespace>/<name>` (the kubelet's log folders
-/// name it), else `pod uid <uid>`; `None` outside a pod or when `/proc` does not say. Any pod can
-/// run a program named like an operand (its `comm` and argv[0] are its own), but not choose its
-/// cgroup: this tells an operand's pod from a tenant's.
-fn pod_of(root: &HostRoot, pid: i32) -> Option<String> {
+/// The pod `pid` runs in: for the messages, `pod <namespace>/<name>` (the kubelet's log folders
+/// name it), else `pod uid <uid>`, else `cgroup <path>` (under `kubepods`, in no form known);
+/// `None` outside a pod or when `/proc` does not say. And its [`Placement`], which decides
+/// whether it may be the Operator's. Any pod can run a program named like an operand (its `comm`
+/// and argv[0] are its own), but not choose its cgroup, nor write the kubelet's log folders: this
+/// tells an operand's pod from a tenant's.
+fn pod_of(root: &HostRoot, pid: i32) -> (Option<String>, Placement) {
     use crate::plugin::memlimit::{KubeletLogNames, PodNames, pod_of_cgroup};
-    let text = crate::host::read_text_limited(&root.join(format!("/proc/{pid}/cgroup")), MAX_CGROUP).ok()?;
-    let pod = pod_of_cgroup(&text)?;
-    Some(
-        match KubeletLogNames::new(root).lookup(&pod.pod_uid, pod.container_id.as_deref()) {
-            Some(name) => format!("pod {}/{}", name.namespace, name.pod),
-            None => format!("pod uid {}", pod.pod_uid),
+    let Ok(text) = crate::host::read_text_limited(&root.join(format!("/proc/{pid}/cgroup")), MAX_CGROUP) else {
+        return (None, Placement::Host);
+    };
+    match pod_of_cgroup(&text) {
+        Some(pod) => match KubeletLogNames::new(root).lookup(&pod.pod_uid, pod.container_id.as_deref()) {
+            Some(name) => (
+                Some(format!("pod {}/{}", name.namespace, name.pod)),
+                Placement::Pod {
+                    namespace: Some(name.namespace),
+                },
+            ),
+            None => (
+                Some(format!("pod uid {}", pod.pod_uid)),
+                Placement::Pod { namespace: None },
+            ),
         },
-    )
+        None => match text
+            .lines()
+            .filter_map(|l| l.splitn(3, ':').nth(2))
+            .find(|path| path.contains("kubepods"))
+        {
+            Some(path) => (
+                Some(format!("cgroup {}", op::printable(path.trim()))),
+                Placement::Pod { namespace: None },
+            ),
+            None => (None, Placement::Host),
+        },
+    }
 }
 
-/// Fills in the pod of each process in `facts` ([`pod_of`]).
+/// Fills in the pod and placement of each process in `facts` ([`pod_of`]).
 fn name_pods(root: &HostRoot, facts: &mut Facts) {
     let sockets = facts.live_sockets.iter_mut().filter_map(|(_, p)| p.as_mut());
     for process in sockets.chain(facts.processes.iter_mut().map(|(_, p)| p)) {
-        process.pod = pod_of(root, process.pid);
+        (process.pod, process.placement) = pod_of(root, process.pid);
     }
 }
 
@@ -283,16 +350,26 @@ fn previous_path(config: &Config, root: &HostRoot) -> std::path::PathBuf {
     root.join(&config.agent.state_dir).join(PREVIOUS_FILE)
 }
 
-/// The deploy labels a migration set, with their previous values (empty when none).
-fn read_previous(config: &Config, root: &HostRoot) -> Previous {
+/// The deploy labels a migration set, with their previous values, and the Node it set them on
+/// (empty when none).
+fn read_record(config: &Config, root: &HostRoot) -> Record {
     crate::host::read_text(&previous_path(config, root))
-        .map(|t| parse_previous(&t))
+        .map(|t| parse_record(&t))
         .unwrap_or_default()
 }
 
-fn write_previous(config: &Config, root: &HostRoot, previous: &Previous) -> Result<(), String> {
+fn write_record(config: &Config, root: &HostRoot, record: &Record) -> Result<(), String> {
     let path = previous_path(config, root);
-    crate::host::write_atomic(&path, render_previous(previous).as_bytes(), 0o644).map_err(|e| e.to_string())
+    crate::host::write_atomic(&path, render_record(record).as_bytes(), 0o644).map_err(|e| e.to_string())
+}
+
+/// The Node to put the recorded labels back on: the one they were set on, else (a record from
+/// before the Node was kept) this node's name.
+fn undo_node(config: &Config, root: &HostRoot, record: &Record) -> String {
+    record
+        .node
+        .clone()
+        .unwrap_or_else(|| crate::kube::node_name(&config.kubernetes, root))
 }
 
 /// The API client (the cluster link's credentials); `None` without any.
@@ -339,8 +416,8 @@ pub fn migrate_command(config: &Config, root: &HostRoot, undo: bool) -> ExitCode
 /// that cannot be reached does not stop the removal: the labels to put back are named, with the
 /// commands that do it.
 pub fn undo_on_unconfigure(config: &Config, root: &HostRoot) {
-    let recorded = read_previous(config, root);
-    if recorded.is_empty() {
+    let recorded = read_record(config, root);
+    if recorded.labels.is_empty() {
         return;
     }
     let result = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
@@ -350,8 +427,9 @@ pub fn undo_on_unconfigure(config: &Config, root: &HostRoot) {
     match result {
         Ok(text) => print!("{text}"),
         Err(e) => {
-            let node = crate::kube::node_name(&config.kubernetes, root);
+            let node = undo_node(config, root, &recorded);
             let labels: Vec<String> = recorded
+                .labels
                 .iter()
                 .map(|(k, v)| match v {
                     Some(v) => format!("{k}={v}"),
@@ -372,12 +450,16 @@ async fn migrate(config: &Config, root: &HostRoot, undo: bool) -> Result<String,
     let Some(client) = client(config, root) else {
         return Err("no Kubernetes credentials ([kubernetes]): the deploy labels live on the Node".into());
     };
-    let node_name = crate::kube::node_name(&config.kubernetes, root);
+    let recorded = read_record(config, root);
+    let node_name = if undo {
+        undo_node(config, root, &recorded)
+    } else {
+        crate::kube::node_name(&config.kubernetes, root)
+    };
     let node = client.get_node(&node_name, false).await.map_err(|e| e.to_string())?;
-    let recorded = read_previous(config, root);
     let mut out = String::new();
     if undo {
-        let patch = restore_patch(&node.labels, &recorded);
+        let patch = restore_patch(&node.labels, &recorded.labels);
         if !patch.is_empty() {
             client
                 .patch_node_metadata(&node_name, &patch, &BTreeMap::new())
@@ -410,9 +492,9 @@ async fn migrate(config: &Config, root: &HostRoot, undo: bool) -> Result<String,
         }
         return Ok(out);
     }
-    let (patch, previous) = withdraw_patch(&node.labels, &op::replaced(&roles(config)), &recorded);
-    if previous != recorded {
-        write_previous(config, root, &previous)?;
+    let (patch, record) = withdraw_record(&node.labels, &op::replaced(&roles(config)), &recorded, &node_name)?;
+    if record != recorded {
+        write_record(config, root, &record)?;
     }
     if !patch.is_empty() {
         client
@@ -420,14 +502,25 @@ async fn migrate(config: &Config, root: &HostRoot, undo: bool) -> Result<String,
             .await
             .map_err(|e| e.to_string())?;
     }
-    for k in previous.keys() {
+    for k in record.labels.keys() {
         out.push_str(&format!("node {node_name}: {k}=false\n"));
     }
     let mut facts = op::observe(root, &engine_files(config), &[]);
     name_pods(root, &mut facts);
-    let still: Vec<String> = facts
-        .processes
-        .iter()
+    let namespace = &config.kubernetes.operator_namespace;
+    let ignored: Vec<String> = op::ignored_processes(&facts, namespace)
+        .map(|(o, p)| {
+            let pod = p.pod.as_deref().map(|pod| format!(", {pod}")).unwrap_or_default();
+            format!("pid {} under the name of {}{pod}", p.pid, o.words())
+        })
+        .collect();
+    if !ignored.is_empty() {
+        out.push_str(&format!(
+            "not the GPU Operator's (not in namespace {namespace}, [kubernetes] operator_namespace): ignored: {}\n",
+            ignored.join(", ")
+        ));
+    }
+    let still: Vec<String> = op::operators_processes(&facts, namespace)
         .map(|(o, p)| {
             let pod = p.pod.as_deref().map(|pod| format!(", {pod}")).unwrap_or_default();
             format!("{} (pid {}{pod})", o.words(), p.pid)
@@ -448,8 +541,9 @@ async fn migrate(config: &Config, root: &HostRoot, undo: bool) -> Result<String,
 mod tests {
     use super::*;
 
-    /// A tenant's process named like NVIDIA's mig-manager holds the MIG stage back like the real
-    /// one would; the report names the pod it runs in, which the tenant cannot choose.
+    /// A process named like NVIDIA's mig-manager is placed in the pod its cgroup names (which the
+    /// process cannot choose), by namespace once the kubelet's log folder names it; the report
+    /// names the pod.
     #[test]
     fn a_process_under_an_operands_name_is_reported_with_its_pod() {
         let dir = tempfile::tempdir().expect("tmp");
@@ -482,14 +576,27 @@ mod tests {
             mig: true,
             ..op::Roles::default()
         };
-        let line = op::conflicts(&facts, &roles)[0].line(false);
+        assert_eq!(
+            facts.processes[0].1.placement,
+            Placement::Pod {
+                namespace: Some("tenant-a".into())
+            }
+        );
+        assert!(op::conflicts(&facts, &roles, "gpu-operator").is_empty(), "a tenant's");
+        let line = op::conflicts(&facts, &roles, "tenant-a")[0].line(false);
         assert!(
             line.contains("(nvidia-mig-manager, pid 77, pod tenant-a/evil)"),
             "{line}"
         );
         // Outside a pod, or no cgroup to read: no pod named.
         std::fs::write(proc_dir.join("cgroup"), "0::/system.slice/foo.service\n").expect("cgroup");
-        assert_eq!(pod_of(&root, 77), None);
-        assert_eq!(pod_of(&root, 78), None);
+        assert_eq!(pod_of(&root, 77), (None, Placement::Host));
+        assert_eq!(pod_of(&root, 78), (None, Placement::Host));
+        // Under kubepods in no form known: a pod, namespace unknown.
+        std::fs::write(proc_dir.join("cgroup"), "0::/kubepods/odd\n").expect("cgroup");
+        assert_eq!(
+            pod_of(&root, 77),
+            (Some("cgroup /kubepods/odd".into()), Placement::Pod { namespace: None })
+        );
     }
 }

@@ -40,6 +40,8 @@ pub const DEFAULT_ALLOW_INSECURE_HTTP: bool = false;
 /// Set the GPU Operator's `nvidia.com/gpu.deploy.<operand>=false` on the agent's own Node for
 /// every operand the agent replaces.
 pub const DEFAULT_WITHDRAW_OPERATOR_OPERANDS: bool = false;
+/// The namespace NVIDIA's GPU Operator runs its operands in (its Helm chart's default).
+pub const DEFAULT_OPERATOR_NAMESPACE: &str = "gpu-operator";
 
 /// Label naming the desired MIG layout.
 pub const DEFAULT_LABEL_MIG_CONFIG: &str = "nvidia.com/mig.config";
@@ -102,6 +104,10 @@ pub struct KubernetesConfig {
     /// from the node), keeping each label's previous value for `gpu-node-agent migrate --undo`.
     /// The agent serves, applies and configures what an operand held only once it has left.
     pub withdraw_operator_operands: bool,
+    /// The namespace NVIDIA's GPU Operator runs its operands in. A process under an operand's
+    /// name (`nvidia-mig-manager`, `nvidia-toolkit`, ...) in a pod counts as the Operator's only
+    /// when its pod is in this namespace; one outside the pods (a host service) always counts.
+    pub operator_namespace: String,
 }
 
 impl Default for KubernetesConfig {
@@ -121,6 +127,7 @@ impl Default for KubernetesConfig {
             events: DEFAULT_EVENTS,
             allow_insecure_http: DEFAULT_ALLOW_INSECURE_HTTP,
             withdraw_operator_operands: DEFAULT_WITHDRAW_OPERATOR_OPERANDS,
+            operator_namespace: DEFAULT_OPERATOR_NAMESPACE.into(),
         }
     }
 }
@@ -140,6 +147,13 @@ impl KubernetesConfig {
                 "expected a DNS subdomain name, as Node names are",
             ));
         }
+        if !is_dns_label(&self.operator_namespace) {
+            return Err(invalid(
+                "kubernetes.operator_namespace",
+                "expected a namespace name (a DNS label: at most 63 lower-case letters, digits and '-', starting \
+                 and ending with a letter or digit), e.g. \"gpu-operator\"",
+            ));
+        }
         positive("kubernetes.poll_interval", self.poll_interval)?;
         positive("kubernetes.watch_timeout", self.watch_timeout)?;
         positive("kubernetes.request_timeout", self.request_timeout)?;
@@ -152,6 +166,12 @@ impl KubernetesConfig {
         }
         Ok(())
     }
+}
+
+/// Whether `s` is a DNS label as Kubernetes checks a namespace name (RFC 1123): 1 to 63
+/// lower-case letters, digits and '-', a letter or digit at both ends.
+fn is_dns_label(s: &str) -> bool {
+    !s.contains('.') && s.len() <= 63 && crate::names::is_dns_subdomain(s)
 }
 
 /// `[desired]`: where the desired state comes from when not from the Node's labels.

@@ -858,6 +858,21 @@ fn device_plugin_profiles_override_keys_and_are_validated() {
     );
 }
 
+/// `[kubernetes] operator_namespace` is a namespace name; an error names the key.
+#[test]
+fn the_operator_namespace_is_a_namespace_name() {
+    assert_eq!(parse(&[]).unwrap().kubernetes.operator_namespace, "gpu-operator");
+    let config = parse(&[("c.toml", "[kubernetes]\noperator_namespace = \"nvidia-gpu-operator\"\n")]).unwrap();
+    assert_eq!(config.kubernetes.operator_namespace, "nvidia-gpu-operator");
+    for bad in ["", "GPU-Operator", "gpu.operator", "-gpu", &"a".repeat(64)] {
+        let e = err(&[("c.toml", &format!("[kubernetes]\noperator_namespace = \"{bad}\"\n"))]);
+        assert!(
+            e.contains("kubernetes.operator_namespace") && e.contains("expected a namespace name"),
+            "{bad}: {e}"
+        );
+    }
+}
+
 /// List entries are blamed on their own file, line and index, not on a "(default)" key.
 #[test]
 fn list_entry_errors_name_file_line_and_index() {

@@ -161,11 +161,42 @@ pub struct Process {
     pub pid: i32,
     /// Its program's name (argv[0]'s file name, else `comm`); `None` when `/proc` did not say.
     pub program: Option<String>,
-    /// The pod it runs in (`pod <namespace>/<name>`, else `pod uid <uid>`), as its cgroup and
-    /// the kubelet's log folders say; the agent fills it in. Any pod may run a program under an
-    /// operand's name: this says which one did.
+    /// The pod it runs in (`pod <namespace>/<name>`, else `pod uid <uid>`, else `cgroup <path>`),
+    /// as its cgroup and the kubelet's log folders say; the agent fills it in. Any pod may run a
+    /// program under an operand's name: this says which one did.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pod: Option<String>,
+    /// Where it runs, as its cgroup says (observed; the agent fills it in): what decides whether
+    /// it can be the Operator's ([`Process::may_be_operators`]).
+    #[serde(skip)]
+    pub placement: Placement,
+}
+
+/// Where a process runs, from its `/proc/<pid>/cgroup` (which a process cannot choose) and the
+/// kubelet's log folders (which only the kubelet writes).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub enum Placement {
+    /// Outside Kubernetes' pods (a host service, e.g. mig-parted run by systemd), or its cgroup
+    /// could not be read.
+    #[default]
+    Host,
+    /// In a pod (its cgroup is under `kubepods`): its namespace when the kubelet's log folders
+    /// name it, `None` when nothing does.
+    Pod { namespace: Option<String> },
+}
+
+impl Process {
+    /// Whether this process may be an operand of the GPU Operator installed in namespace
+    /// `operator_namespace` (pure): one outside the pods always may (the Operator's operands are
+    /// pods, but a host service doing their job conflicts all the same); one in a pod only when
+    /// that pod is in the Operator's namespace. Any pod can run a program under an operand's name:
+    /// one in another namespace, or whose namespace is not known, is a tenant's.
+    pub fn may_be_operators(&self, operator_namespace: &str) -> bool {
+        match &self.placement {
+            Placement::Host => true,
+            Placement::Pod { namespace } => namespace.as_deref() == Some(operator_namespace),
+        }
+    }
 }
 
 /// What was seen on the node.
@@ -218,7 +249,7 @@ fn read_prefix(path: &Path, limit: u64) -> std::io::Result<Vec<u8>> {
 
 /// A name a process chose, fit to show: at most [`PROGRAM_MAX`] characters (`...` when cut),
 /// printable ASCII only (others are `?`).
-fn printable(name: &str) -> String {
+pub fn printable(name: &str) -> String {
     let mut out: String = name
         .chars()
         .take(PROGRAM_MAX)
@@ -260,6 +291,7 @@ pub fn operand_processes(root: &HostRoot) -> Vec<(Operand, Process)> {
                 pid,
                 program,
                 pod: None,
+                placement: Placement::Host,
             },
         ));
     }
@@ -308,6 +340,7 @@ pub fn observe(root: &HostRoot, engines: &EngineFiles, served: &[ServedPath]) ->
                 pid,
                 program: program_of(root, pid),
                 pod: None,
+                placement: Placement::Host,
             });
             live_sockets.push((path.clone(), process));
         }
@@ -383,10 +416,35 @@ fn advice(operand: Operand) -> String {
     )
 }
 
+/// The operand processes in `facts` that may be the Operator's, installed in
+/// `operator_namespace` ([`Process::may_be_operators`]; pure).
+pub fn operators_processes<'a>(
+    facts: &'a Facts,
+    operator_namespace: &'a str,
+) -> impl Iterator<Item = &'a (Operand, Process)> + 'a {
+    facts
+        .processes
+        .iter()
+        .filter(move |(_, p)| p.may_be_operators(operator_namespace))
+}
+
+/// The operand processes in `facts` that run under an operand's name in a pod that is not the
+/// Operator's (pure): ignored, and said so.
+pub fn ignored_processes<'a>(
+    facts: &'a Facts,
+    operator_namespace: &'a str,
+) -> impl Iterator<Item = &'a (Operand, Process)> + 'a {
+    facts
+        .processes
+        .iter()
+        .filter(move |(_, p)| !p.may_be_operators(operator_namespace))
+}
+
 /// The conflicts in `facts` (pure): each live socket at a path the agent serves, a running
 /// mig-manager while MIG is the agent's, the Operator's toolkit in the engines' configs while
-/// the runtime stage is on, a driver container while the agent installs the driver.
-pub fn conflicts(facts: &Facts, roles: &Roles) -> Vec<Conflict> {
+/// the runtime stage is on, a driver container while the agent installs the driver. Only the
+/// processes that may be the Operator's (installed in `operator_namespace`) count.
+pub fn conflicts(facts: &Facts, roles: &Roles, operator_namespace: &str) -> Vec<Conflict> {
     let mut out = Vec::new();
     for (path, process) in &facts.live_sockets {
         let operand = process
@@ -407,7 +465,7 @@ pub fn conflicts(facts: &Facts, roles: &Roles) -> Vec<Conflict> {
         });
     }
     if roles.mig
-        && let Some((_, p)) = facts.processes.iter().find(|(o, _)| *o == Operand::MigManager)
+        && let Some((_, p)) = operators_processes(facts, operator_namespace).find(|(o, _)| *o == Operand::MigManager)
     {
         out.push(Conflict {
             operand: Operand::MigManager,
@@ -422,15 +480,13 @@ pub fn conflicts(facts: &Facts, roles: &Roles) -> Vec<Conflict> {
     // The config alone is not enough (the NVIDIA docs have people write that path by hand, and
     // a toolkit container killed without its cleanup leaves it): its container runs, or the
     // validator saw it ready.
-    let toolkit_runs = facts.processes.iter().any(|(o, _)| *o == Operand::ContainerToolkit)
+    let toolkit_runs = operators_processes(facts, operator_namespace).any(|(o, _)| *o == Operand::ContainerToolkit)
         || facts.validations.iter().any(|v| v == "toolkit-ready");
     if roles.runtime && !facts.toolkit_configs.is_empty() && toolkit_runs {
         let files: Vec<String> = facts.toolkit_configs.iter().map(|f| f.display().to_string()).collect();
         out.push(Conflict {
             operand: Operand::ContainerToolkit,
-            process: facts
-                .processes
-                .iter()
+            process: operators_processes(facts, operator_namespace)
                 .find(|(o, _)| *o == Operand::ContainerToolkit)
                 .map(|(_, p)| p.clone()),
             seen: format!("{} names {TOOLKIT_DIR}/nvidia-container-runtime", files.join(", ")),
@@ -488,6 +544,71 @@ pub type Previous = BTreeMap<String, Option<String>>;
 
 /// File under the state dir with [`Previous`], `key=value` or `key` (was unset) per line.
 pub const PREVIOUS_FILE: &str = "operator-deploy-labels";
+
+/// What [`PREVIOUS_FILE`] keeps: the Node whose deploy labels were set, and their previous
+/// values. Put back on that Node, whatever names the node where the undo runs (a package removal
+/// may run with an admin shell's `NODE_NAME`).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Record {
+    /// The Node patched; `None` in a record written before it was kept.
+    pub node: Option<String>,
+    pub labels: Previous,
+}
+
+/// [`PREVIOUS_FILE`]'s line naming the Node (older versions skip it: not a deploy label).
+const NODE_LINE: &str = "node=";
+
+/// Parses [`PREVIOUS_FILE`]'s text, with or without its `node=` line (a name that is not a Node
+/// name is not taken).
+pub fn parse_record(text: &str) -> Record {
+    let node = text
+        .lines()
+        .find_map(|l| l.trim().strip_prefix(NODE_LINE))
+        .map(str::trim)
+        .filter(|n| crate::names::is_dns_subdomain(n))
+        .map(str::to_string);
+    Record {
+        node,
+        labels: parse_previous(text),
+    }
+}
+
+/// [`PREVIOUS_FILE`]'s text for `record`.
+pub fn render_record(record: &Record) -> String {
+    let node = record
+        .node
+        .as_deref()
+        .map(|n| format!("{NODE_LINE}{n}\n"))
+        .unwrap_or_default();
+    node + &render_previous(&record.labels)
+}
+
+/// The record after withdrawing `operands` on Node `node` with `current` labels, and the patch
+/// that does it (pure; [`withdraw_patch`]). An error when the record is another Node's (its
+/// labels must go back there first).
+pub fn withdraw_record(
+    current: &BTreeMap<String, String>,
+    operands: &[Operand],
+    recorded: &Record,
+    node: &str,
+) -> Result<(BTreeMap<String, Option<String>>, Record), String> {
+    if let Some(other) = recorded.node.as_deref().filter(|n| *n != node)
+        && !recorded.labels.is_empty()
+    {
+        return Err(format!(
+            "the deploy labels recorded in {PREVIOUS_FILE} were set on node {other}, not {node}: put them back \
+             there first (`gpu-node-agent migrate --undo`)"
+        ));
+    }
+    let (patch, labels) = withdraw_patch(current, operands, &recorded.labels);
+    Ok((
+        patch,
+        Record {
+            node: Some(node.to_string()),
+            labels,
+        },
+    ))
+}
 
 /// Parses [`PREVIOUS_FILE`]'s text.
 pub fn parse_previous(text: &str) -> Previous {
@@ -608,6 +729,22 @@ mod tests {
         assert_eq!(previous["nvidia.com/gpu.deploy.device-plugin"].as_deref(), Some("true"));
         assert_eq!(previous["nvidia.com/gpu.deploy.mig-manager"], None);
         assert_eq!(parse_previous(&render_previous(&previous)), previous);
+        // The record names the Node patched; one without (older) still reads.
+        let record = Record {
+            node: Some("gpu-node-1".into()),
+            labels: previous.clone(),
+        };
+        let text = render_record(&record);
+        assert!(text.starts_with("node=gpu-node-1\n"), "{text}");
+        assert_eq!(parse_record(&text), record);
+        assert_eq!(parse_previous(&text), previous, "what older versions read");
+        let old = parse_record(&render_previous(&previous));
+        assert_eq!(old.node, None);
+        assert_eq!(old.labels, previous);
+        let (p, r) = withdraw_record(&current, &ops, &old, "gpu-node-1").expect("an old record");
+        assert_eq!((p, r), (patch.clone(), record.clone()));
+        let e = withdraw_record(&current, &ops, &record, "gpu-node-2").expect_err("another node's");
+        assert!(e.contains("set on node gpu-node-1, not gpu-node-2"), "{e}");
         // Applied: nothing more to do, and the record keeps the first values.
         let after: BTreeMap<String, String> = patch
             .iter()
@@ -642,6 +779,7 @@ mod tests {
                     pid: 42,
                     program: Some("nvidia-device-plugin".into()),
                     pod: None,
+                    placement: Placement::Host,
                 }),
             )],
             processes: vec![(
@@ -649,12 +787,15 @@ mod tests {
                 Process {
                     pid: 43,
                     program: Some("nvidia-mig-manager".into()),
-                    pod: Some("pod tenant-a/evil".into()),
+                    pod: Some("pod gpu-operator/nvidia-mig-manager-x7k2p".into()),
+                    placement: Placement::Pod {
+                        namespace: Some("gpu-operator".into()),
+                    },
                 },
             )],
             ..Facts::default()
         };
-        let found = conflicts(&facts, &roles);
+        let found = conflicts(&facts, &roles, "gpu-operator");
         assert_eq!(found.len(), 2);
         let line = found[0].line(false);
         assert!(line.contains("nvidia-device-plugin, pid 42"), "{line}");
@@ -663,8 +804,66 @@ mod tests {
         assert_eq!(found[1].operand, Operand::MigManager);
         let line = found[1].line(false);
         assert!(
-            line.contains("(nvidia-mig-manager, pid 43, pod tenant-a/evil)"),
+            line.contains("(nvidia-mig-manager, pid 43, pod gpu-operator/nvidia-mig-manager-x7k2p)"),
             "{line}"
+        );
+    }
+
+    /// A process under an operand's name counts as the Operator's outside the pods (a host
+    /// service), and in a pod only in the Operator's namespace: a tenant's pod, or one whose
+    /// namespace is not known, holds back neither MIG nor the engine configs.
+    #[test]
+    fn only_the_operators_namespace_or_the_host_runs_its_operands() {
+        let roles = Roles {
+            mig: true,
+            runtime: true,
+            ..Roles::default()
+        };
+        let process = |pid: i32, program: &str, placement: Placement| Process {
+            pid,
+            program: Some(program.into()),
+            pod: None,
+            placement,
+        };
+        let in_ns = |ns: &str| Placement::Pod {
+            namespace: Some(ns.into()),
+        };
+        let facts = |placement: Placement| Facts {
+            processes: vec![
+                (
+                    Operand::ContainerToolkit,
+                    process(10, "nvidia-toolkit", placement.clone()),
+                ),
+                (Operand::MigManager, process(11, "nvidia-mig-manager", placement)),
+            ],
+            toolkit_configs: vec!["/etc/containerd/config.toml".into()],
+            ..Facts::default()
+        };
+        let operands =
+            |f: &Facts, ns: &str| -> Vec<Operand> { conflicts(f, &roles, ns).iter().map(|c| c.operand).collect() };
+        let both = vec![Operand::MigManager, Operand::ContainerToolkit];
+        assert_eq!(operands(&facts(Placement::Host), "gpu-operator"), both);
+        assert_eq!(operands(&facts(in_ns("gpu-operator")), "gpu-operator"), both);
+        assert_eq!(
+            operands(&facts(in_ns("nvidia-gpu-operator")), "nvidia-gpu-operator"),
+            both
+        );
+        for tenant in [in_ns("tenant-a"), Placement::Pod { namespace: None }] {
+            let f = facts(tenant.clone());
+            assert!(operands(&f, "gpu-operator").is_empty(), "{tenant:?}");
+            let ignored: Vec<i32> = ignored_processes(&f, "gpu-operator").map(|(_, p)| p.pid).collect();
+            assert_eq!(ignored, vec![10, 11], "{tenant:?}");
+            assert_eq!(operators_processes(&f, "gpu-operator").count(), 0);
+        }
+        // The validator's ready file still says the toolkit runs, whoever else does.
+        let mut f = facts(in_ns("tenant-a"));
+        f.validations = vec!["toolkit-ready".into()];
+        let found = conflicts(&f, &roles, "gpu-operator");
+        assert_eq!(found.len(), 1, "{found:?}");
+        assert_eq!(found[0].operand, Operand::ContainerToolkit);
+        assert_eq!(
+            found[0].process, None,
+            "the tenant's process is not named as the toolkit"
         );
     }
 }

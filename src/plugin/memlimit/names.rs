@@ -33,7 +33,9 @@ impl PodNames for NoNames {
 /// `/var/log/pods/<namespace>_<pod>_<uid>/` names a pod by UID, and the symlink
 /// `/var/log/containers/<pod>_<namespace>_<container>-<container ID>.log` names a container by
 /// ID. Pod, namespace and container names are DNS labels or subdomains, so `_` only separates.
-/// The names go into messages only; no decision depends on them.
+/// The memory limits use the names in messages only. The GPU Operator guards
+/// (`host::operator`) decide on the namespace: the kubelet writes these folders, a pod cannot
+/// choose them, and a pod whose namespace cannot be told counts as a tenant's.
 #[derive(Debug, Clone)]
 pub struct KubeletLogNames {
     /// `/var/log/pods` under the root.
