@@ -156,6 +156,11 @@ impl Agent {
     /// Why the MIG stage makes no change now: NVIDIA's mig-manager runs on the node. `None`
     /// when it does not (or MIG is off).
     pub(super) fn mig_held_by_operator(&self) -> Option<String> {
+        self.held_by(Operand::MigManager)
+    }
+
+    /// The line of the conflict with the Operator's `operand`, when there is one.
+    fn held_by(&self, operand: Operand) -> Option<String> {
         let withdrawing = self.config.kubernetes.withdraw_operator_operands;
         op::conflicts(
             &self.operator.facts,
@@ -163,7 +168,7 @@ impl Agent {
             &self.config.kubernetes.operator_namespace,
         )
         .into_iter()
-        .find(|c| c.operand == Operand::MigManager)
+        .find(|c| c.operand == operand)
         .map(|c| c.line(withdrawing))
     }
 
@@ -182,15 +187,7 @@ impl Agent {
     /// Why the runtime stage writes no engine config now: the Operator's toolkit configured the
     /// engines (its runtime serves GPU containers meanwhile). `None` when it did not.
     pub(super) fn runtime_held_by_operator(&self) -> Option<String> {
-        let withdrawing = self.config.kubernetes.withdraw_operator_operands;
-        op::conflicts(
-            &self.operator.facts,
-            &roles(&self.config),
-            &self.config.kubernetes.operator_namespace,
-        )
-        .into_iter()
-        .find(|c| c.operand == Operand::ContainerToolkit)
-        .map(|c| c.line(withdrawing))
+        self.held_by(Operand::ContainerToolkit)
     }
 
     /// Sets the replaced operands' deploy labels to `false` on the Node (once the Node's labels
