@@ -148,8 +148,9 @@ pub enum RuntimeCommand {
     },
     /// Take the nvidia runtime out again: files the agent wrote and nobody edited since get
     /// back exactly what was there before; files edited since lose only the agent's entries; the
-    /// agent's drop-ins and CDI specs go, and the `/dev/char` links it made. Engines whose files
-    /// changed are restarted. Removing the package runs it.
+    /// agent's drop-ins and CDI specs go, and the `/dev/char` links it made; its DRA slices are
+    /// deleted and the GPU Operator's deploy labels a migration set are put back. Engines whose
+    /// files changed are restarted. Removing the package runs it.
     Unconfigure {
         /// Write the files but restart nothing.
         #[arg(long)]
