@@ -4,13 +4,14 @@ use std::collections::HashMap;
 use std::convert::Infallible;
 use std::io;
 use std::sync::Arc;
+use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use futures_util::StreamExt as _;
 use http_body_util::combinators::UnsyncBoxBody;
 use http_body_util::{BodyExt as _, Full, StreamBody};
-use hyper::body::{Frame, Incoming};
+use hyper::body::{Body as _, Frame, Incoming};
 use hyper::header::{AUTHORIZATION, CONTENT_TYPE, HeaderValue};
 use hyper::{Method, Request, Response};
 use hyper_util::rt::{TokioExecutor, TokioIo};
@@ -21,6 +22,7 @@ use tokio::sync::mpsc;
 use tokio_rustls::TlsAcceptor;
 
 use crate::dra;
+use crate::load::{Counted, LoadTable};
 use crate::patch::{self, PatchType};
 use crate::selector::{
     CLAIM_FIELDS, EVENT_FIELDS, FieldSelector, Filter, LabelSelector, NODE_FIELDS, SLICE_FIELDS, requires_equal,
@@ -31,6 +33,9 @@ use crate::tls::CertIdentity;
 use crate::{Failure, RequestRecord, State};
 
 pub(crate) type Body = UnsyncBoxBody<Bytes, Infallible>;
+
+/// How long a client has for its TLS handshake after the connection is accepted.
+const TLS_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(32);
 
 /// Accepts connections until shutdown. While the server is down, connections are reset at once.
 pub(crate) async fn serve(state: Arc<State>, listener: TcpListener, acceptor: Option<TlsAcceptor>) {
@@ -77,7 +82,9 @@ async fn connection(state: Arc<State>, acceptor: Option<TlsAcceptor>, tcp: tokio
             // Plain http: no certificate, bearer tokens only.
             return serve_io(state.clone(), None, tcp).await;
         };
-        let Ok(Ok(tls)) = tokio::time::timeout(Duration::from_secs(10), acceptor.accept(tcp)).await else {
+        // kube-apiserver's `ReadHeaderTimeout` (32 s) is also Go's TLS handshake timeout; a
+        // burst of thousands of handshakes on a small machine needs all of it.
+        let Ok(Ok(tls)) = tokio::time::timeout(TLS_HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await else {
             return;
         };
         let identity = tls
@@ -483,51 +490,89 @@ async fn handle(
     let at = Instant::now();
     let (parts, body) = req.into_parts();
     let body = body.collect().await.map_err(io::Error::other)?.to_bytes();
-    let path = parts.uri.path().to_owned();
-    let raw_query = parts.uri.query().unwrap_or_default().to_owned();
-    let query = parse_query(&raw_query);
-    let route = route(&parts.method, &path, &query);
+    let path = parts.uri.path();
+    let raw_query = parts.uri.query().unwrap_or_default();
+    let query = parse_query(raw_query);
+    let route = route(&parts.method, path, &query);
     let header = |name| parts.headers.get(name).and_then(|v: &HeaderValue| v.to_str().ok());
-    let content_type = header(CONTENT_TYPE).map(str::to_owned);
+    let content_type = header(CONTENT_TYPE);
     let user = authenticate(&state, &cert, header(AUTHORIZATION));
-    let mut record = RequestRecord {
-        at,
-        method: parts.method.as_str().to_owned(),
-        path: path.clone(),
-        query: raw_query,
-        user: user.clone(),
-        status: 0,
-        watch: route.verb == "watch",
-        verb: route.verb.clone(),
-        content_type: content_type.clone(),
-        body: String::from_utf8_lossy(&body).into_owned(),
-    };
+    let slot = LoadTable::slot(&route.verb, route.resource);
+    state.load.request(slot, body.len(), user.as_deref());
+    let masters = cert
+        .as_ref()
+        .as_ref()
+        .is_some_and(|id| id.groups.iter().any(|g| g == "system:masters"));
     let outcome = process(
         &state,
         &route,
         user.as_deref(),
-        &path,
+        masters,
+        path,
         &query,
-        content_type.as_deref(),
+        content_type,
         &body,
     )
     .await;
-    let result = match outcome {
+    let (status, result) = match outcome {
         Outcome::Respond(resp) => {
-            record.status = resp.status().as_u16();
-            Ok(resp)
+            let status = resp.status().as_u16();
+            if status == 429 {
+                state.load.too_many_requests(slot);
+            }
+            let resp = match resp.body().size_hint().exact() {
+                Some(len) => {
+                    state.load.sent(slot, usize::try_from(len).unwrap_or(usize::MAX));
+                    resp
+                }
+                None => {
+                    let watch = route.verb == "watch";
+                    resp.map(|body| Counted::wrap(body, state.clone(), slot, watch))
+                }
+            };
+            (status, Ok(resp))
         }
-        Outcome::Disconnect => Err(io::Error::other("test-apiserver: injected disconnect")),
+        Outcome::Disconnect => (0, Err(io::Error::other("test-apiserver: injected disconnect"))),
     };
-    state.log.lock().expect("log").push(record);
+    if state.logging.load(Ordering::Relaxed) {
+        let record = RequestRecord {
+            at,
+            method: parts.method.as_str().to_owned(),
+            path: path.to_owned(),
+            query: raw_query.to_owned(),
+            user,
+            status,
+            watch: route.verb == "watch",
+            verb: route.verb.clone(),
+            content_type: content_type.map(str::to_owned),
+            body: String::from_utf8_lossy(&body).into_owned(),
+        };
+        state.log.lock().expect("log").push(record);
+    }
     state.touch();
     result
 }
 
+/// The max-in-flight filter's 429: kube-apiserver writes it with Go's `http.Error`, so the body
+/// is plain text, not a `Status`, and the only hint to wait is the `Retry-After` header.
+fn too_many_in_flight() -> Response<Body> {
+    Response::builder()
+        .status(429)
+        .header("Cache-Control", "no-cache, private")
+        .header("Audit-Id", new_uid())
+        .header(CONTENT_TYPE, "text/plain; charset=utf-8")
+        .header("X-Content-Type-Options", "nosniff")
+        .header("Retry-After", "1")
+        .body(Full::new(Bytes::from_static(b"Too many requests, please try again later.\n")).boxed_unsync())
+        .expect("response")
+}
+
+#[allow(clippy::too_many_arguments)]
 async fn process(
     state: &State,
     route: &Route,
     user: Option<&str>,
+    masters: bool,
     path: &str,
     query: &HashMap<String, String>,
     content_type: Option<&str>,
@@ -535,6 +580,11 @@ async fn process(
 ) -> Outcome {
     let Some(user) = user else {
         return Outcome::Respond(error_response(&ApiError::unauthorized()));
+    };
+    // kube-apiserver's filter order: authentication, then max-in-flight, then authorization.
+    // The place is held until the answer is ready (through an injected delay, too).
+    let Some(_in_flight) = state.inflight.admit(&route.verb, masters) else {
+        return Outcome::Respond(too_many_in_flight());
     };
     let mut fault = state.take_fault(&route.verb, route.resource);
     if let Some(Failure::Delay(d)) = fault {
@@ -721,7 +771,7 @@ fn dispatch(
             let filter = filter(query, SLICE_FIELDS, None)?;
             let list = {
                 let mut store = state.store();
-                let deleted = store.delete_resource_slices_where(|s| filter.matches(s));
+                let deleted = store.delete_matching_slices(&filter);
                 store.dra_list("ResourceSliceList", deleted)
             };
             state.touch();

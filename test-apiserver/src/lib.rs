@@ -6,13 +6,16 @@
 //! kube-apiserver where the node agent can tell: `Status` error bodies, GET/LIST, merge,
 //! strategic-merge and JSON patches, resourceVersion preconditions (409), label validation (422),
 //! watch streams with bookmarks, timeouts and 410 `Expired`, bearer-token and client-certificate
-//! authentication (401), per-user denials (403) and injected failures (429 with `Retry-After`,
-//! 500, 503, 504, dropped connections, an unreachable server). Tests drive it through this handle
-//! and assert on the objects and on the request log. See README.md for what it leaves out.
+//! authentication (401), per-user denials (403), injected failures (429 with `Retry-After`,
+//! 500, 503, 504, dropped connections, an unreachable server), the max-in-flight limit and
+//! restarts. Tests drive it through this handle and assert on the objects, the request log and
+//! the load statistics; one server holds thousands of node clients at once (README.md, "Many
+//! clients at once"). See README.md for what it leaves out.
 
 mod dra;
 mod http;
 mod kubeconfig;
+mod load;
 mod patch;
 mod selector;
 mod status;
@@ -24,16 +27,19 @@ mod validate;
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::net::{Ipv4Addr, SocketAddr};
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
-use tokio::net::TcpListener;
+use tokio::net::TcpSocket;
 use tokio::sync::watch;
 use tokio_rustls::TlsAcceptor;
 
 pub use kubeconfig::{KubeconfigAuth, KubeconfigOptions};
+pub use load::{Load, Stats};
 
+use load::{InflightLimits, LoadTable};
 use store::Store;
 use tls::Pki;
 
@@ -130,6 +136,9 @@ impl Default for Options {
     }
 }
 
+/// The accept queue asked for (the kernel caps it at `net.core.somaxconn`).
+const LISTEN_BACKLOG: u32 = 8192;
+
 struct Fault {
     remaining: usize,
     verb: Option<String>,
@@ -145,7 +154,14 @@ pub(crate) struct State {
     forbidden: Mutex<Vec<(String, String, String)>>,
     faults: Mutex<VecDeque<Fault>>,
     log: Mutex<Vec<RequestRecord>>,
+    /// Whether requests go into `log` ([`TestApiServer::set_request_log`]).
+    logging: AtomicBool,
+    load: LoadTable,
+    inflight: InflightLimits,
     down: watch::Sender<bool>,
+    /// Bumped by every `set_down` and `restart`: a restart's coming back up happens only if
+    /// nothing else changed the down state in the meantime.
+    down_epoch: Mutex<u64>,
     /// Bumped each time the server goes down: open connections end.
     cuts: watch::Sender<u64>,
     shutdown: watch::Sender<bool>,
@@ -179,6 +195,19 @@ impl State {
         Some(failure)
     }
 
+    /// Drops every open connection and watch, and refuses new connections from now on.
+    fn go_down(&self) {
+        self.store().drop_watches();
+        self.down.send_replace(true);
+        self.cuts.send_modify(|n| *n += 1);
+        self.touch();
+    }
+
+    fn go_up(&self) {
+        self.down.send_replace(false);
+        self.touch();
+    }
+
     fn is_forbidden(&self, user: &str, verb: &str, resource: &str) -> bool {
         let wild = |rule: &str, actual: &str| rule == "*" || rule == actual;
         self.forbidden
@@ -194,6 +223,8 @@ struct Handle {
     addr: SocketAddr,
     /// `http` or `https`.
     scheme: &'static str,
+    /// The runtime the server runs on (the one that called `start`), for the handle's own tasks.
+    runtime: tokio::runtime::Handle,
 }
 
 impl Drop for Handle {
@@ -237,9 +268,14 @@ impl TestApiServer {
         let pki = Pki::new();
         let acceptor = (!options.plain_http).then(|| TlsAcceptor::from(Arc::new(pki.server_config(options.http2))));
         let scheme = if options.plain_http { "http" } else { "https" };
-        let listener = TcpListener::bind((Ipv4Addr::LOCALHOST, 0))
-            .await
+        // A deep accept queue: thousands of clients connecting at once (a fleet bench) would
+        // overflow tokio's default backlog of 1024, and each dropped SYN costs its client a
+        // 1 s retransmission. The kernel caps it at net.core.somaxconn.
+        let socket = TcpSocket::new_v4().expect("TCP socket for 127.0.0.1");
+        socket
+            .bind(SocketAddr::from((Ipv4Addr::LOCALHOST, 0)))
             .expect("bind 127.0.0.1:0");
+        let listener = socket.listen(LISTEN_BACKLOG).expect("listen on 127.0.0.1");
         let addr = listener.local_addr().expect("local address");
         let state = Arc::new(State {
             pki,
@@ -248,7 +284,11 @@ impl TestApiServer {
             forbidden: Mutex::new(Vec::new()),
             faults: Mutex::new(VecDeque::new()),
             log: Mutex::new(Vec::new()),
+            logging: AtomicBool::new(true),
+            load: LoadTable::new(),
+            inflight: InflightLimits::default(),
             down: watch::Sender::new(false),
+            down_epoch: Mutex::new(0),
             cuts: watch::Sender::new(0),
             shutdown: watch::Sender::new(false),
             bookmark_interval: watch::Sender::new(options.bookmark_interval),
@@ -257,7 +297,12 @@ impl TestApiServer {
         tokio::spawn(http::serve(state.clone(), listener, acceptor));
         tokio::spawn(bookmark_ticker(state.clone()));
         TestApiServer {
-            handle: Arc::new(Handle { state, addr, scheme }),
+            handle: Arc::new(Handle {
+                state,
+                addr,
+                scheme,
+                runtime: tokio::runtime::Handle::current(),
+            }),
         }
     }
 
@@ -536,7 +581,8 @@ impl TestApiServer {
     // ----- request log -----
 
     /// Every request since the start or the last [`clear_requests`](Self::clear_requests), in
-    /// the order their answers started.
+    /// the order their answers started (only those logged while
+    /// [`set_request_log`](Self::set_request_log) was on).
     pub fn requests(&self) -> Vec<RequestRecord> {
         self.state().log.lock().expect("log").clone()
     }
@@ -544,6 +590,26 @@ impl TestApiServer {
     /// Empties the request log.
     pub fn clear_requests(&self) {
         self.state().log.lock().expect("log").clear();
+    }
+
+    /// Keeps a [`RequestRecord`] (with its body) of every request (`true`, the default), or
+    /// none from now on. With thousands of clients the log grows large; [`stats`](Self::stats)
+    /// count either way, and [`wait_for`](Self::wait_for) still wakes on every request.
+    pub fn set_request_log(&self, on: bool) {
+        self.state().logging.store(on, Ordering::Relaxed);
+    }
+
+    /// Load statistics since the start or the last [`clear_stats`](Self::clear_stats): per
+    /// (verb, resource) the requests, body bytes in and out (a watch's as they stream), 429
+    /// answers, open and peak watches; per user the requests; the requests in flight now.
+    pub fn stats(&self) -> Stats {
+        self.state().load.snapshot(&self.state().inflight)
+    }
+
+    /// Zeroes the counters of [`stats`](Self::stats). Watches still open stay counted as open,
+    /// and the peaks start again from them.
+    pub fn clear_stats(&self) {
+        self.state().load.clear();
     }
 
     /// Logged requests with this HTTP method (any case) whose path starts with `path_prefix`.
@@ -603,17 +669,57 @@ impl TestApiServer {
         self.state().forbidden.lock().expect("forbidden").clear();
     }
 
+    /// kube-apiserver's max-in-flight filter (`--max-requests-inflight`,
+    /// `--max-mutating-requests-inflight`; what runs instead of API Priority and Fairness when
+    /// that is off): at most `readonly` `get`/`list` and `mutating` other requests are served at
+    /// once; one more gets 429 with `Retry-After: 1` and upstream's plain-text body. Watches are
+    /// long-running and not counted. `None` (or 0, as upstream) is no limit, the default.
+    /// Checked after authentication, before faults and authorization; a request delayed by
+    /// [`Failure::Delay`] holds its place while it waits. Users in the `system:masters` group
+    /// (by client certificate) are always served.
+    pub fn set_max_inflight(&self, readonly: Option<usize>, mutating: Option<usize>) {
+        self.state().inflight.set(readonly, mutating);
+    }
+
     /// While down, new connections are reset right after accept, and going down drops every open
-    /// connection (and so every watch stream) at once.
+    /// connection (and so every watch stream) at once. Cancels the coming back of a
+    /// [`restart`](Self::restart) in progress.
     pub fn set_down(&self, down: bool) {
+        let mut epoch = self.state().down_epoch.lock().expect("down epoch");
+        *epoch += 1;
         if down {
-            self.state().store().drop_watches();
+            self.state().go_down();
+        } else {
+            self.state().go_up();
         }
-        self.state().down.send_replace(down);
-        if down {
-            self.state().cuts.send_modify(|n| *n += 1);
-        }
-        self.state().touch();
+    }
+
+    /// What a kube-apiserver restart looks like to its clients: every connection, and with it
+    /// every watch, drops at once; new connections are reset right after accept for `down_for`;
+    /// then it answers again with its watch history gone. At that moment the resourceVersion
+    /// moves on by one (a real one writes its identity Lease at start, which moves etcd's
+    /// revision) and the history is [compacted](Self::compact) there, so a watch from any
+    /// resourceVersion a client holds gets HTTP 200 and one ERROR event (410 `Expired`), and a
+    /// re-list gets the new one. Objects are kept (they live in etcd). Returns at once; the
+    /// coming back is a task on the server's runtime, and a [`set_down`](Self::set_down) or
+    /// another restart in the meantime cancels it.
+    pub fn restart(&self, down_for: Duration) {
+        let epoch = {
+            let mut epoch = self.state().down_epoch.lock().expect("down epoch");
+            *epoch += 1;
+            self.state().go_down();
+            *epoch
+        };
+        let state: Weak<State> = Arc::downgrade(&self.handle.state);
+        self.handle.runtime.spawn(async move {
+            tokio::time::sleep(down_for).await;
+            let Some(state) = state.upgrade() else { return };
+            let current = state.down_epoch.lock().expect("down epoch");
+            if *current == epoch {
+                state.store().restarted();
+                state.go_up();
+            }
+        });
     }
 
     /// Whether [`set_down`](Self::set_down)`(true)` is in force.

@@ -110,13 +110,28 @@ impl FieldSelector {
                 field.as_str()
             };
             let actual = path.split('.').try_fold(obj, |cur, part| cur.get(part));
-            let actual = match actual {
-                Some(Value::String(s)) => s.clone(),
-                Some(Value::Null) | None => String::new(),
-                Some(other) => other.to_string(),
+            // Compared in place: a watch checks every change against its selector.
+            let same = match actual {
+                Some(Value::String(s)) => s == value,
+                Some(Value::Null) | None => value.is_empty(),
+                Some(other) => {
+                    // Numbers and booleans (`spec.unschedulable=true`) as their JSON text.
+                    let shown = other.to_string();
+                    shown == *value
+                }
             };
-            (actual == *value) == *equal
+            same == *equal
         })
+    }
+
+    /// The value `field` must equal for anything to match (a `field=value` or `field==value`
+    /// term), if the selector has such a term: the watch fan-out indexes watches by
+    /// `metadata.name` with it.
+    pub fn required(&self, field: &str) -> Option<&str> {
+        self.0
+            .iter()
+            .find(|(f, equal, _)| *equal && f == field)
+            .map(|(_, _, value)| value.as_str())
     }
 }
 
@@ -203,6 +218,20 @@ mod tests {
                 .matches(&obj)
         );
         assert!(FieldSelector::parse("spec.other=1", NODE_FIELDS).is_err());
+        assert!(
+            FieldSelector::parse("spec.unschedulable=", NODE_FIELDS)
+                .unwrap()
+                .matches(&json!({"spec": {}}))
+        );
+    }
+
+    #[test]
+    fn required_values() {
+        let sel = FieldSelector::parse("spec.unschedulable=true,metadata.name==n1", NODE_FIELDS).unwrap();
+        assert_eq!(sel.required("metadata.name"), Some("n1"));
+        assert_eq!(sel.required("spec.unschedulable"), Some("true"));
+        let sel = FieldSelector::parse("metadata.name!=n1", NODE_FIELDS).unwrap();
+        assert_eq!(sel.required("metadata.name"), None);
     }
 
     #[test]

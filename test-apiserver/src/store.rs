@@ -1,6 +1,6 @@
 //! Objects, the global resourceVersion counter, the watch history and the open watches.
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 
 use bytes::Bytes;
 use serde_json::{Map, Value, json};
@@ -28,6 +28,47 @@ struct Watcher {
     bookmarks: bool,
 }
 
+/// The open watches, indexed so that a change reaches only the watches that may see it: a watch
+/// whose field selector requires `metadata.name=<x>` can only ever see node `x`, so it is kept
+/// under `x`; every other watch is checked against every change. With one such watch per node
+/// (what each kubelet-like client opens), a change costs one lookup instead of one selector check
+/// per watch.
+#[derive(Default)]
+struct Watchers {
+    by_name: HashMap<String, Vec<Watcher>>,
+    others: Vec<Watcher>,
+}
+
+impl Watchers {
+    fn add(&mut self, watcher: Watcher) {
+        let list = match watcher.filter.fields.required("metadata.name") {
+            Some(name) => self.by_name.entry(name.to_owned()).or_default(),
+            None => &mut self.others,
+        };
+        // Prune where the new watch goes; other lists are pruned when they are next sent to.
+        list.retain(|w| !w.tx.is_closed());
+        list.push(watcher);
+    }
+
+    /// Keeps the watchers `keep` accepts, in every list; drops lists left empty.
+    fn retain_all(&mut self, mut keep: impl FnMut(&Watcher) -> bool) {
+        self.by_name.retain(|_, list| {
+            list.retain(&mut keep);
+            !list.is_empty()
+        });
+        self.others.retain(keep);
+    }
+
+    fn len(&self) -> usize {
+        self.others.len() + self.by_name.values().map(Vec::len).sum::<usize>()
+    }
+
+    fn clear(&mut self) {
+        self.by_name.clear();
+        self.others.clear();
+    }
+}
+
 /// Where a new watch starts.
 pub(crate) enum WatchFrom {
     /// RV absent or "0": synthetic ADDED for what exists now.
@@ -42,15 +83,20 @@ pub(crate) struct Store {
     floor: u64,
     nodes: BTreeMap<String, Value>,
     events: Vec<Value>,
+    /// Where each Event is in `events`, by namespace and name (Events are never deleted).
+    event_at: HashMap<String, HashMap<String, usize>>,
     /// `node.k8s.io/v1` RuntimeClasses by name (cluster-scoped).
     runtime_classes: BTreeMap<String, Value>,
     /// `resource.k8s.io/v1` ResourceSlices by name (cluster-scoped). Not in the watch history.
     resource_slices: BTreeMap<String, Value>,
+    /// The names of the ResourceSlices with each `spec.nodeName`: a node lists its own slices
+    /// (`fieldSelector=spec.nodeName=<n>`), and with thousands of nodes a scan of all is slow.
+    slices_by_node: HashMap<String, BTreeSet<String>>,
     /// `resource.k8s.io/v1` ResourceClaims by (namespace, name).
     resource_claims: BTreeMap<(String, String), Value>,
     history: VecDeque<Change>,
     history_limit: usize,
-    watchers: Vec<Watcher>,
+    watchers: Watchers,
 }
 
 /// The server-set metadata of an object being created (`name`, a new `uid`, the creation time;
@@ -268,12 +314,14 @@ impl Store {
             floor: 0,
             nodes: BTreeMap::new(),
             events: Vec::new(),
+            event_at: HashMap::new(),
             runtime_classes: BTreeMap::new(),
             resource_slices: BTreeMap::new(),
+            slices_by_node: HashMap::new(),
             resource_claims: BTreeMap::new(),
             history: VecDeque::new(),
             history_limit: history_limit.max(1),
-            watchers: Vec::new(),
+            watchers: Watchers::default(),
         }
     }
 
@@ -287,10 +335,28 @@ impl Store {
     }
 
     fn record(&mut self, change: Change) {
-        self.watchers.retain(|w| match event_for(&w.filter, &change) {
-            Some((kind, obj)) => w.tx.send(watch_line(kind, obj)).is_ok(),
+        // Each kind of line is serialized once and shared by every watch that gets it.
+        let mut lines: [Option<Bytes>; 3] = [None, None, None];
+        let mut send = |w: &Watcher| match event_for(&w.filter, &change) {
+            Some((kind, obj)) => {
+                let slot = match kind {
+                    "ADDED" => 0,
+                    "MODIFIED" => 1,
+                    _ => 2,
+                };
+                let line = lines[slot].get_or_insert_with(|| watch_line(kind, obj));
+                w.tx.send(line.clone()).is_ok()
+            }
             None => !w.tx.is_closed(),
-        });
+        };
+        let watchers = &mut self.watchers;
+        if let Some(list) = watchers.by_name.get_mut(meta_str(&change.obj, "name")) {
+            list.retain(&mut send);
+            if list.is_empty() {
+                watchers.by_name.remove(meta_str(&change.obj, "name"));
+            }
+        }
+        watchers.others.retain(send);
         self.history.push_back(change);
         while self.history.len() > self.history_limit {
             if let Some(dropped) = self.history.pop_front() {
@@ -380,13 +446,19 @@ impl Store {
         Some(obj)
     }
 
-    pub fn node_list(&self, filter: &Filter) -> Value {
-        let items: Vec<Value> = self
-            .nodes
-            .values()
+    /// The nodes `filter` selects, in name order; one lookup when it names the node.
+    fn matching_nodes<'a>(&'a self, filter: &'a Filter) -> impl Iterator<Item = &'a Value> + 'a {
+        let (one, all) = match filter.fields.required("metadata.name") {
+            Some(name) => (self.nodes.get(name), None),
+            None => (None, Some(self.nodes.values())),
+        };
+        one.into_iter()
+            .chain(all.into_iter().flatten())
             .filter(|n| filter.matches(n))
-            .map(list_item)
-            .collect();
+    }
+
+    pub fn node_list(&self, filter: &Filter) -> Value {
+        let items: Vec<Value> = self.matching_nodes(filter).map(list_item).collect();
         json!({
             "kind": "NodeList",
             "apiVersion": "v1",
@@ -407,7 +479,7 @@ impl Store {
     ) -> Result<mpsc::UnboundedReceiver<Bytes>, ApiError> {
         let (tx, rx) = mpsc::unbounded_channel();
         let initial = |tx: &mpsc::UnboundedSender<Bytes>| {
-            for node in self.nodes.values().filter(|n| filter.matches(n)) {
+            for node in self.matching_nodes(&filter) {
                 let _ = tx.send(watch_line("ADDED", node));
             }
         };
@@ -426,15 +498,14 @@ impl Store {
         if send_initial_events && bookmarks {
             let _ = tx.send(bookmark_line(self.rv, true));
         }
-        self.watchers.retain(|w| !w.tx.is_closed());
-        self.watchers.push(Watcher { tx, filter, bookmarks });
+        self.watchers.add(Watcher { tx, filter, bookmarks });
         Ok(rx)
     }
 
     pub fn send_bookmarks(&mut self) {
         let line = bookmark_line(self.rv, false);
         self.watchers
-            .retain(|w| !w.bookmarks || w.tx.send(line.clone()).is_ok());
+            .retain_all(|w| !w.bookmarks || w.tx.send(line.clone()).is_ok());
     }
 
     /// Ends every open watch stream (cleanly: the response body ends).
@@ -443,7 +514,7 @@ impl Store {
     }
 
     pub fn open_watches(&mut self) -> usize {
-        self.watchers.retain(|w| !w.tx.is_closed());
+        self.watchers.retain_all(|w| !w.tx.is_closed());
         self.watchers.len()
     }
 
@@ -453,6 +524,14 @@ impl Store {
         self.floor = self.rv;
     }
 
+    /// A restarted API server's watch cache: the resourceVersion moves on by one (kube-apiserver
+    /// writes its identity Lease at start, so etcd's revision always moves) and the history
+    /// starts there, so every RV a client holds is expired.
+    pub fn restarted(&mut self) {
+        self.next_rv();
+        self.compact();
+    }
+
     // ----- events -----
 
     pub fn events(&self) -> &[Value] {
@@ -460,9 +539,7 @@ impl Store {
     }
 
     fn event_index(&self, ns: &str, name: &str) -> Option<usize> {
-        self.events
-            .iter()
-            .position(|e| meta_str(e, "namespace") == ns && meta_str(e, "name") == name)
+        self.event_at.get(ns)?.get(name).copied()
     }
 
     pub fn event(&self, ns: &str, name: &str) -> Option<&Value> {
@@ -519,6 +596,10 @@ impl Store {
         }
         let rv = self.next_rv();
         ev["metadata"]["resourceVersion"] = Value::String(rv.to_string());
+        self.event_at
+            .entry(ns.to_owned())
+            .or_default()
+            .insert(name, self.events.len());
         self.events.push(ev.clone());
         Ok(ev)
     }
@@ -653,6 +734,7 @@ impl Store {
         }
         let rv = self.next_rv();
         obj["metadata"]["resourceVersion"] = Value::String(rv.to_string());
+        self.index_slice(&name, &obj, true);
         self.resource_slices.insert(name, obj.clone());
         Ok(obj)
     }
@@ -682,13 +764,18 @@ impl Store {
         }
         let rv = self.next_rv();
         new["metadata"]["resourceVersion"] = Value::String(rv.to_string());
-        self.resource_slices.insert(name.to_owned(), new.clone());
+        // `spec.nodeName` is immutable (validated above); re-indexed all the same.
+        if let Some(old) = self.resource_slices.insert(name.to_owned(), new.clone()) {
+            self.index_slice(name, &old, false);
+        }
+        self.index_slice(name, &new, true);
         Ok(new)
     }
 
     /// Deletes one ResourceSlice; returns it as it was.
     pub fn delete_resource_slice(&mut self, name: &str) -> Option<Value> {
         let old = self.resource_slices.remove(name)?;
+        self.index_slice(name, &old, false);
         self.next_rv();
         Some(old)
     }
@@ -705,14 +792,52 @@ impl Store {
         names.iter().filter_map(|n| self.delete_resource_slice(n)).collect()
     }
 
-    pub fn resource_slice_list(&self, filter: &Filter) -> Value {
-        let items: Vec<Value> = self
-            .resource_slices
-            .values()
-            .filter(|s| filter.matches(s))
-            .cloned()
+    /// deletecollection: deletes the slices `filter` selects (through the index, as a list).
+    pub fn delete_matching_slices(&mut self, filter: &Filter) -> Vec<Value> {
+        let names: Vec<String> = self
+            .matching_slices(filter)
+            .filter_map(|s| s.pointer("/metadata/name").and_then(Value::as_str))
+            .map(str::to_owned)
             .collect();
+        names.iter().filter_map(|n| self.delete_resource_slice(n)).collect()
+    }
+
+    pub fn resource_slice_list(&self, filter: &Filter) -> Value {
+        let items: Vec<Value> = self.matching_slices(filter).cloned().collect();
         self.dra_list("ResourceSliceList", items)
+    }
+
+    /// Adds (`present`) or removes a slice in the `spec.nodeName` index.
+    fn index_slice(&mut self, name: &str, slice: &Value, present: bool) {
+        let Some(node) = slice.pointer("/spec/nodeName").and_then(Value::as_str) else {
+            return;
+        };
+        if present {
+            self.slices_by_node
+                .entry(node.to_owned())
+                .or_default()
+                .insert(name.to_owned());
+        } else if let Some(names) = self.slices_by_node.get_mut(node) {
+            names.remove(name);
+            if names.is_empty() {
+                self.slices_by_node.remove(node);
+            }
+        }
+    }
+
+    /// The ResourceSlices `filter` selects, in name order; through the `spec.nodeName` index
+    /// when the selector names the node.
+    pub fn matching_slices<'a>(&'a self, filter: &'a Filter) -> impl Iterator<Item = &'a Value> + 'a {
+        // `spec.nodeName=` (empty) selects the slices without one, which the index leaves out.
+        let (own, all) = match filter.fields.required("spec.nodeName").filter(|n| !n.is_empty()) {
+            Some(node) => (self.slices_by_node.get(node), None),
+            None => (None, Some(self.resource_slices.values())),
+        };
+        let own = own
+            .into_iter()
+            .flatten()
+            .filter_map(|name| self.resource_slices.get(name));
+        own.chain(all.into_iter().flatten()).filter(|s| filter.matches(s))
     }
 
     /// A `resource.k8s.io/v1` list of `items` (without their kind and apiVersion, as upstream).

@@ -72,6 +72,11 @@ pub struct Watch {
 impl Watch {
     pub async fn open(client: &Client, server: &TestApiServer, query: &str) -> Watch {
         let resp = get(client, server, &format!("/api/v1/nodes?watch=true&{query}")).await;
+        Watch::from_response(resp)
+    }
+
+    /// Reads the events of a watch response however it was requested.
+    pub fn from_response(resp: reqwest::Response) -> Watch {
         let status = resp.status().as_u16();
         Watch {
             stream: resp.bytes_stream().boxed(),
