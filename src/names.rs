@@ -1,6 +1,20 @@
 //! Kubernetes name syntax, checked as the API server checks it: DNS subdomains, label keys and
-//! label values. The config, the desired state and the MIG layouts all validate names with
-//! these; a leaf, so that each of them can without importing the others.
+//! label values (and cutting text to a byte limit on a character boundary). The config, the
+//! desired state and the MIG layouts all validate names with these; a leaf, so that each of them
+//! can without importing the others.
+
+/// `text` cut to at most `max` bytes, on a character boundary (Event messages, attribute
+/// values: fields the API server limits in bytes).
+pub fn truncate(text: &str, max: usize) -> &str {
+    if text.len() <= max {
+        return text;
+    }
+    let mut end = max;
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    &text[..end]
+}
 
 /// Whether `s` is a DNS subdomain as Kubernetes checks it (RFC 1123): lower-case
 /// alphanumeric labels with inner '-', separated by '.', 253 bytes at most, 63 per label.

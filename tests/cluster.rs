@@ -297,7 +297,11 @@ async fn api_server_down_keeps_the_device_plugin_serving_and_the_agent_catches_u
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn too_many_requests_is_retried_after_retry_after() {
     let api = apiserver().await;
-    let node = Node::new(&machine("T4", 1), "[kubernetes]\nbackoff_min = \"100ms\"\n");
+    // A short reconnect window: the wait measured is the Retry-After's, not the spread's.
+    let node = Node::new(
+        &machine("T4", 1),
+        "[kubernetes]\nbackoff_min = \"100ms\"\nreconnect_jitter = \"200ms\"\n",
+    );
     install(&node, &api, KubeconfigAuth::Token(TOKEN.into()));
     api.fail_next(1, Failure::TooManyRequests { retry_after_secs: 2 });
     let agent = node.spawn();
@@ -549,8 +553,8 @@ async fn an_oversized_node_is_an_error_and_memory_stays_bounded() {
         padding: PADDING,
         declare_length: false,
     };
-    // Every GET for a while, then the first watches.
-    api.fail_next_matching(30, "get", "nodes", oversized.clone());
+    // Every read of the Node for a while (the watcher's LIST by name), then the first watches.
+    api.fail_next_matching(30, "list", "nodes", oversized.clone());
     api.fail_next_matching(3, "watch", "nodes", oversized);
     let agent = node.spawn();
     let status = node.wait_status(T, |s| {
@@ -561,7 +565,8 @@ async fn an_oversized_node_is_an_error_and_memory_stays_bounded() {
     let error = status["desired"]["error"].as_str().unwrap_or_default();
     assert!(
         error.starts_with(&format!(
-            "get node \"{NODE}\" (GET /api/v1/nodes/{NODE}?resourceVersion=0): the API server's answer is over the 16 MiB limit"
+            "get node \"{NODE}\" (GET /api/v1/nodes?fieldSelector=metadata.name%3D{NODE}&resourceVersion=0): the API \
+             server's answer is over the 16 MiB limit"
         )),
         "{error}"
     );

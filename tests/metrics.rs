@@ -678,9 +678,10 @@ async fn the_running_agent_reports_its_own_work() {
     let want: Vec<(String, String, f64)> = want.iter().map(|(t, r)| (t.to_string(), r.to_string(), 1.0)).collect();
     assert_eq!(seen, want, "{body}");
 
-    // Kubernetes API requests by the Kubernetes verb, in lower case: the Node watched, its
-    // labels patched, an Event created (the memory-limit action); `get` only when a watch must
-    // be resumed, so it may or may not be there.
+    // Kubernetes API requests by the Kubernetes verb, in lower case: the Node listed by name
+    // (the watch starts from the list's resourceVersion) and watched, its labels patched, an
+    // Event created (the memory-limit action); `get` only when polling while a watch cannot be
+    // established, so it may or may not be there.
     let verbs: std::collections::BTreeSet<String> = samples(&got, "gpu_node_agent_api_requests_total")
         .into_iter()
         .map(|(l, _)| l["verb"].clone())
@@ -690,7 +691,7 @@ async fn the_running_agent_reports_its_own_work() {
     }
     for verb in &verbs {
         assert!(
-            ["get", "watch", "patch", "create"].contains(&verb.as_str()),
+            ["get", "list", "watch", "patch", "create"].contains(&verb.as_str()),
             "verb {verb} in:\n{body}"
         );
     }

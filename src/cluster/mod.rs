@@ -2,6 +2,8 @@
 //! API server (labels read by watch or poll; state and feature labels, and Events, written
 //! back), a labels file for hosts outside Kubernetes, or nothing (the config's defaults).
 
+pub mod events;
+
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -14,7 +16,7 @@ use crate::config::Config;
 use crate::desired::{Source, parse_labels_file};
 use crate::host::HostRoot;
 use crate::host::backoff::Backoff;
-use crate::kube::{self, EventType, KubeClient, NodeEvent, NodeView};
+use crate::kube::{self, EventType, KubeClient, NodeView};
 use crate::labels::report::{OwnedLabels, label_patch};
 use crate::metrics::Metrics;
 
@@ -84,7 +86,9 @@ impl Link {
         self.classes_note.as_ref().and_then(|rx| rx.borrow().clone())
     }
 
-    /// Posts a Kubernetes Event on the Node (best effort; dropped without a Node).
+    /// Posts a Kubernetes Event on the Node (best effort; dropped without a Node). Repeats are
+    /// aggregated as the kubelet's are: one Event object per type and reason for 10 minutes,
+    /// whose `count` the repeats raise, with writes rate-limited per node (see [`events`]).
     pub fn event(&self, kind: EventType, reason: &str, message: String) {
         if let Some(tx) = &self.events {
             let _ = tx.send((kind, reason.to_string(), message));
@@ -101,6 +105,40 @@ const DISCOVER_AGAIN: Duration = Duration::from_secs(10);
 /// ones), they are looked for again every [`DISCOVER_AGAIN`]; once found, the Node becomes the
 /// source (unless a labels file is) and reporting starts, without a restart.
 pub fn start(config: &Config, root: &HostRoot, metrics: Option<Metrics>) -> Link {
+    start_with(config, root, metrics, Timing::default())
+}
+
+/// The link's own intervals (those not in the config): the defaults in production; the fleet
+/// bench divides them all by its time scale, with the `[kubernetes]` ones, to run a simulated
+/// hour in a minute.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Timing {
+    /// Every interval is divided by this (1 in production).
+    pub scale: f64,
+}
+
+impl Default for Timing {
+    fn default() -> Self {
+        Timing { scale: 1.0 }
+    }
+}
+
+impl Timing {
+    /// Every interval divided by `scale`.
+    pub fn scaled(scale: f64) -> Timing {
+        Timing { scale }
+    }
+
+    /// `d` at this time scale.
+    pub fn of(&self, d: Duration) -> Duration {
+        d.div_f64(self.scale)
+    }
+}
+
+/// [`start`] with the link's own intervals given (see [`Timing`]): the Kubernetes side of one
+/// node as a component with its inputs injected (its config, its root, its timing), so that a
+/// process can run many (`cargo bench --bench fleet` runs thousands against one API server).
+pub fn start_with(config: &Config, root: &HostRoot, metrics: Option<Metrics>, timing: Timing) -> Link {
     let k = &config.kubernetes;
     let labels_file = !config.desired.labels_file.as_os_str().is_empty();
     if !k.enabled && !labels_file {
@@ -163,6 +201,7 @@ pub fn start(config: &Config, root: &HostRoot, metrics: Option<Metrics>) -> Link
         classes_rx,
         class_events: event_tx.clone(),
         class_note: note_tx,
+        timing,
     };
     match client {
         Ok(client) => connect(client, config, root, node_view, reporting),
@@ -210,6 +249,8 @@ fn discover_client(config: &Config, root: &HostRoot, metrics: &Option<Metrics>) 
 
 /// What the agent asked to be written to its Node, waiting for a client.
 struct Reporting {
+    /// The link's own intervals.
+    timing: Timing,
     report_rx: watch::Receiver<WantedLabels>,
     event_rx: mpsc::UnboundedReceiver<EventRequest>,
     classes_rx: watch::Receiver<Vec<String>>,
@@ -250,7 +291,7 @@ async fn discover_later(
     metrics: Option<Metrics>,
 ) {
     loop {
-        tokio::time::sleep(DISCOVER_AGAIN).await;
+        tokio::time::sleep(reporting.timing.of(DISCOVER_AGAIN)).await;
         if node_view.as_ref().is_some_and(|tx| tx.is_closed()) {
             return;
         }
@@ -378,15 +419,29 @@ fn start_reporter(
         backoff,
     ));
     tokio::spawn(ensure_runtime_classes(
+        reporting.timing.of(RUNTIME_CLASS_RETRY),
         client.clone(),
         reporting.classes_rx,
         reporting.class_events,
         reporting.class_note,
     ));
     if config.kubernetes.events {
-        tokio::spawn(post_events(client, node_name, node_rx, reporting.event_rx));
+        let backoff = Backoff::new(config.kubernetes.backoff_min, config.kubernetes.backoff_max);
+        let policy = events::Policy::default().scaled(reporting.timing.scale);
+        tokio::spawn(post_events(
+            client,
+            node_name,
+            node_rx,
+            reporting.event_rx,
+            policy,
+            backoff,
+        ));
     }
 }
+
+/// How long after a failure (other than 403) creating RuntimeClasses is tried again (plus up to
+/// a fifth, at random, so that a fleet's retries do not line up).
+const RUNTIME_CLASS_RETRY: Duration = Duration::from_secs(60);
 
 /// The manifest of a RuntimeClass per handler, for a cluster admin to apply.
 pub fn runtime_class_manifest(handlers: &[String]) -> String {
@@ -403,12 +458,12 @@ pub fn runtime_class_manifest(handlers: &[String]) -> String {
 /// Event on the Node says exactly what to apply, once per set of handlers. Other failures are
 /// tried again a minute later.
 async fn ensure_runtime_classes(
+    retry_in: Duration,
     client: KubeClient,
     mut wanted: watch::Receiver<Vec<String>>,
     events: mpsc::UnboundedSender<EventRequest>,
     note: watch::Sender<Option<String>>,
 ) {
-    const RETRY: Duration = Duration::from_secs(60);
     let mut done: Vec<String> = Vec::new();
     loop {
         let handlers = wanted.borrow_and_update().clone();
@@ -425,7 +480,7 @@ async fn ensure_runtime_classes(
                 }
                 Err(e) if e.status_code() == Some(403) => forbidden.push(handler.clone()),
                 Err(e) => {
-                    tracing::warn!("{e}; trying again in {}s", RETRY.as_secs());
+                    tracing::warn!("{e}; trying again in {}s", retry_in.as_secs());
                     retry = true;
                 }
             }
@@ -457,7 +512,7 @@ async fn ensure_runtime_classes(
         }
         let again = async {
             if retry {
-                tokio::time::sleep(RETRY).await;
+                tokio::time::sleep(retry_in.mul_f64(1.0 + fastrand::f64() / 5.0)).await;
             } else {
                 std::future::pending::<()>().await;
             }
@@ -524,28 +579,15 @@ async fn report_labels(
     }
 }
 
+/// Posts the Events asked for, aggregated into counts and rate-limited per node with the
+/// kubelet's limits ([`events::Policy::default`], at the link's time scale).
 async fn post_events(
     client: KubeClient,
     node_name: String,
     node_rx: watch::Receiver<NodeView>,
-    mut events: mpsc::UnboundedReceiver<EventRequest>,
+    requests: mpsc::UnboundedReceiver<EventRequest>,
+    policy: events::Policy,
+    backoff: Backoff,
 ) {
-    while let Some((event_type, reason, message)) = events.recv().await {
-        let node_uid = node_rx
-            .borrow()
-            .node
-            .as_ref()
-            .map(|n| n.uid.clone())
-            .unwrap_or_default();
-        let event = NodeEvent {
-            node_name: node_name.clone(),
-            node_uid,
-            event_type,
-            reason,
-            message,
-        };
-        if let Err(e) = client.create_event(&event).await {
-            tracing::warn!("cannot post the Event {} on the node: {e}", event.reason);
-        }
-    }
+    events::run(client, node_name, node_rx, requests, policy, backoff).await;
 }

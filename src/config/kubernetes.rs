@@ -22,6 +22,10 @@ pub const DEFAULT_REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
 pub const DEFAULT_BACKOFF_MIN: Duration = Duration::from_secs(1);
 /// Longest retry delay after API errors.
 pub const DEFAULT_BACKOFF_MAX: Duration = Duration::from_secs(5 * 60);
+/// Window every reconnect attempt after a dropped API server connection is spread over (a
+/// uniformly random delay in it), so that a fleet whose watches all dropped at once (an API
+/// server restart) does not come back at once.
+pub const DEFAULT_RECONNECT_JITTER: Duration = Duration::from_secs(10);
 /// Kubeconfigs tried, in order, when neither `kubeconfig` nor `$KUBECONFIG` names one: the
 /// kubelet's own on kubeadm, EKS (AL2 and AL2023), GKE, k3s and RKE2 nodes.
 pub const DEFAULT_KUBECONFIG_SEARCH: &[&str] = &[
@@ -92,6 +96,12 @@ pub struct KubernetesConfig {
     /// Longest retry delay.
     #[serde(with = "values::duration")]
     pub backoff_max: Duration,
+    /// Every retry while the API server cannot be reached waits a random time of up to this long
+    /// (or the backoff's step, when longer), so that thousands of nodes that lost the API server
+    /// together (a restart) come back spread over this window once it answers; `0s` turns the
+    /// spread off. Cut to `backoff_max` when longer.
+    #[serde(with = "values::duration")]
+    pub reconnect_jitter: Duration,
     /// Post Events on the Node for state transitions.
     pub events: bool,
     /// Allow sending a bearer token (inline, `tokenFile`, or from an exec plugin) to an API
@@ -124,6 +134,7 @@ impl Default for KubernetesConfig {
             request_timeout: DEFAULT_REQUEST_TIMEOUT,
             backoff_min: DEFAULT_BACKOFF_MIN,
             backoff_max: DEFAULT_BACKOFF_MAX,
+            reconnect_jitter: DEFAULT_RECONNECT_JITTER,
             events: DEFAULT_EVENTS,
             allow_insecure_http: DEFAULT_ALLOW_INSECURE_HTTP,
             withdraw_operator_operands: DEFAULT_WITHDRAW_OPERATOR_OPERANDS,

@@ -147,11 +147,7 @@ fn arch_name(major: i32, minor: i32) -> String {
 
 /// String attributes are at most 64 bytes.
 fn cut(s: &str) -> String {
-    let mut end = s.len().min(64);
-    while !s.is_char_boundary(end) {
-        end -= 1;
-    }
-    s[..end].to_string()
+    crate::names::truncate(s, 64).to_string()
 }
 
 /// The devices to publish, in name order: whole GPUs (those not in MIG mode) and the MIG

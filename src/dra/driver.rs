@@ -27,9 +27,13 @@ use crate::plugin::resources::{PluginDevice, Withdrawn};
 
 /// How often the publisher asks the kubelet which devices the device plugin has handed out.
 pub const POD_RESOURCES_EVERY: Duration = Duration::from_secs(10);
-/// How often the publisher lists its slices even when nothing happened (the kubelet deletes a
-/// node's slices when it starts and when no plugin of a driver answered for 30 s).
-pub const RELIST_EVERY: Duration = Duration::from_secs(60);
+/// How often, at least, the publisher lists its slices even when nothing happened: a safety
+/// net. The kubelet deletes a node's slices when it starts and when no plugin of a driver
+/// answered for 30 s, and re-registers the plugin afterwards, which makes the publisher list at
+/// once; this catches anything else that removed them. Each period is longer by up to a fifth,
+/// at random, so that a fleet's lists do not line up. (It was one minute: 60 lists an hour per
+/// node, which alone broke the one-request-per-node-per-minute budget of a large fleet.)
+pub const RELIST_EVERY: Duration = Duration::from_secs(10 * 60);
 /// First retry delay after a failed publish.
 const RETRY_MIN: Duration = Duration::from_secs(1);
 const RETRY_MAX: Duration = Duration::from_secs(60);
@@ -59,7 +63,7 @@ pub struct Driver {
     state: Mutex<Checkpoint>,
     withdrawn: watch::Sender<Withdrawn>,
     /// Woken when the kubelet (re)registers the plugin: it may just have wiped the slices.
-    pub(super) registered: Notify,
+    registered: Notify,
     /// What status shows.
     pub status: watch::Sender<super::DraStatus>,
 }
@@ -107,6 +111,12 @@ impl Driver {
             status,
         });
         (driver, withdrawn_rx)
+    }
+
+    /// The kubelet (re)registered the plugin: it may just have wiped the node's slices (it does
+    /// at its start), so the publisher lists them at once.
+    pub fn kubelet_registered(&self) {
+        self.registered.notify_one();
     }
 
     fn driver_name(&self) -> &str {
@@ -394,6 +404,7 @@ impl Driver {
         let mut generation: i64 = 0;
         let mut retry = RETRY_MIN;
         let mut failed = false;
+        let mut relist_every = relist_period();
         loop {
             if held_at.is_none_or(|t| t.elapsed() >= POD_RESOURCES_EVERY) {
                 held = self.device_plugin_holders().await;
@@ -401,11 +412,12 @@ impl Driver {
             }
             let ready = inventory.borrow().is_some();
             if ready {
-                let relist = failed || listed_at.is_none_or(|t| t.elapsed() >= RELIST_EVERY);
+                let relist = failed || listed_at.is_none_or(|t| t.elapsed() >= relist_every);
                 match self.sync(&client, &held, relist, &mut last, &mut generation).await {
                     Ok(listed) => {
                         if listed {
                             listed_at = Some(Instant::now());
+                            relist_every = relist_period();
                         }
                         failed = false;
                         retry = RETRY_MIN;
@@ -522,6 +534,11 @@ impl Driver {
 
 /// The checkpoint at `path`, for `driver`: empty when missing, unreadable (logged), of another
 /// driver (logged), or corrupt (kept aside as `.json.corrupt`, logged).
+/// The time until the next safety-net list: [`RELIST_EVERY`] plus up to a fifth of it.
+fn relist_period() -> Duration {
+    RELIST_EVERY.mul_f64(1.0 + fastrand::f64() / 5.0)
+}
+
 fn load_checkpoint(path: &Path, driver: &str) -> Checkpoint {
     let text = match std::fs::read_to_string(path) {
         Ok(text) => text,

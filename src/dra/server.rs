@@ -60,7 +60,7 @@ impl Registration for RegistrationService {
                 s.error = None;
             });
             // A kubelet that just started has deleted the node's slices.
-            self.driver.registered.notify_one();
+            self.driver.kubelet_registered();
         } else {
             tracing::error!(
                 "DRA: the kubelet refused driver {}: {}",

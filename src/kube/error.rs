@@ -374,6 +374,22 @@ pub enum KubeError {
         failure: ApiFailure,
     },
 
+    /// Updating an Event (its count, message and lastTimestamp) failed.
+    #[error(
+        "patch event {event:?} for node {name:?} (PATCH {path}): {failure}{}",
+        forbidden_hint(failure, "patch events in namespace default")
+    )]
+    PatchEvent {
+        /// The Node's name.
+        name: String,
+        /// The Event object's name.
+        event: String,
+        /// The URL path.
+        path: String,
+        /// Why.
+        failure: ApiFailure,
+    },
+
     /// Creating a RuntimeClass failed.
     #[error(
         "create RuntimeClass {name:?} (POST {path}): {failure}{}",
@@ -436,6 +452,7 @@ impl KubeError {
             | KubeError::WatchNode { failure, .. }
             | KubeError::PatchNode { failure, .. }
             | KubeError::CreateEvent { failure, .. }
+            | KubeError::PatchEvent { failure, .. }
             | KubeError::CreateRuntimeClass { failure, .. }
             | KubeError::Dra { failure, .. } => Some(failure),
             _ => None,

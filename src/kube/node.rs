@@ -29,6 +29,33 @@ impl Node {
         raw.into_node()
     }
 
+    /// Parses a `NodeList`: its items and the list's own `metadata.resourceVersion` (the
+    /// store's revision when it was read, which a watch can start from even when no item
+    /// changed since the API server's watch cache began; an item's own resourceVersion can be
+    /// older than that cache and get a 410).
+    pub fn list_from_json(body: &[u8]) -> Result<(Vec<Node>, String), String> {
+        #[derive(Deserialize)]
+        struct RawList {
+            #[serde(default)]
+            metadata: Option<RawMeta>,
+            #[serde(default)]
+            items: Option<Vec<RawObject>>,
+        }
+        let raw: RawList = serde_json::from_slice(body).map_err(|e| format!("not a NodeList: {e}"))?;
+        let rv = raw
+            .metadata
+            .and_then(|m| m.resource_version)
+            .filter(|rv| !rv.is_empty())
+            .ok_or("a NodeList without metadata.resourceVersion")?;
+        let nodes = raw
+            .items
+            .unwrap_or_default()
+            .into_iter()
+            .map(RawObject::into_node)
+            .collect::<Result<Vec<Node>, String>>()?;
+        Ok((nodes, rv))
+    }
+
     /// Same name, uid, labels and annotations: what the agent reacts to (the resourceVersion
     /// changes with every status update and is ignored).
     pub fn same_metadata(&self, other: &Node) -> bool {
@@ -115,6 +142,24 @@ mod tests {
         assert_eq!(node.resource_version, "42");
         assert_eq!(node.labels["nvidia.com/mig.config"], "all-1g.10gb");
         assert!(node.annotations.is_empty());
+    }
+
+    #[test]
+    fn a_node_list_gives_its_items_and_its_own_resource_version() {
+        let (nodes, rv) = Node::list_from_json(
+            br#"{"kind":"NodeList","apiVersion":"v1","metadata":{"resourceVersion":"5000"},
+                "items":[{"metadata":{"name":"gpu-1","uid":"u-1","resourceVersion":"42"}}]}"#,
+        )
+        .expect("list");
+        assert_eq!(rv, "5000");
+        assert_eq!(nodes.len(), 1);
+        assert_eq!(nodes[0].resource_version, "42");
+        let (nodes, _) = Node::list_from_json(br#"{"metadata":{"resourceVersion":"7"},"items":null}"#).expect("empty");
+        assert!(nodes.is_empty());
+        assert!(
+            Node::list_from_json(br#"{"items":[]}"#).is_err(),
+            "no list resourceVersion"
+        );
     }
 
     #[test]

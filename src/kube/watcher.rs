@@ -2,20 +2,28 @@
 //! loop to read and wait on.
 //!
 //! With `kubernetes.watch` (the default):
-//! 1. GET the Node (`resourceVersion=0`, from the API server's cache) for its state and
-//!    resourceVersion;
+//! 1. LIST the Node by name (`resourceVersion=0`, from the API server's cache) for its state and
+//!    the list's resourceVersion (not the Node's own: after an API server restart that can be
+//!    older than the new watch cache, and a watch from it would get 410 again and again);
 //! 2. watch from that resourceVersion. ADDED/MODIFIED update the view, BOOKMARK only moves the
 //!    resourceVersion; when the server ends the watch at `timeoutSeconds`, watch again from the
-//!    last resourceVersion, without a GET. At steady state that is one request per
-//!    `watch_timeout` (12 an hour with the default 5 minutes) and nothing else;
-//! 3. 410 Gone (as an HTTP status or an ERROR event): GET again (a quorum read, so the new
-//!    resourceVersion is not stale) and watch from there;
+//!    last resourceVersion, without a GET. `timeoutSeconds` is random between `watch_timeout`
+//!    and twice that (as client-go's reflectors do), so a fleet's renewals do not line up. At
+//!    steady state that is one request per 1.5 `watch_timeout` on average (8 an hour with the
+//!    default 5 minutes) and nothing else;
+//! 3. 410 Gone (as an HTTP status or an ERROR event): LIST again (a quorum read, so the new
+//!    resourceVersion is not stale) and watch from there. A 410 again before the new watch
+//!    delivered anything backs off first: never a relist loop;
 //! 4. any other failure: back off (jittered; a longer `Retry-After` wins) and watch again,
-//!    and while the watch cannot be established poll with a GET every `poll_interval`;
+//!    and while the watch cannot be established poll with a GET every `poll_interval`. Every
+//!    retry waits at least a random time of up to `reconnect_jitter` (and at least the
+//!    backoff's step), so that the nodes of a fleet whose watches all broke at once (an API
+//!    server restart) come back spread over that window after the server answers again, not
+//!    piled up at the moment it does;
 //! 5. DELETED, or a 404: the view loses the Node; GET with backoff until it is back.
 //!
-//! Without `kubernetes.watch`: a GET (`resourceVersion=0`) every `poll_interval`, backing off
-//! on errors.
+//! Without `kubernetes.watch`: a GET (`resourceVersion=0`) every `poll_interval` (plus up to a
+//! fifth of it, at random, so that polls do not line up across nodes), backing off on errors.
 //!
 //! The view is published only when something the agent reacts to changes: the Node's name,
 //! uid, labels or annotations, the connection state, the error text, or the mode. A status
@@ -94,10 +102,13 @@ impl NodeView {
     }
 }
 
-/// The two reads the watcher needs; [`KubeClient`] is the real one, tests script a fake.
+/// The reads the watcher needs; [`KubeClient`] is the real one, tests script a fake.
 pub trait NodeApi: Send + Sync + 'static {
     /// See [`KubeClient::get_node`].
     fn get_node(&self, name: &str, from_cache: bool) -> impl Future<Output = Result<Node, KubeError>> + Send;
+    /// See [`KubeClient::list_node`].
+    fn list_node(&self, name: &str, from_cache: bool)
+    -> impl Future<Output = Result<(Node, String), KubeError>> + Send;
     /// See [`KubeClient::watch_node`].
     fn watch_node(
         &self,
@@ -110,6 +121,14 @@ pub trait NodeApi: Send + Sync + 'static {
 impl NodeApi for KubeClient {
     fn get_node(&self, name: &str, from_cache: bool) -> impl Future<Output = Result<Node, KubeError>> + Send {
         KubeClient::get_node(self, name, from_cache)
+    }
+
+    fn list_node(
+        &self,
+        name: &str,
+        from_cache: bool,
+    ) -> impl Future<Output = Result<(Node, String), KubeError>> + Send {
+        KubeClient::list_node(self, name, from_cache)
     }
 
     fn watch_node(
@@ -152,6 +171,8 @@ pub fn spawn_node_watcher_with<A: NodeApi>(
         poll_interval: cfg.poll_interval,
         watch_timeout: cfg.watch_timeout,
         backoff: Backoff::new(cfg.backoff_min, cfg.backoff_max),
+        reconnect_jitter: cfg.reconnect_jitter.min(cfg.backoff_max),
+        gone_streak: 0,
         tx,
         resource_version: String::new(),
         next_poll: None,
@@ -188,6 +209,10 @@ struct Watcher<A> {
     poll_interval: Duration,
     watch_timeout: Duration,
     backoff: Backoff,
+    /// The window every retry is spread over.
+    reconnect_jitter: Duration,
+    /// 410s in a row without a watch that delivered anything in between.
+    gone_streak: u32,
     tx: watch::Sender<NodeView>,
     resource_version: String,
     /// When to poll next, while the watch cannot be established.
@@ -217,10 +242,10 @@ impl<A: NodeApi> Watcher<A> {
                     self.on_node(node);
                     self.healthy(SyncMode::Poll);
                     self.backoff.reset();
-                    tokio::time::sleep(self.poll_interval).await;
+                    tokio::time::sleep(poll_delay(self.poll_interval)).await;
                 }
                 Err(e) => {
-                    let delay = self.backoff.next_with(e.retry_after());
+                    let delay = self.retry_delay(&e);
                     self.failed(&e, delay, None);
                     tokio::time::sleep(delay).await;
                 }
@@ -229,9 +254,10 @@ impl<A: NodeApi> Watcher<A> {
     }
 
     async fn list(&mut self, quorum: bool) -> Step {
-        match self.api.get_node(&self.name, !quorum).await {
-            Ok(node) => {
+        match self.api.list_node(&self.name, !quorum).await {
+            Ok((node, list_rv)) => {
                 self.on_node(node);
+                self.resource_version = list_rv;
                 self.publish(|v| {
                     v.connected = true;
                     v.error = None;
@@ -239,7 +265,7 @@ impl<A: NodeApi> Watcher<A> {
                 Step::Watch
             }
             Err(e) => {
-                let delay = self.backoff.next_with(e.retry_after());
+                let delay = self.retry_delay(&e);
                 self.failed(&e, delay, None);
                 tokio::time::sleep(delay).await;
                 Step::List { quorum }
@@ -249,15 +275,12 @@ impl<A: NodeApi> Watcher<A> {
 
     async fn watch_once(&mut self) -> Step {
         let started = Instant::now();
-        let mut stream = match self
-            .api
-            .watch_node(&self.name, &self.resource_version, self.watch_timeout)
-            .await
-        {
+        let timeout = watch_timeout(self.watch_timeout);
+        let mut stream = match self.api.watch_node(&self.name, &self.resource_version, timeout).await {
             Ok(stream) => stream,
             Err(e) if e.is_gone() => {
                 tracing::debug!(node = %self.name, "resourceVersion {:?} expired; reading the Node again", self.resource_version);
-                return Step::List { quorum: true };
+                return self.relist_after_gone().await;
             }
             Err(e) => {
                 self.fall_back(&e).await;
@@ -272,6 +295,9 @@ impl<A: NodeApi> Watcher<A> {
                 Some(Err(e)) => break End::Failed(e),
                 Some(Ok(event)) => {
                     events += 1;
+                    if !matches!(event, WatchEvent::Gone) {
+                        self.gone_streak = 0;
+                    }
                     match event {
                         WatchEvent::Added(node) | WatchEvent::Modified(node) => {
                             self.on_node(node);
@@ -298,6 +324,7 @@ impl<A: NodeApi> Watcher<A> {
         let lasted = started.elapsed();
         if lasted >= HEALTHY_WATCH.min(self.watch_timeout / 2) {
             self.backoff.reset();
+            self.gone_streak = 0;
         }
         match end {
             End::Closed if events == 0 && lasted < Duration::from_secs(1).min(self.watch_timeout / 2) => {
@@ -310,7 +337,7 @@ impl<A: NodeApi> Watcher<A> {
             End::Closed => Step::Watch,
             End::Gone => {
                 tracing::debug!(node = %self.name, "watch: resourceVersion expired; reading the Node again");
-                Step::List { quorum: true }
+                self.relist_after_gone().await
             }
             End::Deleted => {
                 let delay = self.backoff.next();
@@ -334,9 +361,27 @@ impl<A: NodeApi> Watcher<A> {
         }
     }
 
+    /// After a 410: one relist (a quorum GET). A second 410 before any watch delivered an event
+    /// (a server that keeps expiring what it just served) waits out the backoff first.
+    async fn relist_after_gone(&mut self) -> Step {
+        self.gone_streak += 1;
+        if self.gone_streak > 1 {
+            let delay = self.backoff.next();
+            tracing::debug!(node = %self.name, "410 again right after a relist; reading the Node again in {}", secs(delay));
+            tokio::time::sleep(delay).await;
+        }
+        Step::List { quorum: true }
+    }
+
+    /// The delay before retrying after `e`: the backoff's next step (a longer `Retry-After`
+    /// wins), or a random time of up to `reconnect_jitter` when that is longer.
+    fn retry_delay(&mut self, e: &KubeError) -> Duration {
+        spread(self.backoff.next_with(e.retry_after()), self.reconnect_jitter)
+    }
+
     /// After a failed watch: wait out the backoff, polling every `poll_interval` meanwhile.
     async fn fall_back(&mut self, e: &KubeError) {
-        let delay = self.backoff.next_with(e.retry_after());
+        let delay = self.retry_delay(e);
         let watch_error = self.failed(e, delay, Some(SyncMode::Poll));
         let resume_at = Instant::now() + delay;
         let poll_interval = self.poll_interval;
@@ -437,6 +482,31 @@ impl<A: NodeApi> Watcher<A> {
     }
 }
 
+/// A retry delay: `backoff` (the backoff's step, or a longer `Retry-After`), or a uniformly
+/// random time in `[0, jitter]` when that is longer. While the server is down every node keeps
+/// drawing a fresh point in the window, so once it answers they arrive spread over the window
+/// rather than all at the next backoff step.
+pub(crate) fn spread(backoff: Duration, jitter: Duration) -> Duration {
+    if jitter.is_zero() {
+        return backoff;
+    }
+    let spread = Duration::from_nanos(fastrand::u64(..=u64::try_from(jitter.as_nanos()).unwrap_or(u64::MAX)));
+    backoff.max(spread)
+}
+
+/// One watch request's `timeoutSeconds`: random in `[watch_timeout, 2 × watch_timeout)`, as
+/// client-go's reflectors pick theirs, so that renewals spread out instead of following one
+/// shared period across a fleet.
+pub(crate) fn watch_timeout(watch_timeout: Duration) -> Duration {
+    watch_timeout.mul_f64(1.0 + fastrand::f64())
+}
+
+/// The wait before the next poll: `poll_interval` plus up to a fifth of it, at random (never
+/// shorter than configured, so the request budget holds).
+fn poll_delay(poll_interval: Duration) -> Duration {
+    poll_interval.mul_f64(1.0 + fastrand::f64() / 5.0)
+}
+
 fn secs(d: Duration) -> String {
     format!("{:.1}s", d.as_secs_f64())
 }
@@ -471,6 +541,10 @@ mod tests {
         current: Option<Node>,
         watches: VecDeque<Script>,
         calls: Vec<(Instant, Call)>,
+        /// The `timeoutSeconds` each watch asked for.
+        timeouts: Vec<Duration>,
+        /// The resourceVersion lists answer with; `None`: the Node's own.
+        list_rv: Option<String>,
     }
 
     #[derive(Clone, Default)]
@@ -482,25 +556,44 @@ mod tests {
         }
     }
 
-    impl NodeApi for Fake {
-        fn get_node(&self, name: &str, from_cache: bool) -> impl Future<Output = Result<Node, KubeError>> + Send {
+    impl Fake {
+        fn get_now(&self, name: &str, from_cache: bool) -> Result<Node, KubeError> {
             let mut st = self.0.lock().unwrap();
             st.calls.push((Instant::now(), Call::Get { from_cache }));
-            let result = match st.gets.pop_front() {
+            match st.gets.pop_front() {
                 Some(r) => r,
                 None => st.current.clone().ok_or_else(|| http_error(name, 404)),
-            };
-            std::future::ready(result)
+            }
+        }
+    }
+
+    impl NodeApi for Fake {
+        fn get_node(&self, name: &str, from_cache: bool) -> impl Future<Output = Result<Node, KubeError>> + Send {
+            std::future::ready(self.get_now(name, from_cache))
+        }
+
+        fn list_node(
+            &self,
+            name: &str,
+            from_cache: bool,
+        ) -> impl Future<Output = Result<(Node, String), KubeError>> + Send {
+            let list_rv = self.0.lock().unwrap().list_rv.clone();
+            let got = self.get_now(name, from_cache);
+            std::future::ready(got.map(|node| {
+                let rv = list_rv.unwrap_or_else(|| node.resource_version.clone());
+                (node, rv)
+            }))
         }
 
         fn watch_node(
             &self,
             _name: &str,
             rv: &str,
-            _timeout: Duration,
+            timeout: Duration,
         ) -> impl Future<Output = Result<WatchStream, KubeError>> + Send {
             let mut st = self.0.lock().unwrap();
             st.calls.push((Instant::now(), Call::Watch { rv: rv.to_string() }));
+            st.timeouts.push(timeout);
             let result = match st.watches.pop_front() {
                 None => Ok(WatchStream::new(futures_util::stream::pending())),
                 Some(Script::Fail(e)) => Err(e),
@@ -556,6 +649,7 @@ mod tests {
             watch_timeout: Duration::from_millis(200),
             backoff_min: Duration::from_millis(10),
             backoff_max: Duration::from_millis(40),
+            reconnect_jitter: Duration::ZERO,
             ..KubernetesConfig::default()
         }
     }
@@ -851,6 +945,8 @@ mod tests {
             poll_interval: Duration::from_secs(60),
             watch_timeout: Duration::from_secs(300),
             backoff: Backoff::new(Duration::from_secs(1), Duration::from_secs(1)),
+            reconnect_jitter: Duration::ZERO,
+            gone_streak: 0,
             tx,
             resource_version: String::new(),
             next_poll: None,
@@ -879,5 +975,201 @@ mod tests {
         w.failed(&http_error("gpu-1", 500), Duration::from_secs(1), None);
         assert!(rx.has_changed().expect("open"));
         assert!(!rx.borrow_and_update().connected);
+    }
+
+    #[tokio::test]
+    async fn a_server_that_keeps_answering_410_is_relisted_with_backoff_not_in_a_loop() {
+        let fake = Fake::default();
+        {
+            let mut st = fake.0.lock().unwrap();
+            st.current = Some(node("1", "a"));
+            for _ in 0..10_000 {
+                st.watches.push_back(Script::Fail(http_error("gpu-1", 410)));
+            }
+        }
+        let mut cfg = cfg();
+        cfg.backoff_min = Duration::from_millis(50);
+        cfg.backoff_max = Duration::from_millis(50);
+        let (_rx, task) = spawn_node_watcher_with(fake.clone(), "gpu-1".into(), &cfg);
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        task.abort();
+        let calls = fake.calls();
+        let relists = calls.iter().filter(|c| **c == get(false)).count();
+        // The first 410 relists at once; every later one waits a backoff step (25..50 ms), so
+        // at most ~21 in 500 ms. Without the guard it is thousands.
+        assert!(
+            (1..=25).contains(&relists),
+            "{relists} relists: {:?}",
+            &calls[..calls.len().min(12)]
+        );
+        assert_eq!(
+            calls[..3],
+            [get(true), watch("1"), get(false)],
+            "one relist on the first 410"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_410_after_a_watch_that_delivered_relists_at_once_again() {
+        let fake = Fake::default();
+        {
+            let mut st = fake.0.lock().unwrap();
+            st.gets.push_back(Ok(node("1", "a")));
+            st.gets.push_back(Ok(node("10", "a")));
+            st.gets.push_back(Ok(node("20", "a")));
+            st.watches.push_back(Script::Fail(http_error("gpu-1", 410)));
+            st.watches.push_back(Script::Stream(vec![
+                Item::Event(WatchEvent::Modified(node("11", "b"))),
+                Item::Event(WatchEvent::Gone),
+            ]));
+        }
+        let mut cfg = cfg();
+        // A backoff step of a minute: a relist that waited for it would not come in time.
+        cfg.backoff_min = Duration::from_secs(60);
+        cfg.backoff_max = Duration::from_secs(60);
+        let (_rx, task) = spawn_node_watcher_with(fake.clone(), "gpu-1".into(), &cfg);
+        let calls = wait_calls(&fake, "watch from 20", |c| c.len() >= 6).await;
+        assert_eq!(
+            calls,
+            [get(true), watch("1"), get(false), watch("10"), get(false), watch("20")]
+        );
+        task.abort();
+    }
+
+    #[tokio::test]
+    async fn watch_requests_ask_for_a_random_length_between_one_and_two_timeouts() {
+        let fake = Fake::default();
+        {
+            let mut st = fake.0.lock().unwrap();
+            st.gets.push_back(Ok(node("1", "a")));
+            for _ in 0..60 {
+                st.watches
+                    .push_back(Script::Stream(vec![Item::Sleep(Duration::from_millis(2))]));
+            }
+        }
+        let mut cfg = cfg();
+        cfg.watch_timeout = Duration::from_secs(300);
+        let (_rx, task) = spawn_node_watcher_with(fake.clone(), "gpu-1".into(), &cfg);
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while fake.0.lock().unwrap().timeouts.len() < 50 && Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        task.abort();
+        let timeouts = fake.0.lock().unwrap().timeouts.clone();
+        assert!(timeouts.len() >= 50, "{} watches", timeouts.len());
+        let (low, high) = (Duration::from_secs(300), Duration::from_secs(600));
+        assert!(timeouts.iter().all(|t| *t >= low && *t < high), "{timeouts:?}");
+        let min = timeouts.iter().min().copied().unwrap_or_default();
+        let max = timeouts.iter().max().copied().unwrap_or_default();
+        assert!(
+            max - min > Duration::from_secs(60),
+            "spread out, not one period: {min:?}..{max:?}"
+        );
+    }
+
+    #[tokio::test]
+    async fn retry_after_is_waited_out_before_watching_again() {
+        let fake = Fake::default();
+        {
+            let mut st = fake.0.lock().unwrap();
+            st.gets.push_back(Ok(node("1", "a")));
+            let mut e = http_error("gpu-1", 429);
+            if let KubeError::WatchNode {
+                failure: ApiFailure::Http(h),
+                ..
+            } = &mut e
+            {
+                h.retry_after = Some(Duration::from_millis(300));
+            }
+            st.watches.push_back(Script::Fail(e));
+        }
+        let mut cfg = cfg();
+        cfg.poll_interval = Duration::from_secs(60);
+        // Retry-After is capped at backoff_max only.
+        cfg.backoff_max = Duration::from_secs(5);
+        let (_rx, task) = spawn_node_watcher_with(fake.clone(), "gpu-1".into(), &cfg);
+        wait_calls(&fake, "the watch after the 429", |c| c.len() >= 3).await;
+        task.abort();
+        let st = fake.0.lock().unwrap();
+        let waited = st.calls[2].0 - st.calls[1].0;
+        assert!(
+            waited >= Duration::from_millis(300),
+            "Retry-After 300 ms, backoff 10 ms: waited {waited:?}"
+        );
+    }
+
+    #[test]
+    fn retries_are_spread_over_the_jitter_window() {
+        let jitter = Duration::from_secs(10);
+        let step = Duration::from_millis(500);
+        let first: Vec<Duration> = (0..2000).map(|_| spread(step, jitter)).collect();
+        assert!(
+            first.iter().all(|d| *d >= step && *d <= jitter),
+            "in [backoff step, window]"
+        );
+        // Spread over the window: each tenth of it gets some of 2,000 nodes.
+        for tenth in 1..10 {
+            let (lo, hi) = (jitter * tenth / 10, jitter * (tenth + 1) / 10);
+            let n = first.iter().filter(|d| **d >= lo && **d < hi).count();
+            assert!(n > 100, "{n} of 2000 retries in {lo:?}..{hi:?}");
+        }
+        // No window: the backoff's step.
+        assert_eq!(spread(step, Duration::ZERO), step);
+        // A backoff step or Retry-After longer than the window is never cut short by it.
+        assert!((0..100).all(|_| spread(Duration::from_secs(30), jitter) == Duration::from_secs(30)));
+    }
+
+    #[tokio::test]
+    async fn after_a_broken_watch_the_retry_waits_within_the_jitter_window() {
+        // 20 nodes lose their watch at once; their next watch comes spread over the window.
+        let mut waits = Vec::new();
+        let mut tasks = Vec::new();
+        let mut fakes = Vec::new();
+        for _ in 0..20 {
+            let fake = Fake::default();
+            {
+                let mut st = fake.0.lock().unwrap();
+                st.gets.push_back(Ok(node("1", "a")));
+                st.watches
+                    .push_back(Script::Stream(vec![Item::Fail(http_error("gpu-1", 503))]));
+            }
+            let mut cfg = cfg();
+            cfg.reconnect_jitter = Duration::from_millis(400);
+            // The window is cut to backoff_max: leave it room.
+            cfg.backoff_max = Duration::from_secs(1);
+            cfg.poll_interval = Duration::from_secs(60);
+            let (_rx, task) = spawn_node_watcher_with(fake.clone(), "gpu-1".into(), &cfg);
+            tasks.push((task, _rx));
+            fakes.push(fake);
+        }
+        for fake in &fakes {
+            wait_calls(fake, "the second watch", |c| c.len() >= 3).await;
+            let st = fake.0.lock().unwrap();
+            waits.push(st.calls[2].0 - st.calls[1].0);
+        }
+        for (task, _) in tasks {
+            task.abort();
+        }
+        assert!(waits.iter().all(|w| *w >= Duration::from_millis(5)), "{waits:?}");
+        let min = waits.iter().min().copied().unwrap_or_default();
+        let max = waits.iter().max().copied().unwrap_or_default();
+        assert!(max - min >= Duration::from_millis(100), "not all at once: {waits:?}");
+    }
+
+    #[tokio::test]
+    async fn after_a_410_the_watch_starts_from_the_lists_resource_version_not_the_nodes() {
+        // An API server that restarted: its watch cache begins at 50, the Node last changed at
+        // 1. Watching from the Node's own 1 would get 410 forever.
+        let fake = Fake::default();
+        {
+            let mut st = fake.0.lock().unwrap();
+            st.current = Some(node("1", "a"));
+            st.list_rv = Some("50".into());
+            st.watches.push_back(Script::Fail(http_error("gpu-1", 410)));
+        }
+        let (_rx, task) = spawn_node_watcher_with(fake.clone(), "gpu-1".into(), &cfg());
+        let calls = wait_calls(&fake, "the watch after the relist", |c| c.len() >= 4).await;
+        assert_eq!(calls[..4], [get(true), watch("50"), get(false), watch("50")]);
+        task.abort();
     }
 }

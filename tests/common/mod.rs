@@ -622,9 +622,20 @@ pub fn gi_counts(gpu: &gpu_node_agent::mig::state::ObservedGpu) -> std::collecti
     counts
 }
 
-/// The Events posted on the Node with `reason`, oldest first.
+/// The Events posted on the Node with `reason`, oldest first, one entry per posting: the agent
+/// aggregates repeats of a reason into one object whose `count` they raise (as the kubelet
+/// does), and an object of count n is here n times, so that "posted once" still means once.
 pub fn events_with(api: &test_apiserver::TestApiServer, reason: &str) -> Vec<serde_json::Value> {
-    api.events().into_iter().filter(|e| e["reason"] == reason).collect()
+    api.events()
+        .into_iter()
+        .filter(|e| e["reason"] == reason)
+        .flat_map(|e| {
+            let count = e["count"]
+                .as_u64()
+                .map_or(1, |n| usize::try_from(n).unwrap_or(1).max(1));
+            std::iter::repeat_n(e, count)
+        })
+        .collect()
 }
 
 /// Waits (20 s) for an Event with `reason` and returns the first one.

@@ -1,5 +1,6 @@
 //! The API calls the agent makes on its own Node (get, watch, merge-patch labels and
-//! annotations, post Events, create RuntimeClasses), and the bodies they send.
+//! annotations, post Events and patch their counts, create RuntimeClasses), and the bodies
+//! they send.
 
 use std::collections::BTreeMap;
 use std::time::{Duration, SystemTime};
@@ -8,11 +9,12 @@ use reqwest::Method;
 use serde::Serialize;
 
 use super::{KubeClient, Limit};
-use crate::kube::error::{ApiFailure, KubeError, body_failure};
+use crate::kube::error::{ApiFailure, ApiStatus, HttpFailure, KubeError, body_failure};
 use crate::kube::limit::{MAX_API_BODY, drain_body, read_body};
 use crate::kube::node::Node;
 use crate::kube::time::format_rfc3339;
 use crate::kube::watch::WatchStream;
+use crate::names::truncate;
 
 /// `source.component` of the Events the agent posts, and its User-Agent.
 pub const COMPONENT: &str = "gpu-node-agent";
@@ -66,6 +68,44 @@ impl KubeClient {
             .await
             .map_err(|e| fail(body_failure(e)))?;
         Node::from_json(&body).map_err(|e| fail(ApiFailure::Decode(e)))
+    }
+
+    /// Lists the Node by name (`fieldSelector=metadata.name=<name>`, as the kubelet's own Node
+    /// informer does): the Node and the list's resourceVersion, the one to watch from. Unlike
+    /// the Node's own resourceVersion, the list's is never older than the API server's watch
+    /// cache, so watching from it does not get 410 after an API server restart when the Node
+    /// has not changed since. `from_cache` asks for `resourceVersion=0`. No such Node: the 404 a
+    /// GET would have given.
+    pub async fn list_node(&self, name: &str, from_cache: bool) -> Result<(Node, String), KubeError> {
+        let mut path = format!("/api/v1/nodes?fieldSelector=metadata.name%3D{}", encode(name));
+        if from_cache {
+            path.push_str("&resourceVersion=0");
+        }
+        let fail = |failure| KubeError::GetNode {
+            name: name.to_string(),
+            path: path.clone(),
+            failure,
+        };
+        let limit = Limit::Total(self.inner.request_timeout);
+        let mut response = self.send("list", Method::GET, &path, None, limit).await.map_err(fail)?;
+        let body = read_body(&mut response, MAX_API_BODY)
+            .await
+            .map_err(|e| fail(body_failure(e)))?;
+        let (nodes, rv) = Node::list_from_json(&body).map_err(|e| fail(ApiFailure::Decode(e)))?;
+        match nodes.into_iter().find(|n| n.name == name) {
+            Some(node) => Ok((node, rv)),
+            None => Err(fail(ApiFailure::Http(Box::new(HttpFailure {
+                code: 404,
+                status: Some(ApiStatus {
+                    code: 404,
+                    reason: "NotFound".into(),
+                    message: format!("nodes \"{name}\" not found"),
+                    retry_after_seconds: None,
+                }),
+                retry_after: None,
+                body: String::new(),
+            })))),
+        }
     }
 
     /// Watches the Node from `resource_version` (empty: from now, starting with its current
@@ -134,7 +174,8 @@ impl KubeClient {
     /// Posts an Event about the Node in namespace `default`.
     pub async fn create_event(&self, event: &NodeEvent) -> Result<(), KubeError> {
         let path = format!("/api/v1/namespaces/{EVENT_NAMESPACE}/events");
-        let body = event_body(event, SystemTime::now()).to_string().into_bytes();
+        let now = SystemTime::now();
+        let body = event_body(event, 1, now, now).to_string().into_bytes();
         let limit = Limit::Total(self.inner.request_timeout);
         let response = self
             .send("create", Method::POST, &path, Some(("application/json", body)), limit)
@@ -146,6 +187,81 @@ impl KubeClient {
                 failure,
             })?;
         // Drain the body (unused, and bounded) so the connection can be reused.
+        drain_body(response, MAX_API_BODY).await;
+        Ok(())
+    }
+
+    /// Posts an Event about the Node that stands for `count` occurrences between `first` and
+    /// `last`, and returns the name the server gave it (from `generateName`), so that later
+    /// occurrences can be added to it with [`KubeClient::patch_event`].
+    pub async fn create_event_counted(
+        &self,
+        event: &NodeEvent,
+        count: u64,
+        first: SystemTime,
+        last: SystemTime,
+    ) -> Result<String, KubeError> {
+        let path = format!("/api/v1/namespaces/{EVENT_NAMESPACE}/events");
+        let fail = |failure| KubeError::CreateEvent {
+            name: event.node_name.clone(),
+            reason: event.reason.clone(),
+            path: path.clone(),
+            failure,
+        };
+        let body = event_body(event, count, first, last).to_string().into_bytes();
+        let limit = Limit::Total(self.inner.request_timeout);
+        let mut response = self
+            .send("create", Method::POST, &path, Some(("application/json", body)), limit)
+            .await
+            .map_err(fail)?;
+        let body = read_body(&mut response, MAX_API_BODY)
+            .await
+            .map_err(|e| fail(body_failure(e)))?;
+        let created: serde_json::Value =
+            serde_json::from_slice(&body).map_err(|e| fail(ApiFailure::Decode(format!("the created Event: {e}"))))?;
+        match created["metadata"]["name"].as_str() {
+            Some(name) if !name.is_empty() => Ok(name.to_owned()),
+            _ => Err(fail(ApiFailure::Decode(
+                "the created Event has no metadata.name".into(),
+            ))),
+        }
+    }
+
+    /// Adds occurrences to an Event created before, as client-go's event correlator does: a
+    /// merge patch of its `count` (the new total), `message` (the latest) and `lastTimestamp`.
+    /// A 404 means the Event is gone (the API server deletes Events after its `--event-ttl`,
+    /// an hour by default).
+    pub async fn patch_event(
+        &self,
+        event: &NodeEvent,
+        name: &str,
+        count: u64,
+        last: SystemTime,
+    ) -> Result<(), KubeError> {
+        let path = format!("/api/v1/namespaces/{EVENT_NAMESPACE}/events/{}", encode(name));
+        let body = serde_json::json!({
+            "count": count_field(count),
+            "lastTimestamp": format_rfc3339(last),
+            "message": truncate(&event.message, MAX_EVENT_MESSAGE),
+        })
+        .to_string()
+        .into_bytes();
+        let limit = Limit::Total(self.inner.request_timeout);
+        let response = self
+            .send(
+                "patch",
+                Method::PATCH,
+                &path,
+                Some(("application/merge-patch+json", body)),
+                limit,
+            )
+            .await
+            .map_err(|failure| KubeError::PatchEvent {
+                name: event.node_name.clone(),
+                event: name.to_owned(),
+                path: path.clone(),
+                failure,
+            })?;
         drain_body(response, MAX_API_BODY).await;
         Ok(())
     }
@@ -199,9 +315,13 @@ fn metadata_patch(
     serde_json::json!({ "metadata": metadata }).to_string().into_bytes()
 }
 
-/// The core/v1 Event for a NodeEvent at `now`.
-fn event_body(event: &NodeEvent, now: SystemTime) -> serde_json::Value {
-    let time = format_rfc3339(now);
+/// `count` as the Event's `count` field, an int32: capped rather than wrapped.
+fn count_field(count: u64) -> u64 {
+    count.min(i32::MAX as u64)
+}
+
+/// The core/v1 Event for a NodeEvent that happened `count` times from `first` to `last`.
+fn event_body(event: &NodeEvent, count: u64, first: SystemTime, last: SystemTime) -> serde_json::Value {
     let mut involved = serde_json::json!({ "apiVersion": "v1", "kind": "Node", "name": event.node_name });
     if !event.node_uid.is_empty() {
         involved["uid"] = event.node_uid.clone().into();
@@ -215,23 +335,12 @@ fn event_body(event: &NodeEvent, now: SystemTime) -> serde_json::Value {
         "message": truncate(&event.message, MAX_EVENT_MESSAGE),
         "type": event.event_type,
         "source": { "component": COMPONENT, "host": event.node_name },
-        "firstTimestamp": time,
-        "lastTimestamp": time,
-        "count": 1,
+        "firstTimestamp": format_rfc3339(first),
+        "lastTimestamp": format_rfc3339(last),
+        "count": count_field(count),
         "reportingComponent": COMPONENT,
         "reportingInstance": event.node_name,
     })
-}
-
-fn truncate(text: &str, max: usize) -> &str {
-    if text.len() <= max {
-        return text;
-    }
-    let mut end = max;
-    while !text.is_char_boundary(end) {
-        end -= 1;
-    }
-    &text[..end]
 }
 
 /// Percent-encodes everything but RFC 3986 unreserved characters.
@@ -260,8 +369,12 @@ mod tests {
             reason: "R".into(),
             message: "é".repeat(600),
         };
-        let body = event_body(&event, SystemTime::UNIX_EPOCH + Duration::from_secs(1_700_000_000));
+        let first = SystemTime::UNIX_EPOCH + Duration::from_secs(1_700_000_000);
+        let body = event_body(&event, 1, first, first + Duration::from_secs(61));
         assert_eq!(body["firstTimestamp"], "2023-11-14T22:13:20Z");
+        assert_eq!(body["lastTimestamp"], "2023-11-14T22:14:21Z");
+        assert_eq!(body["count"], 1);
+        assert_eq!(event_body(&event, u64::MAX, first, first)["count"], i32::MAX);
         assert!(body["involvedObject"].get("uid").is_none());
         assert_eq!(body["message"].as_str().map(str::len), Some(1024));
     }
