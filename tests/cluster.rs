@@ -318,6 +318,40 @@ async fn too_many_requests_is_retried_after_retry_after() {
     assert_eq!(agent.stop(), 0);
 }
 
+/// A 429 on the label write holds further writes for its Retry-After even while the Node keeps
+/// changing under the agent (each change wakes the label writer).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_label_write_throttled_by_429_waits_out_retry_after_whatever_changes_meanwhile() {
+    let api = apiserver().await;
+    let node = Node::new(&machine("T4", 1), "[kubernetes]\nbackoff_min = \"100ms\"\n");
+    install(&node, &api, KubeconfigAuth::Token(TOKEN.into()));
+    api.fail_next_matching(1, "patch", "nodes", Failure::TooManyRequests { retry_after_secs: 2 });
+    let agent = node.spawn();
+    assert!(
+        api.wait_for(T, |a| a.requests().iter().any(|r| r.status == 429)).await,
+        "the label write was throttled"
+    );
+    // Someone else annotates the Node five times within the Retry-After: each change reaches the
+    // agent's view and wakes its label writer.
+    for i in 0..5 {
+        api.set_annotation(NODE, "example.com/touched", Some(&i.to_string()));
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    wait_label(&api, "nvidia.com/gpu.present", Some("true")).await;
+    let requests = api.requests();
+    let throttled = requests.iter().position(|r| r.status == 429).expect("a 429 was served");
+    let next = requests[throttled + 1..]
+        .iter()
+        .find(|r| r.method == "PATCH")
+        .expect("the write was sent again");
+    let waited = next.at.duration_since(requests[throttled].at);
+    assert!(
+        waited >= Duration::from_millis(1900),
+        "Retry-After: 2 honoured, waited {waited:?}"
+    );
+    assert_eq!(agent.stop(), 0);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn unauthorized_is_a_clear_error_and_retried() {
     let api = TestApiServer::start().await;
@@ -345,7 +379,11 @@ async fn unauthorized_is_a_clear_error_and_retried() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_rotated_token_file_is_used() {
     let api = apiserver().await;
-    let node = Node::new(&machine("T4", 1), PROFILES);
+    // Watches dropped early come back within reconnect_jitter: a short one keeps the test short.
+    let node = Node::new(
+        &machine("T4", 1),
+        &format!("[kubernetes]\nreconnect_jitter = \"200ms\"\n{PROFILES}"),
+    );
     let dir = node.kubeconfig_dir();
     std::fs::write(dir.join("token"), TOKEN).expect("token file");
     install(&node, &api, KubeconfigAuth::TokenFile(PathBuf::from("token")));
@@ -565,7 +603,7 @@ async fn an_oversized_node_is_an_error_and_memory_stays_bounded() {
     let error = status["desired"]["error"].as_str().unwrap_or_default();
     assert!(
         error.starts_with(&format!(
-            "get node \"{NODE}\" (GET /api/v1/nodes?fieldSelector=metadata.name%3D{NODE}&resourceVersion=0): the API \
+            "list node \"{NODE}\" (GET /api/v1/nodes?fieldSelector=metadata.name%3D{NODE}&resourceVersion=0): the API \
              server's answer is over the 16 MiB limit"
         )),
         "{error}"

@@ -536,11 +536,30 @@ async fn report_labels(
     if wanted_rx.changed().await.is_err() {
         return;
     }
+    // After a failed write, nothing is sent before this (the backoff or the server's
+    // Retry-After), however often the Node view changes meanwhile.
+    let mut not_before: Option<tokio::time::Instant> = None;
+    // The Node's resourceVersion a write was made from, and what it asked for: until the view
+    // has seen a newer Node (the write's own change, or anyone's), a view change (the
+    // connection state, say) must not send the same write again.
+    let mut written: Option<(String, BTreeMap<String, String>)> = None;
     loop {
         let wanted = wanted_rx.borrow_and_update().clone().unwrap_or_default();
-        let current = node_rx.borrow_and_update().node.as_ref().map(|n| n.labels.clone());
+        let current = node_rx
+            .borrow_and_update()
+            .node
+            .as_ref()
+            .map(|n| (n.labels.clone(), n.resource_version.clone()));
         let mut retry_in = None;
-        if let Some(current) = current {
+        let held = not_before.filter(|t| *t > tokio::time::Instant::now());
+        let in_flight = |rv: &String| {
+            written
+                .as_ref()
+                .is_some_and(|(from, asked)| from == rv && *asked == wanted)
+        };
+        if let Some(at) = held {
+            retry_in = Some(at.saturating_duration_since(tokio::time::Instant::now()));
+        } else if let Some((current, rv)) = current.filter(|(_, rv)| !in_flight(rv)) {
             let patch = label_patch(&current, &wanted, owned.keys());
             if !patch.is_empty() {
                 // Record the union first: a crash after the patch still knows every key written.
@@ -553,6 +572,8 @@ async fn report_labels(
                     Ok(_) => {
                         tracing::info!("node {node_name}: wrote {} label change(s)", patch.len());
                         backoff.reset();
+                        not_before = None;
+                        written = Some((rv, wanted.clone()));
                         if let Err(e) = owned.set(wanted.keys().cloned().collect()) {
                             tracing::warn!("cannot record owned labels: {e}");
                         }
@@ -560,6 +581,7 @@ async fn report_labels(
                     Err(e) => {
                         let delay = backoff.next_with(e.retry_after());
                         tracing::warn!("node {node_name}: cannot write labels ({e}); retrying in {delay:?}");
+                        not_before = Some(tokio::time::Instant::now() + delay);
                         retry_in = Some(delay);
                     }
                 }

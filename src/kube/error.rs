@@ -330,6 +330,21 @@ pub enum KubeError {
         failure: ApiFailure,
     },
 
+    /// Listing the Node by name (the watcher's read, which gives the resourceVersion to watch
+    /// from) failed.
+    #[error(
+        "list node {name:?} (GET {path}): {failure}{}",
+        forbidden_hint(failure, "list nodes")
+    )]
+    ListNode {
+        /// The Node's name.
+        name: String,
+        /// The URL path and query.
+        path: String,
+        /// Why.
+        failure: ApiFailure,
+    },
+
     /// Starting or reading a watch of the Node failed.
     #[error(
         "watch node {name:?} (GET {path}): {failure}{}",
@@ -449,6 +464,7 @@ impl KubeError {
     pub fn failure(&self) -> Option<&ApiFailure> {
         match self {
             KubeError::GetNode { failure, .. }
+            | KubeError::ListNode { failure, .. }
             | KubeError::WatchNode { failure, .. }
             | KubeError::PatchNode { failure, .. }
             | KubeError::CreateEvent { failure, .. }

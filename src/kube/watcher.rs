@@ -300,6 +300,7 @@ impl<A: NodeApi> Watcher<A> {
                     }
                     match event {
                         WatchEvent::Added(node) | WatchEvent::Modified(node) => {
+                            self.resource_version.clone_from(&node.resource_version);
                             self.on_node(node);
                         }
                         WatchEvent::Bookmark { resource_version } => self.resource_version = resource_version,
@@ -331,6 +332,15 @@ impl<A: NodeApi> Watcher<A> {
                 // A server (or proxy) that ends watches at once would otherwise be hammered.
                 let delay = self.backoff.next();
                 tracing::debug!(node = %self.name, "watch ended at once; watching again in {}", secs(delay));
+                tokio::time::sleep(delay).await;
+                Step::Watch
+            }
+            End::Closed if lasted < timeout.mul_f64(0.9) => {
+                // Ended cleanly but long before its timeoutSeconds: the API server going away
+                // gracefully (a rolling restart) ends every node's watch at once. Come back
+                // spread over the reconnect window, not together.
+                let delay = spread(Duration::ZERO, self.reconnect_jitter);
+                tracing::debug!(node = %self.name, "watch ended early; watching again in {}", secs(delay));
                 tokio::time::sleep(delay).await;
                 Step::Watch
             }
@@ -385,11 +395,15 @@ impl<A: NodeApi> Watcher<A> {
         let watch_error = self.failed(e, delay, Some(SyncMode::Poll));
         let resume_at = Instant::now() + delay;
         let poll_interval = self.poll_interval;
-        let mut poll_at = *self.next_poll.get_or_insert_with(|| Instant::now() + poll_interval);
+        // The first poll at a random point of the interval's last fifth, the next ones each an
+        // interval plus up to a fifth: nodes whose watches broke together do not poll together.
+        let mut poll_at = *self
+            .next_poll
+            .get_or_insert_with(|| Instant::now() + poll_delay(poll_interval));
         while poll_at <= resume_at {
             tokio::time::sleep_until(poll_at).await;
             self.poll_once(&watch_error).await;
-            poll_at = Instant::now() + poll_interval;
+            poll_at = Instant::now() + poll_delay(poll_interval);
             self.next_poll = Some(poll_at);
         }
         tokio::time::sleep_until(resume_at).await;
@@ -412,9 +426,11 @@ impl<A: NodeApi> Watcher<A> {
         }
     }
 
-    /// The Node as read: remember its resourceVersion, publish if it changed otherwise.
+    /// The Node as read: publish it if it changed in what the agent reacts to. The
+    /// resourceVersion to watch from is not taken from here: only from a list, a watch event or
+    /// a bookmark (a polled Node's own resourceVersion can be older than the API server's watch
+    /// cache, and a watch from it would get 410).
     fn on_node(&mut self, node: Node) -> bool {
-        self.resource_version.clone_from(&node.resource_version);
         self.publish(|v| v.node = Some(node))
     }
 
@@ -789,8 +805,8 @@ mod tests {
         assert!(polls >= 2, "initial GET plus at least one poll: {calls:?}");
         assert_eq!(
             calls.last(),
-            Some(&watch("7")),
-            "watches from the polled resourceVersion: {calls:?}"
+            Some(&watch("1")),
+            "watches from the last listed resourceVersion, not the polled Node's own: {calls:?}"
         );
         task.abort();
     }
@@ -961,7 +977,7 @@ mod tests {
             rx.borrow().node.as_ref().map(|n| n.resource_version.as_str()),
             Some("2")
         );
-        assert_eq!(w.resource_version, "2");
+        assert_eq!(w.resource_version, "", "a read Node does not set where to watch from");
         // Labels, annotations, connection state: published.
         assert!(w.on_node(node("3", "b")));
         let mut annotated = node("4", "b");
@@ -1171,5 +1187,42 @@ mod tests {
         let calls = wait_calls(&fake, "the watch after the relist", |c| c.len() >= 4).await;
         assert_eq!(calls[..4], [get(true), watch("50"), get(false), watch("50")]);
         task.abort();
+    }
+
+    #[tokio::test]
+    async fn watches_that_end_early_but_cleanly_come_back_spread_over_the_window() {
+        // A graceful API server shutdown ends every watch at once, cleanly, long before its
+        // timeoutSeconds: the nodes must not all watch again at the same instant.
+        let mut fakes = Vec::new();
+        let mut tasks = Vec::new();
+        for _ in 0..20 {
+            let fake = Fake::default();
+            {
+                let mut st = fake.0.lock().unwrap();
+                st.gets.push_back(Ok(node("1", "a")));
+                st.watches
+                    .push_back(Script::Stream(vec![Item::Event(WatchEvent::Modified(node("2", "a")))]));
+            }
+            let mut cfg = cfg();
+            cfg.watch_timeout = Duration::from_secs(60);
+            cfg.reconnect_jitter = Duration::from_millis(400);
+            cfg.backoff_max = Duration::from_secs(1);
+            let (rx, task) = spawn_node_watcher_with(fake.clone(), "gpu-1".into(), &cfg);
+            tasks.push((task, rx));
+            fakes.push(fake);
+        }
+        let mut waits = Vec::new();
+        for fake in &fakes {
+            wait_calls(fake, "the second watch", |c| c.len() >= 3).await;
+            let st = fake.0.lock().unwrap();
+            assert_eq!(st.calls[2].1, watch("2"), "resumed from the last event");
+            waits.push(st.calls[2].0 - st.calls[1].0);
+        }
+        for (task, _) in tasks {
+            task.abort();
+        }
+        let min = waits.iter().min().copied().unwrap_or_default();
+        let max = waits.iter().max().copied().unwrap_or_default();
+        assert!(max - min >= Duration::from_millis(100), "not all at once: {waits:?}");
     }
 }

@@ -81,7 +81,7 @@ impl KubeClient {
         if from_cache {
             path.push_str("&resourceVersion=0");
         }
-        let fail = |failure| KubeError::GetNode {
+        let fail = |failure| KubeError::ListNode {
             name: name.to_string(),
             path: path.clone(),
             failure,
@@ -99,7 +99,14 @@ impl KubeClient {
                 status: Some(ApiStatus {
                     code: 404,
                     reason: "NotFound".into(),
-                    message: format!("nodes \"{name}\" not found"),
+                    message: format!(
+                        "nodes \"{name}\" not found (the list by name came back empty{})",
+                        if from_cache {
+                            ", from the API server's cache"
+                        } else {
+                            ""
+                        }
+                    ),
                     retry_after_seconds: None,
                 }),
                 retry_after: None,
