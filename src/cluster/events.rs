@@ -429,9 +429,13 @@ impl Aggregator {
 /// Where [`run`] sends its writes: the API server ([`KubeClient`]), or a fake in tests.
 pub trait EventSink {
     /// Creates an Event object for `count` occurrences; returns its name.
+    /// Creates the Event `name` (chosen by the caller and kept across retries of one write, so
+    /// that a try whose answer was lost cannot make a second object: the retry gets 409, and
+    /// [`run`] patches the stored one); returns its name.
     fn create(
         &self,
         event: &NodeEvent,
+        name: &str,
         count: u64,
         first: SystemTime,
         last: SystemTime,
@@ -451,11 +455,12 @@ impl EventSink for KubeClient {
     fn create(
         &self,
         event: &NodeEvent,
+        name: &str,
         count: u64,
         first: SystemTime,
         last: SystemTime,
     ) -> impl Future<Output = Result<String, KubeError>> + Send {
-        self.create_event_counted(event, count, first, last)
+        self.create_event_counted(event, name, count, first, last)
     }
 
     fn patch(
@@ -486,6 +491,8 @@ pub async fn run<S: EventSink>(
     mut backoff: Backoff,
 ) {
     let mut aggregator = Aggregator::new(policy, Instant::now());
+    // The name of each create being tried, by type and reason, until it is answered.
+    let mut naming: std::collections::HashMap<String, String> = std::collections::HashMap::new();
     loop {
         while let Some(write) = aggregator.next_write(Instant::now()) {
             let event = NodeEvent {
@@ -500,16 +507,30 @@ pub async fn run<S: EventSink>(
                 reason: write.reason.clone(),
                 message: write.message.clone(),
             };
+            let key = format!("{:?}/{}", write.event_type, write.reason);
             let result = match &write.target {
-                Target::Create => sink
-                    .create(&event, write.count, wall_time(write.first), wall_time(write.last))
-                    .await
-                    .map(Some),
+                Target::Create => {
+                    let name = naming.entry(key.clone()).or_insert_with(|| event_name(&node_name));
+                    let (first, last) = (wall_time(write.first), wall_time(write.last));
+                    match sink.create(&event, name, write.count, first, last).await {
+                        // The name is ours: an earlier try of this write was stored and its
+                        // answer lost (a timeout, a cut connection). No second object: set the
+                        // stored one's count to this write's (it may hold an older one).
+                        Err(e) if e.status_code() == Some(409) => sink
+                            .patch(&event, name, write.count, last)
+                            .await
+                            .map(|()| Some(name.clone())),
+                        other => other.map(Some),
+                    }
+                }
                 Target::Patch { name } => sink
                     .patch(&event, name, write.count, wall_time(write.last))
                     .await
                     .map(|()| None),
             };
+            if !matches!(&result, Err(e) if e.is_transient() || e.is_unauthorized()) {
+                naming.remove(&key);
+            }
             match result {
                 Ok(created) => {
                     backoff.reset();
@@ -583,6 +604,14 @@ fn record(aggregator: &mut Aggregator, (event_type, reason, message): EventReque
 }
 
 /// The wall-clock time of an earlier instant.
+/// A new Event's name: `<node>.<unix time in nanoseconds, hex>`, as client-go names its Events.
+fn event_name(node: &str) -> String {
+    let nanos = SystemTime::now()
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos());
+    format!("{node}.{nanos:x}")
+}
+
 fn wall_time(at: Instant) -> SystemTime {
     let now = SystemTime::now();
     now.checked_sub(Instant::now().saturating_duration_since(at))
@@ -997,6 +1026,8 @@ mod tests {
         objects: Vec<Object>,
         created: usize,
         fail: VecDeque<u16>,
+        /// The next create is stored but answered with a 504, as if the answer were lost.
+        lose_next_answer: bool,
         /// Every call: `create` or `patch NAME`, with the code answered.
         calls: Vec<(String, u16)>,
     }
@@ -1014,11 +1045,34 @@ mod tests {
         async fn create(
             &self,
             event: &NodeEvent,
+            name: &str,
             count: u64,
             _first: SystemTime,
             _last: SystemTime,
         ) -> Result<String, KubeError> {
             let mut state = self.state.lock().expect("fake");
+            let fail = |code| KubeError::CreateEvent {
+                name: event.node_name.clone(),
+                reason: event.reason.clone(),
+                path: "/api/v1/namespaces/default/events".into(),
+                failure: http(code),
+            };
+            if state.objects.iter().any(|o| o.name == name) {
+                state.calls.push(("create".into(), 409));
+                return Err(fail(409));
+            }
+            if state.lose_next_answer {
+                // Stored, but the answer never arrives (a timeout, a cut connection).
+                state.lose_next_answer = false;
+                state.calls.push(("create".into(), 504));
+                state.objects.push(Object {
+                    name: name.to_owned(),
+                    reason: event.reason.clone(),
+                    count,
+                    message: event.message.clone(),
+                });
+                return Err(fail(504));
+            }
             if let Some(code) = state.fail.pop_front() {
                 state.calls.push(("create".into(), code));
                 return Err(KubeError::CreateEvent {
@@ -1029,7 +1083,7 @@ mod tests {
                 });
             }
             state.created += 1;
-            let name = format!("{}.{}", event.node_name, state.created);
+            let name = name.to_owned();
             state.calls.push(("create".into(), 201));
             state.objects.push(Object {
                 name: name.clone(),
@@ -1122,9 +1176,10 @@ mod tests {
         sink.until("the bump", |o| o.len() == 1 && o[0].count == 2).await;
         // The API server's --event-ttl deletes it.
         sink.state.lock().expect("fake").objects.clear();
+        let first_name = sink.state.lock().expect("fake").calls.len();
         send(&tx, "DriverFailed", "three");
-        sink.until("a new object", |o| o.len() == 1 && o[0].name == "gpu-1.2")
-            .await;
+        sink.until("a new object", |o| o.len() == 1).await;
+        assert!(first_name > 0);
         let state = sink.state.lock().expect("fake");
         assert_eq!(state.objects[0].count, 1, "only the occurrence the old object lacks");
         assert_eq!(state.objects[0].message, "three");
@@ -1151,5 +1206,22 @@ mod tests {
         let codes: Vec<u16> = state.calls.iter().map(|c| c.1).collect();
         assert_eq!(&codes[..3], [503, 500, 201], "{:?}", state.calls);
         assert_eq!(codes[3], 403, "{:?}", state.calls);
+    }
+
+    #[tokio::test]
+    async fn a_create_whose_answer_was_lost_is_not_made_twice() {
+        let sink = FakeSink::default();
+        let (tx, _node) = spawn_run(&sink);
+        sink.state.lock().expect("fake").lose_next_answer = true;
+        send(&tx, "DriverFailed", "one");
+        sink.until("stored, the answer lost", |o| o.len() == 1).await;
+        send(&tx, "DriverFailed", "two");
+        sink.until("the count", |o| o.first().is_some_and(|o| o.count == 2))
+            .await;
+        let state = sink.state.lock().expect("fake");
+        assert_eq!(state.objects.len(), 1, "one object: {:?}", state.objects);
+        let codes: Vec<u16> = state.calls.iter().map(|c| c.1).collect();
+        assert_eq!(codes[..2], [504, 409], "retried under the same name: {:?}", state.calls);
+        assert!(state.objects[0].name.starts_with("gpu-1."), "{}", state.objects[0].name);
     }
 }

@@ -468,7 +468,9 @@ async fn ensure_runtime_classes(
     loop {
         let handlers = wanted.borrow_and_update().clone();
         let mut forbidden = Vec::new();
-        let mut retry = false;
+        // When to try again after a failure: the retry period plus up to a fifth (so a fleet's
+        // retries do not line up), or the server's Retry-After when longer.
+        let mut retry: Option<Duration> = None;
         let todo: Vec<&String> = handlers.iter().filter(|h| !done.contains(h)).collect();
         for handler in todo {
             match client.create_runtime_class(handler).await {
@@ -480,8 +482,11 @@ async fn ensure_runtime_classes(
                 }
                 Err(e) if e.status_code() == Some(403) => forbidden.push(handler.clone()),
                 Err(e) => {
-                    tracing::warn!("{e}; trying again in {}s", retry_in.as_secs());
-                    retry = true;
+                    let delay = retry_in
+                        .mul_f64(1.0 + fastrand::f64() / 5.0)
+                        .max(e.retry_after().unwrap_or_default());
+                    tracing::warn!("{e}; trying again in {}s", delay.as_secs());
+                    retry = Some(retry.map_or(delay, |d| d.max(delay)));
                 }
             }
         }
@@ -511,8 +516,8 @@ async fn ensure_runtime_classes(
             done.extend(forbidden);
         }
         let again = async {
-            if retry {
-                tokio::time::sleep(retry_in.mul_f64(1.0 + fastrand::f64() / 5.0)).await;
+            if let Some(delay) = retry {
+                tokio::time::sleep(delay).await;
             } else {
                 std::future::pending::<()>().await;
             }

@@ -402,7 +402,11 @@ impl Driver {
         let mut listed_at: Option<Instant> = None;
         let mut last: Option<Vec<Value>> = None;
         let mut generation: i64 = 0;
-        let mut retry = RETRY_MIN;
+        // After a failed round nothing is tried before `retry_at`, whatever wakes the loop
+        // (health, inventory): jittered doubling steps, so a fleet that failed together (an API
+        // server restart) does not retry together.
+        let mut backoff = crate::host::backoff::Backoff::new(RETRY_MIN, RETRY_MAX);
+        let mut retry_at: Option<Instant> = None;
         let mut failed = false;
         let mut relist_every = relist_period();
         loop {
@@ -411,7 +415,8 @@ impl Driver {
                 held_at = Some(Instant::now());
             }
             let ready = inventory.borrow().is_some();
-            if ready {
+            let holding = retry_at.is_some_and(|t| Instant::now() < t);
+            if ready && !holding {
                 let relist = failed || listed_at.is_none_or(|t| t.elapsed() >= relist_every);
                 match self.sync(&client, &held, relist, &mut last, &mut generation).await {
                     Ok(listed) => {
@@ -420,18 +425,24 @@ impl Driver {
                             relist_every = relist_period();
                         }
                         failed = false;
-                        retry = RETRY_MIN;
+                        retry_at = None;
+                        backoff.reset();
                     }
                     Err(e) => {
+                        let retry = backoff.next();
                         tracing::warn!(
                             "DRA: publishing the ResourceSlices of node {:?}: {e}; again in {retry:?}",
                             self.node
                         );
                         failed = true;
+                        retry_at = Some(Instant::now() + retry);
                     }
                 }
             }
-            let wait = if failed { retry } else { POD_RESOURCES_EVERY };
+            let wait = match retry_at {
+                Some(t) if failed => t.saturating_duration_since(Instant::now()),
+                _ => POD_RESOURCES_EVERY,
+            };
             tokio::select! {
                 () = stop.cancelled() => return,
                 Ok(()) = inventory.changed() => {
@@ -441,11 +452,7 @@ impl Driver {
                 }
                 Ok(()) = health.changed() => {}
                 () = self.registered.notified() => { listed_at = None; }
-                () = tokio::time::sleep(wait) => {
-                    if failed {
-                        retry = (retry * 2).min(RETRY_MAX);
-                    }
-                }
+                () = tokio::time::sleep(wait) => {}
             }
         }
     }

@@ -182,7 +182,7 @@ impl KubeClient {
     pub async fn create_event(&self, event: &NodeEvent) -> Result<(), KubeError> {
         let path = format!("/api/v1/namespaces/{EVENT_NAMESPACE}/events");
         let now = SystemTime::now();
-        let body = event_body(event, 1, now, now).to_string().into_bytes();
+        let body = event_body(event, None, 1, now, now).to_string().into_bytes();
         let limit = Limit::Total(self.inner.request_timeout);
         let response = self
             .send("create", Method::POST, &path, Some(("application/json", body)), limit)
@@ -204,6 +204,7 @@ impl KubeClient {
     pub async fn create_event_counted(
         &self,
         event: &NodeEvent,
+        name: &str,
         count: u64,
         first: SystemTime,
         last: SystemTime,
@@ -215,7 +216,9 @@ impl KubeClient {
             path: path.clone(),
             failure,
         };
-        let body = event_body(event, count, first, last).to_string().into_bytes();
+        let body = event_body(event, Some(name), count, first, last)
+            .to_string()
+            .into_bytes();
         let limit = Limit::Total(self.inner.request_timeout);
         let mut response = self
             .send("create", Method::POST, &path, Some(("application/json", body)), limit)
@@ -328,7 +331,13 @@ fn count_field(count: u64) -> u64 {
 }
 
 /// The core/v1 Event for a NodeEvent that happened `count` times from `first` to `last`.
-fn event_body(event: &NodeEvent, count: u64, first: SystemTime, last: SystemTime) -> serde_json::Value {
+fn event_body(
+    event: &NodeEvent,
+    name: Option<&str>,
+    count: u64,
+    first: SystemTime,
+    last: SystemTime,
+) -> serde_json::Value {
     let mut involved = serde_json::json!({ "apiVersion": "v1", "kind": "Node", "name": event.node_name });
     if !event.node_uid.is_empty() {
         involved["uid"] = event.node_uid.clone().into();
@@ -336,7 +345,10 @@ fn event_body(event: &NodeEvent, count: u64, first: SystemTime, last: SystemTime
     serde_json::json!({
         "apiVersion": "v1",
         "kind": "Event",
-        "metadata": { "generateName": format!("{}.", event.node_name), "namespace": EVENT_NAMESPACE },
+        "metadata": match name {
+            Some(name) => serde_json::json!({ "name": name, "namespace": EVENT_NAMESPACE }),
+            None => serde_json::json!({ "generateName": format!("{}.", event.node_name), "namespace": EVENT_NAMESPACE }),
+        },
         "involvedObject": involved,
         "reason": event.reason,
         "message": truncate(&event.message, MAX_EVENT_MESSAGE),
@@ -377,11 +389,15 @@ mod tests {
             message: "é".repeat(600),
         };
         let first = SystemTime::UNIX_EPOCH + Duration::from_secs(1_700_000_000);
-        let body = event_body(&event, 1, first, first + Duration::from_secs(61));
+        let body = event_body(&event, None, 1, first, first + Duration::from_secs(61));
         assert_eq!(body["firstTimestamp"], "2023-11-14T22:13:20Z");
         assert_eq!(body["lastTimestamp"], "2023-11-14T22:14:21Z");
         assert_eq!(body["count"], 1);
-        assert_eq!(event_body(&event, u64::MAX, first, first)["count"], i32::MAX);
+        assert_eq!(event_body(&event, None, u64::MAX, first, first)["count"], i32::MAX);
+        assert_eq!(
+            event_body(&event, Some("n.17"), 1, first, first)["metadata"]["name"],
+            "n.17"
+        );
         assert!(body["involvedObject"].get("uid").is_none());
         assert_eq!(body["message"].as_str().map(str::len), Some(1024));
     }
