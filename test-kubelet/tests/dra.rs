@@ -261,8 +261,18 @@ impl FakeDra {
             statuses: Arc::clone(&statuses),
             fail_first: Arc::new(Mutex::new(fail_first)),
         };
+        // Bound (and listening) under another name outside the watched folder, then renamed
+        // into it: a kubelet that dials the socket the moment it appears must not find it
+        // bound but not yet listening (Connection refused, a flaky registration).
         let _ = std::fs::remove_file(reg_socket);
-        let listener = UnixListener::bind(reg_socket).unwrap();
+        let folder = reg_socket.parent().unwrap();
+        let staging = folder.parent().unwrap_or(folder).join(format!(
+            ".staging-{}",
+            reg_socket.file_name().unwrap().to_string_lossy()
+        ));
+        let _ = std::fs::remove_file(&staging);
+        let listener = UnixListener::bind(&staging).unwrap();
+        std::fs::rename(&staging, reg_socket).unwrap();
         let router = tonic::transport::Server::builder().add_service(RegistrationServer::new(reg));
         servers.push(tokio::spawn(async move {
             let _ = router.serve_with_incoming(UnixListenerStream::new(listener)).await;
