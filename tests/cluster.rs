@@ -338,6 +338,15 @@ async fn a_label_write_throttled_by_429_waits_out_retry_after_whatever_changes_m
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
     wait_label(&api, "nvidia.com/gpu.present", Some("true")).await;
+    // The label is in the store a moment before the request that wrote it is in the log.
+    assert!(
+        api.wait_for(T, |a| a
+            .requests()
+            .iter()
+            .any(|r| r.method == "PATCH" && r.status == 200))
+            .await,
+        "the write went through"
+    );
     let requests = api.requests();
     let throttled = requests.iter().position(|r| r.status == 429).expect("a 429 was served");
     let next = requests[throttled + 1..]
