@@ -50,6 +50,14 @@ pub struct NodeEvent {
 }
 
 impl KubeClient {
+    /// GETs `path` (a read: `verb` is `get` or `list`) and returns its body, read bounded by
+    /// [`MAX_API_BODY`].
+    async fn read(&self, verb: &'static str, path: &str) -> Result<Vec<u8>, ApiFailure> {
+        let limit = Limit::Total(self.inner.request_timeout);
+        let mut response = self.send(verb, Method::GET, path, None, limit).await?;
+        read_body(&mut response, MAX_API_BODY).await.map_err(body_failure)
+    }
+
     /// Reads the Node. `from_cache` asks for `resourceVersion=0`: served from the API server's
     /// watch cache, cheap, possibly a moment stale.
     pub async fn get_node(&self, name: &str, from_cache: bool) -> Result<Node, KubeError> {
@@ -62,11 +70,7 @@ impl KubeClient {
             path: path.clone(),
             failure,
         };
-        let limit = Limit::Total(self.inner.request_timeout);
-        let mut response = self.send("get", Method::GET, &path, None, limit).await.map_err(fail)?;
-        let body = read_body(&mut response, MAX_API_BODY)
-            .await
-            .map_err(|e| fail(body_failure(e)))?;
+        let body = self.read("get", &path).await.map_err(fail)?;
         Node::from_json(&body).map_err(|e| fail(ApiFailure::Decode(e)))
     }
 
@@ -86,11 +90,7 @@ impl KubeClient {
             path: path.clone(),
             failure,
         };
-        let limit = Limit::Total(self.inner.request_timeout);
-        let mut response = self.send("list", Method::GET, &path, None, limit).await.map_err(fail)?;
-        let body = read_body(&mut response, MAX_API_BODY)
-            .await
-            .map_err(|e| fail(body_failure(e)))?;
+        let body = self.read("list", &path).await.map_err(fail)?;
         let (nodes, rv) = Node::list_from_json(&body).map_err(|e| fail(ApiFailure::Decode(e)))?;
         match nodes.into_iter().find(|n| n.name == name) {
             Some(node) => Ok((node, rv)),
