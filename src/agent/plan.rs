@@ -23,6 +23,7 @@ use crate::nvml::{Gpus, Inventory};
 use crate::plugin::devnodes::DeviceNodes;
 use crate::plugin::mps::MpsDaemon;
 use crate::plugin::resources::Resource;
+use crate::runtime::node_spec;
 use crate::runtime::stage::{self as rt, RuntimePlan};
 
 /// Every stage's plan for this node.
@@ -134,11 +135,11 @@ pub async fn node_plan(config: &Config, root: &HostRoot, mig_layout: Option<&str
     let mig_changes = mig.as_ref().is_some_and(|m| m.operations > 0 && m.error.is_none());
     let cdi = config.cdi.enabled.then(|| {
         let nodes = DeviceNodes::gather(&root.join(&config.device_plugin.dev_root), &root.join("/proc"));
-        let path = rt::cdi_path(config);
+        let path = node_spec::cdi_path(config);
         // The injection specs (GDS, MOFED, GDRCopy, IMEX) are written in the same pass: a
         // change there is a write, a missing required IMEX channel the plan's error.
-        let specs = rt::cdi_spec(config, root, &inventory, &nodes)
-            .and_then(|text| Ok((text, rt::extra_cdi_specs(config, root, &nodes)?)));
+        let specs = node_spec::cdi_spec(config, root, &inventory, &nodes)
+            .and_then(|text| Ok((text, node_spec::extra_cdi_specs(config, root, &nodes)?)));
         match specs {
             Ok((text, extra)) => CdiPlan {
                 write: mig_changes

@@ -13,6 +13,7 @@ use crate::logging;
 use crate::nvml::Gpus;
 use crate::plugin::injections::{FLAG_CLASSES, IMEX_CLASS};
 use crate::runtime::cdi::{CdiError, spec_file_name};
+use crate::runtime::node_spec;
 use crate::runtime::stage::{self as rt, ApplyOptions, RuntimeError};
 use std::process::ExitCode;
 
@@ -174,8 +175,8 @@ impl Agent {
             return;
         }
         let Some(inventory) = &self.inventory else { return };
-        let path = rt::cdi_path(&self.config);
-        match rt::write_cdi(&self.config, &self.root, inventory, &self.base_ctx.nodes) {
+        let path = node_spec::cdi_path(&self.config);
+        match node_spec::write_cdi(&self.config, &self.root, inventory, &self.base_ctx.nodes) {
             Ok((written, conflicts)) => {
                 if written {
                     tracing::info!("CDI spec written to {}", path.display());
@@ -204,7 +205,7 @@ impl Agent {
     pub(super) fn cdi_spec_missing(&self) -> bool {
         self.config.cdi.enabled
             && self.inventory.as_ref().is_some_and(|i| !i.gpus.is_empty())
-            && !self.root.join(rt::cdi_path(&self.config)).exists()
+            && !self.root.join(node_spec::cdi_path(&self.config)).exists()
     }
 
     /// The runtime stage's status from the engines' and the CDI spec's outcome.
@@ -393,15 +394,15 @@ pub fn cdi_generate(config: &Config, root: &HostRoot, output: Option<&std::path:
         crate::plugin::devnodes::DeviceNodes::gather(&root.join(&config.device_plugin.dev_root), &root.join("/proc"));
     let result = match output {
         Some(p) if p == std::path::Path::new("-") => {
-            rt::cdi_spec(config, root, &inventory, &nodes).map(|text| print!("{text}"))
+            node_spec::cdi_spec(config, root, &inventory, &nodes).map(|text| print!("{text}"))
         }
-        Some(p) => rt::cdi_spec(config, root, &inventory, &nodes).and_then(|text| {
+        Some(p) => node_spec::cdi_spec(config, root, &inventory, &nodes).and_then(|text| {
             crate::host::write_atomic(p, text.as_bytes(), 0o644)
                 .map(|()| println!("wrote {}", p.display()))
                 .map_err(Into::into)
         }),
-        None => rt::write_cdi(config, root, &inventory, &nodes).map(|(written, conflicts)| {
-            let path = rt::cdi_path(config);
+        None => node_spec::write_cdi(config, root, &inventory, &nodes).map(|(written, conflicts)| {
+            let path = node_spec::cdi_path(config);
             if written {
                 println!("wrote {}", path.display());
             } else {

@@ -281,7 +281,7 @@ impl Driver {
             &self.root.join(&self.config.device_plugin.dev_root),
             &self.root.join("/proc"),
         );
-        let base = crate::runtime::stage::cdi_spec_model(&self.config, &self.root, &inventory, &nodes)
+        let base = crate::runtime::node_spec::cdi_spec_model(&self.config, &self.root, &inventory, &nodes)
             .map_err(|e| format!("{want}: no CDI spec for the node's GPUs: {e}"))?;
         let pairs: Vec<(&str, &str)> = chosen.iter().map(|(_, d)| (d.name.as_str(), d.uuid())).collect();
         let (spec, ids) =

@@ -12,6 +12,7 @@ pub mod crio;
 pub mod docker;
 pub mod facts_cache;
 pub mod kubelet;
+pub mod node_spec;
 pub mod stage;
 pub mod toolkit;
 
