@@ -1970,10 +1970,11 @@ mod runtime {
 
 mod host_readers {
     use super::*;
+    use gpu_node_agent::devices::parse_sysfs_hex;
     use gpu_node_agent::devices::{REPLICA_SEPARATOR, split_replica_id};
     use gpu_node_agent::driver::Flavour;
     use gpu_node_agent::driver::observe::{
-        OsRelease, SecureBoot, parse_os_release, parse_proc_version, parse_secure_boot_var, parse_sysfs_hex,
+        OsRelease, SecureBoot, parse_os_release, parse_proc_version, parse_secure_boot_var,
     };
     use gpu_node_agent::plugin::devnodes::parse_mig_minors;
     use gpu_node_agent::plugin::memlimit::{

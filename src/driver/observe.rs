@@ -18,7 +18,7 @@ use super::Flavour;
 use crate::host::HostRoot;
 use crate::host::arch::HostArch;
 
-pub use crate::devices::{NVIDIA_VENDOR, parse_sysfs_hex};
+use crate::devices::{NVIDIA_VENDOR, parse_sysfs_hex};
 
 /// PCI class (base class and subclass, the top 16 of the 24 bits) of a VGA controller.
 const CLASS_VGA: u32 = 0x0300;
@@ -313,13 +313,24 @@ pub fn module_loaded(root: &HostRoot, name: &str) -> bool {
     root.join(Path::new("/sys/module").join(name)).is_dir()
 }
 
+/// The modules compute needs (`/sys/module` names), with what each is for and the device node
+/// that shows it loaded where `/sys/module` does not.
+pub const COMPUTE_MODULES: [(&str, &str, &str); 2] = [
+    ("nvidia", "the driver itself", "/dev/nvidiactl"),
+    (
+        "nvidia_uvm",
+        "CUDA programs cannot start without /dev/nvidia-uvm",
+        "/dev/nvidia-uvm",
+    ),
+];
+
 /// Which of the device nodes that show the compute modules loaded
-/// ([`super::validate::COMPUTE_MODULES`]: `/dev/nvidiactl`, `/dev/nvidia-uvm`) are character
+/// ([`COMPUTE_MODULES`]: `/dev/nvidiactl`, `/dev/nvidia-uvm`) are character
 /// devices under `dev_base` (the root joined with `[device_plugin] dev_root`), as host paths.
 /// A link or anything but a character device does not count; nothing is opened.
 pub fn driver_nodes(dev_base: &Path) -> Vec<String> {
     use std::os::unix::fs::FileTypeExt;
-    super::validate::COMPUTE_MODULES
+    COMPUTE_MODULES
         .iter()
         .map(|(_, _, node)| *node)
         .filter(|node| {

@@ -11,19 +11,8 @@
 
 use serde::Serialize;
 
-use super::observe::LoadedDriver;
+use super::observe::{COMPUTE_MODULES, LoadedDriver};
 use crate::nvml::normalise_bus_id;
-
-/// The modules compute needs (`/sys/module` names), with what each is for and the device node
-/// that shows it loaded where `/sys/module` does not.
-pub const COMPUTE_MODULES: [(&str, &str, &str); 2] = [
-    ("nvidia", "the driver itself", "/dev/nvidiactl"),
-    (
-        "nvidia_uvm",
-        "CUDA programs cannot start without /dev/nvidia-uvm",
-        "/dev/nvidia-uvm",
-    ),
-];
 
 /// The display and DRM module, required only as [`Loader`] says.
 pub const MODESET_MODULE: &str = "nvidia_modeset";

@@ -13,7 +13,7 @@ use super::credentials::{
 };
 use super::error::KubeError;
 use super::kubeconfig;
-use super::limit::{self, MAX_KUBECONFIG};
+use super::limit::MAX_KUBECONFIG;
 
 /// Finds the credentials, reading the process environment. See [`discover_with`].
 pub fn discover(cfg: &KubernetesConfig, root: &HostRoot) -> Result<Option<Credentials>, KubeError> {
@@ -87,7 +87,7 @@ pub fn load_kubeconfig(path: &Path, found_by: FoundBy, root: &HostRoot) -> Resul
         path: path.to_path_buf(),
         source,
     };
-    let data = limit::read_file(path, MAX_KUBECONFIG).map_err(read_err)?;
+    let data = crate::host::read_file(path, MAX_KUBECONFIG).map_err(read_err)?;
     let text = String::from_utf8(data)
         .map_err(|_| read_err(std::io::Error::new(std::io::ErrorKind::InvalidData, "not UTF-8 text")))?;
     kubeconfig::resolve(&text, path, found_by, root)

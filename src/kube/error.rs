@@ -10,7 +10,8 @@ use std::time::Duration;
 
 use serde::Deserialize;
 
-use super::limit::{BodyError, size};
+use super::limit::BodyError;
+use crate::host::size;
 
 /// A Kubernetes `Status` object, as sent with API errors and in watch `ERROR` events.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]

@@ -11,8 +11,9 @@ use serde::Deserialize;
 
 use super::credentials::{ExecApiVersion, ExecConfig, Secret};
 use super::error::KubeError;
-use super::limit::{MAX_EXEC_OUTPUT, MAX_EXEC_STDERR, size};
+use super::limit::{MAX_EXEC_OUTPUT, MAX_EXEC_STDERR};
 use super::time::parse_rfc3339;
+use crate::host::size;
 
 /// How long a plugin may run.
 pub const EXEC_TIMEOUT: Duration = Duration::from_secs(60);

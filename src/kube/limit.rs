@@ -26,8 +26,6 @@ pub const MAX_KUBECONFIG: u64 = 1 << 20;
 /// system bundle, a few hundred KiB).
 pub const MAX_CREDENTIAL_FILE: u64 = 1 << 20;
 
-pub use crate::host::{read_file, size};
-
 /// Why a body could not be read in full.
 #[derive(Debug)]
 pub enum BodyError {
@@ -110,6 +108,7 @@ pub async fn drain_body(mut response: reqwest::Response, limit: usize) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::host::{read_file, size};
     use bytes::Bytes;
     use std::io;
     use std::path::Path;

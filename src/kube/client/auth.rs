@@ -11,7 +11,7 @@ use super::{AuthState, Built, FileCache, FileStamp, Inner, KubeClient, Loaded, P
 use crate::kube::credentials::{Material, MaterialSource, Secret, TokenSource};
 use crate::kube::error::KubeError;
 use crate::kube::exec::{ClusterInfo, identity_pem, run_plugin};
-use crate::kube::limit::{self, MAX_CREDENTIAL_FILE};
+use crate::kube::limit::MAX_CREDENTIAL_FILE;
 use crate::kube::time::format_rfc3339;
 
 impl KubeClient {
@@ -152,7 +152,7 @@ fn load_file(cache: &mut FileCache, path: &Path, what: &str, force: bool) -> Res
         {
             return Ok(data.clone());
         }
-        let data = limit::read_file(path, MAX_CREDENTIAL_FILE)?;
+        let data = crate::host::read_file(path, MAX_CREDENTIAL_FILE)?;
         if cache.data.is_some() && cache.stamp != Some(stamp) {
             tracing::info!("{what}: {} changed; using the new contents", path.display());
         }
