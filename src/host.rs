@@ -190,32 +190,6 @@ pub fn read_text(path: &Path) -> io::Result<String> {
     read_text_limited(path, MAX_TEXT_FILE)
 }
 
-/// How long a GPU reset may take before it is given up on.
-const GPU_RESET_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(120);
-
-/// Resets one GPU with the driver's nvidia-smi (`--gpu-reset -i <uuid>`; `nvidia_smi` is the
-/// path under the root), which fails by itself when anything holds the GPU. `Err` has the
-/// command line, the exit status or timeout, and the end of what it printed.
-pub fn reset_gpu(nvidia_smi: &Path, uuid: &str) -> Result<(), String> {
-    if !nvidia_smi.exists() {
-        return Err(format!("{} not found ([mig] nvidia_smi)", nvidia_smi.display()));
-    }
-    let cmd = command::Cmd::new(nvidia_smi)
-        .args(["--gpu-reset", "-i", uuid])
-        .timeout(GPU_RESET_TIMEOUT);
-    match command::run_unrooted(&cmd, None) {
-        Ok(out) if out.success() => Ok(()),
-        Ok(out) => Err(command::CmdError::Failed {
-            cmd: cmd.to_string(),
-            status: out.status,
-            stdout: out.stdout,
-            stderr: out.stderr,
-        }
-        .to_string()),
-        Err(e) => Err(e.to_string()),
-    }
-}
-
 /// The node's name for logs and status: `/etc/hostname` under the root, else the kernel's.
 pub fn hostname(root: &HostRoot) -> String {
     if !root.is_real()

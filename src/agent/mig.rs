@@ -193,7 +193,7 @@ impl Agent {
         let stop = self.stop.clone();
         let (config, root) = (self.config.clone(), self.root.clone());
         let (step, clients_note) = tokio::task::spawn_blocking(move || {
-            let reset = |uuid: &str| crate::host::reset_gpu(&smi, uuid);
+            let reset = |uuid: &str| crate::host::command::reset_gpu(&smi, uuid);
             let reset = allow_reset.then_some(&reset as ResetGpu<'_>);
             with_host_clients(&config, &root, mode_change, Some(&stop), |before| {
                 converge(&g, &n, &l, reset, Some(&stop), Some(before))
@@ -570,7 +570,7 @@ pub fn mig_command(config: &Config, root: &HostRoot, command: MigCommand) -> Exi
                 }
             };
             let smi = root.join(&config.mig.nvidia_smi);
-            let reset = |uuid: &str| crate::host::reset_gpu(&smi, uuid);
+            let reset = |uuid: &str| crate::host::command::reset_gpu(&smi, uuid);
             let reset: Option<ResetGpu<'_>> = config.mig.gpu_reset.then_some(&reset);
             let (_, problems) = clients::start_left_over(config, root);
             for problem in &problems {

@@ -325,6 +325,32 @@ fn wait(mut child: Child, timeout: Duration, stop: Option<&CancellationToken>) -
     })
 }
 
+/// How long a GPU reset may take before it is given up on.
+const GPU_RESET_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(120);
+
+/// Resets one GPU with the driver's nvidia-smi (`--gpu-reset -i <uuid>`; `nvidia_smi` is the
+/// path under the root), which fails by itself when anything holds the GPU. `Err` has the
+/// command line, the exit status or timeout, and the end of what it printed.
+pub fn reset_gpu(nvidia_smi: &Path, uuid: &str) -> Result<(), String> {
+    if !nvidia_smi.exists() {
+        return Err(format!("{} not found ([mig] nvidia_smi)", nvidia_smi.display()));
+    }
+    let cmd = Cmd::new(nvidia_smi)
+        .args(["--gpu-reset", "-i", uuid])
+        .timeout(GPU_RESET_TIMEOUT);
+    match run_unrooted(&cmd, None) {
+        Ok(out) if out.success() => Ok(()),
+        Ok(out) => Err(CmdError::Failed {
+            cmd: cmd.to_string(),
+            status: out.status,
+            stdout: out.stdout,
+            stderr: out.stderr,
+        }
+        .to_string()),
+        Err(e) => Err(e.to_string()),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
