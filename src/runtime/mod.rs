@@ -10,6 +10,7 @@ pub mod containerd;
 pub mod cri;
 pub mod crio;
 pub mod docker;
+pub mod engine;
 pub mod facts_cache;
 pub mod kubelet;
 pub mod node_spec;
