@@ -1,6 +1,6 @@
 //! The runtime stage: observe the engines' files, plan the edits (pure), apply them with
-//! backups, check containerd's result, restart what changed and roll back what does not come
-//! back; and the CDI spec.
+//! backups, have each engine check its result, restart what changed and roll back what does not
+//! come back.
 //!
 //! Backups live in `<state_dir>/runtime/`: for every file the agent ever changed, the bytes it
 //! had before the first change (`<name>.orig`, or `<name>.absent` when there was no file) and
