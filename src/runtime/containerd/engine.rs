@@ -56,7 +56,7 @@ impl ContainerEngine for ContainerdEngine {
 
     /// The top-level config's `imports` entry and the drop-in; nothing for a containerd whose
     /// CRI plugin is disabled (Docker's `containerd.io` package: no kubelet can be using it), and
-    /// no files where its own configuration already has them (see [`needless`]).
+    /// no files where its own configuration already has them (see `needless`).
     fn configure(&self, e: &ObservedEngine, cx: &PlanContext, rt: &NvidiaRuntime) -> Result<Edit, EditError> {
         let main_file = e.files.config.to_string_lossy().into_owned();
         let disabled = match &e.effective {

@@ -65,8 +65,8 @@ pub struct RuntimePlan {
     pub engines: Vec<EnginePlan>,
     /// Why nothing is planned, when that is the case (cdi-only, no engine found).
     pub note: Option<String>,
-    /// The NVIDIA Container Toolkit's config, when it changes (see [`super::toolkit`]); no engine
-    /// restarts for it: the toolkit reads it for every container.
+    /// The NVIDIA Container Toolkit's config, when it changes (see [`crate::runtime::toolkit`]);
+    /// no engine restarts for it: the toolkit reads it for every container.
     pub toolkit: Vec<FileChange>,
 }
 
