@@ -187,7 +187,7 @@ fn apply_engine(
 /// then asks the engine's CRI (containerd, CRI-O) whether it serves the runtime handlers
 /// `wanted` and its default: an engine can be active without its CRI (containerd keeps running
 /// when its CRI plugin fails to load). The engine's own words for a CRI that does not answer are
-/// quoted ([`ContainerEngine::cri_load_error`](crate::runtime::engine::ContainerEngine::cri_load_error): containerd's `ctr plugins ls --detailed`).
+/// quoted (`ContainerEngine::cri_load_error`: containerd's `ctr plugins ls --detailed`).
 fn restart(config: &Config, root: &HostRoot, runner: &Runner, e: &EnginePlan, wanted: &[&str]) -> Result<(), String> {
     let systemctl = &config.runtime.systemctl;
     let unit = e.unit.as_str();

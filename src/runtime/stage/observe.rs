@@ -53,8 +53,8 @@ pub struct Observed {
 }
 
 /// Reads the engines' files and the backups, finds the kubelet's engine, and asks each engine
-/// for its own facts ([`ContainerEngine::observe`](crate::runtime::engine::ContainerEngine::observe): containerd's imports, version and
-/// effective configuration, CRI-O's other drop-ins, docker's version under `cdi-only`).
+/// for its own facts (`ContainerEngine::observe`: containerd's imports, version and effective
+/// configuration, CRI-O's other drop-ins, docker's version under `cdi-only`).
 pub fn observe(config: &Config, root: &HostRoot, runner: &Runner) -> Result<Observed, RuntimeError> {
     let rc = &config.runtime;
     let mut engines = Vec::new();
