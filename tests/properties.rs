@@ -1569,7 +1569,7 @@ mod runtime {
             rt in nvidia_runtime(),
         ) {
             let file = "/etc/containerd/conf.d/50-x.toml".to_owned();
-            let files = [containerd::ImportedFile { file, text: imported }];
+            let files = [gpu_node_agent::runtime::engine::ImportedFile { file, text: imported }];
             let input = containerd::Input {
                 main: Some(&main),
                 main_file: MAIN_FILE,

@@ -130,25 +130,45 @@ pub struct RuntimeConfig {
 /// Which engine an [`EngineFiles`] section is for: its standard locations are the defaults.
 pub trait EngineKind: Clone + std::fmt::Debug + PartialEq {
     const ENGINE: Engine;
+    /// `[runtime.<engine>] config` by default.
+    const CONFIG: &'static str;
+    /// `drop_in` by default (empty: the engine reads none).
+    const DROP_IN: &'static str;
+    /// `binary` by default.
+    const BINARY: &'static str;
+    /// `unit` by default.
+    const UNIT: &'static str;
 }
 
 macro_rules! engine_kinds {
-    ($($name:ident),*) => {$(
+    ($($name:ident: $config:expr, $drop_in:expr, $binary:expr, $unit:expr;)*) => {$(
         #[doc = concat!("[`EngineFiles`] of [`Engine::", stringify!($name), "`].")]
         #[derive(Debug, Clone, Copy, PartialEq, Eq)]
         pub struct $name;
         impl EngineKind for $name {
             const ENGINE: Engine = Engine::$name;
+            const CONFIG: &'static str = $config;
+            const DROP_IN: &'static str = $drop_in;
+            const BINARY: &'static str = $binary;
+            const UNIT: &'static str = $unit;
         }
     )*};
 }
-engine_kinds!(Containerd, Docker, Crio);
+engine_kinds! {
+    Containerd: DEFAULT_CONTAINERD_CONFIG, DEFAULT_CONTAINERD_DROP_IN, DEFAULT_CONTAINERD_BINARY, "containerd.service";
+    Docker: DEFAULT_DOCKER_CONFIG, "", DEFAULT_DOCKER_BINARY, "docker.service";
+    Crio: DEFAULT_CRIO_CONFIG, DEFAULT_CRIO_DROP_IN, DEFAULT_CRIO_BINARY, "crio.service";
+}
 
-/// Any engine's files (see [`RuntimeConfig::files`]).
+/// Any engine's files (see [`RuntimeConfig::files`]); by default containerd's.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct AnyEngine;
 impl EngineKind for AnyEngine {
-    const ENGINE: Engine = Engine::Containerd;
+    const ENGINE: Engine = Containerd::ENGINE;
+    const CONFIG: &'static str = Containerd::CONFIG;
+    const DROP_IN: &'static str = Containerd::DROP_IN;
+    const BINARY: &'static str = Containerd::BINARY;
+    const UNIT: &'static str = Containerd::UNIT;
 }
 
 /// `[runtime.<engine>]`: where an engine's files, binary and unit are; keys left out are the
@@ -212,26 +232,11 @@ impl<E: EngineKind> EngineFiles<E> {
 impl<E: EngineKind> Default for EngineFiles<E> {
     /// The engine's standard locations.
     fn default() -> Self {
-        let (config, drop_in, binary, unit) = match E::ENGINE {
-            Engine::Containerd => (
-                DEFAULT_CONTAINERD_CONFIG,
-                DEFAULT_CONTAINERD_DROP_IN,
-                DEFAULT_CONTAINERD_BINARY,
-                "containerd.service",
-            ),
-            Engine::Docker => (DEFAULT_DOCKER_CONFIG, "", DEFAULT_DOCKER_BINARY, "docker.service"),
-            Engine::Crio => (
-                DEFAULT_CRIO_CONFIG,
-                DEFAULT_CRIO_DROP_IN,
-                DEFAULT_CRIO_BINARY,
-                "crio.service",
-            ),
-        };
         EngineFiles {
-            config: config.into(),
-            drop_in: drop_in.into(),
-            binary: binary.into(),
-            unit: unit.into(),
+            config: E::CONFIG.into(),
+            drop_in: E::DROP_IN.into(),
+            binary: E::BINARY.into(),
+            unit: E::UNIT.into(),
             kind: std::marker::PhantomData,
         }
     }

@@ -29,14 +29,17 @@
 
 mod drop_in;
 mod effective;
+mod engine;
 mod toml_helpers;
 mod top_level;
 
+use super::engine::ImportedFile;
 use super::{EditError, NvidiaRuntime};
 use drop_in::{Source, render_drop_in};
 use top_level::version_of;
 
 pub use effective::{DEFAULT_ADDRESS, cri_disabled, drop_in_changes_nothing, dump_address, dump_has_runtime};
+pub use engine::ContainerdEngine;
 pub(super) use toml_helpers::{
     binary_text, child_table, dotted, hide_grouping_headers, parse_toml, plain_table, render_like, table_at,
 };
@@ -143,15 +146,6 @@ pub fn configure(
     rt: &NvidiaRuntime,
 ) -> Result<ContainerdFiles, EditError> {
     configure_with_imports(main, main_file, drop_in_path, binary_major, rt, &[])
-}
-
-/// A file containerd loads through `imports` (from the top-level config or from another imported
-/// file), with its text.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ImportedFile {
-    /// Its path (absolute host path), for error messages and the drop-in's header.
-    pub file: String,
-    pub text: String,
 }
 
 /// [`configure`], knowing the other files containerd imports: `imported` in containerd's load

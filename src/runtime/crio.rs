@@ -12,6 +12,9 @@
 //!
 //! CDI needs no switch: CRI-O always has it on.
 
+mod engine;
+pub use engine::CrioEngine;
+
 use toml_edit::{DocumentMut, Item, Table, value};
 
 use super::containerd::{binary_text, child_table, dotted, hide_grouping_headers, parse_toml, plain_table, table_at};

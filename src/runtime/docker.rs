@@ -11,6 +11,9 @@
 //! of values is serde_json's pretty printing). A file that already holds all of that is returned
 //! byte-identical, so the stage writes nothing.
 
+mod engine;
+pub use engine::DockerEngine;
+
 use std::fmt;
 
 use serde::de::{self, Deserialize, Deserializer, MapAccess, SeqAccess, Visitor};

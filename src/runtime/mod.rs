@@ -1,15 +1,18 @@
 //! The container runtime stage: the `nvidia` runtime in containerd (config v2 and v3), docker
 //! and CRI-O, and the CDI spec for the node's GPUs.
 //!
-//! The engine modules are pure text-to-text edits (existing file text in, new file text out);
-//! the stage in this module decides which engines to touch, writes files atomically with
-//! backups, checks and restarts the runtimes, and rolls back on failure.
+//! The engine modules are pure text-to-text edits (existing file text in, new file text out),
+//! each with its implementation of the engine seam ([`engine::ContainerEngine`]: its facts, its
+//! edit, its check, its CRI after a restart); the stage (`stage`) asks them only through it,
+//! decides which engines to touch, writes files atomically with backups, restarts the runtimes,
+//! and rolls back on failure.
 
 pub mod cdi;
 pub mod containerd;
 pub mod cri;
 pub mod crio;
 pub mod docker;
+pub mod engine;
 pub mod facts_cache;
 pub mod kubelet;
 pub mod node_spec;
