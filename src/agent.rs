@@ -28,7 +28,7 @@ use crate::plugin::allocate::AllocateOptions;
 use crate::plugin::devnodes::DeviceNodes;
 use crate::plugin::health::{HealthPolicy, HealthTracker};
 use crate::plugin::manager::{Command, PluginManager, PluginStatus};
-use crate::plugin::resources::{Health, Resource};
+use crate::devices::{Health, Resource};
 use crate::plugin::server::{PluginContext, PluginStats};
 use crate::plugin::sharing::{SharingError, apply_sharing, feature_sharing};
 use crate::plugin::strategy::{StrategyError, build_resources, mig_plugin_devices, whole_gpu};
@@ -416,7 +416,7 @@ pub async fn run(config: Config, root: HostRoot, once: bool) -> Result<i32, Agen
         let (tx, rx) = mpsc::channel(16);
         agent.commands = Some(tx);
         // The DRA driver, beside the device plugin: what its claims hold is withdrawn there.
-        let (_none, mut withdrawn) = watch::channel(crate::plugin::resources::Withdrawn::default());
+        let (_none, mut withdrawn) = watch::channel(crate::devices::Withdrawn::default());
         if agent.config.dra.enabled {
             let inputs = agent.dra_inputs(changed.clone());
             match crate::dra::start(agent.config.clone(), agent.root.clone(), inputs, stop.clone()) {
@@ -1021,7 +1021,7 @@ impl Agent {
     fn dra_inputs(&self, health_changed: watch::Receiver<u64>) -> crate::dra::Inputs {
         let tracker = self.tracker.clone();
         let health: crate::dra::HealthFn =
-            Arc::new(move |device| tracker.lock().health(device) == crate::plugin::resources::Health::Healthy);
+            Arc::new(move |device| tracker.lock().health(device) == crate::devices::Health::Healthy);
         crate::dra::Inputs { health, health_changed }
     }
 

@@ -167,7 +167,7 @@ mod tests {
     #[test]
     fn causes_follow_the_health_trackers_reasons() {
         use crate::plugin::health::{HealthPolicy, HealthTracker};
-        use crate::plugin::resources::{Health, PluginDevice};
+        use crate::devices::{Health, PluginDevice};
         let mut tracker = HealthTracker::new(HealthPolicy {
             enabled: true,
             ignored_xids: Default::default(),

@@ -22,7 +22,7 @@ use crate::mig::state::GpuPlan;
 use crate::nvml::{Gpus, Inventory};
 use crate::plugin::devnodes::DeviceNodes;
 use crate::plugin::mps::MpsDaemon;
-use crate::plugin::resources::Resource;
+use crate::devices::Resource;
 use crate::runtime::node_spec;
 use crate::runtime::stage::{self as rt, RuntimePlan};
 

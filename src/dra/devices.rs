@@ -18,7 +18,7 @@ use serde_json::{Map, Value, json};
 use crate::config::DraDeviceKind;
 use crate::labels::gfd::gpu_family;
 use crate::nvml::{GpuInfo, Inventory, MigDeviceInfo};
-use crate::plugin::resources::PluginDevice;
+use crate::devices::PluginDevice;
 use crate::plugin::strategy::{mig_plugin_devices, whole_gpu};
 
 /// Most devices in one ResourceSlice (`ResourceSliceMaxDevices`).

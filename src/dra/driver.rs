@@ -23,7 +23,7 @@ use crate::kube::KubeClient;
 use crate::metrics::pods::{Attribution, attribution};
 use crate::nvml::Inventory;
 use crate::plugin::devnodes::DeviceNodes;
-use crate::plugin::resources::{PluginDevice, Withdrawn};
+use crate::devices::{PluginDevice, Withdrawn};
 
 /// How often the publisher asks the kubelet which devices the device plugin has handed out.
 pub const POD_RESOURCES_EVERY: Duration = Duration::from_secs(10);

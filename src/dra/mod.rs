@@ -30,7 +30,7 @@ use crate::config::Config;
 use crate::host::HostRoot;
 use crate::kube::KubeClient;
 use crate::nvml::Inventory;
-use crate::plugin::resources::Withdrawn;
+use crate::devices::Withdrawn;
 pub use driver::{Driver, HealthFn, Inputs};
 
 /// The driver's state for status.json and `gpu-node-agent status`.

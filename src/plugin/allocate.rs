@@ -9,12 +9,13 @@ use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 
 use crate::api::{CdiDevice, ContainerAllocateRequest, ContainerAllocateResponse, DeviceSpec, Mount};
+use crate::config::{DeviceIdStrategy, DeviceListStrategy};
 use crate::devices::is_replica_id;
+use crate::devices::{PluginDevice, Resource};
 use crate::host::devnodes::{ci_access_key, gi_access_key};
 use crate::plugin::devnodes::DeviceNodes;
 use crate::plugin::injections::{Injected, Injections};
 use crate::plugin::mps::{MpsAllocate, MpsNotReady, add_to_response as add_mps};
-use crate::plugin::resources::{PluginDevice, Resource};
 
 /// The environment variable the NVIDIA Container Toolkit reads.
 pub const VISIBLE_DEVICES_ENV: &str = "NVIDIA_VISIBLE_DEVICES";
@@ -22,10 +23,6 @@ pub const VISIBLE_DEVICES_ENV: &str = "NVIDIA_VISIBLE_DEVICES";
 pub const VOLUME_MOUNTS_DIR: &str = "/var/run/nvidia-container-devices";
 /// Stem of the CDI annotation key after the prefix; a fresh UUID follows per response.
 pub const CDI_ANNOTATION_KEY_STEM: &str = "nvidia-device-plugin_";
-
-/// The strategies are the config's types: `[device_plugin] device_list_strategy` and
-/// `device_id_strategy` (see the config module for what each does).
-pub use crate::config::{DeviceIdStrategy, DeviceListStrategy};
 
 /// Settings that shape the response; see the module docs of each field's NVIDIA equivalent.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -318,7 +315,7 @@ pub fn sorted_envs(resp: &ContainerAllocateResponse) -> Vec<(&str, &str)> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::plugin::resources::{Health, MigInfo};
+    use crate::devices::{Health, MigInfo};
     use std::collections::BTreeMap;
 
     const G0: &str = "GPU-00000000-0000-0000-0000-000000000000";

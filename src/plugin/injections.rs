@@ -197,7 +197,7 @@ mod tests {
     use crate::api::ContainerAllocateRequest;
     use crate::plugin::allocate::{VISIBLE_DEVICES_ENV, allocate, sorted_envs};
     use crate::plugin::devnodes::DeviceNodes;
-    use crate::plugin::resources::{Health, PluginDevice, Resource};
+    use crate::devices::{Health, PluginDevice, Resource};
     use DeviceListStrategy::*;
 
     const G0: &str = "GPU-00000000-0000-0000-0000-000000000000";

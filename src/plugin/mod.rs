@@ -11,7 +11,6 @@ pub mod manager;
 pub mod memlimit;
 pub mod mps;
 pub mod preferred;
-pub mod resources;
 pub mod server;
 pub mod sharing;
 pub mod strategy;

@@ -47,7 +47,7 @@ use crate::api::{ContainerAllocateResponse, Mount};
 use crate::config::{MemoryBudget, MigStrategy, Sharing, SharingStrategy};
 use crate::devices::is_replica_id;
 use crate::nvml::Inventory;
-use crate::plugin::resources::{Health, Resource};
+use crate::devices::{Health, Resource};
 use crate::plugin::sharing::{replicas_for, selects};
 use crate::plugin::strategy::build_resources;
 

@@ -21,7 +21,7 @@ use std::cmp::Reverse;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 use crate::devices::{Topology, split_replica_id};
-use crate::plugin::resources::{PluginDevice, Resource};
+use crate::devices::{PluginDevice, Resource};
 
 /// Combination count up to which the fallback for more than [`PARTITION_GPU_LIMIT`] GPUs
 /// searches exhaustively for the best single set; beyond it, greedy.
@@ -593,7 +593,7 @@ fn binomial(n: usize, k: usize) -> u64 {
 mod tests {
     use super::*;
     use crate::devices::{TopologyLevel, link_score};
-    use crate::plugin::resources::{Health, MigInfo};
+    use crate::devices::{Health, MigInfo};
 
     fn uuid(i: usize) -> String {
         format!("GPU-{i:08}-0000-0000-0000-000000000000")

@@ -16,7 +16,7 @@ use crate::config::{
 use crate::devices::REPLICA_SEPARATOR;
 use crate::labels::gfd::ResourceSharing;
 use crate::nvml::Inventory;
-use crate::plugin::resources::{PluginDevice, Resource};
+use crate::devices::{PluginDevice, Resource};
 use crate::plugin::strategy::build_resources;
 
 /// Why the sharing config cannot be applied to the resources.
@@ -210,7 +210,7 @@ mod tests {
     use crate::config::SharedPolicy;
     use crate::nvml::GpuInfo;
     use crate::nvml::sample::{self, inventory};
-    use crate::plugin::resources::Health;
+    use crate::devices::Health;
 
     fn gpu(index: u32, migs: &[&str]) -> GpuInfo {
         GpuInfo {

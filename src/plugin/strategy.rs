@@ -11,8 +11,8 @@
 
 use std::collections::BTreeMap;
 
-use super::resources::{Health, MigInfo, PluginDevice, Resource};
-pub use crate::config::MigStrategy;
+use crate::config::MigStrategy;
+use crate::devices::{Health, MigInfo, PluginDevice, Resource};
 use crate::nvml::{GpuInfo, Inventory};
 
 /// The resource every whole GPU (and MIG device under `single`) is advertised as.

@@ -8,7 +8,7 @@ use crate::host::arch::HostArch;
 use crate::nvml::{GpuInfo, Inventory, MigDeviceInfo, sample};
 use crate::plugin::allocate::{AllocateOptions, allocate};
 use crate::plugin::devnodes::DeviceNodes;
-use crate::plugin::resources::Resource;
+use crate::devices::Resource;
 use crate::plugin::strategy::{build_resources, whole_gpu};
 use std::collections::{BTreeMap, BTreeSet};
 use std::fs;
