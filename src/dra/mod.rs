@@ -27,10 +27,10 @@ use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
 use crate::config::Config;
+use crate::devices::Withdrawn;
 use crate::host::HostRoot;
 use crate::kube::KubeClient;
 use crate::nvml::Inventory;
-use crate::devices::Withdrawn;
 pub use driver::{Driver, HealthFn, Inputs};
 
 /// The driver's state for status.json and `gpu-node-agent status`.

@@ -4,9 +4,7 @@
 //! GetPreferredAllocation with NVIDIA's observable behaviour.
 
 pub mod allocate;
-pub mod devnodes;
 pub mod health;
-pub mod injections;
 pub mod manager;
 pub mod memlimit;
 pub mod mps;

@@ -18,13 +18,13 @@ use tonic::transport::{Endpoint, Server};
 use tonic::{Request, Response, Status};
 
 use super::allocate::{AllocateOptions, allocate};
-use super::devnodes::DeviceNodes;
 use super::preferred::{SharedPolicy, preferred_allocation};
 use crate::api;
 use crate::api::device_plugin_server::{DevicePlugin, DevicePluginServer};
 use crate::api::registration_client::RegistrationClient;
 use crate::devices::Resource;
 use crate::devices::Topology;
+use crate::edits::DeviceNodes;
 use crate::host::socket::{BindError, bind_in_place, file_id};
 
 /// The device plugin API version the kubelet speaks.
