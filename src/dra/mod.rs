@@ -3,8 +3,9 @@
 //!
 //! - `devices.rs` (pure): the GPUs and MIG devices in NVIDIA's DRA names and attributes, and
 //!   the ResourceSlices that carry them;
-//! - `claims.rs` (pure): what an allocated claim gives this driver, the checkpoint, a claim's
-//!   CDI spec;
+//! - `claims.rs` (pure): what an allocated claim gives this driver, the checkpoint, the names
+//!   of a claim's CDI spec (its edits are the node's container edits, [`crate::edits`],
+//!   rendered by `runtime::cdi::claim_spec`);
 //! - `driver.rs`: prepare/unprepare with the checkpoint, and the slice publisher;
 //! - `server.rs`: the registration and DRA node services on their Unix sockets.
 //!
@@ -17,6 +18,9 @@ pub mod claims;
 pub mod devices;
 pub mod driver;
 pub mod server;
+
+#[cfg(test)]
+mod edits_tests;
 
 use std::path::PathBuf;
 use std::sync::Arc;
