@@ -9,7 +9,7 @@
 //! device nodes exist) come in as [`DeviceNodes`].
 
 use std::collections::BTreeSet;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use crate::api::{CdiDevice, ContainerAllocateRequest, ContainerAllocateResponse, DeviceSpec, Mount};
 use crate::config::{DeviceIdStrategy, DeviceListStrategy};
@@ -327,7 +327,7 @@ pub fn host_mounts(opts: &AllocateOptions) -> (Mount, Vec<(String, String)>) {
 /// [`AllocateError::MissingMigCapability`]: without it CUDA cannot open the instance.
 pub fn device_specs(
     devices: &[&PluginDevice],
-    dev_root: &std::path::Path,
+    dev_root: &Path,
     nodes: &DeviceNodes,
 ) -> Result<Vec<DeviceSpec>, AllocateError> {
     let mut found = edits::control_nodes(nodes, dev_root);

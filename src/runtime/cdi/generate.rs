@@ -134,6 +134,7 @@ pub fn node_edits(
             utf8(&in_container(&files.driver_root, dir))?.to_string(),
         ));
     }
+    // The model keeps env as (name, value); the renderer writes `NAME=value` back.
     let (name, value) = VISIBLE_DEVICES_VOID
         .split_once('=')
         .unwrap_or((VISIBLE_DEVICES_VOID, ""));
