@@ -19,9 +19,6 @@ pub mod devices;
 pub mod driver;
 pub mod server;
 
-#[cfg(test)]
-mod edits_tests;
-
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;

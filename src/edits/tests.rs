@@ -1,6 +1,6 @@
 //! The model itself: which nodes a device gets, the node's devices in order, the injections, and
 //! the rule every hook keeps (an explicit env). That the three renderers hand out the same edits
-//! is tested where all three are visible, in `dra::edits_tests`.
+//! is tested where all three are visible, in `tests/container_edits.rs`.
 
 use std::collections::BTreeMap;
 use std::path::Path;

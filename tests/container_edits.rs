@@ -1,31 +1,68 @@
 //! One set of container edits, rendered three ways: the device plugin's Allocate response, the
 //! node's CDI spec and a DRA claim's spec with the prepare answer's CDI IDs. The point of the
-//! edits model (issue #35): a device gets the same nodes whichever API hands it out, and every
-//! hook keeps its explicit `env` in every spec. Here because `dra` is the lowest module that sees
-//! all three renderers.
+//! edits model (`gpu_node_agent::edits`, issue #35): a device gets the same nodes whichever API
+//! hands it out, and every hook keeps its explicit `env` in every spec. Here, outside the crate,
+//! because no module of it may import all three renderers (`dra` imports nothing from `plugin`).
 
 use std::collections::BTreeMap;
 use std::path::Path;
 
-use super::claims::claim_kind;
-use crate::api::ContainerAllocateRequest;
-use crate::config::DeviceListStrategy;
-use crate::devices::Resource;
-use crate::edits::{
+use gpu_node_agent::api::ContainerAllocateRequest;
+use gpu_node_agent::config::DeviceListStrategy;
+use gpu_node_agent::devices::Resource;
+use gpu_node_agent::dra::claims::claim_kind;
+use gpu_node_agent::edits::{
     self, ContainerEdits, DeviceNode, DeviceNodes, ExtraNodes, Hook, Mount, NodeEdits, mig_plugin_devices, whole_gpu,
 };
-use crate::nvml::{Inventory, sample};
-use crate::plugin::allocate::{AllocateOptions, allocate};
-use crate::runtime::cdi;
+use gpu_node_agent::nvml::{GpuInfo, Inventory, MigDeviceInfo, MigState};
+use gpu_node_agent::plugin::allocate::{AllocateOptions, allocate};
+use gpu_node_agent::runtime::cdi;
 
 const KIND: &str = "k8s.device-plugin.nvidia.com/gpu";
 const DEV_ROOT: &str = "/run/nvidia/driver";
 
+/// An A100 at `index` (minor `index`), MIG on with one `3g.20gb` device in GPU instance 1 when
+/// `mig`.
+fn a100(index: u32, mig: bool) -> GpuInfo {
+    GpuInfo {
+        index,
+        uuid: format!("GPU-{index}"),
+        name: "NVIDIA A100-SXM4-40GB".into(),
+        memory_mib: 40960,
+        pci_bus_id: format!("00000000:{:02X}:00.0", 0x10 + index),
+        pci_device_id: 0x20b0,
+        minor: index,
+        numa_node: None,
+        compute_capability: Some((8, 0)),
+        mig: Some(MigState {
+            current: mig,
+            pending: mig,
+        }),
+        mig_devices: if mig {
+            vec![MigDeviceInfo {
+                index: 0,
+                uuid: format!("MIG-{index}-0"),
+                gi_id: 1,
+                ci_id: 0,
+                profile: "3g.20gb".into(),
+                memory_mib: 19968,
+                attributes: None,
+                placement: None,
+            }]
+        } else {
+            Vec::new()
+        },
+        fabric: None,
+        pci_class: Some(0x030200),
+    }
+}
+
 fn inventory() -> Inventory {
-    let mut g1 = sample::a100(1);
-    g1.mig = Some(sample::mig(true));
-    g1.mig_devices = sample::mig_devices(1, &["3g.20gb"]);
-    sample::inventory(vec![sample::a100(0), g1])
+    Inventory {
+        driver_version: "550.54.15".into(),
+        cuda_driver_version: "12.4".into(),
+        gpus: vec![a100(0, false), a100(1, true)],
+    }
 }
 
 fn host() -> DeviceNodes {
