@@ -17,6 +17,9 @@ use crate::cluster::{self, LabelsView, Link};
 use crate::config::{Config, DevicePluginConfig};
 use crate::desired::{Desired, ProfileOutcome, ProfileState, Selection, choose_profile};
 use crate::devices::Topology;
+use crate::devices::{Health, Resource};
+use crate::edits::DeviceNodes;
+use crate::edits::{mig_plugin_devices, whole_gpu};
 use crate::exit::Exit;
 use crate::host::arch::HostArch;
 use crate::host::{HostRoot, hostname};
@@ -25,13 +28,11 @@ use crate::labels::gfd::{FeatureInputs, feature_labels};
 use crate::mig::stage::MigState as MigLabelState;
 use crate::nvml::{GpuError, Gpus, HealthEvent, Inventory};
 use crate::plugin::allocate::AllocateOptions;
-use crate::plugin::devnodes::DeviceNodes;
 use crate::plugin::health::{HealthPolicy, HealthTracker};
 use crate::plugin::manager::{Command, PluginManager, PluginStatus};
-use crate::plugin::resources::{Health, Resource};
 use crate::plugin::server::{PluginContext, PluginStats};
 use crate::plugin::sharing::{SharingError, apply_sharing, feature_sharing};
-use crate::plugin::strategy::{StrategyError, build_resources, mig_plugin_devices, whole_gpu};
+use crate::plugin::strategy::{StrategyError, build_resources};
 use crate::status::{DesiredStatus, GpuStatus, MigStatus, STATUS_VERSION, StageId, StageState, Status, now_unix};
 
 mod devnodes;
@@ -113,7 +114,7 @@ pub fn allocate_options(dp: &DevicePluginConfig) -> AllocateOptions {
         host_mounts_driver_dir: dp.host_mounts_driver_dir.clone(),
         host_mounts_container_dir: dp.host_mounts_container_dir.clone(),
         fail_requests_greater_than_one: dp.sharing.fails_requests_greater_than_one(),
-        injections: crate::plugin::injections::Injections::from_config(dp),
+        injections: crate::edits::Injections::from_config(dp),
         // Set with the inventory (`Agent::update_mps`).
         mps: Default::default(),
     }
@@ -416,7 +417,7 @@ pub async fn run(config: Config, root: HostRoot, once: bool) -> Result<i32, Agen
         let (tx, rx) = mpsc::channel(16);
         agent.commands = Some(tx);
         // The DRA driver, beside the device plugin: what its claims hold is withdrawn there.
-        let (_none, mut withdrawn) = watch::channel(crate::plugin::resources::Withdrawn::default());
+        let (_none, mut withdrawn) = watch::channel(crate::devices::Withdrawn::default());
         if agent.config.dra.enabled {
             let inputs = agent.dra_inputs(changed.clone());
             match crate::dra::start(agent.config.clone(), agent.root.clone(), inputs, stop.clone()) {
@@ -1021,7 +1022,7 @@ impl Agent {
     fn dra_inputs(&self, health_changed: watch::Receiver<u64>) -> crate::dra::Inputs {
         let tracker = self.tracker.clone();
         let health: crate::dra::HealthFn =
-            Arc::new(move |device| tracker.lock().health(device) == crate::plugin::resources::Health::Healthy);
+            Arc::new(move |device| tracker.lock().health(device) == crate::devices::Health::Healthy);
         crate::dra::Inputs { health, health_changed }
     }
 

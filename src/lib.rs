@@ -35,6 +35,7 @@ pub mod desired;
 pub mod devices;
 pub mod dra;
 pub mod driver;
+pub mod edits;
 pub mod exit;
 pub mod host;
 pub mod kube;

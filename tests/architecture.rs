@@ -47,9 +47,11 @@ const LAYERS: &[(&str, u32)] = &[
     ("nvml", 3),
     ("kube", 3),
     // 4. What the node should be (desired), and what is reported about it (labels, metrics),
-    //    plus the CUDA checks.
+    //    plus the CUDA checks, and the container-edits model the device plugin, the CDI specs
+    //    and the DRA driver render.
     ("cuda", 4),
     ("desired", 4),
+    ("edits", 4),
     ("labels", 4),
     ("metrics", 4),
     // 5. The stages' own modules: each owns one part of the node.

@@ -1976,7 +1976,7 @@ mod host_readers {
     use gpu_node_agent::driver::observe::{
         OsRelease, SecureBoot, parse_os_release, parse_proc_version, parse_secure_boot_var,
     };
-    use gpu_node_agent::plugin::devnodes::parse_mig_minors;
+    use gpu_node_agent::edits::nodes::parse_mig_minors;
     use gpu_node_agent::plugin::memlimit::{
         PodName, Qos, parse_container_log_name, parse_pod_log_dir, parse_stat, pod_of_cgroup,
     };

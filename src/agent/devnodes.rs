@@ -10,11 +10,11 @@ use std::path::PathBuf;
 
 use super::Agent;
 use crate::config::Config;
+use crate::edits::DeviceNodes;
 use crate::host::HostRoot;
 use crate::host::devchar::{self, Link, Record};
 use crate::host::devnodes::{self, MigDevice, Node};
 use crate::nvml::Inventory;
-use crate::plugin::devnodes::DeviceNodes;
 use crate::status::DevCharStatus;
 
 /// What one look at the device nodes did.

@@ -10,11 +10,11 @@ use std::time::Instant;
 
 use tokio::sync::{mpsc, watch};
 
+use crate::devices::{Resource, Withdrawn};
 use crate::metrics::Metrics;
 use crate::nvml::HealthEvent;
 use crate::plugin::health::HealthTracker;
 use crate::plugin::manager::Command;
-use crate::plugin::resources::{Resource, Withdrawn};
 use crate::plugin::server::PluginContext;
 
 /// The tracker, shared: the relay changes it, the agent reads reasons for its reports.

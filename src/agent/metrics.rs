@@ -10,9 +10,9 @@ use std::time::Duration;
 use tokio::sync::watch;
 
 use super::{Agent, StageState};
+use crate::edits::{mig_plugin_devices, whole_gpu};
 use crate::metrics::{self, Metrics, MetricsServer, SamplerConfig};
 use crate::nvml::Inventory;
-use crate::plugin::strategy::{mig_plugin_devices, whole_gpu};
 
 /// What the agent keeps of the metrics machinery.
 pub(super) struct MetricsHandle {
@@ -166,8 +166,8 @@ mod tests {
 
     #[test]
     fn causes_follow_the_health_trackers_reasons() {
+        use crate::devices::{Health, PluginDevice};
         use crate::plugin::health::{HealthPolicy, HealthTracker};
-        use crate::plugin::resources::{Health, PluginDevice};
         let mut tracker = HealthTracker::new(HealthPolicy {
             enabled: true,
             ignored_xids: Default::default(),

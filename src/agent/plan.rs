@@ -11,8 +11,10 @@ use super::{AgentError, NodeLabels, advertised_resources, first_view, machine_na
 use crate::cluster;
 use crate::config::{Config, DevicePluginConfig};
 use crate::desired::{Desired, ProfileOutcome, Selection, choose_profile};
+use crate::devices::Resource;
 use crate::driver::plan::DriverPlan;
 use crate::driver::stage as drv;
+use crate::edits::DeviceNodes;
 use crate::host::HostRoot;
 use crate::host::command::Runner;
 pub use crate::host::devchar::Plan as DevCharPlan;
@@ -20,9 +22,7 @@ use crate::mig::clients;
 use crate::mig::stage::{MigState, changes_mode, plan_layout, predict_inventory, reads_first};
 use crate::mig::state::GpuPlan;
 use crate::nvml::{Gpus, Inventory};
-use crate::plugin::devnodes::DeviceNodes;
 use crate::plugin::mps::MpsDaemon;
-use crate::plugin::resources::Resource;
 use crate::runtime::node_spec;
 use crate::runtime::stage::{self as rt, RuntimePlan};
 

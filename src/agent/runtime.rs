@@ -5,13 +5,13 @@
 use super::{Agent, StageId, StageState};
 use crate::cli::RuntimeCommand;
 use crate::config::Config;
+use crate::edits::injections::{FLAG_CLASSES, IMEX_CLASS};
 use crate::exit::Exit;
 use crate::host::HostRoot;
 use crate::host::command::Runner;
 use crate::kube::EventType;
 use crate::logging;
 use crate::nvml::Gpus;
-use crate::plugin::injections::{FLAG_CLASSES, IMEX_CLASS};
 use crate::runtime::cdi::{CdiError, spec_file_name};
 use crate::runtime::node_spec;
 use crate::runtime::stage::{self as rt, ApplyOptions, RuntimeError};
@@ -390,8 +390,7 @@ pub fn cdi_generate(config: &Config, root: &HostRoot, output: Option<&std::path:
     if config.driver.create_device_nodes && !printing {
         super::devnodes::report(&super::devnodes::ensure_device_nodes(config, root, Some(&inventory)));
     }
-    let nodes =
-        crate::plugin::devnodes::DeviceNodes::gather(&root.join(&config.device_plugin.dev_root), &root.join("/proc"));
+    let nodes = crate::edits::DeviceNodes::gather(&root.join(&config.device_plugin.dev_root), &root.join("/proc"));
     let result = match output {
         Some(p) if p == std::path::Path::new("-") => {
             node_spec::cdi_spec(config, root, &inventory, &nodes).map(|text| print!("{text}"))

@@ -1,12 +1,11 @@
 //! Claims, pure: what an allocated ResourceClaim gives this driver, the checkpoint of prepared
-//! claims, and the CDI spec written for one claim.
+//! claims, and the names of the CDI spec written for one claim (its edits are rendered by
+//! `runtime::cdi::claim_spec` from the node's container edits).
 
 use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
-
-use crate::runtime::cdi::{self, ContainerEdits, Spec};
 
 /// A claim as the kubelet names it.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
@@ -212,41 +211,9 @@ pub fn claim_of_spec_file<'a>(driver: &str, file: &'a str) -> Option<&'a str> {
     file.strip_prefix(prefix.as_str())?.strip_suffix(".json")
 }
 
-/// The CDI spec of one claim: kind `<vendor>/claim`, one device per allocated device named
-/// `<claim uid>-<device name>` with exactly that device's edits from the node's spec (`base`:
-/// its `/dev/nvidia<minor>`, and for a MIG device its GPU and compute instance capability
-/// nodes), and the node spec's common edits (driver files, control nodes, hooks). Returns the
-/// spec and, per device in `devices` order, its CDI ID.
-pub fn claim_spec(
-    base: &Spec,
-    driver: &str,
-    uid: &str,
-    devices: &[(&str, &str)],
-) -> Result<(Spec, Vec<String>), String> {
-    let kind = format!("{}/claim", cdi_vendor(driver));
-    let mut out = Spec {
-        cdi_version: String::new(),
-        kind: kind.clone(),
-        devices: Vec::new(),
-        container_edits: base.container_edits.clone(),
-    };
-    let mut ids = Vec::new();
-    for (name, uuid) in devices {
-        let edits: ContainerEdits = base
-            .devices
-            .iter()
-            .find(|d| d.name == *uuid)
-            .map(|d| d.container_edits.clone())
-            .ok_or_else(|| format!("device {name} ({uuid}) is not in the node's CDI spec {}", base.kind))?;
-        let cdi_name = format!("{uid}-{name}");
-        ids.push(format!("{kind}={cdi_name}"));
-        out.devices.push(cdi::Device {
-            name: cdi_name,
-            container_edits: edits,
-        });
-    }
-    out.cdi_version = cdi::minimum_version(&out).to_string();
-    Ok((out, ids))
+/// The CDI kind of this driver's claim specs: `<vendor>/claim`.
+pub fn claim_kind(driver: &str) -> String {
+    format!("{}/claim", cdi_vendor(driver))
 }
 
 #[cfg(test)]

@@ -16,10 +16,10 @@ use std::collections::BTreeMap;
 use serde_json::{Map, Value, json};
 
 use crate::config::DraDeviceKind;
+use crate::devices::PluginDevice;
+use crate::edits::{mig_plugin_devices, whole_gpu};
 use crate::labels::gfd::gpu_family;
 use crate::nvml::{GpuInfo, Inventory, MigDeviceInfo};
-use crate::plugin::resources::PluginDevice;
-use crate::plugin::strategy::{mig_plugin_devices, whole_gpu};
 
 /// Most devices in one ResourceSlice (`ResourceSliceMaxDevices`).
 pub const MAX_DEVICES_PER_SLICE: usize = 128;

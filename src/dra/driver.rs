@@ -18,12 +18,14 @@ use tokio_util::sync::CancellationToken;
 use super::claims::{self, Checkpoint, ClaimRef, PreparedClaim, PreparedDevice};
 use super::devices::{self, DraDevice};
 use crate::config::Config;
+use crate::devices::{PluginDevice, Withdrawn};
+use crate::edits::DeviceNodes;
 use crate::host::{HostRoot, write_atomic};
 use crate::kube::KubeClient;
 use crate::metrics::pods::{Attribution, attribution};
 use crate::nvml::Inventory;
-use crate::plugin::devnodes::DeviceNodes;
-use crate::plugin::resources::{PluginDevice, Withdrawn};
+use crate::runtime::cdi;
+use crate::runtime::node_spec::node_edits;
 
 /// How often the publisher asks the kubelet which devices the device plugin has handed out.
 pub const POD_RESOURCES_EVERY: Duration = Duration::from_secs(10);
@@ -281,12 +283,14 @@ impl Driver {
             &self.root.join(&self.config.device_plugin.dev_root),
             &self.root.join("/proc"),
         );
-        let base = crate::runtime::node_spec::cdi_spec_model(&self.config, &self.root, &inventory, &nodes)
+        let node = node_edits(&self.config, &self.root, &inventory, &nodes)
             .map_err(|e| format!("{want}: no CDI spec for the node's GPUs: {e}"))?;
         let pairs: Vec<(&str, &str)> = chosen.iter().map(|(_, d)| (d.name.as_str(), d.uuid())).collect();
+        let node_kind = &self.config.device_plugin.cdi_kind;
+        let claim_kind = claims::claim_kind(self.driver_name());
         let (spec, ids) =
-            claims::claim_spec(&base, self.driver_name(), &want.uid, &pairs).map_err(|e| format!("{want}: {e}"))?;
-        let text = crate::runtime::cdi::to_json(&spec).map_err(|e| format!("{want}: {e}"))?;
+            cdi::claim_spec(&node, node_kind, &claim_kind, &want.uid, &pairs).map_err(|e| format!("{want}: {e}"))?;
+        let text = cdi::to_json(&spec).map_err(|e| format!("{want}: {e}"))?;
         let path = self
             .cdi_dir()
             .join(claims::claim_spec_file(self.driver_name(), &want.uid));

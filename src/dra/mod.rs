@@ -3,8 +3,9 @@
 //!
 //! - `devices.rs` (pure): the GPUs and MIG devices in NVIDIA's DRA names and attributes, and
 //!   the ResourceSlices that carry them;
-//! - `claims.rs` (pure): what an allocated claim gives this driver, the checkpoint, a claim's
-//!   CDI spec;
+//! - `claims.rs` (pure): what an allocated claim gives this driver, the checkpoint, the names
+//!   of a claim's CDI spec (its edits are the node's container edits, [`crate::edits`],
+//!   rendered by `runtime::cdi::claim_spec`);
 //! - `driver.rs`: prepare/unprepare with the checkpoint, and the slice publisher;
 //! - `server.rs`: the registration and DRA node services on their Unix sockets.
 //!
@@ -27,10 +28,10 @@ use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
 use crate::config::Config;
+use crate::devices::Withdrawn;
 use crate::host::HostRoot;
 use crate::kube::KubeClient;
 use crate::nvml::Inventory;
-use crate::plugin::resources::Withdrawn;
 pub use driver::{Driver, HealthFn, Inputs};
 
 /// The driver's state for status.json and `gpu-node-agent status`.

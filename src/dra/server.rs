@@ -21,7 +21,7 @@ use super::driver::Driver;
 use crate::dra_api::registration::registration_server::{Registration, RegistrationServer};
 use crate::dra_api::registration::{InfoRequest, PluginInfo, RegistrationStatus, RegistrationStatusResponse};
 use crate::dra_api::{v1, v1beta1};
-use crate::plugin::server::file_id;
+use crate::host::socket::file_id;
 
 /// The plugin type the kubelet's plugin watcher hands to its DRA manager.
 pub const PLUGIN_TYPE: &str = "DRAPlugin";

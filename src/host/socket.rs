@@ -166,6 +166,13 @@ fn probe_at(dir: &OwnedFd, name: &std::ffi::OsStr) -> io::Result<Probe> {
     })
 }
 
+/// (device, inode) of a file, not following a link: what [`bind_in_place`] returns for the socket
+/// it bound, so that a server removes its socket only while it is still the one it made.
+pub fn file_id(path: &Path) -> Option<(u64, u64)> {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::symlink_metadata(path).ok().map(|m| (m.dev(), m.ino()))
+}
+
 /// What `path` holds: nothing, a dead socket, something else, or a live server (and its pid).
 /// Reads only: one `lstat` and, for a socket, one connection that is closed at once.
 pub fn probe(path: &Path) -> io::Result<Probe> {

@@ -2,19 +2,21 @@
 //! `ContainerAllocateResponse` NVIDIA's k8s-device-plugin would return, so the NVIDIA Container
 //! Toolkit (or a CDI-aware runtime) injects the same GPUs into the same images.
 //!
-//! The function is pure apart from the random UUID in the CDI annotation key; the host facts it
-//! needs (which device nodes exist) come in as [`DeviceNodes`].
+//! The Allocate renderer of the container-edits model ([`crate::edits`]): the devices' nodes,
+//! the injections and MPS's env and mounts come from there; what is decided here is only the
+//! response's format (the device list strategies, the CDI names, the device specs). The function
+//! is pure apart from the random UUID in the CDI annotation key; the host facts it needs (which
+//! device nodes exist) come in as [`DeviceNodes`].
 
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 
 use crate::api::{CdiDevice, ContainerAllocateRequest, ContainerAllocateResponse, DeviceSpec, Mount};
-use crate::devices::is_replica_id;
-use crate::host::devnodes::{ci_access_key, gi_access_key};
-use crate::plugin::devnodes::DeviceNodes;
-use crate::plugin::injections::{Injected, Injections};
-use crate::plugin::mps::{MpsAllocate, MpsNotReady, add_to_response as add_mps};
-use crate::plugin::resources::{PluginDevice, Resource};
+use crate::config::{DeviceIdStrategy, DeviceListStrategy};
+use crate::devices::{PluginDevice, Resource, is_replica_id};
+use crate::edits::injections::{ENABLED, IMEX_CHANNELS_ENV, IMEX_CLASS, InjectionEdits};
+use crate::edits::{self, ContainerEdits, DeviceNode, DeviceNodes, Injections};
+use crate::plugin::mps::{MpsAllocate, MpsNotReady, mps_edits};
 
 /// The environment variable the NVIDIA Container Toolkit reads.
 pub const VISIBLE_DEVICES_ENV: &str = "NVIDIA_VISIBLE_DEVICES";
@@ -22,10 +24,6 @@ pub const VISIBLE_DEVICES_ENV: &str = "NVIDIA_VISIBLE_DEVICES";
 pub const VOLUME_MOUNTS_DIR: &str = "/var/run/nvidia-container-devices";
 /// Stem of the CDI annotation key after the prefix; a fresh UUID follows per response.
 pub const CDI_ANNOTATION_KEY_STEM: &str = "nvidia-device-plugin_";
-
-/// The strategies are the config's types: `[device_plugin] device_list_strategy` and
-/// `device_id_strategy` (see the config module for what each does).
-pub use crate::config::{DeviceIdStrategy, DeviceListStrategy};
 
 /// Settings that shape the response; see the module docs of each field's NVIDIA equivalent.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -48,7 +46,7 @@ pub struct AllocateOptions {
     pub host_mounts_container_dir: PathBuf,
     /// For shared (replica) resources: refuse requests for more than one ID.
     pub fail_requests_greater_than_one: bool,
-    /// GDS, MOFED, GDRCopy and IMEX channels (see [`crate::plugin::injections`]).
+    /// GDS, MOFED, GDRCopy and IMEX channels (see [`crate::edits::injections`]).
     pub injections: Injections,
     /// MPS: the control daemon of each resource shared through MPS ([`crate::plugin::mps`]).
     pub mps: MpsAllocate,
@@ -119,9 +117,9 @@ pub enum AllocateError {
 /// - If every strategy is a CDI one, no envs, mounts or device specs are returned at all (the
 ///   CDI spec carries them).
 /// - Device specs (`pass_device_specs` or `host-mounts`): see [`device_specs`].
-/// - GDS, MOFED, GDRCopy and IMEX channels are added last: see [`crate::plugin::injections`].
+/// - GDS, MOFED, GDRCopy and IMEX channels are added last: see [`add_injections`].
 /// - Replicas of a resource shared through MPS: the pipe folder, `/dev/shm` and the limits, see
-///   [`crate::plugin::mps::add_to_response`].
+///   [`crate::plugin::mps::mps_edits`].
 pub fn allocate(
     resource: &Resource,
     req: &ContainerAllocateRequest,
@@ -167,7 +165,10 @@ pub fn allocate(
     let has = |s: DeviceListStrategy| strategies.contains(&s);
     let all_cdi = strategies.iter().all(|s| s.is_cdi());
 
-    let injected = Injected::new(opts, &nodes.extra)?;
+    let injected = opts
+        .injections
+        .edits(&nodes.extra, &opts.dev_root)
+        .map_err(|missing| AllocateError::ImexChannelMissing { path: missing.path })?;
     let mut resp = ContainerAllocateResponse::default();
 
     if !all_cdi {
@@ -198,7 +199,7 @@ pub fn allocate(
     }
 
     let mut qualified: Vec<String> = visible.iter().map(|id| format!("{}={id}", opts.cdi_kind)).collect();
-    qualified.extend(injected.cdi_names());
+    qualified.extend(injection_cdi_names(&injected, &opts.cdi_kind));
     if has(DeviceListStrategy::CdiAnnotations) {
         let key = format!(
             "{}{CDI_ANNOTATION_KEY_STEM}{}",
@@ -210,10 +211,92 @@ pub fn allocate(
     if has(DeviceListStrategy::CdiCri) {
         resp.cdi_devices = qualified.into_iter().map(|name| CdiDevice { name }).collect();
     }
-    injected.apply(&mut resp, strategies);
+    add_injections(&injected, opts, &mut resp, strategies);
     // Whatever the strategies: the CDI spec knows nothing of MPS.
-    add_mps(&opts.mps, resource, ids, &mut resp);
+    add_edits(&mps_edits(&opts.mps, resource, ids), &mut resp);
     Ok(resp)
+}
+
+/// The CDI names of the injections, handed out after the GPUs': `<vendor>/imex-channel=<N>` per
+/// channel, then `<vendor>/<class>=all` per enabled flag class the host has nodes of (NVIDIA
+/// drops a class whose spec came out empty; the agent writes that spec from the same nodes).
+/// The vendor is `cdi_kind`'s.
+fn injection_cdi_names(injected: &InjectionEdits, cdi_kind: &str) -> Vec<String> {
+    let vendor = cdi_kind.split_once('/').map_or(cdi_kind, |(vendor, _)| vendor);
+    let mut names: Vec<String> = injected
+        .imex_channels
+        .iter()
+        .map(|(id, _)| format!("{vendor}/{IMEX_CLASS}={id}"))
+        .collect();
+    for flag in injected.present_flags() {
+        names.push(format!("{vendor}/{}={}", flag.class, edits::injections::ALL_DEVICE));
+    }
+    names
+}
+
+/// Adds the injections' envs, mounts and device specs to `resp`, as NVIDIA's
+/// `getAllocateResponse` does:
+/// - `NVIDIA_GDRCOPY=enabled`, `NVIDIA_GDS=enabled`, `NVIDIA_MOFED=enabled` for each enabled
+///   flag, whatever the strategies (also when all are CDI ones);
+/// - unless every strategy is a CDI one: `NVIDIA_IMEX_CHANNELS=<N>,…` with `envvar` (and `auto`,
+///   `host-mounts`, which set `NVIDIA_VISIBLE_DEVICES` too); a `/dev/null` mount at
+///   `/var/run/nvidia-container-devices/imex/<N>` with `volume-mounts`; a device spec for
+///   `/dev/nvidia-caps-imex-channels/channel<N>` with `pass_device_specs` (or `host-mounts`).
+/// - The agent's own `host-mounts` strategy has no runtime hook to read the envs, so it also gets
+///   the GDS, MOFED and GDRCopy device nodes as device specs (NVIDIA has no such strategy).
+pub fn add_injections(
+    injected: &InjectionEdits,
+    opts: &AllocateOptions,
+    resp: &mut ContainerAllocateResponse,
+    strategies: &[DeviceListStrategy],
+) {
+    for flag in &injected.flags {
+        resp.envs.insert(flag.env.to_string(), ENABLED.to_string());
+    }
+    if strategies.iter().all(|s| s.is_cdi()) {
+        return;
+    }
+    let has = |s: DeviceListStrategy| strategies.contains(&s);
+    let host_mounts = has(DeviceListStrategy::HostMounts);
+    let channels = &injected.imex_channels;
+    if !channels.is_empty() && (has(DeviceListStrategy::Envvar) || has(DeviceListStrategy::Auto) || host_mounts) {
+        let ids: Vec<String> = channels.iter().map(|(id, _)| id.to_string()).collect();
+        resp.envs.insert(IMEX_CHANNELS_ENV.to_string(), ids.join(","));
+    }
+    if has(DeviceListStrategy::VolumeMounts) {
+        resp.mounts.extend(channels.iter().map(|(id, _)| Mount {
+            container_path: format!("{VOLUME_MOUNTS_DIR}/imex/{id}"),
+            host_path: "/dev/null".to_string(),
+            read_only: false,
+        }));
+    }
+    let mut nodes: Vec<&DeviceNode> = Vec::new();
+    if opts.pass_device_specs || host_mounts {
+        nodes.extend(channels.iter().map(|(_, node)| node));
+    }
+    if host_mounts {
+        for flag in &injected.flags {
+            nodes.extend(&flag.device_nodes);
+        }
+    }
+    for node in nodes {
+        if !resp.devices.iter().any(|d| d.container_path == node.path) {
+            resp.devices.push(device_spec(node));
+        }
+    }
+}
+
+/// Adds `edits` (env, mounts, device nodes; a device plugin response has no hooks) to `resp`.
+fn add_edits(edits: &ContainerEdits, resp: &mut ContainerAllocateResponse) {
+    for (name, value) in &edits.env {
+        resp.envs.insert(name.clone(), value.clone());
+    }
+    resp.mounts.extend(edits.mounts.iter().map(|m| Mount {
+        container_path: m.container_path.to_string_lossy().into_owned(),
+        host_path: m.host_path.to_string_lossy().into_owned(),
+        read_only: m.read_only(),
+    }));
+    resp.devices.extend(edits.device_nodes.iter().map(device_spec));
 }
 
 /// What the `host-mounts` strategy adds besides device specs: the host driver directory mounted
@@ -238,74 +321,39 @@ pub fn host_mounts(opts: &AllocateOptions) -> (Mount, Vec<(String, String)>) {
 }
 
 /// Device specs for `devices`, deduplicated by container path, permissions `rw`, host path =
-/// `dev_root` + container path:
-/// - the control nodes that exist on the host (`nodes.control`, in its order);
-/// - per device `/dev/nvidia<minor>` (for MIG devices the parent GPU's minor);
-/// - per MIG device the capability nodes `/dev/nvidia-caps/nvidia-cap<N>` of its GPU instance
-///   (`gpu<minor>/gi<gi>/access`) and compute instance (`gpu<minor>/gi<gi>/ci<ci>/access`),
-///   `N` from the driver's `mig-minors` table — the table keys GPUs by their device minor.
-///   A missing entry is [`AllocateError::MissingMigCapability`]: without it CUDA cannot open
-///   the instance.
+/// `dev_root` + container path: the control nodes that exist on the host (`nodes.control`, in
+/// its order), then each device's nodes ([`edits::device_nodes`]: `/dev/nvidia<minor>`, and a
+/// MIG device's capability nodes). A missing capability is
+/// [`AllocateError::MissingMigCapability`]: without it CUDA cannot open the instance.
 pub fn device_specs(
     devices: &[&PluginDevice],
     dev_root: &Path,
     nodes: &DeviceNodes,
 ) -> Result<Vec<DeviceSpec>, AllocateError> {
-    let mut paths: Vec<String> = nodes.control.clone();
+    let mut found = edits::control_nodes(nodes, dev_root);
     for device in devices {
-        paths.push(format!("/dev/nvidia{}", device.minor));
-        if let Some(mig) = &device.mig {
-            let caps = mig_capability_nodes(device.minor, mig.gi_id, mig.ci_id, nodes).map_err(|key| {
-                AllocateError::MissingMigCapability {
-                    key,
-                    device: device.uuid.clone(),
-                }
+        let own =
+            edits::device_nodes(device, nodes, dev_root).map_err(|missing| AllocateError::MissingMigCapability {
+                key: missing.key,
+                device: missing.device,
             })?;
-            paths.extend(caps);
-        }
+        found.extend(own);
     }
     let mut seen = BTreeSet::new();
-    Ok(paths
-        .into_iter()
-        .filter(|p| seen.insert(p.clone()))
-        .map(|path| DeviceSpec {
-            host_path: host_path(dev_root, &path),
-            container_path: path,
-            permissions: "rw".to_string(),
-        })
+    Ok(found
+        .iter()
+        .filter(|n| seen.insert(n.path.clone()))
+        .map(device_spec)
         .collect())
 }
 
-/// The capability nodes `/dev/nvidia-caps/nvidia-cap<N>` of a MIG device on the GPU whose device
-/// minor is `minor`: its GPU instance's (`gpu<minor>/gi<gi>/access`) then its compute instance's
-/// (`gpu<minor>/gi<gi>/ci<ci>/access`), `N` from the driver's `mig-minors` table. `Err` is the
-/// first key the table lacks. Shared with the CDI spec generator, which must hand out the same
-/// nodes.
-pub(crate) fn mig_capability_nodes(
-    minor: u32,
-    gi_id: u32,
-    ci_id: u32,
-    nodes: &DeviceNodes,
-) -> Result<[String; 2], String> {
-    let cap = |key: String| match nodes.mig_minors.get(&key) {
-        Some(n) => Ok(format!("/dev/nvidia-caps/nvidia-cap{n}")),
-        None => Err(key),
-    };
-    Ok([
-        cap(gi_access_key(minor, gi_id))?,
-        cap(ci_access_key(minor, gi_id, ci_id))?,
-    ])
-}
-
-/// `dev_root` joined with an absolute container path; `/` or empty means no prefix.
-pub(crate) fn host_path(dev_root: &Path, path: &str) -> String {
-    if dev_root.as_os_str().is_empty() || dev_root == Path::new("/") {
-        return path.to_string();
+/// A device node as a device plugin `DeviceSpec` (`rw`).
+fn device_spec(node: &DeviceNode) -> DeviceSpec {
+    DeviceSpec {
+        container_path: node.path.clone(),
+        host_path: node.host_path.to_string_lossy().into_owned(),
+        permissions: "rw".to_string(),
     }
-    dev_root
-        .join(path.trim_start_matches('/'))
-        .to_string_lossy()
-        .into_owned()
 }
 
 /// The envs of a response as a sorted map, for logs and tests.
@@ -316,9 +364,12 @@ pub fn sorted_envs(resp: &ContainerAllocateResponse) -> Vec<(&str, &str)> {
 }
 
 #[cfg(test)]
+mod injections_tests;
+
+#[cfg(test)]
 mod tests {
     use super::*;
-    use crate::plugin::resources::{Health, MigInfo};
+    use crate::devices::{Health, MigInfo};
     use std::collections::BTreeMap;
 
     const G0: &str = "GPU-00000000-0000-0000-0000-000000000000";

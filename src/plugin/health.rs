@@ -16,7 +16,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
 
-use super::resources::{Health, PluginDevice};
+use crate::devices::{Health, PluginDevice};
 use crate::nvml::{HealthEvent, NO_INSTANCE};
 
 /// Which Xids count and when a device recovers.
@@ -167,7 +167,7 @@ impl HealthTracker {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::plugin::resources::MigInfo;
+    use crate::devices::MigInfo;
 
     fn policy(recovery: Option<u64>) -> HealthPolicy {
         HealthPolicy {

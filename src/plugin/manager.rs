@@ -17,10 +17,11 @@ use serde::{Deserialize, Serialize};
 use tokio::io::unix::AsyncFd;
 use tokio::sync::{Notify, mpsc, watch};
 
-use super::resources::{Health, Resource};
 pub use super::server::StreamStatus;
-use super::server::{PluginContext, PluginStats, ServedPlugin, file_id, register};
+use super::server::{PluginContext, PluginStats, ServedPlugin, register};
+use crate::devices::{Health, Resource};
 use crate::host::backoff::{Backoff, Jitter};
+use crate::host::socket::file_id;
 
 /// The kubelet's registration socket name inside the device-plugin directory.
 pub const KUBELET_SOCKET: &str = "kubelet.sock";

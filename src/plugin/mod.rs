@@ -4,14 +4,11 @@
 //! GetPreferredAllocation with NVIDIA's observable behaviour.
 
 pub mod allocate;
-pub mod devnodes;
 pub mod health;
-pub mod injections;
 pub mod manager;
 pub mod memlimit;
 pub mod mps;
 pub mod preferred;
-pub mod resources;
 pub mod server;
 pub mod sharing;
 pub mod strategy;

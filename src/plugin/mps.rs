@@ -43,11 +43,11 @@ use std::path::{Path, PathBuf};
 
 use serde::Serialize;
 
-use crate::api::{ContainerAllocateResponse, Mount};
 use crate::config::{MemoryBudget, MigStrategy, Sharing, SharingStrategy};
 use crate::devices::is_replica_id;
+use crate::devices::{Health, Resource};
+use crate::edits::{ContainerEdits, Mount};
 use crate::nvml::Inventory;
-use crate::plugin::resources::{Health, Resource};
 use crate::plugin::sharing::{replicas_for, selects};
 use crate::plugin::strategy::build_resources;
 
@@ -338,17 +338,19 @@ impl MpsAllocate {
     }
 }
 
-/// Adds the MPS part of an `Allocate` answer for the replicas in `ids` of `resource`: NVIDIA's
+/// The MPS edits of an `Allocate` answer for the replicas in `ids` of `resource`: NVIDIA's
 /// `CUDA_MPS_PIPE_DIRECTORY=/mps/<resource>/pipe` with that folder mounted from
 /// `<mps_root>/<resource>/pipe` and `/dev/shm` from `<mps_root>/shm`
 /// (`internal/plugin/mps.go` `updateReponse`; NVIDIA sets no `CUDA_MPS_LOG_DIRECTORY` in the
 /// container), and the replica's limits as client env, so they hold even for a daemon whose
 /// defaults were changed by hand: `CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=<MiB>M` (ordinal 0: a
 /// container gets one replica, its one GPU) and `CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=<percent>`.
-/// IDs that are not replicas (devices the entry does not select) get nothing.
-pub fn add_to_response(mps: &MpsAllocate, resource: &Resource, ids: &[String], resp: &mut ContainerAllocateResponse) {
+/// IDs that are not replicas (devices the entry does not select) get nothing. Only Allocate
+/// renders these: the CDI spec knows nothing of MPS.
+pub fn mps_edits(mps: &MpsAllocate, resource: &Resource, ids: &[String]) -> ContainerEdits {
+    let mut edits = ContainerEdits::default();
     let Some(daemon) = mps.daemons.get(&resource.name) else {
-        return;
+        return edits;
     };
     let gpus: Vec<&MpsGpu> = ids
         .iter()
@@ -357,10 +359,10 @@ pub fn add_to_response(mps: &MpsAllocate, resource: &Resource, ids: &[String], r
         .filter_map(|d| daemon.gpus.iter().find(|g| g.uuid == d.uuid))
         .collect();
     let Some(first) = gpus.first() else {
-        return;
+        return edits;
     };
     let pipe = daemon.container_pipe_dir();
-    resp.envs.insert(PIPE_ENV.to_string(), pipe.clone());
+    edits.env.push((PIPE_ENV.to_string(), pipe.clone()));
     let mut limits: Vec<String> = Vec::new();
     let mut seen: Vec<&str> = Vec::new();
     for g in &gpus {
@@ -373,20 +375,23 @@ pub fn add_to_response(mps: &MpsAllocate, resource: &Resource, ids: &[String], r
         seen.push(&g.uuid);
     }
     if !limits.is_empty() {
-        resp.envs.insert(PINNED_MEM_ENV.to_string(), limits.join(","));
+        edits.env.push((PINNED_MEM_ENV.to_string(), limits.join(",")));
     }
-    resp.envs
-        .insert(THREAD_ENV.to_string(), first.active_thread_percentage.to_string());
-    resp.mounts.push(Mount {
-        container_path: pipe,
-        host_path: daemon.pipe_dir.display().to_string(),
-        read_only: false,
+    edits
+        .env
+        .push((THREAD_ENV.to_string(), first.active_thread_percentage.to_string()));
+    // Read-write: clients write to the pipes and the shared memory.
+    edits.mounts.push(Mount {
+        container_path: PathBuf::from(pipe),
+        host_path: daemon.pipe_dir.clone(),
+        options: Vec::new(),
     });
-    resp.mounts.push(Mount {
-        container_path: CONTAINER_SHM.to_string(),
-        host_path: daemon.shm_dir.display().to_string(),
-        read_only: false,
+    edits.mounts.push(Mount {
+        container_path: PathBuf::from(CONTAINER_SHM),
+        host_path: daemon.shm_dir.clone(),
+        options: Vec::new(),
     });
+    edits
 }
 
 /// The control program under the driver root (a host path, not under `--root`), the first of

@@ -20,8 +20,8 @@
 use std::cmp::Reverse;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
+use crate::devices::{PluginDevice, Resource};
 use crate::devices::{Topology, split_replica_id};
-use crate::plugin::resources::{PluginDevice, Resource};
 
 /// Combination count up to which the fallback for more than [`PARTITION_GPU_LIMIT`] GPUs
 /// searches exhaustively for the best single set; beyond it, greedy.
@@ -592,8 +592,8 @@ fn binomial(n: usize, k: usize) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::devices::{Health, MigInfo};
     use crate::devices::{TopologyLevel, link_score};
-    use crate::plugin::resources::{Health, MigInfo};
 
     fn uuid(i: usize) -> String {
         format!("GPU-{i:08}-0000-0000-0000-000000000000")

@@ -18,15 +18,14 @@ use tonic::transport::{Endpoint, Server};
 use tonic::{Request, Response, Status};
 
 use super::allocate::{AllocateOptions, allocate};
-use super::devnodes::DeviceNodes;
 use super::preferred::{SharedPolicy, preferred_allocation};
-use super::resources::Resource;
 use crate::api;
 use crate::api::device_plugin_server::{DevicePlugin, DevicePluginServer};
 use crate::api::registration_client::RegistrationClient;
+use crate::devices::Resource;
 use crate::devices::Topology;
-pub use crate::host::socket::BindError;
-use crate::host::socket::bind_in_place;
+use crate::edits::DeviceNodes;
+use crate::host::socket::{BindError, bind_in_place, file_id};
 
 /// The device plugin API version the kubelet speaks.
 pub const API_VERSION: &str = "v1beta1";
@@ -350,12 +349,6 @@ impl ServedPlugin {
             let _ = std::fs::remove_file(&socket);
         }
     }
-}
-
-/// (device, inode) of a file, to tell a recreated file from the one we saw.
-pub fn file_id(path: &Path) -> Option<(u64, u64)> {
-    use std::os::unix::fs::MetadataExt;
-    std::fs::symlink_metadata(path).ok().map(|m| (m.dev(), m.ino()))
 }
 
 /// Why `Register` failed.

@@ -14,9 +14,9 @@ use crate::config::{
     MemoryBudget, MigStrategy, RESOURCE_PREFIX, SharedDevices, SharedResource, Sharing, SharingStrategy,
 };
 use crate::devices::REPLICA_SEPARATOR;
+use crate::devices::{PluginDevice, Resource};
 use crate::labels::gfd::ResourceSharing;
 use crate::nvml::Inventory;
-use crate::plugin::resources::{PluginDevice, Resource};
 use crate::plugin::strategy::build_resources;
 
 /// Why the sharing config cannot be applied to the resources.
@@ -208,9 +208,9 @@ pub(crate) fn replicas_for(entry: &SharedResource, device: &PluginDevice) -> u32
 mod tests {
     use super::*;
     use crate::config::SharedPolicy;
+    use crate::devices::Health;
     use crate::nvml::GpuInfo;
     use crate::nvml::sample::{self, inventory};
-    use crate::plugin::resources::Health;
 
     fn gpu(index: u32, migs: &[&str]) -> GpuInfo {
         GpuInfo {

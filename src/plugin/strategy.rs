@@ -11,8 +11,9 @@
 
 use std::collections::BTreeMap;
 
-use super::resources::{Health, MigInfo, PluginDevice, Resource};
-pub use crate::config::MigStrategy;
+use crate::config::MigStrategy;
+use crate::devices::{PluginDevice, Resource};
+use crate::edits::{mig_plugin_devices, whole_gpu};
 use crate::nvml::{GpuInfo, Inventory};
 
 /// The resource every whole GPU (and MIG device under `single`) is advertised as.
@@ -108,36 +109,6 @@ fn list(gpus: &[&GpuInfo]) -> String {
         .map(|g| format!("GPU {}", g.index))
         .collect::<Vec<_>>()
         .join(", ")
-}
-
-/// A whole GPU as a device.
-pub fn whole_gpu(gpu: &GpuInfo) -> PluginDevice {
-    PluginDevice {
-        uuid: gpu.uuid.clone(),
-        index: gpu.index.to_string(),
-        minor: gpu.minor,
-        numa_node: gpu.numa_node,
-        mig: None,
-        health: Health::Healthy,
-    }
-}
-
-/// The MIG devices that exist on a GPU, as devices.
-pub fn mig_plugin_devices(gpu: &GpuInfo) -> impl Iterator<Item = PluginDevice> + '_ {
-    gpu.mig_devices.iter().map(move |m| PluginDevice {
-        uuid: m.uuid.clone(),
-        index: format!("{}:{}", gpu.index, m.index),
-        minor: gpu.minor,
-        numa_node: gpu.numa_node,
-        mig: Some(MigInfo {
-            parent_uuid: gpu.uuid.clone(),
-            parent_index: gpu.index,
-            gi_id: m.gi_id,
-            ci_id: m.ci_id,
-            profile: m.profile.clone(),
-        }),
-        health: Health::Healthy,
-    })
 }
 
 #[cfg(test)]

@@ -5,7 +5,9 @@
 //!
 //! - [`discover`] looks at the driver's user-space files under the driver root. It only reads the
 //!   filesystem (no commands), and what is missing is simply left out.
-//! - [`spec`] is pure: inventory + device nodes + driver files in, [`Spec`] out.
+//! - [`spec`] is pure: inventory + device nodes + driver files in, [`Spec`] out. It builds the
+//!   node's container edits ([`node_edits`], the model of [`crate::edits`]) and renders them
+//!   ([`render_node`]); a DRA claim's spec is rendered from the same edits ([`claim_spec`]).
 //! - [`to_json`] renders it; [`spec_file_name`] names the file (`nvidia.com-gpu.json`). Writing it
 //!   under `/etc/cdi` or `/var/run/cdi` is the caller's job.
 //!
@@ -26,7 +28,8 @@
 //! device plugin writes them: `extra.rs` ([`extra_specs`]).
 //!
 //! The files: `driver_files.rs` ([`discover`] and the lists of what it looks for), `generate.rs`
-//! ([`spec`], its options and what goes into every spec), `model.rs` (the spec's types,
+//! ([`spec`], its options and what goes into every spec), `render.rs` (the model's edits in
+//! CDI's format: the node's spec and a claim's), `model.rs` (the spec's types,
 //! [`minimum_version`], [`to_json`], [`spec_file_name`]).
 
 pub mod conflicts;
@@ -36,6 +39,7 @@ mod generate;
 /// The hooks themselves: the `gpu-node-agent-cdi-hook` crate (statically linked program).
 pub use cdi_hook as hook;
 mod model;
+mod render;
 
 use std::path::PathBuf;
 
@@ -46,9 +50,10 @@ pub use driver_files::{
 };
 pub use extra::{ExtraOptions, ExtraSpec, GDS_MOUNTS, extra_specs, gds_mounts};
 pub use generate::{
-    ALL_DEVICE, CdiOptions, DEFAULT_KIND, IPC_MOUNT_OPTIONS, LIBCUDA_DIR_ENV, MOUNT_OPTIONS, VISIBLE_DEVICES_VOID, spec,
+    CdiOptions, DEFAULT_KIND, IPC_MOUNT_OPTIONS, LIBCUDA_DIR_ENV, MOUNT_OPTIONS, VISIBLE_DEVICES_VOID, node_edits, spec,
 };
 pub use model::{ContainerEdits, Device, DeviceNode, Hook, Mount, Spec, minimum_version, spec_file_name, to_json};
+pub use render::{ALL_DEVICE, claim_spec, render_node};
 
 /// Why no spec could be generated.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]

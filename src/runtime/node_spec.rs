@@ -1,18 +1,18 @@
 //! The node's CDI specs as files: where the spec goes, which hook program it names, writing it
 //! (and the injection classes' specs) when its bytes change, and the other specs on the host that
 //! define the same names. The spec itself is built by [`super::cdi`]; the runtime stage and the
-//! commands (`cdi generate`, `plan`) write and show what is built here, and the DRA driver takes
-//! each claim's edits from [`cdi_spec_model`].
+//! commands (`cdi generate`, `plan`) write and show what is built here, and the DRA driver renders
+//! each claim's spec from the same container edits ([`node_edits`]).
 
 use std::path::{Path, PathBuf};
 
 use super::cdi;
 use super::stage::{RuntimeError, read_optional};
 use crate::config::{CdiHook, Config};
+use crate::edits::{DeviceNodes, NodeEdits};
 use crate::host::arch::HostArch;
 use crate::host::{HostRoot, write_atomic};
 use crate::nvml::Inventory;
-use crate::plugin::devnodes::DeviceNodes;
 
 /// Where the CDI spec goes (host path).
 pub fn cdi_path(config: &Config) -> PathBuf {
@@ -26,17 +26,21 @@ pub fn cdi_spec(
     inventory: &Inventory,
     nodes: &DeviceNodes,
 ) -> Result<String, RuntimeError> {
-    Ok(cdi::to_json(&cdi_spec_model(config, root, inventory, nodes)?)?)
+    let spec = cdi::render_node(
+        &node_edits(config, root, inventory, nodes)?,
+        &config.device_plugin.cdi_kind,
+    )?;
+    Ok(cdi::to_json(&spec)?)
 }
 
-/// The CDI spec for `inventory`: what [`cdi_spec`] renders, and what the DRA driver takes each
-/// claim's device edits and common edits from.
-pub fn cdi_spec_model(
+/// The node's container edits for `inventory` (driver files discovered under the driver root):
+/// what [`cdi_spec`] renders, and what the DRA driver renders each claim's spec from.
+pub fn node_edits(
     config: &Config,
     root: &HostRoot,
     inventory: &Inventory,
     nodes: &DeviceNodes,
-) -> Result<cdi::Spec, RuntimeError> {
+) -> Result<NodeEdits, RuntimeError> {
     let dp = &config.device_plugin;
     let files = cdi::discover(
         root.path(),
@@ -49,7 +53,7 @@ pub fn cdi_spec_model(
         kind: dp.cdi_kind.clone(),
         dev_root: dp.dev_root.clone(),
     };
-    Ok(cdi::spec(inventory, nodes, &files, &opts)?)
+    Ok(cdi::node_edits(inventory, nodes, &files, &opts)?)
 }
 
 /// Where the spec's hook program is looked for, by `[cdi] hook`.
@@ -162,7 +166,7 @@ pub fn extra_cdi_specs(
     nodes: &DeviceNodes,
 ) -> Result<Vec<(PathBuf, Option<String>)>, RuntimeError> {
     let dp = &config.device_plugin;
-    let mut injections = crate::plugin::injections::Injections::from_config(dp);
+    let mut injections = crate::edits::Injections::from_config(dp);
     for name in dp.profiles.keys() {
         if let Some(p) = dp.with_profile(name) {
             injections.gds |= p.gds_enabled;

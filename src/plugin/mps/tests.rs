@@ -1,12 +1,12 @@
 use std::collections::BTreeMap;
 
 use super::*;
-use crate::api::ContainerAllocateRequest;
+use crate::api::{ContainerAllocateRequest, ContainerAllocateResponse};
 use crate::config::{DeviceListStrategy, SharedDevices, SharedResource};
+use crate::edits::DeviceNodes;
 use crate::nvml::GpuInfo;
 use crate::nvml::sample::{self, inventory};
 use crate::plugin::allocate::{AllocateOptions, allocate, sorted_envs};
-use crate::plugin::devnodes::DeviceNodes;
 use crate::plugin::sharing::{SharingError, apply_sharing};
 
 fn entry(replicas: u32) -> SharedResource {
@@ -216,9 +216,8 @@ fn allocate_leaves_other_resources_alone() {
         devices: BTreeMap::new(),
     };
     let daemons = plan(&two_a100s(), &mps(vec![entry(4)]), MigStrategy::None).expect("plan");
-    let mut resp = ContainerAllocateResponse::default();
-    add_to_response(&running(&daemons), &resource, &["GPU-0::0".into()], &mut resp);
-    assert_eq!(resp, ContainerAllocateResponse::default());
+    let edits = mps_edits(&running(&daemons), &resource, &["GPU-0::0".into()]);
+    assert_eq!(edits, ContainerEdits::default());
 }
 
 /// Replicas whose daemon does not answer (no status yet, starting, restarting, failed) are

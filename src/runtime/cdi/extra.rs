@@ -1,6 +1,7 @@
 //! The CDI specs of the opt-in injections (`gds`, `mofed`, `gdrcopy`, `imex-channel`), one per
-//! class as NVIDIA's device plugin writes them (`/var/run/cdi/<vendor>-<class>.json`), built
-//! from the device nodes the host has (pure). What each holds is what the NVIDIA Container
+//! class as NVIDIA's device plugin writes them (`/var/run/cdi/<vendor>-<class>.json`), rendered
+//! from the injections' edits ([`crate::edits::injections`], the same Allocate hands out) and
+//! the device nodes the host has (pure). What each holds is what the NVIDIA Container
 //! Toolkit's `nvcdi` modes of the same names generate:
 //! - `gds`: device `all` with every `/dev/nvidia-fs*` and, when present, read-only mounts of
 //!   `/etc/cufile.json` and `/run/udev` from the driver root (`discover.NewGDSDiscoverer`);
@@ -15,12 +16,12 @@
 
 use std::path::{Path, PathBuf};
 
-use super::generate::device_node;
-use super::model::{ContainerEdits, Device, Mount, Spec, minimum_version};
+use super::model::{ContainerEdits, Device, Mount, Spec};
+use super::render::{device_node, finish};
 use super::{CdiError, MOUNT_OPTIONS};
+use crate::edits::injections::{ALL_DEVICE, FLAG_CLASSES, IMEX_CLASS};
+use crate::edits::{ExtraNodes, Injections};
 use crate::host::rooted;
-use crate::plugin::devnodes::{ExtraNodes, imex_channel_path};
-use crate::plugin::injections::{ALL_DEVICE, FLAG_CLASSES, IMEX_CLASS, Injections, class_nodes};
 
 /// Files the `gds` device mounts when the driver root has them.
 pub const GDS_MOUNTS: [&str; 2] = ["/etc/cufile.json", "/run/udev"];
@@ -52,14 +53,16 @@ pub struct ExtraSpec {
 /// `[device_plugin.imex] required` with a channel whose node is missing is
 /// [`CdiError::ImexChannelMissing`], naming the node's host path.
 pub fn extra_specs(nodes: &ExtraNodes, opts: &ExtraOptions) -> Result<Vec<ExtraSpec>, CdiError> {
-    let node = |path: &String| device_node(&opts.dev_root, path.clone());
+    let injected = opts
+        .injections
+        .edits(nodes, &opts.dev_root)
+        .map_err(|missing| CdiError::ImexChannelMissing { path: missing.path })?;
     let mut out = Vec::new();
     for class in FLAG_CLASSES {
-        let found = class_nodes(nodes, class);
         let mut spec = None;
-        if opts.injections.flag(class) && !found.is_empty() {
+        if let Some(flag) = injected.present_flags().find(|f| f.class == class) {
             let mut edits = ContainerEdits {
-                device_nodes: found.iter().map(node).collect::<Result<_, _>>()?,
+                device_nodes: flag.device_nodes.iter().map(device_node).collect::<Result<_, _>>()?,
                 ..ContainerEdits::default()
             };
             if class == "gds" {
@@ -75,13 +78,14 @@ pub fn extra_specs(nodes: &ExtraNodes, opts: &ExtraOptions) -> Result<Vec<ExtraS
                     });
                 }
             }
+            let device = Device {
+                name: ALL_DEVICE.to_string(),
+                container_edits: edits,
+            };
             spec = Some(finish(
-                &opts.vendor,
-                class,
-                vec![Device {
-                    name: ALL_DEVICE.to_string(),
-                    container_edits: edits,
-                }],
+                &format!("{}/{class}", opts.vendor),
+                vec![device],
+                ContainerEdits::default(),
             ));
         }
         out.push(ExtraSpec {
@@ -90,23 +94,20 @@ pub fn extra_specs(nodes: &ExtraNodes, opts: &ExtraOptions) -> Result<Vec<ExtraS
         });
     }
 
-    let channels = opts
-        .injections
-        .imex_channels(nodes, &opts.dev_root)
-        .map_err(|path| CdiError::ImexChannelMissing { path })?;
     let mut devices = Vec::new();
-    for id in channels {
+    for (id, node) in &injected.imex_channels {
         devices.push(Device {
             name: id.to_string(),
             container_edits: ContainerEdits {
-                device_nodes: vec![device_node(&opts.dev_root, imex_channel_path(id))?],
+                device_nodes: vec![device_node(node)?],
                 ..ContainerEdits::default()
             },
         });
     }
+    let kind = format!("{}/{IMEX_CLASS}", opts.vendor);
     out.push(ExtraSpec {
-        kind: format!("{}/{IMEX_CLASS}", opts.vendor),
-        spec: (!devices.is_empty()).then(|| finish(&opts.vendor, IMEX_CLASS, devices)),
+        spec: (!devices.is_empty()).then(|| finish(&kind, devices, ContainerEdits::default())),
+        kind,
     });
     Ok(out)
 }
@@ -119,17 +120,6 @@ pub fn gds_mounts(root: &Path, driver_root: &Path) -> Vec<PathBuf> {
         .map(|p| rooted(driver_root, Path::new(p)))
         .filter(|host| rooted(root, host).exists())
         .collect()
-}
-
-fn finish(vendor: &str, class: &str, devices: Vec<Device>) -> Spec {
-    let mut spec = Spec {
-        cdi_version: String::new(),
-        kind: format!("{vendor}/{class}"),
-        devices,
-        container_edits: ContainerEdits::default(),
-    };
-    spec.cdi_version = minimum_version(&spec).to_string();
-    spec
 }
 
 fn utf8(path: &Path) -> Result<String, CdiError> {

@@ -1,18 +1,16 @@
-//! Building the spec ([`spec`]): the devices from the inventory and device nodes, the edits every
-//! container gets (environment, control nodes, driver mounts, hooks).
+//! Building the node's edits ([`node_edits`]): the devices from the inventory and device nodes
+//! (the model's, [`crate::edits::node_devices`]), and the edits every container gets from the
+//! driver's files (environment, control nodes, driver mounts, hooks); [`spec`] renders them.
 
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 
-use cdi_hook::HOOK_ENV;
-
 use super::CdiError;
 use super::driver_files::{DriverFiles, HookBinary, REQUIRED_LIBRARIES};
-use super::model::{ContainerEdits, Device, DeviceNode, Hook, Mount, Spec, minimum_version};
-use crate::host::rooted;
-use crate::nvml::{GpuInfo, Inventory};
-use crate::plugin::allocate::mig_capability_nodes;
-use crate::plugin::devnodes::DeviceNodes;
+use super::model::Spec;
+use super::render::{render_node, utf8};
+use crate::edits::{self, ContainerEdits, DeviceNodes, Hook, Mount, NodeEdits};
+use crate::nvml::Inventory;
 
 /// The CDI kind NVIDIA's own tools use (`nvidia-ctk cdi generate` defaults `--vendor nvidia.com
 /// --class gpu`).
@@ -31,9 +29,6 @@ pub const LIBCUDA_DIR_ENV: &str = "NVIDIA_CTK_LIBCUDA_DIR";
 /// The environment of every container that gets a device from the spec. `void` tells an NVIDIA
 /// runtime hook that may also be installed to leave the container alone: CDI did the injection.
 pub const VISIBLE_DEVICES_VOID: &str = "NVIDIA_VISIBLE_DEVICES=void";
-
-/// The name of the device that stands for all GPUs and MIG devices.
-pub const ALL_DEVICE: &str = "all";
 
 /// What the generated spec is for.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -86,6 +81,17 @@ pub fn spec(
     files: &DriverFiles,
     opts: &CdiOptions,
 ) -> Result<Spec, CdiError> {
+    render_node(&node_edits(inventory, nodes, files, opts)?, &opts.kind)
+}
+
+/// The node's edits that [`spec`] renders, and that the DRA driver renders each claim's spec
+/// from (checked as [`spec`] says).
+pub fn node_edits(
+    inventory: &Inventory,
+    nodes: &DeviceNodes,
+    files: &DriverFiles,
+    opts: &CdiOptions,
+) -> Result<NodeEdits, CdiError> {
     let valid_kind = opts
         .kind
         .split_once('/')
@@ -114,104 +120,36 @@ pub fn spec(
             searched: files.library_search.clone(),
         });
     }
-    let mut gpus: Vec<&GpuInfo> = inventory.gpus.iter().collect();
-    gpus.sort_by_key(|g| g.index);
-
-    let node = |path: String| device_node(&opts.dev_root, path);
-    let mut devices = Vec::new();
-    let mut all_nodes: Vec<DeviceNode> = Vec::new();
-    let mut add = |names: [String; 2], nodes: Vec<DeviceNode>| {
-        for n in &nodes {
-            if !all_nodes.contains(n) {
-                all_nodes.push(n.clone());
-            }
+    let devices = edits::node_devices(inventory, nodes, &opts.dev_root, &files.dri).map_err(|missing| {
+        CdiError::MissingMigCapability {
+            device: missing.device,
+            key: missing.key,
         }
-        for name in names {
-            devices.push(Device {
-                name,
-                container_edits: ContainerEdits {
-                    device_nodes: nodes.clone(),
-                    ..ContainerEdits::default()
-                },
-            });
-        }
-    };
-    for gpu in &gpus {
-        let mut gpu_nodes = vec![node(format!("/dev/nvidia{}", gpu.minor))?];
-        let drm = files.dri.get(&crate::nvml::normalise_bus_id(&gpu.pci_bus_id));
-        for dri in drm.into_iter().flatten() {
-            gpu_nodes.push(node(dri.clone())?);
-        }
-        add([gpu.index.to_string(), gpu.uuid.clone()], gpu_nodes);
-    }
-    for gpu in &gpus {
-        let mut migs: Vec<_> = gpu.mig_devices.iter().collect();
-        migs.sort_by_key(|m| m.index);
-        for mig in migs {
-            let caps = mig_capability_nodes(gpu.minor, mig.gi_id, mig.ci_id, nodes).map_err(|key| {
-                CdiError::MissingMigCapability {
-                    device: mig.uuid.clone(),
-                    key,
-                }
-            })?;
-            let mut mig_nodes = vec![node(format!("/dev/nvidia{}", gpu.minor))?];
-            for cap in caps {
-                mig_nodes.push(node(cap)?);
-            }
-            add([format!("{}:{}", gpu.index, mig.index), mig.uuid.clone()], mig_nodes);
-        }
-    }
-    devices.push(Device {
-        name: ALL_DEVICE.to_string(),
-        container_edits: ContainerEdits {
-            device_nodes: all_nodes,
-            ..ContainerEdits::default()
-        },
-    });
+    })?;
 
     let mut env = Vec::new();
     if let Some(dir) = &files.libcuda_dir {
-        env.push(format!(
-            "{LIBCUDA_DIR_ENV}={}",
-            utf8(&in_container(&files.driver_root, dir))?
+        env.push((
+            LIBCUDA_DIR_ENV.to_string(),
+            utf8(&in_container(&files.driver_root, dir))?.to_string(),
         ));
     }
-    env.push(VISIBLE_DEVICES_VOID.to_string());
-    let container_edits = ContainerEdits {
+    // The model keeps env as (name, value); the renderer writes `NAME=value` back.
+    let (name, value) = VISIBLE_DEVICES_VOID
+        .split_once('=')
+        .unwrap_or((VISIBLE_DEVICES_VOID, ""));
+    env.push((name.to_string(), value.to_string()));
+    let common = ContainerEdits {
         env,
-        device_nodes: nodes
-            .control
-            .iter()
-            .map(|path| node(path.clone()))
-            .collect::<Result<_, _>>()?,
+        device_nodes: edits::control_nodes(nodes, &opts.dev_root),
         hooks: hooks(files)?,
-        mounts: mounts(files)?,
+        mounts: mounts(files),
     };
-
-    let mut spec = Spec {
-        cdi_version: String::new(),
-        kind: opts.kind.clone(),
-        devices,
-        container_edits,
-    };
-    spec.cdi_version = minimum_version(&spec).to_string();
-    Ok(spec)
-}
-
-/// A device node at `path` in the container, with a `hostPath` under `dev_root` unless that is
-/// `/` (or empty).
-pub(super) fn device_node(dev_root: &Path, path: String) -> Result<DeviceNode, CdiError> {
-    let host = rooted(dev_root, Path::new(&path));
-    let host_path = if host == Path::new(&path) {
-        None
-    } else {
-        Some(utf8(&host)?.to_string())
-    };
-    Ok(DeviceNode { path, host_path })
+    Ok(NodeEdits { common, devices })
 }
 
 /// Mounts of the driver files: libraries, sockets, firmware, programs (`nvidia-ctk`'s order).
-fn mounts(files: &DriverFiles) -> Result<Vec<Mount>, CdiError> {
+fn mounts(files: &DriverFiles) -> Vec<Mount> {
     let plain = MOUNT_OPTIONS.map(String::from).to_vec();
     let ipc = IPC_MOUNT_OPTIONS.map(String::from).to_vec();
     let groups = [
@@ -225,13 +163,13 @@ fn mounts(files: &DriverFiles) -> Result<Vec<Mount>, CdiError> {
     for (paths, options) in groups {
         for host in paths {
             mounts.push(Mount {
-                host_path: utf8(host)?.to_string(),
-                container_path: utf8(&in_container(&files.driver_root, host))?.to_string(),
+                host_path: host.clone(),
+                container_path: in_container(&files.driver_root, host),
                 options: options.clone(),
             });
         }
     }
-    Ok(mounts)
+    mounts
 }
 
 /// The hooks, in `nvidia-ctk`'s order: `create-symlinks` (when there are links to make),
@@ -255,12 +193,7 @@ fn hooks(files: &DriverFiles) -> Result<Vec<Hook>, CdiError> {
         }
         argv.push(name.to_string());
         argv.extend(args);
-        Hook {
-            hook_name: "createContainer".to_string(),
-            path: path.to_string(),
-            args: argv,
-            env: HOOK_ENV.iter().map(|e| e.to_string()).collect(),
-        }
+        Hook::new(path.to_string(), argv)
     };
 
     // (link path in the container, target) pairs; the first for a link path wins.
@@ -319,10 +252,4 @@ fn in_container(driver_root: &Path, host: &Path) -> PathBuf {
         Ok(rel) if driver_root != Path::new("/") && !driver_root.as_os_str().is_empty() => Path::new("/").join(rel),
         _ => host.to_path_buf(),
     }
-}
-
-fn utf8(path: &Path) -> Result<&str, CdiError> {
-    path.to_str().ok_or_else(|| CdiError::NonUtf8Path {
-        path: path.to_path_buf(),
-    })
 }

@@ -18,9 +18,9 @@ use std::path::{Path, PathBuf};
 use serde_json::{Value, json};
 
 use super::*;
+use crate::edits::DeviceNodes;
 use crate::host::arch::HostArch;
 use crate::nvml::{GpuInfo, Inventory, sample};
-use crate::plugin::devnodes::DeviceNodes;
 
 /// The driver root on the fake host: the golden data's `{{ .driverRoot }}`.
 const DRIVER_ROOT: &str = "/testdata/lookup/rootfs-1";

@@ -4,12 +4,13 @@
 use super::*;
 use crate::api::ContainerAllocateRequest;
 use crate::config::{DeviceIdStrategy, DeviceListStrategy, MigStrategy};
+use crate::devices::Resource;
+use crate::edits::DeviceNodes;
+use crate::edits::whole_gpu;
 use crate::host::arch::HostArch;
 use crate::nvml::{GpuInfo, Inventory, MigDeviceInfo, sample};
 use crate::plugin::allocate::{AllocateOptions, allocate};
-use crate::plugin::devnodes::DeviceNodes;
-use crate::plugin::resources::Resource;
-use crate::plugin::strategy::{build_resources, whole_gpu};
+use crate::plugin::strategy::build_resources;
 use std::collections::{BTreeMap, BTreeSet};
 use std::fs;
 use std::path::{Path, PathBuf};
@@ -881,8 +882,8 @@ fn a_driver_folder_named_by_ld_so_conf_is_searched() {
 
 mod extra {
     use super::*;
-    use crate::plugin::devnodes::ExtraNodes;
-    use crate::plugin::injections::Injections;
+    use crate::edits::ExtraNodes;
+    use crate::edits::Injections;
 
     fn host_nodes() -> ExtraNodes {
         ExtraNodes {

@@ -2,10 +2,10 @@
 //! and the MIG capability minors the driver publishes in
 //! `<proc_root>/driver/nvidia-caps/mig-minors`.
 //!
-//! Allocate uses this to hand the kubelet device specs (`passDeviceSpecs`, host-mounts) the same
-//! way NVIDIA's plugin does: control nodes that are absent are simply skipped, and MIG devices
-//! additionally need the `/dev/nvidia-caps/nvidia-cap<N>` nodes of their GPU and compute
-//! instances.
+//! The host facts of the edits model: the device nodes every renderer hands out come from here,
+//! the way NVIDIA's plugin does it: control nodes that are absent are simply skipped, and MIG
+//! devices additionally need the `/dev/nvidia-caps/nvidia-cap<N>` nodes of their GPU and compute
+//! instances ([`super::device_nodes`]).
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
