@@ -397,7 +397,8 @@ fn run_cuda_child(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::plugin::manager::{ResourceStatus, StreamStatus};
+    use crate::plugin::manager::ResourceStatus;
+    use crate::plugin::server::StreamStatus;
 
     const GPU: &str = "nvidia.com/gpu";
 

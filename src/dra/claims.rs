@@ -3,9 +3,18 @@
 //! `runtime::cdi::claim_spec` from the node's container edits).
 
 use std::collections::BTreeMap;
+use std::path::PathBuf;
 
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
+
+use crate::config::Config;
+use crate::host::HostRoot;
+
+/// The checkpoint of prepared claims: `<state_dir>/dra/checkpoint.json` under the root.
+pub fn checkpoint_path(config: &Config, root: &HostRoot) -> PathBuf {
+    root.join(&config.agent.state_dir).join("dra").join("checkpoint.json")
+}
 
 /// A claim as the kubelet names it.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]

@@ -27,6 +27,24 @@ use crate::nvml::Inventory;
 use crate::runtime::cdi;
 use crate::runtime::node_spec::node_edits;
 
+/// The driver's state for status.json and `gpu-node-agent status`.
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct DraStatus {
+    pub driver: String,
+    /// The kubelet accepted the registration (and has not refused a later one).
+    pub registered: bool,
+    /// Unix seconds of the last accepted registration.
+    pub registered_at: Option<u64>,
+    /// Devices in the slices last written or found up to date.
+    pub published: usize,
+    /// The pool's generation then.
+    pub generation: i64,
+    /// Prepared claims, `namespace/name`.
+    pub prepared: Vec<String>,
+    /// The last registration refusal or publishing failure; `None` once it works again.
+    pub error: Option<String>,
+}
+
 /// How often the publisher asks the kubelet which devices the device plugin has handed out.
 pub const POD_RESOURCES_EVERY: Duration = Duration::from_secs(10);
 /// How often, at least, the publisher lists its slices even when nothing happened: a safety
@@ -67,7 +85,7 @@ pub struct Driver {
     /// Woken when the kubelet (re)registers the plugin: it may just have wiped the slices.
     registered: Notify,
     /// What status shows.
-    pub status: watch::Sender<super::DraStatus>,
+    pub status: watch::Sender<DraStatus>,
 }
 
 impl Driver {
@@ -83,7 +101,7 @@ impl Driver {
         inventory: watch::Receiver<Option<Arc<Inventory>>>,
     ) -> (Arc<Driver>, watch::Receiver<Withdrawn>) {
         let driver_name = config.dra.driver.clone();
-        let checkpoint_path = super::checkpoint_path(&config, &root);
+        let checkpoint_path = claims::checkpoint_path(&config, &root);
         let checkpoint = load_checkpoint(&checkpoint_path, &driver_name);
         remove_stale_specs(&root.join(&config.cdi.dir), &driver_name, &checkpoint);
         // The checkpoint exists from the first start on: it also tells a later agent with DRA
@@ -94,10 +112,10 @@ impl Driver {
             tracing::error!("DRA: cannot write the checkpoint: {e}");
         }
         let (withdrawn, withdrawn_rx) = watch::channel(withdrawn_by(&checkpoint, None));
-        let status = watch::Sender::new(super::DraStatus {
+        let status = watch::Sender::new(DraStatus {
             driver: driver_name,
             prepared: prepared_names(&checkpoint),
-            ..super::DraStatus::default()
+            ..DraStatus::default()
         });
         let driver = Arc::new(Driver {
             config,
@@ -142,7 +160,7 @@ impl Driver {
     }
 
     /// Changes what status shows (watchers hear of it only when something changed).
-    pub(super) fn update_status(&self, f: impl FnOnce(&mut super::DraStatus)) {
+    pub(super) fn update_status(&self, f: impl FnOnce(&mut DraStatus)) {
         self.status.send_if_modified(|s| {
             let before = s.clone();
             f(s);

@@ -32,33 +32,11 @@ use crate::devices::Withdrawn;
 use crate::host::HostRoot;
 use crate::kube::KubeClient;
 use crate::nvml::Inventory;
-pub use driver::{Driver, HealthFn, Inputs};
-
-/// The driver's state for status.json and `gpu-node-agent status`.
-#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-pub struct DraStatus {
-    pub driver: String,
-    /// The kubelet accepted the registration (and has not refused a later one).
-    pub registered: bool,
-    /// Unix seconds of the last accepted registration.
-    pub registered_at: Option<u64>,
-    /// Devices in the slices last written or found up to date.
-    pub published: usize,
-    /// The pool's generation then.
-    pub generation: i64,
-    /// Prepared claims, `namespace/name`.
-    pub prepared: Vec<String>,
-    /// The last registration refusal or publishing failure; `None` once it works again.
-    pub error: Option<String>,
-}
+pub use claims::checkpoint_path;
+pub use driver::{DraStatus, Driver, HealthFn, Inputs};
 
 /// How often the socket files are checked (someone may delete them).
 const SOCKET_CHECK_EVERY: Duration = Duration::from_secs(5);
-
-/// The checkpoint of prepared claims: `<state_dir>/dra/checkpoint.json` under the root.
-pub fn checkpoint_path(config: &Config, root: &HostRoot) -> PathBuf {
-    root.join(&config.agent.state_dir).join("dra").join("checkpoint.json")
-}
 
 /// Whether the DRA driver ran on this node (its checkpoint exists from its first start), so
 /// that its slices may still be out there.

@@ -365,6 +365,8 @@ pub fn sorted_envs(resp: &ContainerAllocateResponse) -> Vec<(&str, &str)> {
 
 #[cfg(test)]
 mod injections_tests;
+#[cfg(test)]
+mod mps_tests;
 
 #[cfg(test)]
 mod tests {

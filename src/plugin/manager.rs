@@ -17,7 +17,7 @@ use serde::{Deserialize, Serialize};
 use tokio::io::unix::AsyncFd;
 use tokio::sync::{Notify, mpsc, watch};
 
-pub use super::server::StreamStatus;
+use super::server::StreamStatus;
 use super::server::{PluginContext, PluginStats, ServedPlugin, register};
 use crate::devices::{Health, Resource};
 use crate::host::backoff::{Backoff, Jitter};

@@ -404,4 +404,4 @@ pub fn find_program(root: &Path, driver_root: &Path) -> Option<PathBuf> {
 }
 
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;

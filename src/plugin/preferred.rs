@@ -33,7 +33,7 @@ pub const PARTITION_GPU_LIMIT: usize = 16;
 
 /// How shared devices (MIG devices, time-slicing replicas) are chosen: the config's
 /// `[device_plugin.sharing] policy` (NVIDIA's `sharedDevicesAllocationPolicy`).
-pub use crate::config::SharedPolicy;
+use crate::config::SharedPolicy;
 
 /// Why a preferred-allocation request was refused.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]

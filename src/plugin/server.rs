@@ -18,10 +18,11 @@ use tonic::transport::{Endpoint, Server};
 use tonic::{Request, Response, Status};
 
 use super::allocate::{AllocateOptions, allocate};
-use super::preferred::{SharedPolicy, preferred_allocation};
+use super::preferred::preferred_allocation;
 use crate::api;
 use crate::api::device_plugin_server::{DevicePlugin, DevicePluginServer};
 use crate::api::registration_client::RegistrationClient;
+use crate::config::SharedPolicy;
 use crate::devices::Resource;
 use crate::devices::Topology;
 use crate::edits::DeviceNodes;
