@@ -6,9 +6,9 @@ use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 use gpu_node_agent::config::SharedPolicy;
+use gpu_node_agent::devices::{Health, PluginDevice, Resource};
 use gpu_node_agent::devices::{Topology, TopologyLevel, link_score};
 use gpu_node_agent::plugin::preferred::preferred_allocation;
-use gpu_node_agent::devices::{Health, PluginDevice, Resource};
 
 fn uuid(i: usize) -> String {
     format!("GPU-{i:08}-0000-0000-0000-000000000000")
