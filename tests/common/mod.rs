@@ -5,6 +5,12 @@
 #![allow(dead_code)]
 
 pub mod cri;
+pub mod status;
+
+#[allow(unused_imports)]
+pub use status::{
+    desired, desired_error, desired_is, find_stage, label, read_status, stage, stage_detail, stage_error, stage_is,
+};
 
 use std::fs;
 use std::io::Write;
@@ -385,29 +391,6 @@ impl Node {
         names.sort();
         names
     }
-
-    pub fn status_json(&self) -> serde_json::Value {
-        let text = fs::read_to_string(self.status_path()).expect("status.json");
-        serde_json::from_str(&text).expect("status.json parses")
-    }
-
-    /// Polls status.json until `pred` holds.
-    pub fn wait_status(&self, timeout: Duration, pred: impl Fn(&serde_json::Value) -> bool) -> serde_json::Value {
-        let deadline = Instant::now() + timeout;
-        loop {
-            if let Ok(text) = fs::read_to_string(self.status_path())
-                && let Ok(v) = serde_json::from_str::<serde_json::Value>(&text)
-                && pred(&v)
-            {
-                return v;
-            }
-            if Instant::now() > deadline {
-                let text = fs::read_to_string(self.status_path()).unwrap_or_default();
-                panic!("status.json did not reach the expected state in {timeout:?}; last:\n{text}");
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-    }
 }
 
 /// A running agent: SIGTERM on `stop`, SIGKILL on drop.
@@ -453,6 +436,13 @@ impl Agent {
         }
     }
 
+    /// SIGHUP: the agent re-reads its config and runs every stage again at once (not waiting
+    /// for the stages' backoffs). See [`another_pass`] to also wait for that pass.
+    pub fn sighup(&self) {
+        nix::sys::signal::kill(nix::unistd::Pid::from_raw(self.pid()), nix::sys::signal::Signal::SIGHUP)
+            .expect("SIGHUP");
+    }
+
     /// Whether the process is still running.
     pub fn running(&mut self) -> bool {
         self.child
@@ -495,15 +485,6 @@ pub fn healthy(devices: &[test_kubelet::api::Device], id: &str) -> Option<bool> 
 
 pub fn path_str(p: &Path) -> String {
     p.display().to_string()
-}
-
-/// The stage `name` in a status.json value (`null` if absent).
-pub fn stage(status: &serde_json::Value, name: &str) -> serde_json::Value {
-    status["stages"]
-        .as_array()
-        .and_then(|stages| stages.iter().find(|s| s["name"] == name))
-        .cloned()
-        .unwrap_or(serde_json::Value::Null)
 }
 
 /// The pod UID and container ID [`Node::pod_process`] puts a process in.
@@ -663,11 +644,7 @@ pub fn assert_event(event: &serde_json::Value, kind: &str, parts: &[&str]) {
 pub async fn another_pass(agent: &Agent) {
     let sighups = |log: &str| log.matches("SIGHUP: re-reading").count();
     let before = sighups(&agent.log_text());
-    nix::sys::signal::kill(
-        nix::unistd::Pid::from_raw(agent.pid()),
-        nix::sys::signal::Signal::SIGHUP,
-    )
-    .expect("SIGHUP");
+    agent.sighup();
     let deadline = Instant::now() + Duration::from_secs(20);
     while sighups(&agent.log_text()) <= before {
         assert!(Instant::now() < deadline, "no SIGHUP in the log:\n{}", agent.log_text());
