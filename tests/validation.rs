@@ -366,21 +366,12 @@ async fn the_running_agent_serves_dcgm_and_stage_metrics() {
         .expect("kubelet");
     let agent = node.spawn();
     node.wait_status(T, |s| common::stage_is(s, StageId::Validation, StageState::Ok));
-    let scrape = || -> Option<String> {
-        use std::io::{Read, Write};
-        let mut stream = std::net::TcpStream::connect(("127.0.0.1", port)).ok()?;
-        stream
-            .write_all(b"GET /metrics HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n")
-            .ok()?;
-        let mut body = String::new();
-        stream.read_to_string(&mut body).ok()?;
-        Some(body)
-    };
+    let addr = std::net::SocketAddr::from(([127, 0, 0, 1], port));
     let deadline = std::time::Instant::now() + T;
-    let body = loop {
-        let body = scrape().unwrap_or_default();
+    let (head, body) = loop {
+        let (head, body) = common::scrape::request(addr, "GET", "/metrics", None).unwrap_or_default();
         if body.contains("DCGM_FI_DEV_GPU_TEMP{") && body.contains("stage=\"validation\",state=\"ok\"") {
-            break body;
+            break (head, body);
         }
         assert!(
             std::time::Instant::now() < deadline,
@@ -389,7 +380,7 @@ async fn the_running_agent_serves_dcgm_and_stage_metrics() {
         );
         std::thread::sleep(Duration::from_millis(100));
     };
-    assert!(body.starts_with("HTTP/1.1 200"), "{body}");
+    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
     assert!(body.contains(&format!("UUID=\"{}\"", common::gpu_uuid(0))), "{body}");
     assert!(body.contains("Hostname=\"gpu-node-1\""), "{body}");
     assert!(

@@ -5,6 +5,7 @@
 #![allow(dead_code)]
 
 pub mod cri;
+pub mod scrape;
 pub mod status;
 
 #[allow(unused_imports)]
