@@ -226,21 +226,15 @@ async fn gpu_work_keeps_the_layout_pending_until_it_ends() {
 fn run_once_applies_the_layout_a_bootstrap_asks_for() {
     let config = "[kubernetes]\nenabled = false\n[desired]\nlabels_file = \"/etc/gpu-node-agent/labels\"\n";
     let node = Node::new(&two_a100s(), config);
-    std::fs::write(
-        node.root.join("etc/gpu-node-agent/labels"),
-        "nvidia.com/mig.config=all-3g.20gb\n",
-    )
-    .expect("labels");
+    node.write_labels("nvidia.com/mig.config=all-3g.20gb\n");
     // GPU work on GPU 1: the layout cannot be applied, and --once says so with exit 75 (try
     // again later).
     node.set_injection("processes", &format!("{} 77 512\n", gpu_uuid(1)));
-    let out = node.run(&["run", "--once"]);
-    assert_eq!(out.status.code(), Some(75), "{}", String::from_utf8_lossy(&out.stderr));
+    node.run_once(75);
     assert_eq!(common::stage(&node.status(), StageId::Mig).state, StageState::Pending);
     // Without it: applied before the kubelet ever sees a device, exit 0.
     node.set_injection("processes", "");
-    let out = node.run(&["run", "--once"]);
-    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    node.run_once(0);
     let status = node.status();
     assert_eq!(common::stage(&status, StageId::Mig).state, StageState::Ok);
     assert_eq!(common::label(&status, "nvidia.com/mig.config.state"), Some("success"));
@@ -263,11 +257,7 @@ fn reset_node_with(config: &str, works: bool) -> Node {
         gpu_uuid(0)
     );
     let node = Node::new(&machine, config);
-    std::fs::write(
-        node.root.join("etc/gpu-node-agent/labels"),
-        "nvidia.com/mig.config=all-1g.5gb\n",
-    )
-    .expect("labels");
+    node.write_labels("nvidia.com/mig.config=all-1g.5gb\n");
     let smi = node.root.join("usr/bin/nvidia-smi");
     std::fs::create_dir_all(smi.parent().expect("bin")).expect("mkdir");
     let body = if works {
@@ -288,8 +278,7 @@ fn reset_node_with(config: &str, works: bool) -> Node {
 #[test]
 fn a_mode_change_that_needs_a_reset_resets_the_idle_gpu() {
     let node = reset_node("", true);
-    let out = node.run(&["run", "--once"]);
-    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    node.run_once(0);
     let resets = std::fs::read_to_string(node.state.join("resets-done")).unwrap_or_default();
     assert_eq!(resets.trim(), gpu_uuid(0), "nvidia-smi --gpu-reset -i <uuid> ran once");
     assert_eq!(node.run(&["mig", "assert", "all-1g.5gb"]).status.code(), Some(0));
@@ -299,8 +288,7 @@ fn a_mode_change_that_needs_a_reset_resets_the_idle_gpu() {
 fn a_failed_reset_fails_or_reboots_once() {
     // Without reboot_on_mode_change: failed, with the reset's error.
     let node = reset_node("", false);
-    let out = node.run(&["run", "--once"]);
-    assert_eq!(out.status.code(), Some(1));
+    node.run_once(1);
     let status = node.status();
     let mig = common::stage(&status, StageId::Mig);
     assert_eq!(mig.state, StageState::Failed);
@@ -321,8 +309,7 @@ fn a_failed_reset_fails_or_reboots_once() {
         node.root.join("var/lib/gpu-node-agent/mig-reboot-requested").exists(),
         "reboot marker"
     );
-    let out = node.run(&["run", "--once"]);
-    assert_eq!(out.status.code(), Some(1));
+    node.run_once(1);
     let status = node.status();
     assert_eq!(common::label(&status, "nvidia.com/mig.config.state"), Some("failed"));
     let error = common::stage_error(&status, StageId::Mig)
@@ -335,11 +322,7 @@ fn a_failed_reset_fails_or_reboots_once() {
 fn a_daemon_killed_in_the_middle_of_an_apply_converges_after_restart() {
     let config = "[kubernetes]\nenabled = false\n[desired]\nlabels_file = \"/etc/gpu-node-agent/labels\"\n[device_plugin]\nmig_strategy = \"mixed\"\n";
     let node = Node::new(&two_a100s(), config);
-    std::fs::write(
-        node.root.join("etc/gpu-node-agent/labels"),
-        "nvidia.com/mig.config=all-1g.5gb\n",
-    )
-    .expect("labels");
+    node.write_labels("nvidia.com/mig.config=all-1g.5gb\n");
     // Every MIG operation takes 50 ms: the 28 of this layout take 1.4 s.
     let mut child = node
         .command(&["run"])
@@ -367,8 +350,7 @@ fn a_daemon_killed_in_the_middle_of_an_apply_converges_after_restart() {
         "killed half way"
     );
     // The restarted agent converges from whatever was left.
-    let out = node.run(&["run", "--once"]);
-    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    node.run_once(0);
     assert_eq!(node.run(&["mig", "assert", "all-1g.5gb"]).status.code(), Some(0));
     assert_eq!(
         common::label(&node.status(), "nvidia.com/mig.config.state"),
@@ -559,16 +541,11 @@ fn compute_instance_forms_are_checked_on_every_gpu_before_any_change() {
     );
     mig_is_off_everywhere(&node);
     // The label path says the same, and changes nothing.
-    std::fs::write(
-        node.root.join("etc/gpu-node-agent/labels"),
-        "nvidia.com/mig.config=split\n",
-    )
-    .expect("labels");
+    node.write_labels("nvidia.com/mig.config=split\n");
     node.write_config(&format!(
         "[kubernetes]\nenabled = false\n[desired]\nlabels_file = \"/etc/gpu-node-agent/labels\"\n{layouts}"
     ));
-    let out = node.run(&["run", "--once"]);
-    assert_eq!(out.status.code(), Some(1), "{}", String::from_utf8_lossy(&out.stderr));
+    node.run_once(1);
     let status = node.status();
     let mig = common::stage(&status, StageId::Mig);
     let error = mig.error.as_deref().unwrap_or_default();
@@ -720,13 +697,8 @@ fn an_impossible_compute_instance_layout_never_reboots() {
     let extra = "[mig]\nreboot_on_mode_change = true\n\
                  [[mig.layouts.too-many]]\ndevices = \"all\"\nmig_enabled = true\nprofiles = { \"1c.4g.20gb\" = 1, \"1g.5gb\" = 8 }\n";
     let node = reset_node(extra, false);
-    std::fs::write(
-        node.root.join("etc/gpu-node-agent/labels"),
-        "nvidia.com/mig.config=too-many\n",
-    )
-    .expect("labels");
-    let out = node.run(&["run", "--once"]);
-    assert_eq!(out.status.code(), Some(1), "{}", String::from_utf8_lossy(&out.stderr));
+    node.write_labels("nvidia.com/mig.config=too-many\n");
+    node.run_once(1);
     let status = node.status();
     assert_eq!(common::label(&status, "nvidia.com/mig.config.state"), Some("failed"));
     let error = common::stage_error(&status, StageId::Mig)
@@ -771,16 +743,11 @@ fn a_mig_gpu_the_layout_does_not_cover_fails_it_before_any_change_when_strict() 
     mig_is_off_everywhere(&node);
 
     // The label path fails the same way.
-    std::fs::write(
-        node.root.join("etc/gpu-node-agent/labels"),
-        "nvidia.com/mig.config=only-0\n",
-    )
-    .expect("labels");
+    node.write_labels("nvidia.com/mig.config=only-0\n");
     node.write_config(&format!(
         "[kubernetes]\nenabled = false\n[desired]\nlabels_file = \"/etc/gpu-node-agent/labels\"\n{layouts}"
     ));
-    let out = node.run(&["run", "--once"]);
-    assert_eq!(out.status.code(), Some(1), "{}", String::from_utf8_lossy(&out.stderr));
+    node.run_once(1);
     let status = node.status();
     assert_eq!(common::label(&status, "nvidia.com/mig.config.state"), Some("failed"));
     let error = common::stage_error(&status, StageId::Mig)
@@ -941,8 +908,7 @@ fn the_default_layout_applies_without_a_label() {
         &two_a100s(),
         "[kubernetes]\nenabled = false\n[mig]\ndefault_layout = \"all-3g.20gb\"\n",
     );
-    let out = node.run(&["run", "--once"]);
-    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    node.run_once(0);
     assert_eq!(common::label(&node.status(), STATE), Some("success"));
     assert_eq!(node.run(&["mig", "assert", "all-3g.20gb"]).status.code(), Some(0));
     // A name that is not a layout is a config error (`all-<profile>` is one for any profile
@@ -1071,11 +1037,7 @@ fn slow_layout_node() -> Node {
                   [[mig.layouts.only-0]]\ndevices = [0]\nmig_enabled = true\nprofiles = { \"1g.5gb\" = 7 }\n\
                   [[mig.layouts.only-0]]\ndevices = [1]\nmig_enabled = false\n";
     let node = Node::new(&machine, config);
-    std::fs::write(
-        node.root.join("etc/gpu-node-agent/labels"),
-        "nvidia.com/mig.config=only-0\n",
-    )
-    .expect("labels");
+    node.write_labels("nvidia.com/mig.config=only-0\n");
     node
 }
 
@@ -1108,8 +1070,7 @@ fn sigterm_during_a_slow_mig_apply_stops_within_a_second_and_the_next_start_conv
         Some(1),
         "left half way"
     );
-    let out = node.run(&["run", "--once"]);
-    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    node.run_once(0);
     assert_eq!(node.run(&["mig", "assert", "only-0"]).status.code(), Some(0));
 }
 
@@ -1167,11 +1128,7 @@ fn plan_lists_exactly_what_run_once_then_does() {
                   [device_plugin.profiles.share.sharing]\nstrategy = \"time-slicing\"\nrename_by_default = true\n\
                   compact = [\"mig-1g.5gb::4\"]\n";
     let node = Node::new(&two_a100s(), config);
-    std::fs::write(
-        node.root.join("etc/gpu-node-agent/labels"),
-        "nvidia.com/mig.config=all-1g.5gb\nnvidia.com/device-plugin.config=share\n",
-    )
-    .expect("labels");
+    node.write_labels("nvidia.com/mig.config=all-1g.5gb\nnvidia.com/device-plugin.config=share\n");
     let out = node.run(&["plan", "--json"]);
     assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
     let plan: serde_json::Value = serde_json::from_slice(&out.stdout).expect("plan --json");
@@ -1196,8 +1153,7 @@ fn plan_lists_exactly_what_run_once_then_does() {
     assert!(!node.status_path().exists(), "plan changes nothing");
     assert_eq!(node.run(&["mig", "assert", "all-1g.5gb"]).status.code(), Some(1));
 
-    let out = node.run(&["run", "--once"]);
-    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    node.run_once(0);
     let status = node.status();
     let mig = common::stage_detail(&status, StageId::Mig)
         .unwrap_or_default()
@@ -1367,8 +1323,7 @@ fn without_a_label_a_mig_node_gets_all_disabled_and_a_state() {
         &machine,
         "[kubernetes]\nenabled = false\n[mig]\ndefault_layout = \"all-disabled\"\n",
     );
-    let out = node.run(&["run", "--once"]);
-    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    node.run_once(0);
     assert_eq!(common::label(&node.status(), STATE), Some("success"));
     mig_is_off_everywhere(&node);
 
@@ -1376,8 +1331,7 @@ fn without_a_label_a_mig_node_gets_all_disabled_and_a_state() {
         &common::machine("T4", 1),
         "[kubernetes]\nenabled = false\n[mig]\ndefault_layout = \"all-disabled\"\n",
     );
-    let out = t4.run(&["run", "--once"]);
-    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    t4.run_once(0);
     let status = t4.status();
     assert!(common::label(&status, STATE).is_none(), "{:?}", status.labels);
     let detail = common::stage_detail(&status, StageId::Mig)
@@ -1409,13 +1363,8 @@ fn the_operators_custom_mig_example_applies_on_an_eight_gpu_node() {
     node.write_config(&format!(
         "[kubernetes]\nenabled = false\n[desired]\nlabels_file = \"/etc/gpu-node-agent/labels\"\n{imported}"
     ));
-    std::fs::write(
-        node.root.join("etc/gpu-node-agent/labels"),
-        "nvidia.com/mig.config=custom-mig\n",
-    )
-    .expect("labels");
-    let out = node.run(&["run", "--once"]);
-    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    node.write_labels("nvidia.com/mig.config=custom-mig\n");
+    node.run_once(0);
     assert_eq!(common::label(&node.status(), STATE), Some("success"));
     assert_eq!(node.run(&["mig", "assert", "custom-mig"]).status.code(), Some(0));
     let export = String::from_utf8_lossy(&node.run(&["mig", "export"]).stdout).to_string();
@@ -1474,13 +1423,8 @@ fn subsystem_device_filters_tell_boards_of_one_model_apart() {
     node.write_config(&format!(
         "[kubernetes]\nenabled = false\n[desired]\nlabels_file = \"/etc/gpu-node-agent/labels\"\n{imported}"
     ));
-    std::fs::write(
-        node.root.join("etc/gpu-node-agent/labels"),
-        "nvidia.com/mig.config=by-board\n",
-    )
-    .expect("labels");
-    let out = node.run(&["run", "--once"]);
-    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    node.write_labels("nvidia.com/mig.config=by-board\n");
+    node.run_once(0);
     assert_eq!(common::label(&node.status(), STATE), Some("success"));
     let export = String::from_utf8_lossy(&node.run(&["mig", "export"]).stdout).to_string();
     for (gpu, profiles) in [(0, "\"1g.10gb\" = 7"), (1, "\"3g.40gb\" = 2"), (2, "\"7g.80gb\" = 1")] {

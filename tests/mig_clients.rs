@@ -35,11 +35,7 @@ impl Host {
             gpu_uuid(0)
         );
         let node = Node::new(&machine, &config);
-        fs::write(
-            node.root.join("etc/gpu-node-agent/labels"),
-            format!("nvidia.com/mig.config={LAYOUT}\n"),
-        )
-        .expect("labels");
+        node.write_labels(&format!("nvidia.com/mig.config={LAYOUT}\n"));
         let units = node.tmp.path().join("units");
         fs::create_dir_all(&units).expect("units dir");
         for unit in active {

@@ -130,8 +130,7 @@ fn an_engine_that_is_not_active_fails_the_runtime_check() {
         &node.root.join("usr/bin/systemctl"),
         "#!/bin/sh\n[ \"$1\" = is-active ] && { echo failed; exit 3; }\nexit 0\n",
     );
-    let out = node.run(&["run", "--once"]);
-    assert_eq!(out.status.code(), Some(1), "{}", String::from_utf8_lossy(&out.stderr));
+    node.run_once(1);
     let status = node.status();
     let error = common::stage_error(&status, StageId::Validation)
         .unwrap_or_default()
@@ -188,8 +187,7 @@ fn cuda_is_not_available_without_libcuda_and_fails_cleanly_with_a_broken_one() {
     );
 
     // The stage runs the same check in a child process and reports it.
-    let out = node.run(&["run", "--once"]);
-    assert_eq!(out.status.code(), Some(1));
+    node.run_once(1);
     let error = common::stage_error(&node.status(), StageId::Validation)
         .unwrap_or_default()
         .to_string();
@@ -274,8 +272,7 @@ fn a_gpu_failing_the_cuda_kernel_is_named_as_nvml_knows_it() {
     );
     assert_eq!(answer["devices"][0]["pci_bus_id"], "0000:11:00.0");
 
-    let out = node.run(&["run", "--once"]);
-    assert_eq!(out.status.code(), Some(1));
+    node.run_once(1);
     let error = common::stage_error(&node.status(), StageId::Validation)
         .unwrap_or_default()
         .to_string();
@@ -301,8 +298,7 @@ fn a_gpu_cuda_does_not_see_fails_the_cuda_check_naming_it() {
         "{}",
         String::from_utf8_lossy(&out.stdout)
     );
-    let out = node.run(&["run", "--once"]);
-    assert_eq!(out.status.code(), Some(1));
+    node.run_once(1);
     let error = common::stage_error(&node.status(), StageId::Validation)
         .unwrap_or_default()
         .to_string();

@@ -364,6 +364,24 @@ impl Node {
         dir
     }
 
+    /// Writes `/etc/gpu-node-agent/labels` (`key=value` lines), the file a test's
+    /// `[desired] labels_file` points at: the desired state without an API server.
+    pub fn write_labels(&self, lines: &str) {
+        fs::write(self.root.join("etc/gpu-node-agent/labels"), lines).expect("labels");
+    }
+
+    /// `run --once`, asserted to exit with `code` (its stderr shown when not); its output.
+    pub fn run_once(&self, code: i32) -> Output {
+        let out = self.run(&["run", "--once"]);
+        assert_eq!(
+            out.status.code(),
+            Some(code),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        out
+    }
+
     /// Appends a line to a fake-NVML injection file (`xid`, `processes`, `lost`).
     pub fn inject(&self, file: &str, line: &str) {
         fs::create_dir_all(&self.state).expect("state dir");
