@@ -194,9 +194,15 @@ fn nvidia_units(node: &Node) -> PathBuf {
 /// nvidia_drm), nouveau loaded, no kernel headers, nvidia-persistenced and the fabric manager
 /// active, no modprobe.d file yet.
 fn node_with_everything_to_change(config: &str) -> Node {
+    node_with_535_loaded(config, &["nvidia_uvm", "nvidia_modeset", "nvidia_drm", "nouveau"])
+}
+
+/// A node with the 535 driver loaded, `modules` loaded beside it, and nvidia-persistenced and
+/// the fabric manager active.
+fn node_with_535_loaded(config: &str, modules: &[&str]) -> Node {
     let node = bare_node(config);
     write(&node.root, "sys/module/nvidia/version", "535.161.08\n");
-    for m in ["nvidia_uvm", "nvidia_modeset", "nvidia_drm", "nouveau"] {
+    for m in modules {
         fs::create_dir_all(node.root.join("sys/module").join(m)).expect("module");
     }
     nvidia_units(&node);
@@ -830,13 +836,7 @@ async fn a_driver_the_daemon_installs_is_posted_once_as_an_event() {
 /// The old driver's node for an upgrade to `VERSION` from packages: 535 loaded, with
 /// nvidia-persistenced and the fabric manager active.
 fn upgrade_node(config: &str) -> Node {
-    let node = bare_node(config);
-    write(&node.root, "sys/module/nvidia/version", "535.161.08\n");
-    for m in ["nvidia_uvm", "nvidia_modeset"] {
-        fs::create_dir_all(node.root.join("sys/module").join(m)).expect("module");
-    }
-    nvidia_units(&node);
-    node
+    node_with_535_loaded(config, &["nvidia_uvm", "nvidia_modeset"])
 }
 
 #[test]

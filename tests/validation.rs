@@ -21,6 +21,14 @@ fn node(extra: &str) -> Node {
     )
 }
 
+/// `run --once` failing (exit 1): the validation stage's error.
+fn validation_error_of_a_failed_pass(node: &Node) -> String {
+    node.run_once(1);
+    common::stage_error(&node.status(), StageId::Validation)
+        .unwrap_or_default()
+        .to_string()
+}
+
 fn executable(path: &Path, body: &str) {
     std::fs::create_dir_all(path.parent().expect("dir")).expect("mkdir");
     std::fs::write(path, body).expect("write");
@@ -187,10 +195,7 @@ fn cuda_is_not_available_without_libcuda_and_fails_cleanly_with_a_broken_one() {
     );
 
     // The stage runs the same check in a child process and reports it.
-    node.run_once(1);
-    let error = common::stage_error(&node.status(), StageId::Validation)
-        .unwrap_or_default()
-        .to_string();
+    let error = validation_error_of_a_failed_pass(&node);
     assert!(error.contains("cuda: cuInit: CUDA error 100"), "{error}");
 }
 
@@ -272,10 +277,7 @@ fn a_gpu_failing_the_cuda_kernel_is_named_as_nvml_knows_it() {
     );
     assert_eq!(answer["devices"][0]["pci_bus_id"], "0000:11:00.0");
 
-    node.run_once(1);
-    let error = common::stage_error(&node.status(), StageId::Validation)
-        .unwrap_or_default()
-        .to_string();
+    let error = validation_error_of_a_failed_pass(&node);
     assert!(
         error.contains(&format!(
             "cuda: GPU 1 ({}, 00000000:11:00.0; CUDA device 0): cuLaunchKernel: CUDA error 719",
@@ -298,10 +300,7 @@ fn a_gpu_cuda_does_not_see_fails_the_cuda_check_naming_it() {
         "{}",
         String::from_utf8_lossy(&out.stdout)
     );
-    node.run_once(1);
-    let error = common::stage_error(&node.status(), StageId::Validation)
-        .unwrap_or_default()
-        .to_string();
+    let error = validation_error_of_a_failed_pass(&node);
     assert!(
         error.contains(&format!(
             "cuda: CUDA sees 1 device(s) but NVML sees 2 GPU(s): not a CUDA device: GPU 0 ({}, 00000000:10:00.0)",
