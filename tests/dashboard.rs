@@ -11,13 +11,13 @@
 mod common;
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::sync::{Arc, OnceLock};
+use std::sync::OnceLock;
 use std::time::Duration;
 
 use common::scrape::{get_metrics, parse, series};
-use gpu_node_agent::metrics::{Metrics, MetricsServer, Sampler, SamplerConfig, XID_ERRORS};
+use gpu_node_agent::metrics::{Metrics, MetricsServer, XID_ERRORS};
 use prometheus_parse::{Scrape, Value};
-use tokio::sync::{oneshot, watch};
+use tokio::sync::oneshot;
 
 const H100: &str = "GPU-00000000-1111-2222-3333-444455556666";
 const T4: &str = "GPU-00000001-1111-2222-3333-444455556666";
@@ -150,17 +150,7 @@ async fn scrape_node() -> (String, String) {
     let gpus = unsafe { common::open_fake_nvml(&node) };
     let inventory = gpus.inventory(&node.root.join("sys")).expect("inventory");
     let metrics = Metrics::new();
-    let (_inventory_tx, inventory_rx) = watch::channel(Some(Arc::new(inventory)));
-    let mut sampler = Sampler::new(
-        gpus.clone(),
-        metrics.clone(),
-        inventory_rx,
-        SamplerConfig {
-            interval: Duration::from_secs(3600),
-            hostname: HOST.into(),
-            pod_resources_socket: None,
-        },
-    );
+    let (mut sampler, _inventory_tx) = common::scrape::hand_ticked_sampler(&gpus, &metrics, inventory, HOST, None);
     // Two readings intervals: GPM's profiling series need two samples.
     assert!(sampler.tick().await, "one readings interval");
     tokio::time::sleep(Duration::from_millis(50)).await;

@@ -13,7 +13,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::scrape::{LabelSet, PROMETHEUS_ACCEPT, http, labels, parse, parse_checked, samples, try_metrics, value};
-use gpu_node_agent::metrics::{FIELDS, Metrics, MetricsServer, Sampler, SamplerConfig, XID_ERRORS};
+use gpu_node_agent::metrics::{FIELDS, Metrics, MetricsServer, SamplerConfig, XID_ERRORS};
 use gpu_node_agent::nvml::{HealthEvent, Inventory};
 use prometheus_parse::Scrape;
 use test_kubelet::{KubeletOptions, PodContainer, TestKubelet};
@@ -111,11 +111,7 @@ async fn scrape_reports_gpus_mig_instances_pods_and_agent_metrics() {
 
     // The kubelet: GPU 0 held by ml/trainer-0/worker, the split instance's first MIG device by
     // infer/server/main.
-    let kubelet_root = node.root.join("var/lib/kubelet");
-    let kubelet = TestKubelet::start(&kubelet_root.join("device-plugins"), KubeletOptions::default())
-        .await
-        .expect("test kubelet");
-    let socket = kubelet.serve_pod_resources(&kubelet_root).expect("pod-resources");
+    let (kubelet, socket) = common::scrape::kubelet_with_pod_resources(&node).await;
     kubelet.assign(
         "nvidia.com/gpu",
         &[GPU0],
@@ -128,17 +124,8 @@ async fn scrape_reports_gpus_mig_instances_pods_and_agent_metrics() {
     );
 
     let metrics = Metrics::new();
-    let (inventory_tx, inventory_rx) = watch::channel(Some(Arc::new(inventory.clone())));
-    let mut sampler = Sampler::new(
-        gpus.clone(),
-        metrics.clone(),
-        inventory_rx,
-        SamplerConfig {
-            interval: Duration::from_secs(3600),
-            hostname: HOST.into(),
-            pod_resources_socket: Some(socket.clone()),
-        },
-    );
+    let (mut sampler, inventory_tx) =
+        common::scrape::hand_ticked_sampler(&gpus, &metrics, inventory.clone(), HOST, Some(socket.clone()));
     assert!(sampler.tick().await, "one readings interval");
 
     metrics.xid(GPU0, 79);

@@ -7,14 +7,12 @@
 
 mod common;
 
-use std::sync::Arc;
 use std::time::Duration;
 
 use common::scrape::{LabelSet, gauge_value, gauges, parse};
-use gpu_node_agent::metrics::{Metrics, PROF_FIELDS, Sampler, SamplerConfig};
+use gpu_node_agent::metrics::{Metrics, PROF_FIELDS};
 use prometheus_parse::Scrape;
-use test_kubelet::{KubeletOptions, PodContainer, TestKubelet};
-use tokio::sync::watch;
+use test_kubelet::PodContainer;
 
 const H100: &str = "GPU-00000000-1111-2222-3333-444455556666";
 const H100_MIG: &str = "GPU-00000001-1111-2222-3333-444455556666";
@@ -101,11 +99,7 @@ async fn profiling_series_come_from_gpm_on_hopper_from_the_second_interval() {
     let busy = gi("2g.20gb").uuid.clone();
     fake_nvml::write_processes(&node.state, &[(busy.as_str(), 300, 512)]).expect("processes");
 
-    let kubelet_root = node.root.join("var/lib/kubelet");
-    let kubelet = TestKubelet::start(&kubelet_root.join("device-plugins"), KubeletOptions::default())
-        .await
-        .expect("test kubelet");
-    let socket = kubelet.serve_pod_resources(&kubelet_root).expect("pod-resources");
+    let (kubelet, socket) = common::scrape::kubelet_with_pod_resources(&node).await;
     kubelet.assign(
         "nvidia.com/gpu",
         &[H100],
@@ -118,17 +112,8 @@ async fn profiling_series_come_from_gpm_on_hopper_from_the_second_interval() {
     );
 
     let metrics = Metrics::new();
-    let (_inventory_tx, inventory_rx) = watch::channel(Some(Arc::new(inventory.clone())));
-    let mut sampler = Sampler::new(
-        gpus.clone(),
-        metrics.clone(),
-        inventory_rx,
-        SamplerConfig {
-            interval: Duration::from_secs(3600),
-            hostname: "gpu-node-1".into(),
-            pod_resources_socket: Some(socket.clone()),
-        },
-    );
+    let (mut sampler, _inventory_tx) =
+        common::scrape::hand_ticked_sampler(&gpus, &metrics, inventory.clone(), "gpu-node-1", Some(socket.clone()));
 
     // First interval: the other series, no profiling series (GPM has one sample per device).
     assert!(sampler.tick().await);

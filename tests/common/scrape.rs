@@ -154,3 +154,43 @@ pub fn gauge_value(scrape: &Scrape, name: &str, labels: &LabelSet) -> Option<f64
 pub fn labels(pairs: &[(&str, &str)]) -> LabelSet {
     pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()
 }
+
+/// What a sampler reads its GPUs from: the inventory, sent again when it changes.
+pub type InventorySender = tokio::sync::watch::Sender<Option<std::sync::Arc<gpu_node_agent::nvml::Inventory>>>;
+
+/// A sampler of `inventory` whose interval (an hour) never comes during a test: the test calls
+/// `tick` itself. With the sender of its inventory (dropping it ends the sampler's watch).
+pub fn hand_ticked_sampler(
+    gpus: &gpu_node_agent::nvml::Gpus,
+    metrics: &gpu_node_agent::metrics::Metrics,
+    inventory: gpu_node_agent::nvml::Inventory,
+    hostname: &str,
+    pod_resources_socket: Option<std::path::PathBuf>,
+) -> (gpu_node_agent::metrics::Sampler, InventorySender) {
+    let (inventory_tx, inventory_rx) = tokio::sync::watch::channel(Some(std::sync::Arc::new(inventory)));
+    let sampler = gpu_node_agent::metrics::Sampler::new(
+        gpus.clone(),
+        metrics.clone(),
+        inventory_rx,
+        gpu_node_agent::metrics::SamplerConfig {
+            interval: Duration::from_secs(3600),
+            hostname: hostname.into(),
+            pod_resources_socket,
+        },
+    );
+    (sampler, inventory_tx)
+}
+
+/// A test kubelet on the node's `/var/lib/kubelet` serving the pod-resources API: the kubelet
+/// and the API's socket, for a sampler's pod labels.
+pub async fn kubelet_with_pod_resources(node: &super::Node) -> (test_kubelet::TestKubelet, std::path::PathBuf) {
+    let kubelet_root = node.root.join("var/lib/kubelet");
+    let kubelet = test_kubelet::TestKubelet::start(
+        &kubelet_root.join("device-plugins"),
+        test_kubelet::KubeletOptions::default(),
+    )
+    .await
+    .expect("test kubelet");
+    let socket = kubelet.serve_pod_resources(&kubelet_root).expect("pod-resources");
+    (kubelet, socket)
+}
