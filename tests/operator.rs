@@ -247,6 +247,19 @@ async fn nvidias_live_device_plugin_socket_is_left_alone_reported_and_the_rest_s
     assert!(nvidia.running());
 }
 
+/// The Node's labels, asserted to have the deploy labels back as they were before `migrate`:
+/// the device plugin's `true` again, the mig-manager's unset again.
+fn deploy_labels_handed_back(api: &test_apiserver::TestApiServer) -> std::collections::BTreeMap<String, String> {
+    let labels = api.labels(NODE);
+    assert_eq!(
+        labels.get("nvidia.com/gpu.deploy.device-plugin").map(String::as_str),
+        Some("true"),
+        "{labels:?}"
+    );
+    assert!(!labels.contains_key("nvidia.com/gpu.deploy.mig-manager"), "{labels:?}");
+    labels
+}
+
 fn events_with_count(api: &test_apiserver::TestApiServer, reason: &str) -> usize {
     common::events_with(api, reason).len()
 }
@@ -328,13 +341,7 @@ async fn withdrawing_sets_the_deploy_labels_takes_over_once_the_operand_left_and
     // Handing the node back: the labels as they were, the unset ones removed.
     let out = node.run(&["migrate", "--undo"]);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    let labels = api.labels(NODE);
-    assert_eq!(
-        labels.get("nvidia.com/gpu.deploy.device-plugin").map(String::as_str),
-        Some("true"),
-        "{labels:?}"
-    );
-    assert!(!labels.contains_key("nvidia.com/gpu.deploy.mig-manager"), "{labels:?}");
+    let labels = deploy_labels_handed_back(&api);
     assert_eq!(
         labels.get("nvidia.com/gpu.deploy.driver").map(String::as_str),
         Some("pre-installed")
@@ -547,13 +554,7 @@ async fn unconfigure_puts_the_deploy_labels_back() {
     );
     let out = node.run(&["runtime", "unconfigure", "--no-restart"]);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    let labels = api.labels(NODE);
-    assert_eq!(
-        labels.get("nvidia.com/gpu.deploy.device-plugin").map(String::as_str),
-        Some("true"),
-        "{labels:?}"
-    );
-    assert!(!labels.contains_key("nvidia.com/gpu.deploy.mig-manager"), "{labels:?}");
+    deploy_labels_handed_back(&api);
     assert!(!node.root.join("var/lib/gpu-node-agent/operator-deploy-labels").exists());
 
     // Withdrawn again, then the API server goes away: unconfigure still succeeds and says how.
@@ -592,13 +593,7 @@ async fn unconfigure_puts_the_deploy_labels_back_on_the_node_they_were_set_on() 
         stdout.contains(&format!("node {NODE}: nvidia.com/gpu.deploy.device-plugin=true")),
         "{stdout}"
     );
-    let labels = api.labels(NODE);
-    assert_eq!(
-        labels.get("nvidia.com/gpu.deploy.device-plugin").map(String::as_str),
-        Some("true"),
-        "{labels:?}"
-    );
-    assert!(!labels.contains_key("nvidia.com/gpu.deploy.mig-manager"), "{labels:?}");
+    deploy_labels_handed_back(&api);
     assert_eq!(
         api.labels("gpu-node-2")
             .get("nvidia.com/gpu.deploy.device-plugin")
