@@ -456,10 +456,8 @@ fn a_runfile_with_the_wrong_checksum_is_never_run() {
     // An upgrade with nouveau loaded, no headers and the driver's services running: everything
     // the stage would change once the .run is verified.
     let node = node_with_everything_to_change(&config);
-    let before = snapshot(&node.root);
-    let out = node.run(&["driver", "install"]);
-    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
-    assert!(text(&out).contains("sha256"), "{}", text(&out));
+    let said = install_fails_changing_nothing(&node, "no program ran (no unload, no apt-get, no systemctl stop)");
+    assert!(said.contains("sha256"), "{said}");
     assert!(!marker.exists(), "the unverified .run file was executed");
     assert_eq!(server.requests.load(Ordering::SeqCst), 1);
     let downloads = node.root.join(DOWNLOAD_AREA);
@@ -467,13 +465,18 @@ fn a_runfile_with_the_wrong_checksum_is_never_run() {
         .map(|d| d.flatten().collect())
         .unwrap_or_default();
     assert!(left.is_empty(), "nothing unverified is kept: {left:?}");
-    assert_eq!(
-        commands(&node),
-        Vec::<String>::new(),
-        "no program ran (no unload, no apt-get, no systemctl stop)"
-    );
+}
+
+/// `driver install` on `node`: asserted to fail (exit 1) having run no program (`no_program`
+/// says which were expected not to) and changed nothing outside the download area; its output.
+fn install_fails_changing_nothing(node: &Node, no_program: &str) -> String {
+    let before = snapshot(&node.root);
+    let out = node.run(&["driver", "install"]);
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+    assert_eq!(commands(node), Vec::<String>::new(), "{no_program}");
     let changed = changed_outside_downloads(&before, &snapshot(&node.root));
     assert!(changed.is_empty(), "the host was changed: {changed:#?}");
+    text(&out)
 }
 
 #[test]
@@ -489,21 +492,11 @@ fn no_network_gives_a_clear_message_and_changes_nothing() {
         "a".repeat(64)
     );
     let node = node_with_everything_to_change(&config);
-    let before = snapshot(&node.root);
-    let out = node.run(&["driver", "install"]);
-    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
-    assert!(
-        text(&out).contains(&format!("cannot reach 127.0.0.1:{port}")),
-        "{}",
-        text(&out)
+    let said = install_fails_changing_nothing(
+        &node,
+        "no program ran (no modprobe -r nouveau, no apt-get for the headers, no rmmod, no systemctl stop)",
     );
-    assert_eq!(
-        commands(&node),
-        Vec::<String>::new(),
-        "no program ran (no modprobe -r nouveau, no apt-get for the headers, no rmmod, no systemctl stop)"
-    );
-    let changed = changed_outside_downloads(&before, &snapshot(&node.root));
-    assert!(changed.is_empty(), "the host was changed: {changed:#?}");
+    assert!(said.contains(&format!("cannot reach 127.0.0.1:{port}")), "{said}");
 }
 
 #[test]
