@@ -6,6 +6,7 @@ mod common;
 use std::time::Duration;
 
 use common::{Node, gpu_uuid, machine};
+use gpu_node_agent::status::{StageId, StageState};
 
 fn text(out: &[u8]) -> String {
     String::from_utf8_lossy(out).into_owned()
@@ -73,16 +74,15 @@ fn no_nvml_with_fail_on_init_error_false_keeps_running_without_devices() {
     );
     let mut agent = node.spawn();
     let status = node.wait_status(Duration::from_secs(10), |s| {
-        common::stage(s, "device-plugin")["state"] == "failed"
+        common::stage_is(s, StageId::DevicePlugin, StageState::Failed)
     });
     assert!(
-        common::stage(&status, "device-plugin")["error"]
-            .as_str()
+        common::stage_error(&status, StageId::DevicePlugin)
             .unwrap_or_default()
             .contains("libnvidia-ml"),
-        "{status}"
+        "{status:?}"
     );
-    assert!(status["resources"].as_array().is_some_and(Vec::is_empty));
+    assert!(status.resources.is_empty(), "{status:?}");
     std::thread::sleep(Duration::from_millis(300));
     assert!(agent.running(), "the agent keeps running and retries");
     assert_eq!(agent.stop(), 0);
@@ -135,15 +135,14 @@ fn run_once_reports_what_it_would_advertise_and_exits_zero() {
     let node = Node::new(&machine("A100-SXM4-40GB", 2), "");
     let out = node.run(&["run", "--once"]);
     assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
-    let status = node.status_json();
-    assert_eq!(status["state"], "once");
-    assert_eq!(common::stage(&status, "device-plugin")["state"], "skipped");
+    let status = node.status();
+    assert_eq!(status.state, "once");
+    assert_eq!(common::stage(&status, StageId::DevicePlugin).state, StageState::Skipped);
     assert!(
-        common::stage(&status, "device-plugin")["detail"]
-            .as_str()
+        common::stage_detail(&status, StageId::DevicePlugin)
             .unwrap_or_default()
             .contains("nvidia.com/gpu ×2"),
-        "{status}"
+        "{status:?}"
     );
     let out = node.run(&["status"]);
     assert_eq!(out.status.code(), Some(0));
@@ -178,10 +177,13 @@ async fn status_shows_each_resources_listandwatch_streams() {
         .expect("kubelet");
     let agent = node.spawn();
     node.wait_status(Duration::from_secs(15), |s| {
-        s["resources"][0]["streams_open"] == 1 && s["resources"][0]["devices_sent"] == 2
+        s.resources
+            .first()
+            .is_some_and(|r| r.streams_open == 1 && r.devices_sent == Some(2))
     });
     let out = node.run(&["status", "--json"]);
     assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    // `status --json` is read as JSON on purpose: its keys are the scripts' contract.
     let status: serde_json::Value = serde_json::from_slice(&out.stdout).expect("status --json parses");
     assert_eq!(status["resources"][0]["name"], "nvidia.com/gpu");
     assert_eq!(status["resources"][0]["streams_open"], 1);
@@ -207,16 +209,18 @@ fn status_of_an_agent_that_is_gone_says_not_running() {
     let node = Node::new(&machine("A100-SXM4-40GB", 2), "[kubernetes]\nenabled = false\n");
     let agent = node.spawn();
     let pid = agent.pid();
-    node.wait_status(Duration::from_secs(15), |s| s["state"] == "running");
+    node.wait_status(Duration::from_secs(15), |s| s.state == "running");
     let out = node.run(&["status", "--json"]);
     assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    // `status --json` is read as JSON on purpose: the keys it adds to the file's
+    // (`agent_running`, `stale_reason`) are the scripts' contract.
     let status: serde_json::Value = serde_json::from_slice(&out.stdout).expect("status --json parses");
     assert_eq!(
         (status["state"].as_str(), status["agent_running"].as_bool()),
         (Some("running"), Some(true)),
-        "{status}"
+        "{status:?}"
     );
-    assert!(status.get("stale_reason").is_none(), "{status}");
+    assert!(status.get("stale_reason").is_none(), "{status:?}");
     let out = node.run(&["status"]);
     assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
     assert!(
@@ -227,7 +231,7 @@ fn status_of_an_agent_that_is_gone_says_not_running() {
 
     // SIGKILL (and reaped): status.json still says running.
     drop(agent);
-    assert_eq!(node.status_json()["state"], "running");
+    assert_eq!(node.status().state, "running");
     let out = node.run(&["status", "--json"]);
     assert_eq!(out.status.code(), Some(3), "{}", text(&out.stderr));
     let status: serde_json::Value = serde_json::from_slice(&out.stdout).expect("status --json parses");
@@ -247,9 +251,13 @@ fn status_of_an_agent_that_is_gone_says_not_running() {
 
     // The pid taken by another program is not the agent either.
     let mut other = std::process::Command::new("sleep").arg("30").spawn().expect("sleep");
-    let mut file = node.status_json();
-    file["pid"] = serde_json::json!(other.id());
-    std::fs::write(node.status_path(), file.to_string()).expect("status.json");
+    let mut file = node.status();
+    file.pid = other.id();
+    std::fs::write(
+        node.status_path(),
+        serde_json::to_string(&file).expect("status serializes"),
+    )
+    .expect("status.json");
     let out = node.run(&["status", "--json"]);
     let _ = other.kill();
     let _ = other.wait();

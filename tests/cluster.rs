@@ -8,6 +8,7 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use common::{Node, machine};
+use gpu_node_agent::desired::{ProfileState, Source};
 use test_apiserver::{Failure, KubeconfigAuth, KubeconfigOptions, Options, TestApiServer};
 use test_kubelet::{KubeletOptions, TestKubelet};
 
@@ -95,9 +96,9 @@ async fn gpu_feature_labels_appear_on_the_node_and_others_are_left_alone() {
             .all(|r| r.user.as_deref() == Some("system:serviceaccount:gpu:agent"))
     );
     // The status shows where the desired state comes from and what was reported.
-    let status = node.wait_status(T, |s| s["desired"]["connected"] == true);
-    assert_eq!(status["desired"]["source"], "node");
-    assert_eq!(status["labels"]["nvidia.com/gpu.count"], "2");
+    let status = node.wait_status(T, |s| common::desired_is(s, |d| d.connected));
+    assert_eq!(common::desired(&status).source, Source::Node);
+    assert_eq!(common::label(&status, "nvidia.com/gpu.count"), Some("2"));
     assert_eq!(agent.stop(), 0);
 }
 
@@ -189,10 +190,14 @@ async fn an_unknown_profile_changes_nothing_and_is_reported() {
         message.contains("no-such-profile") && message.contains("mig-mixed"),
         "{message}"
     );
-    let status = node.wait_status(T, |s| s["desired"]["profile"]["state"] == "failed");
+    let status = node.wait_status(T, |s| {
+        common::desired_is(s, |d| d.profile.state == ProfileState::Failed)
+    });
     assert!(
-        status["desired"]["profile"]["reason"]
-            .as_str()
+        common::desired(&status)
+            .profile
+            .reason
+            .as_deref()
             .unwrap_or_default()
             .contains("nothing changed")
     );
@@ -267,16 +272,14 @@ async fn api_server_down_keeps_the_device_plugin_serving_and_the_agent_catches_u
         .await
         .expect("devices");
     wait_label(&api, "nvidia.com/gpu.present", Some("true")).await;
-    node.wait_status(T, |s| {
-        s["desired"]["connected"] == true && s["gpus"][0]["uuid"].is_string()
-    });
+    node.wait_status(T, |s| common::desired_is(s, |d| d.connected) && !s.gpus.is_empty());
 
     api.set_down(true);
-    let status = node.wait_status(T, |s| s["desired"]["connected"] == false);
-    assert!(status["desired"]["error"].is_string(), "{status}");
+    let status = node.wait_status(T, |s| common::desired_is(s, |d| !d.connected));
+    assert!(common::desired_error(&status).is_some(), "{status:?}");
     // The device plugin does not depend on the API server.
     let resp = kubelet
-        .allocate(GPU, &[status["gpus"][0]["uuid"].as_str().unwrap_or_default()])
+        .allocate(GPU, &[status.gpus.first().map(|g| g.uuid.as_str()).unwrap_or_default()])
         .await;
     assert!(resp.is_ok(), "Allocate while the API server is down: {resp:?}");
     // A change made while the agent cannot see it...
@@ -290,7 +293,7 @@ async fn api_server_down_keeps_the_device_plugin_serving_and_the_agent_catches_u
         .await
         .expect("caught up");
     wait_label(&api, "nvidia.com/device-plugin.config.state", Some("success")).await;
-    node.wait_status(T, |s| s["desired"]["connected"] == true);
+    node.wait_status(T, |s| common::desired_is(s, |d| d.connected));
     assert_eq!(agent.stop(), 0);
 }
 
@@ -371,8 +374,8 @@ async fn unauthorized_is_a_clear_error_and_retried() {
     );
     install(&node, &api, KubeconfigAuth::Token(TOKEN.into()));
     let mut agent = node.spawn();
-    let status = node.wait_status(T, |s| s["desired"]["error"].as_str().is_some_and(|e| e.contains("401")));
-    let error = status["desired"]["error"].as_str().unwrap_or_default().to_string();
+    let status = node.wait_status(T, |s| common::desired_error(s).is_some_and(|e| e.contains("401")));
+    let error = common::desired_error(&status).unwrap_or_default().to_string();
     assert!(error.contains("Unauthorized"), "{error}");
     assert!(
         !error.contains(TOKEN) && !agent.log_text().contains(TOKEN),
@@ -466,19 +469,21 @@ async fn labels_file_mode_without_kubernetes() {
         .wait_for_registration("nvidia.com/mig-2g.20gb", T)
         .await
         .expect("profile applied from the file");
-    let status = node.wait_status(T, |s| s["desired"]["profile"]["state"] == "success");
-    assert_eq!(status["desired"]["source"], "file");
-    assert_eq!(status["labels"]["nvidia.com/device-plugin.config.state"], "success");
-    assert_eq!(status["labels"]["nvidia.com/mig.strategy"], "mixed");
+    let status = node.wait_status(T, |s| {
+        common::desired_is(s, |d| d.profile.state == ProfileState::Success)
+    });
+    assert_eq!(common::desired(&status).source, Source::File);
+    assert_eq!(
+        common::label(&status, "nvidia.com/device-plugin.config.state"),
+        Some("success")
+    );
+    assert_eq!(common::label(&status, "nvidia.com/mig.strategy"), Some("mixed"));
     // A broken line keeps what was applied and says why.
     std::fs::write(&file, "nvidia.com/device-plugin.config\n").expect("break the file");
-    let status = node.wait_status(T, |s| s["desired"]["error"].is_string());
+    let status = node.wait_status(T, |s| common::desired_error(s).is_some());
     assert!(
-        status["desired"]["error"]
-            .as_str()
-            .unwrap_or_default()
-            .contains("labels:1"),
-        "{status}"
+        common::desired_error(&status).unwrap_or_default().contains("labels:1"),
+        "{status:?}"
     );
     assert!(kubelet.resources().contains(&"nvidia.com/mig-2g.20gb".to_string()));
     assert_eq!(agent.stop(), 0);
@@ -493,8 +498,8 @@ async fn no_credentials_and_no_labels_file_runs_on_the_config() {
         .wait_for_devices(GPU, T, |d| d.len() == 1)
         .await
         .expect("serves anyway");
-    let status = node.wait_status(T, |s| s["desired"]["source"] == "none");
-    let detail = status["desired"]["detail"].as_str().unwrap_or_default();
+    let status = node.wait_status(T, |s| common::desired_is(s, |d| d.source == Source::None));
+    let detail = status.desired.as_ref().map(|d| d.detail.as_str()).unwrap_or_default();
     assert!(
         detail.contains("no Kubernetes credentials found") && detail.contains("defaults"),
         "{detail}"
@@ -520,7 +525,7 @@ async fn credentials_that_appear_after_start_are_picked_up() {
         .wait_for_devices(GPU, T, |d| d.len() == 1)
         .await
         .expect("serves on the config's defaults");
-    node.wait_status(T, |s| s["desired"]["source"] == "none");
+    node.wait_status(T, |s| common::desired_is(s, |d| d.source == Source::None));
 
     install(&node, &api, KubeconfigAuth::Token(TOKEN.into()));
     // Looked for again every 10 s.
@@ -531,8 +536,8 @@ async fn credentials_that_appear_after_start_are_picked_up() {
         .wait_for_devices(GPU, later, |d| d.len() == 2)
         .await
         .expect("the Node's profile applies: 2 replicas");
-    let status = node.wait_status(T, |s| s["desired"]["connected"] == true);
-    assert_eq!(status["desired"]["source"], "node");
+    let status = node.wait_status(T, |s| common::desired_is(s, |d| d.connected));
+    assert_eq!(common::desired(&status).source, Source::Node);
     assert!(agent.running(), "same process");
     assert!(agent.log_text().contains("Kubernetes credentials found"));
     assert_eq!(agent.stop(), 0);
@@ -605,11 +610,9 @@ async fn an_oversized_node_is_an_error_and_memory_stays_bounded() {
     api.fail_next_matching(3, "watch", "nodes", oversized);
     let agent = node.spawn();
     let status = node.wait_status(T, |s| {
-        s["desired"]["error"]
-            .as_str()
-            .is_some_and(|e| e.contains("over the 16 MiB limit"))
+        common::desired_error(s).is_some_and(|e| e.contains("over the 16 MiB limit"))
     });
-    let error = status["desired"]["error"].as_str().unwrap_or_default();
+    let error = common::desired_error(&status).unwrap_or_default();
     assert!(
         error.starts_with(&format!(
             "list node \"{NODE}\" (GET /api/v1/nodes?fieldSelector=metadata.name%3D{NODE}&resourceVersion=0): the API \
@@ -672,14 +675,12 @@ async fn an_exec_plugins_stderr_stays_out_of_status_and_the_default_log() {
         cmd.env_remove("RUST_LOG");
     });
     let status = node.wait_status(T, |s| {
-        s["desired"]["error"]
-            .as_str()
-            .is_some_and(|e| e.contains("exec credential plugin"))
+        common::desired_error(s).is_some_and(|e| e.contains("exec credential plugin"))
     });
     let status_text = std::fs::read_to_string(node.status_path()).expect("status.json");
     assert!(!status_text.contains(SECRET), "{status_text}");
     assert!(!status_text.contains("idp.example"), "{status_text}");
-    let error = status["desired"]["error"].as_str().unwrap_or_default();
+    let error = common::desired_error(&status).unwrap_or_default();
     assert!(
         error.contains("exec credential plugin \"sh\"") && error.contains("exited with status 1"),
         "{error}"
@@ -710,8 +711,8 @@ async fn a_token_is_not_sent_to_a_plain_http_api_server_unless_allowed() {
     let node = Node::new(&machine("T4", 1), "");
     let kubeconfig = install(&node, &api, KubeconfigAuth::Token(TOKEN.into()));
     let agent = node.spawn();
-    let status = node.wait_status(T, |s| s["desired"]["source"] == "none");
-    let detail = status["desired"]["detail"].as_str().unwrap_or_default();
+    let status = node.wait_status(T, |s| common::desired_is(s, |d| d.source == Source::None));
+    let detail = status.desired.as_ref().map(|d| d.detail.as_str()).unwrap_or_default();
     assert!(
         detail.contains(&format!(
             "kubeconfig {}: server {} is plain http://, so the bearer token would be sent in cleartext",

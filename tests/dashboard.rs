@@ -11,14 +11,13 @@
 mod common;
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::io::{Read, Write};
-use std::net::{SocketAddr, TcpStream};
-use std::sync::{Arc, OnceLock};
+use std::sync::OnceLock;
 use std::time::Duration;
 
-use gpu_node_agent::metrics::{Metrics, MetricsServer, Sampler, SamplerConfig, XID_ERRORS};
+use common::scrape::{get_metrics, parse, series};
+use gpu_node_agent::metrics::{Metrics, MetricsServer, XID_ERRORS};
 use prometheus_parse::{Scrape, Value};
-use tokio::sync::{oneshot, watch};
+use tokio::sync::oneshot;
 
 const H100: &str = "GPU-00000000-1111-2222-3333-444455556666";
 const T4: &str = "GPU-00000001-1111-2222-3333-444455556666";
@@ -151,17 +150,7 @@ async fn scrape_node() -> (String, String) {
     let gpus = unsafe { common::open_fake_nvml(&node) };
     let inventory = gpus.inventory(&node.root.join("sys")).expect("inventory");
     let metrics = Metrics::new();
-    let (_inventory_tx, inventory_rx) = watch::channel(Some(Arc::new(inventory)));
-    let mut sampler = Sampler::new(
-        gpus.clone(),
-        metrics.clone(),
-        inventory_rx,
-        SamplerConfig {
-            interval: Duration::from_secs(3600),
-            hostname: HOST.into(),
-            pod_resources_socket: None,
-        },
-    );
+    let (mut sampler, _inventory_tx) = common::scrape::hand_ticked_sampler(&gpus, &metrics, inventory, HOST, None);
     // Two readings intervals: GPM's profiling series need two samples.
     assert!(sampler.tick().await, "one readings interval");
     tokio::time::sleep(Duration::from_millis(50)).await;
@@ -176,8 +165,8 @@ async fn scrape_node() -> (String, String) {
     }));
     let bodies = tokio::task::spawn_blocking(move || {
         (
-            get(addr, Some("application/openmetrics-text;version=1.0.0")),
-            get(addr, None),
+            get_metrics(addr, Some("application/openmetrics-text;version=1.0.0")),
+            get_metrics(addr, None),
         )
     })
     .await
@@ -185,37 +174,6 @@ async fn scrape_node() -> (String, String) {
     let _ = stop.send(());
     serving.await.expect("server stops");
     bodies
-}
-
-/// `GET /metrics` with this `Accept` header: the body of the 200 answer.
-fn get(addr: SocketAddr, accept: Option<&str>) -> String {
-    let mut stream = TcpStream::connect(addr).expect("connect");
-    stream.set_read_timeout(Some(Duration::from_secs(5))).expect("timeout");
-    let accept = accept.map(|a| format!("Accept: {a}\r\n")).unwrap_or_default();
-    write!(
-        stream,
-        "GET /metrics HTTP/1.1\r\nHost: localhost\r\n{accept}Connection: close\r\n\r\n"
-    )
-    .expect("send");
-    let mut raw = String::new();
-    stream.read_to_string(&mut raw).expect("read");
-    let (head, body) = raw.split_once("\r\n\r\n").expect("headers");
-    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
-    body.to_string()
-}
-
-fn parse(body: &str) -> Scrape {
-    Scrape::parse(body.lines().map(|l| Ok(l.to_string()))).expect("the scrape parses")
-}
-
-/// The label sets of `name`'s samples.
-fn series(scrape: &Scrape, name: &str) -> Vec<BTreeMap<String, String>> {
-    scrape
-        .samples
-        .iter()
-        .filter(|s| s.metric == name)
-        .map(|s| s.labels.iter().map(|(k, v)| (k.clone(), v.clone())).collect())
-        .collect()
 }
 
 #[test]

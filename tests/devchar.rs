@@ -197,12 +197,12 @@ fn every_nvidia_node_gets_its_dev_char_link_and_unconfigure_removes_the_agents()
             Path::new("../nvidiactl")
         );
 
-        let status = node.status_json();
-        let dc = &status["dev_char"];
-        assert_eq!(dc["links"].as_array().map(Vec::len), Some(linked), "{dc}");
+        let status = node.status();
+        let dc = status.dev_char.as_ref().expect("dev_char in the status");
+        assert_eq!(dc.links.len(), linked, "{dc:?}");
         // All of them but udev's nvidiactl link.
-        assert_eq!(dc["made_by_agent"], linked as u64 - 1, "{dc}");
-        assert!(dc["problems"][0].as_str().is_some_and(|p| p.contains("195:1")), "{dc}");
+        assert_eq!(dc.made_by_agent, linked - 1, "{dc:?}");
+        assert!(dc.problems.first().is_some_and(|p| p.contains("195:1")), "{dc:?}");
         let shown = node.run(&["status"]);
         let shown = String::from_utf8_lossy(&shown.stdout);
         assert!(
@@ -305,7 +305,8 @@ fn foreign_and_hostile_dev_entries_are_left_alone() {
         "{log}"
     );
     assert_eq!(fs::read_dir(&elsewhere).expect("elsewhere").count(), 0);
-    assert_eq!(node.status_json()["dev_char"]["links"], serde_json::json!([]));
+    let status = node.status();
+    assert_eq!(status.dev_char.map(|dc| dc.links), Some(Vec::new()));
 
     // A real /dev/char with a foreign link and a dangling one to an NVIDIA path.
     fs::remove_file(dev.join("char")).expect("rm link");
@@ -333,7 +334,7 @@ fn foreign_and_hostile_dev_entries_are_left_alone() {
             ("237:1".to_string(), Some(PathBuf::from("../nvidia-caps/nvidia-cap1"))),
         ])
     );
-    assert_eq!(node.status_json()["dev_char"]["made_by_agent"], 4);
+    assert_eq!(node.status().dev_char.map(|dc| dc.made_by_agent), Some(4));
 
     // Someone re-points a link the agent made: unconfigure leaves it, and says so.
     fs::remove_file(dev.join("char/238:1")).expect("rm");
@@ -366,6 +367,7 @@ fn the_switch_turns_the_links_off() {
     let out = node.run(&["run", "--once"]);
     assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
     assert!(!node.root.join("dev/char").exists());
+    // Read as JSON on purpose: the file leaves the key out (not `null`) when the links are off.
     assert!(node.status_json().get("dev_char").is_none());
     let plan = node.run(&["plan"]);
     assert!(

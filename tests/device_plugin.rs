@@ -5,6 +5,7 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::{H100_MIG, Node, gpu_uuid, healthy, machine, summary};
+use gpu_node_agent::status::{StageId, StageState};
 use test_kubelet::{KubeletOptions, TestKubelet};
 
 const T: Duration = Duration::from_secs(10);
@@ -36,10 +37,11 @@ async fn registers_eight_a100s_with_numa_topology() {
         .collect();
     assert_eq!(summary(&devices), expected);
     assert!(kubelet.violations().is_empty(), "{:?}", kubelet.violations());
-    let status = node.wait_status(T, |s| common::stage(s, "device-plugin")["state"] == "ok");
-    assert_eq!(status["resources"][0]["name"], GPU);
-    assert_eq!(status["resources"][0]["registered"], true);
-    assert_eq!(status["gpus"].as_array().map(Vec::len), Some(8));
+    let status = node.wait_status(T, |s| common::stage_is(s, StageId::DevicePlugin, StageState::Ok));
+    let resource = status.resources.first().expect("a resource");
+    assert_eq!(resource.name, GPU);
+    assert!(resource.registered, "{resource:?}");
+    assert_eq!(status.gpus.len(), 8);
     assert_eq!(agent.stop(), 0);
 }
 
@@ -107,9 +109,8 @@ async fn h100_mig_devices_in_each_strategy() {
     let api = common::api_server_for(&node, &[]).await;
     let kubelet = start_kubelet(&node).await;
     let agent = node.spawn();
-    let status = node.wait_status(T, |s| common::stage(s, "device-plugin")["state"] == "failed");
-    let error = common::stage(&status, "device-plugin")["error"]
-        .as_str()
+    let status = node.wait_status(T, |s| common::stage_is(s, StageId::DevicePlugin, StageState::Failed));
+    let error = common::stage_error(&status, StageId::DevicePlugin)
         .unwrap_or_default()
         .to_string();
     assert!(
@@ -354,13 +355,12 @@ async fn kubelet_restart_reregisters_within_a_second() {
 async fn kubelet_absent_at_start_then_registers_when_it_appears() {
     let node = Node::new(&machine("T4", 1), "");
     let mut agent = node.spawn();
-    let status = node.wait_status(T, |s| common::stage(s, "device-plugin")["state"] == "pending");
+    let status = node.wait_status(T, |s| common::stage_is(s, StageId::DevicePlugin, StageState::Pending));
     assert!(
-        common::stage(&status, "device-plugin")["error"]
-            .as_str()
+        common::stage_error(&status, StageId::DevicePlugin)
             .unwrap_or_default()
             .contains("waiting for the kubelet"),
-        "{status}"
+        "{status:?}"
     );
     tokio::time::sleep(Duration::from_millis(300)).await;
     assert!(agent.running(), "agent must wait for the kubelet, not exit");
@@ -373,7 +373,7 @@ async fn kubelet_absent_at_start_then_registers_when_it_appears() {
         .wait_for_devices(GPU, T, |d| d.len() == 1)
         .await
         .expect("device");
-    node.wait_status(T, |s| common::stage(s, "device-plugin")["state"] == "ok");
+    node.wait_status(T, |s| common::stage_is(s, StageId::DevicePlugin, StageState::Ok));
     assert_eq!(agent.stop(), 0);
 }
 
@@ -399,13 +399,10 @@ async fn xid_makes_only_that_gpu_unhealthy_and_it_recovers() {
     for i in [0, 2, 3] {
         assert_eq!(healthy(&devices, &gpu_uuid(i)), Some(true), "GPU {i} must stay healthy");
     }
-    let status = node.wait_status(T, |s| s["gpus"][1]["health"] == "Unhealthy");
+    let status = node.wait_status(T, |s| s.gpus.get(1).is_some_and(|g| g.health == "Unhealthy"));
     assert!(
-        status["gpus"][1]["reason"]
-            .as_str()
-            .unwrap_or_default()
-            .contains("Xid 79"),
-        "{status}"
+        status.gpus[1].reason.as_deref().unwrap_or_default().contains("Xid 79"),
+        "{status:?}"
     );
     // No further Xid for recovery_after: healthy again.
     let unhealthy_at = Instant::now();
@@ -468,13 +465,10 @@ async fn lost_gpu_is_unhealthy_until_nvml_answers_again() {
         .await
         .expect("lost");
     assert_eq!(healthy(&devices, &gpu_uuid(1)), Some(true));
-    let status = node.wait_status(T, |s| s["gpus"][0]["health"] == "Unhealthy");
+    let status = node.wait_status(T, |s| s.gpus.first().is_some_and(|g| g.health == "Unhealthy"));
     assert!(
-        status["gpus"][0]["reason"]
-            .as_str()
-            .unwrap_or_default()
-            .contains("lost"),
-        "{status}"
+        status.gpus[0].reason.as_deref().unwrap_or_default().contains("lost"),
+        "{status:?}"
     );
     // Each transition is an Event on the Node, once: not again while the GPU stays lost.
     let event = common::event_posted(&api, "GpuUnhealthy").await;
@@ -526,7 +520,7 @@ async fn sigterm_stops_serving_and_removes_own_sockets() {
         .wait_for_disconnect("nvidia.com/mig-1g.10gb", T)
         .await
         .expect("stream closed");
-    assert_eq!(node.status_json()["state"], "stopped");
+    assert_eq!(node.status().state, "stopped");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -714,9 +708,11 @@ async fn a_required_imex_channel_that_is_missing_refuses_allocate() {
         err.message()
     );
     // The status and the dry run say why the CDI specs are not written.
-    let status = node.wait_status(T, |s| common::stage(s, "runtime")["state"] == "failed");
-    let error = common::stage(&status, "runtime")["error"].to_string();
-    assert!(error.contains("channel0 does not exist"), "{status}");
+    let status = node.wait_status(T, |s| common::stage_is(s, StageId::Runtime, StageState::Failed));
+    let error = common::stage_error(&status, StageId::Runtime)
+        .unwrap_or_default()
+        .to_string();
+    assert!(error.contains("channel0 does not exist"), "{status:?}");
     let out = node.run(&["plan"]);
     let said = String::from_utf8_lossy(&out.stdout);
     assert!(

@@ -11,6 +11,7 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use common::*;
+use gpu_node_agent::status::StageId;
 use serde_json::{Value, json};
 use test_kubelet::dra::{ClaimRef, DraKubelet, DraOptions};
 
@@ -225,10 +226,11 @@ async fn a_mig_claim_is_prepared_unprepared_and_prepared_again_after_a_restart()
     );
 
     // Status says so, in status.json and to a person.
-    let status = node.wait_status(T, |s| s["dra"]["prepared"] == json!(["ml/trainer-mig"]));
-    assert_eq!(status["dra"]["registered"], true);
-    assert_eq!(status["dra"]["published"], 10);
-    assert_eq!(status["dra"]["error"], Value::Null);
+    let status = node.wait_status(T, |s| s.dra.as_ref().is_some_and(|d| d.prepared == ["ml/trainer-mig"]));
+    let driver = status.dra.as_ref().expect("the DRA driver in the status");
+    assert!(driver.registered, "{driver:?}");
+    assert_eq!(driver.published, 10);
+    assert_eq!(driver.error, None);
     let text = String::from_utf8_lossy(&node.run(&["status"]).stdout).into_owned();
     assert!(
         text.contains("DRA driver gpu.nvidia.com: registered")
@@ -625,8 +627,8 @@ async fn a_mig_layout_waits_for_the_claims_on_its_gpus() {
         "{:?}",
         api.labels(NODE_NAME)
     );
-    let status = node.status_json();
-    let error = stage(&status, "mig")["error"].as_str().unwrap_or_default().to_string();
+    let status = node.status();
+    let error = stage_error(&status, StageId::Mig).unwrap_or_default().to_string();
     assert!(error.contains(&gpu_uuid(0)) && error.contains("ml/holder"), "{error}");
     assert!(names(&published(&api)).contains(&"gpu-0".to_string()));
 

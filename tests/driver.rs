@@ -16,6 +16,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use common::Node;
+use gpu_node_agent::status::{StageId, StageState};
 
 const VERSION: &str = "550.54.15";
 const UBUNTU: &str =
@@ -193,9 +194,15 @@ fn nvidia_units(node: &Node) -> PathBuf {
 /// nvidia_drm), nouveau loaded, no kernel headers, nvidia-persistenced and the fabric manager
 /// active, no modprobe.d file yet.
 fn node_with_everything_to_change(config: &str) -> Node {
+    node_with_535_loaded(config, &["nvidia_uvm", "nvidia_modeset", "nvidia_drm", "nouveau"])
+}
+
+/// A node with the 535 driver loaded, `modules` loaded beside it, and nvidia-persistenced and
+/// the fabric manager active.
+fn node_with_535_loaded(config: &str, modules: &[&str]) -> Node {
     let node = bare_node(config);
     write(&node.root, "sys/module/nvidia/version", "535.161.08\n");
-    for m in ["nvidia_uvm", "nvidia_modeset", "nvidia_drm", "nouveau"] {
+    for m in modules {
         fs::create_dir_all(node.root.join("sys/module").join(m)).expect("module");
     }
     nvidia_units(&node);
@@ -449,10 +456,8 @@ fn a_runfile_with_the_wrong_checksum_is_never_run() {
     // An upgrade with nouveau loaded, no headers and the driver's services running: everything
     // the stage would change once the .run is verified.
     let node = node_with_everything_to_change(&config);
-    let before = snapshot(&node.root);
-    let out = node.run(&["driver", "install"]);
-    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
-    assert!(text(&out).contains("sha256"), "{}", text(&out));
+    let said = install_fails_changing_nothing(&node, "no program ran (no unload, no apt-get, no systemctl stop)");
+    assert!(said.contains("sha256"), "{said}");
     assert!(!marker.exists(), "the unverified .run file was executed");
     assert_eq!(server.requests.load(Ordering::SeqCst), 1);
     let downloads = node.root.join(DOWNLOAD_AREA);
@@ -460,13 +465,18 @@ fn a_runfile_with_the_wrong_checksum_is_never_run() {
         .map(|d| d.flatten().collect())
         .unwrap_or_default();
     assert!(left.is_empty(), "nothing unverified is kept: {left:?}");
-    assert_eq!(
-        commands(&node),
-        Vec::<String>::new(),
-        "no program ran (no unload, no apt-get, no systemctl stop)"
-    );
+}
+
+/// `driver install` on `node`: asserted to fail (exit 1) having run no program (`no_program`
+/// says which were expected not to) and changed nothing outside the download area; its output.
+fn install_fails_changing_nothing(node: &Node, no_program: &str) -> String {
+    let before = snapshot(&node.root);
+    let out = node.run(&["driver", "install"]);
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+    assert_eq!(commands(node), Vec::<String>::new(), "{no_program}");
     let changed = changed_outside_downloads(&before, &snapshot(&node.root));
     assert!(changed.is_empty(), "the host was changed: {changed:#?}");
+    text(&out)
 }
 
 #[test]
@@ -482,21 +492,11 @@ fn no_network_gives_a_clear_message_and_changes_nothing() {
         "a".repeat(64)
     );
     let node = node_with_everything_to_change(&config);
-    let before = snapshot(&node.root);
-    let out = node.run(&["driver", "install"]);
-    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
-    assert!(
-        text(&out).contains(&format!("cannot reach 127.0.0.1:{port}")),
-        "{}",
-        text(&out)
+    let said = install_fails_changing_nothing(
+        &node,
+        "no program ran (no modprobe -r nouveau, no apt-get for the headers, no rmmod, no systemctl stop)",
     );
-    assert_eq!(
-        commands(&node),
-        Vec::<String>::new(),
-        "no program ran (no modprobe -r nouveau, no apt-get for the headers, no rmmod, no systemctl stop)"
-    );
-    let changed = changed_outside_downloads(&before, &snapshot(&node.root));
-    assert!(changed.is_empty(), "the host was changed: {changed:#?}");
+    assert!(said.contains(&format!("cannot reach 127.0.0.1:{port}")), "{said}");
 }
 
 #[test]
@@ -629,21 +629,17 @@ fn run_once_puts_the_driver_first_and_reports_it_in_status() {
     ));
     let out = node.run(&["run", "--once"]);
     assert_eq!(out.status.code(), Some(0), "{}", text(&out));
-    let status = node.status_json();
-    let names: Vec<&str> = status["stages"]
-        .as_array()
-        .expect("stages")
-        .iter()
-        .filter_map(|s| s["name"].as_str())
-        .collect();
+    let status = node.status();
+    let names: Vec<&str> = status.stages.iter().map(|s| s.name.as_str()).collect();
     assert_eq!(names, ["driver", "runtime", "mig", "device-plugin", "validation"]);
-    let driver = common::stage(&status, "driver");
-    assert_eq!(driver["state"], "ok", "{driver}");
+    let driver = common::stage(&status, StageId::Driver);
+    assert_eq!(driver.state, StageState::Ok, "{driver:?}");
     assert!(
-        driver["detail"]
-            .as_str()
+        driver
+            .detail
+            .as_deref()
             .is_some_and(|d| d.contains("driver 550.54.15 on 2 GPU(s)")),
-        "{driver}"
+        "{driver:?}"
     );
     assert!(commands(&node).contains(&"modprobe nvidia".to_string()));
 
@@ -659,14 +655,15 @@ fn run_once_puts_the_driver_first_and_reports_it_in_status() {
     );
     let out = broken.run(&["run", "--once"]);
     assert_eq!(out.status.code(), Some(1), "{}", text(&out));
-    let status = broken.status_json();
-    let driver = common::stage(&status, "driver");
-    assert_eq!(driver["state"], "failed");
+    let status = broken.status();
+    let driver = common::stage(&status, StageId::Driver);
+    assert_eq!(driver.state, StageState::Failed);
     assert!(
-        driver["error"]
-            .as_str()
+        driver
+            .error
+            .as_deref()
             .is_some_and(|e| e.contains("Unable to locate package")),
-        "{driver}"
+        "{driver:?}"
     );
 }
 
@@ -751,29 +748,22 @@ async fn the_daemon_withdraws_the_gpus_for_an_upgrade_and_advertises_them_again(
         .wait_for_devices("nvidia.com/gpu", t, |d| d.len() == 2)
         .await
         .expect("advertised with the old driver");
-    let status = node.wait_status(t, |s| common::stage(s, "driver")["state"] == "pending");
+    let status = node.wait_status(t, |s| common::stage_is(s, StageId::Driver, StageState::Pending));
     assert!(
-        common::stage(&status, "driver")["error"]
-            .as_str()
-            .is_some_and(|e| e.contains("535.161.08 to 550.54.15 waits")),
-        "{status}"
+        common::stage_error(&status, StageId::Driver).is_some_and(|e| e.contains("535.161.08 to 550.54.15 waits")),
+        "{status:?}"
     );
     let mut events = kubelet.subscribe();
     node.set_injection("processes", "");
     // The next pass (a SIGHUP re-reads everything) upgrades.
-    nix::sys::signal::kill(
-        nix::unistd::Pid::from_raw(agent.pid()),
-        nix::sys::signal::Signal::SIGHUP,
-    )
-    .expect("SIGHUP");
+    agent.sighup();
     let status = node.wait_status(t, |s| {
-        common::stage(s, "driver")["state"] == "ok" && common::stage(s, "device-plugin")["state"] == "ok"
+        common::stage_is(s, StageId::Driver, StageState::Ok)
+            && common::stage_is(s, StageId::DevicePlugin, StageState::Ok)
     });
     assert!(
-        common::stage(&status, "driver")["detail"]
-            .as_str()
-            .is_some_and(|d| d.contains("driver 550.54.15 on 2 GPU(s)")),
-        "{status}"
+        common::stage_detail(&status, StageId::Driver).is_some_and(|d| d.contains("driver 550.54.15 on 2 GPU(s)")),
+        "{status:?}"
     );
     let log = agent.log_text();
     assert!(
@@ -823,7 +813,7 @@ async fn a_driver_the_daemon_installs_is_posted_once_as_an_event() {
         &["driver installed", "apt-get install", "nvidia-utils-550-server"],
     );
     let t = std::time::Duration::from_secs(20);
-    node.wait_status(t, |s| common::stage(s, "driver")["state"] == "ok");
+    node.wait_status(t, |s| common::stage_is(s, StageId::Driver, StageState::Ok));
     common::another_pass(&agent).await;
     assert_eq!(
         common::events_with(&api, "DriverInstalled").len(),
@@ -839,13 +829,7 @@ async fn a_driver_the_daemon_installs_is_posted_once_as_an_event() {
 /// The old driver's node for an upgrade to `VERSION` from packages: 535 loaded, with
 /// nvidia-persistenced and the fabric manager active.
 fn upgrade_node(config: &str) -> Node {
-    let node = bare_node(config);
-    write(&node.root, "sys/module/nvidia/version", "535.161.08\n");
-    for m in ["nvidia_uvm", "nvidia_modeset"] {
-        fs::create_dir_all(node.root.join("sys/module").join(m)).expect("module");
-    }
-    nvidia_units(&node);
-    node
+    node_with_535_loaded(config, &["nvidia_uvm", "nvidia_modeset"])
 }
 
 #[test]
@@ -1008,20 +992,19 @@ fn the_daemon_does_not_install_again_after_an_install_gave_another_version() {
     let agent = node.spawn();
     let t = std::time::Duration::from_secs(20);
     let status = node.wait_status(t, |s| {
-        common::stage(s, "driver")["error"]
-            .as_str()
+        common::stage_error(s, StageId::Driver)
             .is_some_and(|e| e.contains("not installed again") && e.contains("nothing was changed"))
     });
-    assert_eq!(common::stage(&status, "driver")["state"], "failed", "{status}");
+    assert_eq!(
+        common::stage(&status, StageId::Driver).state,
+        StageState::Failed,
+        "{status:?}"
+    );
     let passes = |log: &str| log.matches("driver stage failed").count();
     let before = passes(&agent.log_text());
     // More passes, with NVML up and no GPU work: still no second install.
     for pass in 1..=2 {
-        nix::sys::signal::kill(
-            nix::unistd::Pid::from_raw(agent.pid()),
-            nix::sys::signal::Signal::SIGHUP,
-        )
-        .expect("SIGHUP");
+        agent.sighup();
         wait_log(&agent, t, |log| passes(log) >= before + pass);
     }
     let installs: Vec<String> = commands(&node)
@@ -1061,22 +1044,17 @@ async fn a_failed_upgrade_in_the_daemon_reopens_nvml_and_advertises_the_gpus_aga
         .wait_for_devices("nvidia.com/gpu", t, |d| d.len() == 2)
         .await
         .expect("advertised with the old driver");
-    node.wait_status(t, |s| common::stage(s, "driver")["state"] == "pending");
+    node.wait_status(t, |s| common::stage_is(s, StageId::Driver, StageState::Pending));
     let mut events = kubelet.subscribe();
     node.set_injection("processes", "");
-    nix::sys::signal::kill(
-        nix::unistd::Pid::from_raw(agent.pid()),
-        nix::sys::signal::Signal::SIGHUP,
-    )
-    .expect("SIGHUP");
+    agent.sighup();
     let status = node.wait_status(t, |s| {
-        common::stage(s, "driver")["state"] == "failed" && common::stage(s, "device-plugin")["state"] == "ok"
+        common::stage_is(s, StageId::Driver, StageState::Failed)
+            && common::stage_is(s, StageId::DevicePlugin, StageState::Ok)
     });
     assert!(
-        common::stage(&status, "driver")["error"]
-            .as_str()
-            .is_some_and(|e| e.contains("Module nvidia is in use")),
-        "{status}"
+        common::stage_error(&status, StageId::Driver).is_some_and(|e| e.contains("Module nvidia is in use")),
+        "{status:?}"
     );
     kubelet
         .wait_for_devices("nvidia.com/gpu", t, |d| d.len() == 2)
@@ -1095,17 +1073,11 @@ async fn a_failed_upgrade_in_the_daemon_reopens_nvml_and_advertises_the_gpus_aga
     // The next passes do not try the same upgrade again (withdrawing the GPUs each time).
     let mut events = kubelet.subscribe();
     for _ in 0..2 {
-        nix::sys::signal::kill(
-            nix::unistd::Pid::from_raw(agent.pid()),
-            nix::sys::signal::Signal::SIGHUP,
-        )
-        .expect("SIGHUP");
+        agent.sighup();
         let status = node.wait_status(t, |s| {
-            common::stage(s, "driver")["error"]
-                .as_str()
-                .is_some_and(|e| e.contains("tried again in"))
+            common::stage_error(s, StageId::Driver).is_some_and(|e| e.contains("tried again in"))
         });
-        assert_eq!(common::stage(&status, "driver")["state"], "failed");
+        assert_eq!(common::stage(&status, StageId::Driver).state, StageState::Failed);
     }
     std::thread::sleep(std::time::Duration::from_millis(500));
     assert_eq!(
@@ -1176,8 +1148,7 @@ fn the_gpu_count_check_names_the_pci_device_nvml_does_not_list() {
     // The driver stage (and so validation) fails with the same words.
     let out = node.run(&["run", "--once"]);
     assert_eq!(out.status.code(), Some(1), "{}", text(&out));
-    let error = common::stage(&node.status_json(), "driver")["error"]
-        .as_str()
+    let error = common::stage_error(&node.status(), StageId::Driver)
         .unwrap_or_default()
         .to_string();
     assert!(error.contains("NVML does not list 0000:c1:00.0"), "{error}");
@@ -1259,7 +1230,7 @@ fn sigterm_during_a_slow_driver_build_stops_within_a_second_and_the_build_is_pla
     let alive = fs::read_to_string(format!("/proc/{make_pid}/stat"))
         .is_ok_and(|stat| !stat.split(") ").nth(1).is_some_and(|rest| rest.starts_with('Z')));
     assert!(!alive, "make ({make_pid}) still runs");
-    assert_eq!(node.status_json()["state"], "stopped");
+    assert_eq!(node.status().state, "stopped");
     assert!(
         commands(&node).iter().all(|c| !c.starts_with("insmod")),
         "{:?}",
@@ -1385,25 +1356,26 @@ async fn the_daemon_reports_a_compute_node_without_nvidia_modeset_healthy() {
         .expect("kubelet");
     let agent = node.spawn();
     let t = std::time::Duration::from_secs(20);
-    let status = node.wait_status(t, |s| common::stage(s, "validation")["state"] == "ok");
-    let driver = common::stage(&status, "driver");
-    assert_eq!(driver["state"], "ok", "{driver}");
+    let status = node.wait_status(t, |s| common::stage_is(s, StageId::Validation, StageState::Ok));
+    let driver = common::stage(&status, StageId::Driver);
+    assert_eq!(driver.state, StageState::Ok, "{driver:?}");
     assert!(
-        driver["detail"]
-            .as_str()
+        driver
+            .detail
+            .as_deref()
             .is_some_and(|d| d.contains("driver 580.159.04 on 1 GPU(s)")),
-        "{driver}"
+        "{driver:?}"
     );
     assert_eq!(
-        status["labels"]["nvidia.com/gpu-node-agent.validation.state"],
-        "success",
+        common::label(&status, "nvidia.com/gpu-node-agent.validation.state"),
+        Some("success"),
         "{}",
         agent.log_text()
     );
     common::another_pass(&agent).await;
-    let status = node.status_json();
-    assert_eq!(common::stage(&status, "driver")["state"], "ok");
-    assert_eq!(common::stage(&status, "validation")["state"], "ok");
+    let status = node.status();
+    assert_eq!(common::stage(&status, StageId::Driver).state, StageState::Ok);
+    assert_eq!(common::stage(&status, StageId::Validation).state, StageState::Ok);
     for reason in ["DriverFailed", "ValidationFailed"] {
         assert!(common::events_with(&api, reason).is_empty(), "{:?}", api.events());
     }

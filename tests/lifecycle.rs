@@ -7,6 +7,7 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use common::{NVML_PATH, Node, NotifySocket, machine};
+use gpu_node_agent::status::{StageId, StageState};
 
 fn text(out: &[u8]) -> String {
     String::from_utf8_lossy(out).into_owned()
@@ -54,12 +55,12 @@ fn a_node_without_a_gpu_idles_quietly_and_notices_a_gpu_that_appears() {
 
     let out = node.run(&["run", "--once"]);
     assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
-    let status = node.status_json();
-    for stage in status["stages"].as_array().expect("stages") {
-        assert_eq!(stage["state"], "skipped", "{status}");
+    let status = node.status();
+    for stage in &status.stages {
+        assert_eq!(stage.state, StageState::Skipped, "{status:?}");
         assert!(
-            stage["detail"].as_str().unwrap_or_default().starts_with(NO_GPU),
-            "{status}"
+            stage.detail.as_deref().unwrap_or_default().starts_with(NO_GPU),
+            "{status:?}"
         );
     }
 
@@ -86,7 +87,7 @@ fn a_node_without_a_gpu_idles_quietly_and_notices_a_gpu_that_appears() {
         .filter(|l| (l.contains(" WARN ") || l.contains(" ERROR ")) && !l.contains("[kubernetes] enabled = false"))
         .collect();
     assert!(complaints.is_empty(), "{logged}");
-    assert_eq!(node.status_json()["state"], "running");
+    assert_eq!(node.status().state, "running");
     assert!(node.sockets().is_empty(), "no device plugin: {:?}", node.sockets());
     for never in ["etc/containerd", "var/run/cdi", "etc/modprobe.d"] {
         assert!(!node.root.join(never).exists(), "{never} was written on a CPU node");
@@ -95,15 +96,18 @@ fn a_node_without_a_gpu_idles_quietly_and_notices_a_gpu_that_appears() {
     // The GPU appears: the agent notices it on its own.
     give_gpu_back(&node);
     let status = node.wait_status(Duration::from_secs(15), |s| {
-        s["gpus"].as_array().is_some_and(|g| g.len() == 1) && common::stage(s, "runtime")["state"] == "ok"
+        s.gpus.len() == 1 && common::stage_is(s, StageId::Runtime, StageState::Ok)
     });
-    assert_eq!(common::stage(&status, "driver")["state"], "ok", "{status}");
+    assert_eq!(
+        common::stage(&status, StageId::Driver).state,
+        StageState::Ok,
+        "{status:?}"
+    );
     assert!(
-        common::stage(&status, "device-plugin")["detail"]
-            .as_str()
+        common::stage_detail(&status, StageId::DevicePlugin)
             .unwrap_or_default()
             .contains("0/1 resource(s) registered"),
-        "waits for the kubelet with one resource: {status}"
+        "waits for the kubelet with one resource: {status:?}"
     );
     let _ = nix::sys::signal::kill(
         nix::unistd::Pid::from_raw(child.id() as i32),
@@ -341,7 +345,7 @@ fn commands_that_would_fight_the_daemon_refuse_naming_it() {
     let node = Node::new(&machine("A100-SXM4-40GB", 2), "[kubernetes]\nenabled = false\n");
     let agent = node.spawn();
     let pid = agent.pid();
-    node.wait_status(Duration::from_secs(15), |s| s["state"] == "running");
+    node.wait_status(Duration::from_secs(15), |s| s.state == "running");
     for args in [
         &["mig", "apply", "all-1g.5gb"][..],
         &["runtime", "configure", "--no-restart"],

@@ -8,15 +8,14 @@
 
 mod common;
 
-use std::collections::{BTreeMap, HashMap};
-use std::io::{Read, Write};
-use std::net::{SocketAddr, TcpStream};
+use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use gpu_node_agent::metrics::{FIELDS, Metrics, MetricsServer, Sampler, SamplerConfig, XID_ERRORS};
+use common::scrape::{LabelSet, PROMETHEUS_ACCEPT, http, labels, parse, parse_checked, samples, try_metrics, value};
+use gpu_node_agent::metrics::{FIELDS, Metrics, MetricsServer, SamplerConfig, XID_ERRORS};
 use gpu_node_agent::nvml::{HealthEvent, Inventory};
-use prometheus_parse::{Scrape, Value};
+use prometheus_parse::Scrape;
 use test_kubelet::{KubeletOptions, PodContainer, TestKubelet};
 use tokio::sync::{oneshot, watch};
 
@@ -80,110 +79,6 @@ placement = 4
 
 const HOST: &str = "gpu-node-1";
 
-/// What Prometheus sends in `Accept`.
-const PROMETHEUS_ACCEPT: &str = "application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;q=0.75,text/plain;version=0.0.4;q=0.5,*/*;q=0.1";
-
-/// A minimal HTTP/1.1 client asking as Prometheus does: (status, content type, body).
-fn http(addr: SocketAddr, method: &str, path: &str) -> (u16, String, String) {
-    http_accepting(addr, method, path, Some(PROMETHEUS_ACCEPT))
-}
-
-/// [`http`] with this `Accept` header (none: like curl or an older scraper).
-fn http_accepting(addr: SocketAddr, method: &str, path: &str, accept: Option<&str>) -> (u16, String, String) {
-    let mut stream = TcpStream::connect(addr).expect("connect to the metrics endpoint");
-    stream.set_read_timeout(Some(Duration::from_secs(5))).expect("timeout");
-    let accept = accept.map(|a| format!("Accept: {a}\r\n")).unwrap_or_default();
-    write!(
-        stream,
-        "{method} {path} HTTP/1.1\r\nHost: localhost\r\n{accept}Connection: close\r\n\r\n"
-    )
-    .expect("send request");
-    let mut raw = String::new();
-    stream.read_to_string(&mut raw).expect("read response");
-    let (head, body) = raw.split_once("\r\n\r\n").expect("a response with headers");
-    let status = head
-        .split_whitespace()
-        .nth(1)
-        .and_then(|s| s.parse().ok())
-        .expect("status code");
-    let content_type = head
-        .lines()
-        .find_map(|l| l.strip_prefix("content-type: "))
-        .unwrap_or_default()
-        .to_string();
-    (status, content_type, body.to_string())
-}
-
-/// `GET /metrics`: the body of a 200 answer, `None` while nothing (or something else) answers.
-fn try_metrics(addr: SocketAddr) -> Option<String> {
-    let mut stream = TcpStream::connect(addr).ok()?;
-    stream.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
-    write!(
-        stream,
-        "GET /metrics HTTP/1.1\r\nHost: localhost\r\nAccept: {PROMETHEUS_ACCEPT}\r\nConnection: close\r\n\r\n"
-    )
-    .ok()?;
-    let mut raw = String::new();
-    stream.read_to_string(&mut raw).ok()?;
-    let (head, body) = raw.split_once("\r\n\r\n")?;
-    head.starts_with("HTTP/1.1 200").then(|| body.to_string())
-}
-
-/// Parses the scrape with prometheus-parse, after checking what that lenient parser does not:
-/// every sample belongs to a family declared by a `# TYPE` line (counters as `<name>_total`,
-/// histograms as `_bucket`/`_sum`/`_count`), and `# EOF` ends the text.
-fn parse(body: &str) -> Scrape {
-    let mut declared: HashMap<&str, &str> = HashMap::new();
-    for line in body.lines() {
-        if let Some(rest) = line.strip_prefix("# TYPE ") {
-            let (name, kind) = rest.split_once(' ').expect("# TYPE name kind");
-            declared.insert(name, kind);
-        } else if !line.starts_with('#') {
-            let name = line.split(['{', ' ']).next().unwrap_or_default();
-            let family_ok = |family: &str, kinds: &[&str]| declared.get(family).is_some_and(|k| kinds.contains(k));
-            let ok = family_ok(name, &["gauge", "unknown"])
-                || name.strip_suffix("_total").is_some_and(|f| family_ok(f, &["counter"]))
-                || ["_bucket", "_sum", "_count"]
-                    .iter()
-                    .any(|s| name.strip_suffix(s).is_some_and(|f| family_ok(f, &["histogram"])));
-            assert!(ok, "sample {name} has no matching # TYPE line");
-        }
-    }
-    assert_eq!(body.lines().last(), Some("# EOF"));
-    Scrape::parse(body.lines().map(|l| Ok(l.to_string()))).expect("the output parses")
-}
-
-type LabelSet = BTreeMap<String, String>;
-
-/// Every sample of `name`: its labels and value (gauge, counter or untyped).
-fn samples(scrape: &Scrape, name: &str) -> Vec<(LabelSet, f64)> {
-    scrape
-        .samples
-        .iter()
-        .filter(|s| s.metric == name)
-        .map(|s| {
-            let labels: LabelSet = s.labels.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
-            let value = match s.value {
-                Value::Gauge(v) | Value::Counter(v) | Value::Untyped(v) => v,
-                ref other => panic!("{name}: unexpected value {other:?}"),
-            };
-            (labels, value)
-        })
-        .collect()
-}
-
-/// The value of `name` on the series whose labels are exactly `labels`.
-fn value(scrape: &Scrape, name: &str, labels: &LabelSet) -> Option<f64> {
-    samples(scrape, name)
-        .into_iter()
-        .find(|(l, _)| l == labels)
-        .map(|(_, v)| v)
-}
-
-fn labels(pairs: &[(&str, &str)]) -> LabelSet {
-    pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()
-}
-
 fn with(base: &LabelSet, extra: &[(&str, &str)]) -> LabelSet {
     let mut l = base.clone();
     l.extend(extra.iter().map(|(k, v)| (k.to_string(), v.to_string())));
@@ -216,11 +111,7 @@ async fn scrape_reports_gpus_mig_instances_pods_and_agent_metrics() {
 
     // The kubelet: GPU 0 held by ml/trainer-0/worker, the split instance's first MIG device by
     // infer/server/main.
-    let kubelet_root = node.root.join("var/lib/kubelet");
-    let kubelet = TestKubelet::start(&kubelet_root.join("device-plugins"), KubeletOptions::default())
-        .await
-        .expect("test kubelet");
-    let socket = kubelet.serve_pod_resources(&kubelet_root).expect("pod-resources");
+    let (kubelet, socket) = common::scrape::kubelet_with_pod_resources(&node).await;
     kubelet.assign(
         "nvidia.com/gpu",
         &[GPU0],
@@ -233,17 +124,8 @@ async fn scrape_reports_gpus_mig_instances_pods_and_agent_metrics() {
     );
 
     let metrics = Metrics::new();
-    let (inventory_tx, inventory_rx) = watch::channel(Some(Arc::new(inventory.clone())));
-    let mut sampler = Sampler::new(
-        gpus.clone(),
-        metrics.clone(),
-        inventory_rx,
-        SamplerConfig {
-            interval: Duration::from_secs(3600),
-            hostname: HOST.into(),
-            pod_resources_socket: Some(socket.clone()),
-        },
-    );
+    let (mut sampler, inventory_tx) =
+        common::scrape::hand_ticked_sampler(&gpus, &metrics, inventory.clone(), HOST, Some(socket.clone()));
     assert!(sampler.tick().await, "one readings interval");
 
     metrics.xid(GPU0, 79);
@@ -263,16 +145,17 @@ async fn scrape_reports_gpus_mig_instances_pods_and_agent_metrics() {
         let _ = stopped.await;
     }));
 
-    let (status, content_type, body) = tokio::task::spawn_blocking(move || http(addr, "GET", "/metrics"))
-        .await
-        .expect("scrape");
+    let (status, content_type, body) =
+        tokio::task::spawn_blocking(move || http(addr, "GET", "/metrics", Some(PROMETHEUS_ACCEPT)))
+            .await
+            .expect("scrape");
     assert_eq!(status, 200, "{body}");
     assert_eq!(
         content_type,
         "application/openmetrics-text; version=1.0.0; charset=utf-8"
     );
     assert!(body.ends_with("# EOF\n"), "OpenMetrics ends with # EOF");
-    let scrape = parse(&body);
+    let scrape = parse_checked(&body);
 
     // HELP texts and types are dcgm-exporter's (cumulative fields typed unknown, see dcgm.rs).
     assert_eq!(scrape.docs["DCGM_FI_DEV_GPU_UTIL"], "GPU utilization (in %).");
@@ -290,14 +173,14 @@ async fn scrape_reports_gpus_mig_instances_pods_and_agent_metrics() {
 
     // Without OpenMetrics in `Accept`: the Prometheus text format, the same series, the
     // cumulative DCGM fields typed counter as dcgm-exporter has them.
-    let (status, text_type, text) = tokio::task::spawn_blocking(move || http_accepting(addr, "GET", "/metrics", None))
+    let (status, text_type, text) = tokio::task::spawn_blocking(move || http(addr, "GET", "/metrics", None))
         .await
         .expect("scrape");
     assert_eq!(status, 200, "{text}");
     assert_eq!(text_type, "text/plain; version=0.0.4; charset=utf-8");
     assert!(!text.contains("# EOF") && !text.contains(" unknown\n"), "{text}");
     assert!(text.contains("# TYPE DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION counter\n"));
-    let plain = Scrape::parse(text.lines().map(|l| Ok(l.to_string()))).expect("the text format parses");
+    let plain = parse(&text);
     let series = |s: &Scrape| {
         let mut v: Vec<String> = s
             .samples
@@ -462,15 +345,15 @@ async fn scrape_reports_gpus_mig_instances_pods_and_agent_metrics() {
 
     // Readings are taken on the interval, not per scrape: a new load shows after the next tick.
     fake_nvml::write_processes(&node.state, &[]).expect("processes end");
-    let (_, _, again) = tokio::task::spawn_blocking(move || http(addr, "GET", "/metrics"))
+    let (_, _, again) = tokio::task::spawn_blocking(move || http(addr, "GET", "/metrics", Some(PROMETHEUS_ACCEPT)))
         .await
         .expect("scrape");
     assert_eq!(dcgm_part(&again), dcgm_part(&body), "a scrape does not read NVML");
     assert!(sampler.tick().await);
-    let (_, _, after) = tokio::task::spawn_blocking(move || http(addr, "GET", "/metrics"))
+    let (_, _, after) = tokio::task::spawn_blocking(move || http(addr, "GET", "/metrics", Some(PROMETHEUS_ACCEPT)))
         .await
         .expect("scrape");
-    assert_eq!(value(&parse(&after), "DCGM_FI_DEV_FB_USED", &gpu0), Some(0.0));
+    assert_eq!(value(&parse_checked(&after), "DCGM_FI_DEV_FB_USED", &gpu0), Some(0.0));
 
     // The pod ends and GPU 1 goes away: its series and the pod labels disappear.
     kubelet.release("ml", "trainer-0");
@@ -478,10 +361,10 @@ async fn scrape_reports_gpus_mig_instances_pods_and_agent_metrics() {
     only_gpu0.gpus.truncate(1);
     inventory_tx.send_replace(Some(Arc::new(only_gpu0)));
     assert!(sampler.tick().await);
-    let (_, _, gone) = tokio::task::spawn_blocking(move || http(addr, "GET", "/metrics"))
+    let (_, _, gone) = tokio::task::spawn_blocking(move || http(addr, "GET", "/metrics", Some(PROMETHEUS_ACCEPT)))
         .await
         .expect("scrape");
-    let gone = parse(&gone);
+    let gone = parse_checked(&gone);
     let gpu0_bare = labels(&[
         ("gpu", "0"),
         ("UUID", GPU0),
@@ -501,11 +384,11 @@ async fn scrape_reports_gpus_mig_instances_pods_and_agent_metrics() {
     );
 
     // Other paths and methods.
-    let (status, _, _) = tokio::task::spawn_blocking(move || http(addr, "GET", "/other"))
+    let (status, _, _) = tokio::task::spawn_blocking(move || http(addr, "GET", "/other", Some(PROMETHEUS_ACCEPT)))
         .await
         .expect("request");
     assert_eq!(status, 404);
-    let (status, _, _) = tokio::task::spawn_blocking(move || http(addr, "POST", "/metrics"))
+    let (status, _, _) = tokio::task::spawn_blocking(move || http(addr, "POST", "/metrics", Some(PROMETHEUS_ACCEPT)))
         .await
         .expect("request");
     assert_eq!(status, 405);
@@ -598,9 +481,9 @@ async fn the_running_agent_reports_its_own_work() {
     let scrape = |until: &dyn Fn(&Scrape) -> bool| -> (Scrape, String) {
         let deadline = std::time::Instant::now() + Duration::from_secs(20);
         loop {
-            let body = try_metrics(addr);
+            let body = try_metrics(addr, Some(PROMETHEUS_ACCEPT));
             if let Some(body) = body {
-                let parsed = parse(&body);
+                let parsed = parse_checked(&body);
                 if until(&parsed) {
                     return (parsed, body);
                 }

@@ -7,14 +7,12 @@
 
 mod common;
 
-use std::collections::BTreeMap;
-use std::sync::Arc;
 use std::time::Duration;
 
-use gpu_node_agent::metrics::{Metrics, PROF_FIELDS, Sampler, SamplerConfig};
-use prometheus_parse::{Scrape, Value};
-use test_kubelet::{KubeletOptions, PodContainer, TestKubelet};
-use tokio::sync::watch;
+use common::scrape::{LabelSet, gauge_value, gauges, parse};
+use gpu_node_agent::metrics::{Metrics, PROF_FIELDS};
+use prometheus_parse::Scrape;
+use test_kubelet::PodContainer;
 
 const H100: &str = "GPU-00000000-1111-2222-3333-444455556666";
 const H100_MIG: &str = "GPU-00000001-1111-2222-3333-444455556666";
@@ -73,39 +71,13 @@ uuid = "GPU-00000003-1111-2222-3333-444455556666"
 pci_bus_id = "00000000:1F:00.0"
 "#;
 
-type LabelSet = BTreeMap<String, String>;
-
-fn samples(scrape: &Scrape, name: &str) -> Vec<(LabelSet, f64)> {
-    scrape
-        .samples
-        .iter()
-        .filter(|s| s.metric == name)
-        .map(|s| {
-            let labels: LabelSet = s.labels.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
-            let value = match s.value {
-                Value::Gauge(v) | Value::Untyped(v) => v,
-                ref other => panic!("{name}: unexpected value {other:?}"),
-            };
-            (labels, value)
-        })
-        .collect()
-}
-
 /// The labels of the `DCGM_FI_DEV_FB_USED` series of GPU `uuid` (GPU instance `gi`).
 fn labels_of(scrape: &Scrape, uuid: &str, gi: Option<&str>) -> LabelSet {
-    samples(scrape, "DCGM_FI_DEV_FB_USED")
+    gauges(scrape, "DCGM_FI_DEV_FB_USED")
         .into_iter()
         .map(|(l, _)| l)
         .find(|l| l["UUID"] == uuid && l.get("GPU_I_ID").map(String::as_str) == gi)
         .unwrap_or_else(|| panic!("FB_USED of {uuid} {gi:?}"))
-}
-
-/// The value of `name` on exactly the series labelled `labels`.
-fn value(scrape: &Scrape, name: &str, labels: &LabelSet) -> Option<f64> {
-    samples(scrape, name)
-        .into_iter()
-        .find(|(l, _)| l == labels)
-        .map(|(_, v)| v)
 }
 
 fn close(a: f64, b: f64) -> bool {
@@ -127,11 +99,7 @@ async fn profiling_series_come_from_gpm_on_hopper_from_the_second_interval() {
     let busy = gi("2g.20gb").uuid.clone();
     fake_nvml::write_processes(&node.state, &[(busy.as_str(), 300, 512)]).expect("processes");
 
-    let kubelet_root = node.root.join("var/lib/kubelet");
-    let kubelet = TestKubelet::start(&kubelet_root.join("device-plugins"), KubeletOptions::default())
-        .await
-        .expect("test kubelet");
-    let socket = kubelet.serve_pod_resources(&kubelet_root).expect("pod-resources");
+    let (kubelet, socket) = common::scrape::kubelet_with_pod_resources(&node).await;
     kubelet.assign(
         "nvidia.com/gpu",
         &[H100],
@@ -144,17 +112,8 @@ async fn profiling_series_come_from_gpm_on_hopper_from_the_second_interval() {
     );
 
     let metrics = Metrics::new();
-    let (_inventory_tx, inventory_rx) = watch::channel(Some(Arc::new(inventory.clone())));
-    let mut sampler = Sampler::new(
-        gpus.clone(),
-        metrics.clone(),
-        inventory_rx,
-        SamplerConfig {
-            interval: Duration::from_secs(3600),
-            hostname: "gpu-node-1".into(),
-            pod_resources_socket: Some(socket.clone()),
-        },
-    );
+    let (mut sampler, _inventory_tx) =
+        common::scrape::hand_ticked_sampler(&gpus, &metrics, inventory.clone(), "gpu-node-1", Some(socket.clone()));
 
     // First interval: the other series, no profiling series (GPM has one sample per device).
     assert!(sampler.tick().await);
@@ -169,7 +128,7 @@ async fn profiling_series_come_from_gpm_on_hopper_from_the_second_interval() {
     tokio::time::sleep(Duration::from_millis(20)).await;
     assert!(sampler.tick().await);
     let body = metrics.encode().expect("encode");
-    let scrape = Scrape::parse(body.lines().map(|l| Ok(l.to_string()))).expect("the output parses");
+    let scrape = parse(&body);
 
     for field in PROF_FIELDS {
         assert!(
@@ -208,7 +167,7 @@ async fn profiling_series_come_from_gpm_on_hopper_from_the_second_interval() {
     ];
     assert_eq!(expected.len(), PROF_FIELDS.len());
     for (name, want) in expected {
-        let got = value(&scrape, name, &h100).unwrap_or_else(|| panic!("{name} of GPU 0 in:\n{body}"));
+        let got = gauge_value(&scrape, name, &h100).unwrap_or_else(|| panic!("{name} of GPU 0 in:\n{body}"));
         assert!(close(got, *want), "{name}: {got} != {want}");
     }
 
@@ -216,10 +175,10 @@ async fn profiling_series_come_from_gpm_on_hopper_from_the_second_interval() {
     // exist per GPU only.
     let gi2 = labels_of(&scrape, H100_MIG, Some("2"));
     assert_eq!(gi2["GPU_I_PROFILE"], "3g.40gb");
-    let tensor = |l: &LabelSet| value(&scrape, "DCGM_FI_PROF_PIPE_TENSOR_ACTIVE", l);
+    let tensor = |l: &LabelSet| gauge_value(&scrape, "DCGM_FI_PROF_PIPE_TENSOR_ACTIVE", l);
     assert!(close(tensor(&gi2).expect("GI 2 tensor"), 0.7), "{body}");
-    assert_eq!(value(&scrape, "DCGM_FI_PROF_PCIE_TX_BYTES", &gi2), None);
-    assert_eq!(value(&scrape, "DCGM_FI_PROF_NVLINK_RX_BYTES", &gi2), None);
+    assert_eq!(gauge_value(&scrape, "DCGM_FI_PROF_PCIE_TX_BYTES", &gi2), None);
+    assert_eq!(gauge_value(&scrape, "DCGM_FI_PROF_NVLINK_RX_BYTES", &gi2), None);
     // GPU instance 3: from its load, with the pod that holds its MIG device.
     let gi3 = labels_of(&scrape, H100_MIG, Some("3"));
     assert_eq!(
@@ -228,7 +187,7 @@ async fn profiling_series_come_from_gpm_on_hopper_from_the_second_interval() {
     );
     assert!(close(tensor(&gi3).expect("GI 3 tensor"), 0.15), "{body}");
     assert!(close(
-        value(&scrape, "DCGM_FI_PROF_GR_ENGINE_ACTIVE", &gi3).expect("GI 3 gr"),
+        gauge_value(&scrape, "DCGM_FI_PROF_GR_ENGINE_ACTIVE", &gi3).expect("GI 3 gr"),
         0.3
     ));
     // The MIG GPU as a whole: its instances weighted by compute slices (3 × 0.7 + 2 × 0.15) / 7.
@@ -238,12 +197,12 @@ async fn profiling_series_come_from_gpm_on_hopper_from_the_second_interval() {
         (3.0 * 0.7 + 2.0 * 0.15) / 7.0
     ));
     // Every profiling series belongs to a device the other DCGM series have.
-    let devices: Vec<LabelSet> = samples(&scrape, "DCGM_FI_DEV_FB_USED")
+    let devices: Vec<LabelSet> = gauges(&scrape, "DCGM_FI_DEV_FB_USED")
         .into_iter()
         .map(|(l, _)| l)
         .collect();
     for field in PROF_FIELDS {
-        for (l, v) in samples(&scrape, field.name) {
+        for (l, v) in gauges(&scrape, field.name) {
             assert!(devices.contains(&l), "{}: labels {l:?} match no device", field.name);
             assert!(v.is_finite() && v >= 0.0, "{}: {v}", field.name);
         }
@@ -257,7 +216,7 @@ async fn profiling_series_come_from_gpm_on_hopper_from_the_second_interval() {
         );
         for field in PROF_FIELDS {
             assert!(
-                samples(&scrape, field.name).iter().all(|(l, _)| l["UUID"] != uuid),
+                gauges(&scrape, field.name).iter().all(|(l, _)| l["UUID"] != uuid),
                 "{} on {uuid}",
                 field.name
             );
@@ -270,9 +229,9 @@ async fn profiling_series_come_from_gpm_on_hopper_from_the_second_interval() {
     tokio::time::sleep(Duration::from_millis(20)).await;
     assert!(sampler.tick().await);
     let body = metrics.encode().expect("encode");
-    let scrape = Scrape::parse(body.lines().map(|l| Ok(l.to_string()))).expect("the output parses");
+    let scrape = parse(&body);
     let gi3 = labels_of(&scrape, H100_MIG, Some("3"));
-    let now = value(&scrape, "DCGM_FI_PROF_PIPE_TENSOR_ACTIVE", &gi3).expect("GI 3 tensor");
+    let now = gauge_value(&scrape, "DCGM_FI_PROF_PIPE_TENSOR_ACTIVE", &gi3).expect("GI 3 tensor");
     assert!(close(now, 0.3), "two processes: 60 % busy, tensor 0.3; got {now}");
 
     kubelet.stop().await;

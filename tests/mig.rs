@@ -6,6 +6,7 @@ mod common;
 use std::time::Duration;
 
 use common::{Node, gpu_uuid};
+use gpu_node_agent::status::{StageId, StageState};
 use test_apiserver::TestApiServer;
 use test_kubelet::{KubeletOptions, TestKubelet};
 
@@ -67,10 +68,9 @@ async fn a_layout_label_is_applied_and_the_kubelet_sees_the_new_resources() {
         .wait_for(T, |a| a.events().iter().any(|e| e["reason"] == "MigConfigApplied"))
         .await;
     assert!(ok, "{:?}", api.events());
-    let status = node.wait_status(T, |s| common::stage(s, "mig")["state"] == "ok");
+    let status = node.wait_status(T, |s| common::stage_is(s, StageId::Mig, StageState::Ok));
     assert!(
-        common::stage(&status, "mig")["detail"]
-            .as_str()
+        common::stage_detail(&status, StageId::Mig)
             .unwrap_or_default()
             .contains("all-1g.5gb")
     );
@@ -112,9 +112,8 @@ async fn an_unknown_or_impossible_layout_fails_and_changes_nothing() {
 
     api.set_label(NODE, "nvidia.com/mig.config", Some("no-such-layout"));
     wait_label(&api, STATE, Some("failed")).await;
-    let status = node.wait_status(T, |s| common::stage(s, "mig")["state"] == "failed");
-    let error = common::stage(&status, "mig")["error"]
-        .as_str()
+    let status = node.wait_status(T, |s| common::stage_is(s, StageId::Mig, StageState::Failed));
+    let error = common::stage_error(&status, StageId::Mig)
         .unwrap_or_default()
         .to_string();
     assert!(
@@ -175,10 +174,9 @@ async fn gpu_work_keeps_the_layout_pending_until_it_ends() {
     wait_label(&api, STATE, Some("pending")).await;
     // `pending` while changing, then with the reason it waits.
     let status = node.wait_status(T, |s| {
-        common::stage(s, "mig")["state"] == "pending" && common::stage(s, "mig")["error"].is_string()
+        common::stage_is(s, StageId::Mig, StageState::Pending) && common::stage_error(s, StageId::Mig).is_some()
     });
-    let reason = common::stage(&status, "mig")["error"]
-        .as_str()
+    let reason = common::stage_error(&status, StageId::Mig)
         .unwrap_or_default()
         .to_string();
     assert!(
@@ -228,24 +226,18 @@ async fn gpu_work_keeps_the_layout_pending_until_it_ends() {
 fn run_once_applies_the_layout_a_bootstrap_asks_for() {
     let config = "[kubernetes]\nenabled = false\n[desired]\nlabels_file = \"/etc/gpu-node-agent/labels\"\n";
     let node = Node::new(&two_a100s(), config);
-    std::fs::write(
-        node.root.join("etc/gpu-node-agent/labels"),
-        "nvidia.com/mig.config=all-3g.20gb\n",
-    )
-    .expect("labels");
+    node.write_labels("nvidia.com/mig.config=all-3g.20gb\n");
     // GPU work on GPU 1: the layout cannot be applied, and --once says so with exit 75 (try
     // again later).
     node.set_injection("processes", &format!("{} 77 512\n", gpu_uuid(1)));
-    let out = node.run(&["run", "--once"]);
-    assert_eq!(out.status.code(), Some(75), "{}", String::from_utf8_lossy(&out.stderr));
-    assert_eq!(common::stage(&node.status_json(), "mig")["state"], "pending");
+    node.run_once(75);
+    assert_eq!(common::stage(&node.status(), StageId::Mig).state, StageState::Pending);
     // Without it: applied before the kubelet ever sees a device, exit 0.
     node.set_injection("processes", "");
-    let out = node.run(&["run", "--once"]);
-    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
-    let status = node.status_json();
-    assert_eq!(common::stage(&status, "mig")["state"], "ok");
-    assert_eq!(status["labels"]["nvidia.com/mig.config.state"], "success");
+    node.run_once(0);
+    let status = node.status();
+    assert_eq!(common::stage(&status, StageId::Mig).state, StageState::Ok);
+    assert_eq!(common::label(&status, "nvidia.com/mig.config.state"), Some("success"));
     assert_eq!(node.run(&["mig", "assert", "all-3g.20gb"]).status.code(), Some(0));
 }
 
@@ -265,11 +257,7 @@ fn reset_node_with(config: &str, works: bool) -> Node {
         gpu_uuid(0)
     );
     let node = Node::new(&machine, config);
-    std::fs::write(
-        node.root.join("etc/gpu-node-agent/labels"),
-        "nvidia.com/mig.config=all-1g.5gb\n",
-    )
-    .expect("labels");
+    node.write_labels("nvidia.com/mig.config=all-1g.5gb\n");
     let smi = node.root.join("usr/bin/nvidia-smi");
     std::fs::create_dir_all(smi.parent().expect("bin")).expect("mkdir");
     let body = if works {
@@ -290,8 +278,7 @@ fn reset_node_with(config: &str, works: bool) -> Node {
 #[test]
 fn a_mode_change_that_needs_a_reset_resets_the_idle_gpu() {
     let node = reset_node("", true);
-    let out = node.run(&["run", "--once"]);
-    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    node.run_once(0);
     let resets = std::fs::read_to_string(node.state.join("resets-done")).unwrap_or_default();
     assert_eq!(resets.trim(), gpu_uuid(0), "nvidia-smi --gpu-reset -i <uuid> ran once");
     assert_eq!(node.run(&["mig", "assert", "all-1g.5gb"]).status.code(), Some(0));
@@ -301,11 +288,11 @@ fn a_mode_change_that_needs_a_reset_resets_the_idle_gpu() {
 fn a_failed_reset_fails_or_reboots_once() {
     // Without reboot_on_mode_change: failed, with the reset's error.
     let node = reset_node("", false);
-    let out = node.run(&["run", "--once"]);
-    assert_eq!(out.status.code(), Some(1));
-    let mig = common::stage(&node.status_json(), "mig");
-    assert_eq!(mig["state"], "failed");
-    let error = mig["error"].as_str().unwrap_or_default();
+    node.run_once(1);
+    let status = node.status();
+    let mig = common::stage(&status, StageId::Mig);
+    assert_eq!(mig.state, StageState::Failed);
+    let error = mig.error.as_deref().unwrap_or_default();
     assert!(
         error.contains("pending until the GPU is reset") && error.contains("in use"),
         "{error}"
@@ -316,18 +303,16 @@ fn a_failed_reset_fails_or_reboots_once() {
     let node = reset_node("[mig]\nreboot_on_mode_change = true\n", false);
     let out = node.run(&["run", "--once"]);
     assert_eq!(out.status.code(), Some(75), "rebooting: try again after the reboot");
-    let status = node.status_json();
-    assert_eq!(status["labels"]["nvidia.com/mig.config.state"], "rebooting");
+    let status = node.status();
+    assert_eq!(common::label(&status, "nvidia.com/mig.config.state"), Some("rebooting"));
     assert!(
         node.root.join("var/lib/gpu-node-agent/mig-reboot-requested").exists(),
         "reboot marker"
     );
-    let out = node.run(&["run", "--once"]);
-    assert_eq!(out.status.code(), Some(1));
-    let status = node.status_json();
-    assert_eq!(status["labels"]["nvidia.com/mig.config.state"], "failed");
-    let error = common::stage(&status, "mig")["error"]
-        .as_str()
+    node.run_once(1);
+    let status = node.status();
+    assert_eq!(common::label(&status, "nvidia.com/mig.config.state"), Some("failed"));
+    let error = common::stage_error(&status, StageId::Mig)
         .unwrap_or_default()
         .to_string();
     assert!(error.contains("a reboot for this layout did not finish it"), "{error}");
@@ -337,11 +322,7 @@ fn a_failed_reset_fails_or_reboots_once() {
 fn a_daemon_killed_in_the_middle_of_an_apply_converges_after_restart() {
     let config = "[kubernetes]\nenabled = false\n[desired]\nlabels_file = \"/etc/gpu-node-agent/labels\"\n[device_plugin]\nmig_strategy = \"mixed\"\n";
     let node = Node::new(&two_a100s(), config);
-    std::fs::write(
-        node.root.join("etc/gpu-node-agent/labels"),
-        "nvidia.com/mig.config=all-1g.5gb\n",
-    )
-    .expect("labels");
+    node.write_labels("nvidia.com/mig.config=all-1g.5gb\n");
     // Every MIG operation takes 50 ms: the 28 of this layout take 1.4 s.
     let mut child = node
         .command(&["run"])
@@ -369,10 +350,12 @@ fn a_daemon_killed_in_the_middle_of_an_apply_converges_after_restart() {
         "killed half way"
     );
     // The restarted agent converges from whatever was left.
-    let out = node.run(&["run", "--once"]);
-    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    node.run_once(0);
     assert_eq!(node.run(&["mig", "assert", "all-1g.5gb"]).status.code(), Some(0));
-    assert_eq!(node.status_json()["labels"]["nvidia.com/mig.config.state"], "success");
+    assert_eq!(
+        common::label(&node.status(), "nvidia.com/mig.config.state"),
+        Some("success")
+    );
 }
 
 const SHARED_LAYOUT: &str = "[[mig.layouts.shared]]\ndevices = \"all\"\nmig_enabled = true\nprofiles = { \"1c.4g.20gb\" = 4, \"2c.3g.20gb\" = 1 }\n";
@@ -558,18 +541,14 @@ fn compute_instance_forms_are_checked_on_every_gpu_before_any_change() {
     );
     mig_is_off_everywhere(&node);
     // The label path says the same, and changes nothing.
-    std::fs::write(
-        node.root.join("etc/gpu-node-agent/labels"),
-        "nvidia.com/mig.config=split\n",
-    )
-    .expect("labels");
+    node.write_labels("nvidia.com/mig.config=split\n");
     node.write_config(&format!(
         "[kubernetes]\nenabled = false\n[desired]\nlabels_file = \"/etc/gpu-node-agent/labels\"\n{layouts}"
     ));
-    let out = node.run(&["run", "--once"]);
-    assert_eq!(out.status.code(), Some(1), "{}", String::from_utf8_lossy(&out.stderr));
-    let mig = common::stage(&node.status_json(), "mig");
-    let error = mig["error"].as_str().unwrap_or_default();
+    node.run_once(1);
+    let status = node.status();
+    let mig = common::stage(&status, StageId::Mig);
+    let error = mig.error.as_deref().unwrap_or_default();
     assert!(
         error.contains("2g.20gb") && error.contains("nothing changed"),
         "{error}"
@@ -718,17 +697,11 @@ fn an_impossible_compute_instance_layout_never_reboots() {
     let extra = "[mig]\nreboot_on_mode_change = true\n\
                  [[mig.layouts.too-many]]\ndevices = \"all\"\nmig_enabled = true\nprofiles = { \"1c.4g.20gb\" = 1, \"1g.5gb\" = 8 }\n";
     let node = reset_node(extra, false);
-    std::fs::write(
-        node.root.join("etc/gpu-node-agent/labels"),
-        "nvidia.com/mig.config=too-many\n",
-    )
-    .expect("labels");
-    let out = node.run(&["run", "--once"]);
-    assert_eq!(out.status.code(), Some(1), "{}", String::from_utf8_lossy(&out.stderr));
-    let status = node.status_json();
-    assert_eq!(status["labels"]["nvidia.com/mig.config.state"], "failed");
-    let error = common::stage(&status, "mig")["error"]
-        .as_str()
+    node.write_labels("nvidia.com/mig.config=too-many\n");
+    node.run_once(1);
+    let status = node.status();
+    assert_eq!(common::label(&status, "nvidia.com/mig.config.state"), Some("failed"));
+    let error = common::stage_error(&status, StageId::Mig)
         .unwrap_or_default()
         .to_string();
     assert!(
@@ -770,20 +743,14 @@ fn a_mig_gpu_the_layout_does_not_cover_fails_it_before_any_change_when_strict() 
     mig_is_off_everywhere(&node);
 
     // The label path fails the same way.
-    std::fs::write(
-        node.root.join("etc/gpu-node-agent/labels"),
-        "nvidia.com/mig.config=only-0\n",
-    )
-    .expect("labels");
+    node.write_labels("nvidia.com/mig.config=only-0\n");
     node.write_config(&format!(
         "[kubernetes]\nenabled = false\n[desired]\nlabels_file = \"/etc/gpu-node-agent/labels\"\n{layouts}"
     ));
-    let out = node.run(&["run", "--once"]);
-    assert_eq!(out.status.code(), Some(1), "{}", String::from_utf8_lossy(&out.stderr));
-    let status = node.status_json();
-    assert_eq!(status["labels"]["nvidia.com/mig.config.state"], "failed");
-    let error = common::stage(&status, "mig")["error"]
-        .as_str()
+    node.run_once(1);
+    let status = node.status();
+    assert_eq!(common::label(&status, "nvidia.com/mig.config.state"), Some("failed"));
+    let error = common::stage_error(&status, StageId::Mig)
         .unwrap_or_default()
         .to_string();
     assert!(
@@ -860,9 +827,8 @@ fn a_gpu_without_mig_is_skipped_by_devices_all() {
 async fn a_layout_given_up_on_stays_failed_until_the_work_ends_then_applies() {
     let (api, node, kubelet, agent) = all_1g_then_7g_under_gpu_work("[mig]\nprocess_wait_timeout = \"1s\"\n").await;
     wait_label(&api, STATE, Some("failed")).await;
-    let status = node.wait_status(T, |s| common::stage(s, "mig")["state"] == "failed");
-    let reason = common::stage(&status, "mig")["error"]
-        .as_str()
+    let status = node.wait_status(T, |s| common::stage_is(s, StageId::Mig, StageState::Failed));
+    let reason = common::stage_error(&status, StageId::Mig)
         .unwrap_or_default()
         .to_string();
     assert!(reason.contains("gave up after 1s"), "{reason}");
@@ -942,9 +908,8 @@ fn the_default_layout_applies_without_a_label() {
         &two_a100s(),
         "[kubernetes]\nenabled = false\n[mig]\ndefault_layout = \"all-3g.20gb\"\n",
     );
-    let out = node.run(&["run", "--once"]);
-    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
-    assert_eq!(node.status_json()["labels"][STATE], "success");
+    node.run_once(0);
+    assert_eq!(common::label(&node.status(), STATE), Some("success"));
     assert_eq!(node.run(&["mig", "assert", "all-3g.20gb"]).status.code(), Some(0));
     // A name that is not a layout is a config error (`all-<profile>` is one for any profile
     // name: whether the GPUs have it is known only on the node).
@@ -1072,11 +1037,7 @@ fn slow_layout_node() -> Node {
                   [[mig.layouts.only-0]]\ndevices = [0]\nmig_enabled = true\nprofiles = { \"1g.5gb\" = 7 }\n\
                   [[mig.layouts.only-0]]\ndevices = [1]\nmig_enabled = false\n";
     let node = Node::new(&machine, config);
-    std::fs::write(
-        node.root.join("etc/gpu-node-agent/labels"),
-        "nvidia.com/mig.config=only-0\n",
-    )
-    .expect("labels");
+    node.write_labels("nvidia.com/mig.config=only-0\n");
     node
 }
 
@@ -1103,14 +1064,13 @@ fn sigterm_during_a_slow_mig_apply_stops_within_a_second_and_the_next_start_conv
     assert_eq!(code, 0);
     assert!(took < Duration::from_secs(1), "SIGTERM took {took:?}");
     assert!(gpu_instances(&node) < 7, "stopped half way, not finished");
-    assert_eq!(node.status_json()["state"], "stopped");
+    assert_eq!(node.status().state, "stopped");
     assert_eq!(
         node.run(&["mig", "assert", "only-0"]).status.code(),
         Some(1),
         "left half way"
     );
-    let out = node.run(&["run", "--once"]);
-    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    node.run_once(0);
     assert_eq!(node.run(&["mig", "assert", "only-0"]).status.code(), Some(0));
 }
 
@@ -1153,8 +1113,8 @@ async fn an_xid_during_a_slow_mig_apply_reaches_the_kubelet_before_the_apply_end
         "the update came before the apply ended ({} GPU instances now)",
         gpu_instances(&node)
     );
-    let status = node.wait_status(T, |s| common::stage(s, "mig")["state"] == "ok");
-    assert_eq!(status["labels"][STATE], "success");
+    let status = node.wait_status(T, |s| common::stage_is(s, StageId::Mig, StageState::Ok));
+    assert_eq!(common::label(&status, STATE), Some("success"));
     assert_eq!(agent.stop(), 0);
 }
 
@@ -1168,11 +1128,7 @@ fn plan_lists_exactly_what_run_once_then_does() {
                   [device_plugin.profiles.share.sharing]\nstrategy = \"time-slicing\"\nrename_by_default = true\n\
                   compact = [\"mig-1g.5gb::4\"]\n";
     let node = Node::new(&two_a100s(), config);
-    std::fs::write(
-        node.root.join("etc/gpu-node-agent/labels"),
-        "nvidia.com/mig.config=all-1g.5gb\nnvidia.com/device-plugin.config=share\n",
-    )
-    .expect("labels");
+    node.write_labels("nvidia.com/mig.config=all-1g.5gb\nnvidia.com/device-plugin.config=share\n");
     let out = node.run(&["plan", "--json"]);
     assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
     let plan: serde_json::Value = serde_json::from_slice(&out.stdout).expect("plan --json");
@@ -1197,16 +1153,13 @@ fn plan_lists_exactly_what_run_once_then_does() {
     assert!(!node.status_path().exists(), "plan changes nothing");
     assert_eq!(node.run(&["mig", "assert", "all-1g.5gb"]).status.code(), Some(1));
 
-    let out = node.run(&["run", "--once"]);
-    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
-    let status = node.status_json();
-    let mig = common::stage(&status, "mig")["detail"]
-        .as_str()
+    node.run_once(0);
+    let status = node.status();
+    let mig = common::stage_detail(&status, StageId::Mig)
         .unwrap_or_default()
         .to_string();
-    assert!(mig.contains(&format!("({operations} NVML operations)")), "{mig}");
-    let advertised = common::stage(&status, "device-plugin")["detail"]
-        .as_str()
+    assert!(mig.contains(&format!("({operations} NVML operations)")), "{mig:?}");
+    let advertised = common::stage_detail(&status, StageId::DevicePlugin)
         .unwrap_or_default()
         .to_string();
     assert!(
@@ -1215,7 +1168,8 @@ fn plan_lists_exactly_what_run_once_then_does() {
     );
     // Every label the plan listed is written with that value.
     for (key, value) in plan["labels"].as_object().expect("labels") {
-        assert_eq!(&status["labels"][key], value, "label {key}");
+        let written = common::label(&status, key).map_or(serde_json::Value::Null, serde_json::Value::from);
+        assert_eq!(&written, value, "label {key}");
     }
     // Planned again: nothing left to do, and the same resources.
     let again: serde_json::Value = serde_json::from_slice(&node.run(&["plan", "--json"]).stdout).expect("plan");
@@ -1299,13 +1253,13 @@ fn after_a_mig_apply_the_new_devices_capability_nodes_exist() {
             log.contains("/dev/nvidia1 is a regular file, not character device 195:1"),
             "{log}"
         );
-        let status = node.status_json();
+        let status = node.status();
         let mut caps = 0;
-        for (minor, gpu) in status["gpus"].as_array().expect("gpus").iter().enumerate() {
-            let migs = gpu["mig_devices"].as_array().expect("mig devices");
-            assert!(!migs.is_empty(), "{layout}: {gpu}");
+        for (minor, gpu) in status.gpus.iter().enumerate() {
+            let migs = &gpu.mig_devices;
+            assert!(!migs.is_empty(), "{layout}: {gpu:?}");
             for mig in migs {
-                let (gi, ci) = (mig["gi_id"].as_u64().expect("gi"), mig["ci_id"].as_u64().expect("ci"));
+                let (gi, ci) = (mig.gi_id, mig.ci_id);
                 for key in [
                     format!("gpu{minor}/gi{gi}/access"),
                     format!("gpu{minor}/gi{gi}/ci{ci}/access"),
@@ -1369,21 +1323,18 @@ fn without_a_label_a_mig_node_gets_all_disabled_and_a_state() {
         &machine,
         "[kubernetes]\nenabled = false\n[mig]\ndefault_layout = \"all-disabled\"\n",
     );
-    let out = node.run(&["run", "--once"]);
-    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
-    assert_eq!(node.status_json()["labels"][STATE], "success");
+    node.run_once(0);
+    assert_eq!(common::label(&node.status(), STATE), Some("success"));
     mig_is_off_everywhere(&node);
 
     let t4 = Node::new(
         &common::machine("T4", 1),
         "[kubernetes]\nenabled = false\n[mig]\ndefault_layout = \"all-disabled\"\n",
     );
-    let out = t4.run(&["run", "--once"]);
-    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
-    let status = t4.status_json();
-    assert!(status["labels"].get(STATE).is_none(), "{}", status["labels"]);
-    let detail = common::stage(&status, "mig")["detail"]
-        .as_str()
+    t4.run_once(0);
+    let status = t4.status();
+    assert!(common::label(&status, STATE).is_none(), "{:?}", status.labels);
+    let detail = common::stage_detail(&status, StageId::Mig)
         .unwrap_or_default()
         .to_owned();
     assert!(detail.contains("no layout requested"), "{detail}");
@@ -1412,14 +1363,9 @@ fn the_operators_custom_mig_example_applies_on_an_eight_gpu_node() {
     node.write_config(&format!(
         "[kubernetes]\nenabled = false\n[desired]\nlabels_file = \"/etc/gpu-node-agent/labels\"\n{imported}"
     ));
-    std::fs::write(
-        node.root.join("etc/gpu-node-agent/labels"),
-        "nvidia.com/mig.config=custom-mig\n",
-    )
-    .expect("labels");
-    let out = node.run(&["run", "--once"]);
-    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
-    assert_eq!(node.status_json()["labels"][STATE], "success");
+    node.write_labels("nvidia.com/mig.config=custom-mig\n");
+    node.run_once(0);
+    assert_eq!(common::label(&node.status(), STATE), Some("success"));
     assert_eq!(node.run(&["mig", "assert", "custom-mig"]).status.code(), Some(0));
     let export = String::from_utf8_lossy(&node.run(&["mig", "export"]).stdout).to_string();
     assert!(
@@ -1477,14 +1423,9 @@ fn subsystem_device_filters_tell_boards_of_one_model_apart() {
     node.write_config(&format!(
         "[kubernetes]\nenabled = false\n[desired]\nlabels_file = \"/etc/gpu-node-agent/labels\"\n{imported}"
     ));
-    std::fs::write(
-        node.root.join("etc/gpu-node-agent/labels"),
-        "nvidia.com/mig.config=by-board\n",
-    )
-    .expect("labels");
-    let out = node.run(&["run", "--once"]);
-    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
-    assert_eq!(node.status_json()["labels"][STATE], "success");
+    node.write_labels("nvidia.com/mig.config=by-board\n");
+    node.run_once(0);
+    assert_eq!(common::label(&node.status(), STATE), Some("success"));
     let export = String::from_utf8_lossy(&node.run(&["mig", "export"]).stdout).to_string();
     for (gpu, profiles) in [(0, "\"1g.10gb\" = 7"), (1, "\"3g.40gb\" = 2"), (2, "\"7g.80gb\" = 1")] {
         assert!(

@@ -10,6 +10,7 @@ use std::os::unix::fs::PermissionsExt;
 use std::path::PathBuf;
 
 use common::{Node, gpu_uuid};
+use gpu_node_agent::status::{StageId, StageState, StageStatus};
 
 /// The layout every test asks for (from the labels file): MIG on with seven 1g.5gb.
 const LAYOUT: &str = "all-1g.5gb";
@@ -34,11 +35,7 @@ impl Host {
             gpu_uuid(0)
         );
         let node = Node::new(&machine, &config);
-        fs::write(
-            node.root.join("etc/gpu-node-agent/labels"),
-            format!("nvidia.com/mig.config={LAYOUT}\n"),
-        )
-        .expect("labels");
+        node.write_labels(&format!("nvidia.com/mig.config={LAYOUT}\n"));
         let units = node.tmp.path().join("units");
         fs::create_dir_all(&units).expect("units dir");
         for unit in active {
@@ -126,8 +123,8 @@ impl Host {
         self.node.run(&["run", "--once"])
     }
 
-    fn mig_stage(&self) -> serde_json::Value {
-        common::stage(&self.node.status_json(), "mig")
+    fn mig_stage(&self) -> StageStatus {
+        common::stage(&self.node.status(), StageId::Mig).clone()
     }
 }
 
@@ -195,8 +192,8 @@ fn a_mode_change_stops_the_active_clients_first_and_starts_them_after() {
     assert_eq!(host.state_at("nvsm.service", "start"), after);
     assert!(host.active("nvsm.service") && host.active("nvidia-dcgm.service"));
     let mig = host.mig_stage();
-    assert_eq!(mig["state"], "ok", "{mig}");
-    let detail = mig["detail"].as_str().unwrap_or_default();
+    assert_eq!(mig.state, StageState::Ok, "{mig:?}");
+    let detail = mig.detail.as_deref().unwrap_or_default();
     assert!(
         detail.contains("host GPU clients stopped for the change and started again: nvsm.service, nvidia-dcgm.service"),
         "{detail}"
@@ -230,8 +227,8 @@ fn a_failed_mode_change_starts_the_clients_again_and_reports_the_failure() {
     );
     assert!(host.active("nvidia-dcgm.service") && host.active("dcgm-exporter.service"));
     let mig = host.mig_stage();
-    assert_eq!(mig["state"], "failed", "{mig}");
-    let error = mig["error"].as_str().unwrap_or_default();
+    assert_eq!(mig.state, StageState::Failed, "{mig:?}");
+    let error = mig.error.as_deref().unwrap_or_default();
     assert!(error.contains("the reset failed"), "{error}");
     assert!(
         error.contains(
@@ -268,8 +265,8 @@ fn a_client_that_does_not_stop_fails_the_change_before_anything_changed() {
     assert_eq!(host.nvml_state(), before, "no NVML change");
     assert!(host.active("nvsm.service") && host.active("dcgm.service"));
     let mig = host.mig_stage();
-    assert_eq!(mig["state"], "failed", "{mig}");
-    let error = mig["error"].as_str().unwrap_or_default();
+    assert_eq!(mig.state, StageState::Failed, "{mig:?}");
+    let error = mig.error.as_deref().unwrap_or_default();
     assert!(
         error.contains("host GPU client nvidia-dcgm.service did not stop")
             && error.contains("did not finish within 1s")
@@ -363,8 +360,8 @@ fn a_client_that_does_not_start_again_is_reported_and_the_layout_stays() {
     );
     assert!(host.active("nvsm.service") && !host.active("nvidia-dcgm.service"));
     let mig = host.mig_stage();
-    assert_eq!(mig["state"], "ok", "the MIG change stands: {mig}");
-    let detail = mig["detail"].as_str().unwrap_or_default();
+    assert_eq!(mig.state, StageState::Ok, "the MIG change stands: {mig:?}");
+    let detail = mig.detail.as_deref().unwrap_or_default();
     assert!(
         detail.contains("host GPU client nvidia-dcgm.service did not start again")
             && detail.contains("Job for nvidia-dcgm.service failed."),

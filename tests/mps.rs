@@ -11,6 +11,8 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use common::{Node, gpu_uuid, machine};
+use gpu_node_agent::plugin::mps::DaemonState;
+use gpu_node_agent::status::{StageId, StageState};
 use test_apiserver::TestApiServer;
 use test_kubelet::TestKubelet;
 
@@ -89,8 +91,11 @@ fn shm_segment(pipe: &Path) -> String {
     format!("cuda.shm.fake-mps.{}", pid.trim())
 }
 
-fn device_plugin_stage(node: &Node) -> serde_json::Value {
-    common::stage(&node.status_json(), "device-plugin")
+/// The device plugin stage's detail line (`""` without one).
+fn device_plugin_detail(node: &Node) -> String {
+    common::stage_detail(&node.status(), StageId::DevicePlugin)
+        .unwrap_or_default()
+        .to_string()
 }
 
 const HEALTHY: &str = "Healthy";
@@ -109,10 +114,7 @@ fn hold_file(node: &Node) -> PathBuf {
 
 /// The daemon's pid from the device-plugin stage's detail, while it runs.
 fn daemon_pid(node: &Node) -> Option<String> {
-    let detail = device_plugin_stage(node)["detail"]
-        .as_str()
-        .unwrap_or_default()
-        .to_string();
+    let detail = device_plugin_detail(node);
     let rest = detail.split("MPS nvidia.com/gpu: running (pid ").nth(1)?;
     Some(rest.split(')').next()?.to_string())
 }
@@ -242,15 +244,13 @@ async fn an_mps_profile_runs_the_control_daemon_and_allocate_points_at_it() {
     // The status says the daemon runs; the feature labels say MPS.
     // (The status file follows the daemon's state as the agent hears of it.)
     let status = node.wait_status(T, |s| {
-        common::stage(s, "device-plugin")["detail"]
-            .as_str()
-            .is_some_and(|d| d.contains("MPS nvidia.com/gpu: running (pid "))
+        common::stage_detail(s, StageId::DevicePlugin).is_some_and(|d| d.contains("MPS nvidia.com/gpu: running (pid "))
     });
-    let daemon = &status["mps"][0];
-    assert_eq!(daemon["resource"], "nvidia.com/gpu", "{daemon}");
-    assert_eq!(daemon["state"], "running", "{daemon}");
-    assert_eq!(daemon["pipe_dir"], "/run/nvidia/mps/nvidia.com/gpu/pipe");
-    assert_eq!(daemon["gpus"], serde_json::json!([gpu_uuid(0), gpu_uuid(1)]));
+    let daemon = status.mps.first().expect("an MPS daemon in the status");
+    assert_eq!(daemon.resource, "nvidia.com/gpu", "{daemon:?}");
+    assert_eq!(daemon.state, DaemonState::Running, "{daemon:?}");
+    assert_eq!(daemon.pipe_dir, "/run/nvidia/mps/nvidia.com/gpu/pipe");
+    assert_eq!(daemon.gpus, [gpu_uuid(0), gpu_uuid(1)]);
     let shown = node.run(&["status"]);
     let shown = String::from_utf8_lossy(&shown.stdout);
     assert!(
@@ -310,10 +310,7 @@ async fn a_daemon_that_dies_is_started_again() {
     let pipe = path(&node, PIPE);
     wait_until("the MPS control daemon listening", || daemon_listening(&pipe));
     let pid_of = |node: &Node| -> Option<String> {
-        let detail = device_plugin_stage(node)["detail"]
-            .as_str()
-            .unwrap_or_default()
-            .to_string();
+        let detail = device_plugin_detail(node);
         let rest = detail.split("MPS nvidia.com/gpu: running (pid ").nth(1)?;
         Some(rest.split(')').next()?.to_string())
     };
@@ -326,8 +323,8 @@ async fn a_daemon_that_dies_is_started_again() {
     assert!(killed.success());
     wait_until("a new daemon", || pid_of(&node).is_some_and(|pid| pid != first));
     wait_until("the new daemon listening", || daemon_listening(&pipe));
-    let status = node.wait_status(T, |s| common::stage(s, "device-plugin")["state"] == "ok");
-    assert_eq!(status["mps"][0]["restarts"], 1, "{}", status["mps"]);
+    let status = node.wait_status(T, |s| common::stage_is(s, StageId::DevicePlugin, StageState::Ok));
+    assert_eq!(status.mps.first().map(|d| d.restarts), Some(1), "{:?}", status.mps);
     assert_eq!(agent.stop(), 0);
     assert_eq!(compute_modes(&node), [0, 0]);
 }
@@ -339,12 +336,9 @@ async fn without_the_control_program_the_stage_fails_naming_it() {
     std::fs::remove_file(node.root.join(fake_nvml::host::MPS_CONTROL_PATH)).expect("remove the program");
     let agent = node.spawn();
     let status = node.wait_status(T, |s| {
-        common::stage(s, "device-plugin")["error"]
-            .as_str()
-            .is_some_and(|e| e.contains("nvidia-cuda-mps-control not found"))
+        common::stage_error(s, StageId::DevicePlugin).is_some_and(|e| e.contains("nvidia-cuda-mps-control not found"))
     });
-    let error = common::stage(&status, "device-plugin")["error"]
-        .as_str()
+    let error = common::stage_error(&status, StageId::DevicePlugin)
         .unwrap_or_default()
         .to_string();
     assert!(
@@ -390,8 +384,13 @@ async fn replicas_are_unhealthy_and_refused_until_the_daemon_answers() {
     assert!(!daemon_listening(&pipe));
     // Held past the supervisor's 30 s for a first answer, it would be restarting.
     assert_refused_not_ready(&kubelet, &["starting)", "restarting: "]).await;
-    let status = node.status_json();
-    assert_ne!(status["mps"][0]["state"], "running", "{}", status["mps"]);
+    let status = node.status();
+    assert_ne!(
+        status.mps.first().map(|d| d.state),
+        Some(DaemonState::Running),
+        "{:?}",
+        status.mps
+    );
     let updates = kubelet.updates(GPU);
     assert!(
         updates.iter().all(|(_, d)| d.iter().all(|d| d.health == UNHEALTHY)),
@@ -427,9 +426,7 @@ async fn without_the_control_program_the_replicas_are_unhealthy_until_it_can_sta
     std::fs::remove_file(node.root.join(fake_nvml::host::MPS_CONTROL_PATH)).expect("remove the program");
     let agent = node.spawn();
     node.wait_status(T, |s| {
-        common::stage(s, "device-plugin")["error"]
-            .as_str()
-            .is_some_and(|e| e.contains("nvidia-cuda-mps-control not found"))
+        common::stage_error(s, StageId::DevicePlugin).is_some_and(|e| e.contains("nvidia-cuda-mps-control not found"))
     });
     let devices = kubelet
         .wait_for_devices(GPU, T, |d| d.len() == 8)
@@ -446,7 +443,7 @@ async fn without_the_control_program_the_replicas_are_unhealthy_until_it_can_sta
         .wait_for_devices(GPU, T, |d| all(d, HEALTHY))
         .await
         .expect("8 healthy replicas");
-    node.wait_status(T, |s| common::stage(s, "device-plugin")["state"] == "ok");
+    node.wait_status(T, |s| common::stage_is(s, StageId::DevicePlugin, StageState::Ok));
     let one = format!("{}::2", gpu_uuid(1));
     kubelet.allocate(GPU, &[&one]).await.expect("one replica");
     assert_eq!(agent.stop(), 0);
@@ -492,8 +489,8 @@ async fn a_killed_daemon_leaves_its_replicas_unhealthy_until_its_restart_answers
     assert!(daemon_listening(&path(&node, PIPE)));
     let one = format!("{}::2", gpu_uuid(1));
     kubelet.allocate(GPU, &[&one]).await.expect("one replica");
-    let status = node.status_json();
-    assert_eq!(status["mps"][0]["restarts"], 1, "{}", status["mps"]);
+    let status = node.status();
+    assert_eq!(status.mps.first().map(|d| d.restarts), Some(1), "{:?}", status.mps);
     assert_eq!(agent.stop(), 0);
 }
 
@@ -569,15 +566,26 @@ async fn links_planted_in_the_mps_folders_are_not_followed() {
     // The pipe folder a link: the daemon does not start, and the error names the folder.
     let agent = node.spawn();
     let status = node.wait_status(T, |s| {
-        s["mps"][0]["error"]
-            .as_str()
+        s.mps
+            .first()
+            .and_then(|d| d.error.as_deref())
             .is_some_and(|e| e.contains("/run/nvidia/mps/"))
     });
-    let error = status["mps"][0]["error"].as_str().unwrap_or_default().to_string();
+    let error = status
+        .mps
+        .first()
+        .and_then(|d| d.error.as_deref())
+        .unwrap_or_default()
+        .to_string();
     assert!(error.contains("symbolic link"), "{error}");
     std::thread::sleep(Duration::from_secs(2));
     assert_eq!(snapshot(&canary), before, "the canary folder changed");
-    assert_ne!(status["mps"][0]["state"], "running", "{}", status["mps"]);
+    assert_ne!(
+        status.mps.first().map(|d| d.state),
+        Some(DaemonState::Running),
+        "{:?}",
+        status.mps
+    );
     assert_eq!(agent.stop(), 0);
     assert_eq!(snapshot(&canary), before, "the canary folder changed");
 

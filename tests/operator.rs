@@ -15,6 +15,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use common::{Node, gpu_uuid};
+use gpu_node_agent::status::{StageId, StageState, Status};
 use test_kubelet::{KubeletOptions, TestKubelet};
 
 const T: Duration = Duration::from_secs(20);
@@ -158,10 +159,11 @@ fn file_id(path: &Path) -> Option<(u64, u64)> {
     std::fs::symlink_metadata(path).ok().map(|m| (m.dev(), m.ino()))
 }
 
-fn operator_lines(status: &serde_json::Value) -> Vec<String> {
-    status["operator"]["conflicts"]
-        .as_array()
-        .map(|a| a.iter().filter_map(|l| l.as_str().map(str::to_string)).collect())
+fn operator_lines(status: &Status) -> Vec<String> {
+    status
+        .operator
+        .as_ref()
+        .map(|o| o.conflicts.clone())
         .unwrap_or_default()
 }
 
@@ -194,14 +196,14 @@ async fn nvidias_live_device_plugin_socket_is_left_alone_reported_and_the_rest_s
         "{line}"
     );
     assert!(line.contains("nvidia.com/gpu.deploy.device-plugin=false"), "{line}");
-    let dp = common::stage(&status, "device-plugin");
-    assert_eq!(dp["state"], "pending", "{dp}");
+    let dp = common::stage(&status, StageId::DevicePlugin);
+    assert_eq!(dp.state, StageState::Pending, "{dp:?}");
     assert!(
-        dp["error"]
-            .as_str()
+        dp.error
+            .as_deref()
             .unwrap_or_default()
             .contains("nvidia.com/gpu not served"),
-        "{dp}"
+        "{dp:?}"
     );
 
     // A Warning Event names the program, its pid and what to do.
@@ -243,6 +245,19 @@ async fn nvidias_live_device_plugin_socket_is_left_alone_reported_and_the_rest_s
     assert_eq!(file_id(&socket), theirs);
     assert!(UnixStream::connect(&socket).is_ok());
     assert!(nvidia.running());
+}
+
+/// The Node's labels, asserted to have the deploy labels back as they were before `migrate`:
+/// the device plugin's `true` again, the mig-manager's unset again.
+fn deploy_labels_handed_back(api: &test_apiserver::TestApiServer) -> std::collections::BTreeMap<String, String> {
+    let labels = api.labels(NODE);
+    assert_eq!(
+        labels.get("nvidia.com/gpu.deploy.device-plugin").map(String::as_str),
+        Some("true"),
+        "{labels:?}"
+    );
+    assert!(!labels.contains_key("nvidia.com/gpu.deploy.mig-manager"), "{labels:?}");
+    labels
 }
 
 fn events_with_count(api: &test_apiserver::TestApiServer, reason: &str) -> usize {
@@ -291,9 +306,11 @@ async fn withdrawing_sets_the_deploy_labels_takes_over_once_the_operand_left_and
                 && l.contains("to leave")
         })
     });
-    assert_eq!(status["operator"]["withdrawing"], true);
+    let operator = status.operator.as_ref().expect("the operator in the status");
+    assert!(operator.withdrawing, "{operator:?}");
     assert_eq!(
-        status["operator"]["withdrawn"]["nvidia.com/gpu.deploy.device-plugin"], "true",
+        operator.withdrawn.get("nvidia.com/gpu.deploy.device-plugin"),
+        Some(&Some("true".to_string())),
         "the previous value is kept"
     );
     kubelet
@@ -316,7 +333,7 @@ async fn withdrawing_sets_the_deploy_labels_takes_over_once_the_operand_left_and
         .expect("the whole GPU");
     assert_ne!(file_id(&socket), theirs, "the dead socket was replaced by the agent's");
     node.wait_status(T, |s| {
-        operator_lines(s).is_empty() && common::stage(s, "device-plugin")["state"] == "ok"
+        operator_lines(s).is_empty() && common::stage_is(s, StageId::DevicePlugin, StageState::Ok)
     });
     common::event_posted(&api, "GpuOperatorConflictResolved").await;
     assert_eq!(agent.stop(), 0);
@@ -324,13 +341,7 @@ async fn withdrawing_sets_the_deploy_labels_takes_over_once_the_operand_left_and
     // Handing the node back: the labels as they were, the unset ones removed.
     let out = node.run(&["migrate", "--undo"]);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    let labels = api.labels(NODE);
-    assert_eq!(
-        labels.get("nvidia.com/gpu.deploy.device-plugin").map(String::as_str),
-        Some("true"),
-        "{labels:?}"
-    );
-    assert!(!labels.contains_key("nvidia.com/gpu.deploy.mig-manager"), "{labels:?}");
+    let labels = deploy_labels_handed_back(&api);
     assert_eq!(
         labels.get("nvidia.com/gpu.deploy.driver").map(String::as_str),
         Some("pre-installed")
@@ -360,9 +371,9 @@ async fn no_mig_change_while_nvidias_mig_manager_runs() {
     let agent = node.spawn();
     let pid = manager.pid();
     let status = node.wait_status(T, |s| {
-        let mig = common::stage(s, "mig");
-        mig["state"] == "pending"
-            && mig["error"].as_str().is_some_and(|e| {
+        let mig = common::stage(s, StageId::Mig);
+        mig.state == StageState::Pending
+            && mig.error.as_deref().is_some_and(|e| {
                 e.contains("nvidia-mig-manager") && e.contains(&format!("pid {pid}")) && e.contains("no MIG change")
             })
     });
@@ -370,7 +381,7 @@ async fn no_mig_change_while_nvidias_mig_manager_runs() {
         operator_lines(&status)
             .iter()
             .any(|l| l.contains("NVIDIA's mig-manager")),
-        "{status}"
+        "{status:?}"
     );
     let event = common::event_posted(&api, "GpuOperatorConflict").await;
     common::assert_event(
@@ -430,11 +441,11 @@ async fn a_tenants_process_named_like_mig_manager_does_not_hold_mig_back() {
         .await
         .expect("7 per GPU");
     assert!(tenant.running());
-    let status = node.status_json();
-    assert_eq!(common::stage(&status, "mig")["state"], "ok", "{status}");
+    let status = node.status();
+    assert_eq!(common::stage(&status, StageId::Mig).state, StageState::Ok, "{status:?}");
     assert!(
         operator_lines(&status).iter().all(|l| !l.contains("mig-manager")),
-        "{status}"
+        "{status:?}"
     );
     // Said once, naming the pid, the program and the pod.
     common::another_pass(&agent).await;
@@ -462,9 +473,9 @@ async fn mig_manager_in_the_operators_namespace_holds_mig_back() {
     let agent = node.spawn();
     let pid = manager.pid();
     node.wait_status(T, |s| {
-        let mig = common::stage(s, "mig");
-        mig["state"] == "pending"
-            && mig["error"].as_str().is_some_and(|e| {
+        let mig = common::stage(s, StageId::Mig);
+        mig.state == StageState::Pending
+            && mig.error.as_deref().is_some_and(|e| {
                 e.contains(&format!("pid {pid}, pod gpu-operator/nvidia-mig-manager-x7k2p"))
                     && e.contains("no MIG change")
             })
@@ -543,13 +554,7 @@ async fn unconfigure_puts_the_deploy_labels_back() {
     );
     let out = node.run(&["runtime", "unconfigure", "--no-restart"]);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    let labels = api.labels(NODE);
-    assert_eq!(
-        labels.get("nvidia.com/gpu.deploy.device-plugin").map(String::as_str),
-        Some("true"),
-        "{labels:?}"
-    );
-    assert!(!labels.contains_key("nvidia.com/gpu.deploy.mig-manager"), "{labels:?}");
+    deploy_labels_handed_back(&api);
     assert!(!node.root.join("var/lib/gpu-node-agent/operator-deploy-labels").exists());
 
     // Withdrawn again, then the API server goes away: unconfigure still succeeds and says how.
@@ -588,13 +593,7 @@ async fn unconfigure_puts_the_deploy_labels_back_on_the_node_they_were_set_on() 
         stdout.contains(&format!("node {NODE}: nvidia.com/gpu.deploy.device-plugin=true")),
         "{stdout}"
     );
-    let labels = api.labels(NODE);
-    assert_eq!(
-        labels.get("nvidia.com/gpu.deploy.device-plugin").map(String::as_str),
-        Some("true"),
-        "{labels:?}"
-    );
-    assert!(!labels.contains_key("nvidia.com/gpu.deploy.mig-manager"), "{labels:?}");
+    deploy_labels_handed_back(&api);
     assert_eq!(
         api.labels("gpu-node-2")
             .get("nvidia.com/gpu.deploy.device-plugin")
@@ -625,17 +624,18 @@ async fn the_operators_toolkit_keeps_the_engine_configs_and_the_device_plugin_go
     std::fs::write(validations.join("toolkit-ready"), "").expect("toolkit-ready");
     let agent = node.spawn();
     let status = node.wait_status(T, |s| {
-        let rt = common::stage(s, "runtime");
-        rt["state"] == "pending"
-            && rt["error"]
-                .as_str()
+        let rt = common::stage(s, StageId::Runtime);
+        rt.state == StageState::Pending
+            && rt
+                .error
+                .as_deref()
                 .is_some_and(|e| e.contains("NVIDIA's container toolkit") && e.contains("/etc/containerd/config.toml"))
     });
     assert!(
         operator_lines(&status)
             .iter()
             .any(|l| l.contains("nvidia.com/gpu.deploy.container-toolkit=false")),
-        "{status}"
+        "{status:?}"
     );
     // The device plugin goes on (the toolkit's runtime serves GPU containers meanwhile).
     kubelet.wait_for_registration(GPU, T).await.expect("nvidia.com/gpu");

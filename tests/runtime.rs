@@ -22,6 +22,7 @@ use gpu_node_agent::runtime::stage::{
     Applied, ApplyOptions, RuntimeError, apply, observe, plan, plan_unconfigure, recover,
 };
 use gpu_node_agent::runtime::{DefaultRuntime, NvidiaRuntime};
+use gpu_node_agent::status::{StageId, StageState};
 
 const CONTAINERD_MAIN: &str = "/etc/containerd/config.toml";
 const CONTAINERD_DROP_IN: &str = "/etc/containerd/conf.d/99-nvidia.toml";
@@ -1365,20 +1366,16 @@ fn only_the_kubelets_engine_failing_fails_the_runtime_stage() {
             Some(broken),
             "{kubelet}: docker untouched"
         );
-        let status = node.status_json();
-        let runtime = status["stages"]
-            .as_array()
-            .and_then(|stages| stages.iter().find(|s| s["name"] == "runtime"))
-            .cloned()
-            .unwrap_or_default();
-        let text = format!("{runtime}");
+        let status = node.status();
+        let runtime = common::stage(&status, StageId::Runtime);
+        let text = format!("{runtime:?}");
         assert!(
             text.contains("/etc/docker/daemon.json: line 3"),
             "{kubelet}: {text}\n{}",
             String::from_utf8_lossy(&out.stderr)
         );
-        let expected = if code == 0 { "ok" } else { "failed" };
-        assert_eq!(runtime["state"], expected, "{kubelet}: {text}");
+        let expected = if code == 0 { StageState::Ok } else { StageState::Failed };
+        assert_eq!(runtime.state, expected, "{kubelet}: {text}");
     }
 }
 
@@ -1389,36 +1386,32 @@ fn without_the_toolkit_the_runtime_stage_is_ok_and_the_rest_proceeds() {
     let node = engine_node(Engine::Containerd, None, NO_KUBERNETES);
     fs::remove_file(under(&node.root, RUNTIME_BINARY)).expect("remove runtime binary");
     let out = expect_exit(&node, &["run", "--once"], 0);
-    let status = node.status_json();
-    let stage = |name: &str| {
-        status["stages"]
-            .as_array()
-            .and_then(|stages| stages.iter().find(|s| s["name"] == name))
-            .cloned()
-            .unwrap_or_default()
-    };
-    let runtime = stage("runtime");
+    let status = node.status();
+    let stage = |id: StageId| common::stage(&status, id);
+    let runtime = stage(StageId::Runtime);
     assert_eq!(
-        runtime["state"],
-        "ok",
-        "{runtime}\n{}",
+        runtime.state,
+        StageState::Ok,
+        "{runtime:?}\n{}",
         String::from_utf8_lossy(&out.stderr)
     );
     assert!(
-        runtime["detail"]
-            .as_str()
+        runtime
+            .detail
+            .as_deref()
             .unwrap_or_default()
             .starts_with("CDI, no runtime, in containerd"),
-        "{runtime}"
+        "{runtime:?}"
     );
-    assert_eq!(stage("mig")["state"], "ok", "{}", stage("mig"));
-    let plugin = stage("device-plugin");
+    assert_eq!(stage(StageId::Mig).state, StageState::Ok, "{:?}", stage(StageId::Mig));
+    let plugin = stage(StageId::DevicePlugin);
     assert!(
-        plugin["detail"]
-            .as_str()
+        plugin
+            .detail
+            .as_deref()
             .unwrap_or_default()
             .contains("would advertise nvidia.com/gpu"),
-        "the device plugin is not held back: {plugin}"
+        "the device plugin is not held back: {plugin:?}"
     );
     let log = String::from_utf8_lossy(&out.stderr);
     assert!(
@@ -1912,16 +1905,12 @@ fn a_failing_stage_is_retried_on_its_backoff_schedule_not_every_pass() {
         "the attempts of one cause are counted\n{log}"
     );
     // Passes kept coming every 100 ms meanwhile: the stage was not run at each.
-    let status = node.status_json();
-    let stage = common::stage(&status, "runtime");
-    assert_eq!(stage["state"], "failed", "{status}");
+    let status = node.status();
+    let stage = common::stage(&status, StageId::Runtime);
+    assert_eq!(stage.state, StageState::Failed, "{status:?}");
     // SIGHUP: the operator asks for every stage now.
     let before = at.len();
-    nix::sys::signal::kill(
-        nix::unistd::Pid::from_raw(agent.pid()),
-        nix::sys::signal::Signal::SIGHUP,
-    )
-    .expect("SIGHUP");
+    agent.sighup();
     let asked = std::time::Instant::now();
     while attempts(&agent.log_text()).len() == before {
         assert!(std::time::Instant::now() < deadline, "{}", agent.log_text());

@@ -7,6 +7,7 @@ mod common;
 use std::time::Duration;
 
 use common::{Node, gpu_uuid, machine};
+use gpu_node_agent::desired::ProfileState;
 use test_apiserver::TestApiServer;
 use test_kubelet::{Event, TestKubelet};
 
@@ -130,8 +131,10 @@ async fn four_replicas_on_two_gpus_are_eight_shared_gpus_one_per_container() {
         .expect("preferred");
     assert_eq!(single, [want[4].clone()], "distributed");
     api.set_label(NODE, PROFILE, Some("packed4"));
-    let status = node.wait_status(T, |s| s["desired"]["profile"]["applied"] == "packed4");
-    assert_eq!(status["pid"], agent.pid());
+    let status = node.wait_status(T, |s| {
+        common::desired_is(s, |d| d.profile.applied.as_deref() == Some("packed4"))
+    });
+    assert_eq!(i64::from(status.pid), i64::from(agent.pid()));
     let packed = async {
         loop {
             let got = kubelet.preferred_allocation(SHARED, &one_busy, &[], 1).await;
@@ -164,8 +167,10 @@ async fn four_replicas_on_two_gpus_are_eight_shared_gpus_one_per_container() {
     // A profile that does not exist changes nothing and says so.
     api.set_label(NODE, PROFILE, Some("shared8"));
     wait_label(&api, PROFILE_STATE, Some("failed")).await;
-    let status = node.wait_status(T, |s| s["desired"]["profile"]["state"] == "failed");
-    let reason = status["desired"]["profile"]["reason"].as_str().unwrap_or_default();
+    let status = node.wait_status(T, |s| {
+        common::desired_is(s, |d| d.profile.state == ProfileState::Failed)
+    });
+    let reason = common::desired(&status).profile.reason.as_deref().unwrap_or_default();
     assert!(
         reason.contains("shared8") && reason.contains("nothing changed"),
         "{reason}"
@@ -211,8 +216,10 @@ async fn a_label_change_swaps_shared_resources_in_place() {
     kubelet.wait_for_devices(MIG3G, T, |d| d.len() == 1).await.expect("3g");
     wait_label(&api, "nvidia.com/gpu.replicas", Some("4")).await;
     wait_label(&api, "nvidia.com/mig-1g.10gb.replicas", Some("1")).await;
-    let status = node.wait_status(T, |s| s["desired"]["profile"]["applied"] == "share-gpu");
-    let pid = status["pid"].clone();
+    let status = node.wait_status(T, |s| {
+        common::desired_is(s, |d| d.profile.applied.as_deref() == Some("share-gpu"))
+    });
+    let pid = status.pid;
     let registrations = kubelet.registrations().len();
     let mut events = kubelet.subscribe();
 
@@ -235,9 +242,11 @@ async fn a_label_change_swaps_shared_resources_in_place() {
     wait_label(&api, "nvidia.com/gpu.replicas", Some("1")).await;
 
     // Same process; the servers of removed resources stopped and their sockets went.
-    let status = node.wait_status(T, |s| s["desired"]["profile"]["applied"] == "share-mig");
-    assert_eq!(status["pid"], pid);
-    assert_eq!(pid, agent.pid());
+    let status = node.wait_status(T, |s| {
+        common::desired_is(s, |d| d.profile.applied.as_deref() == Some("share-mig"))
+    });
+    assert_eq!(status.pid, pid);
+    assert_eq!(i64::from(pid), i64::from(agent.pid()));
     let sockets = node.sockets();
     for gone in ["nvidia-gpu.shared.sock", "nvidia-mig-1g.10gb.sock"] {
         assert!(!sockets.contains(&gone.to_string()), "{gone} in {sockets:?}");

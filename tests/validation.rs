@@ -9,6 +9,7 @@ use std::path::Path;
 use std::time::Duration;
 
 use common::Node;
+use gpu_node_agent::status::{StageId, StageState, Status};
 use test_kubelet::{KubeletOptions, TestKubelet};
 
 const T: Duration = Duration::from_secs(15);
@@ -20,8 +21,12 @@ fn node(extra: &str) -> Node {
     )
 }
 
-fn validation(status: &serde_json::Value) -> serde_json::Value {
-    common::stage(status, "validation")
+/// `run --once` failing (exit 1): the validation stage's error.
+fn validation_error_of_a_failed_pass(node: &Node) -> String {
+    node.run_once(1);
+    common::stage_error(&node.status(), StageId::Validation)
+        .unwrap_or_default()
+        .to_string()
 }
 
 fn executable(path: &Path, body: &str) {
@@ -38,8 +43,10 @@ async fn every_check_passes_or_is_not_applicable_on_a_healthy_node() {
         .await
         .expect("kubelet");
     let agent = node.spawn();
-    let status = node.wait_status(T, |s| validation(s)["state"] == "ok");
-    let detail = validation(&status)["detail"].as_str().unwrap_or_default().to_string();
+    let status = node.wait_status(T, |s| common::stage_is(s, StageId::Validation, StageState::Ok));
+    let detail = common::stage_detail(&status, StageId::Validation)
+        .unwrap_or_default()
+        .to_string();
     assert_eq!(
         detail,
         "driver ok, runtime skipped, cuda skipped, device-plugin ok",
@@ -47,8 +54,8 @@ async fn every_check_passes_or_is_not_applicable_on_a_healthy_node() {
         agent.log_text()
     );
     assert_eq!(
-        status["labels"]["nvidia.com/gpu-node-agent.validation.state"],
-        "success"
+        common::label(&status, "nvidia.com/gpu-node-agent.validation.state"),
+        Some("success")
     );
     // Passing from the start is no recovery: no validation Event at all.
     common::another_pass(&agent).await;
@@ -72,10 +79,15 @@ async fn a_gpu_missing_from_nvml_fails_validation_and_the_plugin_keeps_serving()
         .await
         .expect("kubelet");
     let agent = node.spawn();
-    let status = node.wait_status(T, |s| validation(s)["state"] == "failed");
-    let error = validation(&status)["error"].as_str().unwrap_or_default().to_string();
+    let status = node.wait_status(T, |s| common::stage_is(s, StageId::Validation, StageState::Failed));
+    let error = common::stage_error(&status, StageId::Validation)
+        .unwrap_or_default()
+        .to_string();
     assert!(error.contains("driver:") && error.contains("NVML sees 2"), "{error}");
-    assert_eq!(status["labels"]["nvidia.com/gpu-node-agent.validation.state"], "failed");
+    assert_eq!(
+        common::label(&status, "nvidia.com/gpu-node-agent.validation.state"),
+        Some("failed")
+    );
     let devices = kubelet
         .wait_for_devices("nvidia.com/gpu", T, |d| d.len() == 2)
         .await
@@ -97,7 +109,7 @@ async fn a_gpu_missing_from_nvml_fails_validation_and_the_plugin_keeps_serving()
     // The GPU gone from the bus: validation passes again, posted once.
     std::fs::remove_dir_all(&extra).expect("rm");
     common::another_pass(&agent).await;
-    node.wait_status(T, |s| validation(s)["state"] == "ok");
+    node.wait_status(T, |s| common::stage_is(s, StageId::Validation, StageState::Ok));
     let event = common::event_posted(&api, "ValidationRecovered").await;
     common::assert_event(&event, "Normal", &["validation passes again", "driver ok"]);
     common::another_pass(&agent).await;
@@ -126,14 +138,15 @@ fn an_engine_that_is_not_active_fails_the_runtime_check() {
         &node.root.join("usr/bin/systemctl"),
         "#!/bin/sh\n[ \"$1\" = is-active ] && { echo failed; exit 3; }\nexit 0\n",
     );
-    let out = node.run(&["run", "--once"]);
-    assert_eq!(out.status.code(), Some(1), "{}", String::from_utf8_lossy(&out.stderr));
-    let status = node.status_json();
-    let error = validation(&status)["error"].as_str().unwrap_or_default().to_string();
+    node.run_once(1);
+    let status = node.status();
+    let error = common::stage_error(&status, StageId::Validation)
+        .unwrap_or_default()
+        .to_string();
     assert!(error.contains("runtime: containerd.service is failed"), "{error}");
     assert_eq!(
-        common::stage(&status, "runtime")["state"],
-        "ok",
+        common::stage(&status, StageId::Runtime).state,
+        StageState::Ok,
         "the runtime stage itself wrote its files"
     );
 }
@@ -182,12 +195,7 @@ fn cuda_is_not_available_without_libcuda_and_fails_cleanly_with_a_broken_one() {
     );
 
     // The stage runs the same check in a child process and reports it.
-    let out = node.run(&["run", "--once"]);
-    assert_eq!(out.status.code(), Some(1));
-    let error = validation(&node.status_json())["error"]
-        .as_str()
-        .unwrap_or_default()
-        .to_string();
+    let error = validation_error_of_a_failed_pass(&node);
     assert!(error.contains("cuda: cuInit: CUDA error 100"), "{error}");
 }
 
@@ -269,12 +277,7 @@ fn a_gpu_failing_the_cuda_kernel_is_named_as_nvml_knows_it() {
     );
     assert_eq!(answer["devices"][0]["pci_bus_id"], "0000:11:00.0");
 
-    let out = node.run(&["run", "--once"]);
-    assert_eq!(out.status.code(), Some(1));
-    let error = validation(&node.status_json())["error"]
-        .as_str()
-        .unwrap_or_default()
-        .to_string();
+    let error = validation_error_of_a_failed_pass(&node);
     assert!(
         error.contains(&format!(
             "cuda: GPU 1 ({}, 00000000:11:00.0; CUDA device 0): cuLaunchKernel: CUDA error 719",
@@ -297,12 +300,7 @@ fn a_gpu_cuda_does_not_see_fails_the_cuda_check_naming_it() {
         "{}",
         String::from_utf8_lossy(&out.stdout)
     );
-    let out = node.run(&["run", "--once"]);
-    assert_eq!(out.status.code(), Some(1));
-    let error = validation(&node.status_json())["error"]
-        .as_str()
-        .unwrap_or_default()
-        .to_string();
+    let error = validation_error_of_a_failed_pass(&node);
     assert!(
         error.contains(&format!(
             "cuda: CUDA sees 1 device(s) but NVML sees 2 GPU(s): not a CUDA device: GPU 0 ({}, 00000000:10:00.0)",
@@ -314,13 +312,12 @@ fn a_gpu_cuda_does_not_see_fails_the_cuda_check_naming_it() {
     // Both GPUs seen and working: the check passes.
     fake_libcuda(&node, 2, -1);
     let out = node.run(&["run", "--once"]);
-    let status = node.status_json();
+    let status = node.status();
     assert!(
-        validation(&status)["detail"]
-            .as_str()
+        common::stage_detail(&status, StageId::Validation)
             .unwrap_or_default()
             .contains("cuda ok"),
-        "{status}: {}",
+        "{status:?}: {}",
         String::from_utf8_lossy(&out.stderr)
     );
 }
@@ -330,17 +327,20 @@ fn without_a_kubelet_the_device_plugin_check_waits() {
     let node = node("");
     let agent = node.spawn();
     let status = node.wait_status(T, |s| {
-        validation(s)["state"] == "pending" && validation(s)["error"].is_string()
+        common::stage_is(s, StageId::Validation, StageState::Pending)
+            && common::stage_error(s, StageId::Validation).is_some()
     });
-    let error = validation(&status)["error"].as_str().unwrap_or_default().to_string();
+    let error = common::stage_error(&status, StageId::Validation)
+        .unwrap_or_default()
+        .to_string();
     assert!(
         error.contains("device-plugin: the kubelet is not running"),
         "{error}: {}",
         agent.log_text()
     );
     assert_eq!(
-        status["labels"]["nvidia.com/gpu-node-agent.validation.state"],
-        "pending"
+        common::label(&status, "nvidia.com/gpu-node-agent.validation.state"),
+        Some("pending")
     );
 }
 
@@ -360,22 +360,13 @@ async fn the_running_agent_serves_dcgm_and_stage_metrics() {
         .await
         .expect("kubelet");
     let agent = node.spawn();
-    node.wait_status(T, |s| validation(s)["state"] == "ok");
-    let scrape = || -> Option<String> {
-        use std::io::{Read, Write};
-        let mut stream = std::net::TcpStream::connect(("127.0.0.1", port)).ok()?;
-        stream
-            .write_all(b"GET /metrics HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n")
-            .ok()?;
-        let mut body = String::new();
-        stream.read_to_string(&mut body).ok()?;
-        Some(body)
-    };
+    node.wait_status(T, |s| common::stage_is(s, StageId::Validation, StageState::Ok));
+    let addr = std::net::SocketAddr::from(([127, 0, 0, 1], port));
     let deadline = std::time::Instant::now() + T;
-    let body = loop {
-        let body = scrape().unwrap_or_default();
+    let (head, body) = loop {
+        let (head, body) = common::scrape::request(addr, "GET", "/metrics", None).unwrap_or_default();
         if body.contains("DCGM_FI_DEV_GPU_TEMP{") && body.contains("stage=\"validation\",state=\"ok\"") {
-            break body;
+            break (head, body);
         }
         assert!(
             std::time::Instant::now() < deadline,
@@ -384,7 +375,7 @@ async fn the_running_agent_serves_dcgm_and_stage_metrics() {
         );
         std::thread::sleep(Duration::from_millis(100));
     };
-    assert!(body.starts_with("HTTP/1.1 200"), "{body}");
+    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
     assert!(body.contains(&format!("UUID=\"{}\"", common::gpu_uuid(0))), "{body}");
     assert!(body.contains("Hostname=\"gpu-node-1\""), "{body}");
     assert!(
@@ -424,18 +415,21 @@ async fn a_registered_resource_nobody_watches_keeps_the_device_plugin_check_wait
             .serve_with_incoming(tokio_stream::wrappers::UnixListenerStream::new(listener)),
     );
     let agent = node.spawn();
-    let waiting = |s: &serde_json::Value| {
-        validation(s)["state"] == "pending"
-            && validation(s)["error"]
-                .as_str()
+    let waiting = |s: &Status| {
+        common::stage_is(s, StageId::Validation, StageState::Pending)
+            && common::stage_error(s, StageId::Validation)
                 .is_some_and(|e| e.contains("device-plugin: registered, but the kubelet has no ListAndWatch stream"))
     };
-    let status = node.wait_status(T, |s| waiting(s) && common::stage(s, "device-plugin")["state"] == "ok");
-    let error = validation(&status)["error"].as_str().unwrap_or_default().to_string();
+    let status = node.wait_status(T, |s| {
+        waiting(s) && common::stage_is(s, StageId::DevicePlugin, StageState::Ok)
+    });
+    let error = common::stage_error(&status, StageId::Validation)
+        .unwrap_or_default()
+        .to_string();
     assert!(error.ends_with("open yet: nvidia.com/gpu"), "{error}");
     assert_eq!(
-        status["labels"]["nvidia.com/gpu-node-agent.validation.state"],
-        "pending"
+        common::label(&status, "nvidia.com/gpu-node-agent.validation.state"),
+        Some("pending")
     );
 
     // The test watches in the kubelet's place: the check passes with what was listed.
@@ -449,10 +443,10 @@ async fn a_registered_resource_nobody_watches_keeps_the_device_plugin_check_wait
         .into_inner();
     let first = stream.message().await.expect("a message").expect("the device list");
     assert_eq!(first.devices.len(), 2);
-    let status = node.wait_status(T, |s| validation(s)["state"] == "ok");
+    let status = node.wait_status(T, |s| common::stage_is(s, StageId::Validation, StageState::Ok));
     assert_eq!(
-        validation(&status)["detail"],
-        "driver ok, runtime skipped, cuda skipped, device-plugin ok",
+        common::stage_detail(&status, StageId::Validation),
+        Some("driver ok, runtime skipped, cuda skipped, device-plugin ok"),
         "{}",
         agent.log_text()
     );
@@ -475,14 +469,19 @@ async fn gpus_with_nothing_advertised_fail_the_device_plugin_check() {
         .await
         .expect("kubelet");
     let agent = node.spawn();
-    let status = node.wait_status(T, |s| validation(s)["state"] == "failed");
-    let error = validation(&status)["error"].as_str().unwrap_or_default().to_string();
+    let status = node.wait_status(T, |s| common::stage_is(s, StageId::Validation, StageState::Failed));
+    let error = common::stage_error(&status, StageId::Validation)
+        .unwrap_or_default()
+        .to_string();
     assert!(
         error.starts_with("device-plugin: no device advertised to the kubelet for 2 GPU(s): "),
         "{error}: {}",
         agent.log_text()
     );
-    assert_eq!(status["labels"]["nvidia.com/gpu-node-agent.validation.state"], "failed");
+    assert_eq!(
+        common::label(&status, "nvidia.com/gpu-node-agent.validation.state"),
+        Some("failed")
+    );
     assert!(kubelet.resources().is_empty(), "{:?}", kubelet.resources());
 }
 
@@ -512,21 +511,21 @@ async fn a_mig_change_runs_the_cuda_check_again() {
     while runs() == 0 {
         assert!(
             std::time::Instant::now() < deadline,
-            "the CUDA check never ran: {}",
-            validation(&node.status_json())
+            "the CUDA check never ran: {:?}",
+            common::find_stage(&node.status(), StageId::Validation)
         );
         std::thread::sleep(std::time::Duration::from_millis(50));
     }
     let first = runs();
     std::fs::write(&labels, "nvidia.com/mig.config=all-1g.5gb\n").expect("label");
     node.wait_status(std::time::Duration::from_secs(30), |s| {
-        s["labels"]["nvidia.com/mig.config.state"] == "success"
+        common::label(s, "nvidia.com/mig.config.state") == Some("success")
     });
     while runs() == first {
         assert!(
             std::time::Instant::now() < deadline + std::time::Duration::from_secs(30),
-            "the CUDA check did not run again after the MIG change ({first} runs before): {}",
-            validation(&node.status_json())
+            "the CUDA check did not run again after the MIG change ({first} runs before): {:?}",
+            common::find_stage(&node.status(), StageId::Validation)
         );
         std::thread::sleep(std::time::Duration::from_millis(50));
     }

@@ -5,6 +5,13 @@
 #![allow(dead_code)]
 
 pub mod cri;
+pub mod scrape;
+pub mod status;
+
+#[allow(unused_imports)]
+pub use status::{
+    desired, desired_error, desired_is, find_stage, label, read_status, stage, stage_detail, stage_error, stage_is,
+};
 
 use std::fs;
 use std::io::Write;
@@ -357,6 +364,24 @@ impl Node {
         dir
     }
 
+    /// Writes `/etc/gpu-node-agent/labels` (`key=value` lines), the file a test's
+    /// `[desired] labels_file` points at: the desired state without an API server.
+    pub fn write_labels(&self, lines: &str) {
+        fs::write(self.root.join("etc/gpu-node-agent/labels"), lines).expect("labels");
+    }
+
+    /// `run --once`, asserted to exit with `code` (its stderr shown when not); its output.
+    pub fn run_once(&self, code: i32) -> Output {
+        let out = self.run(&["run", "--once"]);
+        assert_eq!(
+            out.status.code(),
+            Some(code),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        out
+    }
+
     /// Appends a line to a fake-NVML injection file (`xid`, `processes`, `lost`).
     pub fn inject(&self, file: &str, line: &str) {
         fs::create_dir_all(&self.state).expect("state dir");
@@ -384,29 +409,6 @@ impl Node {
             .unwrap_or_default();
         names.sort();
         names
-    }
-
-    pub fn status_json(&self) -> serde_json::Value {
-        let text = fs::read_to_string(self.status_path()).expect("status.json");
-        serde_json::from_str(&text).expect("status.json parses")
-    }
-
-    /// Polls status.json until `pred` holds.
-    pub fn wait_status(&self, timeout: Duration, pred: impl Fn(&serde_json::Value) -> bool) -> serde_json::Value {
-        let deadline = Instant::now() + timeout;
-        loop {
-            if let Ok(text) = fs::read_to_string(self.status_path())
-                && let Ok(v) = serde_json::from_str::<serde_json::Value>(&text)
-                && pred(&v)
-            {
-                return v;
-            }
-            if Instant::now() > deadline {
-                let text = fs::read_to_string(self.status_path()).unwrap_or_default();
-                panic!("status.json did not reach the expected state in {timeout:?}; last:\n{text}");
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
     }
 }
 
@@ -453,6 +455,13 @@ impl Agent {
         }
     }
 
+    /// SIGHUP: the agent re-reads its config and runs every stage again at once (not waiting
+    /// for the stages' backoffs). See [`another_pass`] to also wait for that pass.
+    pub fn sighup(&self) {
+        nix::sys::signal::kill(nix::unistd::Pid::from_raw(self.pid()), nix::sys::signal::Signal::SIGHUP)
+            .expect("SIGHUP");
+    }
+
     /// Whether the process is still running.
     pub fn running(&mut self) -> bool {
         self.child
@@ -495,15 +504,6 @@ pub fn healthy(devices: &[test_kubelet::api::Device], id: &str) -> Option<bool> 
 
 pub fn path_str(p: &Path) -> String {
     p.display().to_string()
-}
-
-/// The stage `name` in a status.json value (`null` if absent).
-pub fn stage(status: &serde_json::Value, name: &str) -> serde_json::Value {
-    status["stages"]
-        .as_array()
-        .and_then(|stages| stages.iter().find(|s| s["name"] == name))
-        .cloned()
-        .unwrap_or(serde_json::Value::Null)
 }
 
 /// The pod UID and container ID [`Node::pod_process`] puts a process in.
@@ -663,11 +663,7 @@ pub fn assert_event(event: &serde_json::Value, kind: &str, parts: &[&str]) {
 pub async fn another_pass(agent: &Agent) {
     let sighups = |log: &str| log.matches("SIGHUP: re-reading").count();
     let before = sighups(&agent.log_text());
-    nix::sys::signal::kill(
-        nix::unistd::Pid::from_raw(agent.pid()),
-        nix::sys::signal::Signal::SIGHUP,
-    )
-    .expect("SIGHUP");
+    agent.sighup();
     let deadline = Instant::now() + Duration::from_secs(20);
     while sighups(&agent.log_text()) <= before {
         assert!(Instant::now() < deadline, "no SIGHUP in the log:\n{}", agent.log_text());
