@@ -18,21 +18,19 @@ use crate::config::{Config, DevicePluginConfig};
 use crate::desired::{Desired, ProfileOutcome, ProfileState, Selection, choose_profile};
 use crate::devices::Topology;
 use crate::exit::Exit;
+use crate::host::HostRoot;
 use crate::host::arch::HostArch;
-use crate::host::{HostRoot, hostname};
 use crate::kube::EventType;
-use crate::labels::gfd::{FeatureInputs, feature_labels};
-use crate::mig::stage::MigState as MigLabelState;
 use crate::nvml::{GpuError, Gpus, HealthEvent, Inventory};
 use crate::plugin::allocate::AllocateOptions;
 use crate::plugin::devnodes::DeviceNodes;
 use crate::plugin::health::{HealthPolicy, HealthTracker};
 use crate::plugin::manager::{Command, PluginManager, PluginStatus};
-use crate::plugin::resources::{Health, Resource};
+use crate::plugin::resources::Resource;
 use crate::plugin::server::{PluginContext, PluginStats};
-use crate::plugin::sharing::{SharingError, apply_sharing, feature_sharing};
-use crate::plugin::strategy::{StrategyError, build_resources, mig_plugin_devices, whole_gpu};
-use crate::status::{DesiredStatus, GpuStatus, MigStatus, STATUS_VERSION, StageId, StageState, Status, now_unix};
+use crate::plugin::sharing::{SharingError, apply_sharing};
+use crate::plugin::strategy::{StrategyError, build_resources};
+use crate::status::{StageId, StageState};
 
 mod devnodes;
 mod driver;
@@ -42,7 +40,9 @@ mod metrics;
 mod mig;
 mod mps;
 mod operator;
+mod pass;
 pub mod plan;
+mod report;
 mod runtime;
 mod stage;
 mod validation;
@@ -50,6 +50,7 @@ mod validation;
 pub use driver::driver_command;
 pub use mig::mig_command;
 pub use operator::migrate_command;
+use pass::{Note, Outbox, Pass};
 pub use runtime::{cdi_generate, runtime_command};
 use stage::Stages;
 
@@ -155,12 +156,7 @@ const PIPELINE: [(StageId, &[StageId], Step); 5] = [
     (
         StageId::Validation,
         &[StageId::Driver, StageId::Runtime, StageId::DevicePlugin],
-        |a| {
-            Box::pin(async move {
-                a.validation_step().await;
-                true
-            })
-        },
+        |a| Box::pin(a.validation_step()),
     ),
 ];
 
@@ -182,12 +178,35 @@ fn registration_settled(status: &PluginStatus, desired: &[String]) -> bool {
         })
 }
 
+/// The pass as `agent` sees it now, for a stage's step ([`Pass`]): borrows the fields one by
+/// one, so the stage stepped (another field) can be borrowed mutably beside it.
+macro_rules! pass {
+    ($a:expr) => {
+        Pass {
+            config: &$a.config,
+            root: &$a.root,
+            once: $a.once,
+            stop: &$a.stop,
+            gpus: $a.gpus.as_ref(),
+            inventory: $a.inventory.as_ref(),
+            view: &$a.view,
+            desired: &$a.desired_sel,
+            dp: &$a.dp,
+            stages: &$a.stages,
+            withdrawn: &$a.withdrawn,
+            plugin: &$a.plugin_status,
+            advertised: &$a.desired,
+            plan_error: $a.plan_error.as_deref(),
+            runtime_plan: $a.runtime.plan.as_ref(),
+        }
+    };
+}
+
 /// The running agent's state.
 struct Agent {
     config: Config,
     root: HostRoot,
     once: bool,
-    node: String,
     gpus: Option<Gpus>,
     inventory: Option<Inventory>,
     /// Device health, kept by the health relay task (see [`health`]); read here for reports.
@@ -209,7 +228,6 @@ struct Agent {
     desired: Vec<String>,
     /// Why the device-plugin stage cannot advertise what it should (inventory or strategy).
     plan_error: Option<String>,
-    last_status: Option<Status>,
     /// The effective `[device_plugin]` settings: the config with the selected profile applied.
     dp: DevicePluginConfig,
     /// How the device plugin profile was chosen, for labels, Events and status.
@@ -220,18 +238,10 @@ struct Agent {
     view: LabelsView,
     /// What those labels ask for.
     desired_sel: Desired,
-    /// The machine's DMI product name, for the `gpu.machine` label.
-    machine: Option<String>,
-    /// A vGPU guest, for the `vgpu.present` label ([`crate::labels::vgpu`]).
-    vgpu: bool,
     /// What the runtime stage keeps between passes.
     runtime: runtime::RuntimeStage,
-    /// The last pass's validation checks (the device plugin's is added as its status changes).
-    validation_checks: Vec<(&'static str, validation::Outcome)>,
-    /// Every check as last shown.
-    validation_detail: Vec<(&'static str, validation::Outcome)>,
-    /// The CUDA check's last run.
-    cuda_run: Option<validation::CudaRun>,
+    /// The validation stage.
+    validation: validation::ValidationStage,
     /// When the main loop last went round (for the watchdog task).
     heartbeat: Arc<std::sync::atomic::AtomicU64>,
     /// Set while a step that may legitimately hold the loop for long runs.
@@ -249,10 +259,8 @@ struct Agent {
     /// The DRA driver (`[dra] enabled`): the inventory goes to it; its status and what its
     /// claims hold (the MIG stage leaves those GPUs alone) come back.
     dra: Option<crate::dra::DraHandle>,
-    /// systemd's notify socket (READY, STATUS, WATCHDOG), a no-op outside systemd.
-    notifier: crate::notify::Notifier,
-    /// The last `STATUS=` sent.
-    notified_status: String,
+    /// The status file, the Node's labels and Events, systemd's `STATUS=`.
+    reporter: report::Reporter,
     /// GPUs (UUIDs) withdrawn from the kubelet while their MIG layout changes.
     withdrawn: BTreeSet<String>,
     /// What the driver stage keeps between passes.
@@ -293,10 +301,10 @@ pub async fn run(config: Config, root: HostRoot, once: bool) -> Result<i32, Agen
         shared_policy: dp.sharing.policy,
     };
     let retry = (config.agent.retry_min, config.agent.retry_max);
+    let reporter = report::Reporter::new(&root);
     let mut agent = Agent {
         tracker: health::SharedTracker::new(HealthTracker::new(health_policy(&config))),
         stop: stop.clone(),
-        node: hostname(&root),
         stages: Stages::new(retry),
         config,
         root,
@@ -312,7 +320,6 @@ pub async fn run(config: Config, root: HostRoot, once: bool) -> Result<i32, Agen
         base_ctx,
         desired: Vec::new(),
         plan_error: None,
-        last_status: None,
         dp,
         profile,
         link: None,
@@ -324,12 +331,8 @@ pub async fn run(config: Config, root: HostRoot, once: bool) -> Result<i32, Agen
             error: None,
         },
         desired_sel: Desired::none(),
-        machine: None,
-        vgpu: false,
         runtime: runtime::RuntimeStage::default(),
-        validation_checks: Vec::new(),
-        validation_detail: Vec::new(),
-        cuda_run: None,
+        validation: validation::ValidationStage::default(),
         heartbeat: Arc::new(std::sync::atomic::AtomicU64::new(crate::notify::now_ms())),
         long_step: Arc::new(AtomicBool::new(false)),
         metrics: None,
@@ -339,16 +342,13 @@ pub async fn run(config: Config, root: HostRoot, once: bool) -> Result<i32, Agen
         mps: mps::MpsState::new(),
         withdrawn: BTreeSet::new(),
         dra: None,
-        notifier: crate::notify::Notifier::from_env(),
-        notified_status: String::new(),
+        reporter,
         driver: driver::DriverStage::default(),
         operator: operator::OperatorState::default(),
         devnode_problems: BTreeSet::new(),
         dev_char: None,
         no_gpu: None,
     };
-    agent.machine = machine_name(&agent.root);
-    agent.vgpu = crate::labels::vgpu::vgpu_present(&agent.root);
 
     // The cluster link: the desired state comes from it before the first reconcile. Under
     // `run --once` too: a bootstrap applies the MIG layout the labels ask for before the
@@ -444,8 +444,12 @@ pub async fn run(config: Config, root: HostRoot, once: bool) -> Result<i32, Agen
     };
     // Until READY, a long step (a driver install or build) extends systemd's start timeout while
     // it runs.
-    let extend_start = (!once && agent.notifier.enabled()).then(|| {
-        let every = agent.notifier.watchdog_interval().unwrap_or(EXTEND_START_EVERY);
+    let extend_start = (!once && agent.reporter.notifier().enabled()).then(|| {
+        let every = agent
+            .reporter
+            .notifier()
+            .watchdog_interval()
+            .unwrap_or(EXTEND_START_EVERY);
         tokio::spawn(crate::notify::extend_start(every, agent.long_step.clone()))
     });
     // The driver first: on a fresh node NVML only loads once the driver stage installed it.
@@ -505,14 +509,14 @@ pub async fn run(config: Config, root: HostRoot, once: bool) -> Result<i32, Agen
     nvml_retry.tick().await;
     // The first reconcile has finished (or reached a state it reports): systemd may go on.
     agent.notify_status();
-    agent.notifier.send("READY=1");
+    agent.reporter.notifier().send("READY=1");
     if let Some(task) = extend_start {
         task.abort();
     }
     // The watchdog: the main loop beats on every interval; a separate task tells systemd while
     // the beats are recent, or while a long step (a driver build, an engine restart) is known to
     // hold the loop.
-    let watchdog_every = agent.notifier.watchdog_interval();
+    let watchdog_every = agent.reporter.notifier().watchdog_interval();
     let mut watchdog = tokio::time::interval(watchdog_every.unwrap_or(Duration::from_secs(3600)));
     if let Some(every) = watchdog_every {
         tokio::spawn(crate::notify::watchdog(
@@ -586,7 +590,7 @@ pub async fn run(config: Config, root: HostRoot, once: bool) -> Result<i32, Agen
 
     // Stop: the relay ends when its channel closes, and the manager (which stops every server
     // and removes its sockets) when the relay's closes.
-    agent.notifier.send("STOPPING=1\nSTATUS=stopping");
+    agent.reporter.notifier().send("STOPPING=1\nSTATUS=stopping");
     agent.commands = None;
     if let Some(task) = relay_task {
         let _ = task.await;
@@ -717,6 +721,42 @@ async fn sleep_until(at: Option<Instant>) {
 }
 
 impl Agent {
+    /// Routes what a stage said: statuses to the stage table, Events to the Node, a change of
+    /// devices to the inventory and the validation stage.
+    fn route(&mut self, out: &mut Outbox) {
+        for note in out.take() {
+            match note {
+                Note::Status {
+                    id,
+                    state,
+                    error,
+                    detail,
+                } => self.stages[id].set(state, error, detail),
+                Note::Event { kind, reason, message } => self.event(kind, reason, message),
+                Note::DevicesChanged => {
+                    self.inventory = None;
+                    self.validation.devices_changed();
+                    self.stages[StageId::Validation].now();
+                }
+            }
+        }
+    }
+
+    /// The validation stage's step.
+    async fn validation_step(&mut self) -> bool {
+        let mut out = Outbox::default();
+        let ok = self.validation.step(&pass!(self), &mut out).await;
+        self.route(&mut out);
+        ok
+    }
+
+    /// The validation stage's device plugin check follows the plugin's status.
+    fn show_validation(&mut self) {
+        let mut out = Outbox::default();
+        self.validation.show(&pass!(self), &mut out);
+        self.route(&mut out);
+    }
+
     /// Drops NVML (before the driver under it is unloaded): the health watcher stops, the
     /// inventory is forgotten.
     fn close_nvml(&mut self) {
@@ -810,7 +850,9 @@ impl Agent {
             self.write_status("running");
             return;
         }
-        self.operator_check();
+        let mut out = Outbox::default();
+        self.operator.check(&pass!(self), &mut out);
+        self.route(&mut out);
         let now = Instant::now();
         let mut passed = Vec::new();
         let mut durations = Vec::new();
@@ -1137,271 +1179,37 @@ impl Agent {
 
     /// `STATUS=` for systemd: each stage's state, with the first problem's reason.
     fn notify_status(&mut self) {
-        if !self.notifier.enabled() {
-            return;
-        }
-        if let Some(why) = &self.no_gpu {
-            let line = crate::notify::status_line(why);
-            if line != self.notified_status {
-                self.notifier.send(&format!("STATUS={line}"));
-                self.notified_status = line;
-            }
-            return;
-        }
-        let stages = &self.stages;
-        let mut line = stages
-            .iter()
-            .map(|s| format!("{} {}", s.status.name, s.status.state.as_str()))
-            .collect::<Vec<_>>()
-            .join(", ");
-        if let Some(problem) = stages.iter().find_map(|s| s.status.error.as_deref()) {
-            line.push_str(&format!(" — {problem}"));
-        }
-        let line = crate::notify::status_line(&line);
-        if line != self.notified_status {
-            self.notifier.send(&format!("STATUS={line}"));
-            self.notified_status = line;
-        }
+        self.reporter.notify(&self.stages, self.no_gpu.as_deref());
     }
 
+    /// Writes the status file and reports to the Node and systemd what changed.
     fn write_status(&mut self, state: &str) {
         self.notify_status();
         self.metrics_stages(&[]);
-        let tracker = self.tracker.lock();
-        let gpus = self
-            .inventory
-            .iter()
-            .flat_map(|i| i.gpus.iter())
-            .map(|g| {
-                let reason = tracker.reason(&whole_gpu(g));
-                let mig_devices = mig_plugin_devices(g)
-                    .filter_map(|d| {
-                        let reason = tracker.reason(&d);
-                        let mig = d.mig?;
-                        Some(MigStatus {
-                            uuid: d.uuid,
-                            profile: mig.profile,
-                            gi_id: mig.gi_id,
-                            ci_id: mig.ci_id,
-                            health: health_word(&reason).into(),
-                            reason,
-                        })
-                    })
-                    .collect();
-                GpuStatus {
-                    index: g.index,
-                    uuid: g.uuid.clone(),
-                    name: g.name.clone(),
-                    memory_mib: g.memory_mib,
-                    pci_bus_id: g.pci_bus_id.clone(),
-                    health: health_word(&reason).into(),
-                    reason,
-                    mig_enabled: g.mig.map(|m| m.current),
-                    mig_devices,
-                }
-            })
-            .collect();
-        drop(tracker);
-        let operator = self.operator_status();
-        let mut status = Status {
-            version: STATUS_VERSION,
-            agent_version: env!("CARGO_PKG_VERSION").into(),
-            node: self.node.clone(),
-            pid: std::process::id(),
-            state: state.into(),
-            updated: 0,
-            driver_version: self.inventory.as_ref().map(|i| i.driver_version.clone()),
-            cuda_driver_version: self.inventory.as_ref().map(|i| i.cuda_driver_version.clone()),
-            stages: self.stages.iter().map(|s| s.status.clone()).collect(),
-            gpus,
-            kubelet_present: self.plugin_status.kubelet_present,
-            resources: self.plugin_status.resources.clone(),
-            desired: self.link.as_ref().map(|_| DesiredStatus {
-                source: self.view.source,
-                detail: self.view.detail.clone(),
-                connected: self.view.connected,
-                error: self.view.error.clone(),
-                mig_config: self.desired_sel.mig_config.clone(),
-                device_plugin_config: self.desired_sel.device_plugin_config.clone(),
-                profile: self.profile.clone(),
-            }),
-            labels: self.wanted_labels().unwrap_or_default(),
+        let mut out = Outbox::default();
+        let operator = self
+            .operator
+            .status(&self.config, &self.root, &self.plugin_status, &mut out);
+        self.route(&mut out);
+        let report = report::Report {
+            config: &self.config,
+            root: &self.root,
+            stages: &self.stages,
+            inventory: self.inventory.as_ref(),
+            tracker: &self.tracker,
+            plugin: &self.plugin_status,
+            link: self.link.as_ref(),
+            view: &self.view,
+            desired: &self.desired_sel,
+            profile: &self.profile,
+            dp: &self.dp,
+            mig_state: self.mig.state,
             mps: self.mps_statuses(),
             dra: self.dra.as_ref().map(|d| d.status.borrow().clone()),
             dev_char: self.dev_char.clone(),
             operator,
         };
-        // Skip the write when nothing but the timestamp would change.
-        if self.last_status.as_ref() == Some(&status) {
-            return;
-        }
-        self.publish(&status);
-        self.last_status = Some(status.clone());
-        status.updated = now_unix();
-        let run_dir = self.root.join(&self.config.agent.run_dir);
-        if let Err(e) = status.write(&run_dir) {
-            tracing::warn!("cannot write status: {e}");
-        }
-    }
-}
-
-impl Agent {
-    /// The labels the agent wants on its Node: the GPU feature labels and the profile state.
-    /// `None` before the first inventory (nothing is known yet, so nothing is reported).
-    fn wanted_labels(&self) -> Option<BTreeMap<String, String>> {
-        let validation = match self.stages[StageId::Validation].status.state {
-            StageState::Ok => Some("success"),
-            StageState::Failed => Some("failed"),
-            StageState::Pending => Some("pending"),
-            StageState::Disabled | StageState::Skipped => None,
-        };
-        Some(node_labels(&NodeLabels {
-            config: &self.config,
-            inventory: self.inventory.as_ref()?,
-            dp: &self.dp,
-            machine: self.machine.as_deref(),
-            vgpu: self.vgpu,
-            profile: &self.profile,
-            mig_state: self.mig.state,
-            validation,
-        }))
-    }
-
-    /// Sends what changed to the cluster: the wanted labels, and Events for state transitions
-    /// (device plugin stage, profile, GPU health) compared with the last published status.
-    fn publish(&self, status: &Status) {
-        let Some(link) = &self.link else { return };
-        // `status.labels` is what `wanted_labels` gave; before the first inventory it is empty
-        // and means "nothing known yet", not "remove everything": report nothing then.
-        if self.inventory.is_some() {
-            link.report(status.labels.clone());
-        }
-        let before = self.last_status.as_ref();
-        // MIG: an Event whenever the state label or its reason changes (a second failure with a
-        // different reason is news too).
-        if let (Some(state), Some(mig)) = (
-            self.mig.state,
-            status.stages.iter().find(|s| s.name == StageId::Mig.as_str()),
-        ) {
-            let text = mig.error.clone().or_else(|| mig.detail.clone()).unwrap_or_default();
-            let was = before.and_then(|b| b.stages.iter().find(|s| s.name == StageId::Mig.as_str()));
-            let was_text = was.map(|m| m.error.clone().or_else(|| m.detail.clone()).unwrap_or_default());
-            let was_state = before
-                .and_then(|b| b.labels.get(&self.config.labels.mig_config_state))
-                .cloned();
-            if was_state.as_deref() != Some(state.as_str()) || was_text.as_deref() != Some(text.as_str()) {
-                match state {
-                    MigLabelState::Success => link.event(EventType::Normal, "MigConfigApplied", text),
-                    MigLabelState::Pending => link.event(EventType::Normal, "MigConfigPending", text),
-                    MigLabelState::Rebooting => link.event(EventType::Warning, "MigConfigRebooting", text),
-                    MigLabelState::Failed => link.event(EventType::Warning, "MigConfigFailed", text),
-                }
-            }
-        }
-        // Driver, runtime and validation: an Event when the stage turns failed (not at every
-        // failed pass), and when validation passes again after failing. What the driver and
-        // runtime stages change is posted where they change it.
-        for (id, failed) in [
-            (StageId::Driver, "DriverFailed"),
-            (StageId::Runtime, "RuntimeFailed"),
-            (StageId::Validation, "ValidationFailed"),
-        ] {
-            let Some(stage) = status.stages.iter().find(|s| s.name == id.as_str()) else {
-                continue;
-            };
-            let was = before
-                .and_then(|b| b.stages.iter().find(|s| s.name == id.as_str()))
-                .map(|s| s.state);
-            match stage.state {
-                StageState::Failed if was != Some(StageState::Failed) => link.event(
-                    EventType::Warning,
-                    failed,
-                    format!(
-                        "{} stage failed: {}",
-                        id.as_str(),
-                        stage.error.as_deref().unwrap_or("-")
-                    ),
-                ),
-                StageState::Ok if id == StageId::Validation && was == Some(StageState::Failed) => link.event(
-                    EventType::Normal,
-                    "ValidationRecovered",
-                    format!(
-                        "validation passes again: {}",
-                        stage.detail.as_deref().unwrap_or("every check passed")
-                    ),
-                ),
-                _ => {}
-            }
-        }
-        let Some(stage) = status.stages.iter().find(|s| s.name == StageId::DevicePlugin.as_str()) else {
-            return;
-        };
-        let stage_before = before
-            .and_then(|b| b.stages.iter().find(|s| s.name == StageId::DevicePlugin.as_str()))
-            .map(|s| &s.state);
-        if stage_before != Some(&stage.state) {
-            match stage.state {
-                StageState::Ok => link.event(
-                    EventType::Normal,
-                    "DevicePluginReady",
-                    format!(
-                        "gpu-node-agent device plugin: {}",
-                        stage.detail.as_deref().unwrap_or("ready")
-                    ),
-                ),
-                StageState::Failed => link.event(
-                    EventType::Warning,
-                    "DevicePluginFailed",
-                    format!(
-                        "gpu-node-agent device plugin: {}",
-                        stage.error.as_deref().unwrap_or("failed")
-                    ),
-                ),
-                _ => {}
-            }
-        }
-        let profile_before = before.and_then(|b| b.desired.as_ref()).map(|d| &d.profile);
-        if let Some(d) = &status.desired
-            && profile_before != Some(&d.profile)
-        {
-            match d.profile.state {
-                ProfileState::Success => link.event(
-                    EventType::Normal,
-                    "DevicePluginProfileApplied",
-                    format!(
-                        "device plugin profile {} applied",
-                        d.profile.applied.as_deref().unwrap_or("-")
-                    ),
-                ),
-                ProfileState::Failed => link.event(
-                    EventType::Warning,
-                    "DevicePluginProfileRejected",
-                    d.profile.reason.clone().unwrap_or_default(),
-                ),
-                ProfileState::None if profile_before.is_some_and(|p| p.state != ProfileState::None) => link.event(
-                    EventType::Normal,
-                    "DevicePluginProfileCleared",
-                    "no device plugin profile selected: the [device_plugin] keys apply as configured".into(),
-                ),
-                ProfileState::None => {}
-            }
-        }
-        for gpu in &status.gpus {
-            let was = before
-                .and_then(|b| b.gpus.iter().find(|g| g.uuid == gpu.uuid))
-                .map(|g| g.health.as_str());
-            if was.unwrap_or(Health::Healthy.as_str()) != gpu.health {
-                let what = format!("GPU {} ({})", gpu.index, gpu.uuid);
-                match &gpu.reason {
-                    Some(reason) => link.event(
-                        EventType::Warning,
-                        "GpuUnhealthy",
-                        format!("{what} is unhealthy: {reason}"),
-                    ),
-                    None => link.event(EventType::Normal, "GpuHealthy", format!("{what} is healthy again")),
-                }
-            }
-        }
+        self.reporter.write(state, report);
     }
 }
 
@@ -1436,59 +1244,6 @@ impl Agent {
     }
 }
 
-/// What the labels the agent writes on its Node are made of.
-pub(crate) struct NodeLabels<'a> {
-    pub config: &'a Config,
-    pub inventory: &'a Inventory,
-    /// The effective `[device_plugin]` settings (the selected profile applied).
-    pub dp: &'a DevicePluginConfig,
-    /// The machine's DMI product name ([`machine_name`]).
-    pub machine: Option<&'a str>,
-    /// A vGPU guest ([`crate::labels::vgpu::vgpu_present`]).
-    pub vgpu: bool,
-    pub profile: &'a ProfileOutcome,
-    pub mig_state: Option<MigLabelState>,
-    /// The validation state label's value, when validation has an answer.
-    pub validation: Option<&'a str>,
-}
-
-/// The labels the agent wants on its Node: the GPU feature labels and the states.
-pub(crate) fn node_labels(n: &NodeLabels<'_>) -> BTreeMap<String, String> {
-    let keys = &n.config.labels;
-    let shared = feature_sharing(&n.dp.sharing);
-    let mut labels = if keys.report_features {
-        feature_labels(&FeatureInputs {
-            inventory: n.inventory,
-            mig_strategy: n.dp.mig_strategy,
-            prefix: &keys.feature_prefix,
-            machine: n.machine,
-            vgpu: n.vgpu,
-            sharing_strategy: n.dp.sharing.strategy.as_str(),
-            shared: &shared,
-        })
-    } else {
-        BTreeMap::new()
-    };
-    if let Some(state) = n.profile.state.as_str() {
-        labels.insert(keys.device_plugin_config_state.clone(), state.to_string());
-    }
-    if let Some(state) = n.mig_state {
-        labels.insert(keys.mig_config_state.clone(), state.as_str().to_string());
-    }
-    if let Some(state) = n.validation {
-        labels.insert(keys.validation_state.clone(), state.to_string());
-    }
-    labels
-}
-
-/// The machine's DMI product name, for the `gpu.machine` label.
-pub(crate) fn machine_name(root: &HostRoot) -> Option<String> {
-    std::fs::read_to_string(root.join("/sys/class/dmi/id/product_name"))
-        .ok()
-        .map(|s| s.trim().to_string())
-        .filter(|s| !s.is_empty())
-}
-
 /// `nvidia.com/gpu ×8, nvidia.com/mig-1g.5gb ×7`.
 pub fn summary(resources: &[Resource]) -> String {
     if resources.is_empty() {
@@ -1499,11 +1254,4 @@ pub fn summary(resources: &[Resource]) -> String {
         .map(|r| format!("{} ×{}", r.name, r.devices.len()))
         .collect::<Vec<_>>()
         .join(", ")
-}
-
-fn health_word(reason: &Option<String>) -> &'static str {
-    match reason {
-        Some(_) => Health::Unhealthy.as_str(),
-        None => Health::Healthy.as_str(),
-    }
 }

@@ -74,7 +74,7 @@ impl Agent {
         handle.sampling = true;
         let config = SamplerConfig {
             interval: self.config.metrics.interval,
-            hostname: self.node.clone(),
+            hostname: self.reporter.node().to_string(),
             pod_resources_socket: Some(self.root.join(&self.config.metrics.pod_resources_socket)),
         };
         tokio::spawn(metrics::run_sampler(

@@ -8,15 +8,18 @@ use std::time::{Duration, Instant};
 use super::{Agent, StageId, StageState};
 use crate::cli::MigCommand;
 use crate::config::Config;
+use crate::config::MigConfig;
 use crate::desired::Selection;
 use crate::exit::Exit;
 use crate::host::HostRoot;
 use crate::mig::clients::{self, HostClients};
 use crate::mig::stage::{
-    BeforeChange, MigState as MigLabelState, ResetGpu, Step, changes_mode, converge, export, gpus_to_change,
+    BeforeChange, LayoutPlan, MigState as MigLabelState, ResetGpu, Step, changes_mode, converge, converge_from, export,
     plan_layout,
 };
+use crate::mig::state::ObservedGpu;
 use crate::mig::{import, planner};
+use crate::mig_layout::MigLayout;
 use crate::nvml::Gpus;
 
 /// How often the MIG stage looks again while GPU work blocks a layout change.
@@ -65,78 +68,48 @@ impl Agent {
     pub(super) async fn mig_step(&mut self, gpus: &Gpus) {
         self.start_left_over_clients().await;
         let key = self.config.labels.mig_config.clone();
-        if !self.config.mig.enabled {
-            self.stages[StageId::Mig].set(StageState::Disabled, None, Some("[mig] enabled = false".into()));
-            self.mig.state = None;
-            return;
-        }
-        // Without the label, `[mig] default_layout` (the Operator's `all-disabled`), but only on
-        // a node with a MIG-capable GPU: the Operator runs no MIG manager elsewhere, and such a
-        // node reports no MIG state.
-        let default = &self.config.mig.default_layout;
-        let unset = matches!(self.desired_sel.mig_config, Selection::Unset);
-        let defaulted = unset && !default.is_empty() && self.config.mig.layout(default).is_some() && {
-            // The inventory says it without asking NVML again; at boot (no inventory yet) ask.
-            match &self.inventory {
-                Some(inventory) => inventory.gpus.iter().any(|g| g.mig.is_some()),
-                None => {
-                    let g = gpus.clone();
-                    tokio::task::spawn_blocking(move || {
-                        g.mig_observe().is_ok_and(|o| o.iter().any(|g| g.mode.is_some()))
-                    })
-                    .await
-                    .unwrap_or(false)
-                }
+        // One reading of NVML's MIG state and one plan per pass: the default layout's check, what
+        // would change and the converge's first round all use them.
+        let (g, mig, selection) = (
+            gpus.clone(),
+            self.config.mig.clone(),
+            self.desired_sel.mig_config.clone(),
+        );
+        let has_mig = self
+            .inventory
+            .as_ref()
+            .map(|inventory| inventory.gpus.iter().any(|g| g.mig.is_some()));
+        let decided = tokio::task::spawn_blocking(move || {
+            decide(&mig, &selection, &key, has_mig, || {
+                g.mig_observe().map_err(|e| e.to_string())
+            })
+        })
+        .await
+        .unwrap_or_else(|e| Decision::Failed(format!("MIG planning task failed: {e}")));
+        let (name, layout, plan) = match decided {
+            Decision::Disabled => {
+                self.stages[StageId::Mig].set(StageState::Disabled, None, Some("[mig] enabled = false".into()));
+                self.mig.state = None;
+                return;
             }
-        };
-        let name = match self.desired_sel.mig_config.clone() {
-            Selection::Unset if defaulted => default.clone(),
-            Selection::Unset => {
-                self.stages[StageId::Mig].set(
-                    StageState::Ok,
-                    None,
-                    Some(format!("no layout requested ({key} not set)")),
-                );
+            Decision::Unset(detail) => {
+                self.stages[StageId::Mig].set(StageState::Ok, None, Some(detail));
                 self.mig.state = None;
                 self.restore_withdrawn();
                 return;
             }
-            Selection::Invalid { value, reason } => {
-                return self.mig_failed(format!("label {key}={value:?} is not valid: {reason}; nothing changed"));
-            }
-            Selection::Name { name } => name,
+            Decision::Failed(reason) => return self.mig_failed(reason),
+            Decision::Apply { name, layout, plan } => (name, layout, plan),
         };
-        let Some(layout) = self.config.mig.layout(&name) else {
-            let defined = self.config.mig.layout_names().join(", ");
-            return self.mig_failed(format!(
-                "label {key}={name} names no MIG layout (defined: {defined}); nothing changed"
-            ));
-        };
-        for warning in layout.overrides() {
-            tracing::warn!("MIG layout {name}: {warning}");
-        }
-        // What would change: withdraw those GPUs from the kubelet before touching them.
-        let (g, l) = (gpus.clone(), layout.clone());
-        let planned = tokio::task::spawn_blocking(move || {
-            let observed = g.mig_observe().map_err(|e| e.to_string())?;
-            let changing = gpus_to_change(&observed, &l).map_err(|e| e.to_string())?;
-            let mode_change = changes_mode(&observed, &l).map_err(|e| e.to_string())?;
-            Ok((changing, mode_change))
-        })
-        .await
-        .unwrap_or_else(|e| Err(format!("MIG planning task failed: {e}")));
-        let (changing, mode_change) = match planned {
-            Ok(planned) => planned,
-            Err(e) => return self.mig_failed(format!("layout {name}: {e}; nothing changed")),
-        };
+        let (changing, mode_change) = (plan.changing(), plan.changes_mode());
         if changing.is_empty() {
             // The same observation converge would start from: nothing to do, nothing to read twice.
             return self.mig_done(&name, format!("layout {name} in place"));
         }
         // NVIDIA's mig-manager on the node applies layouts too: two appliers on one GPU undo
         // each other's work. No change while it runs; its state label is left as it is.
-        if let Some(why) = self.mig_held_by_operator() {
-            self.mig.state = self.mig_state_as_on_node();
+        if let Some(why) = self.operator.mig_held(&self.config) {
+            self.mig.state = super::operator::mig_state_as_on_node(&self.config, &self.view);
             self.mig.pending_since = None;
             self.mig.retry = Some(Instant::now() + MIG_OPERATOR_RECHECK);
             self.stages[StageId::Mig].set(
@@ -186,7 +159,8 @@ impl Agent {
             self.wait_for_label_on_node(MigLabelState::Pending.as_str(), PENDING_LABEL_WAIT)
                 .await;
         }
-        // Observed again inside converge: the GPUs' state after the withdrawal is what counts.
+        // Converge starts from this pass's reading and plan (withdrawing devices from the
+        // kubelet changes no MIG state; GPU work is looked at again before any change).
         let (g, l, n) = (gpus.clone(), layout, name.clone());
         let smi = self.root.join(&self.config.mig.nvidia_smi);
         let allow_reset = self.config.mig.gpu_reset;
@@ -196,7 +170,7 @@ impl Agent {
             let reset = |uuid: &str| crate::host::reset_gpu(&smi, uuid);
             let reset = allow_reset.then_some(&reset as ResetGpu<'_>);
             with_host_clients(&config, &root, mode_change, Some(&stop), |before| {
-                converge(&g, &n, &l, reset, Some(&stop), Some(before))
+                converge_from(&g, &n, &l, plan, reset, Some(&stop), Some(before))
             })
         })
         .await
@@ -223,9 +197,9 @@ impl Agent {
                 // The MIG devices changed: read the inventory again before advertising, and run
                 // the CUDA check again (on every device CUDA sees, the new MIG devices included)
                 // rather than keep the day-old result of GPUs that no longer look that way.
-                self.inventory = None;
-                self.cuda_run = None;
-                self.stages[StageId::Validation].now();
+                let mut out = super::Outbox::default();
+                out.push(super::Note::DevicesChanged);
+                self.route(&mut out);
             }
             Step::Busy { reason, .. } => {
                 let since = *self.mig.pending_since.get_or_insert_with(Instant::now);
@@ -415,6 +389,78 @@ impl Agent {
         if let Err(e) = crate::host::command::Runner::new(&self.root).run(&cmd) {
             tracing::error!("cannot reboot: {e}");
         }
+    }
+}
+
+/// What the MIG stage does in a pass, decided from the config, the label and one reading of
+/// NVML's MIG state.
+#[derive(Debug)]
+enum Decision {
+    /// `[mig] enabled = false`.
+    Disabled,
+    /// No layout asked for: the stage's detail.
+    Unset(String),
+    /// Nothing changes: why.
+    Failed(String),
+    /// The layout named, planned on this pass's reading.
+    Apply {
+        name: String,
+        layout: MigLayout,
+        plan: LayoutPlan,
+    },
+}
+
+/// Which layout applies and its plan. `observe` reads NVML's MIG state; it is called at most
+/// once (the default layout's check at boot, with no inventory yet, and the plan share the
+/// reading), and the layout is planned at most once. `has_mig`: whether the inventory shows a
+/// MIG-capable GPU, `None` before the first inventory. Blocking (`observe`).
+fn decide(
+    mig: &MigConfig,
+    selection: &Selection,
+    key: &str,
+    has_mig: Option<bool>,
+    mut observe: impl FnMut() -> Result<Vec<ObservedGpu>, String>,
+) -> Decision {
+    if !mig.enabled {
+        return Decision::Disabled;
+    }
+    let mut observed = None;
+    let mut read = || observed.get_or_insert_with(&mut observe).clone();
+    // Without the label, `[mig] default_layout` (the Operator's `all-disabled`), but only on a
+    // node with a MIG-capable GPU: the Operator runs no MIG manager elsewhere, and such a node
+    // reports no MIG state.
+    let default = &mig.default_layout;
+    let unset = matches!(selection, Selection::Unset);
+    let defaulted = unset
+        && !default.is_empty()
+        && mig.layout(default).is_some()
+        && match has_mig {
+            // The inventory says it without asking NVML; at boot (no inventory yet) ask.
+            Some(has) => has,
+            None => read().is_ok_and(|o| o.iter().any(|g| g.mode.is_some())),
+        };
+    let name = match selection.clone() {
+        Selection::Unset if defaulted => default.clone(),
+        Selection::Unset => return Decision::Unset(format!("no layout requested ({key} not set)")),
+        Selection::Invalid { value, reason } => {
+            return Decision::Failed(format!("label {key}={value:?} is not valid: {reason}; nothing changed"));
+        }
+        Selection::Name { name } => name,
+    };
+    let Some(layout) = mig.layout(&name) else {
+        let defined = mig.layout_names().join(", ");
+        return Decision::Failed(format!(
+            "label {key}={name} names no MIG layout (defined: {defined}); nothing changed"
+        ));
+    };
+    for warning in layout.overrides() {
+        tracing::warn!("MIG layout {name}: {warning}");
+    }
+    // What would change: those GPUs are withdrawn from the kubelet before they are touched.
+    let plan = read().and_then(|observed| LayoutPlan::new(observed, &layout).map_err(|e| e.to_string()));
+    match plan {
+        Ok(plan) => Decision::Apply { name, layout, plan },
+        Err(e) => Decision::Failed(format!("layout {name}: {e}; nothing changed")),
     }
 }
 
@@ -631,4 +677,95 @@ fn device_nodes_for(config: &Config, root: &HostRoot, gpus: &Gpus) -> ExitCode {
         }
     }
     ExitCode::SUCCESS
+}
+
+#[cfg(test)]
+mod tests {
+    use std::cell::Cell;
+
+    use super::*;
+    use crate::mig::stage::PLANS_MADE;
+
+    /// A MIG-capable GPU with MIG mode off (and no profiles: nothing to read for a layout that
+    /// keeps it off).
+    fn mig_off() -> ObservedGpu {
+        ObservedGpu {
+            index: 0,
+            uuid: "GPU-0".into(),
+            pci_device_id: 0x20b0,
+            pci_subsystem_id: 0,
+            mode: Some(crate::nvml::MigState {
+                current: false,
+                pending: false,
+            }),
+            profiles: Vec::new(),
+            gpu_instances: Vec::new(),
+        }
+    }
+
+    /// `decide` with a reading that counts: (decision, NVML readings, plans made).
+    fn counted(mig: &MigConfig, selection: Selection, has_mig: Option<bool>) -> (Decision, usize, usize) {
+        let reads = Cell::new(0);
+        PLANS_MADE.with(|n| n.set(0));
+        let decision = decide(mig, &selection, "nvidia.com/mig.config", has_mig, || {
+            reads.set(reads.get() + 1);
+            Ok(vec![mig_off()])
+        });
+        (decision, reads.get(), PLANS_MADE.with(Cell::get))
+    }
+
+    #[test]
+    fn the_default_layout_at_boot_reads_nvml_once_and_plans_once() {
+        // No inventory yet: the default layout's check and the plan share one reading.
+        let (decision, reads, plans) = counted(&MigConfig::default(), Selection::Unset, None);
+        let Decision::Apply { name, plan, .. } = decision else {
+            panic!("the default layout applies: {decision:?}")
+        };
+        assert_eq!(name, "all-disabled");
+        assert!(plan.changing().is_empty(), "MIG is off already");
+        assert!(!plan.changes_mode());
+        assert_eq!((reads, plans), (1, 1));
+    }
+
+    #[test]
+    fn a_named_layout_reads_nvml_once_and_plans_once() {
+        let selection = Selection::Name {
+            name: "all-disabled".into(),
+        };
+        let (decision, reads, plans) = counted(&MigConfig::default(), selection, Some(true));
+        assert!(matches!(decision, Decision::Apply { .. }), "{decision:?}");
+        assert_eq!((reads, plans), (1, 1));
+    }
+
+    #[test]
+    fn nothing_asked_or_nothing_valid_reads_nothing_and_plans_nothing() {
+        let off = MigConfig {
+            enabled: false,
+            ..MigConfig::default()
+        };
+        let (decision, reads, plans) = counted(&off, Selection::Unset, None);
+        assert!(matches!(decision, Decision::Disabled), "{decision:?}");
+        assert_eq!((reads, plans), (0, 0));
+
+        let no_default = MigConfig {
+            default_layout: String::new(),
+            ..MigConfig::default()
+        };
+        let (decision, reads, plans) = counted(&no_default, Selection::Unset, None);
+        assert!(matches!(decision, Decision::Unset(_)), "{decision:?}");
+        assert_eq!((reads, plans), (0, 0));
+
+        // The inventory says there is no MIG-capable GPU: no default layout, no reading.
+        let (decision, reads, _) = counted(&MigConfig::default(), Selection::Unset, Some(false));
+        assert!(matches!(decision, Decision::Unset(_)), "{decision:?}");
+        assert_eq!(reads, 0);
+
+        let unknown = Selection::Name { name: "no-such".into() };
+        let (decision, reads, plans) = counted(&MigConfig::default(), unknown, Some(true));
+        let Decision::Failed(reason) = decision else {
+            panic!("an unknown layout fails: {decision:?}")
+        };
+        assert!(reason.contains("names no MIG layout"), "{reason}");
+        assert_eq!((reads, plans), (0, 0));
+    }
 }

@@ -43,7 +43,7 @@ impl Agent {
         }
         // The GPU Operator's toolkit configured the engines: two writers of one config fight;
         // its runtime serves GPU containers meanwhile, so the stages after this one go on.
-        if let Some(why) = self.runtime_held_by_operator() {
+        if let Some(why) = self.operator.runtime_held(&self.config) {
             self.stages[StageId::Runtime].set(
                 StageState::Pending,
                 Some(format!("engines not configured: {why}")),
