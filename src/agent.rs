@@ -2,32 +2,30 @@
 //! stops the ones after it until the next pass), health events, periodic
 //! resync, status reporting, and a clean stop on SIGTERM.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeSet;
 use std::path::PathBuf;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use tokio::signal::unix::{Signal, SignalKind, signal};
+use tokio::signal::unix::{SignalKind, signal};
 use tokio::sync::{mpsc, watch};
 use tokio_util::sync::CancellationToken;
 
-use crate::cluster::{self, LabelsView, Link};
+use crate::cluster::{LabelsView, Link};
 use crate::config::{Config, DevicePluginConfig};
-use crate::desired::{Desired, ProfileOutcome, ProfileState, Selection, choose_profile};
-use crate::devices::Topology;
+use crate::desired::{Desired, ProfileOutcome, ProfileState, choose_profile};
 use crate::exit::Exit;
 use crate::host::HostRoot;
 use crate::host::arch::HostArch;
 use crate::kube::EventType;
 use crate::nvml::{GpuError, Gpus, HealthEvent, Inventory};
 use crate::plugin::allocate::AllocateOptions;
-use crate::plugin::devnodes::DeviceNodes;
-use crate::plugin::health::{HealthPolicy, HealthTracker};
-use crate::plugin::manager::{Command, PluginManager, PluginStatus};
+use crate::plugin::health::HealthPolicy;
+use crate::plugin::manager::{Command, PluginStatus};
 use crate::plugin::resources::Resource;
-use crate::plugin::server::{PluginContext, PluginStats};
+use crate::plugin::server::PluginContext;
 use crate::plugin::sharing::{SharingError, apply_sharing};
 use crate::plugin::strategy::{StrategyError, build_resources};
 use crate::status::{StageId, StageState};
@@ -44,6 +42,7 @@ mod pass;
 pub mod plan;
 mod report;
 mod runtime;
+mod setup;
 mod stage;
 mod validation;
 
@@ -57,12 +56,6 @@ use stage::Stages;
 /// `run --once` exit code when a stage waits (GPU work holds a MIG or driver change):
 /// EX_TEMPFAIL, try again later.
 pub const EXIT_PENDING: i32 = Exit::TryLater as i32;
-
-/// How long the first reconcile waits for the desired-state source (the Node's labels).
-const FIRST_VIEW_WAIT: Duration = Duration::from_secs(5);
-
-/// The desired-state labels last seen, in the state dir (labels-file format).
-const LAST_DESIRED_FILE: &str = "desired-labels";
 
 /// Why the agent stopped with an error.
 #[derive(Debug, thiserror::Error)]
@@ -248,10 +241,8 @@ struct Agent {
     long_step: Arc<AtomicBool>,
     /// Prometheus metrics, when served.
     metrics: Option<metrics::MetricsHandle>,
-    /// The memory-limit enforcer's policy, once it runs.
-    memory_policy: Option<watch::Sender<crate::plugin::memlimit::Policy>>,
-    /// What the enforcer did.
-    memory_records: Option<mpsc::Receiver<crate::plugin::memlimit::ActionRecord>>,
+    /// The memory-limit enforcer.
+    memory: memlimit::MemoryLimits,
     /// What the MIG stage keeps between passes.
     mig: mig::MigStage,
     /// The MPS control daemons (`strategy = "mps"`).
@@ -267,10 +258,8 @@ struct Agent {
     driver: driver::DriverStage,
     /// NVIDIA's GPU Operator on this node, as the last pass saw it.
     operator: operator::OperatorState,
-    /// The device node problems last reported (each logged once until it changes).
-    devnode_problems: BTreeSet<String>,
-    /// The `/dev/char` links as last looked at, for status.
-    dev_char: Option<crate::status::DevCharStatus>,
+    /// The device nodes and `/dev/char` links.
+    devnodes: devnodes::DevNodes,
     /// Set on a node with no NVIDIA GPU (none on the PCI bus, and NVML cannot load): why. The
     /// agent idles, every stage skipped, and looks again every `nvml.retry_interval`.
     no_gpu: Option<String>,
@@ -285,163 +274,16 @@ pub async fn run(config: Config, root: HostRoot, once: bool) -> Result<i32, Agen
     // and the long steps (MIG apply, driver build, engine restart, CUDA check) stop at their
     // next safe point.
     let stop = CancellationToken::new();
-    tokio::spawn(stop_on_signals(sigterm, sigint, stop.clone()));
+    tokio::spawn(setup::stop_on_signals(sigterm, sigint, stop.clone()));
 
-    let (health_tx, health_rx) = mpsc::unbounded_channel();
-    let (dp, profile) = choose_profile(
-        &config.device_plugin,
-        &Selection::Unset,
-        None,
-        &config.labels.device_plugin_config,
-    );
-    let base_ctx = PluginContext {
-        allocate: allocate_options(&dp),
-        nodes: DeviceNodes::gather(&root.join(&config.device_plugin.dev_root), &root.join("/proc")),
-        topology: Topology::new(),
-        shared_policy: dp.sharing.policy,
-    };
-    let retry = (config.agent.retry_min, config.agent.retry_max);
-    let reporter = report::Reporter::new(&root);
-    let mut agent = Agent {
-        tracker: health::SharedTracker::new(HealthTracker::new(health_policy(&config))),
-        stop: stop.clone(),
-        stages: Stages::new(retry),
-        config,
-        root,
-        once,
-        gpus: None,
-        inventory: None,
-        plugin_status: PluginStatus::default(),
-        plugin_watch: None,
-        commands: None,
-        health_tx,
-        health_stop: None,
-        watched: BTreeSet::new(),
-        base_ctx,
-        desired: Vec::new(),
-        plan_error: None,
-        dp,
-        profile,
-        link: None,
-        view: LabelsView {
-            source: crate::desired::Source::None,
-            detail: String::new(),
-            labels: BTreeMap::new(),
-            connected: false,
-            error: None,
-        },
-        desired_sel: Desired::none(),
-        runtime: runtime::RuntimeStage::default(),
-        validation: validation::ValidationStage::default(),
-        heartbeat: Arc::new(std::sync::atomic::AtomicU64::new(crate::notify::now_ms())),
-        long_step: Arc::new(AtomicBool::new(false)),
-        metrics: None,
-        memory_policy: None,
-        memory_records: None,
-        mig: mig::MigStage::default(),
-        mps: mps::MpsState::new(),
-        withdrawn: BTreeSet::new(),
-        dra: None,
-        reporter,
-        driver: driver::DriverStage::default(),
-        operator: operator::OperatorState::default(),
-        devnode_problems: BTreeSet::new(),
-        dev_char: None,
-        no_gpu: None,
-    };
-
-    // The cluster link: the desired state comes from it before the first reconcile. Under
-    // `run --once` too: a bootstrap applies the MIG layout the labels ask for before the
-    // kubelet joins.
-    // The metrics first: the API client, the plugin servers and the health relay count in them.
-    agent.metrics = metrics::start(&agent.config.metrics, once).await;
-    let mut view_rx = {
-        let link = cluster::start(
-            &agent.config,
-            &agent.root,
-            agent.metrics.as_ref().map(|m| m.metrics.clone()),
-        );
-        let rx = link.view.clone();
-        let (view, answered) = first_view(&agent.config, &agent.root, &link, &stop).await;
-        agent.view = view;
-        if answered {
-            agent.remember_desired();
-        }
-        agent.desired_sel = Desired::from_labels(&agent.view.labels, &agent.config.labels);
-        let (dp, outcome) = choose_profile(
-            &agent.config.device_plugin,
-            &agent.desired_sel.device_plugin_config,
-            None,
-            &agent.config.labels.device_plugin_config,
-        );
-        agent.base_ctx.allocate = allocate_options(&dp);
-        agent.base_ctx.shared_policy = dp.sharing.policy;
-        agent.dp = dp;
-        agent.profile = outcome;
-        agent.link = Some(link);
-        Some(rx)
-    };
-
-    // The plugin manager serves and registers; it runs for the whole life of the daemon.
-    let stats = Arc::new(PluginStats {
-        metrics: agent.metrics.as_ref().map(|m| m.metrics.clone()),
-        ..PluginStats::default()
-    });
-    let (mut plugin_rx, manager) = if once || !agent.config.device_plugin.enabled {
-        let (_tx, rx) = watch::channel(PluginStatus::default());
-        (rx, None)
-    } else {
-        let dir = agent.root.join(&agent.config.kubelet.device_plugin_dir);
-        let (manager, status_rx) = PluginManager::new(
-            dir,
-            agent.config.kubelet.register_timeout,
-            Arc::new(agent.base_ctx.clone()),
-            stats,
-        );
-        let (tx, rx) = mpsc::channel(16);
-        (status_rx, Some((tokio::spawn(manager.run(rx)), tx)))
-    };
-    let (manager_task, manager_tx) = manager.unzip();
-    agent.plugin_watch = manager_task.is_some().then(|| plugin_rx.clone());
-
-    // The health relay: health events reach the manager from there, never waiting for a stage.
-    let (relay_task, mut health_changed) = if once {
-        (None, None)
-    } else {
-        let (relay, changed) = health::HealthRelay::new(
-            agent.tracker.clone(),
-            manager_tx,
-            agent.metrics.as_ref().map(|m| m.metrics.clone()),
-        );
-        let (tx, rx) = mpsc::channel(16);
-        agent.commands = Some(tx);
-        // The DRA driver, beside the device plugin: what its claims hold is withdrawn there.
-        let (_none, mut withdrawn) = watch::channel(crate::plugin::resources::Withdrawn::default());
-        if agent.config.dra.enabled {
-            let inputs = agent.dra_inputs(changed.clone());
-            match crate::dra::start(agent.config.clone(), agent.root.clone(), inputs, stop.clone()) {
-                Ok(handle) => {
-                    withdrawn = handle.withdrawn.clone();
-                    agent.dra = Some(handle);
-                }
-                Err(e) => tracing::error!("{e}; the device plugin goes on without it"),
-            }
-        } else if crate::dra::was_on(&agent.config, &agent.root) {
-            // It was on: its slices would announce devices nobody prepares.
-            let (config, root) = (agent.config.clone(), agent.root.clone());
-            tokio::spawn(async move {
-                match crate::dra::remove_slices(&config, &root).await {
-                    Ok(0) => {}
-                    Ok(n) => tracing::info!(
-                        "DRA is off: deleted {n} ResourceSlice(s) of driver {}",
-                        config.dra.driver
-                    ),
-                    Err(e) => tracing::debug!("DRA is off; its ResourceSlices were not checked: {e}"),
-                }
-            });
-        }
-        (Some(tokio::spawn(relay.run(rx, health_rx, withdrawn))), Some(changed))
-    };
+    let setup::Started {
+        mut agent,
+        mut view_rx,
+        mut plugin_rx,
+        manager_task,
+        relay_task,
+        mut health_changed,
+    } = setup::start(config, root, once, &stop).await;
     // Until READY, a long step (a driver install or build) extends systemd's start timeout while
     // it runs.
     let extend_start = (!once && agent.reporter.notifier().enabled()).then(|| {
@@ -576,7 +418,9 @@ pub async fn run(config: Config, root: HostRoot, once: bool) -> Result<i32, Agen
                 agent.desired_sel = desired.clone();
                 or_stop(&stop, agent.apply_desired(&desired, mig_changed)).await;
             }
-            Some(record) = memlimit::next_record(&mut agent.memory_records) => agent.on_memory_record(record),
+            Some(record) = agent.memory.next_record() => {
+                memlimit::on_record(record, agent.link.as_ref(), agent.metrics.as_ref());
+            }
             Some(()) = agent.mps.changed.recv() => agent.report_mps(),
             Ok(()) = dra_status_changed(&mut agent.dra) => agent.write_status("running"),
             Ok(()) = plugin_rx.changed() => {
@@ -602,77 +446,13 @@ pub async fn run(config: Config, root: HostRoot, once: bool) -> Result<i32, Agen
         dra.join().await;
     }
     // After the plugin is gone: quit the MPS daemons, compute mode DEFAULT back.
-    agent.stop_mps();
+    agent.mps.stop(agent.gpus.as_ref());
     if let Some(stop) = agent.health_stop.take() {
         stop.store(true, Ordering::Relaxed);
     }
     agent.plugin_status = plugin_rx.borrow().clone();
     agent.write_status("stopped");
     Ok(0)
-}
-
-/// The desired-state labels to start from, and whether the source answered: the desired MIG
-/// layout must be known before devices are advertised (layouts do not survive a reboot), so the
-/// source gets [`FIRST_VIEW_WAIT`] to answer; one that does not gives way to what it asked for
-/// last ([`LAST_DESIRED_FILE`]), else to the config's defaults. `run` and `plan` start alike.
-pub(crate) async fn first_view(
-    config: &Config,
-    root: &HostRoot,
-    link: &Link,
-    stop: &CancellationToken,
-) -> (LabelsView, bool) {
-    let mut rx = link.view.clone();
-    let first = tokio::time::timeout(FIRST_VIEW_WAIT, async {
-        while !rx.borrow().connected && rx.borrow().source != crate::desired::Source::None {
-            if rx.changed().await.is_err() {
-                break;
-            }
-        }
-    });
-    let answered = tokio::select! {
-        waited = first => waited.is_ok(),
-        () = stop.cancelled() => false,
-    };
-    let mut view = rx.borrow().clone();
-    if !answered {
-        match last_desired(config, root, &view) {
-            Some(labels) => {
-                tracing::warn!(
-                    "the desired state source did not answer within {FIRST_VIEW_WAIT:?}: starting with what it asked \
-                     for last ({})",
-                    labels
-                        .iter()
-                        .map(|(k, v)| format!("{k}={v}"))
-                        .collect::<Vec<_>>()
-                        .join(", ")
-                );
-                view.labels.extend(labels);
-            }
-            None => tracing::warn!(
-                "the desired state source did not answer within {FIRST_VIEW_WAIT:?}: starting with the config's defaults"
-            ),
-        }
-    }
-    (view, answered)
-}
-
-/// What [`Agent::remember_desired`] kept, `None` when nothing was (or it does not parse).
-fn last_desired(config: &Config, root: &HostRoot, view: &LabelsView) -> Option<BTreeMap<String, String>> {
-    if view.source == crate::desired::Source::None {
-        return None;
-    }
-    let path = root.join(&config.agent.state_dir).join(LAST_DESIRED_FILE);
-    let text = crate::host::read_text(&path).ok()?;
-    crate::desired::parse_labels_file(&path.display().to_string(), &text).ok()
-}
-
-/// Cancels `stop` at the first SIGTERM or SIGINT.
-async fn stop_on_signals(mut sigterm: Signal, mut sigint: Signal, stop: CancellationToken) {
-    tokio::select! {
-        _ = sigterm.recv() => tracing::info!("SIGTERM: stopping"),
-        _ = sigint.recv() => tracing::info!("SIGINT: stopping"),
-    }
-    stop.cancel();
 }
 
 /// Runs `work` until it ends or `stop` is cancelled, whichever comes first. A cancelled step is
@@ -742,6 +522,48 @@ impl Agent {
         }
     }
 
+    /// Creates the device nodes and links the inventory needs, then reads the nodes the device
+    /// plugin and the CDI spec hand out again.
+    fn ensure_device_nodes(&mut self) {
+        self.base_ctx.nodes = self.devnodes.ensure(&self.config, &self.root, self.inventory.as_ref());
+    }
+
+    /// Brings the MPS control daemons to what the effective settings ask for, and gives
+    /// `Allocate` their folders and limits.
+    fn update_mps(&mut self) {
+        let serving = self.commands.is_some() && self.plan_error.is_none();
+        let (allocate, looked_after) = self.mps.update(&pass!(self), serving);
+        self.base_ctx.allocate.mps = allocate;
+        if looked_after {
+            self.report_mps();
+        }
+    }
+
+    /// A daemon failed (a Warning Event, once) or changed: the device-plugin stage and the
+    /// reports follow.
+    fn report_mps(&mut self) {
+        let mut out = Outbox::default();
+        self.mps.report(&mut out);
+        self.route(&mut out);
+        self.update_stage();
+        self.write_status("running");
+    }
+
+    /// Publishes the inventory to the metrics' readings loop.
+    fn metrics_inventory(&mut self) {
+        if let Some(m) = &mut self.metrics {
+            let (config, node) = (&self.config.metrics, self.reporter.node());
+            m.inventory(self.inventory.as_ref(), self.gpus.as_ref(), config, node, &self.root);
+        }
+    }
+
+    /// The stage series (with `durations` of this pass's steps) and device health transitions.
+    fn metrics_stages(&mut self, durations: &[(&str, Duration)]) {
+        if let Some(m) = &mut self.metrics {
+            m.stages(&self.stages, durations, self.inventory.as_ref(), &self.tracker);
+        }
+    }
+
     /// The validation stage's step.
     async fn validation_step(&mut self) -> bool {
         let mut out = Outbox::default();
@@ -765,9 +587,8 @@ impl Agent {
         }
         self.watched.clear();
         self.gpus = None;
-        // The enforcer holds the old NVML: dropping its policy channel stops it.
-        self.memory_policy = None;
-        self.memory_records = None;
+        // The enforcer holds the old NVML.
+        self.memory.stop();
     }
 
     fn open_nvml(&mut self) -> Result<(), AgentError> {
@@ -1059,14 +880,6 @@ impl Agent {
         Ok(resources)
     }
 
-    /// What the DRA driver reads of the agent: device health from its tracker.
-    fn dra_inputs(&self, health_changed: watch::Receiver<u64>) -> crate::dra::Inputs {
-        let tracker = self.tracker.clone();
-        let health: crate::dra::HealthFn =
-            Arc::new(move |device| tracker.lock().health(device) == crate::plugin::resources::Health::Healthy);
-        crate::dra::Inputs { health, health_changed }
-    }
-
     /// Hands the DRA driver the inventory (without the GPUs whose MIG layout is changing).
     fn push_dra_inventory(&self) {
         let Some(tx) = self.dra.as_ref().map(|d| &d.inventory) else {
@@ -1121,7 +934,7 @@ impl Agent {
                 .await;
         }
         // The replicas' memory budgets follow what is advertised.
-        self.update_memory_limits();
+        self.memory.update(&pass!(self));
         self.update_stage();
         self.write_status("running");
     }
@@ -1132,8 +945,8 @@ impl Agent {
             self.stages[StageId::DevicePlugin].set(StageState::Failed, Some(e.clone()), None);
             return;
         }
-        if let Some(e) = self.mps_error() {
-            let detail = self.mps_detail();
+        if let Some(e) = self.mps.error() {
+            let detail = self.mps.detail();
             self.stages[StageId::DevicePlugin].set(StageState::Failed, Some(e), detail);
             return;
         }
@@ -1157,7 +970,7 @@ impl Agent {
             "{registered}/{} resource(s) registered, {devices} device(s)",
             self.desired.len()
         );
-        if let Some(mps) = self.mps_detail() {
+        if let Some(mps) = self.mps.detail() {
             detail.push_str("; ");
             detail.push_str(&mps);
         }
@@ -1204,9 +1017,9 @@ impl Agent {
             profile: &self.profile,
             dp: &self.dp,
             mig_state: self.mig.state,
-            mps: self.mps_statuses(),
+            mps: self.mps.statuses(),
             dra: self.dra.as_ref().map(|d| d.status.borrow().clone()),
-            dev_char: self.dev_char.clone(),
+            dev_char: self.devnodes.dev_char.clone(),
             operator,
         };
         self.reporter.write(state, report);
@@ -1234,7 +1047,10 @@ impl Agent {
             .iter()
             .filter_map(|k| self.view.labels.get(*k).map(|v| format!("{k}={v}\n")))
             .collect();
-        let path = self.root.join(&self.config.agent.state_dir).join(LAST_DESIRED_FILE);
+        let path = self
+            .root
+            .join(&self.config.agent.state_dir)
+            .join(setup::LAST_DESIRED_FILE);
         if std::fs::read_to_string(&path).ok().as_deref() == Some(text.as_str()) {
             return;
         }

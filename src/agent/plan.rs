@@ -8,7 +8,8 @@ use std::path::PathBuf;
 use tokio_util::sync::CancellationToken;
 
 use super::report::{NodeLabels, machine_name, node_labels};
-use super::{AgentError, advertised_resources, first_view, nvml_library};
+use super::setup::first_view;
+use super::{AgentError, advertised_resources, nvml_library};
 use crate::cluster;
 use crate::config::{Config, DevicePluginConfig};
 use crate::desired::{Desired, ProfileOutcome, Selection, choose_profile};
