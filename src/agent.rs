@@ -190,7 +190,10 @@ macro_rules! pass {
             plugin: &$a.plugin_status,
             advertised: &$a.desired,
             plan_error: $a.plan_error.as_deref(),
-            runtime_plan: $a.runtime.plan.as_ref(),
+            runtime_plan: $a.runtime_plan.as_ref(),
+            held: &$a.held,
+            link: $a.link.as_ref(),
+            long_step: &$a.long_step,
         }
     };
 }
@@ -233,6 +236,10 @@ struct Agent {
     desired_sel: Desired,
     /// What the runtime stage keeps between passes.
     runtime: runtime::RuntimeStage,
+    /// The runtime stage's last good plan ([`Note::RuntimePlan`]).
+    runtime_plan: Option<crate::runtime::stage::RuntimePlan>,
+    /// What the GPU Operator holds ([`Note::Held`]).
+    held: pass::Held,
     /// The validation stage.
     validation: validation::ValidationStage,
     /// When the main loop last went round (for the watchdog task).
@@ -513,6 +520,8 @@ impl Agent {
                     detail,
                 } => self.stages[id].set(state, error, detail),
                 Note::Event { kind, reason, message } => self.event(kind, reason, message),
+                Note::RuntimePlan(plan) => self.runtime_plan = plan,
+                Note::Held(held) => self.held = held,
                 Note::DevicesChanged => {
                     self.inventory = None;
                     self.validation.devices_changed();
@@ -562,6 +571,21 @@ impl Agent {
         if let Some(m) = &mut self.metrics {
             m.stages(&self.stages, durations, self.inventory.as_ref(), &self.tracker);
         }
+    }
+
+    /// The runtime stage's step.
+    async fn runtime_step(&mut self) -> bool {
+        let mut out = Outbox::default();
+        let ok = self.runtime.step(&pass!(self), &mut out).await;
+        self.route(&mut out);
+        ok
+    }
+
+    /// Rewrites the CDI spec for the inventory (the runtime stage's).
+    fn cdi_step(&mut self) {
+        let mut out = Outbox::default();
+        self.runtime.cdi(&pass!(self), &self.base_ctx.nodes, &mut out);
+        self.route(&mut out);
     }
 
     /// The validation stage's step.
@@ -751,7 +775,7 @@ impl Agent {
                     self.watch_health(&gpus);
                     self.cdi_step();
                     inventory_changed = true;
-                } else if self.runtime.cdi_error.is_some() || self.cdi_spec_missing() {
+                } else if self.runtime.cdi_due(&pass!(self)) {
                     // A failed write is tried again, a removed spec written again.
                     self.cdi_step();
                 }

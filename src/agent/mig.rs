@@ -108,7 +108,7 @@ impl Agent {
         }
         // NVIDIA's mig-manager on the node applies layouts too: two appliers on one GPU undo
         // each other's work. No change while it runs; its state label is left as it is.
-        if let Some(why) = self.operator.mig_held(&self.config) {
+        if let Some(why) = self.held.mig.clone() {
             self.mig.state = super::operator::mig_state_as_on_node(&self.config, &self.view);
             self.mig.pending_since = None;
             self.mig.retry = Some(Instant::now() + MIG_OPERATOR_RECHECK);

@@ -10,7 +10,7 @@ use std::process::ExitCode;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use super::pass::{Outbox, Pass};
+use super::pass::{Held, Note, Outbox, Pass};
 use crate::cluster::LabelsView;
 use crate::config::{Config, DriverSource};
 use crate::host::HostRoot;
@@ -66,6 +66,10 @@ impl OperatorState {
             .retain(|(_, p)| p.as_ref().is_none_or(|p| p.pid != me));
         self.log_ignored(config, &facts);
         self.facts = facts;
+        out.push(Note::Held(Held {
+            runtime: self.held_by(config, Operand::ContainerToolkit),
+            mig: self.held_by(config, Operand::MigManager),
+        }));
         if config.kubernetes.withdraw_operator_operands {
             self.withdraw_operands(pass, out);
         }
@@ -163,25 +167,16 @@ impl OperatorState {
         })
     }
 
-    /// Why the MIG stage makes no change now: NVIDIA's mig-manager runs on the node. `None`
-    /// when it does not (or MIG is off).
-    pub(super) fn mig_held(&self, config: &Config) -> Option<String> {
-        self.held_by(config, Operand::MigManager)
-    }
-
-    /// The line of the conflict with the Operator's `operand`, when there is one.
+    /// The line of the conflict with the Operator's `operand`, when there is one: why the MIG
+    /// stage makes no change (mig-manager runs), why the runtime stage writes no engine config
+    /// (the Operator's toolkit configured the engines; its runtime serves GPU containers
+    /// meanwhile).
     fn held_by(&self, config: &Config, operand: Operand) -> Option<String> {
         let withdrawing = config.kubernetes.withdraw_operator_operands;
         op::conflicts(&self.facts, &roles(config), &config.kubernetes.operator_namespace)
             .into_iter()
             .find(|c| c.operand == operand)
             .map(|c| c.line(withdrawing))
-    }
-
-    /// Why the runtime stage writes no engine config now: the Operator's toolkit configured the
-    /// engines (its runtime serves GPU containers meanwhile). `None` when it did not.
-    pub(super) fn runtime_held(&self, config: &Config) -> Option<String> {
-        self.held_by(config, Operand::ContainerToolkit)
     }
 
     /// Sets the replaced operands' deploy labels to `false` on the Node (once the Node's labels
@@ -615,6 +610,11 @@ mod tests {
         let mut out = Outbox::default();
         stage.check(&fixture.pass(), &mut out);
         assert_eq!(
+            out.take(),
+            [Note::Held(Held::default())],
+            "nothing held on an empty node"
+        );
+        assert_eq!(
             stage.status(&fixture.config, &fixture.root, &fixture.plugin, &mut out),
             None
         );
@@ -646,6 +646,7 @@ mod tests {
 
         fixture.plugin.conflicts.clear();
         stage.check(&fixture.pass(), &mut out);
+        assert_eq!(out.take(), [Note::Held(Held::default())]);
         assert_eq!(
             stage.status(&fixture.config, &fixture.root, &fixture.plugin, &mut out),
             None
@@ -661,7 +662,5 @@ mod tests {
             ),
             "{notes:?}"
         );
-        assert_eq!(stage.mig_held(&fixture.config), None);
-        assert_eq!(stage.runtime_held(&fixture.config), None);
     }
 }

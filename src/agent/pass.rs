@@ -6,11 +6,13 @@
 //! state another one owns.
 
 use std::collections::BTreeSet;
+use std::sync::Arc;
+use std::sync::atomic::AtomicBool;
 
 use tokio_util::sync::CancellationToken;
 
 use super::stage::Stages;
-use crate::cluster::LabelsView;
+use crate::cluster::{LabelsView, Link};
 use crate::config::{Config, DevicePluginConfig};
 use crate::desired::Desired;
 use crate::host::HostRoot;
@@ -50,6 +52,23 @@ pub(super) struct Pass<'a> {
     pub plan_error: Option<&'a str>,
     /// The runtime stage's last good plan (the engines hold the runtime).
     pub runtime_plan: Option<&'a RuntimePlan>,
+    /// What NVIDIA's GPU Operator holds on this node, as the pass's first look saw it.
+    pub held: &'a Held,
+    /// The cluster link (labels in, labels, Events and RuntimeClasses out); none under
+    /// `run --once` without one.
+    pub link: Option<&'a Link>,
+    /// Set while a step that may hold the loop for long runs (systemd's watchdog and start
+    /// timeout are kept up meanwhile): [`crate::notify::LongStep`].
+    pub long_step: &'a Arc<AtomicBool>,
+}
+
+/// What NVIDIA's GPU Operator, found on the node, holds: the stage it holds back says why.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub(super) struct Held {
+    /// Its toolkit configured the engines: the runtime stage writes none.
+    pub runtime: Option<String>,
+    /// Its mig-manager runs: the MIG stage changes nothing.
+    pub mig: Option<String>,
 }
 
 /// What a stage tells the loop (and through it, the other stages and the reports).
@@ -71,6 +90,10 @@ pub(super) enum Note {
     /// The MIG devices changed: the inventory is read again before anything is advertised, and
     /// validation runs again (its CUDA check too) at the next pass.
     DevicesChanged,
+    /// The runtime stage's plan once the engines hold the runtime (none after a failure).
+    RuntimePlan(Option<RuntimePlan>),
+    /// What the GPU Operator holds, from the look at the start of the pass.
+    Held(Held),
 }
 
 /// The notes of one step, in the order they were made.
@@ -133,6 +156,8 @@ pub(super) struct Fixture {
     pub advertised: Vec<String>,
     pub plan_error: Option<String>,
     pub runtime_plan: Option<RuntimePlan>,
+    pub held: Held,
+    pub long_step: Arc<AtomicBool>,
     _dir: tempfile::TempDir,
 }
 
@@ -162,6 +187,8 @@ impl Fixture {
             advertised: Vec::new(),
             plan_error: None,
             runtime_plan: None,
+            held: Held::default(),
+            long_step: Arc::new(AtomicBool::new(false)),
             _dir: dir,
         }
     }
@@ -183,6 +210,9 @@ impl Fixture {
             advertised: &self.advertised,
             plan_error: self.plan_error.as_deref(),
             runtime_plan: self.runtime_plan.as_ref(),
+            held: &self.held,
+            link: None,
+            long_step: &self.long_step,
         }
     }
 

@@ -93,6 +93,8 @@ pub(super) async fn start(config: Config, root: HostRoot, once: bool, stop: &Can
         },
         desired_sel: Desired::none(),
         runtime: runtime::RuntimeStage::default(),
+        runtime_plan: None,
+        held: super::pass::Held::default(),
         validation: validation::ValidationStage::default(),
         heartbeat: Arc::new(std::sync::atomic::AtomicU64::new(crate::notify::now_ms())),
         long_step: Arc::new(AtomicBool::new(false)),
