@@ -141,7 +141,7 @@ const PIPELINE: [(StageId, &[StageId], Step); 5] = [
     (StageId::Driver, &[], |a| Box::pin(a.driver_step())),
     (StageId::Runtime, &[StageId::Driver], |a| Box::pin(a.runtime_step())),
     (StageId::Mig, &[StageId::Driver, StageId::Runtime], |a| {
-        Box::pin(a.mig_stage_step())
+        Box::pin(a.mig_step())
     }),
     (StageId::DevicePlugin, &[StageId::Driver, StageId::Runtime], |a| {
         Box::pin(a.device_plugin_step())
@@ -194,6 +194,7 @@ macro_rules! pass {
             held: &$a.held,
             link: $a.link.as_ref(),
             long_step: &$a.long_step,
+            dra: $a.dra.as_ref(),
         }
     };
 }
@@ -522,6 +523,7 @@ impl Agent {
                 Note::Event { kind, reason, message } => self.event(kind, reason, message),
                 Note::RuntimePlan(plan) => self.runtime_plan = plan,
                 Note::Held(held) => self.held = held,
+                Note::Restore => self.restore_withdrawn(),
                 Note::DevicesChanged => {
                     self.inventory = None;
                     self.validation.devices_changed();
@@ -586,6 +588,133 @@ impl Agent {
         let mut out = Outbox::default();
         self.runtime.cdi(&pass!(self), &self.base_ctx.nodes, &mut out);
         self.route(&mut out);
+    }
+
+    /// The driver stage: its plan, and a change applied with the GPUs withdrawn from the
+    /// kubelet and NVML closed for an upgrade; NVML is (re)opened after, whether the change
+    /// succeeded or not. `false` when the stages after it cannot run (no working driver; a
+    /// failed upgrade with NVML back on the driver still loaded lets them re-read the inventory
+    /// and advertise the GPUs again).
+    async fn driver_step(&mut self) -> bool {
+        let mut out = Outbox::default();
+        let next = self.driver.plan(&pass!(self), &mut out).await;
+        self.route(&mut out);
+        let planned = match next {
+            driver::DriverNext::Done(go_on) => return go_on,
+            driver::DriverNext::Apply(planned) => planned,
+        };
+        let upgrade = driver::is_upgrade(&planned);
+        if upgrade {
+            let uuids: Vec<String> = self
+                .inventory
+                .iter()
+                .flat_map(|i| i.gpus.iter().map(|g| g.uuid.clone()))
+                .collect();
+            tracing::info!(
+                "driver: withdrawing {} GPU(s) from the kubelet for the driver change",
+                uuids.len()
+            );
+            self.withdrawn.extend(uuids);
+            self.push_resources().await;
+            self.close_nvml();
+        }
+        let applied = self.driver.apply(&pass!(self), &planned, &mut out).await;
+        self.route(&mut out);
+        if let Err(e) = applied {
+            tracing::error!("driver stage failed: {e}");
+            // After a failed upgrade: NVML again, on whatever driver is still loaded, and the
+            // GPUs withdrawn for the change given back. Without NVML nothing is advertised until
+            // it loads (retried every `[nvml] retry_interval`).
+            let go_on = upgrade && {
+                if self.gpus.is_none()
+                    && let Err(e) = self.open_nvml()
+                {
+                    tracing::error!("NVML after the failed driver change: {e}");
+                }
+                self.restore_withdrawn();
+                self.inventory = None;
+                self.gpus.is_some()
+            };
+            self.stages[StageId::Driver].set(StageState::Failed, Some(e.clone()), None);
+            self.driver.failed(&planned, e);
+            return go_on;
+        }
+        if self.gpus.is_none()
+            && let Err(e) = self.open_nvml()
+        {
+            tracing::error!("NVML after the driver change: {e}");
+        }
+        if upgrade {
+            self.withdrawn.clear();
+            self.inventory = None;
+        }
+        let go_on = self.driver.applied(&pass!(self), &planned, &mut out).await;
+        self.route(&mut out);
+        go_on
+    }
+
+    /// The MIG stage, once NVML is up: its plan, then a change made with the GPUs it changes
+    /// withdrawn from the kubelet first and `pending` (or `rebooting`) shown on the Node.
+    async fn mig_step(&mut self) -> bool {
+        let Some(gpus) = self.gpus.clone() else {
+            return false;
+        };
+        let mut out = Outbox::default();
+        let next = self.mig.plan(&pass!(self), &mut out).await;
+        self.route(&mut out);
+        let mig::MigNext::Change(change) = next else {
+            return true;
+        };
+        if change.changing.iter().any(|u| !self.withdrawn.contains(u)) {
+            tracing::info!(
+                "MIG layout {}: withdrawing {} from the kubelet before changing them",
+                change.name,
+                change.changing.join(", ")
+            );
+            self.withdrawn.extend(change.changing.iter().cloned());
+            self.push_resources().await;
+        }
+        if self.mig.announce(&change, &mut out) {
+            self.route(&mut out);
+            self.write_status_with_inventory(&gpus);
+            let pending = crate::mig::stage::MigState::Pending.as_str();
+            mig::wait_for_label_on_node(&pass!(self), pending, mig::PENDING_LABEL_WAIT).await;
+        }
+        let after = self.mig.apply(&pass!(self), *change, &mut out).await;
+        self.route(&mut out);
+        if let mig::MigAfter::Reboot = after {
+            self.write_status_with_inventory(&gpus);
+            let rebooting = crate::mig::stage::MigState::Rebooting.as_str();
+            mig::wait_for_label_on_node(&pass!(self), rebooting, mig::REBOOT_LABEL_WAIT).await;
+            mig::reboot(&pass!(self));
+        }
+        true
+    }
+
+    /// Writes the status and reports the labels now. Labels are only reported with an
+    /// inventory (none means "nothing known yet"), and at boot the MIG stage runs before the
+    /// inventory is read: one is read for this report and left for the device plugin stage to
+    /// read again (which also starts the health watch).
+    fn write_status_with_inventory(&mut self, gpus: &Gpus) {
+        let borrowed = self.inventory.is_none();
+        if borrowed {
+            self.inventory = gpus.inventory(&self.root.join("/sys")).ok();
+        }
+        self.write_status("running");
+        if borrowed {
+            self.inventory = None;
+        }
+    }
+
+    /// Gives withdrawn GPUs back to the kubelet (the next push advertises them).
+    fn restore_withdrawn(&mut self) {
+        if !self.withdrawn.is_empty() {
+            tracing::info!(
+                "advertising {} again",
+                self.withdrawn.iter().cloned().collect::<Vec<_>>().join(", ")
+            );
+            self.withdrawn.clear();
+        }
     }
 
     /// The validation stage's step.

@@ -5,7 +5,8 @@
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
-use super::{Agent, StageId, StageState};
+use super::pass::{Note, Outbox, Pass};
+use super::{StageId, StageState};
 use crate::cli::MigCommand;
 use crate::config::Config;
 use crate::config::MigConfig;
@@ -29,9 +30,9 @@ const MIG_GAVE_UP_RECHECK: Duration = Duration::from_secs(10);
 /// How often the MIG stage looks again while NVIDIA's mig-manager runs on the node.
 const MIG_OPERATOR_RECHECK: Duration = Duration::from_secs(10);
 /// How long to wait for `rebooting` to show on the Node before rebooting.
-const REBOOT_LABEL_WAIT: Duration = Duration::from_secs(10);
+pub(super) const REBOOT_LABEL_WAIT: Duration = Duration::from_secs(10);
 /// How long to wait for `pending` to show on the Node before a MIG change.
-const PENDING_LABEL_WAIT: Duration = Duration::from_secs(5);
+pub(super) const PENDING_LABEL_WAIT: Duration = Duration::from_secs(5);
 /// Marker in the state dir: a reboot was requested to finish a MIG mode change for this
 /// layout. Present at the next start with the change still pending means the reboot did not
 /// help: fail instead of rebooting again.
@@ -51,33 +52,50 @@ pub(super) struct MigStage {
     pub(super) gave_up: Option<String>,
 }
 
-impl Agent {
-    /// The MIG stage, once NVML is up.
-    pub(super) async fn mig_stage_step(&mut self) -> bool {
-        let Some(gpus) = self.gpus.clone() else {
-            return false;
-        };
-        self.mig_step(&gpus).await;
-        true
-    }
+/// What the MIG stage's plan asks of the loop.
+pub(super) enum MigNext {
+    /// Nothing changes in this pass (the stage's status says why).
+    Done,
+    /// A change to make: the loop withdraws its GPUs from the kubelet, reports `pending` when
+    /// [`MigStage::announce`] says so, then [`MigStage::apply`] makes it.
+    Change(Box<Change>),
+}
 
-    /// The MIG stage: brings the GPUs to the layout `nvidia.com/mig.config` names. Devices of
-    /// GPUs about to change are withdrawn from the kubelet first; with GPU work running it waits
-    /// in `pending` (failing after `[mig] process_wait_timeout`); a layout that cannot fit, or a
-    /// name that is not defined, changes nothing and fails with the reason.
-    pub(super) async fn mig_step(&mut self, gpus: &Gpus) {
-        self.start_left_over_clients().await;
-        let key = self.config.labels.mig_config.clone();
+/// A layout change, planned on this pass's one reading of NVML.
+pub(super) struct Change {
+    pub name: String,
+    layout: MigLayout,
+    plan: LayoutPlan,
+    /// The GPUs (UUIDs) that change: withdrawn from the kubelet first.
+    pub changing: Vec<String>,
+    mode_change: bool,
+}
+
+/// What the loop does once [`MigStage::apply`] is done.
+pub(super) enum MigAfter {
+    Done,
+    /// A mode change needs a reboot: the loop reports `rebooting`, waits for the label on the
+    /// Node, then [`reboot`]s.
+    Reboot,
+}
+
+impl MigStage {
+    /// The MIG stage's plan: brings the GPUs to the layout `nvidia.com/mig.config` names. With
+    /// nothing to change, or nothing that may change now (NVIDIA's mig-manager runs, DRA claims
+    /// hold a GPU, a layout given up on while GPU work still runs), the status says why and
+    /// nothing is asked of the loop; a layout that cannot fit, or a name that is not defined,
+    /// changes nothing and fails with the reason. Needs NVML (`pass.gpus`).
+    pub(super) async fn plan(&mut self, pass: &Pass<'_>, out: &mut Outbox) -> MigNext {
+        start_left_over_clients(pass).await;
+        let Some(gpus) = pass.gpus.cloned() else {
+            return MigNext::Done;
+        };
+        let key = pass.config.labels.mig_config.clone();
         // One reading of NVML's MIG state and one plan per pass: the default layout's check, what
         // would change and the converge's first round all use them.
-        let (g, mig, selection) = (
-            gpus.clone(),
-            self.config.mig.clone(),
-            self.desired_sel.mig_config.clone(),
-        );
-        let has_mig = self
+        let (g, mig, selection) = (gpus.clone(), pass.config.mig.clone(), pass.desired.mig_config.clone());
+        let has_mig = pass
             .inventory
-            .as_ref()
             .map(|inventory| inventory.gpus.iter().any(|g| g.mig.is_some()));
         let decided = tokio::task::spawn_blocking(move || {
             decide(&mig, &selection, &key, has_mig, || {
@@ -86,86 +104,114 @@ impl Agent {
         })
         .await
         .unwrap_or_else(|e| Decision::Failed(format!("MIG planning task failed: {e}")));
+        let id = StageId::Mig;
         let (name, layout, plan) = match decided {
             Decision::Disabled => {
-                self.stages[StageId::Mig].set(StageState::Disabled, None, Some("[mig] enabled = false".into()));
-                self.mig.state = None;
-                return;
+                out.status(id, StageState::Disabled, None, Some("[mig] enabled = false".into()));
+                self.state = None;
+                return MigNext::Done;
             }
             Decision::Unset(detail) => {
-                self.stages[StageId::Mig].set(StageState::Ok, None, Some(detail));
-                self.mig.state = None;
-                self.restore_withdrawn();
-                return;
+                out.status(id, StageState::Ok, None, Some(detail));
+                self.state = None;
+                out.push(Note::Restore);
+                return MigNext::Done;
             }
-            Decision::Failed(reason) => return self.mig_failed(reason),
+            Decision::Failed(reason) => {
+                self.failed(reason, out);
+                return MigNext::Done;
+            }
             Decision::Apply { name, layout, plan } => (name, layout, plan),
         };
         let (changing, mode_change) = (plan.changing(), plan.changes_mode());
         if changing.is_empty() {
             // The same observation converge would start from: nothing to do, nothing to read twice.
-            return self.mig_done(&name, format!("layout {name} in place"));
+            self.done(pass, &name, format!("layout {name} in place"), out);
+            return MigNext::Done;
         }
         // NVIDIA's mig-manager on the node applies layouts too: two appliers on one GPU undo
         // each other's work. No change while it runs; its state label is left as it is.
-        if let Some(why) = self.held.mig.clone() {
-            self.mig.state = super::operator::mig_state_as_on_node(&self.config, &self.view);
-            self.mig.pending_since = None;
-            self.mig.retry = Some(Instant::now() + MIG_OPERATOR_RECHECK);
-            self.stages[StageId::Mig].set(
+        if let Some(why) = &pass.held.mig {
+            self.state = super::operator::mig_state_as_on_node(pass.config, pass.view);
+            self.pending_since = None;
+            self.retry = Some(Instant::now() + MIG_OPERATOR_RECHECK);
+            out.status(
+                id,
                 StageState::Pending,
                 Some(format!("layout {name}: not applied: {why}")),
                 None,
             );
-            return;
+            return MigNext::Done;
         }
         // A GPU with devices prepared for DRA claims keeps its layout: changing it would pull
         // MIG devices from under claims the kubelet holds. The stage fails (and retries) until
         // the claims are unprepared.
-        if let Some(held) = self.dra_held(&changing) {
-            return self.mig_failed(format!("layout {name}: {held}; nothing changed"));
+        if let Some(held) = dra_held(pass.dra, &changing) {
+            self.failed(format!("layout {name}: {held}; nothing changed"), out);
+            return MigNext::Done;
         }
-        if self.mig.gave_up.as_deref() == Some(name.as_str()) {
+        if self.gave_up.as_deref() == Some(name.as_str()) {
             // Given up on while GPU work ran: stay failed, GPUs advertised, until the work ends.
             let (g, u) = (gpus.clone(), changing.clone());
             let busy = tokio::task::spawn_blocking(move || u.iter().any(|uuid| g.process_count(uuid) != Some(0)))
                 .await
                 .unwrap_or(true);
             if busy {
-                self.mig.retry = Some(Instant::now() + MIG_GAVE_UP_RECHECK);
-                return;
+                self.retry = Some(Instant::now() + MIG_GAVE_UP_RECHECK);
+                return MigNext::Done;
             }
             tracing::info!("MIG layout {name}: the GPU work it waited for has ended; applying it now");
-            self.mig.gave_up = None;
+            self.gave_up = None;
         }
-        if changing.iter().any(|u| !self.withdrawn.contains(u)) {
-            tracing::info!(
-                "MIG layout {name}: withdrawing {} from the kubelet before changing them",
-                changing.join(", ")
-            );
-            self.withdrawn.extend(changing.iter().cloned());
-            self.push_resources().await;
+        MigNext::Change(Box::new(Change {
+            name,
+            layout,
+            plan,
+            changing,
+            mode_change,
+        }))
+    }
+
+    /// `pending` while the change is made, as the GPU Operator's MIG manager reports it: a
+    /// script waiting for `success` must not see the previous layout's. `true` when the state
+    /// turns `pending` now: the loop reports it and gives the Node time to show it.
+    pub(super) fn announce(&mut self, change: &Change, out: &mut Outbox) -> bool {
+        if self.state == Some(MigLabelState::Pending) {
+            return false;
         }
-        // `pending` while the change is made, as the GPU Operator's MIG manager reports it: a
-        // script waiting for `success` must not see the previous layout's.
-        if self.mig.state != Some(MigLabelState::Pending) {
-            self.mig.state = Some(MigLabelState::Pending);
-            self.stages[StageId::Mig].set(
-                StageState::Pending,
-                None,
-                Some(format!("layout {name}: changing {}", changing.join(", "))),
-            );
-            self.write_status_with_inventory(gpus);
-            self.wait_for_label_on_node(MigLabelState::Pending.as_str(), PENDING_LABEL_WAIT)
-                .await;
-        }
-        // Converge starts from this pass's reading and plan (withdrawing devices from the
-        // kubelet changes no MIG state; GPU work is looked at again before any change).
-        let (g, l, n) = (gpus.clone(), layout, name.clone());
-        let smi = self.root.join(&self.config.mig.nvidia_smi);
-        let allow_reset = self.config.mig.gpu_reset;
-        let stop = self.stop.clone();
-        let (config, root) = (self.config.clone(), self.root.clone());
+        self.state = Some(MigLabelState::Pending);
+        out.status(
+            StageId::Mig,
+            StageState::Pending,
+            None,
+            Some(format!(
+                "layout {}: changing {}",
+                change.name,
+                change.changing.join(", ")
+            )),
+        );
+        true
+    }
+
+    /// Makes the change (its GPUs withdrawn from the kubelet), starting from this pass's reading
+    /// and plan: withdrawing devices changes no MIG state, and GPU work is looked at again before
+    /// any change.
+    pub(super) async fn apply(&mut self, pass: &Pass<'_>, change: Change, out: &mut Outbox) -> MigAfter {
+        let Some(gpus) = pass.gpus.cloned() else {
+            return MigAfter::Done;
+        };
+        let Change {
+            name,
+            layout,
+            plan,
+            mode_change,
+            ..
+        } = change;
+        let (g, l, n) = (gpus, layout, name.clone());
+        let smi = pass.root.join(&pass.config.mig.nvidia_smi);
+        let allow_reset = pass.config.mig.gpu_reset;
+        let stop = pass.stop.clone();
+        let (config, root) = (pass.config.clone(), pass.root.clone());
         let (step, clients_note) = tokio::task::spawn_blocking(move || {
             let reset = |uuid: &str| crate::host::reset_gpu(&smi, uuid);
             let reset = allow_reset.then_some(&reset as ResetGpu<'_>);
@@ -178,75 +224,78 @@ impl Agent {
             let reason = format!("MIG apply task failed: {e}");
             (Step::Failed { reason }, None)
         });
+        let id = StageId::Mig;
         let note = clients_note.as_deref().map(|n| format!("; {n}")).unwrap_or_default();
         match with_note(step, clients_note.as_deref()) {
             Step::Converged => {
-                self.mig_done(&name, format!("layout {name} in place{note}"));
+                self.done(pass, &name, format!("layout {name} in place{note}"), out);
             }
             Step::Applied {
                 mutations,
                 gpus: changed,
             } => {
-                self.mig_done(
+                self.done(
+                    pass,
                     &name,
                     format!(
                         "layout {name} applied to {} ({mutations} NVML operations){note}",
                         changed.join(", ")
                     ),
+                    out,
                 );
                 // The MIG devices changed: read the inventory again before advertising, and run
                 // the CUDA check again (on every device CUDA sees, the new MIG devices included)
                 // rather than keep the day-old result of GPUs that no longer look that way.
-                let mut out = super::Outbox::default();
-                out.push(super::Note::DevicesChanged);
-                self.route(&mut out);
+                out.push(Note::DevicesChanged);
             }
             Step::Busy { reason, .. } => {
-                let since = *self.mig.pending_since.get_or_insert_with(Instant::now);
-                let limit = self.config.mig.process_wait_timeout;
+                let since = *self.pending_since.get_or_insert_with(Instant::now);
+                let limit = pass.config.mig.process_wait_timeout;
                 if !limit.is_zero() && since.elapsed() >= limit {
-                    self.mig.pending_since = None;
-                    self.mig_failed(format!(
-                        "layout {name}: gave up after {limit:?}: {reason}; nothing changed (applied once the work ends)"
-                    ));
-                    self.mig.gave_up = Some(name);
-                    self.mig.retry = Some(Instant::now() + MIG_GAVE_UP_RECHECK);
-                    return;
+                    self.pending_since = None;
+                    self.failed(
+                        format!(
+                            "layout {name}: gave up after {limit:?}: {reason}; nothing changed (applied once the work ends)"
+                        ),
+                        out,
+                    );
+                    self.gave_up = Some(name);
+                    self.retry = Some(Instant::now() + MIG_GAVE_UP_RECHECK);
+                    return MigAfter::Done;
                 }
-                self.mig.state = Some(MigLabelState::Pending);
-                self.stages[StageId::Mig].set(StageState::Pending, Some(reason), Some(format!("layout {name}")));
-                self.mig.retry = Some(Instant::now() + MIG_BUSY_RECHECK);
+                self.state = Some(MigLabelState::Pending);
+                out.status(id, StageState::Pending, Some(reason), Some(format!("layout {name}")));
+                self.retry = Some(Instant::now() + MIG_BUSY_RECHECK);
             }
             Step::ModePending { reason, .. } => {
-                let marker = self.root.join(&self.config.agent.state_dir).join(MIG_REBOOT_MARKER);
+                let marker = pass.root.join(&pass.config.agent.state_dir).join(MIG_REBOOT_MARKER);
                 let rebooted_for = std::fs::read_to_string(&marker).ok();
-                if self.config.mig.reboot_on_mode_change && rebooted_for.as_deref() != Some(name.as_str()) {
+                if pass.config.mig.reboot_on_mode_change && rebooted_for.as_deref() != Some(name.as_str()) {
                     if let Err(e) = crate::host::write_atomic(&marker, name.as_bytes(), 0o644) {
-                        return self.mig_failed(format!("{reason}; cannot record the reboot ({e}), not rebooting"));
+                        self.failed(format!("{reason}; cannot record the reboot ({e}), not rebooting"), out);
+                        return MigAfter::Done;
                     }
-                    self.mig.state = Some(MigLabelState::Rebooting);
-                    self.stages[StageId::Mig].set(
+                    self.state = Some(MigLabelState::Rebooting);
+                    out.status(
+                        id,
                         StageState::Pending,
                         Some(format!("{reason}: rebooting the node")),
                         None,
                     );
-                    self.write_status_with_inventory(gpus);
-                    self.wait_for_label_on_node(MigLabelState::Rebooting.as_str(), REBOOT_LABEL_WAIT)
-                        .await;
-                    self.reboot();
-                } else {
-                    let hint = if rebooted_for.as_deref() == Some(name.as_str()) {
-                        "a reboot for this layout did not finish it"
-                    } else {
-                        "reset the GPU or reboot the node, or set [mig] reboot_on_mode_change = true"
-                    };
-                    self.mig_failed(format!("{reason} ({hint})"));
+                    return MigAfter::Reboot;
                 }
+                let hint = if rebooted_for.as_deref() == Some(name.as_str()) {
+                    "a reboot for this layout did not finish it"
+                } else {
+                    "reset the GPU or reboot the node, or set [mig] reboot_on_mode_change = true"
+                };
+                self.failed(format!("{reason} ({hint})"), out);
             }
-            Step::Failed { reason } => self.mig_failed(reason),
+            Step::Failed { reason } => self.failed(reason, out),
             Step::Stopped { mutations } => {
                 // The agent is stopping: the next start converges from what was left.
-                self.stages[StageId::Mig].set(
+                out.status(
+                    id,
                     StageState::Pending,
                     Some(format!(
                         "layout {name}: stopped after {mutations} NVML operation(s); the next start goes on"
@@ -255,140 +304,116 @@ impl Agent {
                 );
             }
         }
+        MigAfter::Done
     }
 
-    /// Starts the host GPU clients an interrupted MIG change left stopped (recorded in the state
-    /// dir), before anything else of the MIG stage.
-    async fn start_left_over_clients(&mut self) {
-        let journal = self
-            .root
-            .join(self.config.agent.state_dir.join(clients::STOPPED_UNITS_FILE));
-        if !journal.exists() {
-            return;
-        }
-        let (config, root) = (self.config.clone(), self.root.clone());
-        match tokio::task::spawn_blocking(move || clients::start_left_over(&config, &root)).await {
-            Ok((started, problems)) => {
-                if !started.is_empty() {
-                    tracing::info!("started host GPU clients again: {}", started.join(", "));
-                }
-                for problem in problems {
-                    tracing::error!("{problem}");
-                }
-            }
-            Err(e) => tracing::error!("starting the host GPU clients left stopped failed: {e}"),
-        }
-    }
-
-    /// Writes the status and reports the labels now. Labels are only reported with an
-    /// inventory (none means "nothing known yet"), and at boot the MIG stage runs before the
-    /// inventory is read: one is read for this report and left for the device plugin stage to
-    /// read again (which also starts the health watch).
-    fn write_status_with_inventory(&mut self, gpus: &Gpus) {
-        let borrowed = self.inventory.is_none();
-        if borrowed {
-            self.inventory = gpus.inventory(&self.root.join("/sys")).ok();
-        }
-        self.write_status("running");
-        if borrowed {
-            self.inventory = None;
-        }
-    }
-
-    /// Gives the Node up to `wait` to show the MIG state label (when the Node is the source and
-    /// reachable), so the cluster sees `pending` before a change and `rebooting` before a
-    /// reboot: the reporter sends only the latest labels, and a quick change would hide them.
-    async fn wait_for_label_on_node(&mut self, state: &str, wait: Duration) {
-        let Some(link) = &self.link else { return };
-        let mut rx = link.view.clone();
-        let key = self.config.labels.mig_config_state.clone();
-        let shown = tokio::time::timeout(wait, async {
-            loop {
-                {
-                    let view = rx.borrow_and_update();
-                    if view.source != crate::desired::Source::Node || !view.connected {
-                        return false;
-                    }
-                    if view.labels.get(&key).map(String::as_str) == Some(state) {
-                        return true;
-                    }
-                }
-                if rx.changed().await.is_err() {
-                    return false;
-                }
-            }
-        })
-        .await;
-        if shown != Ok(true) {
-            tracing::warn!("{key}={state} did not show on the Node within {wait:?}; going on");
-        }
-    }
-
-    fn mig_done(&mut self, name: &str, detail: String) {
-        self.mig.gave_up = None;
-        self.mig.pending_since = None;
-        self.mig.state = Some(MigLabelState::Success);
-        self.stages[StageId::Mig].set(StageState::Ok, None, Some(detail));
-        let marker = self.root.join(&self.config.agent.state_dir).join(MIG_REBOOT_MARKER);
+    fn done(&mut self, pass: &Pass<'_>, name: &str, detail: String, out: &mut Outbox) {
+        self.gave_up = None;
+        self.pending_since = None;
+        self.state = Some(MigLabelState::Success);
+        out.status(StageId::Mig, StageState::Ok, None, Some(detail));
+        let marker = pass.root.join(&pass.config.agent.state_dir).join(MIG_REBOOT_MARKER);
         let _ = std::fs::remove_file(marker);
         tracing::info!("MIG layout {name}: success");
-        self.restore_withdrawn();
+        out.push(Note::Restore);
     }
 
-    /// Which of `changing` hold devices prepared for DRA claims, as a sentence; `None` if none.
-    fn dra_held(&self, changing: &[String]) -> Option<String> {
-        let dra = self.dra.as_ref()?;
-        let withdrawn = dra.withdrawn.borrow().clone();
-        let held: Vec<&str> = changing
-            .iter()
-            .filter(|u| withdrawn.touches_gpu(u))
-            .map(String::as_str)
-            .collect();
-        if held.is_empty() {
-            return None;
-        }
-        let claims = dra.status.borrow().prepared.join(", ");
-        Some(format!(
-            "GPU(s) {} hold devices prepared for DRA claims ({claims}); the layout waits until they are unprepared",
-            held.join(", ")
-        ))
-    }
-
-    fn mig_failed(&mut self, reason: String) {
+    fn failed(&mut self, reason: String, out: &mut Outbox) {
         tracing::error!("MIG stage failed: {reason}");
-        self.mig.pending_since = None;
-        self.mig.state = Some(MigLabelState::Failed);
-        self.stages[StageId::Mig].set(StageState::Failed, Some(reason), None);
-        self.restore_withdrawn();
+        self.pending_since = None;
+        self.state = Some(MigLabelState::Failed);
+        out.status(StageId::Mig, StageState::Failed, Some(reason), None);
+        out.push(Note::Restore);
     }
+}
 
-    /// Gives withdrawn GPUs back to the kubelet (the next push advertises them).
-    pub(super) fn restore_withdrawn(&mut self) {
-        if !self.withdrawn.is_empty() {
-            tracing::info!(
-                "advertising {} again",
-                self.withdrawn.iter().cloned().collect::<Vec<_>>().join(", ")
-            );
-            self.withdrawn.clear();
-        }
+/// Starts the host GPU clients an interrupted MIG change left stopped (recorded in the state
+/// dir), before anything else of the MIG stage.
+async fn start_left_over_clients(pass: &Pass<'_>) {
+    let journal = pass
+        .root
+        .join(pass.config.agent.state_dir.join(clients::STOPPED_UNITS_FILE));
+    if !journal.exists() {
+        return;
     }
+    let (config, root) = (pass.config.clone(), pass.root.clone());
+    match tokio::task::spawn_blocking(move || clients::start_left_over(&config, &root)).await {
+        Ok((started, problems)) => {
+            if !started.is_empty() {
+                tracing::info!("started host GPU clients again: {}", started.join(", "));
+            }
+            for problem in problems {
+                tracing::error!("{problem}");
+            }
+        }
+        Err(e) => tracing::error!("starting the host GPU clients left stopped failed: {e}"),
+    }
+}
 
-    /// Reboots the node to finish a MIG mode change (only on a real root; a --root run reports).
-    fn reboot(&self) {
-        if !self.root.is_real() {
-            tracing::warn!(
-                "MIG mode change needs a reboot; not rebooting under --root {}",
-                self.root.path().display()
-            );
-            return;
+/// Gives the Node up to `wait` to show the MIG state label (when the Node is the source and
+/// reachable), so the cluster sees `pending` before a change and `rebooting` before a reboot:
+/// the reporter sends only the latest labels, and a quick change would hide them.
+pub(super) async fn wait_for_label_on_node(pass: &Pass<'_>, state: &str, wait: Duration) {
+    let Some(link) = pass.link else { return };
+    let mut rx = link.view.clone();
+    let key = pass.config.labels.mig_config_state.clone();
+    let shown = tokio::time::timeout(wait, async {
+        loop {
+            {
+                let view = rx.borrow_and_update();
+                if view.source != crate::desired::Source::Node || !view.connected {
+                    return false;
+                }
+                if view.labels.get(&key).map(String::as_str) == Some(state) {
+                    return true;
+                }
+            }
+            if rx.changed().await.is_err() {
+                return false;
+            }
         }
-        tracing::warn!("rebooting the node to finish a MIG mode change");
-        let cmd = crate::host::command::Cmd::new(&self.config.runtime.systemctl)
-            .arg("reboot")
-            .timeout(Duration::from_secs(60));
-        if let Err(e) = crate::host::command::Runner::new(&self.root).run(&cmd) {
-            tracing::error!("cannot reboot: {e}");
-        }
+    })
+    .await;
+    if shown != Ok(true) {
+        tracing::warn!("{key}={state} did not show on the Node within {wait:?}; going on");
+    }
+}
+
+/// Which of `changing` hold devices prepared for DRA claims (by the DRA driver `dra`), as a
+/// sentence; `None` if none.
+fn dra_held(dra: Option<&crate::dra::DraHandle>, changing: &[String]) -> Option<String> {
+    let dra = dra?;
+    let withdrawn = dra.withdrawn.borrow().clone();
+    let held: Vec<&str> = changing
+        .iter()
+        .filter(|u| withdrawn.touches_gpu(u))
+        .map(String::as_str)
+        .collect();
+    if held.is_empty() {
+        return None;
+    }
+    let claims = dra.status.borrow().prepared.join(", ");
+    Some(format!(
+        "GPU(s) {} hold devices prepared for DRA claims ({claims}); the layout waits until they are unprepared",
+        held.join(", ")
+    ))
+}
+
+/// Reboots the node to finish a MIG mode change (only on a real root; a --root run reports).
+pub(super) fn reboot(pass: &Pass<'_>) {
+    if !pass.root.is_real() {
+        tracing::warn!(
+            "MIG mode change needs a reboot; not rebooting under --root {}",
+            pass.root.path().display()
+        );
+        return;
+    }
+    tracing::warn!("rebooting the node to finish a MIG mode change");
+    let cmd = crate::host::command::Cmd::new(&pass.config.runtime.systemctl)
+        .arg("reboot")
+        .timeout(Duration::from_secs(60));
+    if let Err(e) = crate::host::command::Runner::new(pass.root).run(&cmd) {
+        tracing::error!("cannot reboot: {e}");
     }
 }
 

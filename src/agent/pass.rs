@@ -60,6 +60,8 @@ pub(super) struct Pass<'a> {
     /// Set while a step that may hold the loop for long runs (systemd's watchdog and start
     /// timeout are kept up meanwhile): [`crate::notify::LongStep`].
     pub long_step: &'a Arc<AtomicBool>,
+    /// The DRA driver (`[dra] enabled`): what its claims hold.
+    pub dra: Option<&'a crate::dra::DraHandle>,
 }
 
 /// What NVIDIA's GPU Operator, found on the node, holds: the stage it holds back says why.
@@ -94,6 +96,9 @@ pub(super) enum Note {
     RuntimePlan(Option<RuntimePlan>),
     /// What the GPU Operator holds, from the look at the start of the pass.
     Held(Held),
+    /// The GPUs withdrawn from the kubelet for a MIG change are given back (the next push
+    /// advertises them).
+    Restore,
 }
 
 /// The notes of one step, in the order they were made.
@@ -213,6 +218,7 @@ impl Fixture {
             held: &self.held,
             link: None,
             long_step: &self.long_step,
+            dra: None,
         }
     }
 
