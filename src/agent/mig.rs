@@ -793,4 +793,36 @@ mod tests {
         assert!(reason.contains("names no MIG layout"), "{reason}");
         assert_eq!((reads, plans), (0, 0));
     }
+
+    /// The stage by itself, without the loop: with a layout planned, `pending` is announced
+    /// once; a failure gives the withdrawn GPUs back; without NVML it plans nothing.
+    #[tokio::test]
+    async fn the_stage_steps_on_its_own() {
+        use crate::agent::pass::{Fixture, Note, Outbox};
+        let fixture = Fixture::new(Config::default());
+        let mut stage = MigStage::default();
+        let mut out = Outbox::default();
+        assert!(matches!(stage.plan(&fixture.pass(), &mut out).await, MigNext::Done));
+        assert!(out.take().is_empty(), "no NVML, nothing said");
+
+        let layout = MigConfig::default().layout("all-disabled").expect("built in");
+        let change = Change {
+            name: "all-disabled".into(),
+            plan: LayoutPlan::new(vec![mig_off()], &layout).expect("a plan"),
+            layout,
+            changing: vec!["GPU-0".into()],
+            mode_change: false,
+        };
+        assert!(stage.announce(&change, &mut out), "pending is news");
+        assert_eq!(
+            out.last_status(StageId::Mig),
+            Some((StageState::Pending, None, Some("layout all-disabled: changing GPU-0")))
+        );
+        assert!(!stage.announce(&change, &mut out), "and said once");
+
+        let mut out = Outbox::default();
+        stage.failed("layout all-disabled: no".into(), &mut out);
+        assert_eq!(stage.state, Some(MigLabelState::Failed));
+        assert_eq!(out.take().last(), Some(&Note::Restore));
+    }
 }
