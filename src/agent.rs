@@ -21,15 +21,13 @@ use crate::host::HostRoot;
 use crate::host::arch::HostArch;
 use crate::kube::EventType;
 use crate::nvml::{GpuError, Gpus, HealthEvent, Inventory};
-use crate::plugin::allocate::AllocateOptions;
-use crate::plugin::health::HealthPolicy;
 use crate::plugin::manager::{Command, PluginStatus};
-use crate::plugin::resources::Resource;
 use crate::plugin::server::PluginContext;
-use crate::plugin::sharing::{SharingError, apply_sharing};
-use crate::plugin::strategy::{StrategyError, build_resources};
+use crate::plugin::sharing::SharingError;
+use crate::plugin::strategy::StrategyError;
 use crate::status::{StageId, StageState};
 
+mod device_plugin;
 mod devnodes;
 mod driver;
 mod health;
@@ -46,6 +44,7 @@ mod setup;
 mod stage;
 mod validation;
 
+pub use device_plugin::{advertised_resources, allocate_options, health_policy, summary};
 pub use driver::driver_command;
 pub use mig::mig_command;
 pub use operator::migrate_command;
@@ -82,44 +81,6 @@ impl AgentError {
     }
 }
 
-/// The health policy the config describes.
-pub fn health_policy(config: &Config) -> HealthPolicy {
-    let h = &config.health;
-    HealthPolicy {
-        enabled: h.enabled,
-        ignored_xids: h.ignored_xids.iter().map(|x| u64::from(*x)).collect(),
-        critical_xids: h.critical_xids.iter().map(|x| u64::from(*x)).collect(),
-        recovery_after: (!h.recovery_after.is_zero()).then_some(h.recovery_after),
-    }
-}
-
-/// The Allocate options the config describes, with host paths under the root.
-pub fn allocate_options(dp: &DevicePluginConfig) -> AllocateOptions {
-    AllocateOptions {
-        strategies: dp.device_list_strategy.as_slice().to_vec(),
-        id_strategy: dp.device_id_strategy,
-        pass_device_specs: dp.pass_device_specs,
-        cdi_annotation_prefix: dp.cdi_annotation_prefix.clone(),
-        cdi_kind: dp.cdi_kind.clone(),
-        // Device specs name paths on the host as the container runtime sees them: the real
-        // dev_root, not our --root prefix (which only exists for building images and tests).
-        dev_root: dp.dev_root.clone(),
-        host_mounts_driver_dir: dp.host_mounts_driver_dir.clone(),
-        host_mounts_container_dir: dp.host_mounts_container_dir.clone(),
-        fail_requests_greater_than_one: dp.sharing.fails_requests_greater_than_one(),
-        injections: crate::plugin::injections::Injections::from_config(dp),
-        // Set with the inventory (`Agent::update_mps`).
-        mps: Default::default(),
-    }
-}
-
-/// The resources to advertise for an inventory: by MIG strategy, then time-slicing replicas.
-/// Every device is healthy; health is applied later.
-pub fn advertised_resources(inventory: &Inventory, dp: &DevicePluginConfig) -> Result<Vec<Resource>, AgentError> {
-    let resources = build_resources(inventory, dp.mig_strategy)?;
-    Ok(apply_sharing(resources, &dp.sharing)?)
-}
-
 /// The NVML library to load ([`crate::nvml::library_path`]): a path under the root; a soname
 /// as-is on the real root, else found in the node's library folders for its architecture.
 pub fn nvml_library(config: &Config, root: &HostRoot) -> PathBuf {
@@ -153,24 +114,6 @@ const PIPELINE: [(StageId, &[StageId], Step); 5] = [
     ),
 ];
 
-/// How long the validation stage waits for the device plugin's registration to settle before it
-/// starts its CUDA check anyway.
-const REGISTRATION_WAIT: Duration = Duration::from_secs(5);
-
-/// Whether the manager's `status` has settled the registration of the `desired` resources: no
-/// kubelet to register with, or each of them registered, failed, or not served because another
-/// program holds its socket.
-fn registration_settled(status: &PluginStatus, desired: &[String]) -> bool {
-    !status.kubelet_present
-        || desired.iter().all(|name| {
-            status.conflicts.iter().any(|c| &c.resource == name)
-                || status
-                    .resources
-                    .iter()
-                    .any(|r| &r.name == name && (r.registered || r.error.is_some()))
-        })
-}
-
 /// The pass as `agent` sees it now, for a stage's step ([`Pass`]): borrows the fields one by
 /// one, so the stage stepped (another field) can be borrowed mutably beside it.
 macro_rules! pass {
@@ -197,6 +140,24 @@ macro_rules! pass {
             dra: $a.dra.as_ref(),
         }
     };
+}
+
+/// Calls a stage's entry point with the pass ([`pass!`]) and an outbox, then routes what the
+/// stage said ([`Agent::route`]); answers what the entry point answered. `await` after the call
+/// for an async one.
+macro_rules! stepped {
+    ($a:expr, $stage:ident . $method:ident ( $($arg:expr),* ) await) => {{
+        let mut out = Outbox::default();
+        let answer = $a.$stage.$method(&pass!($a), $($arg,)* &mut out).await;
+        $a.route(&mut out);
+        answer
+    }};
+    ($a:expr, $stage:ident . $method:ident ( $($arg:expr),* )) => {{
+        let mut out = Outbox::default();
+        let answer = $a.$stage.$method(&pass!($a), $($arg,)* &mut out);
+        $a.route(&mut out);
+        answer
+    }};
 }
 
 /// The running agent's state.
@@ -577,17 +538,12 @@ impl Agent {
 
     /// The runtime stage's step.
     async fn runtime_step(&mut self) -> bool {
-        let mut out = Outbox::default();
-        let ok = self.runtime.step(&pass!(self), &mut out).await;
-        self.route(&mut out);
-        ok
+        stepped!(self, runtime.step() await)
     }
 
     /// Rewrites the CDI spec for the inventory (the runtime stage's).
     fn cdi_step(&mut self) {
-        let mut out = Outbox::default();
-        self.runtime.cdi(&pass!(self), &self.base_ctx.nodes, &mut out);
-        self.route(&mut out);
+        stepped!(self, runtime.cdi(&self.base_ctx.nodes))
     }
 
     /// The driver stage: its plan, and a change applied with the GPUs withdrawn from the
@@ -596,9 +552,7 @@ impl Agent {
     /// failed upgrade with NVML back on the driver still loaded lets them re-read the inventory
     /// and advertise the GPUs again).
     async fn driver_step(&mut self) -> bool {
-        let mut out = Outbox::default();
-        let next = self.driver.plan(&pass!(self), &mut out).await;
-        self.route(&mut out);
+        let next = stepped!(self, driver.plan() await);
         let planned = match next {
             driver::DriverNext::Done(go_on) => return go_on,
             driver::DriverNext::Apply(planned) => planned,
@@ -618,8 +572,7 @@ impl Agent {
             self.push_resources().await;
             self.close_nvml();
         }
-        let applied = self.driver.apply(&pass!(self), &planned, &mut out).await;
-        self.route(&mut out);
+        let applied = stepped!(self, driver.apply(&planned) await);
         if let Err(e) = applied {
             tracing::error!("driver stage failed: {e}");
             // After a failed upgrade: NVML again, on whatever driver is still loaded, and the
@@ -648,9 +601,7 @@ impl Agent {
             self.withdrawn.clear();
             self.inventory = None;
         }
-        let go_on = self.driver.applied(&pass!(self), &planned, &mut out).await;
-        self.route(&mut out);
-        go_on
+        stepped!(self, driver.applied(&planned) await)
     }
 
     /// The MIG stage, once NVML is up: its plan, then a change made with the GPUs it changes
@@ -659,9 +610,7 @@ impl Agent {
         let Some(gpus) = self.gpus.clone() else {
             return false;
         };
-        let mut out = Outbox::default();
-        let next = self.mig.plan(&pass!(self), &mut out).await;
-        self.route(&mut out);
+        let next = stepped!(self, mig.plan() await);
         let mig::MigNext::Change(change) = next else {
             return true;
         };
@@ -674,14 +623,14 @@ impl Agent {
             self.withdrawn.extend(change.changing.iter().cloned());
             self.push_resources().await;
         }
+        let mut out = Outbox::default();
         if self.mig.announce(&change, &mut out) {
             self.route(&mut out);
             self.write_status_with_inventory(&gpus);
             let pending = crate::mig::stage::MigState::Pending.as_str();
             mig::wait_for_label_on_node(&pass!(self), pending, mig::PENDING_LABEL_WAIT).await;
         }
-        let after = self.mig.apply(&pass!(self), *change, &mut out).await;
-        self.route(&mut out);
+        let after = stepped!(self, mig.apply(*change) await);
         if let mig::MigAfter::Reboot = after {
             self.write_status_with_inventory(&gpus);
             let rebooting = crate::mig::stage::MigState::Rebooting.as_str();
@@ -719,17 +668,12 @@ impl Agent {
 
     /// The validation stage's step.
     async fn validation_step(&mut self) -> bool {
-        let mut out = Outbox::default();
-        let ok = self.validation.step(&pass!(self), &mut out).await;
-        self.route(&mut out);
-        ok
+        stepped!(self, validation.step() await)
     }
 
     /// The validation stage's device plugin check follows the plugin's status.
     fn show_validation(&mut self) {
-        let mut out = Outbox::default();
-        self.validation.show(&pass!(self), &mut out);
-        self.route(&mut out);
+        stepped!(self, validation.show())
     }
 
     /// Drops NVML (before the driver under it is unloaded): the health watcher stops, the
@@ -824,9 +768,7 @@ impl Agent {
             self.write_status("running");
             return;
         }
-        let mut out = Outbox::default();
-        self.operator.check(&pass!(self), &mut out);
-        self.route(&mut out);
+        stepped!(self, operator.check());
         let now = Instant::now();
         let mut passed = Vec::new();
         let mut durations = Vec::new();
@@ -941,8 +883,8 @@ impl Agent {
     async fn await_registration(&mut self) {
         let (stop, desired) = (self.stop.clone(), self.desired.clone());
         let Some(rx) = self.plugin_watch.as_mut() else { return };
-        let settled = rx.wait_for(|status| registration_settled(status, &desired));
-        let _ = tokio::time::timeout(REGISTRATION_WAIT, or_stop(&stop, settled)).await;
+        let settled = rx.wait_for(|status| device_plugin::registration_settled(status, &desired));
+        let _ = tokio::time::timeout(device_plugin::REGISTRATION_WAIT, or_stop(&stop, settled)).await;
     }
 
     /// Applies what the labels ask for: the device plugin profile (a changed profile swaps the
@@ -1016,23 +958,6 @@ impl Agent {
         }
     }
 
-    /// The resources from the current inventory (health is the relay's to apply: replicas
-    /// follow their device).
-    fn resources(&self) -> Result<Vec<Resource>, AgentError> {
-        let Some(inventory) = &self.inventory else {
-            return Ok(Vec::new());
-        };
-        let mut resources = advertised_resources(inventory, &self.dp)?;
-        for resource in &mut resources {
-            // GPUs whose MIG layout is changing are withdrawn from the kubelet first.
-            resource
-                .devices
-                .retain(|_, d| !self.withdrawn.contains(d.physical_uuid()));
-        }
-        resources.retain(|r| !r.devices.is_empty());
-        Ok(resources)
-    }
-
     /// Hands the DRA driver the inventory (without the GPUs whose MIG layout is changing).
     fn push_dra_inventory(&self) {
         let Some(tx) = self.dra.as_ref().map(|d| &d.inventory) else {
@@ -1054,7 +979,7 @@ impl Agent {
 
     async fn push_resources(&mut self) {
         self.push_dra_inventory();
-        let resources = match self.resources() {
+        let resources = match device_plugin::resources(&pass!(self)) {
             Ok(r) => {
                 self.plan_error = None;
                 r
@@ -1094,53 +1019,9 @@ impl Agent {
 
     /// The device-plugin stage state from what the manager reports.
     fn update_stage(&mut self) {
-        if let Some(e) = &self.plan_error {
-            self.stages[StageId::DevicePlugin].set(StageState::Failed, Some(e.clone()), None);
-            return;
-        }
-        if let Some(e) = self.mps.error() {
-            let detail = self.mps.detail();
-            self.stages[StageId::DevicePlugin].set(StageState::Failed, Some(e), detail);
-            return;
-        }
-        if self.once || self.gpus.is_none() || self.stages[StageId::DevicePlugin].status.state == StageState::Disabled {
-            return;
-        }
-        let p = &self.plugin_status;
-        let mut errors: Vec<String> = p.resources.iter().filter_map(|r| r.error.clone()).collect();
-        // Sockets another plugin (NVIDIA's) serves: left alone, those resources not served.
-        errors.extend(p.conflicts.iter().map(|c| {
-            let pid = c.pid.map_or_else(|| "pid unknown".to_string(), |p| format!("pid {p}"));
-            format!("{} not served: {} is another process's ({pid})", c.resource, c.socket)
-        }));
-        let registered = self
-            .desired
-            .iter()
-            .filter(|name| p.resources.iter().any(|r| &r.name == *name && r.registered))
-            .count();
-        let devices: usize = p.resources.iter().map(|r| r.devices).sum();
-        let mut detail = format!(
-            "{registered}/{} resource(s) registered, {devices} device(s)",
-            self.desired.len()
-        );
-        if let Some(mps) = self.mps.detail() {
-            detail.push_str("; ");
-            detail.push_str(&mps);
-        }
-        if !p.kubelet_present {
-            let dir = self.config.kubelet.device_plugin_dir.display();
-            self.stages[StageId::DevicePlugin].set(
-                StageState::Pending,
-                Some(format!("waiting for the kubelet ({dir}/kubelet.sock)")),
-                Some(detail),
-            );
-        } else if !errors.is_empty() {
-            self.stages[StageId::DevicePlugin].set(StageState::Pending, Some(errors.join("; ")), Some(detail));
-        } else if registered == self.desired.len() {
-            self.stages[StageId::DevicePlugin].set(StageState::Ok, None, Some(detail));
-        } else {
-            self.stages[StageId::DevicePlugin].set(StageState::Pending, None, Some(detail));
-        }
+        let mut out = Outbox::default();
+        device_plugin::show(&pass!(self), &self.mps, &mut out);
+        self.route(&mut out);
     }
 
     /// `STATUS=` for systemd: each stage's state, with the first problem's reason.
@@ -1211,16 +1092,4 @@ impl Agent {
             tracing::warn!("cannot keep the desired state for the next start: {e}");
         }
     }
-}
-
-/// `nvidia.com/gpu ×8, nvidia.com/mig-1g.5gb ×7`.
-pub fn summary(resources: &[Resource]) -> String {
-    if resources.is_empty() {
-        return "no resources".into();
-    }
-    resources
-        .iter()
-        .map(|r| format!("{} ×{}", r.name, r.devices.len()))
-        .collect::<Vec<_>>()
-        .join(", ")
 }
