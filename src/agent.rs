@@ -13,7 +13,7 @@ use tokio::signal::unix::{SignalKind, signal};
 use tokio::sync::{mpsc, watch};
 use tokio_util::sync::CancellationToken;
 
-use crate::cluster::{LabelsView, Link};
+use crate::cluster::LabelsView;
 use crate::config::{Config, DevicePluginConfig};
 use crate::desired::{Desired, ProfileOutcome, ProfileState, choose_profile};
 use crate::exit::Exit;
@@ -135,9 +135,7 @@ macro_rules! pass {
             plan_error: $a.plan_error.as_deref(),
             runtime_plan: $a.runtime_plan.as_ref(),
             held: &$a.held,
-            link: $a.link.as_ref(),
-            long_step: &$a.long_step,
-            dra: $a.dra.as_ref(),
+            services: &$a.services,
         }
     };
 }
@@ -167,8 +165,6 @@ struct Agent {
     once: bool,
     gpus: Option<Gpus>,
     inventory: Option<Inventory>,
-    /// Device health, kept by the health relay task (see [`health`]); read here for reports.
-    tracker: health::SharedTracker,
     /// Cancelled at SIGTERM/SIGINT: every long step stops at its next safe point.
     stop: CancellationToken,
     /// Every stage's status and retry state, by id.
@@ -176,8 +172,6 @@ struct Agent {
     plugin_status: PluginStatus,
     /// The plugin manager's status as it changes, for [`Agent::await_registration`].
     plugin_watch: Option<watch::Receiver<PluginStatus>>,
-    /// To the health relay, which applies health and passes the resources to the manager.
-    commands: Option<mpsc::Sender<Command>>,
     health_tx: mpsc::UnboundedSender<HealthEvent>,
     health_stop: Option<Arc<AtomicBool>>,
     watched: BTreeSet<String>,
@@ -190,8 +184,6 @@ struct Agent {
     dp: DevicePluginConfig,
     /// How the device plugin profile was chosen, for labels, Events and status.
     profile: ProfileOutcome,
-    /// The cluster link (labels in, labels and Events out); none under `run --once`.
-    link: Option<Link>,
     /// The labels last read from the link.
     view: LabelsView,
     /// What those labels ask for.
@@ -204,23 +196,17 @@ struct Agent {
     held: pass::Held,
     /// The validation stage.
     validation: validation::ValidationStage,
-    /// When the main loop last went round (for the watchdog task).
-    heartbeat: Arc<std::sync::atomic::AtomicU64>,
-    /// Set while a step that may legitimately hold the loop for long runs.
-    long_step: Arc<AtomicBool>,
-    /// Prometheus metrics, when served.
-    metrics: Option<metrics::MetricsHandle>,
     /// The memory-limit enforcer.
     memory: memlimit::MemoryLimits,
     /// What the MIG stage keeps between passes.
     mig: mig::MigStage,
     /// The MPS control daemons (`strategy = "mps"`).
     mps: mps::MpsState,
-    /// The DRA driver (`[dra] enabled`): the inventory goes to it; its status and what its
-    /// claims hold (the MIG stage leaves those GPUs alone) come back.
-    dra: Option<crate::dra::DraHandle>,
     /// The status file, the Node's labels and Events, systemd's `STATUS=`.
     reporter: report::Reporter,
+    /// What the stages share: the cluster link, the plugin manager's channel, the metrics, the
+    /// health tracker, the DRA driver.
+    services: pass::Services,
     /// GPUs (UUIDs) withdrawn from the kubelet while their MIG layout changes.
     withdrawn: BTreeSet<String>,
     /// What the driver stage keeps between passes.
@@ -261,7 +247,7 @@ pub async fn run(config: Config, root: HostRoot, once: bool) -> Result<i32, Agen
             .notifier()
             .watchdog_interval()
             .unwrap_or(EXTEND_START_EVERY);
-        tokio::spawn(crate::notify::extend_start(every, agent.long_step.clone()))
+        tokio::spawn(crate::notify::extend_start(every, agent.services.long_step.clone()))
     });
     // The driver first: on a fresh node NVML only loads once the driver stage installed it.
     if agent.config.driver.enabled && agent.config.driver.source != crate::config::DriverSource::None {
@@ -332,15 +318,15 @@ pub async fn run(config: Config, root: HostRoot, once: bool) -> Result<i32, Agen
     if let Some(every) = watchdog_every {
         tokio::spawn(crate::notify::watchdog(
             every,
-            agent.heartbeat.clone(),
-            agent.long_step.clone(),
+            agent.services.heartbeat.clone(),
+            agent.services.long_step.clone(),
         ));
     }
     while !stop.is_cancelled() {
         tokio::select! {
             biased;
             () = stop.cancelled() => break,
-            _ = watchdog.tick(), if watchdog_every.is_some() => crate::notify::beat(&agent.heartbeat),
+            _ = watchdog.tick(), if watchdog_every.is_some() => crate::notify::beat(&agent.services.heartbeat),
             _ = sighup.recv() => {
                 tracing::info!("SIGHUP: re-reading the inventory, every stage runs now");
                 agent.retry_all_now();
@@ -388,10 +374,10 @@ pub async fn run(config: Config, root: HostRoot, once: bool) -> Result<i32, Agen
                 or_stop(&stop, agent.apply_desired(&desired, mig_changed)).await;
             }
             Some(record) = agent.memory.next_record() => {
-                memlimit::on_record(record, agent.link.as_ref(), agent.metrics.as_ref());
+                memlimit::on_record(record, &agent.services);
             }
             Some(()) = agent.mps.changed.recv() => agent.report_mps(),
-            Ok(()) = dra_status_changed(&mut agent.dra) => agent.write_status("running"),
+            Ok(()) = dra_status_changed(&mut agent.services.dra) => agent.write_status("running"),
             Ok(()) = plugin_rx.changed() => {
                 agent.plugin_status = plugin_rx.borrow_and_update().clone();
                 agent.update_stage();
@@ -404,14 +390,14 @@ pub async fn run(config: Config, root: HostRoot, once: bool) -> Result<i32, Agen
     // Stop: the relay ends when its channel closes, and the manager (which stops every server
     // and removes its sockets) when the relay's closes.
     agent.reporter.notifier().send("STOPPING=1\nSTATUS=stopping");
-    agent.commands = None;
+    agent.services.commands = None;
     if let Some(task) = relay_task {
         let _ = task.await;
     }
     if let Some(task) = manager_task {
         let _ = task.await;
     }
-    if let Some(dra) = agent.dra.take() {
+    if let Some(dra) = agent.services.dra.take() {
         dra.join().await;
     }
     // After the plugin is gone: quit the MPS daemons, compute mode DEFAULT back.
@@ -503,7 +489,7 @@ impl Agent {
     /// Brings the MPS control daemons to what the effective settings ask for, and gives
     /// `Allocate` their folders and limits.
     fn update_mps(&mut self) {
-        let serving = self.commands.is_some() && self.plan_error.is_none();
+        let serving = self.services.commands.is_some() && self.plan_error.is_none();
         let (allocate, looked_after) = self.mps.update(&pass!(self), serving);
         self.base_ctx.allocate.mps = allocate;
         if looked_after {
@@ -523,7 +509,7 @@ impl Agent {
 
     /// Publishes the inventory to the metrics' readings loop.
     fn metrics_inventory(&mut self) {
-        if let Some(m) = &mut self.metrics {
+        if let Some(m) = &mut self.services.metrics {
             let (config, node) = (&self.config.metrics, self.reporter.node());
             m.inventory(self.inventory.as_ref(), self.gpus.as_ref(), config, node, &self.root);
         }
@@ -531,8 +517,8 @@ impl Agent {
 
     /// The stage series (with `durations` of this pass's steps) and device health transitions.
     fn metrics_stages(&mut self, durations: &[(&str, Duration)]) {
-        if let Some(m) = &mut self.metrics {
-            m.stages(&self.stages, durations, self.inventory.as_ref(), &self.tracker);
+        if let Some(m) = &mut self.services.metrics {
+            m.stages(&self.stages, durations, self.inventory.as_ref(), &self.services.tracker);
         }
     }
 
@@ -960,7 +946,7 @@ impl Agent {
 
     /// Hands the DRA driver the inventory (without the GPUs whose MIG layout is changing).
     fn push_dra_inventory(&self) {
-        let Some(tx) = self.dra.as_ref().map(|d| &d.inventory) else {
+        let Some(tx) = self.services.dra.as_ref().map(|d| &d.inventory) else {
             return;
         };
         let inventory = self.inventory.as_ref().map(|inv| {
@@ -999,7 +985,7 @@ impl Agent {
                 let detail = format!("run --once does not serve the kubelet; would advertise {detail}");
                 self.stages[StageId::DevicePlugin].set(StageState::Skipped, None, Some(detail));
             }
-        } else if let Some(tx) = &self.commands {
+        } else if let Some(tx) = &self.services.commands {
             if self.plan_error.is_none() {
                 tracing::info!("advertising {}", summary(&resources));
             }
@@ -1043,16 +1029,16 @@ impl Agent {
             root: &self.root,
             stages: &self.stages,
             inventory: self.inventory.as_ref(),
-            tracker: &self.tracker,
+            tracker: &self.services.tracker,
             plugin: &self.plugin_status,
-            link: self.link.as_ref(),
+            link: self.services.link.as_ref(),
             view: &self.view,
             desired: &self.desired_sel,
             profile: &self.profile,
             dp: &self.dp,
             mig_state: self.mig.state,
             mps: self.mps.statuses(),
-            dra: self.dra.as_ref().map(|d| d.status.borrow().clone()),
+            dra: self.services.dra.as_ref().map(|d| d.status.borrow().clone()),
             dev_char: self.devnodes.dev_char.clone(),
             operator,
         };
@@ -1064,7 +1050,7 @@ impl Agent {
     /// Posts an Event on the Node through the cluster link (under `run --once` too; nothing
     /// without a link or with `[kubernetes] events = false`).
     fn event(&self, kind: EventType, reason: &str, message: String) {
-        if let Some(link) = &self.link {
+        if let Some(link) = &self.services.link {
             link.event(kind, reason, message);
         }
     }

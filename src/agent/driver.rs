@@ -117,7 +117,7 @@ impl DriverStage {
     /// `Err`: why it failed; the loop fails the stage with it ([`DriverStage::failed`]).
     pub(super) async fn apply(&mut self, pass: &Pass<'_>, planned: &Planned, out: &mut Outbox) -> Result<(), String> {
         tracing::info!("driver: {}", crate::driver::plan::describe(&planned.plan));
-        let _long = crate::notify::LongStep::start(pass.long_step);
+        let _long = crate::notify::LongStep::start(&pass.services.long_step);
         let (config, root, p, stop) = (
             pass.config.clone(),
             pass.root.clone(),

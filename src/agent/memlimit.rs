@@ -7,9 +7,7 @@ use std::sync::Arc;
 
 use tokio::sync::{mpsc, watch};
 
-use super::metrics::MetricsHandle;
-use super::pass::Pass;
-use crate::cluster::Link;
+use super::pass::{Pass, Services};
 use crate::config::MemoryAction;
 use crate::kube::EventType;
 use crate::plugin::memlimit::{self, Action, ActionRecord, KubeletLogNames, Policy, RecordKind};
@@ -91,8 +89,9 @@ impl MemoryLimits {
     }
 }
 
-/// One enforcer action: logged, an Event on the Node (through `link`), counted in `metrics`.
-pub(super) fn on_record(record: ActionRecord, link: Option<&Link>, metrics: Option<&MetricsHandle>) {
+/// One enforcer action: logged, an Event on the Node (through the cluster link), counted in the
+/// metrics.
+pub(super) fn on_record(record: ActionRecord, services: &Services) {
     match record.kind {
         RecordKind::Warned | RecordKind::WouldKill => {
             tracing::warn!(pid = record.pid, gpu = %record.gpu_uuid, "{}", record.message)
@@ -101,10 +100,10 @@ pub(super) fn on_record(record: ActionRecord, link: Option<&Link>, metrics: Opti
             tracing::error!(pid = record.pid, gpu = %record.gpu_uuid, "{}", record.message)
         }
     }
-    if let Some(link) = link {
+    if let Some(link) = &services.link {
         link.event(EventType::Warning, record.kind.reason(), record.message.clone());
     }
-    if let Some(metrics) = metrics {
+    if let Some(metrics) = &services.metrics {
         metrics.memory(record.kind.as_str());
     }
 }

@@ -146,7 +146,7 @@ impl MigStage {
         // A GPU with devices prepared for DRA claims keeps its layout: changing it would pull
         // MIG devices from under claims the kubelet holds. The stage fails (and retries) until
         // the claims are unprepared.
-        if let Some(held) = dra_held(pass.dra, &changing) {
+        if let Some(held) = dra_held(pass.services.dra.as_ref(), &changing) {
             self.failed(format!("layout {name}: {held}; nothing changed"), out);
             return MigNext::Done;
         }
@@ -354,7 +354,9 @@ async fn start_left_over_clients(pass: &Pass<'_>) {
 /// reachable), so the cluster sees `pending` before a change and `rebooting` before a reboot:
 /// the reporter sends only the latest labels, and a quick change would hide them.
 pub(super) async fn wait_for_label_on_node(pass: &Pass<'_>, state: &str, wait: Duration) {
-    let Some(link) = pass.link else { return };
+    let Some(link) = pass.services.link.as_ref() else {
+        return;
+    };
     let mut rx = link.view.clone();
     let key = pass.config.labels.mig_config_state.clone();
     let shown = tokio::time::timeout(wait, async {

@@ -7,10 +7,14 @@
 
 use std::collections::BTreeSet;
 use std::sync::Arc;
-use std::sync::atomic::AtomicBool;
+use std::sync::atomic::{AtomicBool, AtomicU64};
+
+use tokio::sync::mpsc;
 
 use tokio_util::sync::CancellationToken;
 
+use super::health::SharedTracker;
+use super::metrics::MetricsHandle;
 use super::stage::Stages;
 use crate::cluster::{LabelsView, Link};
 use crate::config::{Config, DevicePluginConfig};
@@ -18,7 +22,7 @@ use crate::desired::Desired;
 use crate::host::HostRoot;
 use crate::kube::EventType;
 use crate::nvml::{Gpus, Inventory};
-use crate::plugin::manager::PluginStatus;
+use crate::plugin::manager::{Command, PluginStatus};
 use crate::runtime::stage::RuntimePlan;
 use crate::status::{StageId, StageState};
 
@@ -54,14 +58,30 @@ pub(super) struct Pass<'a> {
     pub runtime_plan: Option<&'a RuntimePlan>,
     /// What NVIDIA's GPU Operator holds on this node, as the pass's first look saw it.
     pub held: &'a Held,
-    /// The cluster link (labels in, labels, Events and RuntimeClasses out); none under
+    /// What the stages share.
+    pub services: &'a Services,
+}
+
+/// The services the stages share, started once (`agent/setup.rs`) and handed to each step.
+pub(super) struct Services {
+    /// The cluster link (labels in; labels, Events and RuntimeClasses out); none under
     /// `run --once` without one.
-    pub link: Option<&'a Link>,
+    pub link: Option<Link>,
+    /// Device health, kept by the health relay task ([`super::health`]); read for reports.
+    pub tracker: SharedTracker,
+    /// To the health relay, which applies health and passes the resources to the plugin
+    /// manager; none under `run --once`.
+    pub commands: Option<mpsc::Sender<Command>>,
+    /// Prometheus metrics, when served.
+    pub metrics: Option<MetricsHandle>,
+    /// The DRA driver (`[dra] enabled`): the inventory goes to it; its status and what its
+    /// claims hold (the MIG stage leaves those GPUs alone) come back.
+    pub dra: Option<crate::dra::DraHandle>,
     /// Set while a step that may hold the loop for long runs (systemd's watchdog and start
     /// timeout are kept up meanwhile): [`crate::notify::LongStep`].
-    pub long_step: &'a Arc<AtomicBool>,
-    /// The DRA driver (`[dra] enabled`): what its claims hold.
-    pub dra: Option<&'a crate::dra::DraHandle>,
+    pub long_step: Arc<AtomicBool>,
+    /// When the main loop last went round (for the watchdog task).
+    pub heartbeat: Arc<AtomicU64>,
 }
 
 /// What NVIDIA's GPU Operator, found on the node, holds: the stage it holds back says why.
@@ -162,7 +182,7 @@ pub(super) struct Fixture {
     pub plan_error: Option<String>,
     pub runtime_plan: Option<RuntimePlan>,
     pub held: Held,
-    pub long_step: Arc<AtomicBool>,
+    pub services: Services,
     _dir: tempfile::TempDir,
 }
 
@@ -193,7 +213,17 @@ impl Fixture {
             plan_error: None,
             runtime_plan: None,
             held: Held::default(),
-            long_step: Arc::new(AtomicBool::new(false)),
+            services: Services {
+                link: None,
+                tracker: SharedTracker::new(crate::plugin::health::HealthTracker::new(super::health_policy(
+                    &Config::default(),
+                ))),
+                commands: None,
+                metrics: None,
+                dra: None,
+                long_step: Arc::new(AtomicBool::new(false)),
+                heartbeat: Arc::new(AtomicU64::new(0)),
+            },
             _dir: dir,
         }
     }
@@ -216,9 +246,7 @@ impl Fixture {
             plan_error: self.plan_error.as_deref(),
             runtime_plan: self.runtime_plan.as_ref(),
             held: &self.held,
-            link: None,
-            long_step: &self.long_step,
-            dra: None,
+            services: &self.services,
         }
     }
 

@@ -56,7 +56,7 @@ impl RuntimeStage {
         }
         let (config, root, stop) = (pass.config.clone(), pass.root.clone(), pass.stop.clone());
         // Restarting an engine may take its restart timeout, twice when rolling back.
-        let _long = crate::notify::LongStep::start(pass.long_step);
+        let _long = crate::notify::LongStep::start(&pass.services.long_step);
         let result = tokio::task::spawn_blocking(move || {
             let runner = Runner::new(&root).with_stop(&stop);
             if let Some(note) = rt::recover(&config, &root)? {
@@ -124,7 +124,7 @@ impl RuntimeStage {
                     .collect();
                 handlers.sort();
                 handlers.dedup();
-                if let Some(link) = pass.link
+                if let Some(link) = pass.services.link.as_ref()
                     && !handlers.is_empty()
                 {
                     link.runtime_classes(handlers);

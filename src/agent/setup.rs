@@ -12,6 +12,7 @@ use tokio::sync::{mpsc, watch};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
+use super::pass::Services;
 use super::stage::Stages;
 use super::{
     Agent, allocate_options, devnodes, driver, health, health_policy, memlimit, metrics, mig, mps, operator, report,
@@ -63,8 +64,8 @@ pub(super) async fn start(config: Config, root: HostRoot, once: bool, stop: &Can
     };
     let retry = (config.agent.retry_min, config.agent.retry_max);
     let reporter = report::Reporter::new(&root);
+    let tracker = health::SharedTracker::new(HealthTracker::new(health_policy(&config)));
     let mut agent = Agent {
-        tracker: health::SharedTracker::new(HealthTracker::new(health_policy(&config))),
         stop: stop.clone(),
         stages: Stages::new(retry),
         config,
@@ -74,7 +75,6 @@ pub(super) async fn start(config: Config, root: HostRoot, once: bool, stop: &Can
         inventory: None,
         plugin_status: PluginStatus::default(),
         plugin_watch: None,
-        commands: None,
         health_tx,
         health_stop: None,
         watched: BTreeSet::new(),
@@ -83,7 +83,6 @@ pub(super) async fn start(config: Config, root: HostRoot, once: bool, stop: &Can
         plan_error: None,
         dp,
         profile,
-        link: None,
         view: LabelsView {
             source: crate::desired::Source::None,
             detail: String::new(),
@@ -96,15 +95,20 @@ pub(super) async fn start(config: Config, root: HostRoot, once: bool, stop: &Can
         runtime_plan: None,
         held: super::pass::Held::default(),
         validation: validation::ValidationStage::default(),
-        heartbeat: Arc::new(std::sync::atomic::AtomicU64::new(crate::notify::now_ms())),
-        long_step: Arc::new(AtomicBool::new(false)),
-        metrics: None,
         memory: memlimit::MemoryLimits::default(),
         mig: mig::MigStage::default(),
         mps: mps::MpsState::new(),
         withdrawn: BTreeSet::new(),
-        dra: None,
         reporter,
+        services: Services {
+            link: None,
+            tracker,
+            commands: None,
+            metrics: None,
+            dra: None,
+            long_step: Arc::new(AtomicBool::new(false)),
+            heartbeat: Arc::new(std::sync::atomic::AtomicU64::new(crate::notify::now_ms())),
+        },
         driver: driver::DriverStage::default(),
         operator: operator::OperatorState::default(),
         devnodes: devnodes::DevNodes::default(),
@@ -115,12 +119,12 @@ pub(super) async fn start(config: Config, root: HostRoot, once: bool, stop: &Can
     // `run --once` too: a bootstrap applies the MIG layout the labels ask for before the
     // kubelet joins.
     // The metrics first: the API client, the plugin servers and the health relay count in them.
-    agent.metrics = metrics::start(&agent.config.metrics, once).await;
+    agent.services.metrics = metrics::start(&agent.config.metrics, once).await;
     let view_rx = {
         let link = cluster::start(
             &agent.config,
             &agent.root,
-            agent.metrics.as_ref().map(|m| m.metrics.clone()),
+            agent.services.metrics.as_ref().map(|m| m.metrics.clone()),
         );
         let rx = link.view.clone();
         let (view, answered) = first_view(&agent.config, &agent.root, &link, stop).await;
@@ -139,13 +143,13 @@ pub(super) async fn start(config: Config, root: HostRoot, once: bool, stop: &Can
         agent.base_ctx.shared_policy = dp.sharing.policy;
         agent.dp = dp;
         agent.profile = outcome;
-        agent.link = Some(link);
+        agent.services.link = Some(link);
         Some(rx)
     };
 
     // The plugin manager serves and registers; it runs for the whole life of the daemon.
     let stats = Arc::new(PluginStats {
-        metrics: agent.metrics.as_ref().map(|m| m.metrics.clone()),
+        metrics: agent.services.metrics.as_ref().map(|m| m.metrics.clone()),
         ..PluginStats::default()
     });
     let (plugin_rx, manager) = if once || !agent.config.device_plugin.enabled {
@@ -170,20 +174,20 @@ pub(super) async fn start(config: Config, root: HostRoot, once: bool, stop: &Can
         (None, None)
     } else {
         let (relay, changed) = health::HealthRelay::new(
-            agent.tracker.clone(),
+            agent.services.tracker.clone(),
             manager_tx,
-            agent.metrics.as_ref().map(|m| m.metrics.clone()),
+            agent.services.metrics.as_ref().map(|m| m.metrics.clone()),
         );
         let (tx, rx) = mpsc::channel(16);
-        agent.commands = Some(tx);
+        agent.services.commands = Some(tx);
         // The DRA driver, beside the device plugin: what its claims hold is withdrawn there.
         let (_none, mut withdrawn) = watch::channel(crate::plugin::resources::Withdrawn::default());
         if agent.config.dra.enabled {
-            let inputs = dra_inputs(&agent.tracker, changed.clone());
+            let inputs = dra_inputs(&agent.services.tracker, changed.clone());
             match crate::dra::start(agent.config.clone(), agent.root.clone(), inputs, stop.clone()) {
                 Ok(handle) => {
                     withdrawn = handle.withdrawn.clone();
-                    agent.dra = Some(handle);
+                    agent.services.dra = Some(handle);
                 }
                 Err(e) => tracing::error!("{e}; the device plugin goes on without it"),
             }
