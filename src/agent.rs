@@ -2,39 +2,32 @@
 //! stops the ones after it until the next pass), health events, periodic
 //! resync, status reporting, and a clean stop on SIGTERM.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeSet;
 use std::path::PathBuf;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use tokio::signal::unix::{Signal, SignalKind, signal};
+use tokio::signal::unix::{SignalKind, signal};
 use tokio::sync::{mpsc, watch};
 use tokio_util::sync::CancellationToken;
 
-use crate::cluster::{self, LabelsView, Link};
+use crate::cluster::LabelsView;
 use crate::config::{Config, DevicePluginConfig};
-use crate::desired::{Desired, ProfileOutcome, ProfileState, Selection, choose_profile};
-use crate::devices::Topology;
-use crate::devices::{Health, Resource};
-use crate::edits::DeviceNodes;
-use crate::edits::{mig_plugin_devices, whole_gpu};
+use crate::desired::{Desired, ProfileOutcome, ProfileState, choose_profile};
 use crate::exit::Exit;
+use crate::host::HostRoot;
 use crate::host::arch::HostArch;
-use crate::host::{HostRoot, hostname};
 use crate::kube::EventType;
-use crate::labels::gfd::{FeatureInputs, feature_labels};
-use crate::mig::stage::MigState as MigLabelState;
 use crate::nvml::{GpuError, Gpus, HealthEvent, Inventory};
-use crate::plugin::allocate::AllocateOptions;
-use crate::plugin::health::{HealthPolicy, HealthTracker};
-use crate::plugin::manager::{Command, PluginManager, PluginStatus};
-use crate::plugin::server::{PluginContext, PluginStats};
-use crate::plugin::sharing::{SharingError, apply_sharing, feature_sharing};
-use crate::plugin::strategy::{StrategyError, build_resources};
-use crate::status::{DesiredStatus, GpuStatus, MigStatus, STATUS_VERSION, StageId, StageState, Status, now_unix};
+use crate::plugin::manager::{Command, PluginStatus};
+use crate::plugin::server::PluginContext;
+use crate::plugin::sharing::SharingError;
+use crate::plugin::strategy::StrategyError;
+use crate::status::{StageId, StageState};
 
+mod device_plugin;
 mod devnodes;
 mod driver;
 mod health;
@@ -43,26 +36,25 @@ mod metrics;
 mod mig;
 mod mps;
 mod operator;
+mod pass;
 pub mod plan;
+mod report;
 mod runtime;
+mod setup;
 mod stage;
 mod validation;
 
+pub use device_plugin::{advertised_resources, allocate_options, health_policy, summary};
 pub use driver::driver_command;
 pub use mig::mig_command;
 pub use operator::migrate_command;
+use pass::{Note, Outbox, Pass};
 pub use runtime::{cdi_generate, runtime_command};
 use stage::Stages;
 
 /// `run --once` exit code when a stage waits (GPU work holds a MIG or driver change):
 /// EX_TEMPFAIL, try again later.
 pub const EXIT_PENDING: i32 = Exit::TryLater as i32;
-
-/// How long the first reconcile waits for the desired-state source (the Node's labels).
-const FIRST_VIEW_WAIT: Duration = Duration::from_secs(5);
-
-/// The desired-state labels last seen, in the state dir (labels-file format).
-const LAST_DESIRED_FILE: &str = "desired-labels";
 
 /// Why the agent stopped with an error.
 #[derive(Debug, thiserror::Error)]
@@ -89,44 +81,6 @@ impl AgentError {
     }
 }
 
-/// The health policy the config describes.
-pub fn health_policy(config: &Config) -> HealthPolicy {
-    let h = &config.health;
-    HealthPolicy {
-        enabled: h.enabled,
-        ignored_xids: h.ignored_xids.iter().map(|x| u64::from(*x)).collect(),
-        critical_xids: h.critical_xids.iter().map(|x| u64::from(*x)).collect(),
-        recovery_after: (!h.recovery_after.is_zero()).then_some(h.recovery_after),
-    }
-}
-
-/// The Allocate options the config describes, with host paths under the root.
-pub fn allocate_options(dp: &DevicePluginConfig) -> AllocateOptions {
-    AllocateOptions {
-        strategies: dp.device_list_strategy.as_slice().to_vec(),
-        id_strategy: dp.device_id_strategy,
-        pass_device_specs: dp.pass_device_specs,
-        cdi_annotation_prefix: dp.cdi_annotation_prefix.clone(),
-        cdi_kind: dp.cdi_kind.clone(),
-        // Device specs name paths on the host as the container runtime sees them: the real
-        // dev_root, not our --root prefix (which only exists for building images and tests).
-        dev_root: dp.dev_root.clone(),
-        host_mounts_driver_dir: dp.host_mounts_driver_dir.clone(),
-        host_mounts_container_dir: dp.host_mounts_container_dir.clone(),
-        fail_requests_greater_than_one: dp.sharing.fails_requests_greater_than_one(),
-        injections: crate::edits::Injections::from_config(dp),
-        // Set with the inventory (`Agent::update_mps`).
-        mps: Default::default(),
-    }
-}
-
-/// The resources to advertise for an inventory: by MIG strategy, then time-slicing replicas.
-/// Every device is healthy; health is applied later.
-pub fn advertised_resources(inventory: &Inventory, dp: &DevicePluginConfig) -> Result<Vec<Resource>, AgentError> {
-    let resources = build_resources(inventory, dp.mig_strategy)?;
-    Ok(apply_sharing(resources, &dp.sharing)?)
-}
-
 /// The NVML library to load ([`crate::nvml::library_path`]): a path under the root; a soname
 /// as-is on the real root, else found in the node's library folders for its architecture.
 pub fn nvml_library(config: &Config, root: &HostRoot) -> PathBuf {
@@ -148,7 +102,7 @@ const PIPELINE: [(StageId, &[StageId], Step); 5] = [
     (StageId::Driver, &[], |a| Box::pin(a.driver_step())),
     (StageId::Runtime, &[StageId::Driver], |a| Box::pin(a.runtime_step())),
     (StageId::Mig, &[StageId::Driver, StageId::Runtime], |a| {
-        Box::pin(a.mig_stage_step())
+        Box::pin(a.mig_step())
     }),
     (StageId::DevicePlugin, &[StageId::Driver, StageId::Runtime], |a| {
         Box::pin(a.device_plugin_step())
@@ -156,31 +110,52 @@ const PIPELINE: [(StageId, &[StageId], Step); 5] = [
     (
         StageId::Validation,
         &[StageId::Driver, StageId::Runtime, StageId::DevicePlugin],
-        |a| {
-            Box::pin(async move {
-                a.validation_step().await;
-                true
-            })
-        },
+        |a| Box::pin(a.validation_step()),
     ),
 ];
 
-/// How long the validation stage waits for the device plugin's registration to settle before it
-/// starts its CUDA check anyway.
-const REGISTRATION_WAIT: Duration = Duration::from_secs(5);
+/// The pass as `agent` sees it now, for a stage's step ([`Pass`]): borrows the fields one by
+/// one, so the stage stepped (another field) can be borrowed mutably beside it.
+macro_rules! pass {
+    ($a:expr) => {
+        Pass {
+            config: &$a.config,
+            root: &$a.root,
+            once: $a.once,
+            stop: &$a.stop,
+            gpus: $a.gpus.as_ref(),
+            inventory: $a.inventory.as_ref(),
+            view: &$a.view,
+            desired: &$a.desired_sel,
+            dp: &$a.dp,
+            stages: &$a.stages,
+            withdrawn: &$a.withdrawn,
+            plugin: &$a.plugin_status,
+            advertised: &$a.desired,
+            plan_error: $a.plan_error.as_deref(),
+            runtime_plan: $a.runtime_plan.as_ref(),
+            held: &$a.held,
+            services: &$a.services,
+        }
+    };
+}
 
-/// Whether the manager's `status` has settled the registration of the `desired` resources: no
-/// kubelet to register with, or each of them registered, failed, or not served because another
-/// program holds its socket.
-fn registration_settled(status: &PluginStatus, desired: &[String]) -> bool {
-    !status.kubelet_present
-        || desired.iter().all(|name| {
-            status.conflicts.iter().any(|c| &c.resource == name)
-                || status
-                    .resources
-                    .iter()
-                    .any(|r| &r.name == name && (r.registered || r.error.is_some()))
-        })
+/// Calls a stage's entry point with the pass ([`pass!`]) and an outbox, then routes what the
+/// stage said ([`Agent::route`]); answers what the entry point answered. `await` after the call
+/// for an async one.
+macro_rules! stepped {
+    ($a:expr, $stage:ident . $method:ident ( $($arg:expr),* ) await) => {{
+        let mut out = Outbox::default();
+        let answer = $a.$stage.$method(&pass!($a), $($arg,)* &mut out).await;
+        $a.route(&mut out);
+        answer
+    }};
+    ($a:expr, $stage:ident . $method:ident ( $($arg:expr),* )) => {{
+        let mut out = Outbox::default();
+        let answer = $a.$stage.$method(&pass!($a), $($arg,)* &mut out);
+        $a.route(&mut out);
+        answer
+    }};
 }
 
 /// The running agent's state.
@@ -188,11 +163,8 @@ struct Agent {
     config: Config,
     root: HostRoot,
     once: bool,
-    node: String,
     gpus: Option<Gpus>,
     inventory: Option<Inventory>,
-    /// Device health, kept by the health relay task (see [`health`]); read here for reports.
-    tracker: health::SharedTracker,
     /// Cancelled at SIGTERM/SIGINT: every long step stops at its next safe point.
     stop: CancellationToken,
     /// Every stage's status and retry state, by id.
@@ -200,8 +172,6 @@ struct Agent {
     plugin_status: PluginStatus,
     /// The plugin manager's status as it changes, for [`Agent::await_registration`].
     plugin_watch: Option<watch::Receiver<PluginStatus>>,
-    /// To the health relay, which applies health and passes the resources to the manager.
-    commands: Option<mpsc::Sender<Command>>,
     health_tx: mpsc::UnboundedSender<HealthEvent>,
     health_stop: Option<Arc<AtomicBool>>,
     watched: BTreeSet<String>,
@@ -210,60 +180,41 @@ struct Agent {
     desired: Vec<String>,
     /// Why the device-plugin stage cannot advertise what it should (inventory or strategy).
     plan_error: Option<String>,
-    last_status: Option<Status>,
     /// The effective `[device_plugin]` settings: the config with the selected profile applied.
     dp: DevicePluginConfig,
     /// How the device plugin profile was chosen, for labels, Events and status.
     profile: ProfileOutcome,
-    /// The cluster link (labels in, labels and Events out); none under `run --once`.
-    link: Option<Link>,
     /// The labels last read from the link.
     view: LabelsView,
     /// What those labels ask for.
     desired_sel: Desired,
-    /// The machine's DMI product name, for the `gpu.machine` label.
-    machine: Option<String>,
-    /// A vGPU guest, for the `vgpu.present` label ([`crate::labels::vgpu`]).
-    vgpu: bool,
     /// What the runtime stage keeps between passes.
     runtime: runtime::RuntimeStage,
-    /// The last pass's validation checks (the device plugin's is added as its status changes).
-    validation_checks: Vec<(&'static str, validation::Outcome)>,
-    /// Every check as last shown.
-    validation_detail: Vec<(&'static str, validation::Outcome)>,
-    /// The CUDA check's last run.
-    cuda_run: Option<validation::CudaRun>,
-    /// When the main loop last went round (for the watchdog task).
-    heartbeat: Arc<std::sync::atomic::AtomicU64>,
-    /// Set while a step that may legitimately hold the loop for long runs.
-    long_step: Arc<AtomicBool>,
-    /// Prometheus metrics, when served.
-    metrics: Option<metrics::MetricsHandle>,
-    /// The memory-limit enforcer's policy, once it runs.
-    memory_policy: Option<watch::Sender<crate::plugin::memlimit::Policy>>,
-    /// What the enforcer did.
-    memory_records: Option<mpsc::Receiver<crate::plugin::memlimit::ActionRecord>>,
+    /// The runtime stage's last good plan ([`Note::RuntimePlan`]).
+    runtime_plan: Option<crate::runtime::stage::RuntimePlan>,
+    /// What the GPU Operator holds ([`Note::Held`]).
+    held: pass::Held,
+    /// The validation stage.
+    validation: validation::ValidationStage,
+    /// The memory-limit enforcer.
+    memory: memlimit::MemoryLimits,
     /// What the MIG stage keeps between passes.
     mig: mig::MigStage,
     /// The MPS control daemons (`strategy = "mps"`).
     mps: mps::MpsState,
-    /// The DRA driver (`[dra] enabled`): the inventory goes to it; its status and what its
-    /// claims hold (the MIG stage leaves those GPUs alone) come back.
-    dra: Option<crate::dra::DraHandle>,
-    /// systemd's notify socket (READY, STATUS, WATCHDOG), a no-op outside systemd.
-    notifier: crate::notify::Notifier,
-    /// The last `STATUS=` sent.
-    notified_status: String,
+    /// The status file, the Node's labels and Events, systemd's `STATUS=`.
+    reporter: report::Reporter,
+    /// What the stages share: the cluster link, the plugin manager's channel, the metrics, the
+    /// health tracker, the DRA driver.
+    services: pass::Services,
     /// GPUs (UUIDs) withdrawn from the kubelet while their MIG layout changes.
     withdrawn: BTreeSet<String>,
     /// What the driver stage keeps between passes.
     driver: driver::DriverStage,
     /// NVIDIA's GPU Operator on this node, as the last pass saw it.
     operator: operator::OperatorState,
-    /// The device node problems last reported (each logged once until it changes).
-    devnode_problems: BTreeSet<String>,
-    /// The `/dev/char` links as last looked at, for status.
-    dev_char: Option<crate::status::DevCharStatus>,
+    /// The device nodes and `/dev/char` links.
+    devnodes: devnodes::DevNodes,
     /// Set on a node with no NVIDIA GPU (none on the PCI bus, and NVML cannot load): why. The
     /// agent idles, every stage skipped, and looks again every `nvml.retry_interval`.
     no_gpu: Option<String>,
@@ -278,176 +229,25 @@ pub async fn run(config: Config, root: HostRoot, once: bool) -> Result<i32, Agen
     // and the long steps (MIG apply, driver build, engine restart, CUDA check) stop at their
     // next safe point.
     let stop = CancellationToken::new();
-    tokio::spawn(stop_on_signals(sigterm, sigint, stop.clone()));
+    tokio::spawn(setup::stop_on_signals(sigterm, sigint, stop.clone()));
 
-    let (health_tx, health_rx) = mpsc::unbounded_channel();
-    let (dp, profile) = choose_profile(
-        &config.device_plugin,
-        &Selection::Unset,
-        None,
-        &config.labels.device_plugin_config,
-    );
-    let base_ctx = PluginContext {
-        allocate: allocate_options(&dp),
-        nodes: DeviceNodes::gather(&root.join(&config.device_plugin.dev_root), &root.join("/proc")),
-        topology: Topology::new(),
-        shared_policy: dp.sharing.policy,
-    };
-    let retry = (config.agent.retry_min, config.agent.retry_max);
-    let mut agent = Agent {
-        tracker: health::SharedTracker::new(HealthTracker::new(health_policy(&config))),
-        stop: stop.clone(),
-        node: hostname(&root),
-        stages: Stages::new(retry),
-        config,
-        root,
-        once,
-        gpus: None,
-        inventory: None,
-        plugin_status: PluginStatus::default(),
-        plugin_watch: None,
-        commands: None,
-        health_tx,
-        health_stop: None,
-        watched: BTreeSet::new(),
-        base_ctx,
-        desired: Vec::new(),
-        plan_error: None,
-        last_status: None,
-        dp,
-        profile,
-        link: None,
-        view: LabelsView {
-            source: crate::desired::Source::None,
-            detail: String::new(),
-            labels: BTreeMap::new(),
-            connected: false,
-            error: None,
-        },
-        desired_sel: Desired::none(),
-        machine: None,
-        vgpu: false,
-        runtime: runtime::RuntimeStage::default(),
-        validation_checks: Vec::new(),
-        validation_detail: Vec::new(),
-        cuda_run: None,
-        heartbeat: Arc::new(std::sync::atomic::AtomicU64::new(crate::notify::now_ms())),
-        long_step: Arc::new(AtomicBool::new(false)),
-        metrics: None,
-        memory_policy: None,
-        memory_records: None,
-        mig: mig::MigStage::default(),
-        mps: mps::MpsState::new(),
-        withdrawn: BTreeSet::new(),
-        dra: None,
-        notifier: crate::notify::Notifier::from_env(),
-        notified_status: String::new(),
-        driver: driver::DriverStage::default(),
-        operator: operator::OperatorState::default(),
-        devnode_problems: BTreeSet::new(),
-        dev_char: None,
-        no_gpu: None,
-    };
-    agent.machine = machine_name(&agent.root);
-    agent.vgpu = crate::labels::vgpu::vgpu_present(&agent.root);
-
-    // The cluster link: the desired state comes from it before the first reconcile. Under
-    // `run --once` too: a bootstrap applies the MIG layout the labels ask for before the
-    // kubelet joins.
-    // The metrics first: the API client, the plugin servers and the health relay count in them.
-    agent.metrics = metrics::start(&agent.config.metrics, once).await;
-    let mut view_rx = {
-        let link = cluster::start(
-            &agent.config,
-            &agent.root,
-            agent.metrics.as_ref().map(|m| m.metrics.clone()),
-        );
-        let rx = link.view.clone();
-        let (view, answered) = first_view(&agent.config, &agent.root, &link, &stop).await;
-        agent.view = view;
-        if answered {
-            agent.remember_desired();
-        }
-        agent.desired_sel = Desired::from_labels(&agent.view.labels, &agent.config.labels);
-        let (dp, outcome) = choose_profile(
-            &agent.config.device_plugin,
-            &agent.desired_sel.device_plugin_config,
-            None,
-            &agent.config.labels.device_plugin_config,
-        );
-        agent.base_ctx.allocate = allocate_options(&dp);
-        agent.base_ctx.shared_policy = dp.sharing.policy;
-        agent.dp = dp;
-        agent.profile = outcome;
-        agent.link = Some(link);
-        Some(rx)
-    };
-
-    // The plugin manager serves and registers; it runs for the whole life of the daemon.
-    let stats = Arc::new(PluginStats {
-        metrics: agent.metrics.as_ref().map(|m| m.metrics.clone()),
-        ..PluginStats::default()
-    });
-    let (mut plugin_rx, manager) = if once || !agent.config.device_plugin.enabled {
-        let (_tx, rx) = watch::channel(PluginStatus::default());
-        (rx, None)
-    } else {
-        let dir = agent.root.join(&agent.config.kubelet.device_plugin_dir);
-        let (manager, status_rx) = PluginManager::new(
-            dir,
-            agent.config.kubelet.register_timeout,
-            Arc::new(agent.base_ctx.clone()),
-            stats,
-        );
-        let (tx, rx) = mpsc::channel(16);
-        (status_rx, Some((tokio::spawn(manager.run(rx)), tx)))
-    };
-    let (manager_task, manager_tx) = manager.unzip();
-    agent.plugin_watch = manager_task.is_some().then(|| plugin_rx.clone());
-
-    // The health relay: health events reach the manager from there, never waiting for a stage.
-    let (relay_task, mut health_changed) = if once {
-        (None, None)
-    } else {
-        let (relay, changed) = health::HealthRelay::new(
-            agent.tracker.clone(),
-            manager_tx,
-            agent.metrics.as_ref().map(|m| m.metrics.clone()),
-        );
-        let (tx, rx) = mpsc::channel(16);
-        agent.commands = Some(tx);
-        // The DRA driver, beside the device plugin: what its claims hold is withdrawn there.
-        let (_none, mut withdrawn) = watch::channel(crate::devices::Withdrawn::default());
-        if agent.config.dra.enabled {
-            let inputs = agent.dra_inputs(changed.clone());
-            match crate::dra::start(agent.config.clone(), agent.root.clone(), inputs, stop.clone()) {
-                Ok(handle) => {
-                    withdrawn = handle.withdrawn.clone();
-                    agent.dra = Some(handle);
-                }
-                Err(e) => tracing::error!("{e}; the device plugin goes on without it"),
-            }
-        } else if crate::dra::was_on(&agent.config, &agent.root) {
-            // It was on: its slices would announce devices nobody prepares.
-            let (config, root) = (agent.config.clone(), agent.root.clone());
-            tokio::spawn(async move {
-                match crate::dra::remove_slices(&config, &root).await {
-                    Ok(0) => {}
-                    Ok(n) => tracing::info!(
-                        "DRA is off: deleted {n} ResourceSlice(s) of driver {}",
-                        config.dra.driver
-                    ),
-                    Err(e) => tracing::debug!("DRA is off; its ResourceSlices were not checked: {e}"),
-                }
-            });
-        }
-        (Some(tokio::spawn(relay.run(rx, health_rx, withdrawn))), Some(changed))
-    };
+    let setup::Started {
+        mut agent,
+        mut view_rx,
+        mut plugin_rx,
+        manager_task,
+        relay_task,
+        mut health_changed,
+    } = setup::start(config, root, once, &stop).await;
     // Until READY, a long step (a driver install or build) extends systemd's start timeout while
     // it runs.
-    let extend_start = (!once && agent.notifier.enabled()).then(|| {
-        let every = agent.notifier.watchdog_interval().unwrap_or(EXTEND_START_EVERY);
-        tokio::spawn(crate::notify::extend_start(every, agent.long_step.clone()))
+    let extend_start = (!once && agent.reporter.notifier().enabled()).then(|| {
+        let every = agent
+            .reporter
+            .notifier()
+            .watchdog_interval()
+            .unwrap_or(EXTEND_START_EVERY);
+        tokio::spawn(crate::notify::extend_start(every, agent.services.long_step.clone()))
     });
     // The driver first: on a fresh node NVML only loads once the driver stage installed it.
     if agent.config.driver.enabled && agent.config.driver.source != crate::config::DriverSource::None {
@@ -506,27 +306,27 @@ pub async fn run(config: Config, root: HostRoot, once: bool) -> Result<i32, Agen
     nvml_retry.tick().await;
     // The first reconcile has finished (or reached a state it reports): systemd may go on.
     agent.notify_status();
-    agent.notifier.send("READY=1");
+    agent.reporter.notifier().send("READY=1");
     if let Some(task) = extend_start {
         task.abort();
     }
     // The watchdog: the main loop beats on every interval; a separate task tells systemd while
     // the beats are recent, or while a long step (a driver build, an engine restart) is known to
     // hold the loop.
-    let watchdog_every = agent.notifier.watchdog_interval();
+    let watchdog_every = agent.reporter.notifier().watchdog_interval();
     let mut watchdog = tokio::time::interval(watchdog_every.unwrap_or(Duration::from_secs(3600)));
     if let Some(every) = watchdog_every {
         tokio::spawn(crate::notify::watchdog(
             every,
-            agent.heartbeat.clone(),
-            agent.long_step.clone(),
+            agent.services.heartbeat.clone(),
+            agent.services.long_step.clone(),
         ));
     }
     while !stop.is_cancelled() {
         tokio::select! {
             biased;
             () = stop.cancelled() => break,
-            _ = watchdog.tick(), if watchdog_every.is_some() => crate::notify::beat(&agent.heartbeat),
+            _ = watchdog.tick(), if watchdog_every.is_some() => crate::notify::beat(&agent.services.heartbeat),
             _ = sighup.recv() => {
                 tracing::info!("SIGHUP: re-reading the inventory, every stage runs now");
                 agent.retry_all_now();
@@ -573,9 +373,11 @@ pub async fn run(config: Config, root: HostRoot, once: bool) -> Result<i32, Agen
                 agent.desired_sel = desired.clone();
                 or_stop(&stop, agent.apply_desired(&desired, mig_changed)).await;
             }
-            Some(record) = memlimit::next_record(&mut agent.memory_records) => agent.on_memory_record(record),
+            Some(record) = agent.memory.next_record() => {
+                memlimit::on_record(record, &agent.services);
+            }
             Some(()) = agent.mps.changed.recv() => agent.report_mps(),
-            Ok(()) = dra_status_changed(&mut agent.dra) => agent.write_status("running"),
+            Ok(()) = dra_status_changed(&mut agent.services.dra) => agent.write_status("running"),
             Ok(()) = plugin_rx.changed() => {
                 agent.plugin_status = plugin_rx.borrow_and_update().clone();
                 agent.update_stage();
@@ -587,89 +389,25 @@ pub async fn run(config: Config, root: HostRoot, once: bool) -> Result<i32, Agen
 
     // Stop: the relay ends when its channel closes, and the manager (which stops every server
     // and removes its sockets) when the relay's closes.
-    agent.notifier.send("STOPPING=1\nSTATUS=stopping");
-    agent.commands = None;
+    agent.reporter.notifier().send("STOPPING=1\nSTATUS=stopping");
+    agent.services.commands = None;
     if let Some(task) = relay_task {
         let _ = task.await;
     }
     if let Some(task) = manager_task {
         let _ = task.await;
     }
-    if let Some(dra) = agent.dra.take() {
+    if let Some(dra) = agent.services.dra.take() {
         dra.join().await;
     }
     // After the plugin is gone: quit the MPS daemons, compute mode DEFAULT back.
-    agent.stop_mps();
+    agent.mps.stop(agent.gpus.as_ref());
     if let Some(stop) = agent.health_stop.take() {
         stop.store(true, Ordering::Relaxed);
     }
     agent.plugin_status = plugin_rx.borrow().clone();
     agent.write_status("stopped");
     Ok(0)
-}
-
-/// The desired-state labels to start from, and whether the source answered: the desired MIG
-/// layout must be known before devices are advertised (layouts do not survive a reboot), so the
-/// source gets [`FIRST_VIEW_WAIT`] to answer; one that does not gives way to what it asked for
-/// last ([`LAST_DESIRED_FILE`]), else to the config's defaults. `run` and `plan` start alike.
-pub(crate) async fn first_view(
-    config: &Config,
-    root: &HostRoot,
-    link: &Link,
-    stop: &CancellationToken,
-) -> (LabelsView, bool) {
-    let mut rx = link.view.clone();
-    let first = tokio::time::timeout(FIRST_VIEW_WAIT, async {
-        while !rx.borrow().connected && rx.borrow().source != crate::desired::Source::None {
-            if rx.changed().await.is_err() {
-                break;
-            }
-        }
-    });
-    let answered = tokio::select! {
-        waited = first => waited.is_ok(),
-        () = stop.cancelled() => false,
-    };
-    let mut view = rx.borrow().clone();
-    if !answered {
-        match last_desired(config, root, &view) {
-            Some(labels) => {
-                tracing::warn!(
-                    "the desired state source did not answer within {FIRST_VIEW_WAIT:?}: starting with what it asked \
-                     for last ({})",
-                    labels
-                        .iter()
-                        .map(|(k, v)| format!("{k}={v}"))
-                        .collect::<Vec<_>>()
-                        .join(", ")
-                );
-                view.labels.extend(labels);
-            }
-            None => tracing::warn!(
-                "the desired state source did not answer within {FIRST_VIEW_WAIT:?}: starting with the config's defaults"
-            ),
-        }
-    }
-    (view, answered)
-}
-
-/// What [`Agent::remember_desired`] kept, `None` when nothing was (or it does not parse).
-fn last_desired(config: &Config, root: &HostRoot, view: &LabelsView) -> Option<BTreeMap<String, String>> {
-    if view.source == crate::desired::Source::None {
-        return None;
-    }
-    let path = root.join(&config.agent.state_dir).join(LAST_DESIRED_FILE);
-    let text = crate::host::read_text(&path).ok()?;
-    crate::desired::parse_labels_file(&path.display().to_string(), &text).ok()
-}
-
-/// Cancels `stop` at the first SIGTERM or SIGINT.
-async fn stop_on_signals(mut sigterm: Signal, mut sigint: Signal, stop: CancellationToken) {
-    tokio::select! {
-        _ = sigterm.recv() => tracing::info!("SIGTERM: stopping"),
-        _ = sigint.recv() => tracing::info!("SIGINT: stopping"),
-    }
-    stop.cancel();
 }
 
 /// Runs `work` until it ends or `stop` is cancelled, whichever comes first. A cancelled step is
@@ -718,6 +456,212 @@ async fn sleep_until(at: Option<Instant>) {
 }
 
 impl Agent {
+    /// Routes what a stage said: statuses to the stage table, Events to the Node, a change of
+    /// devices to the inventory and the validation stage.
+    fn route(&mut self, out: &mut Outbox) {
+        for note in out.take() {
+            match note {
+                Note::Status {
+                    id,
+                    state,
+                    error,
+                    detail,
+                } => self.stages[id].set(state, error, detail),
+                Note::Event { kind, reason, message } => self.event(kind, reason, message),
+                Note::RuntimePlan(plan) => self.runtime_plan = plan,
+                Note::Held(held) => self.held = held,
+                Note::Restore => self.restore_withdrawn(),
+                Note::DevicesChanged => {
+                    self.inventory = None;
+                    self.validation.devices_changed();
+                    self.stages[StageId::Validation].now();
+                }
+            }
+        }
+    }
+
+    /// Creates the device nodes and links the inventory needs, then reads the nodes the device
+    /// plugin and the CDI spec hand out again.
+    fn ensure_device_nodes(&mut self) {
+        self.base_ctx.nodes = self.devnodes.ensure(&self.config, &self.root, self.inventory.as_ref());
+    }
+
+    /// Brings the MPS control daemons to what the effective settings ask for, and gives
+    /// `Allocate` their folders and limits.
+    fn update_mps(&mut self) {
+        let serving = self.services.commands.is_some() && self.plan_error.is_none();
+        let (allocate, looked_after) = self.mps.update(&pass!(self), serving);
+        self.base_ctx.allocate.mps = allocate;
+        if looked_after {
+            self.report_mps();
+        }
+    }
+
+    /// A daemon failed (a Warning Event, once) or changed: the device-plugin stage and the
+    /// reports follow.
+    fn report_mps(&mut self) {
+        let mut out = Outbox::default();
+        self.mps.report(&mut out);
+        self.route(&mut out);
+        self.update_stage();
+        self.write_status("running");
+    }
+
+    /// Publishes the inventory to the metrics' readings loop.
+    fn metrics_inventory(&mut self) {
+        if let Some(m) = &mut self.services.metrics {
+            let (config, node) = (&self.config.metrics, self.reporter.node());
+            m.inventory(self.inventory.as_ref(), self.gpus.as_ref(), config, node, &self.root);
+        }
+    }
+
+    /// The stage series (with `durations` of this pass's steps) and device health transitions.
+    fn metrics_stages(&mut self, durations: &[(&str, Duration)]) {
+        if let Some(m) = &mut self.services.metrics {
+            m.stages(&self.stages, durations, self.inventory.as_ref(), &self.services.tracker);
+        }
+    }
+
+    /// The runtime stage's step.
+    async fn runtime_step(&mut self) -> bool {
+        stepped!(self, runtime.step() await)
+    }
+
+    /// Rewrites the CDI spec for the inventory (the runtime stage's).
+    fn cdi_step(&mut self) {
+        stepped!(self, runtime.cdi(&self.base_ctx.nodes))
+    }
+
+    /// The driver stage: its plan, and a change applied with the GPUs withdrawn from the
+    /// kubelet and NVML closed for an upgrade; NVML is (re)opened after, whether the change
+    /// succeeded or not. `false` when the stages after it cannot run (no working driver; a
+    /// failed upgrade with NVML back on the driver still loaded lets them re-read the inventory
+    /// and advertise the GPUs again).
+    async fn driver_step(&mut self) -> bool {
+        let next = stepped!(self, driver.plan() await);
+        let planned = match next {
+            driver::DriverNext::Done(go_on) => return go_on,
+            driver::DriverNext::Apply(planned) => planned,
+        };
+        let upgrade = driver::is_upgrade(&planned);
+        if upgrade {
+            let uuids: Vec<String> = self
+                .inventory
+                .iter()
+                .flat_map(|i| i.gpus.iter().map(|g| g.uuid.clone()))
+                .collect();
+            tracing::info!(
+                "driver: withdrawing {} GPU(s) from the kubelet for the driver change",
+                uuids.len()
+            );
+            self.withdrawn.extend(uuids);
+            self.push_resources().await;
+            self.close_nvml();
+        }
+        let applied = stepped!(self, driver.apply(&planned) await);
+        if let Err(e) = applied {
+            tracing::error!("driver stage failed: {e}");
+            // After a failed upgrade: NVML again, on whatever driver is still loaded, and the
+            // GPUs withdrawn for the change given back. Without NVML nothing is advertised until
+            // it loads (retried every `[nvml] retry_interval`).
+            let go_on = upgrade && {
+                if self.gpus.is_none()
+                    && let Err(e) = self.open_nvml()
+                {
+                    tracing::error!("NVML after the failed driver change: {e}");
+                }
+                self.restore_withdrawn();
+                self.inventory = None;
+                self.gpus.is_some()
+            };
+            self.stages[StageId::Driver].set(StageState::Failed, Some(e.clone()), None);
+            self.driver.failed(&planned, e);
+            return go_on;
+        }
+        if self.gpus.is_none()
+            && let Err(e) = self.open_nvml()
+        {
+            tracing::error!("NVML after the driver change: {e}");
+        }
+        if upgrade {
+            self.withdrawn.clear();
+            self.inventory = None;
+        }
+        stepped!(self, driver.applied(&planned) await)
+    }
+
+    /// The MIG stage, once NVML is up: its plan, then a change made with the GPUs it changes
+    /// withdrawn from the kubelet first and `pending` (or `rebooting`) shown on the Node.
+    async fn mig_step(&mut self) -> bool {
+        let Some(gpus) = self.gpus.clone() else {
+            return false;
+        };
+        let next = stepped!(self, mig.plan() await);
+        let mig::MigNext::Change(change) = next else {
+            return true;
+        };
+        if change.changing.iter().any(|u| !self.withdrawn.contains(u)) {
+            tracing::info!(
+                "MIG layout {}: withdrawing {} from the kubelet before changing them",
+                change.name,
+                change.changing.join(", ")
+            );
+            self.withdrawn.extend(change.changing.iter().cloned());
+            self.push_resources().await;
+        }
+        let mut out = Outbox::default();
+        if self.mig.announce(&change, &mut out) {
+            self.route(&mut out);
+            self.write_status_with_inventory(&gpus);
+            let pending = crate::mig::stage::MigState::Pending.as_str();
+            mig::wait_for_label_on_node(&pass!(self), pending, mig::PENDING_LABEL_WAIT).await;
+        }
+        let after = stepped!(self, mig.apply(*change) await);
+        if let mig::MigAfter::Reboot = after {
+            self.write_status_with_inventory(&gpus);
+            let rebooting = crate::mig::stage::MigState::Rebooting.as_str();
+            mig::wait_for_label_on_node(&pass!(self), rebooting, mig::REBOOT_LABEL_WAIT).await;
+            mig::reboot(&pass!(self));
+        }
+        true
+    }
+
+    /// Writes the status and reports the labels now. Labels are only reported with an
+    /// inventory (none means "nothing known yet"), and at boot the MIG stage runs before the
+    /// inventory is read: one is read for this report and left for the device plugin stage to
+    /// read again (which also starts the health watch).
+    fn write_status_with_inventory(&mut self, gpus: &Gpus) {
+        let borrowed = self.inventory.is_none();
+        if borrowed {
+            self.inventory = gpus.inventory(&self.root.join("/sys")).ok();
+        }
+        self.write_status("running");
+        if borrowed {
+            self.inventory = None;
+        }
+    }
+
+    /// Gives withdrawn GPUs back to the kubelet (the next push advertises them).
+    fn restore_withdrawn(&mut self) {
+        if !self.withdrawn.is_empty() {
+            tracing::info!(
+                "advertising {} again",
+                self.withdrawn.iter().cloned().collect::<Vec<_>>().join(", ")
+            );
+            self.withdrawn.clear();
+        }
+    }
+
+    /// The validation stage's step.
+    async fn validation_step(&mut self) -> bool {
+        stepped!(self, validation.step() await)
+    }
+
+    /// The validation stage's device plugin check follows the plugin's status.
+    fn show_validation(&mut self) {
+        stepped!(self, validation.show())
+    }
+
     /// Drops NVML (before the driver under it is unloaded): the health watcher stops, the
     /// inventory is forgotten.
     fn close_nvml(&mut self) {
@@ -726,9 +670,8 @@ impl Agent {
         }
         self.watched.clear();
         self.gpus = None;
-        // The enforcer holds the old NVML: dropping its policy channel stops it.
-        self.memory_policy = None;
-        self.memory_records = None;
+        // The enforcer holds the old NVML.
+        self.memory.stop();
     }
 
     fn open_nvml(&mut self) -> Result<(), AgentError> {
@@ -811,7 +754,7 @@ impl Agent {
             self.write_status("running");
             return;
         }
-        self.operator_check();
+        stepped!(self, operator.check());
         let now = Instant::now();
         let mut passed = Vec::new();
         let mut durations = Vec::new();
@@ -889,7 +832,7 @@ impl Agent {
                     self.watch_health(&gpus);
                     self.cdi_step();
                     inventory_changed = true;
-                } else if self.runtime.cdi_error.is_some() || self.cdi_spec_missing() {
+                } else if self.runtime.cdi_due(&pass!(self)) {
                     // A failed write is tried again, a removed spec written again.
                     self.cdi_step();
                 }
@@ -926,8 +869,8 @@ impl Agent {
     async fn await_registration(&mut self) {
         let (stop, desired) = (self.stop.clone(), self.desired.clone());
         let Some(rx) = self.plugin_watch.as_mut() else { return };
-        let settled = rx.wait_for(|status| registration_settled(status, &desired));
-        let _ = tokio::time::timeout(REGISTRATION_WAIT, or_stop(&stop, settled)).await;
+        let settled = rx.wait_for(|status| device_plugin::registration_settled(status, &desired));
+        let _ = tokio::time::timeout(device_plugin::REGISTRATION_WAIT, or_stop(&stop, settled)).await;
     }
 
     /// Applies what the labels ask for: the device plugin profile (a changed profile swaps the
@@ -1001,34 +944,9 @@ impl Agent {
         }
     }
 
-    /// The resources from the current inventory (health is the relay's to apply: replicas
-    /// follow their device).
-    fn resources(&self) -> Result<Vec<Resource>, AgentError> {
-        let Some(inventory) = &self.inventory else {
-            return Ok(Vec::new());
-        };
-        let mut resources = advertised_resources(inventory, &self.dp)?;
-        for resource in &mut resources {
-            // GPUs whose MIG layout is changing are withdrawn from the kubelet first.
-            resource
-                .devices
-                .retain(|_, d| !self.withdrawn.contains(d.physical_uuid()));
-        }
-        resources.retain(|r| !r.devices.is_empty());
-        Ok(resources)
-    }
-
-    /// What the DRA driver reads of the agent: device health from its tracker.
-    fn dra_inputs(&self, health_changed: watch::Receiver<u64>) -> crate::dra::Inputs {
-        let tracker = self.tracker.clone();
-        let health: crate::dra::HealthFn =
-            Arc::new(move |device| tracker.lock().health(device) == crate::devices::Health::Healthy);
-        crate::dra::Inputs { health, health_changed }
-    }
-
     /// Hands the DRA driver the inventory (without the GPUs whose MIG layout is changing).
     fn push_dra_inventory(&self) {
-        let Some(tx) = self.dra.as_ref().map(|d| &d.inventory) else {
+        let Some(tx) = self.services.dra.as_ref().map(|d| &d.inventory) else {
             return;
         };
         let inventory = self.inventory.as_ref().map(|inv| {
@@ -1047,7 +965,7 @@ impl Agent {
 
     async fn push_resources(&mut self) {
         self.push_dra_inventory();
-        let resources = match self.resources() {
+        let resources = match device_plugin::resources(&pass!(self)) {
             Ok(r) => {
                 self.plan_error = None;
                 r
@@ -1067,7 +985,7 @@ impl Agent {
                 let detail = format!("run --once does not serve the kubelet; would advertise {detail}");
                 self.stages[StageId::DevicePlugin].set(StageState::Skipped, None, Some(detail));
             }
-        } else if let Some(tx) = &self.commands {
+        } else if let Some(tx) = &self.services.commands {
             if self.plan_error.is_none() {
                 tracing::info!("advertising {}", summary(&resources));
             }
@@ -1080,329 +998,51 @@ impl Agent {
                 .await;
         }
         // The replicas' memory budgets follow what is advertised.
-        self.update_memory_limits();
+        self.memory.update(&pass!(self));
         self.update_stage();
         self.write_status("running");
     }
 
     /// The device-plugin stage state from what the manager reports.
     fn update_stage(&mut self) {
-        if let Some(e) = &self.plan_error {
-            self.stages[StageId::DevicePlugin].set(StageState::Failed, Some(e.clone()), None);
-            return;
-        }
-        if let Some(e) = self.mps_error() {
-            let detail = self.mps_detail();
-            self.stages[StageId::DevicePlugin].set(StageState::Failed, Some(e), detail);
-            return;
-        }
-        if self.once || self.gpus.is_none() || self.stages[StageId::DevicePlugin].status.state == StageState::Disabled {
-            return;
-        }
-        let p = &self.plugin_status;
-        let mut errors: Vec<String> = p.resources.iter().filter_map(|r| r.error.clone()).collect();
-        // Sockets another plugin (NVIDIA's) serves: left alone, those resources not served.
-        errors.extend(p.conflicts.iter().map(|c| {
-            let pid = c.pid.map_or_else(|| "pid unknown".to_string(), |p| format!("pid {p}"));
-            format!("{} not served: {} is another process's ({pid})", c.resource, c.socket)
-        }));
-        let registered = self
-            .desired
-            .iter()
-            .filter(|name| p.resources.iter().any(|r| &r.name == *name && r.registered))
-            .count();
-        let devices: usize = p.resources.iter().map(|r| r.devices).sum();
-        let mut detail = format!(
-            "{registered}/{} resource(s) registered, {devices} device(s)",
-            self.desired.len()
-        );
-        if let Some(mps) = self.mps_detail() {
-            detail.push_str("; ");
-            detail.push_str(&mps);
-        }
-        if !p.kubelet_present {
-            let dir = self.config.kubelet.device_plugin_dir.display();
-            self.stages[StageId::DevicePlugin].set(
-                StageState::Pending,
-                Some(format!("waiting for the kubelet ({dir}/kubelet.sock)")),
-                Some(detail),
-            );
-        } else if !errors.is_empty() {
-            self.stages[StageId::DevicePlugin].set(StageState::Pending, Some(errors.join("; ")), Some(detail));
-        } else if registered == self.desired.len() {
-            self.stages[StageId::DevicePlugin].set(StageState::Ok, None, Some(detail));
-        } else {
-            self.stages[StageId::DevicePlugin].set(StageState::Pending, None, Some(detail));
-        }
+        let mut out = Outbox::default();
+        device_plugin::show(&pass!(self), &self.mps, &mut out);
+        self.route(&mut out);
     }
 
     /// `STATUS=` for systemd: each stage's state, with the first problem's reason.
     fn notify_status(&mut self) {
-        if !self.notifier.enabled() {
-            return;
-        }
-        if let Some(why) = &self.no_gpu {
-            let line = crate::notify::status_line(why);
-            if line != self.notified_status {
-                self.notifier.send(&format!("STATUS={line}"));
-                self.notified_status = line;
-            }
-            return;
-        }
-        let stages = &self.stages;
-        let mut line = stages
-            .iter()
-            .map(|s| format!("{} {}", s.status.name, s.status.state.as_str()))
-            .collect::<Vec<_>>()
-            .join(", ");
-        if let Some(problem) = stages.iter().find_map(|s| s.status.error.as_deref()) {
-            line.push_str(&format!(" — {problem}"));
-        }
-        let line = crate::notify::status_line(&line);
-        if line != self.notified_status {
-            self.notifier.send(&format!("STATUS={line}"));
-            self.notified_status = line;
-        }
+        self.reporter.notify(&self.stages, self.no_gpu.as_deref());
     }
 
+    /// Writes the status file and reports to the Node and systemd what changed.
     fn write_status(&mut self, state: &str) {
         self.notify_status();
         self.metrics_stages(&[]);
-        let tracker = self.tracker.lock();
-        let gpus = self
-            .inventory
-            .iter()
-            .flat_map(|i| i.gpus.iter())
-            .map(|g| {
-                let reason = tracker.reason(&whole_gpu(g));
-                let mig_devices = mig_plugin_devices(g)
-                    .filter_map(|d| {
-                        let reason = tracker.reason(&d);
-                        let mig = d.mig?;
-                        Some(MigStatus {
-                            uuid: d.uuid,
-                            profile: mig.profile,
-                            gi_id: mig.gi_id,
-                            ci_id: mig.ci_id,
-                            health: health_word(&reason).into(),
-                            reason,
-                        })
-                    })
-                    .collect();
-                GpuStatus {
-                    index: g.index,
-                    uuid: g.uuid.clone(),
-                    name: g.name.clone(),
-                    memory_mib: g.memory_mib,
-                    pci_bus_id: g.pci_bus_id.clone(),
-                    health: health_word(&reason).into(),
-                    reason,
-                    mig_enabled: g.mig.map(|m| m.current),
-                    mig_devices,
-                }
-            })
-            .collect();
-        drop(tracker);
-        let operator = self.operator_status();
-        let mut status = Status {
-            version: STATUS_VERSION,
-            agent_version: env!("CARGO_PKG_VERSION").into(),
-            node: self.node.clone(),
-            pid: std::process::id(),
-            state: state.into(),
-            updated: 0,
-            driver_version: self.inventory.as_ref().map(|i| i.driver_version.clone()),
-            cuda_driver_version: self.inventory.as_ref().map(|i| i.cuda_driver_version.clone()),
-            stages: self.stages.iter().map(|s| s.status.clone()).collect(),
-            gpus,
-            kubelet_present: self.plugin_status.kubelet_present,
-            resources: self.plugin_status.resources.clone(),
-            desired: self.link.as_ref().map(|_| DesiredStatus {
-                source: self.view.source,
-                detail: self.view.detail.clone(),
-                connected: self.view.connected,
-                error: self.view.error.clone(),
-                mig_config: self.desired_sel.mig_config.clone(),
-                device_plugin_config: self.desired_sel.device_plugin_config.clone(),
-                profile: self.profile.clone(),
-            }),
-            labels: self.wanted_labels().unwrap_or_default(),
-            mps: self.mps_statuses(),
-            dra: self.dra.as_ref().map(|d| d.status.borrow().clone()),
-            dev_char: self.dev_char.clone(),
+        let mut out = Outbox::default();
+        let operator = self
+            .operator
+            .status(&self.config, &self.root, &self.plugin_status, &mut out);
+        self.route(&mut out);
+        let report = report::Report {
+            config: &self.config,
+            root: &self.root,
+            stages: &self.stages,
+            inventory: self.inventory.as_ref(),
+            tracker: &self.services.tracker,
+            plugin: &self.plugin_status,
+            link: self.services.link.as_ref(),
+            view: &self.view,
+            desired: &self.desired_sel,
+            profile: &self.profile,
+            dp: &self.dp,
+            mig_state: self.mig.state,
+            mps: self.mps.statuses(),
+            dra: self.services.dra.as_ref().map(|d| d.status.borrow().clone()),
+            dev_char: self.devnodes.dev_char.clone(),
             operator,
         };
-        // Skip the write when nothing but the timestamp would change.
-        if self.last_status.as_ref() == Some(&status) {
-            return;
-        }
-        self.publish(&status);
-        self.last_status = Some(status.clone());
-        status.updated = now_unix();
-        let run_dir = self.root.join(&self.config.agent.run_dir);
-        if let Err(e) = status.write(&run_dir) {
-            tracing::warn!("cannot write status: {e}");
-        }
-    }
-}
-
-impl Agent {
-    /// The labels the agent wants on its Node: the GPU feature labels and the profile state.
-    /// `None` before the first inventory (nothing is known yet, so nothing is reported).
-    fn wanted_labels(&self) -> Option<BTreeMap<String, String>> {
-        let validation = match self.stages[StageId::Validation].status.state {
-            StageState::Ok => Some("success"),
-            StageState::Failed => Some("failed"),
-            StageState::Pending => Some("pending"),
-            StageState::Disabled | StageState::Skipped => None,
-        };
-        Some(node_labels(&NodeLabels {
-            config: &self.config,
-            inventory: self.inventory.as_ref()?,
-            dp: &self.dp,
-            machine: self.machine.as_deref(),
-            vgpu: self.vgpu,
-            profile: &self.profile,
-            mig_state: self.mig.state,
-            validation,
-        }))
-    }
-
-    /// Sends what changed to the cluster: the wanted labels, and Events for state transitions
-    /// (device plugin stage, profile, GPU health) compared with the last published status.
-    fn publish(&self, status: &Status) {
-        let Some(link) = &self.link else { return };
-        // `status.labels` is what `wanted_labels` gave; before the first inventory it is empty
-        // and means "nothing known yet", not "remove everything": report nothing then.
-        if self.inventory.is_some() {
-            link.report(status.labels.clone());
-        }
-        let before = self.last_status.as_ref();
-        // MIG: an Event whenever the state label or its reason changes (a second failure with a
-        // different reason is news too).
-        if let (Some(state), Some(mig)) = (
-            self.mig.state,
-            status.stages.iter().find(|s| s.name == StageId::Mig.as_str()),
-        ) {
-            let text = mig.error.clone().or_else(|| mig.detail.clone()).unwrap_or_default();
-            let was = before.and_then(|b| b.stages.iter().find(|s| s.name == StageId::Mig.as_str()));
-            let was_text = was.map(|m| m.error.clone().or_else(|| m.detail.clone()).unwrap_or_default());
-            let was_state = before
-                .and_then(|b| b.labels.get(&self.config.labels.mig_config_state))
-                .cloned();
-            if was_state.as_deref() != Some(state.as_str()) || was_text.as_deref() != Some(text.as_str()) {
-                match state {
-                    MigLabelState::Success => link.event(EventType::Normal, "MigConfigApplied", text),
-                    MigLabelState::Pending => link.event(EventType::Normal, "MigConfigPending", text),
-                    MigLabelState::Rebooting => link.event(EventType::Warning, "MigConfigRebooting", text),
-                    MigLabelState::Failed => link.event(EventType::Warning, "MigConfigFailed", text),
-                }
-            }
-        }
-        // Driver, runtime and validation: an Event when the stage turns failed (not at every
-        // failed pass), and when validation passes again after failing. What the driver and
-        // runtime stages change is posted where they change it.
-        for (id, failed) in [
-            (StageId::Driver, "DriverFailed"),
-            (StageId::Runtime, "RuntimeFailed"),
-            (StageId::Validation, "ValidationFailed"),
-        ] {
-            let Some(stage) = status.stages.iter().find(|s| s.name == id.as_str()) else {
-                continue;
-            };
-            let was = before
-                .and_then(|b| b.stages.iter().find(|s| s.name == id.as_str()))
-                .map(|s| s.state);
-            match stage.state {
-                StageState::Failed if was != Some(StageState::Failed) => link.event(
-                    EventType::Warning,
-                    failed,
-                    format!(
-                        "{} stage failed: {}",
-                        id.as_str(),
-                        stage.error.as_deref().unwrap_or("-")
-                    ),
-                ),
-                StageState::Ok if id == StageId::Validation && was == Some(StageState::Failed) => link.event(
-                    EventType::Normal,
-                    "ValidationRecovered",
-                    format!(
-                        "validation passes again: {}",
-                        stage.detail.as_deref().unwrap_or("every check passed")
-                    ),
-                ),
-                _ => {}
-            }
-        }
-        let Some(stage) = status.stages.iter().find(|s| s.name == StageId::DevicePlugin.as_str()) else {
-            return;
-        };
-        let stage_before = before
-            .and_then(|b| b.stages.iter().find(|s| s.name == StageId::DevicePlugin.as_str()))
-            .map(|s| &s.state);
-        if stage_before != Some(&stage.state) {
-            match stage.state {
-                StageState::Ok => link.event(
-                    EventType::Normal,
-                    "DevicePluginReady",
-                    format!(
-                        "gpu-node-agent device plugin: {}",
-                        stage.detail.as_deref().unwrap_or("ready")
-                    ),
-                ),
-                StageState::Failed => link.event(
-                    EventType::Warning,
-                    "DevicePluginFailed",
-                    format!(
-                        "gpu-node-agent device plugin: {}",
-                        stage.error.as_deref().unwrap_or("failed")
-                    ),
-                ),
-                _ => {}
-            }
-        }
-        let profile_before = before.and_then(|b| b.desired.as_ref()).map(|d| &d.profile);
-        if let Some(d) = &status.desired
-            && profile_before != Some(&d.profile)
-        {
-            match d.profile.state {
-                ProfileState::Success => link.event(
-                    EventType::Normal,
-                    "DevicePluginProfileApplied",
-                    format!(
-                        "device plugin profile {} applied",
-                        d.profile.applied.as_deref().unwrap_or("-")
-                    ),
-                ),
-                ProfileState::Failed => link.event(
-                    EventType::Warning,
-                    "DevicePluginProfileRejected",
-                    d.profile.reason.clone().unwrap_or_default(),
-                ),
-                ProfileState::None if profile_before.is_some_and(|p| p.state != ProfileState::None) => link.event(
-                    EventType::Normal,
-                    "DevicePluginProfileCleared",
-                    "no device plugin profile selected: the [device_plugin] keys apply as configured".into(),
-                ),
-                ProfileState::None => {}
-            }
-        }
-        for gpu in &status.gpus {
-            let was = before
-                .and_then(|b| b.gpus.iter().find(|g| g.uuid == gpu.uuid))
-                .map(|g| g.health.as_str());
-            if was.unwrap_or(Health::Healthy.as_str()) != gpu.health {
-                let what = format!("GPU {} ({})", gpu.index, gpu.uuid);
-                match &gpu.reason {
-                    Some(reason) => link.event(
-                        EventType::Warning,
-                        "GpuUnhealthy",
-                        format!("{what} is unhealthy: {reason}"),
-                    ),
-                    None => link.event(EventType::Normal, "GpuHealthy", format!("{what} is healthy again")),
-                }
-            }
-        }
+        self.reporter.write(state, report);
     }
 }
 
@@ -1410,7 +1050,7 @@ impl Agent {
     /// Posts an Event on the Node through the cluster link (under `run --once` too; nothing
     /// without a link or with `[kubernetes] events = false`).
     fn event(&self, kind: EventType, reason: &str, message: String) {
-        if let Some(link) = &self.link {
+        if let Some(link) = &self.services.link {
             link.event(kind, reason, message);
         }
     }
@@ -1427,84 +1067,15 @@ impl Agent {
             .iter()
             .filter_map(|k| self.view.labels.get(*k).map(|v| format!("{k}={v}\n")))
             .collect();
-        let path = self.root.join(&self.config.agent.state_dir).join(LAST_DESIRED_FILE);
+        let path = self
+            .root
+            .join(&self.config.agent.state_dir)
+            .join(setup::LAST_DESIRED_FILE);
         if std::fs::read_to_string(&path).ok().as_deref() == Some(text.as_str()) {
             return;
         }
         if let Err(e) = crate::host::write_atomic(&path, text.as_bytes(), 0o644) {
             tracing::warn!("cannot keep the desired state for the next start: {e}");
         }
-    }
-}
-
-/// What the labels the agent writes on its Node are made of.
-pub(crate) struct NodeLabels<'a> {
-    pub config: &'a Config,
-    pub inventory: &'a Inventory,
-    /// The effective `[device_plugin]` settings (the selected profile applied).
-    pub dp: &'a DevicePluginConfig,
-    /// The machine's DMI product name ([`machine_name`]).
-    pub machine: Option<&'a str>,
-    /// A vGPU guest ([`crate::labels::vgpu::vgpu_present`]).
-    pub vgpu: bool,
-    pub profile: &'a ProfileOutcome,
-    pub mig_state: Option<MigLabelState>,
-    /// The validation state label's value, when validation has an answer.
-    pub validation: Option<&'a str>,
-}
-
-/// The labels the agent wants on its Node: the GPU feature labels and the states.
-pub(crate) fn node_labels(n: &NodeLabels<'_>) -> BTreeMap<String, String> {
-    let keys = &n.config.labels;
-    let shared = feature_sharing(&n.dp.sharing);
-    let mut labels = if keys.report_features {
-        feature_labels(&FeatureInputs {
-            inventory: n.inventory,
-            mig_strategy: n.dp.mig_strategy,
-            prefix: &keys.feature_prefix,
-            machine: n.machine,
-            vgpu: n.vgpu,
-            sharing_strategy: n.dp.sharing.strategy.as_str(),
-            shared: &shared,
-        })
-    } else {
-        BTreeMap::new()
-    };
-    if let Some(state) = n.profile.state.as_str() {
-        labels.insert(keys.device_plugin_config_state.clone(), state.to_string());
-    }
-    if let Some(state) = n.mig_state {
-        labels.insert(keys.mig_config_state.clone(), state.as_str().to_string());
-    }
-    if let Some(state) = n.validation {
-        labels.insert(keys.validation_state.clone(), state.to_string());
-    }
-    labels
-}
-
-/// The machine's DMI product name, for the `gpu.machine` label.
-pub(crate) fn machine_name(root: &HostRoot) -> Option<String> {
-    std::fs::read_to_string(root.join("/sys/class/dmi/id/product_name"))
-        .ok()
-        .map(|s| s.trim().to_string())
-        .filter(|s| !s.is_empty())
-}
-
-/// `nvidia.com/gpu ×8, nvidia.com/mig-1g.5gb ×7`.
-pub fn summary(resources: &[Resource]) -> String {
-    if resources.is_empty() {
-        return "no resources".into();
-    }
-    resources
-        .iter()
-        .map(|r| format!("{} ×{}", r.name, r.devices.len()))
-        .collect::<Vec<_>>()
-        .join(", ")
-}
-
-fn health_word(reason: &Option<String>) -> &'static str {
-    match reason {
-        Some(_) => Health::Unhealthy.as_str(),
-        None => Health::Healthy.as_str(),
     }
 }

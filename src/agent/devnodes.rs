@@ -8,7 +8,6 @@
 use std::collections::BTreeSet;
 use std::path::PathBuf;
 
-use super::Agent;
 use crate::config::Config;
 use crate::edits::DeviceNodes;
 use crate::host::HostRoot;
@@ -257,15 +256,24 @@ pub(crate) fn report(ensured: &Ensured) {
     }
 }
 
-impl Agent {
-    /// [`ensure_device_nodes`] for the current inventory (when `[driver] create_device_nodes` or
+/// What the agent keeps of the device nodes between passes.
+#[derive(Debug, Default)]
+pub(super) struct DevNodes {
+    /// The problems last reported (each logged once until it changes).
+    problems: BTreeSet<String>,
+    /// The `/dev/char` links as last looked at, for status.
+    pub(super) dev_char: Option<crate::status::DevCharStatus>,
+}
+
+impl DevNodes {
+    /// [`ensure_device_nodes`] for `inventory` (when `[driver] create_device_nodes` or
     /// `create_dev_char_links`), logged: what was created at info, a problem at warn once (until
-    /// it changes); the links are kept for status. Then the
-    /// device nodes the device plugin and the CDI spec hand out are read again.
-    pub(super) fn ensure_device_nodes(&mut self) {
-        let driver = &self.config.driver;
+    /// it changes); the links are kept for status. Answers the device nodes the device plugin
+    /// and the CDI spec hand out, read again.
+    pub(super) fn ensure(&mut self, config: &Config, root: &HostRoot, inventory: Option<&Inventory>) -> DeviceNodes {
+        let driver = &config.driver;
         if driver.create_device_nodes || driver.create_dev_char_links {
-            let ensured = ensure_device_nodes(&self.config, &self.root, self.inventory.as_ref());
+            let ensured = ensure_device_nodes(config, root, inventory);
             if let Some(line) = ensured.created_line() {
                 tracing::info!("{line}");
             }
@@ -277,16 +285,13 @@ impl Agent {
                 problems.extend(links.problems.iter().map(|p| format!("/dev/char links: {p}")));
             }
             for problem in &problems {
-                if !self.devnode_problems.contains(problem) {
+                if !self.problems.contains(problem) {
                     tracing::warn!("{problem}");
                 }
             }
-            self.devnode_problems = problems.into_iter().collect();
+            self.problems = problems.into_iter().collect();
             self.dev_char = ensured.links.as_ref().map(Links::status);
         }
-        self.base_ctx.nodes = DeviceNodes::gather(
-            &self.root.join(&self.config.device_plugin.dev_root),
-            &self.root.join("/proc"),
-        );
+        DeviceNodes::gather(&root.join(&config.device_plugin.dev_root), &root.join("/proc"))
     }
 }

@@ -3,7 +3,8 @@
 //! from the kubelet first and NVML reopened after, also when the change failed), then validates
 //! what NVML reports.
 
-use super::{Agent, StageId, StageState};
+use super::pass::{Outbox, Pass};
+use super::{StageId, StageState};
 use crate::cli::DriverCommand;
 use crate::config::Config;
 use crate::driver::stage::{self as drv, Planned};
@@ -49,23 +50,26 @@ impl DriverStage {
     }
 }
 
-impl Agent {
-    /// Processes on the GPUs NVML knows, `None` when NVML is not up or cannot tell.
-    fn gpu_processes(&self) -> Option<usize> {
-        let gpus = self.gpus.as_ref()?;
-        let inventory = self.inventory.as_ref()?;
-        inventory.gpus.iter().map(|g| gpus.process_count(&g.uuid)).sum()
-    }
+/// What the driver stage's plan asks of the loop.
+pub(super) enum DriverNext {
+    /// Nothing to change (or nothing may change now): whether the stages after it may run.
+    Done(bool),
+    /// A change to apply ([`DriverStage::apply`]); with an upgrade (an unload) the loop first
+    /// withdraws every GPU from the kubelet and closes NVML, and opens it again after.
+    Apply(Box<Planned>),
+}
 
-    /// Runs the driver stage; `false` when the stages after it cannot run (no working driver).
-    pub(super) async fn driver_step(&mut self) -> bool {
-        if !self.config.driver.enabled {
-            self.stages[StageId::Driver].set(StageState::Disabled, None, Some("[driver] enabled = false".into()));
-            return true;
+impl DriverStage {
+    /// Plans the driver stage's pass; with nothing to change, validates the driver in place.
+    pub(super) async fn plan(&mut self, pass: &Pass<'_>, out: &mut Outbox) -> DriverNext {
+        let id = StageId::Driver;
+        if !pass.config.driver.enabled {
+            out.status(id, StageState::Disabled, None, Some("[driver] enabled = false".into()));
+            return DriverNext::Done(true);
         }
-        let processes = self.gpu_processes();
-        let (config, root) = (self.config.clone(), self.root.clone());
-        let failed = self.driver.failed_install().cloned();
+        let processes = gpu_processes(pass);
+        let (config, root) = (pass.config.clone(), pass.root.clone());
+        let failed = self.failed_install().cloned();
         let planned = tokio::task::spawn_blocking(move || drv::plan_with(&config, &root, processes, failed.as_ref()))
             .await
             .map_err(|e| format!("driver stage task failed: {e}"))
@@ -74,80 +78,51 @@ impl Agent {
             Ok(p) => p,
             Err(e) => {
                 tracing::error!("driver stage failed: {e}");
-                self.stages[StageId::Driver].set(StageState::Failed, Some(e), None);
-                return self.gpus.is_some();
+                out.status(id, StageState::Failed, Some(e), None);
+                return DriverNext::Done(pass.gpus.is_some());
             }
         };
         if let Some(wait) = &planned.plan.wait {
             // The loaded driver keeps serving meanwhile.
-            self.stages[StageId::Driver].set(
+            out.status(
+                id,
                 StageState::Pending,
                 Some(wait.clone()),
                 Some(planned.plan.summary.clone()),
             );
-            return self.gpus.is_some();
+            return DriverNext::Done(pass.gpus.is_some());
         }
         let changed = !planned.plan.steps.is_empty();
-        let upgrade = planned.plan.steps.iter().any(|s| matches!(s, Step::Unload { .. }));
-        if upgrade
-            && let Some(Held::Upgrade { summary, at, error }) = &self.driver.held
+        if is_upgrade(&planned)
+            && let Some(Held::Upgrade { summary, at, error }) = &self.held
             && *summary == planned.plan.summary
             && at.elapsed() < DRIVER_UPGRADE_RETRY
         {
             // The GPUs stay with the kubelet on the driver still loaded.
             let left = DRIVER_UPGRADE_RETRY.saturating_sub(at.elapsed()).as_secs().div_ceil(60);
             let reason = format!("{error} (tried again in {left} min, or at `systemctl restart gpu-node-agent`)");
-            self.stages[StageId::Driver].set(StageState::Failed, Some(reason), Some(planned.plan.summary.clone()));
-            return self.gpus.is_some();
+            out.status(id, StageState::Failed, Some(reason), Some(planned.plan.summary.clone()));
+            return DriverNext::Done(pass.gpus.is_some());
         }
-        if changed && let Err(go_on) = self.apply_driver(&planned).await {
-            if upgrade
-                && !matches!(self.driver.held, Some(Held::Install(_)))
-                && let Some(error) = self.stages[StageId::Driver].status.error.clone()
-            {
-                self.driver.held = Some(Held::Upgrade {
-                    summary: planned.plan.summary.clone(),
-                    at: std::time::Instant::now(),
-                    error,
-                });
-            }
-            return go_on;
+        if changed {
+            return DriverNext::Apply(Box::new(planned));
         }
-        self.driver.held = None;
-        // The host facts the plan was made from still hold unless the plan changed something.
-        let facts = if changed { None } else { Some(planned.facts) };
-        self.validate_driver(&planned.plan.summary, facts).await;
-        self.gpus.is_some()
+        self.held = None;
+        // The host facts the plan was made from still hold: nothing changed.
+        validate_driver(pass, &planned.plan.summary, Some(planned.facts), out).await;
+        DriverNext::Done(pass.gpus.is_some())
     }
 
-    /// Applies a driver plan; an upgrade withdraws every GPU from the kubelet and closes NVML
-    /// first, and NVML is (re)opened after, whether the change succeeded or not. On failure the
-    /// stage is failed with the reason, and the error says whether the stages after it can run
-    /// (a failed upgrade with NVML back on the driver still loaded: they re-read the inventory
-    /// and advertise the GPUs again).
-    async fn apply_driver(&mut self, planned: &Planned) -> Result<(), bool> {
-        let upgrade = planned.plan.steps.iter().any(|s| matches!(s, Step::Unload { .. }));
-        if upgrade {
-            let uuids: Vec<String> = self
-                .inventory
-                .iter()
-                .flat_map(|i| i.gpus.iter().map(|g| g.uuid.clone()))
-                .collect();
-            tracing::info!(
-                "driver: withdrawing {} GPU(s) from the kubelet for the driver change",
-                uuids.len()
-            );
-            self.withdrawn.extend(uuids);
-            self.push_resources().await;
-            self.close_nvml();
-        }
+    /// Applies a driver plan (the loop has withdrawn the GPUs and closed NVML for an upgrade).
+    /// `Err`: why it failed; the loop fails the stage with it ([`DriverStage::failed`]).
+    pub(super) async fn apply(&mut self, pass: &Pass<'_>, planned: &Planned, out: &mut Outbox) -> Result<(), String> {
         tracing::info!("driver: {}", crate::driver::plan::describe(&planned.plan));
-        let _long = crate::notify::LongStep::start(&self.long_step);
+        let _long = crate::notify::LongStep::start(&pass.services.long_step);
         let (config, root, p, stop) = (
-            self.config.clone(),
-            self.root.clone(),
+            pass.config.clone(),
+            pass.root.clone(),
             planned.clone(),
-            self.stop.clone(),
+            pass.stop.clone(),
         );
         let kernel = planned.facts.kernel_release.clone();
         let applied = tokio::task::spawn_blocking(move || drv::apply(&config, &root, &p, Some(&stop)))
@@ -156,100 +131,101 @@ impl Agent {
             .and_then(|r| {
                 r.map_err(|e| {
                     if let drv::DriverError::OtherVersion(message) = &e {
-                        self.driver.held = Some(Held::Install(drv::FailedInstall {
+                        self.held = Some(Held::Install(drv::FailedInstall {
                             kernel_release: kernel,
                             message: message.clone(),
                         }));
                     }
                     e.to_string()
                 })
-            });
-        match applied {
-            Ok(applied) => {
-                for line in &applied.done {
-                    tracing::info!("driver: {line}");
-                }
-                let (reason, what) = if upgrade {
-                    ("DriverUpgraded", "driver upgraded")
-                } else {
-                    ("DriverInstalled", "driver installed")
-                };
-                self.event(
-                    EventType::Normal,
-                    reason,
-                    format!("{what}: {}", crate::driver::plan::describe(&planned.plan)),
-                );
-            }
-            Err(e) => {
-                tracing::error!("driver stage failed: {e}");
-                let go_on = upgrade && self.recover_from_failed_upgrade();
-                self.stages[StageId::Driver].set(StageState::Failed, Some(e), None);
-                return Err(go_on);
-            }
+            })?;
+        for line in &applied.done {
+            tracing::info!("driver: {line}");
         }
-        if self.gpus.is_none()
-            && let Err(e) = self.open_nvml()
-        {
-            tracing::error!("NVML after the driver change: {e}");
-        }
-        if upgrade {
-            self.withdrawn.clear();
-            self.inventory = None;
-        }
+        let (reason, what) = if is_upgrade(planned) {
+            ("DriverUpgraded", "driver upgraded")
+        } else {
+            ("DriverInstalled", "driver installed")
+        };
+        out.event(
+            EventType::Normal,
+            reason,
+            format!("{what}: {}", crate::driver::plan::describe(&planned.plan)),
+        );
         Ok(())
     }
 
-    /// After a failed upgrade: NVML again, on whatever driver is still loaded, and the GPUs
-    /// withdrawn for the change given back. `true` when NVML is up: the stages after the driver's
-    /// then re-read the inventory (restarting the health watcher) and advertise the GPUs again.
-    /// Without NVML nothing is advertised until it loads (retried every `[nvml] retry_interval`).
-    fn recover_from_failed_upgrade(&mut self) -> bool {
-        if self.gpus.is_none()
-            && let Err(e) = self.open_nvml()
-        {
-            tracing::error!("NVML after the failed driver change: {e}");
+    /// The applied change failed with `error`: an upgrade is not tried again (withdrawing the
+    /// GPUs each time) before [`DRIVER_UPGRADE_RETRY`], unless an install loaded another version
+    /// (held until the kernel changes).
+    pub(super) fn failed(&mut self, planned: &Planned, error: String) {
+        if is_upgrade(planned) && !matches!(self.held, Some(Held::Install(_))) {
+            self.held = Some(Held::Upgrade {
+                summary: planned.plan.summary.clone(),
+                at: std::time::Instant::now(),
+                error,
+            });
         }
-        self.restore_withdrawn();
-        self.inventory = None;
-        self.gpus.is_some()
     }
 
-    /// Validation: NVML answers, one GPU per NVIDIA PCI device, the wanted version, the modules.
-    /// `facts`: the host as last observed, `None` to observe it again (after a change).
-    async fn validate_driver(&mut self, summary: &str, facts: Option<observe::HostFacts>) {
-        let root = self.root.clone();
-        let observed = match facts {
-            Some(f) => Ok(Ok(f)),
-            None => tokio::task::spawn_blocking(move || observe::observe(&root)).await,
-        };
-        let facts = match observed {
-            Ok(Ok(f)) if f.gpus.is_empty() => {
-                self.stages[StageId::Driver].set(StageState::Ok, None, Some(summary.to_string()));
-                return;
-            }
-            Ok(Ok(f)) => f,
-            Ok(Err(e)) => {
-                self.stages[StageId::Driver].set(StageState::Failed, Some(e.to_string()), None);
-                return;
-            }
-            Err(e) => {
-                self.stages[StageId::Driver].set(
-                    StageState::Failed,
-                    Some(format!("driver stage task failed: {e}")),
-                    None,
-                );
-                return;
-            }
-        };
-        let view = match &self.gpus {
-            Some(g) => drv::nvml_view(g, facts.gpus.len()),
-            None => Err("NVML is not loaded".to_string()),
-        };
-        let checks = drv::validate_now(&self.config, &self.root, &facts, view);
-        match validate::summary(&checks) {
-            Ok(line) => self.stages[StageId::Driver].set(StageState::Ok, None, Some(format!("{line}; {summary}"))),
-            Err(e) => self.stages[StageId::Driver].set(StageState::Failed, Some(e), Some(summary.to_string())),
+    /// The change applied: validates the driver (the host observed again); whether the stages
+    /// after it may run (NVML is up).
+    pub(super) async fn applied(&mut self, pass: &Pass<'_>, planned: &Planned, out: &mut Outbox) -> bool {
+        self.held = None;
+        validate_driver(pass, &planned.plan.summary, None, out).await;
+        pass.gpus.is_some()
+    }
+}
+
+/// Whether `planned` unloads the loaded driver (an upgrade).
+pub(super) fn is_upgrade(planned: &Planned) -> bool {
+    planned.plan.steps.iter().any(|s| matches!(s, Step::Unload { .. }))
+}
+
+/// Processes on the GPUs NVML knows, `None` when NVML is not up or cannot tell.
+fn gpu_processes(pass: &Pass<'_>) -> Option<usize> {
+    let gpus = pass.gpus?;
+    let inventory = pass.inventory?;
+    inventory.gpus.iter().map(|g| gpus.process_count(&g.uuid)).sum()
+}
+
+/// Validation: NVML answers, one GPU per NVIDIA PCI device, the wanted version, the modules.
+/// `facts`: the host as last observed, `None` to observe it again (after a change).
+async fn validate_driver(pass: &Pass<'_>, summary: &str, facts: Option<observe::HostFacts>, out: &mut Outbox) {
+    let id = StageId::Driver;
+    let root = pass.root.clone();
+    let observed = match facts {
+        Some(f) => Ok(Ok(f)),
+        None => tokio::task::spawn_blocking(move || observe::observe(&root)).await,
+    };
+    let facts = match observed {
+        Ok(Ok(f)) if f.gpus.is_empty() => {
+            out.status(id, StageState::Ok, None, Some(summary.to_string()));
+            return;
         }
+        Ok(Ok(f)) => f,
+        Ok(Err(e)) => {
+            out.status(id, StageState::Failed, Some(e.to_string()), None);
+            return;
+        }
+        Err(e) => {
+            out.status(
+                id,
+                StageState::Failed,
+                Some(format!("driver stage task failed: {e}")),
+                None,
+            );
+            return;
+        }
+    };
+    let view = match pass.gpus {
+        Some(g) => drv::nvml_view(g, facts.gpus.len()),
+        None => Err("NVML is not loaded".to_string()),
+    };
+    let checks = drv::validate_now(pass.config, pass.root, &facts, view);
+    match validate::summary(&checks) {
+        Ok(line) => out.status(id, StageState::Ok, None, Some(format!("{line}; {summary}"))),
+        Err(e) => out.status(id, StageState::Failed, Some(e), Some(summary.to_string())),
     }
 }
 
@@ -357,5 +333,31 @@ pub fn driver_command(config: &Config, root: &HostRoot, command: DriverCommand) 
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::agent::pass::Fixture;
+
+    /// The stage by itself, without the loop: off, it plans nothing and lets the stages after
+    /// it run.
+    #[tokio::test]
+    async fn the_stage_steps_on_its_own_and_off_it_plans_nothing() {
+        let mut config = Config::default();
+        config.driver.enabled = false;
+        let fixture = Fixture::new(config);
+        let mut stage = DriverStage::default();
+        let mut out = Outbox::default();
+        assert!(matches!(
+            stage.plan(&fixture.pass(), &mut out).await,
+            DriverNext::Done(true)
+        ));
+        assert_eq!(
+            out.last_status(StageId::Driver),
+            Some((StageState::Disabled, None, Some("[driver] enabled = false")))
+        );
+        assert!(stage.held.is_none());
     }
 }

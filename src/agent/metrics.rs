@@ -9,9 +9,13 @@ use std::time::Duration;
 
 use tokio::sync::watch;
 
-use super::{Agent, StageState};
+use super::StageState;
+use super::health::SharedTracker;
+use super::stage::Stages;
 use crate::edits::{mig_plugin_devices, whole_gpu};
+use crate::host::HostRoot;
 use crate::metrics::{self, Metrics, MetricsServer, SamplerConfig};
+use crate::nvml::Gpus;
 use crate::nvml::Inventory;
 
 /// What the agent keeps of the metrics machinery.
@@ -61,21 +65,27 @@ pub(super) async fn start(config: &crate::config::MetricsConfig, once: bool) -> 
     })
 }
 
-impl Agent {
-    /// Publishes the inventory to the readings loop, starting it once NVML is up.
-    pub(super) fn metrics_inventory(&mut self) {
-        let Some(handle) = &mut self.metrics else { return };
-        let inventory = self.inventory.clone().map(Arc::new);
-        handle.inventory.send_replace(inventory);
+impl MetricsHandle {
+    /// Publishes the inventory to the readings loop, starting it once NVML is up (`gpus`).
+    pub(super) fn inventory(
+        &mut self,
+        inventory: Option<&Inventory>,
+        gpus: Option<&Gpus>,
+        config: &crate::config::MetricsConfig,
+        node: &str,
+        root: &HostRoot,
+    ) {
+        let handle = self;
+        handle.inventory.send_replace(inventory.cloned().map(Arc::new));
         if handle.sampling {
             return;
         }
-        let Some(gpus) = self.gpus.clone() else { return };
+        let Some(gpus) = gpus.cloned() else { return };
         handle.sampling = true;
         let config = SamplerConfig {
-            interval: self.config.metrics.interval,
-            hostname: self.node.clone(),
-            pod_resources_socket: Some(self.root.join(&self.config.metrics.pod_resources_socket)),
+            interval: config.interval,
+            hostname: node.to_string(),
+            pod_resources_socket: Some(root.join(&config.pod_resources_socket)),
         };
         tokio::spawn(metrics::run_sampler(
             gpus,
@@ -87,16 +97,19 @@ impl Agent {
     }
 
     /// The stage series from the stages as they are now; a stage entering `failed` counts as a
-    /// reconcile error. Device health is compared here too: this runs on every status write,
-    /// which follows every change the health tracker reports (events and recoveries alike).
-    pub(super) fn metrics_stages(&mut self, durations: &[(&str, Duration)]) {
-        if self.metrics.is_none() {
-            return;
-        }
-        self.metrics_device_health();
-        let stages: Vec<_> = self.stages.iter().map(|s| s.status.clone()).collect();
-        let Some(handle) = &mut self.metrics else { return };
-        for s in &stages {
+    /// reconcile error. Device health is compared here too (the `inventory`'s devices, from the
+    /// `tracker`): this runs on every status write, which follows every change the health
+    /// tracker reports (events and recoveries alike).
+    pub(super) fn stages(
+        &mut self,
+        stages: &Stages,
+        durations: &[(&str, Duration)],
+        inventory: Option<&Inventory>,
+        tracker: &SharedTracker,
+    ) {
+        self.device_health(inventory, tracker);
+        let handle = self;
+        for s in stages.iter().map(|s| &s.status) {
             let duration = durations.iter().find(|(n, _)| *n == s.name).map(|(_, d)| *d);
             handle.metrics.set_stage(&s.name, s.state.as_str(), duration);
             let before = handle.states.iter().find(|(n, _)| *n == s.name).map(|(_, st)| *st);
@@ -104,7 +117,7 @@ impl Agent {
                 handle.metrics.reconcile_error(&s.name);
             }
         }
-        handle.states = stages.iter().map(|s| (s.name.clone(), s.state)).collect();
+        handle.states = stages.iter().map(|s| (s.status.name.clone(), s.status.state)).collect();
     }
 
     /// Counts `gpu_node_agent_health_transitions_total{to,reason}`: every GPU and MIG device of
@@ -113,9 +126,9 @@ impl Agent {
     /// answering for the GPU) into `Unhealthy`, and `recovered` (no critical Xid for
     /// `recovery_after`) or `answering` (NVML answers again) back to `Healthy`. A device seen for
     /// the first time counts nothing.
-    fn metrics_device_health(&mut self) {
-        let Some(inventory) = &self.inventory else { return };
-        let tracker = self.tracker.lock();
+    fn device_health(&mut self, inventory: Option<&Inventory>, tracker: &SharedTracker) {
+        let Some(inventory) = inventory else { return };
+        let tracker = tracker.lock();
         let now: Vec<(String, Option<&'static str>)> = inventory
             .gpus
             .iter()
@@ -126,7 +139,7 @@ impl Agent {
             })
             .collect();
         drop(tracker);
-        let Some(handle) = &mut self.metrics else { return };
+        let handle = self;
         for (uuid, cause) in now {
             let Some(before) = handle.health.insert(uuid, cause) else {
                 continue;
@@ -147,10 +160,8 @@ impl Agent {
     }
 
     /// A memory-limit action in the metrics.
-    pub(super) fn metrics_memory(&self, action: &str) {
-        if let Some(handle) = &self.metrics {
-            handle.metrics.memory_action(action);
-        }
+    pub(super) fn memory(&self, action: &str) {
+        self.metrics.memory_action(action);
     }
 }
 

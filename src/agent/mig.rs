@@ -5,18 +5,22 @@
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
-use super::{Agent, StageId, StageState};
+use super::pass::{Note, Outbox, Pass};
+use super::{StageId, StageState};
 use crate::cli::MigCommand;
 use crate::config::Config;
+use crate::config::MigConfig;
 use crate::desired::Selection;
 use crate::exit::Exit;
 use crate::host::HostRoot;
 use crate::mig::clients::{self, HostClients};
 use crate::mig::stage::{
-    BeforeChange, MigState as MigLabelState, ResetGpu, Step, changes_mode, converge, export, gpus_to_change,
+    BeforeChange, LayoutPlan, MigState as MigLabelState, ResetGpu, Step, changes_mode, converge, converge_from, export,
     plan_layout,
 };
+use crate::mig::state::ObservedGpu;
 use crate::mig::{import, planner};
+use crate::mig_layout::MigLayout;
 use crate::nvml::Gpus;
 
 /// How often the MIG stage looks again while GPU work blocks a layout change.
@@ -26,9 +30,9 @@ const MIG_GAVE_UP_RECHECK: Duration = Duration::from_secs(10);
 /// How often the MIG stage looks again while NVIDIA's mig-manager runs on the node.
 const MIG_OPERATOR_RECHECK: Duration = Duration::from_secs(10);
 /// How long to wait for `rebooting` to show on the Node before rebooting.
-const REBOOT_LABEL_WAIT: Duration = Duration::from_secs(10);
+pub(super) const REBOOT_LABEL_WAIT: Duration = Duration::from_secs(10);
 /// How long to wait for `pending` to show on the Node before a MIG change.
-const PENDING_LABEL_WAIT: Duration = Duration::from_secs(5);
+pub(super) const PENDING_LABEL_WAIT: Duration = Duration::from_secs(5);
 /// Marker in the state dir: a reboot was requested to finish a MIG mode change for this
 /// layout. Present at the next start with the change still pending means the reboot did not
 /// help: fail instead of rebooting again.
@@ -48,155 +52,171 @@ pub(super) struct MigStage {
     pub(super) gave_up: Option<String>,
 }
 
-impl Agent {
-    /// The MIG stage, once NVML is up.
-    pub(super) async fn mig_stage_step(&mut self) -> bool {
-        let Some(gpus) = self.gpus.clone() else {
-            return false;
-        };
-        self.mig_step(&gpus).await;
-        true
-    }
+/// What the MIG stage's plan asks of the loop.
+pub(super) enum MigNext {
+    /// Nothing changes in this pass (the stage's status says why).
+    Done,
+    /// A change to make: the loop withdraws its GPUs from the kubelet, reports `pending` when
+    /// [`MigStage::announce`] says so, then [`MigStage::apply`] makes it.
+    Change(Box<Change>),
+}
 
-    /// The MIG stage: brings the GPUs to the layout `nvidia.com/mig.config` names. Devices of
-    /// GPUs about to change are withdrawn from the kubelet first; with GPU work running it waits
-    /// in `pending` (failing after `[mig] process_wait_timeout`); a layout that cannot fit, or a
-    /// name that is not defined, changes nothing and fails with the reason.
-    pub(super) async fn mig_step(&mut self, gpus: &Gpus) {
-        self.start_left_over_clients().await;
-        let key = self.config.labels.mig_config.clone();
-        if !self.config.mig.enabled {
-            self.stages[StageId::Mig].set(StageState::Disabled, None, Some("[mig] enabled = false".into()));
-            self.mig.state = None;
-            return;
-        }
-        // Without the label, `[mig] default_layout` (the Operator's `all-disabled`), but only on
-        // a node with a MIG-capable GPU: the Operator runs no MIG manager elsewhere, and such a
-        // node reports no MIG state.
-        let default = &self.config.mig.default_layout;
-        let unset = matches!(self.desired_sel.mig_config, Selection::Unset);
-        let defaulted = unset && !default.is_empty() && self.config.mig.layout(default).is_some() && {
-            // The inventory says it without asking NVML again; at boot (no inventory yet) ask.
-            match &self.inventory {
-                Some(inventory) => inventory.gpus.iter().any(|g| g.mig.is_some()),
-                None => {
-                    let g = gpus.clone();
-                    tokio::task::spawn_blocking(move || {
-                        g.mig_observe().is_ok_and(|o| o.iter().any(|g| g.mode.is_some()))
-                    })
-                    .await
-                    .unwrap_or(false)
-                }
-            }
+/// A layout change, planned on this pass's one reading of NVML.
+pub(super) struct Change {
+    pub name: String,
+    layout: MigLayout,
+    plan: LayoutPlan,
+    /// The GPUs (UUIDs) that change: withdrawn from the kubelet first.
+    pub changing: Vec<String>,
+    mode_change: bool,
+}
+
+/// What the loop does once [`MigStage::apply`] is done.
+pub(super) enum MigAfter {
+    Done,
+    /// A mode change needs a reboot: the loop reports `rebooting`, waits for the label on the
+    /// Node, then [`reboot`]s.
+    Reboot,
+}
+
+impl MigStage {
+    /// The MIG stage's plan: brings the GPUs to the layout `nvidia.com/mig.config` names. With
+    /// nothing to change, or nothing that may change now (NVIDIA's mig-manager runs, DRA claims
+    /// hold a GPU, a layout given up on while GPU work still runs), the status says why and
+    /// nothing is asked of the loop; a layout that cannot fit, or a name that is not defined,
+    /// changes nothing and fails with the reason. Needs NVML (`pass.gpus`).
+    pub(super) async fn plan(&mut self, pass: &Pass<'_>, out: &mut Outbox) -> MigNext {
+        start_left_over_clients(pass).await;
+        let Some(gpus) = pass.gpus.cloned() else {
+            return MigNext::Done;
         };
-        let name = match self.desired_sel.mig_config.clone() {
-            Selection::Unset if defaulted => default.clone(),
-            Selection::Unset => {
-                self.stages[StageId::Mig].set(
-                    StageState::Ok,
-                    None,
-                    Some(format!("no layout requested ({key} not set)")),
-                );
-                self.mig.state = None;
-                self.restore_withdrawn();
-                return;
-            }
-            Selection::Invalid { value, reason } => {
-                return self.mig_failed(format!("label {key}={value:?} is not valid: {reason}; nothing changed"));
-            }
-            Selection::Name { name } => name,
-        };
-        let Some(layout) = self.config.mig.layout(&name) else {
-            let defined = self.config.mig.layout_names().join(", ");
-            return self.mig_failed(format!(
-                "label {key}={name} names no MIG layout (defined: {defined}); nothing changed"
-            ));
-        };
-        for warning in layout.overrides() {
-            tracing::warn!("MIG layout {name}: {warning}");
-        }
-        // What would change: withdraw those GPUs from the kubelet before touching them.
-        let (g, l) = (gpus.clone(), layout.clone());
-        let planned = tokio::task::spawn_blocking(move || {
-            let observed = g.mig_observe().map_err(|e| e.to_string())?;
-            let changing = gpus_to_change(&observed, &l).map_err(|e| e.to_string())?;
-            let mode_change = changes_mode(&observed, &l).map_err(|e| e.to_string())?;
-            Ok((changing, mode_change))
+        let key = pass.config.labels.mig_config.clone();
+        // One reading of NVML's MIG state and one plan per pass: the default layout's check, what
+        // would change and the converge's first round all use them.
+        let (g, mig, selection) = (gpus.clone(), pass.config.mig.clone(), pass.desired.mig_config.clone());
+        let has_mig = pass
+            .inventory
+            .map(|inventory| inventory.gpus.iter().any(|g| g.mig.is_some()));
+        let decided = tokio::task::spawn_blocking(move || {
+            decide(&mig, &selection, &key, has_mig, || {
+                g.mig_observe().map_err(|e| e.to_string())
+            })
         })
         .await
-        .unwrap_or_else(|e| Err(format!("MIG planning task failed: {e}")));
-        let (changing, mode_change) = match planned {
-            Ok(planned) => planned,
-            Err(e) => return self.mig_failed(format!("layout {name}: {e}; nothing changed")),
+        .unwrap_or_else(|e| Decision::Failed(format!("MIG planning task failed: {e}")));
+        let id = StageId::Mig;
+        let (name, layout, plan) = match decided {
+            Decision::Disabled => {
+                out.status(id, StageState::Disabled, None, Some("[mig] enabled = false".into()));
+                self.state = None;
+                return MigNext::Done;
+            }
+            Decision::Unset(detail) => {
+                out.status(id, StageState::Ok, None, Some(detail));
+                self.state = None;
+                out.push(Note::Restore);
+                return MigNext::Done;
+            }
+            Decision::Failed(reason) => {
+                self.failed(reason, out);
+                return MigNext::Done;
+            }
+            Decision::Apply { name, layout, plan } => (name, layout, plan),
         };
+        let (changing, mode_change) = (plan.changing(), plan.changes_mode());
         if changing.is_empty() {
             // The same observation converge would start from: nothing to do, nothing to read twice.
-            return self.mig_done(&name, format!("layout {name} in place"));
+            self.done(pass, &name, format!("layout {name} in place"), out);
+            return MigNext::Done;
         }
         // NVIDIA's mig-manager on the node applies layouts too: two appliers on one GPU undo
         // each other's work. No change while it runs; its state label is left as it is.
-        if let Some(why) = self.mig_held_by_operator() {
-            self.mig.state = self.mig_state_as_on_node();
-            self.mig.pending_since = None;
-            self.mig.retry = Some(Instant::now() + MIG_OPERATOR_RECHECK);
-            self.stages[StageId::Mig].set(
+        if let Some(why) = &pass.held.mig {
+            self.state = super::operator::mig_state_as_on_node(pass.config, pass.view);
+            self.pending_since = None;
+            self.retry = Some(Instant::now() + MIG_OPERATOR_RECHECK);
+            out.status(
+                id,
                 StageState::Pending,
                 Some(format!("layout {name}: not applied: {why}")),
                 None,
             );
-            return;
+            return MigNext::Done;
         }
         // A GPU with devices prepared for DRA claims keeps its layout: changing it would pull
         // MIG devices from under claims the kubelet holds. The stage fails (and retries) until
         // the claims are unprepared.
-        if let Some(held) = self.dra_held(&changing) {
-            return self.mig_failed(format!("layout {name}: {held}; nothing changed"));
+        if let Some(held) = dra_held(pass.services.dra.as_ref(), &changing) {
+            self.failed(format!("layout {name}: {held}; nothing changed"), out);
+            return MigNext::Done;
         }
-        if self.mig.gave_up.as_deref() == Some(name.as_str()) {
+        if self.gave_up.as_deref() == Some(name.as_str()) {
             // Given up on while GPU work ran: stay failed, GPUs advertised, until the work ends.
             let (g, u) = (gpus.clone(), changing.clone());
             let busy = tokio::task::spawn_blocking(move || u.iter().any(|uuid| g.process_count(uuid) != Some(0)))
                 .await
                 .unwrap_or(true);
             if busy {
-                self.mig.retry = Some(Instant::now() + MIG_GAVE_UP_RECHECK);
-                return;
+                self.retry = Some(Instant::now() + MIG_GAVE_UP_RECHECK);
+                return MigNext::Done;
             }
             tracing::info!("MIG layout {name}: the GPU work it waited for has ended; applying it now");
-            self.mig.gave_up = None;
+            self.gave_up = None;
         }
-        if changing.iter().any(|u| !self.withdrawn.contains(u)) {
-            tracing::info!(
-                "MIG layout {name}: withdrawing {} from the kubelet before changing them",
-                changing.join(", ")
-            );
-            self.withdrawn.extend(changing.iter().cloned());
-            self.push_resources().await;
+        MigNext::Change(Box::new(Change {
+            name,
+            layout,
+            plan,
+            changing,
+            mode_change,
+        }))
+    }
+
+    /// `pending` while the change is made, as the GPU Operator's MIG manager reports it: a
+    /// script waiting for `success` must not see the previous layout's. `true` when the state
+    /// turns `pending` now: the loop reports it and gives the Node time to show it.
+    pub(super) fn announce(&mut self, change: &Change, out: &mut Outbox) -> bool {
+        if self.state == Some(MigLabelState::Pending) {
+            return false;
         }
-        // `pending` while the change is made, as the GPU Operator's MIG manager reports it: a
-        // script waiting for `success` must not see the previous layout's.
-        if self.mig.state != Some(MigLabelState::Pending) {
-            self.mig.state = Some(MigLabelState::Pending);
-            self.stages[StageId::Mig].set(
-                StageState::Pending,
-                None,
-                Some(format!("layout {name}: changing {}", changing.join(", "))),
-            );
-            self.write_status_with_inventory(gpus);
-            self.wait_for_label_on_node(MigLabelState::Pending.as_str(), PENDING_LABEL_WAIT)
-                .await;
-        }
-        // Observed again inside converge: the GPUs' state after the withdrawal is what counts.
-        let (g, l, n) = (gpus.clone(), layout, name.clone());
-        let smi = self.root.join(&self.config.mig.nvidia_smi);
-        let allow_reset = self.config.mig.gpu_reset;
-        let stop = self.stop.clone();
-        let (config, root) = (self.config.clone(), self.root.clone());
+        self.state = Some(MigLabelState::Pending);
+        out.status(
+            StageId::Mig,
+            StageState::Pending,
+            None,
+            Some(format!(
+                "layout {}: changing {}",
+                change.name,
+                change.changing.join(", ")
+            )),
+        );
+        true
+    }
+
+    /// Makes the change (its GPUs withdrawn from the kubelet), starting from this pass's reading
+    /// and plan: withdrawing devices changes no MIG state, and GPU work is looked at again before
+    /// any change.
+    pub(super) async fn apply(&mut self, pass: &Pass<'_>, change: Change, out: &mut Outbox) -> MigAfter {
+        let Some(gpus) = pass.gpus.cloned() else {
+            return MigAfter::Done;
+        };
+        let Change {
+            name,
+            layout,
+            plan,
+            mode_change,
+            ..
+        } = change;
+        let (g, l, n) = (gpus, layout, name.clone());
+        let smi = pass.root.join(&pass.config.mig.nvidia_smi);
+        let allow_reset = pass.config.mig.gpu_reset;
+        let stop = pass.stop.clone();
+        let (config, root) = (pass.config.clone(), pass.root.clone());
         let (step, clients_note) = tokio::task::spawn_blocking(move || {
             let reset = |uuid: &str| crate::host::command::reset_gpu(&smi, uuid);
             let reset = allow_reset.then_some(&reset as ResetGpu<'_>);
             with_host_clients(&config, &root, mode_change, Some(&stop), |before| {
-                converge(&g, &n, &l, reset, Some(&stop), Some(before))
+                converge_from(&g, &n, &l, plan, reset, Some(&stop), Some(before))
             })
         })
         .await
@@ -204,75 +224,78 @@ impl Agent {
             let reason = format!("MIG apply task failed: {e}");
             (Step::Failed { reason }, None)
         });
+        let id = StageId::Mig;
         let note = clients_note.as_deref().map(|n| format!("; {n}")).unwrap_or_default();
         match with_note(step, clients_note.as_deref()) {
             Step::Converged => {
-                self.mig_done(&name, format!("layout {name} in place{note}"));
+                self.done(pass, &name, format!("layout {name} in place{note}"), out);
             }
             Step::Applied {
                 mutations,
                 gpus: changed,
             } => {
-                self.mig_done(
+                self.done(
+                    pass,
                     &name,
                     format!(
                         "layout {name} applied to {} ({mutations} NVML operations){note}",
                         changed.join(", ")
                     ),
+                    out,
                 );
                 // The MIG devices changed: read the inventory again before advertising, and run
                 // the CUDA check again (on every device CUDA sees, the new MIG devices included)
                 // rather than keep the day-old result of GPUs that no longer look that way.
-                self.inventory = None;
-                self.cuda_run = None;
-                self.stages[StageId::Validation].now();
+                out.push(Note::DevicesChanged);
             }
             Step::Busy { reason, .. } => {
-                let since = *self.mig.pending_since.get_or_insert_with(Instant::now);
-                let limit = self.config.mig.process_wait_timeout;
+                let since = *self.pending_since.get_or_insert_with(Instant::now);
+                let limit = pass.config.mig.process_wait_timeout;
                 if !limit.is_zero() && since.elapsed() >= limit {
-                    self.mig.pending_since = None;
-                    self.mig_failed(format!(
-                        "layout {name}: gave up after {limit:?}: {reason}; nothing changed (applied once the work ends)"
-                    ));
-                    self.mig.gave_up = Some(name);
-                    self.mig.retry = Some(Instant::now() + MIG_GAVE_UP_RECHECK);
-                    return;
+                    self.pending_since = None;
+                    self.failed(
+                        format!(
+                            "layout {name}: gave up after {limit:?}: {reason}; nothing changed (applied once the work ends)"
+                        ),
+                        out,
+                    );
+                    self.gave_up = Some(name);
+                    self.retry = Some(Instant::now() + MIG_GAVE_UP_RECHECK);
+                    return MigAfter::Done;
                 }
-                self.mig.state = Some(MigLabelState::Pending);
-                self.stages[StageId::Mig].set(StageState::Pending, Some(reason), Some(format!("layout {name}")));
-                self.mig.retry = Some(Instant::now() + MIG_BUSY_RECHECK);
+                self.state = Some(MigLabelState::Pending);
+                out.status(id, StageState::Pending, Some(reason), Some(format!("layout {name}")));
+                self.retry = Some(Instant::now() + MIG_BUSY_RECHECK);
             }
             Step::ModePending { reason, .. } => {
-                let marker = self.root.join(&self.config.agent.state_dir).join(MIG_REBOOT_MARKER);
+                let marker = pass.root.join(&pass.config.agent.state_dir).join(MIG_REBOOT_MARKER);
                 let rebooted_for = std::fs::read_to_string(&marker).ok();
-                if self.config.mig.reboot_on_mode_change && rebooted_for.as_deref() != Some(name.as_str()) {
+                if pass.config.mig.reboot_on_mode_change && rebooted_for.as_deref() != Some(name.as_str()) {
                     if let Err(e) = crate::host::write_atomic(&marker, name.as_bytes(), 0o644) {
-                        return self.mig_failed(format!("{reason}; cannot record the reboot ({e}), not rebooting"));
+                        self.failed(format!("{reason}; cannot record the reboot ({e}), not rebooting"), out);
+                        return MigAfter::Done;
                     }
-                    self.mig.state = Some(MigLabelState::Rebooting);
-                    self.stages[StageId::Mig].set(
+                    self.state = Some(MigLabelState::Rebooting);
+                    out.status(
+                        id,
                         StageState::Pending,
                         Some(format!("{reason}: rebooting the node")),
                         None,
                     );
-                    self.write_status_with_inventory(gpus);
-                    self.wait_for_label_on_node(MigLabelState::Rebooting.as_str(), REBOOT_LABEL_WAIT)
-                        .await;
-                    self.reboot();
-                } else {
-                    let hint = if rebooted_for.as_deref() == Some(name.as_str()) {
-                        "a reboot for this layout did not finish it"
-                    } else {
-                        "reset the GPU or reboot the node, or set [mig] reboot_on_mode_change = true"
-                    };
-                    self.mig_failed(format!("{reason} ({hint})"));
+                    return MigAfter::Reboot;
                 }
+                let hint = if rebooted_for.as_deref() == Some(name.as_str()) {
+                    "a reboot for this layout did not finish it"
+                } else {
+                    "reset the GPU or reboot the node, or set [mig] reboot_on_mode_change = true"
+                };
+                self.failed(format!("{reason} ({hint})"), out);
             }
-            Step::Failed { reason } => self.mig_failed(reason),
+            Step::Failed { reason } => self.failed(reason, out),
             Step::Stopped { mutations } => {
                 // The agent is stopping: the next start converges from what was left.
-                self.stages[StageId::Mig].set(
+                out.status(
+                    id,
                     StageState::Pending,
                     Some(format!(
                         "layout {name}: stopped after {mutations} NVML operation(s); the next start goes on"
@@ -281,140 +304,190 @@ impl Agent {
                 );
             }
         }
+        MigAfter::Done
     }
 
-    /// Starts the host GPU clients an interrupted MIG change left stopped (recorded in the state
-    /// dir), before anything else of the MIG stage.
-    async fn start_left_over_clients(&mut self) {
-        let journal = self
-            .root
-            .join(self.config.agent.state_dir.join(clients::STOPPED_UNITS_FILE));
-        if !journal.exists() {
-            return;
-        }
-        let (config, root) = (self.config.clone(), self.root.clone());
-        match tokio::task::spawn_blocking(move || clients::start_left_over(&config, &root)).await {
-            Ok((started, problems)) => {
-                if !started.is_empty() {
-                    tracing::info!("started host GPU clients again: {}", started.join(", "));
-                }
-                for problem in problems {
-                    tracing::error!("{problem}");
-                }
-            }
-            Err(e) => tracing::error!("starting the host GPU clients left stopped failed: {e}"),
-        }
-    }
-
-    /// Writes the status and reports the labels now. Labels are only reported with an
-    /// inventory (none means "nothing known yet"), and at boot the MIG stage runs before the
-    /// inventory is read: one is read for this report and left for the device plugin stage to
-    /// read again (which also starts the health watch).
-    fn write_status_with_inventory(&mut self, gpus: &Gpus) {
-        let borrowed = self.inventory.is_none();
-        if borrowed {
-            self.inventory = gpus.inventory(&self.root.join("/sys")).ok();
-        }
-        self.write_status("running");
-        if borrowed {
-            self.inventory = None;
-        }
-    }
-
-    /// Gives the Node up to `wait` to show the MIG state label (when the Node is the source and
-    /// reachable), so the cluster sees `pending` before a change and `rebooting` before a
-    /// reboot: the reporter sends only the latest labels, and a quick change would hide them.
-    async fn wait_for_label_on_node(&mut self, state: &str, wait: Duration) {
-        let Some(link) = &self.link else { return };
-        let mut rx = link.view.clone();
-        let key = self.config.labels.mig_config_state.clone();
-        let shown = tokio::time::timeout(wait, async {
-            loop {
-                {
-                    let view = rx.borrow_and_update();
-                    if view.source != crate::desired::Source::Node || !view.connected {
-                        return false;
-                    }
-                    if view.labels.get(&key).map(String::as_str) == Some(state) {
-                        return true;
-                    }
-                }
-                if rx.changed().await.is_err() {
-                    return false;
-                }
-            }
-        })
-        .await;
-        if shown != Ok(true) {
-            tracing::warn!("{key}={state} did not show on the Node within {wait:?}; going on");
-        }
-    }
-
-    fn mig_done(&mut self, name: &str, detail: String) {
-        self.mig.gave_up = None;
-        self.mig.pending_since = None;
-        self.mig.state = Some(MigLabelState::Success);
-        self.stages[StageId::Mig].set(StageState::Ok, None, Some(detail));
-        let marker = self.root.join(&self.config.agent.state_dir).join(MIG_REBOOT_MARKER);
+    fn done(&mut self, pass: &Pass<'_>, name: &str, detail: String, out: &mut Outbox) {
+        self.gave_up = None;
+        self.pending_since = None;
+        self.state = Some(MigLabelState::Success);
+        out.status(StageId::Mig, StageState::Ok, None, Some(detail));
+        let marker = pass.root.join(&pass.config.agent.state_dir).join(MIG_REBOOT_MARKER);
         let _ = std::fs::remove_file(marker);
         tracing::info!("MIG layout {name}: success");
-        self.restore_withdrawn();
+        out.push(Note::Restore);
     }
 
-    /// Which of `changing` hold devices prepared for DRA claims, as a sentence; `None` if none.
-    fn dra_held(&self, changing: &[String]) -> Option<String> {
-        let dra = self.dra.as_ref()?;
-        let withdrawn = dra.withdrawn.borrow().clone();
-        let held: Vec<&str> = changing
-            .iter()
-            .filter(|u| withdrawn.touches_gpu(u))
-            .map(String::as_str)
-            .collect();
-        if held.is_empty() {
-            return None;
-        }
-        let claims = dra.status.borrow().prepared.join(", ");
-        Some(format!(
-            "GPU(s) {} hold devices prepared for DRA claims ({claims}); the layout waits until they are unprepared",
-            held.join(", ")
-        ))
-    }
-
-    fn mig_failed(&mut self, reason: String) {
+    fn failed(&mut self, reason: String, out: &mut Outbox) {
         tracing::error!("MIG stage failed: {reason}");
-        self.mig.pending_since = None;
-        self.mig.state = Some(MigLabelState::Failed);
-        self.stages[StageId::Mig].set(StageState::Failed, Some(reason), None);
-        self.restore_withdrawn();
+        self.pending_since = None;
+        self.state = Some(MigLabelState::Failed);
+        out.status(StageId::Mig, StageState::Failed, Some(reason), None);
+        out.push(Note::Restore);
     }
+}
 
-    /// Gives withdrawn GPUs back to the kubelet (the next push advertises them).
-    pub(super) fn restore_withdrawn(&mut self) {
-        if !self.withdrawn.is_empty() {
-            tracing::info!(
-                "advertising {} again",
-                self.withdrawn.iter().cloned().collect::<Vec<_>>().join(", ")
-            );
-            self.withdrawn.clear();
-        }
+/// Starts the host GPU clients an interrupted MIG change left stopped (recorded in the state
+/// dir), before anything else of the MIG stage.
+async fn start_left_over_clients(pass: &Pass<'_>) {
+    let journal = pass
+        .root
+        .join(pass.config.agent.state_dir.join(clients::STOPPED_UNITS_FILE));
+    if !journal.exists() {
+        return;
     }
+    let (config, root) = (pass.config.clone(), pass.root.clone());
+    match tokio::task::spawn_blocking(move || clients::start_left_over(&config, &root)).await {
+        Ok((started, problems)) => {
+            if !started.is_empty() {
+                tracing::info!("started host GPU clients again: {}", started.join(", "));
+            }
+            for problem in problems {
+                tracing::error!("{problem}");
+            }
+        }
+        Err(e) => tracing::error!("starting the host GPU clients left stopped failed: {e}"),
+    }
+}
 
-    /// Reboots the node to finish a MIG mode change (only on a real root; a --root run reports).
-    fn reboot(&self) {
-        if !self.root.is_real() {
-            tracing::warn!(
-                "MIG mode change needs a reboot; not rebooting under --root {}",
-                self.root.path().display()
-            );
-            return;
+/// Gives the Node up to `wait` to show the MIG state label (when the Node is the source and
+/// reachable), so the cluster sees `pending` before a change and `rebooting` before a reboot:
+/// the reporter sends only the latest labels, and a quick change would hide them.
+pub(super) async fn wait_for_label_on_node(pass: &Pass<'_>, state: &str, wait: Duration) {
+    let Some(link) = pass.services.link.as_ref() else {
+        return;
+    };
+    let mut rx = link.view.clone();
+    let key = pass.config.labels.mig_config_state.clone();
+    let shown = tokio::time::timeout(wait, async {
+        loop {
+            {
+                let view = rx.borrow_and_update();
+                if view.source != crate::desired::Source::Node || !view.connected {
+                    return false;
+                }
+                if view.labels.get(&key).map(String::as_str) == Some(state) {
+                    return true;
+                }
+            }
+            if rx.changed().await.is_err() {
+                return false;
+            }
         }
-        tracing::warn!("rebooting the node to finish a MIG mode change");
-        let cmd = crate::host::command::Cmd::new(&self.config.runtime.systemctl)
-            .arg("reboot")
-            .timeout(Duration::from_secs(60));
-        if let Err(e) = crate::host::command::Runner::new(&self.root).run(&cmd) {
-            tracing::error!("cannot reboot: {e}");
+    })
+    .await;
+    if shown != Ok(true) {
+        tracing::warn!("{key}={state} did not show on the Node within {wait:?}; going on");
+    }
+}
+
+/// Which of `changing` hold devices prepared for DRA claims (by the DRA driver `dra`), as a
+/// sentence; `None` if none.
+fn dra_held(dra: Option<&crate::dra::DraHandle>, changing: &[String]) -> Option<String> {
+    let dra = dra?;
+    let withdrawn = dra.withdrawn.borrow().clone();
+    let held: Vec<&str> = changing
+        .iter()
+        .filter(|u| withdrawn.touches_gpu(u))
+        .map(String::as_str)
+        .collect();
+    if held.is_empty() {
+        return None;
+    }
+    let claims = dra.status.borrow().prepared.join(", ");
+    Some(format!(
+        "GPU(s) {} hold devices prepared for DRA claims ({claims}); the layout waits until they are unprepared",
+        held.join(", ")
+    ))
+}
+
+/// Reboots the node to finish a MIG mode change (only on a real root; a --root run reports).
+pub(super) fn reboot(pass: &Pass<'_>) {
+    if !pass.root.is_real() {
+        tracing::warn!(
+            "MIG mode change needs a reboot; not rebooting under --root {}",
+            pass.root.path().display()
+        );
+        return;
+    }
+    tracing::warn!("rebooting the node to finish a MIG mode change");
+    let cmd = crate::host::command::Cmd::new(&pass.config.runtime.systemctl)
+        .arg("reboot")
+        .timeout(Duration::from_secs(60));
+    if let Err(e) = crate::host::command::Runner::new(pass.root).run(&cmd) {
+        tracing::error!("cannot reboot: {e}");
+    }
+}
+
+/// What the MIG stage does in a pass, decided from the config, the label and one reading of
+/// NVML's MIG state.
+#[derive(Debug)]
+enum Decision {
+    /// `[mig] enabled = false`.
+    Disabled,
+    /// No layout asked for: the stage's detail.
+    Unset(String),
+    /// Nothing changes: why.
+    Failed(String),
+    /// The layout named, planned on this pass's reading.
+    Apply {
+        name: String,
+        layout: MigLayout,
+        plan: LayoutPlan,
+    },
+}
+
+/// Which layout applies and its plan. `observe` reads NVML's MIG state; it is called at most
+/// once (the default layout's check at boot, with no inventory yet, and the plan share the
+/// reading), and the layout is planned at most once. `has_mig`: whether the inventory shows a
+/// MIG-capable GPU, `None` before the first inventory. Blocking (`observe`).
+fn decide(
+    mig: &MigConfig,
+    selection: &Selection,
+    key: &str,
+    has_mig: Option<bool>,
+    mut observe: impl FnMut() -> Result<Vec<ObservedGpu>, String>,
+) -> Decision {
+    if !mig.enabled {
+        return Decision::Disabled;
+    }
+    let mut observed = None;
+    let mut read = || observed.get_or_insert_with(&mut observe).clone();
+    // Without the label, `[mig] default_layout` (the Operator's `all-disabled`), but only on a
+    // node with a MIG-capable GPU: the Operator runs no MIG manager elsewhere, and such a node
+    // reports no MIG state.
+    let default = &mig.default_layout;
+    let unset = matches!(selection, Selection::Unset);
+    let defaulted = unset
+        && !default.is_empty()
+        && mig.layout(default).is_some()
+        && match has_mig {
+            // The inventory says it without asking NVML; at boot (no inventory yet) ask.
+            Some(has) => has,
+            None => read().is_ok_and(|o| o.iter().any(|g| g.mode.is_some())),
+        };
+    let name = match selection.clone() {
+        Selection::Unset if defaulted => default.clone(),
+        Selection::Unset => return Decision::Unset(format!("no layout requested ({key} not set)")),
+        Selection::Invalid { value, reason } => {
+            return Decision::Failed(format!("label {key}={value:?} is not valid: {reason}; nothing changed"));
         }
+        Selection::Name { name } => name,
+    };
+    let Some(layout) = mig.layout(&name) else {
+        let defined = mig.layout_names().join(", ");
+        return Decision::Failed(format!(
+            "label {key}={name} names no MIG layout (defined: {defined}); nothing changed"
+        ));
+    };
+    for warning in layout.overrides() {
+        tracing::warn!("MIG layout {name}: {warning}");
+    }
+    // What would change: those GPUs are withdrawn from the kubelet before they are touched.
+    let plan = read().and_then(|observed| LayoutPlan::new(observed, &layout).map_err(|e| e.to_string()));
+    match plan {
+        Ok(plan) => Decision::Apply { name, layout, plan },
+        Err(e) => Decision::Failed(format!("layout {name}: {e}; nothing changed")),
     }
 }
 
@@ -631,4 +704,127 @@ fn device_nodes_for(config: &Config, root: &HostRoot, gpus: &Gpus) -> ExitCode {
         }
     }
     ExitCode::SUCCESS
+}
+
+#[cfg(test)]
+mod tests {
+    use std::cell::Cell;
+
+    use super::*;
+    use crate::mig::stage::PLANS_MADE;
+
+    /// A MIG-capable GPU with MIG mode off (and no profiles: nothing to read for a layout that
+    /// keeps it off).
+    fn mig_off() -> ObservedGpu {
+        ObservedGpu {
+            index: 0,
+            uuid: "GPU-0".into(),
+            pci_device_id: 0x20b0,
+            pci_subsystem_id: 0,
+            mode: Some(crate::nvml::MigState {
+                current: false,
+                pending: false,
+            }),
+            profiles: Vec::new(),
+            gpu_instances: Vec::new(),
+        }
+    }
+
+    /// `decide` with a reading that counts: (decision, NVML readings, plans made).
+    fn counted(mig: &MigConfig, selection: Selection, has_mig: Option<bool>) -> (Decision, usize, usize) {
+        let reads = Cell::new(0);
+        PLANS_MADE.with(|n| n.set(0));
+        let decision = decide(mig, &selection, "nvidia.com/mig.config", has_mig, || {
+            reads.set(reads.get() + 1);
+            Ok(vec![mig_off()])
+        });
+        (decision, reads.get(), PLANS_MADE.with(Cell::get))
+    }
+
+    #[test]
+    fn the_default_layout_at_boot_reads_nvml_once_and_plans_once() {
+        // No inventory yet: the default layout's check and the plan share one reading.
+        let (decision, reads, plans) = counted(&MigConfig::default(), Selection::Unset, None);
+        let Decision::Apply { name, plan, .. } = decision else {
+            panic!("the default layout applies: {decision:?}")
+        };
+        assert_eq!(name, "all-disabled");
+        assert!(plan.changing().is_empty(), "MIG is off already");
+        assert!(!plan.changes_mode());
+        assert_eq!((reads, plans), (1, 1));
+    }
+
+    #[test]
+    fn a_named_layout_reads_nvml_once_and_plans_once() {
+        let selection = Selection::Name {
+            name: "all-disabled".into(),
+        };
+        let (decision, reads, plans) = counted(&MigConfig::default(), selection, Some(true));
+        assert!(matches!(decision, Decision::Apply { .. }), "{decision:?}");
+        assert_eq!((reads, plans), (1, 1));
+    }
+
+    #[test]
+    fn nothing_asked_or_nothing_valid_reads_nothing_and_plans_nothing() {
+        let off = MigConfig {
+            enabled: false,
+            ..MigConfig::default()
+        };
+        let (decision, reads, plans) = counted(&off, Selection::Unset, None);
+        assert!(matches!(decision, Decision::Disabled), "{decision:?}");
+        assert_eq!((reads, plans), (0, 0));
+
+        let no_default = MigConfig {
+            default_layout: String::new(),
+            ..MigConfig::default()
+        };
+        let (decision, reads, plans) = counted(&no_default, Selection::Unset, None);
+        assert!(matches!(decision, Decision::Unset(_)), "{decision:?}");
+        assert_eq!((reads, plans), (0, 0));
+
+        // The inventory says there is no MIG-capable GPU: no default layout, no reading.
+        let (decision, reads, _) = counted(&MigConfig::default(), Selection::Unset, Some(false));
+        assert!(matches!(decision, Decision::Unset(_)), "{decision:?}");
+        assert_eq!(reads, 0);
+
+        let unknown = Selection::Name { name: "no-such".into() };
+        let (decision, reads, plans) = counted(&MigConfig::default(), unknown, Some(true));
+        let Decision::Failed(reason) = decision else {
+            panic!("an unknown layout fails: {decision:?}")
+        };
+        assert!(reason.contains("names no MIG layout"), "{reason}");
+        assert_eq!((reads, plans), (0, 0));
+    }
+
+    /// The stage by itself, without the loop: with a layout planned, `pending` is announced
+    /// once; a failure gives the withdrawn GPUs back; without NVML it plans nothing.
+    #[tokio::test]
+    async fn the_stage_steps_on_its_own() {
+        use crate::agent::pass::{Fixture, Note, Outbox};
+        let fixture = Fixture::new(Config::default());
+        let mut stage = MigStage::default();
+        let mut out = Outbox::default();
+        assert!(matches!(stage.plan(&fixture.pass(), &mut out).await, MigNext::Done));
+        assert!(out.take().is_empty(), "no NVML, nothing said");
+
+        let layout = MigConfig::default().layout("all-disabled").expect("built in");
+        let change = Change {
+            name: "all-disabled".into(),
+            plan: LayoutPlan::new(vec![mig_off()], &layout).expect("a plan"),
+            layout,
+            changing: vec!["GPU-0".into()],
+            mode_change: false,
+        };
+        assert!(stage.announce(&change, &mut out), "pending is news");
+        assert_eq!(
+            out.last_status(StageId::Mig),
+            Some((StageState::Pending, None, Some("layout all-disabled: changing GPU-0")))
+        );
+        assert!(!stage.announce(&change, &mut out), "and said once");
+
+        let mut out = Outbox::default();
+        stage.failed("layout all-disabled: no".into(), &mut out);
+        assert_eq!(stage.state, Some(MigLabelState::Failed));
+        assert_eq!(out.take().last(), Some(&Note::Restore));
+    }
 }

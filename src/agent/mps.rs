@@ -8,8 +8,9 @@ use std::sync::Arc;
 
 use tokio::sync::mpsc;
 
-use super::Agent;
+use super::pass::{Outbox, Pass};
 use crate::kube::EventType;
+use crate::nvml::Gpus;
 use crate::plugin::mps::{self, DaemonBoard, DaemonState, DaemonStatus, MpsAllocate, MpsDaemon, Supervisor};
 
 /// What the agent keeps of its MPS daemons.
@@ -38,12 +39,12 @@ impl MpsState {
     }
 }
 
-/// The daemons the effective settings ask for on `agent`'s inventory (none without one).
-fn planned(agent: &Agent) -> Vec<MpsDaemon> {
-    let Some(inventory) = &agent.inventory else {
+/// The daemons the effective settings ask for on the pass's inventory (none without one).
+fn planned(pass: &Pass<'_>) -> Vec<MpsDaemon> {
+    let Some(inventory) = pass.inventory else {
         return Vec::new();
     };
-    match mps::plan(inventory, &agent.dp.sharing, agent.dp.mig_strategy) {
+    match mps::plan(inventory, &pass.dp.sharing, pass.dp.mig_strategy) {
         Ok(plans) => plans,
         Err(e) => {
             // The resources fail with the same reason; the stage says it.
@@ -53,28 +54,28 @@ fn planned(agent: &Agent) -> Vec<MpsDaemon> {
     }
 }
 
-impl Agent {
-    /// Brings the control daemons to what the effective settings ask for, and gives `Allocate`
-    /// their folders and limits. Not under `run --once` (which serves nothing).
-    pub(super) fn update_mps(&mut self) {
-        // No daemons while the plugin serves nothing (disabled, or a plan that failed).
-        let plans = if self.commands.is_some() && self.plan_error.is_none() {
-            planned(self)
-        } else {
-            Vec::new()
+impl MpsState {
+    /// Brings the control daemons to what the effective settings ask for (none unless the
+    /// plugin is `serving`: disabled, or a plan that failed), and answers what `Allocate` gives
+    /// their replicas (folders and limits), and whether the daemons were looked after (then the
+    /// reports follow: [`MpsState::report`]). No daemon under `run --once` (which serves
+    /// nothing).
+    pub(super) fn update(&mut self, pass: &Pass<'_>, serving: bool) -> (MpsAllocate, bool) {
+        let plans = if serving { planned(pass) } else { Vec::new() };
+        let allocate = MpsAllocate::new(&plans, self.board.watch());
+        if pass.once {
+            return (allocate, false);
+        }
+        let Some(gpus) = pass.gpus else {
+            return (allocate, false);
         };
-        self.base_ctx.allocate.mps = MpsAllocate::new(&plans, self.mps.board.watch());
-        if self.once {
-            return;
+        if plans.is_empty() && self.supervisor.is_none() {
+            return (allocate, false);
         }
-        let Some(gpus) = self.gpus.clone() else { return };
-        if plans.is_empty() && self.mps.supervisor.is_none() {
-            return;
-        }
-        let tx = self.mps.changed_tx.clone();
-        let root = self.root.path().to_path_buf();
-        let board = self.mps.board.clone();
-        let supervisor = self.mps.supervisor.get_or_insert_with(|| {
+        let tx = self.changed_tx.clone();
+        let root = pass.root.path().to_path_buf();
+        let board = self.board.clone();
+        let supervisor = self.supervisor.get_or_insert_with(|| {
             Supervisor::new(
                 &root,
                 board,
@@ -83,31 +84,27 @@ impl Agent {
                 }),
             )
         });
-        supervisor.apply(&plans, &self.dp.driver_root, &gpus);
-        self.report_mps();
+        supervisor.apply(&plans, &pass.dp.driver_root, gpus);
+        (allocate, true)
     }
 
     /// Stops every daemon and sets compute mode DEFAULT back (agent shutdown).
-    pub(super) fn stop_mps(&mut self) {
-        let (Some(mut supervisor), Some(gpus)) = (self.mps.supervisor.take(), self.gpus.clone()) else {
+    pub(super) fn stop(&mut self, gpus: Option<&Gpus>) {
+        let (Some(mut supervisor), Some(gpus)) = (self.supervisor.take(), gpus) else {
             return;
         };
-        supervisor.stop_all(&gpus);
+        supervisor.stop_all(gpus);
     }
 
     /// The daemons' states.
-    pub(super) fn mps_statuses(&self) -> Vec<DaemonStatus> {
-        self.mps
-            .supervisor
-            .as_ref()
-            .map(Supervisor::statuses)
-            .unwrap_or_default()
+    pub(super) fn statuses(&self) -> Vec<DaemonStatus> {
+        self.supervisor.as_ref().map(Supervisor::statuses).unwrap_or_default()
     }
 
     /// A daemon that cannot run: why, for the device-plugin stage.
-    pub(super) fn mps_error(&self) -> Option<String> {
+    pub(super) fn error(&self) -> Option<String> {
         let errors: Vec<String> = self
-            .mps_statuses()
+            .statuses()
             .into_iter()
             .filter(|s| matches!(s.state, DaemonState::Failed | DaemonState::Restarting))
             .filter_map(|s| s.error)
@@ -116,8 +113,8 @@ impl Agent {
     }
 
     /// One line per daemon for the stage detail: `MPS nvidia.com/gpu: running (pid 42)`.
-    pub(super) fn mps_detail(&self) -> Option<String> {
-        let statuses = self.mps_statuses();
+    pub(super) fn detail(&self) -> Option<String> {
+        let statuses = self.statuses();
         if statuses.is_empty() {
             return None;
         }
@@ -138,21 +135,17 @@ impl Agent {
     }
 
     /// After a daemon's state changed: a Warning Event for a new error, and the reports.
-    pub(super) fn report_mps(&mut self) {
-        for status in self.mps_statuses() {
+    pub(super) fn report(&mut self, out: &mut Outbox) {
+        for status in self.statuses() {
             let Some(error) = status.error.filter(|_| status.state != DaemonState::Running) else {
-                self.mps.reported.remove(&status.resource);
+                self.reported.remove(&status.resource);
                 continue;
             };
-            if self.mps.reported.get(&status.resource) == Some(&error) {
+            if self.reported.get(&status.resource) == Some(&error) {
                 continue;
             }
-            if let Some(link) = &self.link {
-                link.event(EventType::Warning, "MpsDaemonFailed", error.clone());
-            }
-            self.mps.reported.insert(status.resource, error);
+            out.event(EventType::Warning, "MpsDaemonFailed", error.clone());
+            self.reported.insert(status.resource, error);
         }
-        self.update_stage();
-        self.write_status("running");
     }
 }

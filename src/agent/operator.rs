@@ -10,7 +10,8 @@ use std::process::ExitCode;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use super::Agent;
+use super::pass::{Held, Note, Outbox, Pass};
+use crate::cluster::LabelsView;
 use crate::config::{Config, DriverSource};
 use crate::host::HostRoot;
 use crate::host::operator::{
@@ -19,6 +20,7 @@ use crate::host::operator::{
 };
 use crate::kube::{EventType, KubeClient};
 use crate::mig::stage::MigState as MigLabelState;
+use crate::plugin::manager::PluginStatus;
 use crate::status::OperatorStatus;
 
 /// What the agent keeps about the Operator between passes.
@@ -38,44 +40,49 @@ pub(super) struct OperatorState {
     client: Option<KubeClient>,
 }
 
-impl Agent {
+impl OperatorState {
     /// Looks at the node for the Operator's operands (at the start of every pass) and, when the
     /// config says so, withdraws the ones the agent replaces.
-    pub(super) fn operator_check(&mut self) {
+    pub(super) fn check(&mut self, pass: &Pass<'_>, out: &mut Outbox) {
+        let config = pass.config;
         let mut served = Vec::new();
-        if self.config.dra.enabled {
-            let driver = &self.config.dra.driver;
+        if config.dra.enabled {
+            let driver = &config.dra.driver;
             served.push(ServedPath {
-                host: crate::dra::dra_socket(&self.config),
+                host: crate::dra::dra_socket(config),
                 what: format!("DRA driver {driver}"),
             });
             served.push(ServedPath {
-                host: crate::dra::registration_socket(&self.config),
+                host: crate::dra::registration_socket(config),
                 what: format!("DRA driver {driver} (registration)"),
             });
         }
-        let mut facts = op::observe(&self.root, &engine_files(&self.config), &served);
-        name_pods(&self.root, &mut facts);
+        let mut facts = op::observe(pass.root, &engine_files(config), &served);
+        name_pods(pass.root, &mut facts);
         // The agent's own DRA sockets answer too.
         let me = std::process::id() as i32;
         facts
             .live_sockets
             .retain(|(_, p)| p.as_ref().is_none_or(|p| p.pid != me));
-        self.log_ignored(&facts);
-        self.operator.facts = facts;
-        if self.config.kubernetes.withdraw_operator_operands {
-            self.withdraw_operands();
+        self.log_ignored(config, &facts);
+        self.facts = facts;
+        out.push(Note::Held(Held {
+            runtime: self.held_by(config, Operand::ContainerToolkit),
+            mig: self.held_by(config, Operand::MigManager),
+        }));
+        if config.kubernetes.withdraw_operator_operands {
+            self.withdraw_operands(pass, out);
         }
     }
 
     /// Logs once each process under an operand's name that is not the Operator's (in a pod of
     /// another namespace, or of one not known): it holds nothing back.
-    fn log_ignored(&mut self, facts: &Facts) {
-        let namespace = &self.config.kubernetes.operator_namespace;
+    fn log_ignored(&mut self, config: &Config, facts: &Facts) {
+        let namespace = &config.kubernetes.operator_namespace;
         let mut now = BTreeSet::new();
         for (operand, p) in op::ignored_processes(facts, namespace) {
             let key = (p.pid, p.program.clone());
-            if !self.operator.ignored.contains(&key) {
+            if !self.ignored.contains(&key) {
                 tracing::info!(
                     "GPU Operator: pid {} ({}, {}) runs under the name of {} but not in namespace {namespace} \
                      ([kubernetes] operator_namespace): not the GPU Operator's: ignored",
@@ -87,25 +94,25 @@ impl Agent {
             }
             now.insert(key);
         }
-        self.operator.ignored = now;
+        self.ignored = now;
     }
 
     /// Every conflict now: the device plugin's sockets the manager found held, and what the
     /// last look saw.
-    fn operator_conflicts(&self) -> Vec<Conflict> {
-        let mut facts = self.operator.facts.clone();
-        for c in &self.plugin_status.conflicts {
+    fn conflicts(&self, config: &Config, root: &HostRoot, plugin: &PluginStatus) -> Vec<Conflict> {
+        let mut facts = self.facts.clone();
+        for c in &plugin.conflicts {
             let process = c.pid.map(|pid| {
-                let (pod, placement) = pod_of(&self.root, pid);
+                let (pod, placement) = pod_of(root, pid);
                 Process {
                     pid,
-                    program: op::program_of(&self.root, pid),
+                    program: op::program_of(root, pid),
                     pod,
                     placement,
                 }
             });
             let host = std::path::Path::new(&c.socket)
-                .strip_prefix(self.root.path())
+                .strip_prefix(root.path())
                 .map(|p| std::path::Path::new("/").join(p))
                 .unwrap_or_else(|_| c.socket.clone().into());
             facts.live_sockets.push((
@@ -116,31 +123,38 @@ impl Agent {
                 process,
             ));
         }
-        op::conflicts(&facts, &roles(&self.config), &self.config.kubernetes.operator_namespace)
+        op::conflicts(&facts, &roles(config), &config.kubernetes.operator_namespace)
     }
 
-    /// The Operator's part of status; posts a Warning Event for each new conflict and a Normal
-    /// one when one is gone. `None` when there is nothing to say.
-    pub(super) fn operator_status(&mut self) -> Option<OperatorStatus> {
-        let withdrawing = self.config.kubernetes.withdraw_operator_operands;
-        let details = self.operator_conflicts();
+    /// The Operator's part of status (with the device plugin's sockets another process holds,
+    /// from `plugin`); posts a Warning Event for each new conflict and a Normal one when one is
+    /// gone. `None` when there is nothing to say.
+    pub(super) fn status(
+        &mut self,
+        config: &Config,
+        root: &HostRoot,
+        plugin: &PluginStatus,
+        out: &mut Outbox,
+    ) -> Option<OperatorStatus> {
+        let withdrawing = config.kubernetes.withdraw_operator_operands;
+        let details = self.conflicts(config, root, plugin);
         let lines: Vec<String> = details.iter().map(|c| c.line(withdrawing)).collect();
         let now: BTreeSet<String> = lines.iter().cloned().collect();
-        for line in now.difference(&self.operator.reported) {
+        for line in now.difference(&self.reported) {
             tracing::warn!("GPU Operator: {line}");
-            self.event(EventType::Warning, "GpuOperatorConflict", line.clone());
+            out.event(EventType::Warning, "GpuOperatorConflict", line.clone());
         }
-        for line in self.operator.reported.difference(&now) {
+        for line in self.reported.difference(&now) {
             tracing::info!("GPU Operator: no longer so: {line}");
-            self.event(
+            out.event(
                 EventType::Normal,
                 "GpuOperatorConflictResolved",
                 format!("no longer so, the agent takes over: {line}"),
             );
         }
-        self.operator.reported = now;
-        let withdrawn = read_record(&self.config, &self.root).labels;
-        let error = self.operator.error.lock().map(|e| e.clone()).unwrap_or_default();
+        self.reported = now;
+        let withdrawn = read_record(config, root).labels;
+        let error = self.error.lock().map(|e| e.clone()).unwrap_or_default();
         if lines.is_empty() && withdrawn.is_empty() && error.is_none() {
             return None;
         }
@@ -153,56 +167,32 @@ impl Agent {
         })
     }
 
-    /// Why the MIG stage makes no change now: NVIDIA's mig-manager runs on the node. `None`
-    /// when it does not (or MIG is off).
-    pub(super) fn mig_held_by_operator(&self) -> Option<String> {
-        self.held_by(Operand::MigManager)
-    }
-
-    /// The line of the conflict with the Operator's `operand`, when there is one.
-    fn held_by(&self, operand: Operand) -> Option<String> {
-        let withdrawing = self.config.kubernetes.withdraw_operator_operands;
-        op::conflicts(
-            &self.operator.facts,
-            &roles(&self.config),
-            &self.config.kubernetes.operator_namespace,
-        )
-        .into_iter()
-        .find(|c| c.operand == operand)
-        .map(|c| c.line(withdrawing))
-    }
-
-    /// While mig-manager runs it owns `nvidia.com/mig.config.state` too: the agent reports what
-    /// the Node carries (so it neither rewrites nor removes mig-manager's value).
-    pub(super) fn mig_state_as_on_node(&self) -> Option<MigLabelState> {
-        match self.view.labels.get(&self.config.labels.mig_config_state)?.as_str() {
-            "pending" => Some(MigLabelState::Pending),
-            "rebooting" => Some(MigLabelState::Rebooting),
-            "success" => Some(MigLabelState::Success),
-            "failed" => Some(MigLabelState::Failed),
-            _ => None,
-        }
-    }
-
-    /// Why the runtime stage writes no engine config now: the Operator's toolkit configured the
-    /// engines (its runtime serves GPU containers meanwhile). `None` when it did not.
-    pub(super) fn runtime_held_by_operator(&self) -> Option<String> {
-        self.held_by(Operand::ContainerToolkit)
+    /// The line of the conflict with the Operator's `operand`, when there is one: why the MIG
+    /// stage makes no change (mig-manager runs), why the runtime stage writes no engine config
+    /// (the Operator's toolkit configured the engines; its runtime serves GPU containers
+    /// meanwhile).
+    fn held_by(&self, config: &Config, operand: Operand) -> Option<String> {
+        let withdrawing = config.kubernetes.withdraw_operator_operands;
+        op::conflicts(&self.facts, &roles(config), &config.kubernetes.operator_namespace)
+            .into_iter()
+            .find(|c| c.operand == operand)
+            .map(|c| c.line(withdrawing))
     }
 
     /// Sets the replaced operands' deploy labels to `false` on the Node (once the Node's labels
     /// are known), recording each one's previous value first.
-    fn withdraw_operands(&mut self) {
-        if self.view.source != crate::desired::Source::Node || !self.view.connected {
+    fn withdraw_operands(&mut self, pass: &Pass<'_>, out: &mut Outbox) {
+        let (config, root, view) = (pass.config, pass.root, pass.view);
+        if view.source != crate::desired::Source::Node || !view.connected {
             return;
         }
-        if self.operator.patching.load(Ordering::Acquire) {
+        if self.patching.load(Ordering::Acquire) {
             return;
         }
-        let recorded = read_record(&self.config, &self.root);
-        let node = crate::kube::node_name(&self.config.kubernetes, &self.root);
-        let replaced = op::replaced(&roles(&self.config));
-        let (patch, record) = match withdraw_record(&self.view.labels, &replaced, &recorded, &node) {
+        let recorded = read_record(config, root);
+        let node = crate::kube::node_name(&config.kubernetes, root);
+        let replaced = op::replaced(&roles(config));
+        let (patch, record) = match withdraw_record(&view.labels, &replaced, &recorded, &node) {
             Ok(done) => done,
             Err(e) => {
                 self.set_operator_error(Some(e));
@@ -213,16 +203,16 @@ impl Agent {
             return;
         }
         if record != recorded
-            && let Err(e) = write_record(&self.config, &self.root, &record)
+            && let Err(e) = write_record(config, root, &record)
         {
             tracing::error!("GPU Operator: not withdrawing its operands: {e}");
             self.set_operator_error(Some(e));
             return;
         }
-        if self.operator.client.is_none() {
-            self.operator.client = client(&self.config, &self.root);
+        if self.client.is_none() {
+            self.client = client(config, root);
         }
-        let Some(client) = self.operator.client.clone() else {
+        let Some(client) = self.client.clone() else {
             self.set_operator_error(Some(
                 "no Kubernetes credentials to set the Operator's deploy labels with".into(),
             ));
@@ -234,9 +224,9 @@ impl Agent {
             keys.join(", ")
         );
         tracing::info!("{message}");
-        self.event(EventType::Normal, "GpuOperatorWithdrawn", message);
-        let patching = self.operator.patching.clone();
-        let error = self.operator.error.clone();
+        out.event(EventType::Normal, "GpuOperatorWithdrawn", message);
+        let patching = self.patching.clone();
+        let error = self.error.clone();
         patching.store(true, Ordering::Release);
         tokio::spawn(async move {
             let result = client.patch_node_metadata(&node, &patch, &BTreeMap::new()).await;
@@ -254,9 +244,21 @@ impl Agent {
     }
 
     fn set_operator_error(&self, e: Option<String>) {
-        if let Ok(mut slot) = self.operator.error.lock() {
+        if let Ok(mut slot) = self.error.lock() {
             *slot = e;
         }
+    }
+}
+
+/// While mig-manager runs it owns `nvidia.com/mig.config.state` too: the agent reports what the
+/// Node carries (`view`), so it neither rewrites nor removes mig-manager's value.
+pub(super) fn mig_state_as_on_node(config: &Config, view: &LabelsView) -> Option<MigLabelState> {
+    match view.labels.get(&config.labels.mig_config_state)?.as_str() {
+        "pending" => Some(MigLabelState::Pending),
+        "rebooting" => Some(MigLabelState::Rebooting),
+        "success" => Some(MigLabelState::Success),
+        "failed" => Some(MigLabelState::Failed),
+        _ => None,
     }
 }
 
@@ -594,6 +596,71 @@ mod tests {
         assert_eq!(
             pod_of(&root, 77),
             (Some("cgroup /kubepods/odd".into()), Placement::Pod { namespace: None })
+        );
+    }
+
+    /// The stage by itself, without the loop: NVIDIA's device plugin holding a socket is a
+    /// conflict, with an Event when it shows and one when it is gone.
+    #[test]
+    fn a_held_device_plugin_socket_is_a_conflict_with_an_event_each_way() {
+        use crate::agent::pass::Fixture;
+        use crate::plugin::manager::SocketConflict;
+        let mut fixture = Fixture::new(Config::default());
+        let mut stage = OperatorState::default();
+        let mut out = Outbox::default();
+        stage.check(&fixture.pass(), &mut out);
+        assert_eq!(
+            out.take(),
+            [Note::Held(Held::default())],
+            "nothing held on an empty node"
+        );
+        assert_eq!(
+            stage.status(&fixture.config, &fixture.root, &fixture.plugin, &mut out),
+            None
+        );
+        assert!(out.take().is_empty(), "nothing on an empty node");
+
+        fixture.plugin.conflicts.push(SocketConflict {
+            resource: "nvidia.com/gpu".into(),
+            socket: "/var/lib/kubelet/device-plugins/nvidia-gpu.sock".into(),
+            pid: None,
+        });
+        let status = stage
+            .status(&fixture.config, &fixture.root, &fixture.plugin, &mut out)
+            .expect("a conflict");
+        assert_eq!(status.conflicts.len(), 1, "{status:?}");
+        let notes = out.take();
+        assert!(
+            matches!(
+                &notes[..],
+                [crate::agent::pass::Note::Event {
+                    reason: "GpuOperatorConflict",
+                    ..
+                }]
+            ),
+            "{notes:?}"
+        );
+        // Reported once, not at every status.
+        stage.status(&fixture.config, &fixture.root, &fixture.plugin, &mut out);
+        assert!(out.take().is_empty());
+
+        fixture.plugin.conflicts.clear();
+        stage.check(&fixture.pass(), &mut out);
+        assert_eq!(out.take(), [Note::Held(Held::default())]);
+        assert_eq!(
+            stage.status(&fixture.config, &fixture.root, &fixture.plugin, &mut out),
+            None
+        );
+        let notes = out.take();
+        assert!(
+            matches!(
+                &notes[..],
+                [crate::agent::pass::Note::Event {
+                    reason: "GpuOperatorConflictResolved",
+                    ..
+                }]
+            ),
+            "{notes:?}"
         );
     }
 }

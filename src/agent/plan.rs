@@ -7,7 +7,9 @@ use std::path::PathBuf;
 
 use tokio_util::sync::CancellationToken;
 
-use super::{AgentError, NodeLabels, advertised_resources, first_view, machine_name, node_labels, nvml_library};
+use super::report::{NodeLabels, machine_name, node_labels};
+use super::setup::first_view;
+use super::{AgentError, advertised_resources, nvml_library};
 use crate::cluster;
 use crate::config::{Config, DevicePluginConfig};
 use crate::desired::{Desired, ProfileOutcome, Selection, choose_profile};

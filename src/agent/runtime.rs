@@ -2,9 +2,11 @@
 //! (first in the order: MIG and the device plugin wait for it), and the CDI spec, rewritten
 //! whenever the GPU inventory changes (at start and after every MIG change).
 
-use super::{Agent, StageId, StageState};
+use super::pass::{Note, Outbox, Pass};
+use super::{StageId, StageState};
 use crate::cli::RuntimeCommand;
 use crate::config::Config;
+use crate::edits::DeviceNodes;
 use crate::edits::injections::{FLAG_CLASSES, IMEX_CLASS};
 use crate::exit::Exit;
 use crate::host::HostRoot;
@@ -21,39 +23,40 @@ use std::process::ExitCode;
 #[derive(Debug, Default)]
 pub(super) struct RuntimeStage {
     /// What the last runtime pass did (empty before one succeeded).
-    pub(super) detail: String,
-    /// The last runtime pass's plan, once it succeeded (the engines now hold the runtime).
-    pub(super) plan: Option<rt::RuntimePlan>,
+    detail: String,
     /// Where the CDI spec is, once written.
-    pub(super) cdi_detail: Option<String>,
+    cdi_detail: Option<String>,
     /// Why the CDI spec could not be written.
-    pub(super) cdi_error: Option<String>,
+    cdi_error: Option<String>,
     /// The rollbacks last posted as Events (engine and reason): the same rollback at every
     /// pass is posted once.
-    pub(super) rolled_back: Vec<String>,
+    rolled_back: Vec<String>,
 }
 
-impl Agent {
+impl RuntimeStage {
     /// Brings the engines' files to what `[runtime]` asks for; `false` when the stage failed (the
-    /// stages after it then wait for the next pass).
-    pub(super) async fn runtime_step(&mut self) -> bool {
-        if !self.config.runtime.enabled {
-            self.stages[StageId::Runtime].set(StageState::Disabled, None, Some("[runtime] enabled = false".into()));
+    /// stages after it then wait for the next pass). The plan, once the engines hold the
+    /// runtime, goes out as [`Note::RuntimePlan`] (validation checks the engines it names).
+    pub(super) async fn step(&mut self, pass: &Pass<'_>, out: &mut Outbox) -> bool {
+        let id = StageId::Runtime;
+        if !pass.config.runtime.enabled {
+            out.status(id, StageState::Disabled, None, Some("[runtime] enabled = false".into()));
             return true;
         }
         // The GPU Operator's toolkit configured the engines: two writers of one config fight;
         // its runtime serves GPU containers meanwhile, so the stages after this one go on.
-        if let Some(why) = self.runtime_held_by_operator() {
-            self.stages[StageId::Runtime].set(
+        if let Some(why) = &pass.held.runtime {
+            out.status(
+                id,
                 StageState::Pending,
                 Some(format!("engines not configured: {why}")),
                 None,
             );
             return true;
         }
-        let (config, root, stop) = (self.config.clone(), self.root.clone(), self.stop.clone());
+        let (config, root, stop) = (pass.config.clone(), pass.root.clone(), pass.stop.clone());
         // Restarting an engine may take its restart timeout, twice when rolling back.
-        let _long = crate::notify::LongStep::start(&self.long_step);
+        let _long = crate::notify::LongStep::start(&pass.services.long_step);
         let result = tokio::task::spawn_blocking(move || {
             let runner = Runner::new(&root).with_stop(&stop);
             if let Some(note) = rt::recover(&config, &root)? {
@@ -75,7 +78,7 @@ impl Agent {
         };
         match outcome {
             Ok((plan, applied)) => {
-                let mut detail = plan.describe(&self.config.runtime.runtime_name);
+                let mut detail = plan.describe(&pass.config.runtime.runtime_name);
                 if !applied.files.is_empty() {
                     tracing::info!(
                         "runtime: wrote {}",
@@ -90,7 +93,7 @@ impl Agent {
                 if !applied.restarted.is_empty() {
                     detail.push_str(&format!(" (restarted {})", applied.restarted.join(", ")));
                 }
-                self.runtime_events(&applied);
+                self.events(&applied, out);
                 for remark in plan.remarks() {
                     tracing::info!("runtime: {remark}");
                     detail.push_str(&format!("; {remark}"));
@@ -108,8 +111,8 @@ impl Agent {
                         failure.error
                     );
                     tracing::error!("runtime stage failed: {e}");
-                    self.runtime.plan = None;
-                    self.stages[StageId::Runtime].set(StageState::Failed, Some(e), Some(detail));
+                    out.push(Note::RuntimePlan(None));
+                    out.status(id, StageState::Failed, Some(e), Some(detail));
                     return false;
                 }
                 // A RuntimeClass per runtime the engines got, for pods that name one.
@@ -121,7 +124,7 @@ impl Agent {
                     .collect();
                 handlers.sort();
                 handlers.dedup();
-                if let Some(link) = &self.link
+                if let Some(link) = pass.services.link.as_ref()
                     && !handlers.is_empty()
                 {
                     link.runtime_classes(handlers);
@@ -129,15 +132,15 @@ impl Agent {
                         detail.push_str(&format!("; {note}"));
                     }
                 }
-                self.runtime.detail = detail;
-                self.runtime.plan = Some(plan);
-                self.show_runtime();
+                self.detail = detail;
+                out.push(Note::RuntimePlan(Some(plan)));
+                self.show(pass, out);
                 true
             }
             Err(e) => {
                 tracing::error!("runtime stage failed: {e}");
-                self.runtime.plan = None;
-                self.stages[StageId::Runtime].set(StageState::Failed, Some(e), None);
+                out.push(Note::RuntimePlan(None));
+                out.status(id, StageState::Failed, Some(e), None);
                 false
             }
         }
@@ -146,14 +149,14 @@ impl Agent {
     /// Events for what the pass changed: `RuntimeConfigured` when it wrote files, and
     /// `RuntimeRolledBack` for each engine whose new configuration was put back (once per
     /// engine and reason, however many passes meet it again).
-    fn runtime_events(&mut self, applied: &rt::Applied) {
+    fn events(&mut self, applied: &rt::Applied, out: &mut Outbox) {
         if !applied.files.is_empty() {
             let files: Vec<String> = applied.files.iter().map(|f| f.display().to_string()).collect();
             let mut message = format!("container runtime configuration written: {}", files.join(", "));
             if !applied.restarted.is_empty() {
                 message.push_str(&format!("; restarted {}", applied.restarted.join(", ")));
             }
-            self.event(EventType::Normal, "RuntimeConfigured", message);
+            out.event(EventType::Normal, "RuntimeConfigured", message);
         }
         let rolled_back: Vec<String> = applied
             .failures
@@ -161,22 +164,23 @@ impl Agent {
             .filter(|f| matches!(f.error, RuntimeError::Check { .. } | RuntimeError::Restart { .. }))
             .map(|f| format!("{}: {}", f.engine.as_str(), f.error))
             .collect();
-        for message in rolled_back.iter().filter(|m| !self.runtime.rolled_back.contains(m)) {
-            self.event(EventType::Warning, "RuntimeRolledBack", message.clone());
+        for message in rolled_back.iter().filter(|m| !self.rolled_back.contains(m)) {
+            out.event(EventType::Warning, "RuntimeRolledBack", message.clone());
         }
-        self.runtime.rolled_back = rolled_back;
+        self.rolled_back = rolled_back;
     }
 
-    /// Rewrites the CDI spec for the current inventory when its bytes change.
-    pub(super) fn cdi_step(&mut self) {
-        if !self.config.cdi.enabled {
-            self.runtime.cdi_detail = None;
-            self.runtime.cdi_error = None;
+    /// Rewrites the CDI spec for the pass's inventory (with the device `nodes` the device plugin
+    /// hands out) when its bytes change.
+    pub(super) fn cdi(&mut self, pass: &Pass<'_>, nodes: &DeviceNodes, out: &mut Outbox) {
+        if !pass.config.cdi.enabled {
+            self.cdi_detail = None;
+            self.cdi_error = None;
             return;
         }
-        let Some(inventory) = &self.inventory else { return };
-        let path = node_spec::cdi_path(&self.config);
-        match node_spec::write_cdi(&self.config, &self.root, inventory, &self.base_ctx.nodes) {
+        let Some(inventory) = pass.inventory else { return };
+        let path = node_spec::cdi_path(pass.config);
+        match node_spec::write_cdi(pass.config, pass.root, inventory, nodes) {
             Ok((written, conflicts)) => {
                 if written {
                     tracing::info!("CDI spec written to {}", path.display());
@@ -186,44 +190,46 @@ impl Agent {
                     tracing::warn!("{conflict}");
                     detail.push_str(&format!("; warning: {conflict}"));
                 }
-                self.runtime.cdi_detail = Some(detail);
-                self.runtime.cdi_error = None;
+                self.cdi_detail = Some(detail);
+                self.cdi_error = None;
             }
             Err(RuntimeError::Cdi(CdiError::NoGpus)) => {
-                self.runtime.cdi_detail = Some("no GPUs: no CDI spec".into());
-                self.runtime.cdi_error = None;
+                self.cdi_detail = Some("no GPUs: no CDI spec".into());
+                self.cdi_error = None;
             }
             Err(e) => {
                 tracing::error!("CDI spec {}: {e}", path.display());
-                self.runtime.cdi_error = Some(e.to_string());
+                self.cdi_error = Some(e.to_string());
             }
         }
-        self.show_runtime();
+        self.show(pass, out);
     }
 
-    /// Whether the CDI spec should be there (CDI on, GPUs known) but is not.
-    pub(super) fn cdi_spec_missing(&self) -> bool {
-        self.config.cdi.enabled
-            && self.inventory.as_ref().is_some_and(|i| !i.gpus.is_empty())
-            && !self.root.join(node_spec::cdi_path(&self.config)).exists()
+    /// Whether the CDI spec must be written again: the last write failed, or it should be
+    /// there (CDI on, GPUs known) but is not.
+    pub(super) fn cdi_due(&self, pass: &Pass<'_>) -> bool {
+        self.cdi_error.is_some()
+            || (pass.config.cdi.enabled
+                && pass.inventory.is_some_and(|i| !i.gpus.is_empty())
+                && !pass.root.join(node_spec::cdi_path(pass.config)).exists())
     }
 
     /// The runtime stage's status from the engines' and the CDI spec's outcome.
-    fn show_runtime(&mut self) {
-        if self.stages[StageId::Runtime].status.state == StageState::Failed && self.runtime.cdi_error.is_none() {
+    fn show(&self, pass: &Pass<'_>, out: &mut Outbox) {
+        if pass.stages[StageId::Runtime].status.state == StageState::Failed && self.cdi_error.is_none() {
             // An engine failure stays until the next runtime pass says otherwise.
-            if self.runtime.detail.is_empty() {
+            if self.detail.is_empty() {
                 return;
             }
         }
-        let detail = match &self.runtime.cdi_detail {
-            Some(cdi) if !self.runtime.detail.is_empty() => format!("{}; {cdi}", self.runtime.detail),
+        let detail = match &self.cdi_detail {
+            Some(cdi) if !self.detail.is_empty() => format!("{}; {cdi}", self.detail),
             Some(cdi) => cdi.clone(),
-            None => self.runtime.detail.clone(),
+            None => self.detail.clone(),
         };
-        match &self.runtime.cdi_error {
-            Some(e) => self.stages[StageId::Runtime].set(StageState::Failed, Some(e.clone()), Some(detail)),
-            None => self.stages[StageId::Runtime].set(StageState::Ok, None, Some(detail)),
+        match &self.cdi_error {
+            Some(e) => out.status(StageId::Runtime, StageState::Failed, Some(e.clone()), Some(detail)),
+            None => out.status(StageId::Runtime, StageState::Ok, None, Some(detail)),
         }
     }
 }
@@ -455,5 +461,37 @@ mod tests {
         assert_eq!(left, ["nvidia.yaml", "other.com-gpu.json"]);
         // Nothing left to remove is not an error.
         remove_cdi_specs(&config, &root).unwrap();
+    }
+
+    /// The stage by itself, without the loop: off, or held back by the GPU Operator's toolkit,
+    /// it writes nothing and lets the stages after it run.
+    #[tokio::test]
+    async fn the_stage_steps_on_its_own_off_or_held_by_the_operator() {
+        use crate::agent::pass::{Fixture, Outbox};
+        let mut config = Config::default();
+        config.runtime.enabled = false;
+        config.cdi.enabled = false;
+        let mut fixture = Fixture::new(config);
+        let mut stage = RuntimeStage::default();
+        let mut out = Outbox::default();
+        assert!(stage.step(&fixture.pass(), &mut out).await);
+        assert_eq!(
+            out.last_status(StageId::Runtime),
+            Some((StageState::Disabled, None, Some("[runtime] enabled = false")))
+        );
+        assert!(!stage.cdi_due(&fixture.pass()), "CDI is off");
+
+        fixture.config.runtime.enabled = true;
+        fixture.held.runtime = Some("the GPU Operator's toolkit configured containerd".into());
+        let mut out = Outbox::default();
+        assert!(stage.step(&fixture.pass(), &mut out).await);
+        assert_eq!(
+            out.last_status(StageId::Runtime),
+            Some((
+                StageState::Pending,
+                Some("engines not configured: the GPU Operator's toolkit configured containerd"),
+                None
+            ))
+        );
     }
 }

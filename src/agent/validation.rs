@@ -10,7 +10,8 @@ use std::time::{Duration, Instant};
 
 use serde::Serialize;
 
-use super::{Agent, StageId, StageState};
+use super::pass::{Outbox, Pass};
+use super::{StageId, StageState};
 use crate::cuda::{CudaCheck, CudaDevice};
 use crate::host::command::{Cmd, Runner};
 use crate::nvml::{Inventory, normalise_bus_id};
@@ -35,39 +36,50 @@ pub enum Outcome {
 
 /// The CUDA check's last result and when and for which driver it ran.
 #[derive(Debug, Clone)]
-pub(super) struct CudaRun {
+struct CudaRun {
     pub driver: String,
     pub at: Instant,
     pub outcome: Outcome,
 }
 
-impl Agent {
+/// The validation stage: the checks of its last run and the CUDA check's last result.
+#[derive(Debug, Default)]
+pub(super) struct ValidationStage {
+    /// The last run's checks (the device plugin's is added as its status changes).
+    checks: Vec<(&'static str, Outcome)>,
+    /// The CUDA check's last run.
+    cuda_run: Option<CudaRun>,
+}
+
+impl ValidationStage {
     /// Runs the checks and sets the stage; the checks' outcomes go into the stage detail (and
-    /// error for failures).
-    pub(super) async fn validation_step(&mut self) {
-        if !self.config.validation.enabled {
-            self.stages[StageId::Validation].set(
+    /// error for failures). Always lets the stages after it run (there are none).
+    pub(super) async fn step(&mut self, pass: &Pass<'_>, out: &mut Outbox) -> bool {
+        if !pass.config.validation.enabled {
+            out.status(
+                StageId::Validation,
                 StageState::Disabled,
                 None,
                 Some("[validation] enabled = false".into()),
             );
-            return;
+            return true;
         }
-        let driver = self.check_driver();
-        let runtime = self.check_runtime().await;
-        let cuda = self.check_cuda().await;
-        self.validation_checks = vec![("driver", driver), ("runtime", runtime), ("cuda", cuda)];
-        self.show_validation();
+        let driver = check_driver(pass);
+        let runtime = check_runtime(pass).await;
+        let cuda = self.check_cuda(pass).await;
+        self.checks = vec![("driver", driver), ("runtime", runtime), ("cuda", cuda)];
+        self.show(pass, out);
+        true
     }
 
     /// The device plugin check follows the plugin's status, which changes between passes.
-    pub(super) fn show_validation(&mut self) {
-        if self.stages[StageId::Validation].status.state == StageState::Disabled || self.validation_checks.is_empty() {
+    pub(super) fn show(&mut self, pass: &Pass<'_>, out: &mut Outbox) {
+        if pass.stages[StageId::Validation].status.state == StageState::Disabled || self.checks.is_empty() {
             return;
         }
-        let mut checks = self.validation_checks.clone();
-        checks.retain(|(name, _)| *name != "device-plugin");
-        checks.push(("device-plugin", self.check_plugin()));
+        self.checks.retain(|(name, _)| *name != "device-plugin");
+        self.checks.push(("device-plugin", check_plugin(pass)));
+        let checks = &self.checks;
         let failed: Vec<String> = checks
             .iter()
             .filter_map(|(name, o)| match o {
@@ -92,81 +104,28 @@ impl Agent {
             Outcome::Pending(why) => Some(format!("{name}: {why}")),
             _ => None,
         });
+        let id = StageId::Validation;
         if !failed.is_empty() {
-            self.stages[StageId::Validation].set(StageState::Failed, Some(failed.join("; ")), Some(summary));
+            out.status(id, StageState::Failed, Some(failed.join("; ")), Some(summary));
         } else if let Some(why) = pending {
-            self.stages[StageId::Validation].set(StageState::Pending, Some(why), Some(summary));
+            out.status(id, StageState::Pending, Some(why), Some(summary));
         } else {
-            self.stages[StageId::Validation].set(StageState::Ok, None, Some(summary));
-        }
-        self.validation_detail = checks;
-    }
-
-    fn check_driver(&self) -> Outcome {
-        let s = &self.stages[StageId::Driver].status;
-        match s.state {
-            StageState::Ok => Outcome::Passed(s.detail.clone().unwrap_or_default()),
-            StageState::Disabled => Outcome::Skipped("[driver] enabled = false".into()),
-            StageState::Pending => Outcome::Pending(s.error.clone().unwrap_or_default()),
-            StageState::Failed | StageState::Skipped => Outcome::Failed(s.error.clone().unwrap_or_default()),
+            out.status(id, StageState::Ok, None, Some(summary));
         }
     }
 
-    /// The runtime stage of this pass left every selected engine's files holding the runtime
-    /// (it failed otherwise); here each engine's unit must also be active (`systemctl
-    /// is-active`, where systemctl is installed).
-    async fn check_runtime(&self) -> Outcome {
-        if !self.config.runtime.enabled {
-            return Outcome::Skipped("[runtime] enabled = false".into());
-        }
-        let Some(plan) = self.runtime.plan.clone() else {
-            let s = &self.stages[StageId::Runtime].status;
-            return Outcome::Failed(
-                s.error
-                    .clone()
-                    .unwrap_or_else(|| "the runtime stage has not succeeded".into()),
-            );
-        };
-        if let Some(note) = &plan.note {
-            return Outcome::Skipped(note.clone());
-        }
-        let (config, root, stop) = (self.config.clone(), self.root.clone(), self.stop.clone());
-        let result = tokio::task::spawn_blocking(move || {
-            let runner = Runner::new(&root).with_stop(&stop);
-            let mut inactive = Vec::new();
-            // systemctl under the root: the node's own on a real root, a stand-in in tests.
-            if runner.exists(&config.runtime.systemctl) {
-                for e in plan
-                    .engines
-                    .iter()
-                    .filter(|e| e.installed && e.error.is_none() && e.skipped.is_none())
-                {
-                    let cmd = Cmd::new(&config.runtime.systemctl)
-                        .args(["is-active", e.unit.as_str()])
-                        .timeout(Duration::from_secs(10));
-                    match runner.output(&cmd) {
-                        Ok(out) if out.success() => {}
-                        Ok(out) => inactive.push(format!("{} is {}", e.unit, out.stdout.trim())),
-                        Err(err) => inactive.push(err.to_string()),
-                    }
-                }
-            }
-            if inactive.is_empty() {
-                Outcome::Passed(plan.describe(&config.runtime.runtime_name))
-            } else {
-                Outcome::Failed(inactive.join("; "))
-            }
-        })
-        .await;
-        result.unwrap_or_else(|e| Outcome::Failed(format!("runtime check task failed: {e}")))
+    /// The devices changed (a new MIG layout): the CUDA check runs again at the next pass, on
+    /// every device CUDA sees, rather than keep the result of GPUs that no longer look that way.
+    pub(super) fn devices_changed(&mut self) {
+        self.cuda_run = None;
     }
 
     /// The CUDA check in a child process, once per driver version (and daily).
-    async fn check_cuda(&mut self) -> Outcome {
-        if !self.config.validation.cuda {
+    async fn check_cuda(&mut self, pass: &Pass<'_>) -> Outcome {
+        if !pass.config.validation.cuda {
             return Outcome::Skipped("[validation] cuda = false".into());
         }
-        let Some(driver) = self.inventory.as_ref().map(|i| i.driver_version.clone()) else {
+        let Some(driver) = pass.inventory.map(|i| i.driver_version.clone()) else {
             return Outcome::Pending("no GPU inventory yet".into());
         };
         if let Some(run) = &self.cuda_run
@@ -176,12 +135,12 @@ impl Agent {
             return run.outcome.clone();
         }
         let (root, driver_root, stop) = (
-            self.root.path().to_path_buf(),
-            self.config.device_plugin.driver_root.clone(),
-            self.stop.clone(),
+            pass.root.path().to_path_buf(),
+            pass.config.device_plugin.driver_root.clone(),
+            pass.stop.clone(),
         );
         let outcome = match tokio::task::spawn_blocking(move || run_cuda_child(&root, &driver_root, &stop)).await {
-            Ok(Ok(check)) => cuda_outcome(check, self.inventory.as_ref()),
+            Ok(Ok(check)) => cuda_outcome(check, pass.inventory),
             Ok(Err(why)) => Outcome::Failed(why),
             Err(e) => Outcome::Failed(format!("CUDA check task failed: {e}")),
         };
@@ -192,24 +151,83 @@ impl Agent {
         });
         outcome
     }
+}
 
-    fn check_plugin(&self) -> Outcome {
-        if !self.config.device_plugin.enabled {
-            return Outcome::Skipped("[device_plugin] enabled = false".into());
-        }
-        if self.once {
-            return Outcome::Skipped("run --once does not serve the kubelet".into());
-        }
-        // GPUs the plugin should advertise something for (those whose MIG layout is changing are
-        // withdrawn on purpose).
-        let gpus = self
-            .inventory
-            .iter()
-            .flat_map(|i| &i.gpus)
-            .filter(|g| !self.withdrawn.contains(&g.uuid))
-            .count();
-        plugin_outcome(&self.plugin_status, &self.desired, self.plan_error.as_deref(), gpus)
+fn check_driver(pass: &Pass<'_>) -> Outcome {
+    let s = &pass.stages[StageId::Driver].status;
+    match s.state {
+        StageState::Ok => Outcome::Passed(s.detail.clone().unwrap_or_default()),
+        StageState::Disabled => Outcome::Skipped("[driver] enabled = false".into()),
+        StageState::Pending => Outcome::Pending(s.error.clone().unwrap_or_default()),
+        StageState::Failed | StageState::Skipped => Outcome::Failed(s.error.clone().unwrap_or_default()),
     }
+}
+
+/// The runtime stage of this pass left every selected engine's files holding the runtime (it
+/// failed otherwise); here each engine's unit must also be active (`systemctl is-active`, where
+/// systemctl is installed).
+async fn check_runtime(pass: &Pass<'_>) -> Outcome {
+    if !pass.config.runtime.enabled {
+        return Outcome::Skipped("[runtime] enabled = false".into());
+    }
+    let Some(plan) = pass.runtime_plan.cloned() else {
+        let s = &pass.stages[StageId::Runtime].status;
+        return Outcome::Failed(
+            s.error
+                .clone()
+                .unwrap_or_else(|| "the runtime stage has not succeeded".into()),
+        );
+    };
+    if let Some(note) = &plan.note {
+        return Outcome::Skipped(note.clone());
+    }
+    let (config, root, stop) = (pass.config.clone(), pass.root.clone(), pass.stop.clone());
+    let result = tokio::task::spawn_blocking(move || {
+        let runner = Runner::new(&root).with_stop(&stop);
+        let mut inactive = Vec::new();
+        // systemctl under the root: the node's own on a real root, a stand-in in tests.
+        if runner.exists(&config.runtime.systemctl) {
+            for e in plan
+                .engines
+                .iter()
+                .filter(|e| e.installed && e.error.is_none() && e.skipped.is_none())
+            {
+                let cmd = Cmd::new(&config.runtime.systemctl)
+                    .args(["is-active", e.unit.as_str()])
+                    .timeout(Duration::from_secs(10));
+                match runner.output(&cmd) {
+                    Ok(out) if out.success() => {}
+                    Ok(out) => inactive.push(format!("{} is {}", e.unit, out.stdout.trim())),
+                    Err(err) => inactive.push(err.to_string()),
+                }
+            }
+        }
+        if inactive.is_empty() {
+            Outcome::Passed(plan.describe(&config.runtime.runtime_name))
+        } else {
+            Outcome::Failed(inactive.join("; "))
+        }
+    })
+    .await;
+    result.unwrap_or_else(|e| Outcome::Failed(format!("runtime check task failed: {e}")))
+}
+
+fn check_plugin(pass: &Pass<'_>) -> Outcome {
+    if !pass.config.device_plugin.enabled {
+        return Outcome::Skipped("[device_plugin] enabled = false".into());
+    }
+    if pass.once {
+        return Outcome::Skipped("run --once does not serve the kubelet".into());
+    }
+    // GPUs the plugin should advertise something for (those whose MIG layout is changing are
+    // withdrawn on purpose).
+    let gpus = pass
+        .inventory
+        .iter()
+        .flat_map(|i| &i.gpus)
+        .filter(|g| !pass.withdrawn.contains(&g.uuid))
+        .count();
+    plugin_outcome(pass.plugin, pass.advertised, pass.plan_error, gpus)
 }
 
 /// The device plugin check from what the plugin manager reports (`status`), the resources last
@@ -585,5 +603,63 @@ mod tests {
         with_mig.gpus[1].mig = Some(mig(true));
         with_mig.gpus[1].mig_devices = mig_devices(1, &["3g.20gb"]);
         assert!(matches!(cuda_outcome(one, Some(&with_mig)), Outcome::Passed(_)));
+    }
+
+    /// The stage by itself, without the loop: stepped on a pass where nothing has run yet.
+    #[tokio::test]
+    async fn the_stage_steps_on_its_own_and_says_which_check_holds_it() {
+        use crate::agent::pass::Fixture;
+        let mut fixture = Fixture::new(crate::config::Config::default());
+        let mut stage = ValidationStage::default();
+        let mut out = Outbox::default();
+        assert!(stage.step(&fixture.pass(), &mut out).await);
+        let (state, error, detail) = out.last_status(StageId::Validation).expect("a status");
+        assert_eq!(state, StageState::Failed);
+        assert_eq!(error, Some("runtime: the runtime stage has not succeeded"));
+        assert_eq!(
+            detail,
+            Some("driver pending, runtime failed, cuda pending, device-plugin pending")
+        );
+
+        // The plugin's status changes between passes: the device plugin check follows it.
+        fixture.apply(&out);
+        fixture.config.runtime.enabled = false;
+        fixture.config.device_plugin.enabled = false;
+        let mut out = Outbox::default();
+        stage.show(&fixture.pass(), &mut out);
+        let (_, _, detail) = out.last_status(StageId::Validation).expect("a status");
+        assert_eq!(
+            detail,
+            Some("driver pending, runtime failed, cuda pending, device-plugin skipped"),
+            "only the device plugin check is looked at again"
+        );
+        let mut out = Outbox::default();
+        assert!(stage.step(&fixture.pass(), &mut out).await);
+        let (state, error, detail) = out.last_status(StageId::Validation).expect("a status");
+        assert_eq!(state, StageState::Pending);
+        assert_eq!(error, Some("driver: "));
+        assert_eq!(
+            detail,
+            Some("driver pending, runtime skipped, cuda pending, device-plugin skipped")
+        );
+    }
+
+    #[tokio::test]
+    async fn a_disabled_stage_says_so_and_shows_nothing_later() {
+        use crate::agent::pass::Fixture;
+        let mut config = crate::config::Config::default();
+        config.validation.enabled = false;
+        let mut fixture = Fixture::new(config);
+        let mut stage = ValidationStage::default();
+        let mut out = Outbox::default();
+        assert!(stage.step(&fixture.pass(), &mut out).await);
+        assert_eq!(
+            out.last_status(StageId::Validation),
+            Some((StageState::Disabled, None, Some("[validation] enabled = false")))
+        );
+        fixture.apply(&out);
+        let mut out = Outbox::default();
+        stage.show(&fixture.pass(), &mut out);
+        assert_eq!(out.last_status(StageId::Validation), None);
     }
 }

@@ -32,6 +32,7 @@ pub fn plan_layout(observed: &[ObservedGpu], layout: &MigLayout) -> Result<Vec<G
 /// Every GPU planned: the plans, and the [`PlanError::CiProfilesUnknown`] and
 /// [`PlanError::GiProfilesUnknown`] of the GPUs that need profiles read first (everything else
 /// about them holds).
+#[derive(Debug, Clone)]
 struct Planned {
     plans: Vec<GpuPlan>,
     unknown: Vec<PlanError>,
@@ -52,6 +53,8 @@ impl Planned {
 }
 
 fn plan_all(observed: &[ObservedGpu], layout: &MigLayout) -> Result<Planned, PlanError> {
+    #[cfg(test)]
+    PLANS_MADE.with(|n| n.set(n.get() + 1));
     let mut planned = Planned {
         plans: Vec::new(),
         unknown: Vec::new(),
@@ -172,6 +175,41 @@ fn plan_covered(gpu: &ObservedGpu, layout: &MigLayout) -> Option<Result<GpuPlan,
     Some(plan_gpu(gpu, &desired))
 }
 
+#[cfg(test)]
+thread_local! {
+    /// How many times a layout was planned on this thread ([`plan_all`]): the daemon's MIG
+    /// stage plans once per pass, and its tests count.
+    pub(crate) static PLANS_MADE: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+}
+
+/// One reading of NVML's MIG state with the layout planned on it. The daemon's MIG stage reads
+/// and plans once per pass: what would change, whether the mode changes, and the first round of
+/// [`converge_from`] all come from it. Pure (the reading is the caller's).
+#[derive(Debug, Clone)]
+pub struct LayoutPlan {
+    observed: Vec<ObservedGpu>,
+    planned: Planned,
+}
+
+impl LayoutPlan {
+    /// Plans `layout` on `observed`. Errors as [`plan_layout`]'s, less the profiles to read
+    /// first (those GPUs count as changing).
+    pub fn new(observed: Vec<ObservedGpu>, layout: &MigLayout) -> Result<Self, PlanError> {
+        let planned = plan_all(&observed, layout)?;
+        Ok(LayoutPlan { observed, planned })
+    }
+
+    /// As [`gpus_to_change`].
+    pub fn changing(&self) -> Vec<String> {
+        self.planned.changing(&self.observed)
+    }
+
+    /// As [`changes_mode`].
+    pub fn changes_mode(&self) -> bool {
+        mode_changes(&self.observed, &self.planned)
+    }
+}
+
 /// The GPUs (UUIDs) that converging to `layout` would change: those with operations in their
 /// plan, and those whose profiles must first be read from NVML ([`PlanError::read_first`]: a
 /// change is certain there). Errors as [`plan_layout`]'s. Pure.
@@ -184,6 +222,10 @@ pub fn gpus_to_change(observed: &[ObservedGpu], layout: &MigLayout) -> Result<Ve
 /// enabled first on a GPU whose profiles are to be read. Errors as [`plan_layout`]'s. Pure.
 pub fn changes_mode(observed: &[ObservedGpu], layout: &MigLayout) -> Result<bool, PlanError> {
     let planned = plan_all(observed, layout)?;
+    Ok(mode_changes(observed, &planned))
+}
+
+fn mode_changes(observed: &[ObservedGpu], planned: &Planned) -> bool {
     let sets_mode = |p: &GpuPlan| p.ops.iter().any(|op| matches!(op, MigOp::SetMode { .. }));
     let enables_first = |e: &PlanError| {
         e.read_first().is_some_and(|uuid| {
@@ -192,7 +234,7 @@ pub fn changes_mode(observed: &[ObservedGpu], layout: &MigLayout) -> Result<bool
                 .any(|g| g.uuid == uuid && !g.mode.is_some_and(|m| m.current))
         })
     };
-    Ok(planned.plans.iter().any(sets_mode) || planned.unknown.iter().any(enables_first))
+    planned.plans.iter().any(sets_mode) || planned.unknown.iter().any(enables_first)
 }
 
 /// What converging to `layout` must read from NVML before it can plan the whole layout, one
@@ -363,10 +405,38 @@ pub fn converge(
     stop: Option<&CancellationToken>,
     before_change: Option<BeforeChange<'_>>,
 ) -> Step {
+    converge_with(gpus, name, layout, None, reset, stop, before_change)
+}
+
+/// [`converge`] starting from `first`, read and planned by the caller on the same GPUs (the
+/// daemon's MIG stage, once per pass): its first round neither reads NVML's MIG state nor plans
+/// again. Later rounds (after a mode change, a profile read, the verify) read and plan anew.
+pub fn converge_from(
+    gpus: &Gpus,
+    name: &str,
+    layout: &MigLayout,
+    first: LayoutPlan,
+    reset: Option<ResetGpu<'_>>,
+    stop: Option<&CancellationToken>,
+    before_change: Option<BeforeChange<'_>>,
+) -> Step {
+    converge_with(gpus, name, layout, Some(first), reset, stop, before_change)
+}
+
+fn converge_with(
+    gpus: &Gpus,
+    name: &str,
+    layout: &MigLayout,
+    first: Option<LayoutPlan>,
+    reset: Option<ResetGpu<'_>>,
+    stop: Option<&CancellationToken>,
+    before_change: Option<BeforeChange<'_>>,
+) -> Step {
     let mut run = Run {
         gpus,
         name,
         layout,
+        first,
         stop,
         before_change,
         learned: Learned::new(),
@@ -393,6 +463,8 @@ struct Run<'a, 'b> {
     stop: Option<&'a CancellationToken>,
     name: &'a str,
     layout: &'a MigLayout,
+    /// The caller's reading and plan, for the first round ([`converge_from`]).
+    first: Option<LayoutPlan>,
     learned: Learned,
     /// The GPU instance profiles each GPU (UUID) listed in this converge: they stand in where
     /// the GPU lists none later (its MIG mode enabled to read them, then disabled again).
@@ -417,7 +489,18 @@ fn observe(
     listed: &mut BTreeMap<String, Vec<super::state::GiProfile>>,
 ) -> Result<Vec<ObservedGpu>, String> {
     let mut observed = gpus.mig_observe().map_err(|e| e.to_string())?;
-    for gpu in &mut observed {
+    remember(&mut observed, learned, listed);
+    Ok(observed)
+}
+
+/// Completes `observed` with what this converge read before (see [`observe`]) and notes the GPU
+/// instance profiles each GPU lists now.
+fn remember(
+    observed: &mut [ObservedGpu],
+    learned: &Learned,
+    listed: &mut BTreeMap<String, Vec<super::state::GiProfile>>,
+) {
+    for gpu in observed {
         if gpu.profiles.is_empty() {
             if let Some(profiles) = listed.get(&gpu.uuid) {
                 gpu.profiles = profiles.clone();
@@ -431,7 +514,6 @@ fn observe(
             }
         }
     }
-    Ok(observed)
 }
 
 /// A GPU on which a converge enabled MIG mode only to read profiles.
@@ -519,17 +601,26 @@ impl Run<'_, '_> {
             return Step::Stopped { mutations: 0 };
         }
         let (gpus, name) = (self.gpus, self.name);
-        let observed = match observe(gpus, &self.learned, &mut self.listed) {
-            Ok(o) => o,
-            Err(e) => {
-                return Step::Failed {
-                    reason: format!("cannot read the MIG state: {e}"),
-                };
+        let (observed, planned) = match self.first.take() {
+            Some(LayoutPlan { mut observed, planned }) => {
+                // Nothing learned yet in this converge: this only notes what the GPUs list.
+                remember(&mut observed, &self.learned, &mut self.listed);
+                (observed, planned)
             }
-        };
-        let planned = match plan_all(&observed, self.layout) {
-            Ok(p) => p,
-            Err(e) => return self.refused(e),
+            None => {
+                let observed = match observe(gpus, &self.learned, &mut self.listed) {
+                    Ok(o) => o,
+                    Err(e) => {
+                        return Step::Failed {
+                            reason: format!("cannot read the MIG state: {e}"),
+                        };
+                    }
+                };
+                match plan_all(&observed, self.layout) {
+                    Ok(p) => (observed, p),
+                    Err(e) => return self.refused(e),
+                }
+            }
         };
         // A GPU whose MIG mode was enabled only to read its GPU instance profiles, and that the
         // layout turns out not to cover: back as it was before the rest is applied.
