@@ -1182,3 +1182,6 @@ pub fn export(observed: &[ObservedGpu]) -> MigLayout {
         .collect();
     MigLayout::new(entries)
 }
+
+#[cfg(test)]
+mod layout_tests;
