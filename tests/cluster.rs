@@ -41,24 +41,13 @@ async fn kubelet(node: &Node) -> TestKubelet {
         .expect("test kubelet")
 }
 
-async fn wait_label(api: &TestApiServer, key: &str, value: Option<&str>) {
-    wait_label_within(api, key, value, T).await;
-}
-
-async fn wait_label_within(api: &TestApiServer, key: &str, value: Option<&str>, within: Duration) {
-    let ok = api
-        .wait_for(within, |a| a.labels(NODE).get(key).map(String::as_str) == value)
-        .await;
-    assert!(ok, "label {key} never became {value:?}; labels: {:?}", api.labels(NODE));
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn gpu_feature_labels_appear_on_the_node_and_others_are_left_alone() {
     let api = apiserver().await;
     let node = Node::new(&machine("A100-SXM4-40GB", 2), "");
     install(&node, &api, KubeconfigAuth::Token(TOKEN.into()));
     let agent = node.spawn();
-    wait_label(&api, "nvidia.com/gpu.present", Some("true")).await;
+    common::wait_label(&api, "nvidia.com/gpu.present", Some("true"), T).await;
     let labels = api.labels(NODE);
     for (k, v) in [
         ("nvidia.com/gpu.count", "2"),
@@ -113,7 +102,7 @@ async fn a_label_change_reaches_the_agent_by_watch_and_swaps_resources() {
         .wait_for_devices(GPU, T, |d| d.len() == 2)
         .await
         .expect("whole GPUs first");
-    wait_label(&api, "nvidia.com/gpu.present", Some("true")).await;
+    common::wait_label(&api, "nvidia.com/gpu.present", Some("true"), T).await;
     assert!(
         api.wait_for(T, |a| a.open_watches() > 0).await,
         "the agent watches its Node"
@@ -131,9 +120,9 @@ async fn a_label_change_reaches_the_agent_by_watch_and_swaps_resources() {
         .wait_for_devices("nvidia.com/mig-3g.40gb", T, |d| d.len() == 1)
         .await
         .expect("3g device");
-    wait_label(&api, "nvidia.com/device-plugin.config.state", Some("success")).await;
-    wait_label(&api, "nvidia.com/mig.strategy", Some("mixed")).await;
-    wait_label(&api, "nvidia.com/mig-1g.10gb.count", Some("2")).await;
+    common::wait_label(&api, "nvidia.com/device-plugin.config.state", Some("success"), T).await;
+    common::wait_label(&api, "nvidia.com/mig.strategy", Some("mixed"), T).await;
+    common::wait_label(&api, "nvidia.com/mig-1g.10gb.count", Some("2"), T).await;
     // Swapped in place: the whole-GPU resource went away, the process did not restart.
     kubelet
         .wait_for_disconnect(GPU, T)
@@ -145,8 +134,8 @@ async fn a_label_change_reaches_the_agent_by_watch_and_swaps_resources() {
     // Removing the label returns to the configured keys.
     api.set_label(NODE, "nvidia.com/device-plugin.config", None);
     kubelet.wait_for_registration(GPU, T).await.expect("whole GPUs again");
-    wait_label(&api, "nvidia.com/device-plugin.config.state", None).await;
-    wait_label(&api, "nvidia.com/mig.strategy", None).await;
+    common::wait_label(&api, "nvidia.com/device-plugin.config.state", None, T).await;
+    common::wait_label(&api, "nvidia.com/mig.strategy", None, T).await;
     let event = common::event_posted(&api, "DevicePluginProfileCleared").await;
     common::assert_event(&event, "Normal", &["no device plugin profile selected"]);
     // A pass without a change posts neither again.
@@ -170,7 +159,7 @@ async fn an_unknown_profile_changes_nothing_and_is_reported() {
         .expect("devices");
     let registrations = kubelet.registrations().len();
     api.set_label(NODE, "nvidia.com/device-plugin.config", Some("no-such-profile"));
-    wait_label(&api, "nvidia.com/device-plugin.config.state", Some("failed")).await;
+    common::wait_label(&api, "nvidia.com/device-plugin.config.state", Some("failed"), T).await;
     let ok = api
         .wait_for(T, |a| {
             a.events().iter().any(|e| e["reason"] == "DevicePluginProfileRejected")
@@ -271,7 +260,7 @@ async fn api_server_down_keeps_the_device_plugin_serving_and_the_agent_catches_u
         .wait_for_devices(GPU, T, |d| d.len() == 2)
         .await
         .expect("devices");
-    wait_label(&api, "nvidia.com/gpu.present", Some("true")).await;
+    common::wait_label(&api, "nvidia.com/gpu.present", Some("true"), T).await;
     node.wait_status(T, |s| common::desired_is(s, |d| d.connected) && !s.gpus.is_empty());
 
     api.set_down(true);
@@ -292,7 +281,7 @@ async fn api_server_down_keeps_the_device_plugin_serving_and_the_agent_catches_u
         .wait_for_registration("nvidia.com/mig-1g.10gb", T)
         .await
         .expect("caught up");
-    wait_label(&api, "nvidia.com/device-plugin.config.state", Some("success")).await;
+    common::wait_label(&api, "nvidia.com/device-plugin.config.state", Some("success"), T).await;
     node.wait_status(T, |s| common::desired_is(s, |d| d.connected));
     assert_eq!(agent.stop(), 0);
 }
@@ -308,7 +297,7 @@ async fn too_many_requests_is_retried_after_retry_after() {
     install(&node, &api, KubeconfigAuth::Token(TOKEN.into()));
     api.fail_next(1, Failure::TooManyRequests { retry_after_secs: 2 });
     let agent = node.spawn();
-    wait_label(&api, "nvidia.com/gpu.present", Some("true")).await;
+    common::wait_label(&api, "nvidia.com/gpu.present", Some("true"), T).await;
     let requests = api.requests();
     let throttled = requests.iter().position(|r| r.status == 429).expect("a 429 was served");
     let next = &requests[throttled + 1..];
@@ -340,7 +329,7 @@ async fn a_label_write_throttled_by_429_waits_out_retry_after_whatever_changes_m
         api.set_annotation(NODE, "example.com/touched", Some(&i.to_string()));
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
-    wait_label(&api, "nvidia.com/gpu.present", Some("true")).await;
+    common::wait_label(&api, "nvidia.com/gpu.present", Some("true"), T).await;
     // The label is in the store a moment before the request that wrote it is in the log.
     assert!(
         api.wait_for(T, |a| a
@@ -384,7 +373,7 @@ async fn unauthorized_is_a_clear_error_and_retried() {
     assert!(agent.running(), "a 401 is not fatal");
     // The credentials become valid (say, RBAC fixed): the agent carries on by itself.
     api.add_token(TOKEN, "system:node:gpu-node-1");
-    wait_label(&api, "nvidia.com/gpu.present", Some("true")).await;
+    common::wait_label(&api, "nvidia.com/gpu.present", Some("true"), T).await;
     assert_eq!(agent.stop(), 0);
 }
 
@@ -401,7 +390,7 @@ async fn a_rotated_token_file_is_used() {
     install(&node, &api, KubeconfigAuth::TokenFile(PathBuf::from("token")));
     let kubelet = kubelet(&node).await;
     let agent = node.spawn();
-    wait_label(&api, "nvidia.com/gpu.present", Some("true")).await;
+    common::wait_label(&api, "nvidia.com/gpu.present", Some("true"), T).await;
     // Rotate: the new token is written, the old one stops working.
     api.add_token("rotated-token-9876543210", "system:serviceaccount:gpu:agent");
     std::fs::write(dir.join("token.new"), "rotated-token-9876543210").expect("new token");
@@ -409,7 +398,7 @@ async fn a_rotated_token_file_is_used() {
     api.remove_token(TOKEN);
     api.drop_watches();
     api.set_label(NODE, "nvidia.com/device-plugin.config", Some("mig-mixed"));
-    wait_label(&api, "nvidia.com/device-plugin.config.state", Some("success")).await;
+    common::wait_label(&api, "nvidia.com/device-plugin.config.state", Some("success"), T).await;
     kubelet
         .wait_for_devices(GPU, T, |d| d.len() == 1)
         .await
@@ -441,7 +430,7 @@ async fn an_exec_credential_plugin_is_run_and_cached() {
         },
     );
     let agent = node.spawn();
-    wait_label(&api, "nvidia.com/gpu.present", Some("true")).await;
+    common::wait_label(&api, "nvidia.com/gpu.present", Some("true"), T).await;
     assert!(
         api.wait_for(T, |a| a.open_watches() > 0).await,
         "the agent watches with the plugin's token"
@@ -530,8 +519,8 @@ async fn credentials_that_appear_after_start_are_picked_up() {
     install(&node, &api, KubeconfigAuth::Token(TOKEN.into()));
     // Looked for again every 10 s.
     let later = Duration::from_secs(30);
-    wait_label_within(&api, "nvidia.com/gpu.present", Some("true"), later).await;
-    wait_label_within(&api, "nvidia.com/device-plugin.config.state", Some("success"), later).await;
+    common::wait_label(&api, "nvidia.com/gpu.present", Some("true"), later).await;
+    common::wait_label(&api, "nvidia.com/device-plugin.config.state", Some("success"), later).await;
     kubelet
         .wait_for_devices(GPU, later, |d| d.len() == 2)
         .await
@@ -551,7 +540,7 @@ async fn only_owned_labels_are_removed_and_steady_state_writes_nothing() {
     // A label under our prefix that the agent never wrote.
     api.set_label(NODE, "nvidia.com/custom", Some("keep-me"));
     let agent = node.spawn();
-    wait_label(&api, "nvidia.com/gpu.count", Some("2")).await;
+    common::wait_label(&api, "nvidia.com/gpu.count", Some("2"), T).await;
     // Steady state: watches renew, nothing is written.
     tokio::time::sleep(Duration::from_millis(500)).await;
     api.clear_requests();
@@ -570,7 +559,7 @@ async fn only_owned_labels_are_removed_and_steady_state_writes_nothing() {
     // Restart with feature labels off: the agent removes what it wrote, and only that.
     node.write_config("[labels]\nreport_features = false\n");
     let agent = node.spawn();
-    wait_label(&api, "nvidia.com/gpu.count", None).await;
+    common::wait_label(&api, "nvidia.com/gpu.count", None, T).await;
     let labels = api.labels(NODE);
     assert_eq!(labels.get("nvidia.com/custom").map(String::as_str), Some("keep-me"));
     assert_eq!(labels.get("team").map(String::as_str), Some("ml"));
@@ -621,7 +610,7 @@ async fn an_oversized_node_is_an_error_and_memory_stays_bounded() {
         "{error}"
     );
     // Retried until the faults are used up; then the watches get their oversized event.
-    wait_label(&api, "nvidia.com/gpu.present", Some("true")).await;
+    common::wait_label(&api, "nvidia.com/gpu.present", Some("true"), T).await;
     assert!(
         api.wait_for(T, |a| a.count("GET", "/api/v1/nodes") > 33 && a.open_watches() > 0)
             .await,
@@ -728,7 +717,7 @@ async fn a_token_is_not_sent_to_a_plain_http_api_server_unless_allowed() {
 
     node.write_config("[kubernetes]\nallow_insecure_http = true\n");
     let agent = node.spawn();
-    wait_label(&api, "nvidia.com/gpu.present", Some("true")).await;
+    common::wait_label(&api, "nvidia.com/gpu.present", Some("true"), T).await;
     assert!(
         api.requests()
             .iter()

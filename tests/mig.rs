@@ -40,20 +40,13 @@ async fn setup_with_strategy(strategy: &str, extra: &str) -> (TestApiServer, Nod
     (api, node, kubelet)
 }
 
-async fn wait_label(api: &TestApiServer, key: &str, value: Option<&str>) {
-    let ok = api
-        .wait_for(T, |a| a.labels(NODE).get(key).map(String::as_str) == value)
-        .await;
-    assert!(ok, "label {key} never became {value:?}; labels: {:?}", api.labels(NODE));
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_layout_label_is_applied_and_the_kubelet_sees_the_new_resources() {
     let (api, node, kubelet) = setup("").await;
     let agent = node.spawn();
-    wait_label(&api, "nvidia.com/gpu.present", Some("true")).await;
+    common::wait_label(&api, "nvidia.com/gpu.present", Some("true"), T).await;
     api.set_label(NODE, "nvidia.com/mig.config", Some("all-1g.5gb"));
-    wait_label(&api, STATE, Some("success")).await;
+    common::wait_label(&api, STATE, Some("success"), T).await;
     let devices = kubelet
         .wait_for_devices("nvidia.com/mig-1g.5gb", T, |d| d.len() == 14)
         .await
@@ -63,7 +56,7 @@ async fn a_layout_label_is_applied_and_the_kubelet_sees_the_new_resources() {
             .iter()
             .all(|d| d.id.starts_with("MIG-") && d.health == "Healthy")
     );
-    wait_label(&api, "nvidia.com/mig-1g.5gb.count", Some("14")).await;
+    common::wait_label(&api, "nvidia.com/mig-1g.5gb.count", Some("14"), T).await;
     let ok = api
         .wait_for(T, |a| a.events().iter().any(|e| e["reason"] == "MigConfigApplied"))
         .await;
@@ -85,7 +78,7 @@ async fn a_layout_label_is_applied_and_the_kubelet_sees_the_new_resources() {
         .wait_for_devices("nvidia.com/mig-1g.5gb", T, |d| d.len() == 4)
         .await
         .expect("2 per GPU");
-    wait_label(&api, "nvidia.com/mig-2g.10gb.count", Some("2")).await;
+    common::wait_label(&api, "nvidia.com/mig-2g.10gb.count", Some("2"), T).await;
     assert_eq!(agent.stop(), 0);
 
     // A restart with the same label changes nothing on the GPUs.
@@ -103,7 +96,7 @@ async fn an_unknown_or_impossible_layout_fails_and_changes_nothing() {
     let impossible = "[[mig.layouts.too-much]]\ndevices = \"all\"\nmig_enabled = true\nprofiles = { \"1g.10gb\" = 4, \"1g.5gb\" = 1 }\n";
     let (api, node, kubelet) = setup(impossible).await;
     let agent = node.spawn();
-    wait_label(&api, "nvidia.com/gpu.present", Some("true")).await;
+    common::wait_label(&api, "nvidia.com/gpu.present", Some("true"), T).await;
     api.set_label(NODE, "nvidia.com/mig.config", Some("all-1g.5gb"));
     kubelet
         .wait_for_devices("nvidia.com/mig-1g.5gb", T, |d| d.len() == 14)
@@ -111,7 +104,7 @@ async fn an_unknown_or_impossible_layout_fails_and_changes_nothing() {
         .expect("applied");
 
     api.set_label(NODE, "nvidia.com/mig.config", Some("no-such-layout"));
-    wait_label(&api, STATE, Some("failed")).await;
+    common::wait_label(&api, STATE, Some("failed"), T).await;
     let status = node.wait_status(T, |s| common::stage_is(s, StageId::Mig, StageState::Failed));
     let error = common::stage_error(&status, StageId::Mig)
         .unwrap_or_default()
@@ -157,7 +150,7 @@ async fn an_unknown_or_impossible_layout_fails_and_changes_nothing() {
 async fn all_1g_then_7g_under_gpu_work(extra: &str) -> (TestApiServer, Node, TestKubelet, common::Agent) {
     let (api, node, kubelet) = setup(extra).await;
     let agent = node.spawn();
-    wait_label(&api, "nvidia.com/gpu.present", Some("true")).await;
+    common::wait_label(&api, "nvidia.com/gpu.present", Some("true"), T).await;
     api.set_label(NODE, "nvidia.com/mig.config", Some("all-1g.5gb"));
     kubelet
         .wait_for_devices("nvidia.com/mig-1g.5gb", T, |d| d.len() == 14)
@@ -171,7 +164,7 @@ async fn all_1g_then_7g_under_gpu_work(extra: &str) -> (TestApiServer, Node, Tes
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn gpu_work_keeps_the_layout_pending_until_it_ends() {
     let (api, node, kubelet, agent) = all_1g_then_7g_under_gpu_work("").await;
-    wait_label(&api, STATE, Some("pending")).await;
+    common::wait_label(&api, STATE, Some("pending"), T).await;
     // `pending` while changing, then with the reason it waits.
     let status = node.wait_status(T, |s| {
         common::stage_is(s, StageId::Mig, StageState::Pending) && common::stage_error(s, StageId::Mig).is_some()
@@ -214,7 +207,7 @@ async fn gpu_work_keeps_the_layout_pending_until_it_ends() {
 
     // The work ends: the layout is applied.
     node.set_injection("processes", "");
-    wait_label(&api, STATE, Some("success")).await;
+    common::wait_label(&api, STATE, Some("success"), T).await;
     kubelet
         .wait_for_devices("nvidia.com/mig-7g.40gb", T, |d| d.len() == 2)
         .await
@@ -826,7 +819,7 @@ fn a_gpu_without_mig_is_skipped_by_devices_all() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_layout_given_up_on_stays_failed_until_the_work_ends_then_applies() {
     let (api, node, kubelet, agent) = all_1g_then_7g_under_gpu_work("[mig]\nprocess_wait_timeout = \"1s\"\n").await;
-    wait_label(&api, STATE, Some("failed")).await;
+    common::wait_label(&api, STATE, Some("failed"), T).await;
     let status = node.wait_status(T, |s| common::stage_is(s, StageId::Mig, StageState::Failed));
     let reason = common::stage_error(&status, StageId::Mig)
         .unwrap_or_default()
@@ -872,9 +865,9 @@ async fn a_layout_given_up_on_stays_failed_until_the_work_ends_then_applies() {
 async fn the_state_is_pending_while_a_layout_is_applied() {
     let (api, node, _kubelet) = setup("").await;
     let agent = node.spawn();
-    wait_label(&api, "nvidia.com/gpu.present", Some("true")).await;
+    common::wait_label(&api, "nvidia.com/gpu.present", Some("true"), T).await;
     api.set_label(NODE, "nvidia.com/mig.config", Some("all-1g.5gb"));
-    wait_label(&api, STATE, Some("success")).await;
+    common::wait_label(&api, STATE, Some("success"), T).await;
     // The state PATCHes of the new layout, in the order they arrived (the log's own order can
     // differ: an entry is added after its answer).
     let asked = std::time::Instant::now();
@@ -949,9 +942,9 @@ async fn rebooting_reaches_the_node_before_the_reboot() {
 async fn at_boot_without_the_api_server_the_last_layout_is_applied_again() {
     let (api, node, kubelet) = setup("").await;
     let agent = node.spawn();
-    wait_label(&api, "nvidia.com/gpu.present", Some("true")).await;
+    common::wait_label(&api, "nvidia.com/gpu.present", Some("true"), T).await;
     api.set_label(NODE, "nvidia.com/mig.config", Some("all-1g.5gb"));
-    wait_label(&api, STATE, Some("success")).await;
+    common::wait_label(&api, STATE, Some("success"), T).await;
     assert_eq!(agent.stop(), 0);
 
     // "Reboot": the MIG devices are gone, and the API server does not answer.
@@ -975,20 +968,21 @@ async fn at_boot_without_the_api_server_the_last_layout_is_applied_again() {
 async fn under_the_single_strategy_a_layout_is_advertised_as_nvidia_com_gpu() {
     let (api, node, kubelet) = setup_with_strategy("single", "").await;
     let agent = node.spawn();
-    wait_label(&api, "nvidia.com/gpu.present", Some("true")).await;
+    common::wait_label(&api, "nvidia.com/gpu.present", Some("true"), T).await;
     api.set_label(NODE, "nvidia.com/mig.config", Some("all-3g.20gb"));
-    wait_label(&api, STATE, Some("success")).await;
+    common::wait_label(&api, STATE, Some("success"), T).await;
     kubelet
         .wait_for_devices("nvidia.com/gpu", T, |d| {
             d.len() == 4 && d.iter().all(|d| d.id.starts_with("MIG-"))
         })
         .await
         .expect("2 × 3g.20gb per GPU as nvidia.com/gpu");
-    wait_label(&api, "nvidia.com/mig.strategy", Some("single")).await;
-    wait_label(
+    common::wait_label(&api, "nvidia.com/mig.strategy", Some("single"), T).await;
+    common::wait_label(
         &api,
         "nvidia.com/gpu.product",
         Some("NVIDIA-A100-SXM4-40GB-MIG-3g.20gb"),
+        T,
     )
     .await;
     assert_eq!(agent.stop(), 0);
@@ -1005,7 +999,7 @@ async fn at_start_pending_reaches_the_node_before_the_layout_is_applied() {
         .wait_for_devices("nvidia.com/mig-1g.5gb", T, |d| d.len() == 14)
         .await
         .expect("applied");
-    wait_label(&api, STATE, Some("success")).await;
+    common::wait_label(&api, STATE, Some("success"), T).await;
     let pending = format!("\"{STATE}\":\"pending\"");
     assert!(
         api.requests()

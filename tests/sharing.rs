@@ -36,13 +36,6 @@ async fn setup(machine: &str, config: &str, labels: &[(&str, &str)]) -> (TestApi
     (api, node, kubelet)
 }
 
-async fn wait_label(api: &TestApiServer, key: &str, value: Option<&str>) {
-    let ok = api
-        .wait_for(T, |a| a.labels(NODE).get(key).map(String::as_str) == value)
-        .await;
-    assert!(ok, "label {key} never became {value:?}; labels: {:?}", api.labels(NODE));
-}
-
 fn ids(devices: &[test_kubelet::api::Device]) -> Vec<String> {
     let mut ids: Vec<String> = devices.iter().map(|d| d.id.clone()).collect();
     ids.sort();
@@ -114,10 +107,10 @@ async fn four_replicas_on_two_gpus_are_eight_shared_gpus_one_per_container() {
     assert_eq!(spread, [want[4].clone(), want[5].clone()]);
 
     // The GPU feature labels say how the GPUs are shared (renamed: no -SHARED product).
-    wait_label(&api, "nvidia.com/gpu.replicas", Some("4")).await;
-    wait_label(&api, "nvidia.com/gpu.sharing-strategy", Some("time-slicing")).await;
-    wait_label(&api, "nvidia.com/gpu.product", Some("NVIDIA-A100-SXM4-40GB")).await;
-    wait_label(&api, PROFILE_STATE, Some("success")).await;
+    common::wait_label(&api, "nvidia.com/gpu.replicas", Some("4"), T).await;
+    common::wait_label(&api, "nvidia.com/gpu.sharing-strategy", Some("time-slicing"), T).await;
+    common::wait_label(&api, "nvidia.com/gpu.product", Some("NVIDIA-A100-SXM4-40GB"), T).await;
+    common::wait_label(&api, PROFILE_STATE, Some("success"), T).await;
 
     // The packed profile: same resource, so the same stream. Preferred allocation fills the
     // busier GPU first: with one replica of GPU 0 in use, a single replica goes to GPU 0 (it went
@@ -166,7 +159,7 @@ async fn four_replicas_on_two_gpus_are_eight_shared_gpus_one_per_container() {
 
     // A profile that does not exist changes nothing and says so.
     api.set_label(NODE, PROFILE, Some("shared8"));
-    wait_label(&api, PROFILE_STATE, Some("failed")).await;
+    common::wait_label(&api, PROFILE_STATE, Some("failed"), T).await;
     let status = node.wait_status(T, |s| {
         common::desired_is(s, |d| d.profile.state == ProfileState::Failed)
     });
@@ -214,8 +207,8 @@ async fn a_label_change_swaps_shared_resources_in_place() {
         .expect("the whole GPU, 4 ways");
     kubelet.wait_for_devices(MIG1G, T, |d| d.len() == 2).await.expect("1g");
     kubelet.wait_for_devices(MIG3G, T, |d| d.len() == 1).await.expect("3g");
-    wait_label(&api, "nvidia.com/gpu.replicas", Some("4")).await;
-    wait_label(&api, "nvidia.com/mig-1g.10gb.replicas", Some("1")).await;
+    common::wait_label(&api, "nvidia.com/gpu.replicas", Some("4"), T).await;
+    common::wait_label(&api, "nvidia.com/mig-1g.10gb.replicas", Some("1"), T).await;
     let status = node.wait_status(T, |s| {
         common::desired_is(s, |d| d.profile.applied.as_deref() == Some("share-gpu"))
     });
@@ -238,8 +231,8 @@ async fn a_label_change_swaps_shared_resources_in_place() {
         .await
         .expect("gpu.shared withdrawn");
     kubelet.wait_for_disconnect(MIG1G, T).await.expect("1g withdrawn");
-    wait_label(&api, "nvidia.com/mig-1g.10gb.replicas", Some("2")).await;
-    wait_label(&api, "nvidia.com/gpu.replicas", Some("1")).await;
+    common::wait_label(&api, "nvidia.com/mig-1g.10gb.replicas", Some("2"), T).await;
+    common::wait_label(&api, "nvidia.com/gpu.replicas", Some("1"), T).await;
 
     // Same process; the servers of removed resources stopped and their sockets went.
     let status = node.wait_status(T, |s| {

@@ -638,6 +638,19 @@ pub fn events_with(api: &test_apiserver::TestApiServer, reason: &str) -> Vec<ser
         .collect()
 }
 
+/// Waits up to `within` for the Node's label `key` to be `value` (`None`: absent); panics with
+/// the labels when it does not get there.
+pub async fn wait_label(api: &test_apiserver::TestApiServer, key: &str, value: Option<&str>, within: Duration) {
+    let ok = api
+        .wait_for(within, |a| a.labels(NODE_NAME).get(key).map(String::as_str) == value)
+        .await;
+    assert!(
+        ok,
+        "label {key} never became {value:?}; labels: {:?}",
+        api.labels(NODE_NAME)
+    );
+}
+
 /// Waits (20 s) for an Event with `reason` and returns the first one.
 pub async fn event_posted(api: &test_apiserver::TestApiServer, reason: &str) -> serde_json::Value {
     let posted = api
