@@ -16,7 +16,7 @@ use crate::config::Config;
 use crate::exit::Exit;
 use crate::host::HostRoot;
 use crate::host::{WriteError, write_atomic};
-pub use crate::plugin::manager::ResourceStatus;
+use crate::plugin::manager::ResourceStatus;
 use std::process::ExitCode;
 
 /// Bumped when a field changes meaning; scripts check it.

@@ -2224,9 +2224,8 @@ mod host_readers {
 mod status {
     use super::*;
     use gpu_node_agent::desired::{ProfileOutcome, ProfileState, Selection, Source};
-    use gpu_node_agent::status::{
-        DesiredStatus, GpuStatus, MigStatus, ResourceStatus, StageState, StageStatus, Status, report,
-    };
+    use gpu_node_agent::plugin::manager::ResourceStatus;
+    use gpu_node_agent::status::{DesiredStatus, GpuStatus, MigStatus, StageState, StageStatus, Status, report};
 
     fn text() -> impl Strategy<Value = String> {
         prop_oneof![3 => "[a-z0-9 .:/-]{0,12}", 1 => any::<String>().prop_map(|s| s.chars().take(16).collect())]
