@@ -7,6 +7,7 @@
 use std::path::{Path, PathBuf};
 
 use super::cdi;
+use super::engine::FileError;
 use super::stage::{RuntimeError, read_optional};
 use crate::config::{CdiHook, Config};
 use crate::edits::{DeviceNodes, NodeEdits};
@@ -210,7 +211,7 @@ pub fn write_extra_cdi(root: &HostRoot, specs: &[(PathBuf, Option<String>)]) -> 
                 changed = true;
             }
             None if current.is_some() => {
-                std::fs::remove_file(&host).map_err(|source| RuntimeError::Read {
+                std::fs::remove_file(&host).map_err(|source| FileError::Read {
                     path: host.clone(),
                     source,
                 })?;

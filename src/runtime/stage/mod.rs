@@ -38,22 +38,9 @@ use crate::host::{HostRoot, WriteError};
 /// Why the runtime stage failed. Nothing is left half-written: files are restored first.
 #[derive(Debug, thiserror::Error)]
 pub enum RuntimeError {
-    #[error("cannot read {path}: {source}")]
-    Read { path: PathBuf, source: io::Error },
-    /// `file` (a host path) is, or goes through, the symbolic link `link` to `target` (as the
-    /// link says it), which cannot be followed.
-    #[error(
-        "{}: the symbolic link {} -> {} {why}; nothing was changed",
-        file.display(),
-        link.display(),
-        target.display()
-    )]
-    Link {
-        file: PathBuf,
-        link: PathBuf,
-        target: PathBuf,
-        why: &'static str,
-    },
+    /// A host file could not be read, or a link on its way cannot be followed.
+    #[error(transparent)]
+    File(#[from] FileError),
     #[error("{0}; nothing was changed")]
     Edit(#[from] EditError),
     #[error(
@@ -95,25 +82,6 @@ fn restored(again: &Option<String>) -> String {
     }
 }
 
-impl From<FileError> for RuntimeError {
-    fn from(e: FileError) -> RuntimeError {
-        match e {
-            FileError::Read { path, source } => RuntimeError::Read { path, source },
-            FileError::Link {
-                file,
-                link,
-                target,
-                why,
-            } => RuntimeError::Link {
-                file,
-                link,
-                target,
-                why,
-            },
-        }
-    }
-}
-
 /// The text of the file at `path`; `None` when there is none.
 pub(super) fn read_optional(path: &Path) -> Result<Option<String>, RuntimeError> {
     Ok(engine::read_optional(path)?)
@@ -123,7 +91,7 @@ pub(super) fn read_optional(path: &Path) -> Result<Option<String>, RuntimeError>
 /// would with the root as `/` (a relative target against the link's directory, an absolute one
 /// under the root, `..` never above the root). Returns a host path; components that do not
 /// exist are kept as they are (a file still to be created). A link whose target does not exist,
-/// or a loop, is [`RuntimeError::Link`] naming `path` and that link.
+/// or a loop, is [`FileError::Link`] naming `path` and that link.
 pub fn resolve(root: &HostRoot, path: &Path) -> Result<PathBuf, RuntimeError> {
     Ok(engine::resolve(root, path)?)
 }
@@ -165,7 +133,7 @@ mod tests {
         // Absolute targets are host paths: under the root, never the machine's own /srv.
         let err = resolve(&root, Path::new("/etc/docker/daemon.json")).unwrap_err();
         assert!(
-            matches!(&err, RuntimeError::Link { link, target, .. }
+            matches!(&err, RuntimeError::File(FileError::Link { link, target, .. })
                 if link == Path::new("/etc/docker/daemon.json") && target == Path::new("/srv/cfg/daemon.json")),
             "{err}"
         );
@@ -176,7 +144,7 @@ mod tests {
     fn a_link_loop_is_an_error_naming_the_file() {
         let (_tmp, root) = host(&[], &[("/etc/a.toml", "b.toml"), ("/etc/b.toml", "/etc/a.toml")]);
         let err = resolve(&root, Path::new("/etc/a.toml")).unwrap_err();
-        let RuntimeError::Link { file, why, .. } = &err else {
+        let RuntimeError::File(FileError::Link { file, why, .. }) = &err else {
             panic!("{err}");
         };
         assert_eq!(file, Path::new("/etc/a.toml"));
