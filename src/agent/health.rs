@@ -98,7 +98,7 @@ impl HealthRelay {
                     self.withdrawn = withdrawn.borrow_and_update().clone();
                     self.forward().await;
                 }
-                () = super::sleep_until(expiry) => {
+                () = super::wait::sleep_until(expiry) => {
                     let recovered = self.tracker.lock().expire(Instant::now());
                     if recovered {
                         self.forward().await;
