@@ -38,9 +38,10 @@ mod validation;
 mod wait;
 
 use device_plugin::{DevicePluginStage, InventoryRead};
-pub use device_plugin::{advertised_resources, allocate_options, health_policy, summary};
+pub use device_plugin::{advertised_resources, allocate_options, summary};
 pub use driver::driver_command;
 pub use error::AgentError;
+pub use health::health_policy;
 pub use mig::mig_command;
 pub use nvml::nvml_library;
 pub use operator::migrate_command;

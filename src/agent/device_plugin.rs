@@ -1,9 +1,8 @@
 //! The device plugin stage: its value ([`DevicePluginStage`]: the plugin context, the profile
 //! and settings in effect, what was advertised last and why it could not be), reading the
-//! inventory, the resources it gives, the health policy and the Allocate options the config
-//! describes, when the registration has settled, and the stage's status from what the plugin
-//! manager reports. The loop (`agent.rs`) puts the steps together: the inventory read here is
-//! every stage's input.
+//! inventory, the resources it gives, the Allocate options the config describes, when the
+//! registration has settled, and the stage's status from what the plugin manager reports. The
+//! loop (`agent.rs`) puts the steps together: the inventory read here is every stage's input.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -22,7 +21,6 @@ use crate::edits::DeviceNodes;
 use crate::host::HostRoot;
 use crate::nvml::{Gpus, Inventory};
 use crate::plugin::allocate::AllocateOptions;
-use crate::plugin::health::HealthPolicy;
 use crate::plugin::manager::{Command, PluginStatus};
 use crate::plugin::server::PluginContext;
 use crate::plugin::sharing::apply_sharing;
@@ -227,17 +225,6 @@ pub(super) fn push_dra_inventory(pass: &Pass<'_>) {
         }
         changed
     });
-}
-
-/// The health policy the config describes.
-pub fn health_policy(config: &Config) -> HealthPolicy {
-    let h = &config.health;
-    HealthPolicy {
-        enabled: h.enabled,
-        ignored_xids: h.ignored_xids.iter().map(|x| u64::from(*x)).collect(),
-        critical_xids: h.critical_xids.iter().map(|x| u64::from(*x)).collect(),
-        recovery_after: (!h.recovery_after.is_zero()).then_some(h.recovery_after),
-    }
 }
 
 /// The Allocate options the config describes, with host paths under the root.

@@ -215,9 +215,9 @@ impl Fixture {
             held: Held::default(),
             services: Services {
                 link: None,
-                tracker: SharedTracker::new(crate::plugin::health::HealthTracker::new(
-                    super::device_plugin::health_policy(&Config::default()),
-                )),
+                tracker: SharedTracker::new(crate::plugin::health::HealthTracker::new(super::health::health_policy(
+                    &Config::default(),
+                ))),
                 commands: None,
                 metrics: None,
                 dra: None,

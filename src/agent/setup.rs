@@ -12,7 +12,8 @@ use tokio::sync::{mpsc, watch};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
-use super::device_plugin::{DevicePluginStage, health_policy};
+use super::device_plugin::DevicePluginStage;
+use super::health::health_policy;
 use super::nvml::Nvml;
 use super::pass::Services;
 use super::stage::Stages;
