@@ -3,38 +3,30 @@
 //! resync, status reporting, and a clean stop on SIGTERM.
 
 use std::collections::BTreeSet;
-use std::path::PathBuf;
 use std::pin::Pin;
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use tokio::signal::unix::{SignalKind, signal};
-use tokio::sync::{mpsc, watch};
 use tokio_util::sync::CancellationToken;
 
 use crate::cluster::LabelsView;
-use crate::config::{Config, DevicePluginConfig};
-use crate::desired::{Desired, ProfileOutcome, ProfileState, choose_profile};
-use crate::exit::Exit;
+use crate::config::Config;
+use crate::desired::Desired;
 use crate::host::HostRoot;
-use crate::host::arch::HostArch;
-use crate::kube::EventType;
-use crate::nvml::{GpuError, Gpus, HealthEvent, Inventory};
-use crate::plugin::manager::{Command, PluginStatus};
-use crate::plugin::server::PluginContext;
-use crate::plugin::sharing::SharingError;
-use crate::plugin::strategy::StrategyError;
+use crate::nvml::{Gpus, Inventory};
+use crate::plugin::manager::PluginStatus;
 use crate::status::{StageId, StageState};
 
 mod device_plugin;
 mod devnodes;
 mod driver;
+mod error;
 mod health;
 mod memlimit;
 mod metrics;
 mod mig;
 mod mps;
+mod nvml;
 mod operator;
 mod pass;
 pub mod plan;
@@ -43,49 +35,21 @@ mod runtime;
 mod setup;
 mod stage;
 mod validation;
+mod wait;
 
-pub use device_plugin::{advertised_resources, allocate_options, health_policy, summary};
+use device_plugin::{DevicePluginStage, InventoryRead};
+pub use device_plugin::{advertised_resources, allocate_options, summary};
 pub use driver::driver_command;
+pub use error::AgentError;
+pub use health::health_policy;
 pub use mig::mig_command;
+pub use nvml::nvml_library;
 pub use operator::migrate_command;
 use pass::{Note, Outbox, Pass};
 pub use runtime::{cdi_generate, runtime_command};
+pub use stage::EXIT_PENDING;
 use stage::Stages;
-
-/// `run --once` exit code when a stage waits (GPU work holds a MIG or driver change):
-/// EX_TEMPFAIL, try again later.
-pub const EXIT_PENDING: i32 = Exit::TryLater as i32;
-
-/// Why the agent stopped with an error.
-#[derive(Debug, thiserror::Error)]
-pub enum AgentError {
-    #[error("{0}")]
-    Nvml(#[from] GpuError),
-    #[error("{0}")]
-    Strategy(#[from] StrategyError),
-    #[error("{0}")]
-    Sharing(#[from] SharingError),
-    #[error("cannot install signal handlers: {0}")]
-    Signals(std::io::Error),
-    #[error("cannot start the NVML health watcher thread: {0}")]
-    HealthThread(std::io::Error),
-}
-
-impl AgentError {
-    /// Exit code: 69 (EX_UNAVAILABLE) when NVML is missing, 1 otherwise.
-    pub fn exit_code(&self) -> i32 {
-        match self {
-            AgentError::Nvml(_) => Exit::NoNvml.code(),
-            _ => Exit::Failed.code(),
-        }
-    }
-}
-
-/// The NVML library to load ([`crate::nvml::library_path`]): a path under the root; a soname
-/// as-is on the real root, else found in the node's library folders for its architecture.
-pub fn nvml_library(config: &Config, root: &HostRoot) -> PathBuf {
-    crate::nvml::library_path(&config.nvml.library, root, &HostArch::read(root))
-}
+use wait::{changed, dra_status_changed, next_view, or_stop, sleep_until};
 
 /// How often a long step before READY asks systemd for more start time (without a watchdog;
 /// with one, at its ping interval).
@@ -123,16 +87,16 @@ macro_rules! pass {
             root: &$a.root,
             once: $a.once,
             stop: &$a.stop,
-            gpus: $a.gpus.as_ref(),
+            gpus: $a.nvml.gpus.as_ref(),
             inventory: $a.inventory.as_ref(),
             view: &$a.view,
             desired: &$a.desired_sel,
-            dp: &$a.dp,
+            dp: &$a.device_plugin.dp,
             stages: &$a.stages,
             withdrawn: &$a.withdrawn,
             plugin: &$a.plugin_status,
-            advertised: &$a.desired,
-            plan_error: $a.plan_error.as_deref(),
+            advertised: &$a.device_plugin.advertised,
+            plan_error: $a.device_plugin.plan_error.as_deref(),
             runtime_plan: $a.runtime_plan.as_ref(),
             held: &$a.held,
             services: &$a.services,
@@ -163,27 +127,16 @@ struct Agent {
     config: Config,
     root: HostRoot,
     once: bool,
-    gpus: Option<Gpus>,
+    /// NVML and its health watcher; why the node idles when it has no GPU.
+    nvml: nvml::Nvml,
     inventory: Option<Inventory>,
     /// Cancelled at SIGTERM/SIGINT: every long step stops at its next safe point.
     stop: CancellationToken,
     /// Every stage's status and retry state, by id.
     stages: Stages,
     plugin_status: PluginStatus,
-    /// The plugin manager's status as it changes, for [`Agent::await_registration`].
-    plugin_watch: Option<watch::Receiver<PluginStatus>>,
-    health_tx: mpsc::UnboundedSender<HealthEvent>,
-    health_stop: Option<Arc<AtomicBool>>,
-    watched: BTreeSet<String>,
-    base_ctx: PluginContext,
-    /// Names of the resources last handed to the plugin manager.
-    desired: Vec<String>,
-    /// Why the device-plugin stage cannot advertise what it should (inventory or strategy).
-    plan_error: Option<String>,
-    /// The effective `[device_plugin]` settings: the config with the selected profile applied.
-    dp: DevicePluginConfig,
-    /// How the device plugin profile was chosen, for labels, Events and status.
-    profile: ProfileOutcome,
+    /// The device plugin stage: the plugin context, the profile, what was advertised.
+    device_plugin: DevicePluginStage,
     /// The labels last read from the link.
     view: LabelsView,
     /// What those labels ask for.
@@ -215,9 +168,6 @@ struct Agent {
     operator: operator::OperatorState,
     /// The device nodes and `/dev/char` links.
     devnodes: devnodes::DevNodes,
-    /// Set on a node with no NVIDIA GPU (none on the PCI bus, and NVML cannot load): why. The
-    /// agent idles, every stage skipped, and looks again every `nvml.retry_interval`.
-    no_gpu: Option<String>,
 }
 
 /// Runs the agent until SIGTERM/SIGINT (or one pass with `once`). Returns the process exit code.
@@ -231,14 +181,35 @@ pub async fn run(config: Config, root: HostRoot, once: bool) -> Result<i32, Agen
     let stop = CancellationToken::new();
     tokio::spawn(setup::stop_on_signals(sigterm, sigint, stop.clone()));
 
-    let setup::Started {
-        mut agent,
-        mut view_rx,
-        mut plugin_rx,
-        manager_task,
-        relay_task,
-        mut health_changed,
-    } = setup::start(config, root, once, &stop).await;
+    let started = setup::start(config, root, once, &stop).await;
+    let (mut view_rx, mut plugin_rx, mut health_changed) = (started.view_rx, started.plugin_rx, started.health_changed);
+    let (manager_task, relay_task) = (started.manager_task, started.relay_task);
+    let mut agent = Agent {
+        config: started.config,
+        root: started.root,
+        once,
+        nvml: started.nvml,
+        inventory: None,
+        stop: stop.clone(),
+        stages: started.stages,
+        plugin_status: PluginStatus::default(),
+        device_plugin: started.device_plugin,
+        view: started.view,
+        desired_sel: started.desired,
+        runtime: runtime::RuntimeStage::default(),
+        runtime_plan: None,
+        held: pass::Held::default(),
+        validation: validation::ValidationStage::default(),
+        memory: memlimit::MemoryLimits::default(),
+        mig: mig::MigStage::default(),
+        mps: mps::MpsState::new(),
+        reporter: started.reporter,
+        services: started.services,
+        withdrawn: BTreeSet::new(),
+        driver: driver::DriverStage::default(),
+        operator: operator::OperatorState::default(),
+        devnodes: devnodes::DevNodes::default(),
+    };
     // Until READY, a long step (a driver install or build) extends systemd's start timeout while
     // it runs.
     let extend_start = (!once && agent.reporter.notifier().enabled()).then(|| {
@@ -255,10 +226,10 @@ pub async fn run(config: Config, root: HostRoot, once: bool) -> Result<i32, Agen
     }
     // NVML: fatal when fail_on_init_error, else retried in the loop below. A node with no NVIDIA
     // GPU at all (a CPU node of a fleet that installs the package everywhere) idles instead.
-    if agent.gpus.is_none()
+    if agent.nvml.gpus.is_none()
         && let Err(e) = agent.open_nvml()
     {
-        if let Some(why) = agent.without_gpus(&e) {
+        if let Some(why) = nvml::without_gpus(&agent.root, &e) {
             tracing::info!(
                 "{why}: idle, nothing is configured; looking for a GPU every {:?}",
                 agent.config.nvml.retry_interval
@@ -286,16 +257,7 @@ pub async fn run(config: Config, root: HostRoot, once: bool) -> Result<i32, Agen
             return Ok(EXIT_PENDING);
         }
         agent.write_status("once");
-        // Pending counts as not done: the bootstrap should not go on as if MIG were applied. It
-        // is EX_TEMPFAIL (75, "try again later": GPU work holds a change), a failure is 1.
-        let states: Vec<StageState> = agent.stages.iter().map(|s| s.status.state).collect();
-        return Ok(if states.contains(&StageState::Failed) {
-            1
-        } else if states.contains(&StageState::Pending) {
-            EXIT_PENDING
-        } else {
-            0
-        });
+        return Ok(agent.stages.once_exit_code());
     }
 
     let mut resync = tokio::time::interval_at(
@@ -329,10 +291,10 @@ pub async fn run(config: Config, root: HostRoot, once: bool) -> Result<i32, Agen
             _ = watchdog.tick(), if watchdog_every.is_some() => crate::notify::beat(&agent.services.heartbeat),
             _ = sighup.recv() => {
                 tracing::info!("SIGHUP: re-reading the inventory, every stage runs now");
-                agent.retry_all_now();
+                agent.stages.all_now();
                 or_stop(&stop, agent.reconcile()).await;
             }
-            () = sleep_until(agent.next_retry()) => { or_stop(&stop, agent.reconcile()).await; }
+            () = sleep_until(agent.stages.next_retry()) => { or_stop(&stop, agent.reconcile()).await; }
             Ok(()) = changed(&mut health_changed) => {
                 // The relay has told the kubelet already; the reports follow.
                 agent.update_stage();
@@ -344,21 +306,24 @@ pub async fn run(config: Config, root: HostRoot, once: bool) -> Result<i32, Agen
                 or_stop(&stop, agent.reconcile()).await;
             }
             _ = resync.tick() => { or_stop(&stop, agent.reconcile()).await; }
-            _ = nvml_retry.tick(), if agent.gpus.is_none() => {
-                if agent.no_gpu.is_some() {
-                    if agent.gpu_appeared() {
+            _ = nvml_retry.tick(), if agent.nvml.gpus.is_none() => {
+                if agent.nvml.no_gpu.is_some() {
+                    if agent.nvml.gpu_appeared(&agent.config, &agent.root) {
+                        for stage in agent.stages.iter_mut() {
+                            stage.set(StageState::Pending, None, None);
+                        }
                         // The driver stage first (it may install the driver), then NVML.
-                        agent.retry_all_now();
+                        agent.stages.all_now();
                         or_stop(&stop, agent.reconcile()).await;
-                        if agent.gpus.is_none() && agent.open_nvml().is_ok() {
-                            agent.retry_all_now();
+                        if agent.nvml.gpus.is_none() && agent.open_nvml().is_ok() {
+                            agent.stages.all_now();
                             or_stop(&stop, agent.reconcile()).await;
                         }
                     }
                 } else {
                     match agent.open_nvml() {
                         Ok(()) => {
-                            agent.retry_all_now();
+                            agent.stages.all_now();
                             or_stop(&stop, agent.reconcile()).await;
                         }
                         Err(e) => tracing::warn!("NVML still unavailable: {e}"),
@@ -367,7 +332,7 @@ pub async fn run(config: Config, root: HostRoot, once: bool) -> Result<i32, Agen
             }
             Ok(view) = next_view(&mut view_rx) => {
                 agent.view = view;
-                agent.remember_desired();
+                setup::remember_desired(&agent.config, &agent.root, &agent.view);
                 let desired = Desired::from_labels(&agent.view.labels, &agent.config.labels);
                 let mig_changed = desired.mig_config != agent.desired_sel.mig_config;
                 agent.desired_sel = desired.clone();
@@ -401,61 +366,54 @@ pub async fn run(config: Config, root: HostRoot, once: bool) -> Result<i32, Agen
         dra.join().await;
     }
     // After the plugin is gone: quit the MPS daemons, compute mode DEFAULT back.
-    agent.mps.stop(agent.gpus.as_ref());
-    if let Some(stop) = agent.health_stop.take() {
-        stop.store(true, Ordering::Relaxed);
-    }
+    agent.mps.stop(agent.nvml.gpus.as_ref());
+    agent.nvml.stop_health();
     agent.plugin_status = plugin_rx.borrow().clone();
     agent.write_status("stopped");
     Ok(0)
 }
 
-/// Runs `work` until it ends or `stop` is cancelled, whichever comes first. A cancelled step is
-/// dropped at its await point; what it runs off the loop (NVML calls, commands) looks at the same
-/// token and ends at its next safe point.
-async fn or_stop<T>(stop: &CancellationToken, work: impl std::future::Future<Output = T>) -> Option<T> {
-    tokio::select! {
-        biased;
-        () = stop.cancelled() => None,
-        done = work => Some(done),
-    }
-}
-
-/// The next change of a watch channel, or never when there is none.
-async fn changed<T>(rx: &mut Option<watch::Receiver<T>>) -> Result<(), watch::error::RecvError> {
-    match rx {
-        Some(rx) => rx.changed().await,
-        None => std::future::pending().await,
-    }
-}
-
-/// The next labels view, or never when there is no link.
-/// The DRA driver's status changed; pending forever without a driver.
-async fn dra_status_changed(dra: &mut Option<crate::dra::DraHandle>) -> Result<(), watch::error::RecvError> {
-    match dra {
-        Some(d) => d.status.changed().await,
-        None => std::future::pending().await,
-    }
-}
-
-async fn next_view(rx: &mut Option<watch::Receiver<LabelsView>>) -> Result<LabelsView, watch::error::RecvError> {
-    match rx {
-        Some(rx) => {
-            rx.changed().await?;
-            Ok(rx.borrow_and_update().clone())
-        }
-        None => std::future::pending().await,
-    }
-}
-
-async fn sleep_until(at: Option<Instant>) {
-    match at {
-        Some(at) => tokio::time::sleep_until(at.into()).await,
-        None => std::future::pending().await,
-    }
-}
-
 impl Agent {
+    /// One pass over the stages: re-read the inventory and advertise what it gives.
+    async fn reconcile(&mut self) {
+        if self.nvml.no_gpu.is_some() {
+            self.write_status("running");
+            return;
+        }
+        stepped!(self, operator.check());
+        let now = Instant::now();
+        let mut passed = Vec::new();
+        let mut durations = Vec::new();
+        for (id, needs, step) in PIPELINE {
+            if !stage::may_run(needs, &passed) {
+                continue;
+            }
+            if id == StageId::Validation && self.stages[id].due(now) {
+                // The CUDA check (a child that loads the driver and makes a context) waits until
+                // the kubelet has the devices: it must not compete with the registration.
+                self.device_plugin.await_registration(&self.stop).await;
+            }
+            let started = Instant::now();
+            let ok = if self.stages[id].due(now) {
+                let ok = step(self).await;
+                let ok = self.stages[id].ran(ok);
+                if id == StageId::Mig && self.mig.gave_up.is_some() {
+                    // A layout given up on looks again on its own timer, not the backoff's.
+                    self.stages[id].now();
+                }
+                ok
+            } else {
+                self.stages[id].held()
+            };
+            durations.push((id.as_str(), started.elapsed()));
+            if ok {
+                passed.push(id);
+            }
+        }
+        self.write_status("running");
+        self.metrics_stages(&durations);
+    }
+
     /// Routes what a stage said: statuses to the stage table, Events to the Node, a change of
     /// devices to the inventory and the validation stage.
     fn route(&mut self, out: &mut Outbox) {
@@ -467,7 +425,13 @@ impl Agent {
                     error,
                     detail,
                 } => self.stages[id].set(state, error, detail),
-                Note::Event { kind, reason, message } => self.event(kind, reason, message),
+                Note::Event { kind, reason, message } => {
+                    // Through the cluster link (under `run --once` too; nothing without a link
+                    // or with `[kubernetes] events = false`).
+                    if let Some(link) = &self.services.link {
+                        link.event(kind, reason, message);
+                    }
+                }
                 Note::RuntimePlan(plan) => self.runtime_plan = plan,
                 Note::Held(held) => self.held = held,
                 Note::Restore => self.restore_withdrawn(),
@@ -480,18 +444,157 @@ impl Agent {
         }
     }
 
+    /// Idles for `why`: every stage skipped, status and systemd say why.
+    fn idle(&mut self, why: String) {
+        for stage in self.stages.iter_mut() {
+            stage.idle(&why);
+        }
+        self.nvml.no_gpu = Some(why);
+        self.write_status("running");
+    }
+
+    /// The device plugin stage: reads the inventory (also for the CDI spec and the GPU feature
+    /// labels, with or without the device plugin) and advertises what it gives. `false` when
+    /// there is nothing to validate: no NVML, no inventory, or the device plugin is off.
+    async fn device_plugin_step(&mut self) -> bool {
+        let Some(gpus) = self.nvml.gpus.clone() else {
+            return false;
+        };
+        // The metrics hear of a new inventory after the kubelet does (their GPM probes and
+        // first samples are not on the way to registration).
+        let mut inventory_changed = false;
+        match self
+            .device_plugin
+            .read_inventory(&gpus, &self.root, self.inventory.as_ref())
+        {
+            InventoryRead::New(inventory) => {
+                self.inventory = Some(inventory);
+                // The new MIG devices' capability nodes exist before the spec names them.
+                self.ensure_device_nodes();
+                if !self.once {
+                    self.nvml.watch_health(&self.config, self.inventory.as_ref());
+                }
+                self.cdi_step();
+                inventory_changed = true;
+            }
+            InventoryRead::Same => {
+                if self.runtime.cdi_due(&pass!(self)) {
+                    // A failed write is tried again, a removed spec written again.
+                    self.cdi_step();
+                }
+            }
+            InventoryRead::Failed => {
+                self.update_stage();
+                return false;
+            }
+        }
+        if !self.config.device_plugin.enabled {
+            self.stages[StageId::DevicePlugin].set(
+                StageState::Disabled,
+                None,
+                Some("[device_plugin] enabled = false".into()),
+            );
+            if inventory_changed {
+                self.metrics_inventory();
+            }
+            return false;
+        }
+        self.push_resources().await;
+        if inventory_changed {
+            self.metrics_inventory();
+        }
+        true
+    }
+
+    /// Applies what the labels ask for: the MIG layout, and the device plugin profile (a changed
+    /// profile swaps the advertised resources in place).
+    async fn apply_desired(&mut self, desired: &Desired, mig_changed: bool) {
+        if mig_changed {
+            // A new layout: the MIG stage runs now, then the inventory and resources follow.
+            self.mig.pending_since = None;
+            self.stages[StageId::Mig].now();
+            self.reconcile().await;
+        }
+        if self.device_plugin.switch_profile(&self.config, desired) {
+            self.push_resources().await;
+        } else {
+            self.write_status("running");
+        }
+    }
+
+    /// Hands the plugin manager (and the DRA driver) the resources the inventory gives now.
+    async fn push_resources(&mut self) {
+        device_plugin::push_dra_inventory(&pass!(self));
+        let planned = device_plugin::resources(&pass!(self));
+        let resources = self.device_plugin.planned(planned);
+        // The MPS daemons first: the replicas they serve are advertised next.
+        self.update_mps();
+        let mut out = Outbox::default();
+        let commands = self.services.commands.as_ref();
+        self.device_plugin
+            .hand_over(self.once, commands, resources, &mut out)
+            .await;
+        self.route(&mut out);
+        // The replicas' memory budgets follow what is advertised.
+        self.memory.update(&pass!(self));
+        self.update_stage();
+        self.write_status("running");
+    }
+
+    /// The device-plugin stage state from what the manager reports.
+    fn update_stage(&mut self) {
+        let mut out = Outbox::default();
+        device_plugin::show(&pass!(self), &self.mps, &mut out);
+        self.route(&mut out);
+    }
+
+    /// `STATUS=` for systemd: each stage's state, with the first problem's reason.
+    fn notify_status(&mut self) {
+        self.reporter.notify(&self.stages, self.nvml.no_gpu.as_deref());
+    }
+
+    /// Writes the status file and reports to the Node and systemd what changed.
+    fn write_status(&mut self, state: &str) {
+        self.notify_status();
+        self.metrics_stages(&[]);
+        let mut out = Outbox::default();
+        let operator = self
+            .operator
+            .status(&self.config, &self.root, &self.plugin_status, &mut out);
+        self.route(&mut out);
+        let report = report::Report {
+            config: &self.config,
+            root: &self.root,
+            stages: &self.stages,
+            inventory: self.inventory.as_ref(),
+            tracker: &self.services.tracker,
+            plugin: &self.plugin_status,
+            link: self.services.link.as_ref(),
+            view: &self.view,
+            desired: &self.desired_sel,
+            profile: &self.device_plugin.profile,
+            dp: &self.device_plugin.dp,
+            mig_state: self.mig.state,
+            mps: self.mps.statuses(),
+            dra: self.services.dra.as_ref().map(|d| d.status.borrow().clone()),
+            dev_char: self.devnodes.dev_char.clone(),
+            operator,
+        };
+        self.reporter.write(state, report);
+    }
+
     /// Creates the device nodes and links the inventory needs, then reads the nodes the device
     /// plugin and the CDI spec hand out again.
     fn ensure_device_nodes(&mut self) {
-        self.base_ctx.nodes = self.devnodes.ensure(&self.config, &self.root, self.inventory.as_ref());
+        self.device_plugin.ctx.nodes = self.devnodes.ensure(&self.config, &self.root, self.inventory.as_ref());
     }
 
     /// Brings the MPS control daemons to what the effective settings ask for, and gives
     /// `Allocate` their folders and limits.
     fn update_mps(&mut self) {
-        let serving = self.services.commands.is_some() && self.plan_error.is_none();
+        let serving = self.services.commands.is_some() && self.device_plugin.plan_error.is_none();
         let (allocate, looked_after) = self.mps.update(&pass!(self), serving);
-        self.base_ctx.allocate.mps = allocate;
+        self.device_plugin.ctx.allocate.mps = allocate;
         if looked_after {
             self.report_mps();
         }
@@ -511,7 +614,13 @@ impl Agent {
     fn metrics_inventory(&mut self) {
         if let Some(m) = &mut self.services.metrics {
             let (config, node) = (&self.config.metrics, self.reporter.node());
-            m.inventory(self.inventory.as_ref(), self.gpus.as_ref(), config, node, &self.root);
+            m.inventory(
+                self.inventory.as_ref(),
+                self.nvml.gpus.as_ref(),
+                config,
+                node,
+                &self.root,
+            );
         }
     }
 
@@ -529,7 +638,7 @@ impl Agent {
 
     /// Rewrites the CDI spec for the inventory (the runtime stage's).
     fn cdi_step(&mut self) {
-        stepped!(self, runtime.cdi(&self.base_ctx.nodes))
+        stepped!(self, runtime.cdi(&self.device_plugin.ctx.nodes))
     }
 
     /// The driver stage: its plan, and a change applied with the GPUs withdrawn from the
@@ -565,20 +674,20 @@ impl Agent {
             // GPUs withdrawn for the change given back. Without NVML nothing is advertised until
             // it loads (retried every `[nvml] retry_interval`).
             let go_on = upgrade && {
-                if self.gpus.is_none()
+                if self.nvml.gpus.is_none()
                     && let Err(e) = self.open_nvml()
                 {
                     tracing::error!("NVML after the failed driver change: {e}");
                 }
                 self.restore_withdrawn();
                 self.inventory = None;
-                self.gpus.is_some()
+                self.nvml.gpus.is_some()
             };
             self.stages[StageId::Driver].set(StageState::Failed, Some(e.clone()), None);
             self.driver.failed(&planned, e);
             return go_on;
         }
-        if self.gpus.is_none()
+        if self.nvml.gpus.is_none()
             && let Err(e) = self.open_nvml()
         {
             tracing::error!("NVML after the driver change: {e}");
@@ -593,7 +702,7 @@ impl Agent {
     /// The MIG stage, once NVML is up: its plan, then a change made with the GPUs it changes
     /// withdrawn from the kubelet first and `pending` (or `rebooting`) shown on the Node.
     async fn mig_step(&mut self) -> bool {
-        let Some(gpus) = self.gpus.clone() else {
+        let Some(gpus) = self.nvml.gpus.clone() else {
             return false;
         };
         let next = stepped!(self, mig.plan() await);
@@ -665,417 +774,63 @@ impl Agent {
     /// Drops NVML (before the driver under it is unloaded): the health watcher stops, the
     /// inventory is forgotten.
     fn close_nvml(&mut self) {
-        if let Some(stop) = self.health_stop.take() {
-            stop.store(true, Ordering::Relaxed);
-        }
-        self.watched.clear();
-        self.gpus = None;
+        self.nvml.close();
         // The enforcer holds the old NVML.
         self.memory.stop();
     }
 
+    /// Loads NVML; a failure on a node with a GPU fails the device plugin stage.
     fn open_nvml(&mut self) -> Result<(), AgentError> {
         // NVML opens nvidiactl and nvidia<N>: on a host without nvidia-modprobe the driver stage's
         // load (or whoever loaded it) may have left them missing.
         self.ensure_device_nodes();
-        let library = nvml_library(&self.config, &self.root);
-        match Gpus::open(&library) {
-            Ok(gpus) => {
-                tracing::info!("NVML loaded from {}", library.display());
-                self.gpus = Some(gpus);
-                Ok(())
-            }
-            Err(e) => {
-                let e = AgentError::from(e);
-                // On a node with no GPU at all that is no failure: the caller idles.
-                if self.without_gpus(&e).is_none() {
-                    self.stages[StageId::DevicePlugin].set(StageState::Failed, Some(e.to_string()), None);
-                    self.write_status("running");
-                }
-                Err(e)
-            }
-        }
-    }
-
-    /// Why this node has no NVIDIA GPU to manage, given that NVML failed with `nvml`: `None`
-    /// when a GPU is on the PCI bus (then NVML's failure is an error) or the bus cannot be read.
-    fn without_gpus(&self, nvml: &AgentError) -> Option<String> {
-        match crate::driver::observe::nvidia_gpus(&self.root) {
-            Ok(gpus) if gpus.is_empty() => Some(format!(
-                "no NVIDIA GPU on this node (none on the PCI bus, and NVML: {nvml})"
-            )),
-            _ => None,
-        }
-    }
-
-    /// Idles for `why`: every stage skipped, status and systemd say why.
-    fn idle(&mut self, why: String) {
-        for stage in self.stages.iter_mut() {
-            stage.idle(&why);
-        }
-        self.no_gpu = Some(why);
-        self.write_status("running");
-    }
-
-    /// While idle: whether a GPU has appeared (on the PCI bus, or NVML now loads: a driver
-    /// loaded later on a host whose sysfs shows no bus). Quiet while nothing changed.
-    fn gpu_appeared(&mut self) -> bool {
-        let library = nvml_library(&self.config, &self.root);
-        let found = match crate::driver::observe::nvidia_gpus(&self.root) {
-            Ok(gpus) if !gpus.is_empty() => Some(format!(
-                "NVIDIA GPU(s) on the PCI bus: {}",
-                gpus.iter().map(|g| g.address.as_str()).collect::<Vec<_>>().join(", ")
-            )),
-            _ => match Gpus::open(&library) {
-                Ok(gpus) => {
-                    self.gpus = Some(gpus);
-                    Some(format!("NVML loads from {}", library.display()))
-                }
-                Err(e) => {
-                    tracing::debug!("still no NVIDIA GPU: {e}");
-                    None
-                }
-            },
+        let Err(e) = self.nvml.open(&self.config, &self.root) else {
+            return Ok(());
         };
-        let Some(found) = found else {
-            return false;
-        };
-        tracing::info!("{found}: no longer idle, every stage runs");
-        self.no_gpu = None;
-        for stage in self.stages.iter_mut() {
-            stage.set(StageState::Pending, None, None);
-        }
-        true
-    }
-
-    /// One pass over the stages: re-read the inventory and advertise what it gives.
-    async fn reconcile(&mut self) {
-        if self.no_gpu.is_some() {
-            self.write_status("running");
-            return;
-        }
-        stepped!(self, operator.check());
-        let now = Instant::now();
-        let mut passed = Vec::new();
-        let mut durations = Vec::new();
-        for (id, needs, step) in PIPELINE {
-            if !stage::may_run(needs, &passed) {
-                continue;
-            }
-            if id == StageId::Validation && self.stages[id].due(now) {
-                // The CUDA check (a child that loads the driver and makes a context) waits until
-                // the kubelet has the devices: it must not compete with the registration.
-                self.await_registration().await;
-            }
-            let started = Instant::now();
-            let ok = if self.stages[id].due(now) {
-                let ok = step(self).await;
-                let ok = self.stages[id].ran(ok);
-                if id == StageId::Mig && self.mig.gave_up.is_some() {
-                    // A layout given up on looks again on its own timer, not the backoff's.
-                    self.stages[id].now();
-                }
-                ok
-            } else {
-                self.stages[id].held()
-            };
-            durations.push((id.as_str(), started.elapsed()));
-            if ok {
-                passed.push(id);
-            }
-        }
-        self.write_status("running");
-        self.metrics_stages(&durations);
-    }
-
-    /// The soonest time a failed stage waits for (past ones are left to the next pass: a stage
-    /// held back by an earlier failed one must not wake the loop).
-    fn next_retry(&self) -> Option<Instant> {
-        let now = Instant::now();
-        self.stages
-            .iter()
-            .filter_map(|s| s.retry_at())
-            .filter(|at| *at > now)
-            .min()
-    }
-
-    /// Every stage runs at the next pass, whatever its backoff says.
-    fn retry_all_now(&mut self) {
-        for stage in self.stages.iter_mut() {
-            stage.now();
-        }
-    }
-
-    /// The device plugin stage: reads the inventory (also for the CDI spec and the GPU feature
-    /// labels, with or without the device plugin) and advertises what it gives. `false` when
-    /// there is nothing to validate: no NVML, no inventory, or the device plugin is off.
-    async fn device_plugin_step(&mut self) -> bool {
-        let Some(gpus) = self.gpus.clone() else {
-            return false;
-        };
-        // The metrics hear of a new inventory after the kubelet does (their GPM probes and
-        // first samples are not on the way to registration).
-        let mut inventory_changed = false;
-        match gpus.inventory(&self.root.join("/sys")) {
-            Ok(inventory) => {
-                if self.inventory.as_ref() != Some(&inventory) {
-                    tracing::info!(
-                        "inventory: driver {}, CUDA {}, {} GPU(s)",
-                        inventory.driver_version,
-                        inventory.cuda_driver_version,
-                        inventory.gpus.len(),
-                    );
-                    self.base_ctx.topology = gpus.topology(&inventory);
-                    self.inventory = Some(inventory);
-                    // The new MIG devices' capability nodes exist before the spec names them.
-                    self.ensure_device_nodes();
-                    self.watch_health(&gpus);
-                    self.cdi_step();
-                    inventory_changed = true;
-                } else if self.runtime.cdi_due(&pass!(self)) {
-                    // A failed write is tried again, a removed spec written again.
-                    self.cdi_step();
-                }
-            }
-            Err(e) => {
-                // Keep advertising the last good inventory (health marks what broke); say why.
-                tracing::error!("cannot read the GPU inventory: {e}");
-                self.plan_error = Some(e.to_string());
-                self.update_stage();
-                return false;
-            }
-        }
-        if !self.config.device_plugin.enabled {
-            self.stages[StageId::DevicePlugin].set(
-                StageState::Disabled,
-                None,
-                Some("[device_plugin] enabled = false".into()),
-            );
-            if inventory_changed {
-                self.metrics_inventory();
-            }
-            return false;
-        }
-        self.push_resources().await;
-        if inventory_changed {
-            self.metrics_inventory();
-        }
-        true
-    }
-
-    /// Waits until the plugin manager has settled the registration of what was last advertised
-    /// (every resource registered or failed, or no kubelet), at most [`REGISTRATION_WAIT`] and
-    /// never past SIGTERM. Without a manager (`run --once`, device plugin off) it returns at once.
-    async fn await_registration(&mut self) {
-        let (stop, desired) = (self.stop.clone(), self.desired.clone());
-        let Some(rx) = self.plugin_watch.as_mut() else { return };
-        let settled = rx.wait_for(|status| device_plugin::registration_settled(status, &desired));
-        let _ = tokio::time::timeout(device_plugin::REGISTRATION_WAIT, or_stop(&stop, settled)).await;
-    }
-
-    /// Applies what the labels ask for: the device plugin profile (a changed profile swaps the
-    /// advertised resources in place). A label naming nothing changes nothing and is reported.
-    async fn apply_desired(&mut self, desired: &Desired, mig_changed: bool) {
-        if mig_changed {
-            // A new layout: the MIG stage runs now, then the inventory and resources follow.
-            self.mig.pending_since = None;
-            self.stages[StageId::Mig].now();
-            self.reconcile().await;
-        }
-        let key = &self.config.labels.device_plugin_config;
-        let (dp, outcome) = choose_profile(
-            &self.config.device_plugin,
-            &desired.device_plugin_config,
-            self.profile.applied.as_deref(),
-            key,
-        );
-        if outcome != self.profile {
-            match (&outcome.state, &outcome.reason) {
-                (ProfileState::Failed, Some(reason)) => tracing::warn!("device plugin profile: {reason}"),
-                _ => tracing::info!(
-                    "device plugin profile: {}",
-                    outcome
-                        .applied
-                        .as_deref()
-                        .unwrap_or("none (the [device_plugin] keys as configured)")
-                ),
-            }
-            self.profile = outcome;
-        }
-        if dp != self.dp {
-            self.dp = dp;
-            self.base_ctx.allocate = allocate_options(&self.dp);
-            self.base_ctx.shared_policy = self.dp.sharing.policy;
-            self.push_resources().await;
-        } else {
+        // On a node with no GPU at all that is no failure: the caller idles.
+        if nvml::without_gpus(&self.root, &e).is_none() {
+            self.stages[StageId::DevicePlugin].set(StageState::Failed, Some(e.to_string()), None);
             self.write_status("running");
         }
-    }
-
-    /// (Re)starts the NVML health watcher when the set of GPUs changed.
-    fn watch_health(&mut self, gpus: &Gpus) {
-        if self.once {
-            return;
-        }
-        let uuids: BTreeSet<String> = self
-            .inventory
-            .iter()
-            .flat_map(|i| i.gpus.iter().map(|g| g.uuid.clone()))
-            .collect();
-        if uuids == self.watched && self.health_stop.is_some() {
-            return;
-        }
-        if let Some(stop) = self.health_stop.take() {
-            stop.store(true, Ordering::Relaxed);
-        }
-        let stop = Arc::new(AtomicBool::new(false));
-        let interval = self.config.health.lost_check_interval;
-        match gpus.watch_health(
-            uuids.iter().cloned().collect(),
-            interval,
-            self.health_tx.clone(),
-            stop.clone(),
-        ) {
-            Ok(_) => {
-                self.health_stop = Some(stop);
-                self.watched = uuids;
-            }
-            Err(e) => tracing::error!("{}", AgentError::HealthThread(e)),
-        }
-    }
-
-    /// Hands the DRA driver the inventory (without the GPUs whose MIG layout is changing).
-    fn push_dra_inventory(&self) {
-        let Some(tx) = self.services.dra.as_ref().map(|d| &d.inventory) else {
-            return;
-        };
-        let inventory = self.inventory.as_ref().map(|inv| {
-            let mut inv = inv.clone();
-            inv.gpus.retain(|g| !self.withdrawn.contains(&g.uuid));
-            Arc::new(inv)
-        });
-        tx.send_if_modified(|current| {
-            let changed = *current != inventory;
-            if changed {
-                current.clone_from(&inventory);
-            }
-            changed
-        });
-    }
-
-    async fn push_resources(&mut self) {
-        self.push_dra_inventory();
-        let resources = match device_plugin::resources(&pass!(self)) {
-            Ok(r) => {
-                self.plan_error = None;
-                r
-            }
-            Err(e) => {
-                // Nothing consistent to advertise: withdraw everything and say why.
-                tracing::error!("device plugin stage failed: {e}");
-                self.plan_error = Some(e.to_string());
-                Vec::new()
-            }
-        };
-        // The MPS daemons first: the replicas they serve are advertised next.
-        self.update_mps();
-        if self.once {
-            if self.plan_error.is_none() {
-                let detail = summary(&resources);
-                let detail = format!("run --once does not serve the kubelet; would advertise {detail}");
-                self.stages[StageId::DevicePlugin].set(StageState::Skipped, None, Some(detail));
-            }
-        } else if let Some(tx) = &self.services.commands {
-            if self.plan_error.is_none() {
-                tracing::info!("advertising {}", summary(&resources));
-            }
-            self.desired = resources.iter().map(|r| r.name.clone()).collect();
-            let _ = tx
-                .send(Command::Set {
-                    resources,
-                    ctx: Arc::new(self.base_ctx.clone()),
-                })
-                .await;
-        }
-        // The replicas' memory budgets follow what is advertised.
-        self.memory.update(&pass!(self));
-        self.update_stage();
-        self.write_status("running");
-    }
-
-    /// The device-plugin stage state from what the manager reports.
-    fn update_stage(&mut self) {
-        let mut out = Outbox::default();
-        device_plugin::show(&pass!(self), &self.mps, &mut out);
-        self.route(&mut out);
-    }
-
-    /// `STATUS=` for systemd: each stage's state, with the first problem's reason.
-    fn notify_status(&mut self) {
-        self.reporter.notify(&self.stages, self.no_gpu.as_deref());
-    }
-
-    /// Writes the status file and reports to the Node and systemd what changed.
-    fn write_status(&mut self, state: &str) {
-        self.notify_status();
-        self.metrics_stages(&[]);
-        let mut out = Outbox::default();
-        let operator = self
-            .operator
-            .status(&self.config, &self.root, &self.plugin_status, &mut out);
-        self.route(&mut out);
-        let report = report::Report {
-            config: &self.config,
-            root: &self.root,
-            stages: &self.stages,
-            inventory: self.inventory.as_ref(),
-            tracker: &self.services.tracker,
-            plugin: &self.plugin_status,
-            link: self.services.link.as_ref(),
-            view: &self.view,
-            desired: &self.desired_sel,
-            profile: &self.profile,
-            dp: &self.dp,
-            mig_state: self.mig.state,
-            mps: self.mps.statuses(),
-            dra: self.services.dra.as_ref().map(|d| d.status.borrow().clone()),
-            dev_char: self.devnodes.dev_char.clone(),
-            operator,
-        };
-        self.reporter.write(state, report);
+        Err(e)
     }
 }
 
-impl Agent {
-    /// Posts an Event on the Node through the cluster link (under `run --once` too; nothing
-    /// without a link or with `[kubernetes] events = false`).
-    fn event(&self, kind: EventType, reason: &str, message: String) {
-        if let Some(link) = &self.services.link {
-            link.event(kind, reason, message);
-        }
-    }
+#[cfg(test)]
+mod tests {
+    use super::*;
 
-    /// Keeps the desired-state labels the source gave last (the MIG layout and device plugin
-    /// profile) in the state dir: at boot a source that does not answer in time (an API server
-    /// still starting) must not mean whole GPUs advertised where a MIG layout was asked for.
-    fn remember_desired(&self) {
-        if !self.view.connected || self.view.source == crate::desired::Source::None {
-            return;
+    #[test]
+    fn the_gates_hold_back_what_needs_a_failed_stage() {
+        let needs = |id: StageId| {
+            PIPELINE
+                .iter()
+                .find(|(stage, _, _)| *stage == id)
+                .map(|(_, needs, _)| *needs)
+                .expect("every stage is in the pipeline")
+        };
+        assert!(stage::may_run(needs(StageId::Driver), &[]));
+        assert!(!stage::may_run(needs(StageId::Runtime), &[]));
+        assert!(stage::may_run(needs(StageId::Runtime), &[StageId::Driver]));
+        assert!(!stage::may_run(needs(StageId::Mig), &[StageId::Driver]));
+        assert!(stage::may_run(
+            needs(StageId::DevicePlugin),
+            &[StageId::Driver, StageId::Runtime]
+        ));
+        assert!(!stage::may_run(
+            needs(StageId::Validation),
+            &[StageId::Driver, StageId::Runtime]
+        ));
+        // Every stage is in the pipeline, in pass order, needing only stages before it.
+        assert_eq!(PIPELINE.map(|(id, _, _)| id), StageId::ALL);
+        for (i, (_, needs, _)) in PIPELINE.iter().enumerate() {
+            assert!(needs.iter().all(|n| StageId::ALL[..i].contains(n)));
         }
-        let keys = [&self.config.labels.mig_config, &self.config.labels.device_plugin_config];
-        let text: String = keys
-            .iter()
-            .filter_map(|k| self.view.labels.get(*k).map(|v| format!("{k}={v}\n")))
-            .collect();
-        let path = self
-            .root
-            .join(&self.config.agent.state_dir)
-            .join(setup::LAST_DESIRED_FILE);
-        if std::fs::read_to_string(&path).ok().as_deref() == Some(text.as_str()) {
-            return;
-        }
-        if let Err(e) = crate::host::write_atomic(&path, text.as_bytes(), 0o644) {
-            tracing::warn!("cannot keep the desired state for the next start: {e}");
+        // Indexing by id finds that stage.
+        let ms = Duration::from_millis(1);
+        let stages = Stages::new((ms, ms));
+        for id in StageId::ALL {
+            assert_eq!(stages[id].id, id);
         }
     }
 }

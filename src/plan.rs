@@ -6,9 +6,10 @@ use std::fmt::Write as _;
 
 use serde::Serialize;
 
-use crate::agent::plan::{DevCharPlan, MigPlan, NodePlan};
+use crate::agent::plan::{MigPlan, NodePlan};
 use crate::agent::summary;
 use crate::driver::plan::DriverPlan;
+use crate::host::devchar::Plan as DevCharPlan;
 use crate::mig::planner;
 use crate::mig::state::GpuPlan;
 use crate::nvml::Inventory;

@@ -1,33 +1,230 @@
-//! The device plugin stage's rules: the resources an inventory gives, the health policy and
-//! the Allocate options the config describes, when the registration has settled, and the
-//! stage's status from what the plugin manager reports. The step that reads the inventory and
-//! hands the resources to the manager is the loop's (`agent.rs`): the inventory it reads is
-//! every stage's input.
+//! The device plugin stage: its value ([`DevicePluginStage`]: the plugin context, the profile
+//! and settings in effect, what was advertised last and why it could not be), reading the
+//! inventory, the resources it gives, the Allocate options the config describes, when the
+//! registration has settled, and the stage's status from what the plugin manager reports. The
+//! loop (`agent.rs`) puts the steps together: the inventory read here is every stage's input.
 
+use std::sync::Arc;
 use std::time::Duration;
 
-use super::AgentError;
+use tokio::sync::{mpsc, watch};
+use tokio_util::sync::CancellationToken;
+
+use super::error::AgentError;
 use super::mps::MpsState;
 use super::pass::{Outbox, Pass};
+use super::wait::or_stop;
 use crate::config::{Config, DevicePluginConfig};
-use crate::devices::Resource;
-use crate::nvml::Inventory;
+use crate::desired::{Desired, ProfileOutcome, ProfileState, Selection, choose_profile};
+use crate::devices::{Resource, Topology};
+use crate::edits::DeviceNodes;
+use crate::host::HostRoot;
+use crate::nvml::{Gpus, Inventory};
 use crate::plugin::allocate::AllocateOptions;
-use crate::plugin::health::HealthPolicy;
-use crate::plugin::manager::PluginStatus;
+use crate::plugin::manager::{Command, PluginStatus};
+use crate::plugin::server::PluginContext;
 use crate::plugin::sharing::apply_sharing;
 use crate::plugin::strategy::build_resources;
 use crate::status::{StageId, StageState};
 
-/// The health policy the config describes.
-pub fn health_policy(config: &Config) -> HealthPolicy {
-    let h = &config.health;
-    HealthPolicy {
-        enabled: h.enabled,
-        ignored_xids: h.ignored_xids.iter().map(|x| u64::from(*x)).collect(),
-        critical_xids: h.critical_xids.iter().map(|x| u64::from(*x)).collect(),
-        recovery_after: (!h.recovery_after.is_zero()).then_some(h.recovery_after),
+/// What the device plugin stage keeps between passes.
+pub(super) struct DevicePluginStage {
+    /// What every plugin server hands out with its devices (Allocate options, device nodes,
+    /// topology).
+    pub ctx: PluginContext,
+    /// Names of the resources last handed to the plugin manager.
+    pub advertised: Vec<String>,
+    /// Why the stage cannot advertise what it should (inventory or strategy).
+    pub plan_error: Option<String>,
+    /// The effective `[device_plugin]` settings: the config with the selected profile applied.
+    pub dp: DevicePluginConfig,
+    /// How the device plugin profile was chosen, for labels, Events and status.
+    pub profile: ProfileOutcome,
+    /// The plugin manager's status as it changes, for [`DevicePluginStage::await_registration`].
+    pub plugin_watch: Option<watch::Receiver<PluginStatus>>,
+}
+
+/// What reading the inventory gave.
+pub(super) enum InventoryRead {
+    /// The same inventory as before.
+    Same,
+    /// A new one (the topology is set for it already).
+    New(Inventory),
+    /// None could be read: the last good one stays advertised, [`DevicePluginStage::plan_error`]
+    /// says why.
+    Failed,
+}
+
+impl DevicePluginStage {
+    /// The stage before the labels are read: the config's own settings.
+    pub(super) fn new(config: &Config, root: &HostRoot) -> DevicePluginStage {
+        let (dp, profile) = choose_profile(
+            &config.device_plugin,
+            &Selection::Unset,
+            None,
+            &config.labels.device_plugin_config,
+        );
+        DevicePluginStage {
+            ctx: PluginContext {
+                allocate: allocate_options(&dp),
+                nodes: DeviceNodes::gather(&root.join(&config.device_plugin.dev_root), &root.join("/proc")),
+                topology: Topology::new(),
+                shared_policy: dp.sharing.policy,
+            },
+            advertised: Vec::new(),
+            plan_error: None,
+            dp,
+            profile,
+            plugin_watch: None,
+        }
     }
+
+    /// Starts with the profile the first labels select (nothing is served yet: nothing to say).
+    pub(super) fn start_with(&mut self, config: &Config, desired: &Desired) {
+        let (dp, outcome) = choose_profile(
+            &config.device_plugin,
+            &desired.device_plugin_config,
+            None,
+            &config.labels.device_plugin_config,
+        );
+        self.use_settings(dp);
+        self.profile = outcome;
+    }
+
+    /// Switches to the profile the labels select (a label naming nothing changes nothing and is
+    /// reported); `true` when the effective settings changed and the resources must be handed
+    /// over again.
+    pub(super) fn switch_profile(&mut self, config: &Config, desired: &Desired) -> bool {
+        let key = &config.labels.device_plugin_config;
+        let (dp, outcome) = choose_profile(
+            &config.device_plugin,
+            &desired.device_plugin_config,
+            self.profile.applied.as_deref(),
+            key,
+        );
+        if outcome != self.profile {
+            match (&outcome.state, &outcome.reason) {
+                (ProfileState::Failed, Some(reason)) => tracing::warn!("device plugin profile: {reason}"),
+                _ => tracing::info!(
+                    "device plugin profile: {}",
+                    outcome
+                        .applied
+                        .as_deref()
+                        .unwrap_or("none (the [device_plugin] keys as configured)")
+                ),
+            }
+            self.profile = outcome;
+        }
+        if dp == self.dp {
+            return false;
+        }
+        self.use_settings(dp);
+        true
+    }
+
+    fn use_settings(&mut self, dp: DevicePluginConfig) {
+        self.ctx.allocate = allocate_options(&dp);
+        self.ctx.shared_policy = dp.sharing.policy;
+        self.dp = dp;
+    }
+
+    /// Waits until the plugin manager has settled the registration of what was last advertised
+    /// (every resource registered or failed, or no kubelet), at most [`REGISTRATION_WAIT`] and
+    /// never past SIGTERM. Without a manager (`run --once`, device plugin off) it returns at
+    /// once.
+    pub(super) async fn await_registration(&mut self, stop: &CancellationToken) {
+        let desired = &self.advertised;
+        let Some(rx) = self.plugin_watch.as_mut() else { return };
+        let settled = rx.wait_for(|status| registration_settled(status, desired));
+        let _ = tokio::time::timeout(REGISTRATION_WAIT, or_stop(stop, settled)).await;
+    }
+
+    /// Reads the inventory, and the topology of a new one.
+    pub(super) fn read_inventory(&mut self, gpus: &Gpus, root: &HostRoot, last: Option<&Inventory>) -> InventoryRead {
+        match gpus.inventory(&root.join("/sys")) {
+            Ok(inventory) if last == Some(&inventory) => InventoryRead::Same,
+            Ok(inventory) => {
+                tracing::info!(
+                    "inventory: driver {}, CUDA {}, {} GPU(s)",
+                    inventory.driver_version,
+                    inventory.cuda_driver_version,
+                    inventory.gpus.len(),
+                );
+                self.ctx.topology = gpus.topology(&inventory);
+                InventoryRead::New(inventory)
+            }
+            Err(e) => {
+                // Keep advertising the last good inventory (health marks what broke); say why.
+                tracing::error!("cannot read the GPU inventory: {e}");
+                self.plan_error = Some(e.to_string());
+                InventoryRead::Failed
+            }
+        }
+    }
+
+    /// The resources [`resources`] planned, or none (everything withdrawn) with the reason kept.
+    pub(super) fn planned(&mut self, planned: Result<Vec<Resource>, AgentError>) -> Vec<Resource> {
+        match planned {
+            Ok(r) => {
+                self.plan_error = None;
+                r
+            }
+            Err(e) => {
+                // Nothing consistent to advertise: withdraw everything and say why.
+                tracing::error!("device plugin stage failed: {e}");
+                self.plan_error = Some(e.to_string());
+                Vec::new()
+            }
+        }
+    }
+
+    /// Hands `resources` to the plugin manager (`commands`); under `run --once` only says what
+    /// it would advertise.
+    pub(super) async fn hand_over(
+        &mut self,
+        once: bool,
+        commands: Option<&mpsc::Sender<Command>>,
+        resources: Vec<Resource>,
+        out: &mut Outbox,
+    ) {
+        if once {
+            if self.plan_error.is_none() {
+                let detail = summary(&resources);
+                let detail = format!("run --once does not serve the kubelet; would advertise {detail}");
+                out.status(StageId::DevicePlugin, StageState::Skipped, None, Some(detail));
+            }
+        } else if let Some(tx) = commands {
+            if self.plan_error.is_none() {
+                tracing::info!("advertising {}", summary(&resources));
+            }
+            self.advertised = resources.iter().map(|r| r.name.clone()).collect();
+            let _ = tx
+                .send(Command::Set {
+                    resources,
+                    ctx: Arc::new(self.ctx.clone()),
+                })
+                .await;
+        }
+    }
+}
+
+/// Hands the DRA driver the inventory (without the GPUs whose MIG layout is changing).
+pub(super) fn push_dra_inventory(pass: &Pass<'_>) {
+    let Some(tx) = pass.services.dra.as_ref().map(|d| &d.inventory) else {
+        return;
+    };
+    let inventory = pass.inventory.map(|inv| {
+        let mut inv = inv.clone();
+        inv.gpus.retain(|g| !pass.withdrawn.contains(&g.uuid));
+        Arc::new(inv)
+    });
+    tx.send_if_modified(|current| {
+        let changed = *current != inventory;
+        if changed {
+            current.clone_from(&inventory);
+        }
+        changed
+    });
 }
 
 /// The Allocate options the config describes, with host paths under the root.

@@ -4,7 +4,6 @@
 //! what NVML reports.
 
 use super::pass::{Outbox, Pass};
-use super::{StageId, StageState};
 use crate::cli::DriverCommand;
 use crate::config::Config;
 use crate::driver::stage::{self as drv, Planned};
@@ -14,6 +13,7 @@ use crate::host::HostRoot;
 use crate::kube::EventType;
 use crate::logging;
 use crate::nvml::Gpus;
+use crate::status::{StageId, StageState};
 use std::process::ExitCode;
 
 /// How long a failed driver upgrade waits before it is tried again.
@@ -233,7 +233,7 @@ async fn validate_driver(pass: &Pass<'_>, summary: &str, facts: Option<observe::
 pub fn driver_command(config: &Config, root: &HostRoot, command: DriverCommand) -> ExitCode {
     logging::init(&config.log);
     let nvml_view = |pci_gpus: usize| {
-        Gpus::open(&super::nvml_library(config, root))
+        Gpus::open(&super::nvml::nvml_library(config, root))
             .map_err(|e| e.to_string())
             .and_then(|g| drv::nvml_view(&g, pci_gpus))
     };

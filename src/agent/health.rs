@@ -3,19 +3,32 @@
 //! a driver build, an engine restart) never holds them back. The agent hands this task the
 //! resources to advertise without health; the task applies the tracker's health to them and
 //! passes them on to the plugin manager, again on every change, and tells the agent so it
-//! reports (status, Events, metrics) when its loop is free.
+//! reports (status, Events, metrics) when its loop is free. The tracker's policy is the
+//! config's ([`health_policy`]).
 
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Instant;
 
 use tokio::sync::{mpsc, watch};
 
+use crate::config::Config;
 use crate::devices::{Resource, Withdrawn};
 use crate::metrics::Metrics;
 use crate::nvml::HealthEvent;
-use crate::plugin::health::HealthTracker;
+use crate::plugin::health::{HealthPolicy, HealthTracker};
 use crate::plugin::manager::Command;
 use crate::plugin::server::PluginContext;
+
+/// The health policy the config describes.
+pub fn health_policy(config: &Config) -> HealthPolicy {
+    let h = &config.health;
+    HealthPolicy {
+        enabled: h.enabled,
+        ignored_xids: h.ignored_xids.iter().map(|x| u64::from(*x)).collect(),
+        critical_xids: h.critical_xids.iter().map(|x| u64::from(*x)).collect(),
+        recovery_after: (!h.recovery_after.is_zero()).then_some(h.recovery_after),
+    }
+}
 
 /// The tracker, shared: the relay changes it, the agent reads reasons for its reports.
 #[derive(Clone)]
@@ -98,7 +111,7 @@ impl HealthRelay {
                     self.withdrawn = withdrawn.borrow_and_update().clone();
                     self.forward().await;
                 }
-                () = super::sleep_until(expiry) => {
+                () = super::wait::sleep_until(expiry) => {
                     let recovered = self.tracker.lock().expire(Instant::now());
                     if recovered {
                         self.forward().await;

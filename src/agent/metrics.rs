@@ -9,7 +9,6 @@ use std::time::Duration;
 
 use tokio::sync::watch;
 
-use super::StageState;
 use super::health::SharedTracker;
 use super::stage::Stages;
 use crate::edits::{mig_plugin_devices, whole_gpu};
@@ -17,6 +16,7 @@ use crate::host::HostRoot;
 use crate::metrics::{self, Metrics, MetricsServer, SamplerConfig};
 use crate::nvml::Gpus;
 use crate::nvml::Inventory;
+use crate::status::StageState;
 
 /// What the agent keeps of the metrics machinery.
 pub(super) struct MetricsHandle {

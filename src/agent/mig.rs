@@ -6,7 +6,6 @@ use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 use super::pass::{Note, Outbox, Pass};
-use super::{StageId, StageState};
 use crate::cli::MigCommand;
 use crate::config::Config;
 use crate::config::MigConfig;
@@ -22,6 +21,7 @@ use crate::mig::state::ObservedGpu;
 use crate::mig::{import, planner};
 use crate::mig_layout::MigLayout;
 use crate::nvml::Gpus;
+use crate::status::{StageId, StageState};
 
 /// How often the MIG stage looks again while GPU work blocks a layout change.
 const MIG_BUSY_RECHECK: Duration = Duration::from_secs(2);
@@ -584,7 +584,7 @@ pub fn mig_command(config: &Config, root: &HostRoot, command: MigCommand) -> Exi
             )
         })
     };
-    let gpus = match Gpus::open(&super::nvml_library(config, root)) {
+    let gpus = match Gpus::open(&super::nvml::nvml_library(config, root)) {
         Ok(g) => g,
         Err(e) => {
             eprintln!("gpu-node-agent: {e}");

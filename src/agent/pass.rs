@@ -215,7 +215,7 @@ impl Fixture {
             held: Held::default(),
             services: Services {
                 link: None,
-                tracker: SharedTracker::new(crate::plugin::health::HealthTracker::new(super::health_policy(
+                tracker: SharedTracker::new(crate::plugin::health::HealthTracker::new(super::health::health_policy(
                     &Config::default(),
                 ))),
                 commands: None,

@@ -7,9 +7,11 @@ use std::path::PathBuf;
 
 use tokio_util::sync::CancellationToken;
 
+use super::device_plugin::advertised_resources;
+use super::error::AgentError;
+use super::nvml::nvml_library;
 use super::report::{NodeLabels, machine_name, node_labels};
 use super::setup::first_view;
-use super::{AgentError, advertised_resources, nvml_library};
 use crate::cluster;
 use crate::config::{Config, DevicePluginConfig};
 use crate::desired::{Desired, ProfileOutcome, Selection, choose_profile};
@@ -19,7 +21,6 @@ use crate::driver::stage as drv;
 use crate::edits::DeviceNodes;
 use crate::host::HostRoot;
 use crate::host::command::Runner;
-pub use crate::host::devchar::Plan as DevCharPlan;
 use crate::mig::clients;
 use crate::mig::stage::{MigState, changes_mode, plan_layout, predict_inventory, reads_first};
 use crate::mig::state::GpuPlan;
@@ -45,7 +46,7 @@ pub struct NodePlan {
     /// The `/dev/char` links of the NVIDIA device nodes there now and of those the agent would
     /// create for the current GPUs and MIG devices (a MIG change's new devices get theirs once
     /// they exist); `None` with `[driver] create_dev_char_links = false`.
-    pub dev_char: Option<DevCharPlan>,
+    pub dev_char: Option<crate::host::devchar::Plan>,
     /// The effective `[device_plugin]` settings (the selected profile applied).
     pub device_plugin: DevicePluginConfig,
     /// What the device plugin would advertise once the MIG plan is applied.

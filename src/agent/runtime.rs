@@ -3,7 +3,6 @@
 //! whenever the GPU inventory changes (at start and after every MIG change).
 
 use super::pass::{Note, Outbox, Pass};
-use super::{StageId, StageState};
 use crate::cli::RuntimeCommand;
 use crate::config::Config;
 use crate::edits::DeviceNodes;
@@ -17,6 +16,7 @@ use crate::nvml::Gpus;
 use crate::runtime::cdi::{CdiError, spec_file_name};
 use crate::runtime::node_spec;
 use crate::runtime::stage::{self as rt, ApplyOptions, RuntimeError};
+use crate::status::{StageId, StageState};
 use std::process::ExitCode;
 
 /// What the runtime stage keeps between passes.
@@ -377,7 +377,7 @@ fn unconfigure_dra(config: &Config, root: &HostRoot) {
 /// `gpu-node-agent cdi generate`: the CDI spec for the GPUs NVML reports.
 pub fn cdi_generate(config: &Config, root: &HostRoot, output: Option<&std::path::Path>) -> ExitCode {
     logging::init(&config.log);
-    let gpus = match Gpus::open(&super::nvml_library(config, root)) {
+    let gpus = match Gpus::open(&super::nvml::nvml_library(config, root)) {
         Ok(gpus) => gpus,
         Err(e) => {
             eprintln!("gpu-node-agent: {e}");

@@ -2,7 +2,7 @@
 //! the desired state it gives first, the plugin manager, the health relay, the DRA driver),
 //! before the loop's first pass.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::sync::atomic::AtomicBool;
 use std::time::Duration;
@@ -12,31 +12,38 @@ use tokio::sync::{mpsc, watch};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
+use super::device_plugin::DevicePluginStage;
+use super::health::health_policy;
+use super::nvml::Nvml;
 use super::pass::Services;
 use super::stage::Stages;
-use super::{
-    Agent, allocate_options, devnodes, driver, health, health_policy, memlimit, metrics, mig, mps, operator, report,
-    runtime, validation,
-};
+use super::{health, metrics, report};
 use crate::cluster::{self, LabelsView, Link};
 use crate::config::Config;
-use crate::desired::{Desired, Selection, choose_profile};
-use crate::devices::Topology;
-use crate::edits::DeviceNodes;
+use crate::desired::Desired;
 use crate::host::HostRoot;
 use crate::plugin::health::HealthTracker;
 use crate::plugin::manager::{PluginManager, PluginStatus};
-use crate::plugin::server::{PluginContext, PluginStats};
+use crate::plugin::server::PluginStats;
 
 /// How long the first reconcile waits for the desired-state source (the Node's labels).
 const FIRST_VIEW_WAIT: Duration = Duration::from_secs(5);
 
 /// The desired-state labels last seen, in the state dir (labels-file format).
-pub(super) const LAST_DESIRED_FILE: &str = "desired-labels";
+const LAST_DESIRED_FILE: &str = "desired-labels";
 
-/// The agent, started, with what its loop waits on.
+/// What the agent starts with (the loop builds the agent from it), and what its loop waits on.
 pub(super) struct Started {
-    pub agent: Agent,
+    pub config: Config,
+    pub root: HostRoot,
+    pub stages: Stages,
+    pub nvml: Nvml,
+    pub device_plugin: DevicePluginStage,
+    /// The labels first read, and what they ask for.
+    pub view: LabelsView,
+    pub desired: Desired,
+    pub reporter: report::Reporter,
+    pub services: Services,
     /// The labels as the cluster link reads them.
     pub view_rx: Option<watch::Receiver<LabelsView>>,
     /// The plugin manager's status.
@@ -47,153 +54,88 @@ pub(super) struct Started {
     pub health_changed: Option<watch::Receiver<u64>>,
 }
 
-/// Builds the agent and starts its services; the stages have not run yet.
+/// Starts the agent's services and reads the first labels; the stages have not run yet.
 pub(super) async fn start(config: Config, root: HostRoot, once: bool, stop: &CancellationToken) -> Started {
     let (health_tx, health_rx) = mpsc::unbounded_channel();
-    let (dp, profile) = choose_profile(
-        &config.device_plugin,
-        &Selection::Unset,
-        None,
-        &config.labels.device_plugin_config,
-    );
-    let base_ctx = PluginContext {
-        allocate: allocate_options(&dp),
-        nodes: DeviceNodes::gather(&root.join(&config.device_plugin.dev_root), &root.join("/proc")),
-        topology: Topology::new(),
-        shared_policy: dp.sharing.policy,
-    };
+    let mut device_plugin = DevicePluginStage::new(&config, &root);
     let retry = (config.agent.retry_min, config.agent.retry_max);
     let reporter = report::Reporter::new(&root);
     let tracker = health::SharedTracker::new(HealthTracker::new(health_policy(&config)));
-    let mut agent = Agent {
-        stop: stop.clone(),
-        stages: Stages::new(retry),
-        config,
-        root,
-        once,
-        gpus: None,
-        inventory: None,
-        plugin_status: PluginStatus::default(),
-        plugin_watch: None,
-        health_tx,
-        health_stop: None,
-        watched: BTreeSet::new(),
-        base_ctx,
-        desired: Vec::new(),
-        plan_error: None,
-        dp,
-        profile,
-        view: LabelsView {
-            source: crate::desired::Source::None,
-            detail: String::new(),
-            labels: BTreeMap::new(),
-            connected: false,
-            error: None,
-        },
-        desired_sel: Desired::none(),
-        runtime: runtime::RuntimeStage::default(),
-        runtime_plan: None,
-        held: super::pass::Held::default(),
-        validation: validation::ValidationStage::default(),
-        memory: memlimit::MemoryLimits::default(),
-        mig: mig::MigStage::default(),
-        mps: mps::MpsState::new(),
-        withdrawn: BTreeSet::new(),
-        reporter,
-        services: Services {
-            link: None,
-            tracker,
-            commands: None,
-            metrics: None,
-            dra: None,
-            long_step: Arc::new(AtomicBool::new(false)),
-            heartbeat: Arc::new(std::sync::atomic::AtomicU64::new(crate::notify::now_ms())),
-        },
-        driver: driver::DriverStage::default(),
-        operator: operator::OperatorState::default(),
-        devnodes: devnodes::DevNodes::default(),
-        no_gpu: None,
+    let mut services = Services {
+        link: None,
+        tracker,
+        commands: None,
+        metrics: None,
+        dra: None,
+        long_step: Arc::new(AtomicBool::new(false)),
+        heartbeat: Arc::new(std::sync::atomic::AtomicU64::new(crate::notify::now_ms())),
     };
 
     // The cluster link: the desired state comes from it before the first reconcile. Under
     // `run --once` too: a bootstrap applies the MIG layout the labels ask for before the
     // kubelet joins.
     // The metrics first: the API client, the plugin servers and the health relay count in them.
-    agent.services.metrics = metrics::start(&agent.config.metrics, once).await;
-    let view_rx = {
-        let link = cluster::start(
-            &agent.config,
-            &agent.root,
-            agent.services.metrics.as_ref().map(|m| m.metrics.clone()),
-        );
+    services.metrics = metrics::start(&config.metrics, once).await;
+    let (view, desired, view_rx) = {
+        let link = cluster::start(&config, &root, services.metrics.as_ref().map(|m| m.metrics.clone()));
         let rx = link.view.clone();
-        let (view, answered) = first_view(&agent.config, &agent.root, &link, stop).await;
-        agent.view = view;
+        let (view, answered) = first_view(&config, &root, &link, stop).await;
         if answered {
-            agent.remember_desired();
+            remember_desired(&config, &root, &view);
         }
-        agent.desired_sel = Desired::from_labels(&agent.view.labels, &agent.config.labels);
-        let (dp, outcome) = choose_profile(
-            &agent.config.device_plugin,
-            &agent.desired_sel.device_plugin_config,
-            None,
-            &agent.config.labels.device_plugin_config,
-        );
-        agent.base_ctx.allocate = allocate_options(&dp);
-        agent.base_ctx.shared_policy = dp.sharing.policy;
-        agent.dp = dp;
-        agent.profile = outcome;
-        agent.services.link = Some(link);
-        Some(rx)
+        let desired = Desired::from_labels(&view.labels, &config.labels);
+        device_plugin.start_with(&config, &desired);
+        services.link = Some(link);
+        (view, desired, Some(rx))
     };
 
     // The plugin manager serves and registers; it runs for the whole life of the daemon.
     let stats = Arc::new(PluginStats {
-        metrics: agent.services.metrics.as_ref().map(|m| m.metrics.clone()),
+        metrics: services.metrics.as_ref().map(|m| m.metrics.clone()),
         ..PluginStats::default()
     });
-    let (plugin_rx, manager) = if once || !agent.config.device_plugin.enabled {
+    let (plugin_rx, manager) = if once || !config.device_plugin.enabled {
         let (_tx, rx) = watch::channel(PluginStatus::default());
         (rx, None)
     } else {
-        let dir = agent.root.join(&agent.config.kubelet.device_plugin_dir);
+        let dir = root.join(&config.kubelet.device_plugin_dir);
         let (manager, status_rx) = PluginManager::new(
             dir,
-            agent.config.kubelet.register_timeout,
-            Arc::new(agent.base_ctx.clone()),
+            config.kubelet.register_timeout,
+            Arc::new(device_plugin.ctx.clone()),
             stats,
         );
         let (tx, rx) = mpsc::channel(16);
         (status_rx, Some((tokio::spawn(manager.run(rx)), tx)))
     };
     let (manager_task, manager_tx) = manager.unzip();
-    agent.plugin_watch = manager_task.is_some().then(|| plugin_rx.clone());
+    device_plugin.plugin_watch = manager_task.is_some().then(|| plugin_rx.clone());
 
     // The health relay: health events reach the manager from there, never waiting for a stage.
     let (relay_task, health_changed) = if once {
         (None, None)
     } else {
         let (relay, changed) = health::HealthRelay::new(
-            agent.services.tracker.clone(),
+            services.tracker.clone(),
             manager_tx,
-            agent.services.metrics.as_ref().map(|m| m.metrics.clone()),
+            services.metrics.as_ref().map(|m| m.metrics.clone()),
         );
         let (tx, rx) = mpsc::channel(16);
-        agent.services.commands = Some(tx);
+        services.commands = Some(tx);
         // The DRA driver, beside the device plugin: what its claims hold is withdrawn there.
         let (_none, mut withdrawn) = watch::channel(crate::devices::Withdrawn::default());
-        if agent.config.dra.enabled {
-            let inputs = dra_inputs(&agent.services.tracker, changed.clone());
-            match crate::dra::start(agent.config.clone(), agent.root.clone(), inputs, stop.clone()) {
+        if config.dra.enabled {
+            let inputs = dra_inputs(&services.tracker, changed.clone());
+            match crate::dra::start(config.clone(), root.clone(), inputs, stop.clone()) {
                 Ok(handle) => {
                     withdrawn = handle.withdrawn.clone();
-                    agent.services.dra = Some(handle);
+                    services.dra = Some(handle);
                 }
                 Err(e) => tracing::error!("{e}; the device plugin goes on without it"),
             }
-        } else if crate::dra::was_on(&agent.config, &agent.root) {
+        } else if crate::dra::was_on(&config, &root) {
             // It was on: its slices would announce devices nobody prepares.
-            let (config, root) = (agent.config.clone(), agent.root.clone());
+            let (config, root) = (config.clone(), root.clone());
             tokio::spawn(async move {
                 match crate::dra::remove_slices(&config, &root).await {
                     Ok(0) => {}
@@ -208,12 +150,41 @@ pub(super) async fn start(config: Config, root: HostRoot, once: bool, stop: &Can
         (Some(tokio::spawn(relay.run(rx, health_rx, withdrawn))), Some(changed))
     };
     Started {
-        agent,
+        stages: Stages::new(retry),
+        nvml: Nvml::new(health_tx),
+        config,
+        root,
+        device_plugin,
+        view,
+        desired,
+        reporter,
+        services,
         view_rx,
         plugin_rx,
         manager_task,
         relay_task,
         health_changed,
+    }
+}
+
+/// Keeps the desired-state labels the source gave last (the MIG layout and device plugin
+/// profile) in the state dir: at boot a source that does not answer in time (an API server
+/// still starting) must not mean whole GPUs advertised where a MIG layout was asked for.
+pub(super) fn remember_desired(config: &Config, root: &HostRoot, view: &LabelsView) {
+    if !view.connected || view.source == crate::desired::Source::None {
+        return;
+    }
+    let keys = [&config.labels.mig_config, &config.labels.device_plugin_config];
+    let text: String = keys
+        .iter()
+        .filter_map(|k| view.labels.get(*k).map(|v| format!("{k}={v}\n")))
+        .collect();
+    let path = root.join(&config.agent.state_dir).join(LAST_DESIRED_FILE);
+    if std::fs::read_to_string(&path).ok().as_deref() == Some(text.as_str()) {
+        return;
+    }
+    if let Err(e) = crate::host::write_atomic(&path, text.as_bytes(), 0o644) {
+        tracing::warn!("cannot keep the desired state for the next start: {e}");
     }
 }
 
@@ -270,7 +241,7 @@ pub(crate) async fn first_view(
     (view, answered)
 }
 
-/// What [`Agent::remember_desired`] kept, `None` when nothing was (or it does not parse).
+/// What [`remember_desired`] kept, `None` when nothing was (or it does not parse).
 fn last_desired(config: &Config, root: &HostRoot, view: &LabelsView) -> Option<BTreeMap<String, String>> {
     if view.source == crate::desired::Source::None {
         return None;

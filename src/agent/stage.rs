@@ -5,8 +5,13 @@
 
 use std::time::{Duration, Instant};
 
+use crate::exit::Exit;
 use crate::host::backoff::Backoff;
 use crate::status::{StageId, StageState, StageStatus, now_unix};
+
+/// `run --once` exit code when a stage waits (GPU work holds a MIG or driver change):
+/// EX_TEMPFAIL, try again later.
+pub const EXIT_PENDING: i32 = Exit::TryLater as i32;
 
 /// Whether a stage that `needs` those stages (its row of the agent's `PIPELINE`, the gating
 /// rules) may run, given the stages that passed so far in this pass. A stage "passes" when its
@@ -29,6 +34,33 @@ impl Stages {
 
     pub(super) fn iter_mut(&mut self) -> impl Iterator<Item = &mut Stage> {
         self.0.iter_mut()
+    }
+
+    /// The soonest time a failed stage waits for (past ones are left to the next pass: a stage
+    /// held back by an earlier failed one must not wake the loop).
+    pub(super) fn next_retry(&self) -> Option<Instant> {
+        let now = Instant::now();
+        self.iter().filter_map(|s| s.retry_at()).filter(|at| *at > now).min()
+    }
+
+    /// Every stage runs at the next pass, whatever its backoff says.
+    pub(super) fn all_now(&mut self) {
+        for stage in self.iter_mut() {
+            stage.now();
+        }
+    }
+
+    /// `run --once`'s exit code after its pass: 1 when a stage failed; pending counts as not
+    /// done (the bootstrap should not go on as if MIG were applied): [`EXIT_PENDING`].
+    pub(super) fn once_exit_code(&self) -> i32 {
+        let states: Vec<StageState> = self.iter().map(|s| s.status.state).collect();
+        if states.contains(&StageState::Failed) {
+            1
+        } else if states.contains(&StageState::Pending) {
+            EXIT_PENDING
+        } else {
+            0
+        }
     }
 }
 
@@ -200,38 +232,5 @@ mod tests {
         assert_eq!(r.attempts, 1);
         r.succeeded();
         assert_eq!(r.at, None);
-    }
-
-    #[test]
-    fn the_gates_hold_back_what_needs_a_failed_stage() {
-        let needs = |id: StageId| {
-            super::super::PIPELINE
-                .iter()
-                .find(|(stage, _, _)| *stage == id)
-                .map(|(_, needs, _)| *needs)
-                .expect("every stage is in the pipeline")
-        };
-        assert!(may_run(needs(StageId::Driver), &[]));
-        assert!(!may_run(needs(StageId::Runtime), &[]));
-        assert!(may_run(needs(StageId::Runtime), &[StageId::Driver]));
-        assert!(!may_run(needs(StageId::Mig), &[StageId::Driver]));
-        assert!(may_run(
-            needs(StageId::DevicePlugin),
-            &[StageId::Driver, StageId::Runtime]
-        ));
-        assert!(!may_run(
-            needs(StageId::Validation),
-            &[StageId::Driver, StageId::Runtime]
-        ));
-        // Every stage is in the pipeline, in pass order, needing only stages before it.
-        assert_eq!(super::super::PIPELINE.map(|(id, _, _)| id), StageId::ALL);
-        for (i, (_, needs, _)) in super::super::PIPELINE.iter().enumerate() {
-            assert!(needs.iter().all(|n| StageId::ALL[..i].contains(n)));
-        }
-        // Indexing by id finds that stage.
-        let stages = Stages::new((MS, MS));
-        for id in StageId::ALL {
-            assert_eq!(stages[id].id, id);
-        }
     }
 }

@@ -11,11 +11,11 @@ use std::time::{Duration, Instant};
 use serde::Serialize;
 
 use super::pass::{Outbox, Pass};
-use super::{StageId, StageState};
 use crate::cuda::{CudaCheck, CudaDevice};
 use crate::host::command::{Cmd, Runner};
 use crate::nvml::{Inventory, normalise_bus_id};
 use crate::plugin::manager::PluginStatus;
+use crate::status::{StageId, StageState};
 
 /// How often the CUDA check runs again for the same driver.
 const CUDA_RECHECK: Duration = Duration::from_secs(24 * 3600);
