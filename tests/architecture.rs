@@ -103,6 +103,30 @@ const SUBLAYERS: &[(&str, u32)] = &[
     ("kube/watcher", 6),
     // The facade: re-exports what the rest of the crate uses.
     ("kube", 7),
+    // `agent`: the stages' statuses and backoff, the errors, the waits, device nodes; the health
+    // path and NVML's lifecycle; metrics and the reporter; the Pass (read-only view, notes,
+    // services); the stages beside each other; the device plugin stage (over MPS); setup; `plan`;
+    // the driver stage (it reads the plan's GPU processes); and the loop (the facade) on top.
+    ("agent/devnodes", 0),
+    ("agent/error", 0),
+    ("agent/stage", 0),
+    ("agent/wait", 0),
+    ("agent/health", 1),
+    ("agent/nvml", 1),
+    ("agent/metrics", 2),
+    ("agent/report", 2),
+    ("agent/pass", 3),
+    ("agent/memlimit", 4),
+    ("agent/mps", 4),
+    ("agent/operator", 4),
+    ("agent/validation", 4),
+    ("agent/device_plugin", 5),
+    ("agent/mig", 5),
+    ("agent/runtime", 5),
+    ("agent/setup", 6),
+    ("agent/plan", 7),
+    ("agent/driver", 8),
+    ("agent", 9),
     // `cluster`: the Event aggregator below the link that posts what it lets through.
     ("cluster/events", 0),
     ("cluster", 1),
@@ -213,10 +237,6 @@ const SUBLAYERS: &[(&str, u32)] = &[
     ("mig_layout", 0),
     ("mig_layout/defaults", 1),
 ];
-
-/// Modules whose submodule tables are being redrawn (issue #35): their children are not checked
-/// against each other yet. Empty when the work is done.
-const NOT_YET_LAYERED: &[&str] = &["agent"];
 
 /// Generated code: its submodules are not layered.
 const GENERATED: &[&str] = &["api", "dra_api"];
@@ -730,7 +750,7 @@ fn top(module: &[String]) -> String {
 
 fn sub(module: &[String]) -> Option<String> {
     let first = module.first()?;
-    if NOT_YET_LAYERED.contains(&first.as_str()) || GENERATED.contains(&first.as_str()) {
+    if GENERATED.contains(&first.as_str()) {
         return None;
     }
     Some(match module.get(1) {
@@ -957,7 +977,7 @@ fn every_module_with_children_has_a_sublayer_table() {
     let mut missing = Vec::new();
     for module in krate.modules.iter().filter(|m| m.len() == 2) {
         let parent = module[0].as_str();
-        if NOT_YET_LAYERED.contains(&parent) || GENERATED.contains(&parent) {
+        if GENERATED.contains(&parent) {
             continue;
         }
         for name in [parent.to_string(), module.join("/")] {
@@ -1000,7 +1020,7 @@ fn a_planted_upward_import_is_reported_in_every_module() {
         .iter()
         .filter(|(_, module, _)| module.len() > 1)
         .map(|(_, module, _)| module[0].as_str())
-        .filter(|p| !NOT_YET_LAYERED.contains(p) && !GENERATED.contains(p))
+        .filter(|p| !GENERATED.contains(p))
         .collect();
     assert_eq!(
         tables.len(),
@@ -1065,7 +1085,6 @@ fn no_module_re_exports_what_another_module_defines() {
     let problems: Vec<String> = imports
         .iter()
         .filter(|i| i.reexport && !i.to.starts_with(&i.from))
-        .filter(|i| !NOT_YET_LAYERED.contains(&top(&i.from).as_str()))
         .map(describe)
         .collect();
     assert!(
