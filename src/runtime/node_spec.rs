@@ -227,24 +227,13 @@ pub fn write_extra_cdi(root: &HostRoot, specs: &[(PathBuf, Option<String>)]) -> 
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    /// A temp root with `files` (host path, text).
-    fn host(files: &[(&str, &str)]) -> (tempfile::TempDir, HostRoot) {
-        let tmp = tempfile::tempdir().unwrap();
-        let root = HostRoot::new(tmp.path());
-        for (path, text) in files {
-            let path = root.join(path);
-            std::fs::create_dir_all(path.parent().unwrap()).unwrap();
-            std::fs::write(path, text).unwrap();
-        }
-        (tmp, root)
-    }
+    use crate::runtime::engine::tests::host;
 
     /// A class a profile enables gets its spec (a label may select that profile later); once
     /// nothing enables it, the spec left from before is removed, and only that one.
     #[test]
     fn injection_specs_follow_profiles_and_are_removed_when_off() {
-        let (_tmp, root) = host(&[("/var/run/cdi/other.json", "{}")]);
+        let (_tmp, root) = host(&[("/var/run/cdi/other.json", "{}")], &[]);
         let mut config = Config::default();
         let profile: crate::config::DevicePluginProfile =
             toml::from_str("gdrcopy_enabled = true\nimex = { channel_ids = [0] }\n").unwrap();
